@@ -1,0 +1,33 @@
+# One-command set-up on a fresh clone: every target creates .venv when needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Where the demo keeps its corpus, tokenizer, dataset and checkpoints.
+DEMO_DIR ?= runs/demo
+
+.PHONY: setup test test-fast demo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of PyTorch first, so the extras' torch range installs nothing more.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# The whole suite, slow cases included (CI runs exactly this).
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+# Everything but the cases marked slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow"
+
+demo: $(STAMP)
+	$(PY) -m jmegatron.tools.demo --workdir $(DEMO_DIR)
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,1 @@
+"""Checkpoint export: Hugging Face / PyTorch, ModelOpt, TensorRT-LLM (imported as jmegatron.export)."""

@@ -1,0 +1,1 @@
+"""jmegatron: Megatron-LM training on JAX/XLA."""

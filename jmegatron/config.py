@@ -1,0 +1,345 @@
+"""Typed, validated training configuration with Megatron-LM's argument names.
+
+A config file is a Python file with ``get_config()`` returning the
+``ml_collections.ConfigDict`` made by :func:`base_config` with some fields changed.
+Command-line overrides follow ml_collections' ``--config.<field>=<value>`` convention
+(see :mod:`jmegatron.train`). The ConfigDict is locked and type-safe, so an unknown
+key or a value of the wrong type fails with the key named and the closest valid name
+suggested; :class:`JMegatronConfig` then checks values (choices, divisibility) before
+anything compiles and fills the derived fields the way Megatron's
+``megatron/training/arguments.py`` (``validate_args``) does.
+
+Field names, defaults and meanings follow ``megatron/training/arguments.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from typing import Any, Optional
+
+import ml_collections
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
+ATTENTION_IMPLS = ("xla", "dot_product")
+
+
+class ConfigError(ValueError):
+    """A config field has a bad value. The message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JMegatronConfig:
+    """Every setting of a jmegatron run. ``None`` means "derive it" (see ``__post_init__``).
+
+    Follows ``megatron/training/arguments.py``; the few jmegatron-only fields are
+    marked as such.
+    """
+
+    # --- model (megatron/training/arguments.py: _add_network_size_args) ---
+    num_layers: int = 4
+    hidden_size: int = 256
+    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size (8/3 * h rounded for swiglu is the user's job, as in Megatron)
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # None: = num_attention_heads (multi-head attention)
+    kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
+    seq_length: int = 256
+    max_position_embeddings: Optional[int] = None  # None: = seq_length
+    vocab_size: Optional[int] = None  # None: taken from the tokenizer; required for mock data
+    make_vocab_size_divisible_by: int = 128
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: int = 10000
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # only used when add_bias_linear is False (Qwen-style QKV bias)
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    # jmegatron-only model execution options
+    scan_layers: bool = False  # nn.scan over layers (one compiled layer body)
+    recompute_granularity: str = "none"  # Megatron: --recompute-granularity {full,selective}
+    attention_impl: str = "xla"
+
+    # --- precision ---
+    bf16: bool = False  # bf16 compute, fp32 master weights and optimizer state
+
+    # --- batch sizes and schedule (megatron/training/arguments.py: _add_training_args) ---
+    micro_batch_size: int = 4
+    global_batch_size: Optional[int] = None  # None: micro_batch_size * data_parallel_size
+    train_iters: int = 100
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None  # None: = train_iters
+    lr_decay_style: str = "linear"
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: Optional[int] = None  # WSD: the final annealing phase length
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+
+    # --- logging, evaluation, checkpoints ---
+    log_interval: int = 10
+    eval_interval: int = 100  # 0 disables evaluation during training
+    eval_iters: int = 10
+    save_interval: Optional[int] = None  # None: save only at the end
+    save: Optional[str] = None
+    load: Optional[str] = None  # None: = save (resume automatically)
+    keep_checkpoints: int = 2  # jmegatron-only: Orbax max_to_keep
+    async_save: bool = False  # Megatron: --async-save
+    tensorboard_dir: Optional[str] = None  # None: <save>/tensorboard
+    exit_signal_handler: bool = True  # Megatron: --exit-signal-handler (SIGTERM/SIGINT save and exit 0)
+    peak_tflops: Optional[float] = None  # jmegatron-only: per-device peak for MFU; None: measured / default
+    seed: int = 1234
+
+    # --- data (megatron/training/arguments.py: _add_data_args) ---
+    data_path: Optional[str] = None  # "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's --data-path, space separated)
+    split: str = "969,30,1"
+    tokenizer_model: Optional[str] = None  # path of a tokenizers tokenizer.json
+    mock_data: bool = False
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+    # --- parallelism (sizes; see jmegatron.parallel.mesh) ---
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), _field_types()[f.name])
+        self._check_choices()
+        derived = {
+            "num_query_groups": self.num_query_groups or self.num_attention_heads,
+            "ffn_hidden_size": self.ffn_hidden_size or 4 * self.hidden_size,
+            "max_position_embeddings": self.max_position_embeddings or self.seq_length,
+            "lr_decay_iters": self.lr_decay_iters or self.train_iters,
+            "load": self.load or self.save,
+        }
+        if self.kv_channels is None:
+            derived["kv_channels"] = self.hidden_size // self.num_attention_heads
+        for k, v in derived.items():
+            object.__setattr__(self, k, v)
+        self._check_values()
+
+    # ------------------------------------------------------------------ checks
+    def _check_choices(self):
+        choices = {
+            "position_embedding_type": POSITION_EMBEDDING_TYPES,
+            "normalization": NORMALIZATIONS,
+            "lr_decay_style": LR_DECAY_STYLES,
+            "lr_wsd_decay_style": WSD_DECAY_STYLES,
+            "recompute_granularity": RECOMPUTE_GRANULARITIES,
+            "attention_impl": ATTENTION_IMPLS,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                close = difflib.get_close_matches(str(value), allowed, 1, 0.5)
+                hint = f' Did you mean "{close[0]}"?' if close else ""
+                raise ConfigError(f"config.{name}={value!r} is not one of {list(allowed)}.{hint}")
+
+    def _check_values(self):
+        positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                    "micro_batch_size", "make_vocab_size_divisible_by", "log_interval",
+                    "eval_iters", "keep_checkpoints", "tensor_model_parallel_size",
+                    "pipeline_model_parallel_size", "context_parallel_size",
+                    "expert_model_parallel_size", "ffn_hidden_size", "num_query_groups",
+                    "kv_channels", "max_position_embeddings")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.{name}={getattr(self, name)} must be > 0.")
+        nonneg = ("train_iters", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad",
+                  "eval_interval", "adam_eps", "init_method_std", "lr_decay_iters")
+        for name in nonneg:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config.{name}={getattr(self, name)} must be >= 0.")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"config.{name}={getattr(self, name)} must be in [0, 1).")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"config.{name}={getattr(self, name)} must be in [0, 1).")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"config.min_lr={self.min_lr} exceeds config.lr={self.lr}; lower min_lr.")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"config.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"config.num_query_groups={self.num_query_groups}; choose a divisor of the heads.")
+        if self.kv_channels * self.num_attention_heads != self.hidden_size and self.position_embedding_type == "learned_absolute":
+            pass  # allowed (Megatron permits kv_channels != h / n)
+        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+            raise ConfigError(f"config.kv_channels={self.kv_channels} must be even for rope.")
+        if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
+            raise ConfigError(
+                f"config.seq_length={self.seq_length} exceeds config.max_position_embeddings="
+                f"{self.max_position_embeddings}; raise max_position_embeddings.")
+        if self.lr_warmup_iters > self.lr_decay_iters and self.lr_decay_style != "constant":
+            raise ConfigError(
+                f"config.lr_warmup_iters={self.lr_warmup_iters} exceeds config.lr_decay_iters="
+                f"{self.lr_decay_iters}.")
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
+            raise ConfigError("config.lr_decay_style='WSD' needs config.lr_wsd_decay_iters (the annealing length).")
+        if not self.mock_data and self.data_path is None:
+            raise ConfigError("config.data_path is not set; give a preprocessed prefix "
+                              "(python -m jmegatron.tools.preprocess_data) or set config.mock_data=True.")
+        if self.mock_data and self.vocab_size is None and self.tokenizer_model is None:
+            raise ConfigError("config.mock_data=True needs config.vocab_size (or config.tokenizer_model).")
+        if not self.mock_data and self.tokenizer_model is None and self.vocab_size is None:
+            raise ConfigError("config.tokenizer_model is not set; give the tokenizer.json used by preprocess_data.")
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"config.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"config.micro_batch_size={self.micro_batch_size}.")
+
+    # --------------------------------------------------------------- derived
+    def padded_vocab_size(self, vocab_size: Optional[int] = None) -> int:
+        """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``.
+
+        Follows ``_vocab_size_with_padding`` in megatron/training/tokenizer/tokenizer.py.
+        Raises ConfigError if no vocabulary size is known.
+        """
+        v = vocab_size if vocab_size is not None else self.vocab_size
+        if v is None:
+            raise ConfigError("config.vocab_size is unknown; set it or config.tokenizer_model.")
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return ((v + multiple - 1) // multiple) * multiple
+
+    def data_parallel_size(self, num_devices: int) -> int:
+        """Devices left for data parallelism after tensor/pipeline/context/expert sizes."""
+        model = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                 * self.context_parallel_size * self.expert_model_parallel_size)
+        if num_devices % model:
+            raise ConfigError(
+                f"{num_devices} devices are not divisible by tensor({self.tensor_model_parallel_size}) x "
+                f"pipeline({self.pipeline_model_parallel_size}) x context({self.context_parallel_size}) x "
+                f"expert({self.expert_model_parallel_size}) = {model}.")
+        return num_devices // model
+
+    def num_microbatches(self, dp: int) -> int:
+        """global_batch_size / (micro_batch_size * dp), as Megatron's num_microbatches_calculator."""
+        gbs = self.global_batch_size or self.micro_batch_size * dp
+        if gbs % (self.micro_batch_size * dp):
+            raise ConfigError(
+                f"config.global_batch_size={gbs} is not divisible by config.micro_batch_size="
+                f"{self.micro_batch_size} x data_parallel_size={dp}.")
+        return gbs // (self.micro_batch_size * dp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    def replace(self, **changes) -> "JMegatronConfig":
+        """A copy with ``changes`` (validated); unknown names raise ConfigError."""
+        _check_names(changes)
+        return dataclasses.replace(self, **changes)
+
+
+# Fields that describe the network's parameters: resuming with a different value fails.
+MODEL_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "max_position_embeddings", "position_embedding_type", "normalization",
+    "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
+    "make_vocab_size_divisible_by",
+)
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(JMegatronConfig)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return
+        hint = next(a for a in args if a is not type(None))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return
+    if hint is int and isinstance(value, bool):
+        raise ConfigError(f"config.{name}={value!r} must be an int, not a bool.")
+    if not isinstance(value, hint):
+        raise ConfigError(f"config.{name}={value!r} must be of type {hint.__name__}, got {type(value).__name__}.")
+
+
+def _check_names(names) -> None:
+    valid = [f.name for f in dataclasses.fields(JMegatronConfig)]
+    for name in names:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, 3, 0.6)
+            hint = f" Did you mean {close}?" if close else ""
+            raise ConfigError(f"config.{name} is not a jmegatron config field.{hint}")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """The defaults as a locked, type-safe ConfigDict for config files to modify.
+
+    Optional fields are typed placeholders, so ``--config.save=DIR`` type-checks.
+    """
+    fields = {}
+    hints = _field_types()
+    for f in dataclasses.fields(JMegatronConfig):
+        hint = hints[f.name]
+        if typing.get_origin(hint) is typing.Union:
+            inner = next(a for a in typing.get_args(hint) if a is not type(None))
+            fields[f.name] = ml_collections.config_dict.placeholder(inner, f.default)
+        else:
+            fields[f.name] = f.default
+    cd = ml_collections.ConfigDict(fields, type_safe=True)
+    cd.lock()
+    return cd
+
+
+def from_configdict(cd: Any) -> JMegatronConfig:
+    """Validate a ConfigDict (or mapping) into a :class:`JMegatronConfig`.
+
+    Raises ConfigError naming the field: unknown names (with close matches), wrong types,
+    out-of-range or inconsistent values.
+    """
+    d = cd.to_dict() if hasattr(cd, "to_dict") else dict(cd)
+    _check_names(d)
+    return JMegatronConfig(**d)
+
+
+def from_json(text: str) -> JMegatronConfig:
+    """Read a config saved by :meth:`JMegatronConfig.to_json` (checkpoints store one)."""
+    return from_configdict(json.loads(text))
+
+
+def load_config_file(path: str, overrides: Optional[dict[str, Any]] = None) -> JMegatronConfig:
+    """Load ``get_config()`` from a Python file, apply ``overrides``, validate.
+
+    Raises FileNotFoundError for a missing file, ConfigError for bad fields.
+    """
+    import importlib.util
+    import os
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist (pass --config configs/gpt_tiny.py)")
+    spec = importlib.util.spec_from_file_location("_jmegatron_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path!r} has no get_config() function.")
+    cd = module.get_config()
+    for key, value in (overrides or {}).items():
+        if key not in cd:
+            _check_names([key])
+        setattr(cd, key, value)
+    return from_configdict(cd)

@@ -1,0 +1,134 @@
+"""Self-attention with grouped-query heads, rotary embeddings and pluggable cores.
+
+Follows megatron/core/transformer/attention.py (SelfAttention) and
+megatron/core/transformer/dot_product_attention.py (core attention), and
+megatron/core/models/common/embeddings/rotary_pos_embedding.py for RoPE
+(Su et al. 2021, non-interleaved "rotate half" layout, as Hugging Face Llama).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jmegatron.models.layers import Linear
+
+Array = jax.Array
+
+# A core attention: (q [b, s, nq, d], k [b, s, nkv, d], v [b, s, nkv, d], *,
+#   dropout_rate, dropout_rng, deterministic) -> [b, s, nq, d]; causal.
+CoreAttention = Callable[..., Array]
+
+
+def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
+                  dropout_rng: Optional[Array] = None, deterministic: bool = True) -> Array:
+    """Causal softmax(q k^T / sqrt(d)) v in plain XLA ops, softmax in float32.
+
+    Shapes: q ``[b, s, nq, d]``, k/v ``[b, s, nkv, d]`` with ``nq % nkv == 0`` (GQA:
+    query head ``i`` uses key/value group ``i // (nq // nkv)``, as Megatron and Hugging Face). Returns ``[b, s, nq, d]`` in q's dtype.
+    Attention dropout is applied to the probabilities (Megatron's attention_dropout).
+    """
+    b, s, nq, d = q.shape
+    nkv = k.shape[2]
+    group = nq // nkv
+    qg = q.reshape(b, s, nkv, group, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
+    causal = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if not deterministic and dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v)
+    return out.reshape(b, s, nq, d)
+
+
+def dot_product_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
+                          dropout_rng: Optional[Array] = None, deterministic: bool = True) -> Array:
+    """``jax.nn.dot_product_attention`` (XLA implementation, causal). No attention dropout:
+    raises ValueError when dropout is requested in training."""
+    if not deterministic and dropout_rate > 0.0:
+        raise ValueError("attention_impl='dot_product' has no attention dropout; "
+                         "set config.attention_dropout=0.0 or attention_impl='xla'.")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+CORE_ATTENTIONS: dict[str, CoreAttention] = {
+    "xla": xla_attention,
+    "dot_product": dot_product_attention,
+}
+
+
+def rope_cos_sin(position_ids: Array, head_dim: int, base: float) -> tuple[Array, Array]:
+    """cos/sin tables ``[b, s, 1, head_dim]`` (float32) for integer ``position_ids [b, s]``."""
+    inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = position_ids.astype(jnp.float32)[..., None] * inv_freq  # [b, s, d/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate ``x [b, s, n, d]`` by the tables from :func:`rope_cos_sin` (rotate-half layout)."""
+    d = x.shape[-1]
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., d // 2:], x32[..., :d // 2]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention: ``x [b, s, h]`` -> ``[b, s, h]``.
+
+    Separate ``linear_q`` ``[h, nq, d]`` and ``linear_k``/``linear_v`` ``[h, nkv, d]``
+    projections (column-parallel over heads), ``linear_proj`` ``[nq, d, h]``
+    (row-parallel). ``num_query_groups < num_attention_heads`` gives grouped-query
+    attention (Ainslie et al. 2023).
+    """
+
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    hidden_size: int
+    use_bias: bool
+    qkv_bias: bool
+    use_rope: bool
+    rotary_base: float
+    attention_dropout: float
+    init_std: float
+    output_init_std: float
+    core_attention: str = "xla"
+    recompute_core_attention: bool = False
+    dtype: Any = jnp.float32
+    dot_general: Callable = jax.lax.dot_general
+
+    @nn.compact
+    def __call__(self, x: Array, position_ids: Array, deterministic: bool) -> Array:
+        dense = functools.partial(Linear, dtype=self.dtype, dot_general=self.dot_general,
+                                  kernel_init=nn.initializers.normal(self.init_std))
+        qkv_bias = self.use_bias or self.qkv_bias
+        nq, nkv, d = self.num_attention_heads, self.num_query_groups, self.kv_channels
+        q = dense((nq, d), ("embed", "heads", "kv"), use_bias=qkv_bias, name="linear_q")(x)
+        k = dense((nkv, d), ("embed", "kv_heads", "kv"), use_bias=qkv_bias, name="linear_k")(x)
+        v = dense((nkv, d), ("embed", "kv_heads", "kv"), use_bias=qkv_bias, name="linear_v")(x)
+        q = nn.with_logical_constraint(q, ("batch", "length", "activation_heads", "activation_kv"))
+        k = nn.with_logical_constraint(k, ("batch", "length", "activation_kv_heads", "activation_kv"))
+        v = nn.with_logical_constraint(v, ("batch", "length", "activation_kv_heads", "activation_kv"))
+        if self.use_rope:
+            cos, sin = rope_cos_sin(position_ids, d, self.rotary_base)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        core = CORE_ATTENTIONS[self.core_attention]
+        core = functools.partial(core, dropout_rate=self.attention_dropout, deterministic=deterministic,
+                                 dropout_rng=None if deterministic or self.attention_dropout == 0.0
+                                 else self.make_rng("dropout"))
+        if self.recompute_core_attention:  # Megatron's selective recompute
+            core = jax.checkpoint(core)
+        out = core(q, k, v)
+        out = nn.with_logical_constraint(out, ("batch", "length", "activation_heads", "activation_kv"))
+        return Linear((self.hidden_size,), ("heads", "kv", "embed"), axis=(-2, -1),
+                      use_bias=self.use_bias, dtype=self.dtype, dot_general=self.dot_general,
+                      kernel_init=nn.initializers.normal(self.output_init_std),
+                      name="linear_proj")(out)

@@ -1,0 +1,178 @@
+"""The decoder-only transformer: GPT (learned positions, LayerNorm, GELU, biases) and
+Llama (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output) from one module.
+
+Follows megatron/core/models/gpt/gpt_model.py (GPTModel),
+megatron/core/transformer/transformer_block.py, transformer_layer.py (pre-norm layer:
+input_layernorm -> self_attention -> residual, pre_mlp_layernorm -> mlp -> residual)
+and mlp.py (linear_fc1 -> activation -> linear_fc2). Parameter names follow
+Megatron-Core's module names so the distillation YAML and the export mapping can
+name them (see docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jmegatron.config import JMegatronConfig
+from jmegatron.models.attention import SelfAttention
+from jmegatron.models.layers import Embed, Linear, make_norm
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture fields of a :class:`JMegatronConfig`, resolved (vocab padded)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int  # padded
+    max_position_embeddings: int
+    position_embedding_type: str
+    rotary_base: float
+    normalization: str
+    norm_epsilon: float
+    swiglu: bool
+    untie_embeddings_and_output_weights: bool
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    hidden_dropout: float
+    attention_dropout: float
+    init_method_std: float
+    scan_layers: bool = False
+    recompute_granularity: str = "none"
+    attention_impl: str = "xla"
+    dtype: Any = jnp.float32
+
+    @classmethod
+    def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype"}
+        return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32,
+                   **{n: getattr(cfg, n) for n in names})
+
+
+class MLP(nn.Module):
+    """``[b, s, h]`` -> ``[b, s, h]``: linear_fc1 (column-parallel) -> GELU or SwiGLU ->
+    linear_fc2 (row-parallel). With SwiGLU, linear_fc1 is ``[h, 2, ffn]`` (index 0 the
+    gate, 1 the up projection), one matmul as Megatron's fused fc1."""
+
+    cfg: ModelConfig
+    dot_general: Callable = jax.lax.dot_general
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        c = self.cfg
+        init = nn.initializers.normal(c.init_method_std)
+        out_init = nn.initializers.normal(c.init_method_std / math.sqrt(2.0 * c.num_layers))
+        dense = functools.partial(Linear, use_bias=c.add_bias_linear, dtype=c.dtype,
+                                  dot_general=self.dot_general)
+        if c.swiglu:
+            h = dense((2, c.ffn_hidden_size), ("embed", None, "mlp"), kernel_init=init, name="linear_fc1")(x)
+            h = nn.silu(h[..., 0, :]) * h[..., 1, :]
+        else:
+            h = dense((c.ffn_hidden_size,), ("embed", "mlp"), kernel_init=init, name="linear_fc1")(x)
+            h = nn.gelu(h, approximate=False)
+        h = nn.with_logical_constraint(h, ("batch", "length", "activation_mlp"))
+        return dense((c.hidden_size,), ("mlp", "embed"), kernel_init=out_init, name="linear_fc2")(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm transformer layer ``[b, s, h]`` -> ``[b, s, h]``
+    (megatron/core/transformer/transformer_layer.py). Sows ``input_layernorm`` and
+    ``pre_mlp_layernorm`` outputs into the ``intermediates`` collection when it is mutable."""
+
+    cfg: ModelConfig
+    deterministic: bool = True
+    dot_general: Callable = jax.lax.dot_general
+
+    @nn.compact
+    def __call__(self, x: Array, position_ids: Array) -> tuple[Array, None]:
+        c = self.cfg
+        drop = nn.Dropout(rate=c.hidden_dropout, deterministic=self.deterministic)
+        h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "input_layernorm")(x)
+        self.sow("intermediates", "input_layernorm", h)
+        h = SelfAttention(
+            num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
+            kv_channels=c.kv_channels, hidden_size=c.hidden_size, use_bias=c.add_bias_linear,
+            qkv_bias=c.add_qkv_bias, use_rope=c.position_embedding_type == "rope",
+            rotary_base=c.rotary_base, attention_dropout=c.attention_dropout,
+            init_std=c.init_method_std,
+            output_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
+            core_attention=c.attention_impl,
+            recompute_core_attention=c.recompute_granularity == "selective",
+            dtype=c.dtype, dot_general=self.dot_general, name="self_attention",
+        )(h, position_ids, self.deterministic)
+        x = x + drop(h)
+        x = nn.with_logical_constraint(x, ("batch", "length", "activation_embed"))
+        h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "pre_mlp_layernorm")(x)
+        self.sow("intermediates", "pre_mlp_layernorm", h)
+        h = MLP(c, dot_general=self.dot_general, name="mlp")(h)
+        x = x + drop(h)
+        x = nn.with_logical_constraint(x, ("batch", "length", "activation_embed"))
+        return x, None
+
+
+class GPTModel(nn.Module):
+    """Decoder-only language model: int32 ``tokens [b, s]`` -> float32 ``logits [b, s, vocab]``.
+
+    ``position_ids [b, s]`` default to ``0..s-1``. ``deterministic=False`` turns dropout
+    on and needs a ``dropout`` RNG. Parameters (all float32 master weights):
+    ``embedding/word_embeddings`` ``[vocab, h]``, ``embedding/position_embeddings``
+    ``[max_pos, h]`` (learned_absolute only), ``decoder/layers_{i}/...`` (or
+    ``decoder/layers/...`` stacked ``[num_layers, ...]`` with ``scan_layers``),
+    ``decoder/final_layernorm``, and ``output_layer/kernel [h, vocab]`` when untied.
+    """
+
+    cfg: ModelConfig
+    dot_general: Callable = jax.lax.dot_general
+
+    @nn.compact
+    def __call__(self, tokens: Array, position_ids: Optional[Array] = None,
+                 deterministic: bool = True) -> Array:
+        c = self.cfg
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        embed_init = nn.initializers.normal(c.init_method_std)
+        word = Embed(c.vocab_size, c.hidden_size, ("vocab", "embed"), dtype=c.dtype,
+                     embedding_init=embed_init, name="word_embeddings")
+        x = word(tokens)
+        if c.position_embedding_type == "learned_absolute":
+            x = x + Embed(c.max_position_embeddings, c.hidden_size, (None, "embed"), dtype=c.dtype,
+                          embedding_init=embed_init, name="position_embeddings")(position_ids)
+        x = nn.Dropout(rate=c.hidden_dropout, deterministic=deterministic)(x)
+        x = nn.with_logical_constraint(x, ("batch", "length", "activation_embed"))
+
+        layer_cls = TransformerLayer
+        if c.recompute_granularity == "full":
+            layer_cls = nn.remat(layer_cls, prevent_cse=not c.scan_layers,
+                                 policy=jax.checkpoint_policies.nothing_saveable)
+        if c.scan_layers:
+            stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0},
+                            split_rngs={"params": True, "dropout": True},
+                            in_axes=(nn.broadcast,), length=c.num_layers,
+                            metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = stack(c, deterministic, self.dot_general, name="decoder_layers")(x, position_ids)
+        else:
+            for i in range(c.num_layers):
+                x, _ = layer_cls(c, deterministic, self.dot_general, name=f"decoder_layers_{i}")(x, position_ids)
+        x = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm")(x)
+        self.sow("intermediates", "final_layernorm", x)
+        if c.untie_embeddings_and_output_weights:
+            logits = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype,
+                            dot_general=self.dot_general, kernel_init=embed_init,
+                            name="output_layer")(x)
+        else:
+            logits = word.attend(x)
+        logits = nn.with_logical_constraint(logits, ("batch", "length", "activation_vocab"))
+        return logits.astype(jnp.float32)

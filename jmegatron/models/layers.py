@@ -1,0 +1,144 @@
+"""Basic Flax layers whose parameters carry logical axis names.
+
+Parameters are created in ``param_dtype`` (float32 master weights) and cast to the
+compute ``dtype`` at use, the mixed-precision scheme of Megatron's Float16Module with
+fp32 master weights. Logical axis names (``embed``, ``mlp``, ``heads``, ``kv``,
+``kv_heads``, ``vocab``, ``norm``) are mapped to mesh axes only by
+:mod:`jmegatron.parallel.rules`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+DType = Any
+DotGeneral = Callable[..., Array]
+
+
+def _normalize_axes(axes: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    return tuple(a % ndim for a in axes)
+
+
+class Linear(nn.Module):
+    """A dense layer contracting trailing input axes with a named kernel.
+
+    ``x``: ``[..., *in_shape]`` (the axes in ``axis``) -> ``[..., *features]``.
+    The kernel has shape ``in_shape + features`` and logical names ``kernel_axes``.
+    ``dot_general`` is pluggable (``jax.lax.dot_general`` by default; an FP8 or
+    quantized implementation with the same signature can be passed in).
+    """
+
+    features: Sequence[int]
+    kernel_axes: Sequence[str | None]
+    axis: int | Sequence[int] = -1
+    use_bias: bool = False
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    kernel_init: Callable = nn.initializers.normal(0.02)
+    bias_init: Callable = nn.initializers.zeros
+    dot_general: DotGeneral = jax.lax.dot_general
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        features = tuple(self.features)
+        axis = _normalize_axes(self.axis, x.ndim)
+        in_shape = tuple(x.shape[a] for a in axis)
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(self.kernel_init, tuple(self.kernel_axes)),
+            in_shape + features,
+            self.param_dtype,
+        )
+        kernel = jnp.asarray(kernel, self.dtype)
+        x = jnp.asarray(x, self.dtype)
+        contract = (axis, tuple(range(len(axis))))
+        y = self.dot_general(x, kernel, (contract, ((), ())))
+        if self.use_bias:
+            bias_axes = tuple(self.kernel_axes[len(axis):])
+            bias = self.param(
+                "bias", nn.with_logical_partitioning(self.bias_init, bias_axes), features,
+                self.param_dtype)
+            y = y + jnp.asarray(bias, self.dtype)
+        return y
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis, statistics in float32 (Megatron's FusedLayerNorm).
+
+    ``x``: ``[..., hidden]`` -> same shape, in ``dtype``. Params ``scale``/``bias``: ``[hidden]``.
+    """
+
+    epsilon: float = 1e-5
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        h = x.shape[-1]
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (h,), self.param_dtype)
+        bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
+                          (h,), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) over the last axis in float32, as Llama and Megatron.
+
+    ``x``: ``[..., hidden]`` -> same shape, in ``dtype``. Param ``scale``: ``[hidden]``.
+    """
+
+    epsilon: float = 1e-5
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        h = x.shape[-1]
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (h,), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def make_norm(normalization: str, epsilon: float, dtype: DType, name: str) -> nn.Module:
+    """``LayerNorm`` or ``RMSNorm`` by Megatron's ``--normalization`` name."""
+    cls = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[normalization]
+    return cls(epsilon=epsilon, dtype=dtype, name=name)
+
+
+class Embed(nn.Module):
+    """A lookup table ``[num_embeddings, features]`` with logical names ``axes``.
+
+    ``__call__``: int ``[...]`` -> ``[..., features]`` in ``dtype``.
+    ``attend``: ``[..., features]`` -> ``[..., num_embeddings]`` (tied output layer).
+    """
+
+    num_embeddings: int
+    features: int
+    axes: tuple[str, str] = ("vocab", "embed")
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    embedding_init: Callable = nn.initializers.normal(0.02)
+
+    def setup(self):
+        self.embedding = self.param(
+            "embedding", nn.with_logical_partitioning(self.embedding_init, self.axes),
+            (self.num_embeddings, self.features), self.param_dtype)
+
+    def __call__(self, ids: Array) -> Array:
+        return jnp.take(jnp.asarray(self.embedding, self.dtype), ids, axis=0)
+
+    def attend(self, x: Array) -> Array:
+        return jnp.einsum("...h,vh->...v", x, jnp.asarray(self.embedding, self.dtype))

@@ -1,0 +1,1 @@
+"""Pallas kernels with XLA reference paths (imported as jmegatron.kernels)."""
