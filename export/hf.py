@@ -1,0 +1,527 @@
+"""Hugging Face ``transformers`` export and import of jmegatron parameters.
+
+Two targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatronConfig`:
+
+* ``GPT2LMHeadModel`` (transformers ``models/gpt2/modeling_gpt2.py``): learned absolute
+  positions, LayerNorm, exact GELU MLP, multi-head attention with biases.
+* ``LlamaForCausalLM`` (transformers ``models/llama/modeling_llama.py``): rotary positions
+  (rotate-half), RMSNorm, SwiGLU MLP, grouped-query attention.
+
+Anything else raises ``ValueError`` naming the config fields the target cannot represent
+(see :func:`hf_architecture`).
+
+Parameter trees are plain nested dicts of arrays (numpy or jax), i.e. the ``params``
+collection of :class:`jmegatron.models.gpt.GPTModel` after ``flax.linen.meta.unbox``
+(a ``{"params": ...}`` wrapper and still-boxed ``LogicallyPartitioned`` leaves are
+accepted too). jmegatron layout (``h`` hidden, ``nq`` heads, ``nkv`` query groups,
+``d`` kv_channels, ``ffn`` ffn_hidden_size, ``V`` padded vocab)::
+
+    word_embeddings/embedding                     [V, h]
+    position_embeddings/embedding                 [max_pos, h]   (learned_absolute only)
+    decoder_layers_{i}/input_layernorm/{scale,bias}             [h]  (bias: LayerNorm only)
+    decoder_layers_{i}/self_attention/linear_q/kernel           [h, nq, d]   (+ bias [nq, d])
+    decoder_layers_{i}/self_attention/linear_{k,v}/kernel       [h, nkv, d]  (+ bias [nkv, d])
+    decoder_layers_{i}/self_attention/linear_proj/kernel        [nq, d, h]   (+ bias [h])
+    decoder_layers_{i}/pre_mlp_layernorm/{scale,bias}           [h]
+    decoder_layers_{i}/mlp/linear_fc1/kernel      [h, ffn] or [h, 2, ffn] with swiglu
+                                                  (index 0 gate, 1 up)  (+ bias [ffn] / [2, ffn])
+    decoder_layers_{i}/mlp/linear_fc2/kernel      [ffn, h]   (+ bias [h])
+    final_layernorm/{scale,bias}                  [h]
+    output_layer/kernel                           [h, V]     (untied only)
+
+With ``scan_layers`` the per-layer subtrees are one ``decoder_layers`` subtree whose
+leaves carry a leading ``[num_layers]`` axis (:func:`stack_layers` / :func:`unstack_layers`).
+
+Hugging Face layouts: ``nn.Linear`` weights are ``[out, in]``; GPT-2's ``Conv1D`` weights
+are ``[in, out]`` and ``c_attn`` concatenates q|k|v on the output axis; heads are the major
+factor of every ``heads * head_dim`` axis, as in jmegatron's reshapes.
+
+This module imports only numpy; ``torch`` and ``transformers`` are imported inside
+:func:`to_hf_model` (and only used for tensors handed to :func:`from_hf_state_dict`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+GPT2 = "GPT2LMHeadModel"
+LLAMA = "LlamaForCausalLM"
+
+_LAYER_RE = re.compile(r"^decoder_layers_(\d+)$")
+# Buffers some GPT-2 checkpoints carry (old causal-mask buffers): not parameters.
+_GPT2_IGNORED = re.compile(r"\.attn\.(bias|masked_bias)$")
+
+
+# ----------------------------------------------------------------------------- config
+def _gpt2_problems(cfg) -> list[str]:
+    problems = []
+    if cfg.normalization != "LayerNorm":
+        problems.append(f"config.normalization={cfg.normalization!r} (GPT-2 uses LayerNorm)")
+    if cfg.swiglu:
+        problems.append("config.swiglu=True (GPT-2's MLP is c_fc -> gelu -> c_proj)")
+    if not cfg.add_bias_linear:
+        problems.append("config.add_bias_linear=False (GPT-2's linear layers always have biases)")
+    if cfg.num_query_groups != cfg.num_attention_heads:
+        problems.append(f"config.num_query_groups={cfg.num_query_groups} != num_attention_heads="
+                        f"{cfg.num_attention_heads} (GPT-2 has no grouped-query attention)")
+    if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+        problems.append(f"config.kv_channels={cfg.kv_channels} (GPT-2 needs kv_channels * "
+                        f"num_attention_heads == hidden_size={cfg.hidden_size})")
+    return problems
+
+
+def _llama_problems(cfg) -> list[str]:
+    problems = []
+    if cfg.normalization != "RMSNorm":
+        problems.append(f"config.normalization={cfg.normalization!r} (Llama uses RMSNorm)")
+    if not cfg.swiglu:
+        problems.append("config.swiglu=False (Llama's MLP is SwiGLU: gate_proj/up_proj/down_proj)")
+    if not cfg.add_bias_linear and cfg.add_qkv_bias:
+        problems.append("config.add_qkv_bias=True with add_bias_linear=False (Llama's attention_bias "
+                        "also biases o_proj; a QKV-only bias is Qwen2's layout)")
+    if cfg.hidden_size % cfg.num_attention_heads:
+        problems.append(f"config.hidden_size={cfg.hidden_size} is not divisible by num_attention_heads="
+                        f"{cfg.num_attention_heads} (LlamaConfig rejects it)")
+    return problems
+
+
+def hf_architecture(cfg) -> str:
+    """The transformers class name that represents ``cfg`` exactly.
+
+    ``"GPT2LMHeadModel"`` for learned_absolute positions + LayerNorm + GELU + multi-head
+    attention with ``kv_channels * heads == hidden`` + biases; ``"LlamaForCausalLM"`` for
+    rope + RMSNorm + SwiGLU (grouped-query attention, any ``kv_channels``; biases map to
+    ``attention_bias``/``mlp_bias``). Tied and untied output layers are both representable
+    (``tie_word_embeddings``).
+
+    Raises ValueError naming every config field the target cannot represent
+    (``position_embedding_type="none"`` has no target).
+    """
+    if cfg.position_embedding_type == "learned_absolute":
+        arch, problems = GPT2, _gpt2_problems(cfg)
+    elif cfg.position_embedding_type == "rope":
+        arch, problems = LLAMA, _llama_problems(cfg)
+    else:
+        raise ValueError(
+            f"config.position_embedding_type={cfg.position_embedding_type!r} has no Hugging Face "
+            f"export target: {GPT2} needs 'learned_absolute', {LLAMA} needs 'rope'.")
+    if problems:
+        raise ValueError(f"this config cannot be exported as Hugging Face {arch} "
+                         f"(chosen by position_embedding_type={cfg.position_embedding_type!r}): "
+                         + "; ".join(problems) + ".")
+    return arch
+
+
+def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
+                   eos_token_id: Optional[int] = None) -> dict[str, Any]:
+    """The transformers ``config.json`` content for ``cfg`` with ``vocab_size`` rows of the
+    embedding (the padded size of the params, or a smaller true vocabulary when the export
+    drops the padding rows, see :func:`to_hf_state_dict`).
+
+    GPT-2 (``GPT2Config``): ``activation_function="gelu"`` is the exact erf GELU jmegatron uses
+    (not GPT-2's default ``"gelu_new"`` tanh approximation). Llama (``LlamaConfig``): RoPE is
+    written as transformers 5.x ``rope_parameters={"rope_type": "default", "rope_theta": ...}``
+    and also as the legacy top-level ``rope_theta`` read by transformers 4.x.
+    ``bos_token_id``/``eos_token_id`` default to None (jmegatron does not know the tokenizer's).
+    Raises ValueError as :func:`hf_architecture`.
+    """
+    arch = hf_architecture(cfg)
+    vocab_size = int(vocab_size)
+    common = {
+        "architectures": [arch],
+        "vocab_size": vocab_size,
+        "initializer_range": float(cfg.init_method_std),
+        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+    if arch == GPT2:
+        return {
+            "model_type": "gpt2",
+            **common,
+            "n_embd": cfg.hidden_size,
+            "n_layer": cfg.num_layers,
+            "n_head": cfg.num_attention_heads,
+            "n_inner": cfg.ffn_hidden_size,
+            "n_positions": cfg.max_position_embeddings,
+            "layer_norm_epsilon": float(cfg.norm_epsilon),
+            "activation_function": "gelu",
+            "resid_pdrop": float(cfg.hidden_dropout),
+            "embd_pdrop": float(cfg.hidden_dropout),
+            "attn_pdrop": float(cfg.attention_dropout),
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+        }
+    return {
+        "model_type": "llama",
+        **common,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.kv_channels,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": float(cfg.norm_epsilon),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+        "rope_theta": float(cfg.rotary_base),
+        "attention_bias": bool(cfg.add_bias_linear),
+        "attention_dropout": float(cfg.attention_dropout),
+        "mlp_bias": bool(cfg.add_bias_linear),
+        "pretraining_tp": 1,
+    }
+
+
+# ------------------------------------------------------------------------ tree helpers
+def _to_numpy(x) -> np.ndarray:
+    """numpy view of a numpy/jax array or torch tensor (bfloat16 torch tensors -> float32)."""
+    if hasattr(x, "unbox") and not hasattr(x, "shape"):  # flax LogicallyPartitioned / Partitioned
+        x = x.unbox()
+    if hasattr(x, "detach"):  # torch.Tensor, without importing torch
+        t = x.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            t = t.float()
+        return t.numpy()
+    return np.asarray(x)
+
+
+def _plain(tree) -> dict:
+    """Nested Mapping (dict / FrozenDict, possibly ``{"params": ...}``) -> nested dict of numpy."""
+    if isinstance(tree, Mapping) and set(tree.keys()) == {"params"}:
+        tree = tree["params"]
+    if isinstance(tree, Mapping):
+        return {k: _plain_inner(v) for k, v in tree.items()}
+    raise TypeError(f"expected a nested mapping of parameters, got {type(tree).__name__}")
+
+
+def _plain_inner(node):
+    if isinstance(node, Mapping):
+        return {k: _plain_inner(v) for k, v in node.items()}
+    return _to_numpy(node)
+
+
+def _map_leaves(fn, tree):
+    if isinstance(tree, Mapping):
+        return {k: _map_leaves(fn, v) for k, v in tree.items()}
+    return fn(tree)
+
+
+def _layer_keys(params: Mapping) -> list[str]:
+    keys = sorted((k for k in params if _LAYER_RE.match(k)), key=lambda k: int(_LAYER_RE.match(k)[1]))
+    return keys
+
+
+def stack_layers(params: Mapping, num_layers: int) -> dict:
+    """Per-layer layout -> ``scan_layers`` layout.
+
+    ``decoder_layers_0 .. decoder_layers_{n-1}`` (identical subtrees) become one
+    ``decoder_layers`` subtree with each leaf ``np.stack``-ed on a new leading
+    ``[num_layers]`` axis; other entries are kept. Leaves come back as numpy arrays of
+    the input dtype. Raises ValueError if the layer subtrees are missing or extra.
+    """
+    params = _plain(params)
+    keys = _layer_keys(params)
+    if keys != [f"decoder_layers_{i}" for i in range(num_layers)]:
+        raise ValueError(f"stack_layers expected decoder_layers_0..decoder_layers_{num_layers - 1}, "
+                         f"found {keys or 'none'}" + (" (already stacked?)" if "decoder_layers" in params else ""))
+    layers = [params[k] for k in keys]
+
+    def stack(*leaves):
+        return np.stack(leaves, axis=0)
+
+    out = {k: v for k, v in params.items() if k not in keys}
+    out["decoder_layers"] = _tree_multimap(stack, layers)
+    return out
+
+
+def _tree_multimap(fn, trees: list, path: str = ""):
+    first = trees[0]
+    if isinstance(first, Mapping):
+        for t in trees[1:]:
+            if not isinstance(t, Mapping) or set(t) != set(first):
+                raise ValueError(f"layer subtrees differ at {path or '<root>'}")
+        return {k: _tree_multimap(fn, [t[k] for t in trees], f"{path}/{k}") for k in first}
+    return fn(*trees)
+
+
+def unstack_layers(params: Mapping, num_layers: int) -> dict:
+    """``scan_layers`` layout -> per-layer layout (the inverse of :func:`stack_layers`).
+
+    Each leaf of ``decoder_layers`` must have a leading axis of length ``num_layers``;
+    layer ``i`` becomes ``decoder_layers_{i}``. Raises ValueError otherwise.
+    """
+    params = _plain(params)
+    if "decoder_layers" not in params:
+        raise ValueError("unstack_layers expected a stacked 'decoder_layers' subtree "
+                         f"(found {_layer_keys(params) or 'none'})")
+
+    def check(a):
+        if a.ndim == 0 or a.shape[0] != num_layers:
+            raise ValueError(f"stacked layer leaf has shape {a.shape}, expected leading axis {num_layers}")
+        return a
+
+    stacked = _map_leaves(check, params["decoder_layers"])
+    out = {k: v for k, v in params.items() if k != "decoder_layers"}
+    for i in range(num_layers):
+        out[f"decoder_layers_{i}"] = _map_leaves(lambda a, i=i: a[i], stacked)
+    return out
+
+
+def _get(tree: Mapping, path: str, cfg) -> np.ndarray:
+    node = tree
+    for part in path.split("/"):
+        if not isinstance(node, Mapping) or part not in node:
+            raise ValueError(
+                f"params have no {path!r}: they do not match the config (num_layers={cfg.num_layers}, "
+                f"normalization={cfg.normalization!r}, add_bias_linear={cfg.add_bias_linear}, "
+                f"untie_embeddings_and_output_weights={cfg.untie_embeddings_and_output_weights})")
+        node = node[part]
+    return node
+
+
+def _check_shape(name: str, a: np.ndarray, shape: tuple) -> np.ndarray:
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)} from the config")
+    return a
+
+
+# ------------------------------------------------------------------------ jmegatron -> HF
+def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> dict[str, np.ndarray]:
+    """jmegatron params (per-layer or scanned) -> Hugging Face state dict of numpy arrays.
+
+    Keys and layouts are those of ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (``transformer.*``
+    / ``model.*``); arrays keep the params' dtype (contiguous copies). ``lm_head.weight`` is
+    written only for an untied output layer (tied checkpoints omit it, as on the Hub).
+    ``vocab_size`` (default: all rows of ``word_embeddings``) keeps only the first
+    ``vocab_size`` rows of the embedding and output layer, dropping Megatron's padding.
+
+    GPT-2: ``c_attn.weight [h, 3h]`` = q|k|v kernels reshaped ``[h, nq*d]`` and concatenated,
+    ``c_attn.bias [3h]``; ``c_proj.weight [h, h]`` (Conv1D: ``[in, out]``); ``mlp.c_fc.weight
+    [h, ffn]``, ``mlp.c_proj.weight [ffn, h]``; ``ln_1``/``ln_2``/``ln_f`` weight+bias.
+    Llama: ``q_proj.weight [nq*d, h]``, ``k_proj``/``v_proj.weight [nkv*d, h]``,
+    ``o_proj.weight [h, nq*d]``, ``gate_proj``/``up_proj.weight [ffn, h]`` (fc1 index 0/1),
+    ``down_proj.weight [h, ffn]``, ``input_layernorm``/``post_attention_layernorm``/``norm``.
+
+    Raises ValueError when ``cfg`` has no HF target (:func:`hf_architecture`) or the params
+    do not match ``cfg`` (a missing entry or a wrong shape).
+    """
+    arch = hf_architecture(cfg)
+    p = _plain(params)
+    if "decoder_layers" in p:
+        p = unstack_layers(p, cfg.num_layers)
+    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    ffn = cfg.ffn_hidden_size
+    bias = cfg.add_bias_linear
+    g = lambda path: _get(p, path, cfg)  # noqa: E731
+
+    wte = g("word_embeddings/embedding")
+    rows = wte.shape[0]
+    _check_shape("word_embeddings/embedding", wte, (rows, h))
+    v = rows if vocab_size is None else int(vocab_size)
+    if not 0 < v <= rows:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {rows}] (the embedding's rows)")
+    sd: dict[str, np.ndarray] = {}
+    c = np.ascontiguousarray
+
+    if arch == GPT2:
+        sd["transformer.wte.weight"] = c(wte[:v])
+        sd["transformer.wpe.weight"] = c(_check_shape(
+            "position_embeddings/embedding", g("position_embeddings/embedding"),
+            (cfg.max_position_embeddings, h)))
+        for i in range(cfg.num_layers):
+            L, o = f"decoder_layers_{i}", f"transformer.h.{i}"
+            qkv = [_check_shape(f"{L}/self_attention/linear_{n}/kernel",
+                                g(f"{L}/self_attention/linear_{n}/kernel"), (h, nq, d)).reshape(h, nq * d)
+                   for n in "qkv"]
+            sd[f"{o}.ln_1.weight"] = c(g(f"{L}/input_layernorm/scale"))
+            sd[f"{o}.ln_1.bias"] = c(g(f"{L}/input_layernorm/bias"))
+            sd[f"{o}.attn.c_attn.weight"] = c(np.concatenate(qkv, axis=1))
+            sd[f"{o}.attn.c_attn.bias"] = c(np.concatenate(
+                [g(f"{L}/self_attention/linear_{n}/bias").reshape(nq * d) for n in "qkv"]))
+            sd[f"{o}.attn.c_proj.weight"] = c(_check_shape(
+                f"{L}/self_attention/linear_proj/kernel", g(f"{L}/self_attention/linear_proj/kernel"),
+                (nq, d, h)).reshape(nq * d, h))
+            sd[f"{o}.attn.c_proj.bias"] = c(g(f"{L}/self_attention/linear_proj/bias"))
+            sd[f"{o}.ln_2.weight"] = c(g(f"{L}/pre_mlp_layernorm/scale"))
+            sd[f"{o}.ln_2.bias"] = c(g(f"{L}/pre_mlp_layernorm/bias"))
+            sd[f"{o}.mlp.c_fc.weight"] = c(_check_shape(
+                f"{L}/mlp/linear_fc1/kernel", g(f"{L}/mlp/linear_fc1/kernel"), (h, ffn)))
+            sd[f"{o}.mlp.c_fc.bias"] = c(g(f"{L}/mlp/linear_fc1/bias"))
+            sd[f"{o}.mlp.c_proj.weight"] = c(_check_shape(
+                f"{L}/mlp/linear_fc2/kernel", g(f"{L}/mlp/linear_fc2/kernel"), (ffn, h)))
+            sd[f"{o}.mlp.c_proj.bias"] = c(g(f"{L}/mlp/linear_fc2/bias"))
+        sd["transformer.ln_f.weight"] = c(g("final_layernorm/scale"))
+        sd["transformer.ln_f.bias"] = c(g("final_layernorm/bias"))
+    else:
+        sd["model.embed_tokens.weight"] = c(wte[:v])
+        for i in range(cfg.num_layers):
+            L, o = f"decoder_layers_{i}", f"model.layers.{i}"
+            A = f"{L}/self_attention"
+            sd[f"{o}.input_layernorm.weight"] = c(g(f"{L}/input_layernorm/scale"))
+            for n, heads in (("q", nq), ("k", nkv), ("v", nkv)):
+                k = _check_shape(f"{A}/linear_{n}/kernel", g(f"{A}/linear_{n}/kernel"), (h, heads, d))
+                sd[f"{o}.self_attn.{n}_proj.weight"] = c(k.reshape(h, heads * d).T)
+                if bias:
+                    sd[f"{o}.self_attn.{n}_proj.bias"] = c(g(f"{A}/linear_{n}/bias").reshape(heads * d))
+            k = _check_shape(f"{A}/linear_proj/kernel", g(f"{A}/linear_proj/kernel"), (nq, d, h))
+            sd[f"{o}.self_attn.o_proj.weight"] = c(k.reshape(nq * d, h).T)
+            if bias:
+                sd[f"{o}.self_attn.o_proj.bias"] = c(g(f"{A}/linear_proj/bias"))
+            sd[f"{o}.post_attention_layernorm.weight"] = c(g(f"{L}/pre_mlp_layernorm/scale"))
+            fc1 = _check_shape(f"{L}/mlp/linear_fc1/kernel", g(f"{L}/mlp/linear_fc1/kernel"), (h, 2, ffn))
+            sd[f"{o}.mlp.gate_proj.weight"] = c(fc1[:, 0, :].T)
+            sd[f"{o}.mlp.up_proj.weight"] = c(fc1[:, 1, :].T)
+            fc2 = _check_shape(f"{L}/mlp/linear_fc2/kernel", g(f"{L}/mlp/linear_fc2/kernel"), (ffn, h))
+            sd[f"{o}.mlp.down_proj.weight"] = c(fc2.T)
+            if bias:
+                b1 = g(f"{L}/mlp/linear_fc1/bias")
+                sd[f"{o}.mlp.gate_proj.bias"] = c(b1[0])
+                sd[f"{o}.mlp.up_proj.bias"] = c(b1[1])
+                sd[f"{o}.mlp.down_proj.bias"] = c(g(f"{L}/mlp/linear_fc2/bias"))
+        sd["model.norm.weight"] = c(g("final_layernorm/scale"))
+    if cfg.untie_embeddings_and_output_weights:
+        out = _check_shape("output_layer/kernel", g("output_layer/kernel"), (h, rows))
+        sd["lm_head.weight"] = c(out[:, :v].T)
+    return sd
+
+
+# ------------------------------------------------------------------------ HF -> jmegatron
+def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
+                       padded_vocab_size: Optional[int] = None) -> dict:
+    """Hugging Face state dict (numpy arrays or torch tensors) -> jmegatron params.
+
+    The inverse of :func:`to_hf_state_dict`: returns a nested dict of float32 numpy arrays in
+    the per-layer layout, or the stacked ``decoder_layers`` layout when ``cfg.scan_layers``.
+    The embedding (and untied output layer) is zero-padded to ``padded_vocab_size`` rows
+    (default ``cfg.padded_vocab_size(<HF vocab rows>)``, Megatron's padding rule).
+
+    GPT-2 keys may lack the ``transformer.`` prefix (``GPT2Model`` checkpoints); the legacy
+    ``attn.bias``/``attn.masked_bias`` mask buffers are ignored. ``lm_head.weight`` is
+    ignored for a tied config and required for an untied one. Raises ValueError when
+    ``cfg`` has no HF target, a tensor is missing, has the wrong shape, or is left unused.
+    """
+    arch = hf_architecture(cfg)
+    sd: dict[str, np.ndarray] = {}
+    for key, value in state_dict.items():
+        if arch == GPT2:
+            if _GPT2_IGNORED.search(key):
+                continue
+            if not key.startswith("transformer.") and key != "lm_head.weight":
+                key = "transformer." + key
+        sd[key] = value
+    used: set[str] = set()
+
+    def t(key: str, shape: tuple) -> np.ndarray:
+        if key not in sd:
+            raise ValueError(f"Hugging Face state dict has no {key!r} (needed for {arch} with this config)")
+        used.add(key)
+        return _check_shape(key, _to_numpy(sd[key]).astype(np.float32), shape)
+
+    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    ffn = cfg.ffn_hidden_size
+    bias = cfg.add_bias_linear
+    emb_key = "transformer.wte.weight" if arch == GPT2 else "model.embed_tokens.weight"
+    if emb_key not in sd:
+        raise ValueError(f"Hugging Face state dict has no {emb_key!r} (is it a {arch} checkpoint?)")
+    v = _to_numpy(sd[emb_key]).shape[0]
+    rows = int(padded_vocab_size) if padded_vocab_size is not None else cfg.padded_vocab_size(v)
+    if rows < v:
+        raise ValueError(f"padded_vocab_size={rows} is smaller than the checkpoint's vocabulary {v}")
+
+    def pad_rows(a: np.ndarray) -> np.ndarray:
+        return a if rows == v else np.concatenate([a, np.zeros((rows - v,) + a.shape[1:], a.dtype)])
+
+    p: dict[str, Any] = {"word_embeddings": {"embedding": pad_rows(t(emb_key, (v, h)))}}
+    if arch == GPT2:
+        p["position_embeddings"] = {"embedding": t("transformer.wpe.weight", (cfg.max_position_embeddings, h))}
+        for i in range(cfg.num_layers):
+            o = f"transformer.h.{i}"
+            w = t(f"{o}.attn.c_attn.weight", (h, 3 * nq * d))
+            b = t(f"{o}.attn.c_attn.bias", (3 * nq * d,))
+            attn = {f"linear_{n}": {"kernel": w[:, j * nq * d:(j + 1) * nq * d].reshape(h, nq, d),
+                                    "bias": b[j * nq * d:(j + 1) * nq * d].reshape(nq, d)}
+                    for j, n in enumerate("qkv")}
+            attn["linear_proj"] = {"kernel": t(f"{o}.attn.c_proj.weight", (nq * d, h)).reshape(nq, d, h),
+                                   "bias": t(f"{o}.attn.c_proj.bias", (h,))}
+            p[f"decoder_layers_{i}"] = {
+                "input_layernorm": {"scale": t(f"{o}.ln_1.weight", (h,)), "bias": t(f"{o}.ln_1.bias", (h,))},
+                "self_attention": attn,
+                "pre_mlp_layernorm": {"scale": t(f"{o}.ln_2.weight", (h,)), "bias": t(f"{o}.ln_2.bias", (h,))},
+                "mlp": {"linear_fc1": {"kernel": t(f"{o}.mlp.c_fc.weight", (h, ffn)),
+                                       "bias": t(f"{o}.mlp.c_fc.bias", (ffn,))},
+                        "linear_fc2": {"kernel": t(f"{o}.mlp.c_proj.weight", (ffn, h)),
+                                       "bias": t(f"{o}.mlp.c_proj.bias", (h,))}},
+            }
+        p["final_layernorm"] = {"scale": t("transformer.ln_f.weight", (h,)), "bias": t("transformer.ln_f.bias", (h,))}
+    else:
+        for i in range(cfg.num_layers):
+            o = f"model.layers.{i}"
+            attn = {}
+            for n, heads in (("q", nq), ("k", nkv), ("v", nkv)):
+                attn[f"linear_{n}"] = {"kernel": t(f"{o}.self_attn.{n}_proj.weight", (heads * d, h)).T.reshape(h, heads, d)}
+                if bias:
+                    attn[f"linear_{n}"]["bias"] = t(f"{o}.self_attn.{n}_proj.bias", (heads * d,)).reshape(heads, d)
+            attn["linear_proj"] = {"kernel": t(f"{o}.self_attn.o_proj.weight", (h, nq * d)).T.reshape(nq, d, h)}
+            fc1 = {"kernel": np.stack([t(f"{o}.mlp.gate_proj.weight", (ffn, h)).T,
+                                       t(f"{o}.mlp.up_proj.weight", (ffn, h)).T], axis=1)}
+            fc2 = {"kernel": t(f"{o}.mlp.down_proj.weight", (h, ffn)).T}
+            if bias:
+                attn["linear_proj"]["bias"] = t(f"{o}.self_attn.o_proj.bias", (h,))
+                fc1["bias"] = np.stack([t(f"{o}.mlp.gate_proj.bias", (ffn,)), t(f"{o}.mlp.up_proj.bias", (ffn,))])
+                fc2["bias"] = t(f"{o}.mlp.down_proj.bias", (h,))
+            p[f"decoder_layers_{i}"] = {
+                "input_layernorm": {"scale": t(f"{o}.input_layernorm.weight", (h,))},
+                "self_attention": attn,
+                "pre_mlp_layernorm": {"scale": t(f"{o}.post_attention_layernorm.weight", (h,))},
+                "mlp": {"linear_fc1": fc1, "linear_fc2": fc2},
+            }
+        p["final_layernorm"] = {"scale": t("model.norm.weight", (h,))}
+    if cfg.untie_embeddings_and_output_weights:
+        p["output_layer"] = {"kernel": np.ascontiguousarray(pad_rows(t("lm_head.weight", (v, h))).T)}
+    else:
+        used.add("lm_head.weight")
+    unused = sorted(set(sd) - used)
+    if unused:
+        raise ValueError(f"Hugging Face state dict has tensors this config does not use: {unused[:8]}"
+                         + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else ""))
+    p = _map_leaves(np.ascontiguousarray, p)
+    if cfg.scan_layers:
+        p = stack_layers(p, cfg.num_layers)
+    return p
+
+
+# ------------------------------------------------------------------------ transformers model
+def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
+                bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None):
+    """A float32 ``transformers`` model (``GPT2LMHeadModel`` / ``LlamaForCausalLM``, eval mode)
+    holding ``params`` (per-layer or scanned), loaded with ``load_state_dict(strict=True)``.
+
+    ``vocab_size`` as in :func:`to_hf_state_dict` (default: the embedding's rows). Imports
+    torch and transformers here (ImportError if missing). Raises ValueError as
+    :func:`to_hf_state_dict`.
+    """
+    import torch
+    import transformers
+
+    sd = to_hf_state_dict(params, cfg, vocab_size)
+    emb_key = "transformer.wte.weight" if "transformer.wte.weight" in sd else "model.embed_tokens.weight"
+    v = sd[emb_key].shape[0]
+    conf = hf_config_dict(cfg, v, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    arch = conf["architectures"][0]
+    config_cls = transformers.GPT2Config if arch == GPT2 else transformers.LlamaConfig
+    config = config_cls.from_dict(conf)
+    model = getattr(transformers, arch)(config).to(torch.float32)
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)) for k, a in sd.items()}
+    if not cfg.untie_embeddings_and_output_weights:
+        tensors["lm_head.weight"] = tensors[emb_key]
+    model.load_state_dict(tensors, strict=True)
+    model.eval()
+    return model

@@ -1,0 +1,83 @@
+"""The one table mapping logical axis names to mesh axes.
+
+Layers name only logical axes (``embed``, ``heads``, ``batch`` ...); this module alone
+knows the mesh. The idea is MaxText's ``logical_axis_rules`` (configs/base.yml); the
+table here is typed and checked: every logical name the model uses must appear in it
+(a silently unmapped axis is replicated, the failure mode of MaxText issue #4005), and
+every mesh axis it names must exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = Optional[str | tuple[str, ...]]
+
+# Megatron-Core tensor parallelism: attention heads, FFN and vocabulary split over
+# "tensor" (column-parallel in, row-parallel out); the batch over "data".
+DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("batch", "data"),
+    ("length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_kv", None),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    ("embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("norm", None),
+    ("layers", None),
+)
+
+
+def check_rules(rules: Sequence[tuple[str, MeshAxes]], mesh: Mesh,
+                used_names: Iterable[str] = ()) -> None:
+    """Raise ValueError if a rule names a mesh axis the mesh lacks, a logical name is
+    mapped twice, or a name in ``used_names`` has no rule."""
+    seen = set()
+    for name, axes in rules:
+        if name in seen:
+            raise ValueError(f"logical axis {name!r} appears twice in the axis rules")
+        seen.add(name)
+        for ax in (axes,) if isinstance(axes, str) else (axes or ()):
+            if ax not in mesh.axis_names:
+                raise ValueError(f"axis rule {name!r} -> {ax!r}: mesh has no axis {ax!r} "
+                                 f"(mesh axes: {mesh.axis_names})")
+    missing = sorted(set(used_names) - seen - {None})
+    if missing:
+        raise ValueError(f"logical axes {missing} have no entry in the axis rules; add them "
+                         f"(mapped to a mesh axis or None) to jmegatron.parallel.rules.DEFAULT_RULES")
+
+
+def logical_names(specs: Any) -> set[str]:
+    """All logical axis names in a pytree of logical PartitionSpecs."""
+    names: set[str] = set()
+    for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+        for entry in spec:
+            for n in (entry,) if isinstance(entry, str) or entry is None else entry:
+                if n is not None:
+                    names.add(n)
+    return names
+
+
+def logical_to_sharding(specs: Any, mesh: Mesh,
+                        rules: Sequence[tuple[str, MeshAxes]] = DEFAULT_RULES) -> Any:
+    """Map a pytree of logical PartitionSpecs to NamedShardings on ``mesh`` (checked)."""
+    check_rules(rules, mesh, logical_names(specs))
+    return nn.logical_to_mesh_sharding(specs, mesh, list(rules))
+
+
+def batch_sharding(mesh: Mesh, ndim: int, batch_dim: int = 0) -> NamedSharding:
+    """Sharding of a data array whose ``batch_dim`` is split over the data axis."""
+    spec = [None] * ndim
+    spec[batch_dim] = dict(DEFAULT_RULES)["batch"]
+    return NamedSharding(mesh, PartitionSpec(*spec))

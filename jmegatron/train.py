@@ -1,0 +1,101 @@
+"""``python -m jmegatron.train --config configs/gpt_tiny.py --config.train_iters=200 ...``
+
+Arguments: ``--config PATH`` (a Python file with ``get_config()``), then any number of
+``--config.<field>=<value>`` (or ``--config.<field> <value>``) overrides, the
+ml_collections convention. Values are parsed by the field's type (``True``/``False``,
+ints, floats, ``None``). Every field is validated before anything compiles; an unknown
+field fails with the closest valid names. SIGTERM or Ctrl-C saves a checkpoint and exits 0.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import typing
+from typing import Any, Optional, Sequence
+
+from jmegatron.config import ConfigError, JMegatronConfig, _check_names, load_config_file
+
+USAGE = "usage: python -m jmegatron.train --config CONFIG.py [--config.<field>=<value> ...]"
+
+
+def _parse_value(name: str, text: str) -> Any:
+    hint = typing.get_type_hints(JMegatronConfig)[name]
+    if typing.get_origin(hint) is typing.Union:
+        if text in ("None", "none", "null"):
+            return None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint is bool:
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"config.{name}={text!r} is not a boolean (use True or False).")
+    if hint is str:
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"config.{name}={text!r} is not a valid {hint.__name__}.") from None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, hint) or isinstance(value, bool):
+        raise ConfigError(f"config.{name}={text!r} is not a valid {hint.__name__}.")
+    return value
+
+
+def parse_args(argv: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """(config path, overrides) from ``argv``. Raises ConfigError on a bad argument."""
+    path: Optional[str] = None
+    overrides: dict[str, Any] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("-h", "--help"):
+            raise SystemExit(USAGE + "\n\n" + __doc__)
+        if not arg.startswith("--config"):
+            raise ConfigError(f"unexpected argument {arg!r}; {USAGE}")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value; {USAGE}")
+            value = args[i + 1]
+            i += 1
+        if key == "config":
+            path = value
+        elif key.startswith("config."):
+            name = key[len("config."):]
+            _check_names([name])
+            overrides[name] = _parse_value(name, value)
+        else:
+            raise ConfigError(f"unexpected argument {arg!r}; {USAGE}")
+        i += 1
+    if path is None:
+        raise ConfigError(f"--config is required; {USAGE}")
+    return path, overrides
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        path, overrides = parse_args(argv)
+        cfg = load_config_file(path, overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from jmegatron.training.loop import pretrain
+
+    summary = pretrain(cfg)
+    if summary["interrupted"]:
+        print(f"[jmegatron] stopped by signal at iteration {summary['iteration']}; checkpoint saved", flush=True)
+    return 0
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,163 @@
+"""Model FLOPs per training iteration, parameter counts and MFU.
+
+FLOPs follow ``num_floating_point_operations`` / ``transformer_flops`` in Megatron-LM's
+``megatron/training/training.py`` as of NVIDIA/Megatron-LM commit ``d98e8a64dd``
+(main, 2026-08; the same dense-model result as tags core_v0.12.0 through core_v0.19.0).
+Only the dense GPT/Llama terms are implemented; the MoE, multi-token-prediction,
+multi-latent-attention, attention-output-gate and linear-attention terms of that
+function are all zero for the models jmegatron builds and are left out.
+
+Units: every ``*flops*`` function here returns a count of floating-point operations
+(FLOPs), not a rate. Divide by seconds and 1e12 for TFLOP/s, as Megatron's
+``training_log`` does (see :func:`tflops_per_device`).
+
+Conventions (Megatron's; all are *model* FLOPs, not hardware FLOPs):
+
+* Only matrix multiplications are counted (no norms, softmax, activations, RoPE,
+  residual adds, optimizer step).
+* ``2`` FLOPs per multiply-accumulate (``fma_expansion_factor``) and ``3`` for forward +
+  backward (``forward_backward_expansion_factor``: forward GEMM, weight-gradient GEMM,
+  data-gradient GEMM). Activation recomputation is not counted.
+* Causal core attention counts half the ``s x s`` score matrix: ``QK^T`` and
+  ``softmax(QK^T) V`` together cost ``2 * q_proj * s / 2 * 2`` FLOPs per token and layer,
+  i.e. ``q_proj * s`` multiply-accumulates. Megatron counts it this way since commit
+  8873b55d6a (2025-03-06, first released in core_v0.12.0); core_v0.11.0 and older counted
+  the full square (pass ``causal=False`` to reproduce those numbers). jmegatron's XLA
+  attention really computes the full masked square, so hardware FLOPs are higher.
+* The logit GEMM ``[h, padded_vocab]`` is counted; the input embedding lookup is not.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jmegatron.config import JMegatronConfig
+
+# Megatron's names (megatron/training/training.py, transformer_flops).
+FORWARD_BACKWARD_EXPANSION_FACTOR = 3
+FMA_EXPANSION_FACTOR = 2
+
+
+def _token_linear_flops(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
+    """FLOPs per token (fwd+bwd) that scale linearly with the token count: QKV and output
+    projections, MLP and logits, summed over all layers."""
+    h = cfg.hidden_size
+    query_projection_size = cfg.kv_channels * cfg.num_attention_heads
+    key_projection_size = cfg.kv_channels * cfg.num_query_groups
+    value_projection_size = cfg.kv_channels * cfg.num_query_groups
+    # 3 GEMM-widths of ffn with SwiGLU (h -> 2*ffn, ffn -> h), 2 without (h -> ffn, ffn -> h).
+    ffn_expansion_factor = 3 if cfg.swiglu else 2
+    mlp = h * cfg.ffn_hidden_size * ffn_expansion_factor
+    self_attn = (h * (query_projection_size + key_projection_size + value_projection_size)
+                 + query_projection_size * h)
+    logits = h * padded_vocab_size
+    return (FORWARD_BACKWARD_EXPANSION_FACTOR * FMA_EXPANSION_FACTOR
+            * (cfg.num_layers * (mlp + self_attn) + logits))
+
+
+def _core_attention_flops_per_squared_token(cfg: JMegatronConfig, causal: bool) -> int:
+    """FLOPs (fwd+bwd, all layers) of ``QK^T`` and ``softmax(QK^T) V`` per unit of
+    ``sum_i L_i ** 2`` (``L_i`` the length of each attended sequence)."""
+    query_projection_size = cfg.kv_channels * cfg.num_attention_heads
+    # Megatron: query_projection_size / 2 (causal mask) * 2 (QK^T and (QK^T)V).
+    per_layer = query_projection_size * 2 // (2 if causal else 1)
+    return FORWARD_BACKWARD_EXPANSION_FACTOR * FMA_EXPANSION_FACTOR * per_layer * cfg.num_layers
+
+
+def num_floating_point_operations(cfg: JMegatronConfig, batch_size: int, padded_vocab_size: int,
+                                  *, total_tokens: Optional[int] = None,
+                                  seqlen_squared_sum: Optional[int] = None,
+                                  causal: bool = True) -> float:
+    """FLOPs (a count, not FLOP/s) of one training iteration, forward + backward, over
+    ``batch_size`` sequences of ``cfg.seq_length`` tokens (pass the global batch size for
+    one optimizer step), for a dense GPT/Llama model.
+
+    With ``T = batch_size * s`` tokens, ``q = kv_channels * num_attention_heads``,
+    ``kv = kv_channels * num_query_groups``, ``E = 3`` with SwiGLU else ``2``::
+
+        FLOPs = T * 3 * 2 * (L * (h * ffn * E                # MLP
+                                  + h * (q + 2 * kv)         # QKV projection
+                                  + q * h)                   # output projection
+                             + h * V_padded)                 # logits
+              + B * s**2 * 3 * 2 * L * (q / 2 * 2)           # causal QK^T and (QK^T)V
+
+    exactly ``transformer_flops()`` of Megatron-LM ``megatron/training/training.py``
+    (commit d98e8a64dd; see the module docstring) with no MoE/MTP/MLA. For plain MHA
+    GPT with ``ffn = 4h`` this is the familiar
+    ``72 * B * s * L * h**2 * (1 + s / (12 h) + V / (12 L h))``.
+
+    ``total_tokens`` (``sum_i L_i``) and ``seqlen_squared_sum`` (``sum_i L_i**2``) override
+    the defaults ``batch_size * s`` and ``batch_size * s**2`` for packed sequences with
+    reset attention masks, as Megatron's ``total_real_tokens_in_batch`` /
+    ``seqlen_squared_sum_in_batch``. ``causal=False`` counts the full attention square
+    (Megatron core_v0.11.0 and older).
+    """
+    if batch_size < 0:
+        raise ValueError(f"batch_size={batch_size} must be >= 0.")
+    s = cfg.seq_length
+    tokens = batch_size * s if total_tokens is None else total_tokens
+    squared = batch_size * s * s if seqlen_squared_sum is None else seqlen_squared_sum
+    total = (tokens * _token_linear_flops(cfg, padded_vocab_size)
+             + squared * _core_attention_flops_per_squared_token(cfg, causal))
+    return float(total)
+
+
+def flops_per_token(cfg: JMegatronConfig, padded_vocab_size: int, *, causal: bool = True) -> float:
+    """Training FLOPs (forward + backward) per token of a full ``cfg.seq_length`` sequence:
+    :func:`num_floating_point_operations` for one sequence divided by ``cfg.seq_length``.
+    Close to ``6 * num_parameters`` plus the attention term ``6 * L * q * s`` (causal)."""
+    return num_floating_point_operations(cfg, 1, padded_vocab_size, causal=causal) / cfg.seq_length
+
+
+def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
+    """Exact number of parameters of :class:`jmegatron.models.gpt.GPTModel` for ``cfg``.
+
+    Counts (``d = kv_channels``, ``nq = num_attention_heads``, ``ng = num_query_groups``,
+    norm = ``2h`` for LayerNorm (scale + bias), ``h`` for RMSNorm (scale)):
+
+    * ``word_embeddings``: ``V_padded * h``; ``position_embeddings``:
+      ``max_position_embeddings * h`` if ``position_embedding_type == "learned_absolute"``.
+    * per layer: two norms; ``linear_q`` ``h*nq*d``, ``linear_k``/``linear_v`` ``h*ng*d``
+      each, with biases (``nq*d``, ``ng*d``) if ``add_bias_linear or add_qkv_bias``;
+      ``linear_proj`` ``nq*d*h`` (+ ``h`` bias if ``add_bias_linear``); ``linear_fc1``
+      ``h*ffn`` (``h*2*ffn`` with SwiGLU) (+ ``ffn`` / ``2*ffn`` bias), ``linear_fc2``
+      ``ffn*h`` (+ ``h`` bias).
+    * ``final_layernorm``; ``output_layer`` ``h * V_padded`` (no bias) if untied.
+
+    Megatron's ``theoretical_memory_usage.compute_weight_and_optimizer_memory`` uses the
+    same terms but drops biases and position embeddings; Llama-2-7B (no biases, rope)
+    gives 6,738,415,616 in both.
+    """
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
+    d, nq, ng = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
+    norm = 2 * h if cfg.normalization == "LayerNorm" else h
+    qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
+    fc1_width = 2 * ffn if cfg.swiglu else ffn
+
+    attention = (h * nq * d + 2 * h * ng * d + (nq * d + 2 * ng * d if qkv_bias else 0)
+                 + nq * d * h + (h if cfg.add_bias_linear else 0))
+    mlp = (h * fc1_width + ffn * h + (fc1_width + h if cfg.add_bias_linear else 0))
+    layer = 2 * norm + attention + mlp
+
+    embeddings = padded_vocab_size * h
+    if cfg.position_embedding_type == "learned_absolute":
+        embeddings += cfg.max_position_embeddings * h
+    output = h * padded_vocab_size if cfg.untie_embeddings_and_output_weights else 0
+    return embeddings + cfg.num_layers * layer + norm + output
+
+
+def tflops_per_device(flops: float, seconds: float, num_devices: int) -> float:
+    """Achieved model TFLOP/s per device: ``flops / (seconds * 1e12 * num_devices)``, as
+    Megatron's ``throughput per GPU (TFLOP/s/GPU)`` in ``training_log``."""
+    if seconds <= 0 or num_devices <= 0:
+        raise ValueError(f"seconds={seconds} and num_devices={num_devices} must be > 0.")
+    return flops / (seconds * 1e12 * num_devices)
+
+
+def mfu(tflops_per_device: float, peak_tflops: float) -> float:
+    """Model FLOPs utilization, a fraction in [0, 1] for sane inputs: achieved model
+    TFLOP/s per device (see :func:`tflops_per_device`) over the device's peak TFLOP/s
+    (both rates, same units). Raises ValueError for a non-positive peak."""
+    if peak_tflops <= 0:
+        raise ValueError(f"peak_tflops={peak_tflops} must be > 0 (set config.peak_tflops).")
+    return tflops_per_device / peak_tflops

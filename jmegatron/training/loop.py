@@ -1,0 +1,255 @@
+"""The pretraining loop: config -> mesh -> model/state -> data -> jitted step -> logs
+and checkpoints (the role of Megatron's ``pretrain``/``train`` in
+megatron/training/training.py).
+
+Everything with side effects lives here; the step itself is pure (``step.py``).
+Importable pieces for research code: :func:`build` gives a :class:`Run` (mesh, model,
+optimizer, shardings, jitted steps) and :func:`pretrain` runs the whole job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import threading
+import time
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from jmegatron.config import JMegatronConfig
+from jmegatron.data.loader import BatchLoader
+from jmegatron.models.gpt import GPTModel, ModelConfig
+from jmegatron.parallel.mesh import create_mesh
+from jmegatron.training import checkpointing, flops, optimizer, state as state_lib, step as step_lib
+from jmegatron.training.logging import MetricsLogger
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built once before the first step. ``train_step(state, batch)`` and
+    ``eval_step(params, batch)`` are jitted; ``state_shardings`` is a TrainState of
+    NamedShardings, ``abstract_state`` its ShapeDtypeStructs."""
+
+    cfg: JMegatronConfig
+    mesh: Mesh
+    model: GPTModel
+    tx: optax.GradientTransformation
+    padded_vocab_size: int
+    num_microbatches: int
+    global_batch_size: int
+    abstract_state: Any
+    state_shardings: Any
+    train_step: Any
+    eval_step: Any
+
+    def init_state(self) -> state_lib.TrainState:
+        return state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
+                                          self.state_shardings)
+
+    def abstract_with_shardings(self) -> Any:
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self.abstract_state, self.state_shardings)
+
+    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Place a host batch ``[num_micro, gbs / num_micro, seq]`` on the mesh."""
+        return jax.device_put(batch, step_lib.batch_shardings(self.mesh))
+
+
+def vocab_size_of(cfg: JMegatronConfig) -> int:
+    """The unpadded vocabulary: ``cfg.vocab_size`` or the tokenizer's."""
+    if cfg.vocab_size is not None:
+        return cfg.vocab_size
+    from jmegatron.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(cfg.tokenizer_model).vocab_size
+
+
+def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optional[int] = None) -> Run:
+    """Build mesh, model, optimizer and the jitted steps for ``cfg`` (nothing allocated yet).
+
+    Raises ConfigError when the parallel sizes or batch sizes do not fit the devices.
+    """
+    mesh = mesh or create_mesh(cfg)
+    dp = mesh.shape["data"]
+    num_micro = cfg.num_microbatches(dp)
+    padded = cfg.padded_vocab_size(vocab_size if vocab_size is not None else vocab_size_of(cfg))
+    model = GPTModel(ModelConfig.from_config(cfg, padded))
+    tx = optimizer.make_optimizer(cfg)
+    abstract, shardings = state_lib.state_shardings(model, tx, cfg.seq_length, mesh)
+    train_step = step_lib.jit_train_step(
+        step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg)), mesh, shardings)
+    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model), mesh, shardings.params)
+    return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
+               num_microbatches=num_micro, global_batch_size=num_micro * cfg.micro_batch_size * dp,
+               abstract_state=abstract, state_shardings=shardings, train_step=train_step,
+               eval_step=eval_step)
+
+
+def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
+    """(train, valid, test) datasets sized as Megatron's
+    ``build_train_valid_test_datasets`` (train_iters * gbs, evaluations * eval_iters * gbs)."""
+    from jmegatron.data.blended_dataset import build_train_valid_test_datasets
+
+    evals = (cfg.train_iters // cfg.eval_interval + 1) if cfg.eval_interval else 1
+    num_samples = (cfg.train_iters * global_batch_size,
+                   evals * cfg.eval_iters * global_batch_size,
+                   cfg.eval_iters * global_batch_size)
+    eod = None
+    if cfg.tokenizer_model:
+        from jmegatron.data.tokenizer import load_tokenizer
+
+        eod = load_tokenizer(cfg.tokenizer_model).eod
+    data_path = cfg.data_path.split() if cfg.data_path else []
+    return build_train_valid_test_datasets(
+        data_path=data_path, split=cfg.split, train_valid_test_num_samples=num_samples,
+        seq_length=cfg.seq_length, seed=cfg.seed, eod_id=eod, mock=cfg.mock_data,
+        vocab_size=cfg.vocab_size)
+
+
+def evaluate(run: Run, params: Any, dataset: Any, num_iters: int) -> float:
+    """Mean per-token validation loss (nats) over the first ``num_iters`` global batches
+    of ``dataset`` (the same batches at every evaluation, so curves compare)."""
+    loader = BatchLoader(dataset, run.global_batch_size, run.num_microbatches)
+    total, count = 0.0, 0.0
+    for i in range(num_iters):
+        t, c = run.eval_step(params, run.put_batch(loader.batch_at(i * run.global_batch_size)))
+        total, count = total + float(t), count + float(c)
+    return total / max(count, 1.0)
+
+
+class _StopRequest:
+    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits cleanly
+    (Megatron's --exit-signal-handler)."""
+
+    def __init__(self, enabled: bool):
+        self.event = threading.Event()
+        self._previous = {}
+        if enabled and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        print(f"[jmegatron] received signal {signum}: saving a checkpoint and exiting", flush=True)
+        self.event.set()
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _meta(cfg: JMegatronConfig, run: Run, iteration: int, consumed: int) -> dict:
+    return {"iteration": iteration, "consumed_train_samples": consumed,
+            "padded_vocab_size": run.padded_vocab_size, "config": cfg.to_dict()}
+
+
+def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[Any, int, int]:
+    """(state, iteration, consumed_train_samples): restored from the latest checkpoint in
+    ``cfg.load`` (resharded to this run's layout) or freshly initialised."""
+    cfg = run.cfg
+    load_dir = cfg.load
+    if load_dir and checkpointing.has_checkpoint(load_dir):
+        loader_ckpt = ckpt if ckpt and ckpt.directory == os.path.abspath(load_dir) else \
+            checkpointing.Checkpointer(load_dir, create=False)
+        meta = loader_ckpt.read_meta()
+        checkpointing.check_compatible(cfg, meta["config"], run.padded_vocab_size,
+                                       meta["padded_vocab_size"], loader_ckpt.directory)
+        state, meta = loader_ckpt.restore(run.abstract_with_shardings())
+        print(f"[jmegatron] resumed from {loader_ckpt.directory} at iteration {meta['iteration']}", flush=True)
+        return state, int(meta["iteration"]), int(meta["consumed_train_samples"])
+    if cfg.load and cfg.load != cfg.save:
+        raise checkpointing.CheckpointError(f"config.load={cfg.load!r} holds no checkpoint")
+    return run.init_state(), 0, 0
+
+
+def default_peak_tflops(cfg: JMegatronConfig) -> float:
+    """Configured ``peak_tflops`` or a measured matmul peak of this device."""
+    if cfg.peak_tflops:
+        return cfg.peak_tflops
+    from jmegatron.training.peak import measure_matmul_tflops
+    import jax.numpy as jnp
+
+    return measure_matmul_tflops(dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32)
+
+
+def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
+    """Train ``cfg.train_iters`` iterations (resuming from ``cfg.load``), evaluating every
+    ``eval_interval``, saving every ``save_interval`` and at the end. Returns a summary
+    dict: ``iteration``, ``losses`` (iteration -> loss of this process's run),
+    ``val_loss``, ``interrupted``.
+    """
+    run = build(cfg, mesh)
+    ckpt = None
+    if cfg.save:
+        os.makedirs(cfg.save, exist_ok=True)
+        ckpt = checkpointing.Checkpointer(cfg.save, cfg.keep_checkpoints, cfg.async_save)
+        with open(os.path.join(cfg.save, "config.json"), "w") as f:
+            f.write(cfg.to_json())
+    state, iteration, consumed = load_or_init(run, ckpt)
+    train_ds, valid_ds, _ = build_datasets(cfg, run.global_batch_size)
+    loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches, consumed)
+    num_devices = run.mesh.devices.size
+    flops_per_iter = flops.num_floating_point_operations(cfg, run.global_batch_size, run.padded_vocab_size)
+    logger = MetricsLogger(cfg.save, cfg.tensorboard_dir or (os.path.join(cfg.save, "tensorboard") if cfg.save else None),
+                           flops_per_iter, num_devices, default_peak_tflops(cfg), cfg.train_iters)
+    print(f"[jmegatron] {num_devices} devices, mesh {dict(run.mesh.shape)}, "
+          f"{flops.num_parameters(cfg, run.padded_vocab_size):,} parameters, global batch "
+          f"{run.global_batch_size} = {run.num_microbatches} micro-batches x {cfg.micro_batch_size} x dp "
+          f"{run.mesh.shape['data']}, peak {logger.peak_tflops:.3f} TFLOP/s/device", flush=True)
+    stop = _StopRequest(cfg.exit_signal_handler)
+    summary = {"losses": {}, "val_loss": None, "interrupted": False}
+    pending: list[tuple[int, dict]] = []
+    last_log = time.perf_counter()
+    saved_at = iteration
+
+    def save(it: int):
+        nonlocal saved_at
+        if ckpt and saved_at != it:
+            ckpt.save(it, state, _meta(cfg, run, it, loader.consumed_samples))
+            saved_at = it
+
+    def run_eval(it: int):
+        if valid_ds is not None and len(valid_ds) and cfg.eval_iters:
+            val = evaluate(run, state.params, valid_ds, cfg.eval_iters)
+            logger.log_eval(it, val)
+            summary["val_loss"] = val
+
+    try:
+        while iteration < cfg.train_iters:
+            state, metrics = run.train_step(state, run.put_batch(next(loader)))
+            iteration += 1
+            pending.append((iteration, metrics))
+            if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stop.event.is_set():
+                host = jax.device_get([m for _, m in pending])
+                now = time.perf_counter()
+                logger.log_train(iteration, host, now - last_log)
+                for (it, _), m in zip(pending, host):
+                    summary["losses"][it] = float(m["lm_loss"])
+                    if not math.isfinite(float(m["lm_loss"])):
+                        raise FloatingPointError(f"lm loss is {m['lm_loss']} at iteration {it}")
+                pending, last_log = [], time.perf_counter()
+            if cfg.eval_interval and iteration % cfg.eval_interval == 0:
+                run_eval(iteration)
+                last_log = time.perf_counter()
+            if cfg.save_interval and iteration % cfg.save_interval == 0:
+                save(iteration)
+            if stop.event.is_set():
+                summary["interrupted"] = True
+                break
+        if not summary["interrupted"] and cfg.eval_interval and iteration % cfg.eval_interval:
+            run_eval(iteration)
+        save(iteration)
+    finally:
+        stop.restore()
+        if ckpt:
+            ckpt.close()
+        logger.close()
+    summary["iteration"] = iteration
+    summary["state"] = state
+    summary["run"] = run
+    return summary

@@ -1,0 +1,168 @@
+"""FLOPs, parameter counts and MFU against hand-computed values (Megatron-LM's
+transformer_flops formula; see jmegatron/training/flops.py)."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jmegatron.config import load_config_file
+from jmegatron.models.gpt import GPTModel, ModelConfig
+from jmegatron.training import flops
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+def _load(name, **overrides):
+    return load_config_file(str(CONFIGS / name), overrides)
+
+
+# ----------------------------------------------------------------- configs
+def test_reference_configs_validate():
+    gpt = _load("gpt3_345m.py")
+    assert (gpt.num_layers, gpt.hidden_size, gpt.num_attention_heads, gpt.seq_length) == (24, 1024, 16, 1024)
+    assert gpt.ffn_hidden_size == 4096 and gpt.kv_channels == 64 and gpt.num_query_groups == 16
+    assert gpt.padded_vocab_size() == 50304  # 50257 -> next multiple of 128: 393 * 128
+    llama = _load("llama2_7b.py")
+    assert (llama.num_layers, llama.hidden_size, llama.ffn_hidden_size, llama.seq_length) == (32, 4096, 11008, 4096)
+    assert llama.kv_channels == 128 and llama.num_query_groups == 32
+    assert llama.padded_vocab_size() == 32000  # 250 * 128: no padding at tp=1
+    assert _load("llama2_7b.py", tensor_model_parallel_size=8).padded_vocab_size() == 32768  # multiple of 1024
+
+
+# ------------------------------------------------------------ parameter counts
+def test_num_parameters_gpt3_345m():
+    cfg = _load("gpt3_345m.py")
+    h, V, P, L = 1024, 50304, 1024, 24
+    per_layer = (
+        2 * (2 * h)               # input_layernorm + pre_mlp_layernorm, scale + bias
+        + 3 * (h * h + h)         # linear_q/k/v kernels + biases
+        + (h * h + h)             # linear_proj
+        + (h * 4 * h + 4 * h)     # linear_fc1
+        + (4 * h * h + h)         # linear_fc2
+    )
+    expected = V * h + P * h + L * per_layer + 2 * h
+    assert expected == 354_871_296  # = HF GPT-2 medium 354,823,168 + 47 padding rows * 1024
+    assert flops.num_parameters(cfg, cfg.padded_vocab_size()) == expected
+    # Unpadded GPT-2 vocabulary gives Hugging Face's gpt2-medium count.
+    assert flops.num_parameters(cfg, 50257) == 354_823_168
+
+
+def test_num_parameters_llama2_7b():
+    cfg = _load("llama2_7b.py")
+    h, f, L = 4096, 11008, 32
+    per_layer = 4 * h * h + 3 * h * f + 2 * h  # q, k, v, o; gate, up, down; two RMSNorm scales
+    assert flops.num_parameters(cfg, 32000) == 32000 * h + L * per_layer + h + h * 32000 == 6_738_415_616
+    assert flops.num_parameters(cfg, cfg.padded_vocab_size()) == 6_738_415_616
+    # tp=8 pads the vocabulary to 32768: 768 extra rows in each of the two untied tables.
+    tp8 = _load("llama2_7b.py", tensor_model_parallel_size=8)
+    assert flops.num_parameters(tp8, tp8.padded_vocab_size()) == 6_738_415_616 + 2 * 768 * 4096 == 6_744_707_072
+
+
+def _model_param_count(cfg, padded_vocab):
+    model = GPTModel(ModelConfig.from_config(cfg, padded_vocab))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens))["params"]
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(shapes))
+
+
+TINY = {"mock_data": True, "vocab_size": 1000}
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("gpt_tiny.py", {}),
+    ("llama_tiny.py", {}),
+    ("gpt_tiny.py", {"scan_layers": True}),
+    ("gpt_tiny.py", {"untie_embeddings_and_output_weights": True, "swiglu": True}),
+    ("gpt_tiny.py", {"add_bias_linear": False, "position_embedding_type": "none"}),
+    ("llama_tiny.py", {"add_qkv_bias": True, "kv_channels": 48}),
+    ("llama_tiny.py", {"num_query_groups": 8, "normalization": "LayerNorm"}),
+])
+def test_num_parameters_matches_model(name, overrides):
+    cfg = _load(name, **TINY, **overrides)
+    v = cfg.padded_vocab_size()
+    assert v == 1024
+    assert flops.num_parameters(cfg, v) == _model_param_count(cfg, v)
+
+
+def test_num_parameters_tiny_by_hand():
+    gpt = _load("gpt_tiny.py", **TINY)  # h 256, ffn 1024, 4 layers, 256 positions, tied
+    h = 256
+    gpt_layer = 2 * 2 * h + 4 * (h * h + h) + (h * 1024 + 1024) + (1024 * h + h)
+    assert flops.num_parameters(gpt, 1024) == 1024 * h + 256 * h + 4 * gpt_layer + 2 * h == 3_487_232
+    llama = _load("llama_tiny.py", **TINY)  # h 256, ffn 688, 8 heads, 2 groups, d 32, untied
+    llama_layer = 2 * h + h * 8 * 32 + 2 * h * 2 * 32 + 8 * 32 * h + h * 2 * 688 + 688 * h
+    assert flops.num_parameters(llama, 1024) == 2 * 1024 * h + 4 * llama_layer + h == 3_295_488
+
+
+# ------------------------------------------------------------------- FLOPs
+def test_flops_gpt3_345m():
+    cfg = _load("gpt3_345m.py")
+    B, s, h, L, ffn, V = 8, 1024, 1024, 24, 4096, 50304
+    # per token: 3 (fwd+bwd) * 2 (FMA) * [L * (MLP h*ffn*2 + QKV h*3h + proj h*h) + logits h*V]
+    per_token_linear = 3 * 2 * (L * (h * ffn * 2 + h * 3 * h + h * h) + h * V)
+    assert per_token_linear == 2_121_007_104
+    # causal core attention: 3 * 2 * L * (q * s / 2 * 2) with q = h
+    per_token_attention = 3 * 2 * L * h * s
+    assert per_token_attention == 150_994_944
+    expected = B * s * (per_token_linear + per_token_attention)
+    assert expected == 18_612_240_777_216
+    got = flops.num_floating_point_operations(cfg, B, cfg.padded_vocab_size())
+    assert isinstance(got, float) and got == expected
+    # The closed form 72 B s L h^2 (1 + s/(12h) + V/(12 L h)) for MHA with ffn = 4h.
+    assert got == pytest.approx(72 * B * s * L * h**2 * (1 + s / (12 * h) + V / (12 * L * h)), rel=1e-12)
+    # Megatron <= core_v0.11.0 counted the full s x s attention square.
+    assert flops.num_floating_point_operations(cfg, B, V, causal=False) == B * s * (per_token_linear + 2 * per_token_attention) == 19_849_191_358_464
+    assert flops.flops_per_token(cfg, V) == 2_272_002_048
+
+
+def test_flops_llama2_7b():
+    cfg = _load("llama2_7b.py")
+    s, h, L, ffn, V = 4096, 4096, 32, 11008, 32000
+    # SwiGLU: h -> 2*ffn and ffn -> h, ffn_expansion_factor 3; MHA: k and v are h wide.
+    per_token_linear = 3 * 2 * (L * (h * ffn * 3 + h * (h + h + h) + h * h) + h * V)
+    assert per_token_linear == 39_642_464_256
+    per_token_attention = 3 * 2 * L * (h * s // 2 * 2)
+    assert per_token_attention == 3_221_225_472
+    assert flops.flops_per_token(cfg, V) == 42_863_689_728
+    one_step = 1024 * s * (per_token_linear + per_token_attention)  # 4M-token global batch
+    assert flops.num_floating_point_operations(cfg, 1024, cfg.padded_vocab_size()) == one_step == 179_783_345_280_909_312
+    # The 6N approximation is within 6% here (attention adds 3.2e9 per token at s = 4096).
+    assert flops.flops_per_token(cfg, V) / (6 * 6_738_415_616) == pytest.approx(1.0602, abs=1e-4)
+    # tp=8 pads the logit GEMM to 32768 columns.
+    assert flops.num_floating_point_operations(cfg, 1, 32768) == s * (per_token_linear + 3 * 2 * h * 768 + per_token_attention)
+
+
+def test_flops_gqa_tiny():
+    cfg = _load("llama_tiny.py", **TINY)  # h 256, ffn 688, L 4, 8 heads, 2 groups, d 32, s 256
+    s, h, L, ffn, V = 256, 256, 4, 688, 1024
+    q, kv = 8 * 32, 2 * 32
+    per_token = 3 * 2 * (L * (h * ffn * 3 + h * (q + 2 * kv) + q * h) + h * V) + 3 * 2 * L * q * s
+    assert per_token == 3 * 2 * (4 * (528_384 + 98_304 + 65_536) + 262_144) + 1_572_864 == 19_759_104
+    assert flops.num_floating_point_operations(cfg, 3, V) == 3 * s * per_token
+    # kv_channels != h / heads changes q, kv and the attention term.
+    wide = _load("llama_tiny.py", **TINY, kv_channels=48)
+    q, kv = 8 * 48, 2 * 48
+    per_token = 3 * 2 * (L * (h * ffn * 3 + h * (q + 2 * kv) + q * h) + h * V) + 3 * 2 * L * q * s
+    assert flops.num_floating_point_operations(wide, 1, V) == s * per_token
+
+
+def test_flops_packed_sequences():
+    cfg = _load("gpt_tiny.py", **TINY)  # h 256, ffn 1024, L 4, s 256
+    h, L, V = 256, 4, 1024
+    linear = 3 * 2 * (L * (h * 1024 * 2 + h * 3 * h + h * h) + h * V)
+    core = 3 * 2 * L * h  # per unit of sum(L_i^2), causal
+    # two documents of 100 and 156 tokens in one 256-token row with reset attention masks
+    got = flops.num_floating_point_operations(cfg, 1, V, total_tokens=256, seqlen_squared_sum=100**2 + 156**2)
+    assert got == 256 * linear + (100**2 + 156**2) * core
+    assert got < flops.num_floating_point_operations(cfg, 1, V)
+
+
+def test_mfu_and_throughput():
+    assert flops.tflops_per_device(2.0e15, 2.0, 4) == 250.0
+    assert flops.mfu(250.0, 1000.0) == 0.25
+    with pytest.raises(ValueError):
+        flops.mfu(1.0, 0.0)
+    with pytest.raises(ValueError):
+        flops.tflops_per_device(1.0, 0.0, 1)
