@@ -67,10 +67,12 @@ def model_of(cfg):
 
 
 def random_params(cfg, seed: int = 0) -> dict:
-    """Model-initialised params with every leaf redrawn so each tensor matters: kernels and
-    embeddings large enough for peaked attention, norm scales ~1 +- 0.2, biases ~0 +- 0.2."""
+    """The model's param tree (float32 numpy) with every leaf redrawn so each tensor
+    matters: kernels and embeddings large enough for peaked attention, norm scales
+    ~1 +- 0.2, biases ~0 +- 0.2."""
     tokens = jnp.zeros((1, SEQ), jnp.int32)
-    params = nn.unbox(model_of(cfg).init(jax.random.PRNGKey(seed), tokens))["params"]
+    # Only the tree structure and shapes are needed (every leaf is redrawn below).
+    params = nn.unbox(jax.eval_shape(model_of(cfg).init, jax.random.PRNGKey(seed), tokens))["params"]
     rng = np.random.default_rng(seed)
 
     def redraw(path, leaf):

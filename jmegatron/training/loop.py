@@ -253,3 +253,33 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
     summary["state"] = state
     summary["run"] = run
     return summary
+
+
+def restore_run(load_dir: str, mesh: Optional[Mesh] = None,
+                iteration: Optional[int] = None, **overrides) -> tuple[Run, Any, dict]:
+    """(Run, TrainState, meta) rebuilt from a checkpoint's own resolved config, for
+    evaluation, sampling and export. ``overrides`` replace config fields (e.g. batch
+    sizes). Raises CheckpointError for a missing or corrupt checkpoint."""
+    from jmegatron.config import from_configdict
+
+    if not checkpointing.has_checkpoint(load_dir):
+        raise checkpointing.CheckpointError(f"no checkpoint found in {os.path.abspath(load_dir)}")
+    ckpt = checkpointing.Checkpointer(load_dir, create=False)
+    meta = ckpt.read_meta(iteration)
+    saved = dict(meta["config"])
+    saved.update(overrides)
+    cfg = from_configdict(saved)
+    run = build(cfg, mesh or create_mesh(cfg.replace(tensor_model_parallel_size=1,
+                                                     pipeline_model_parallel_size=1,
+                                                     context_parallel_size=1,
+                                                     expert_model_parallel_size=1),
+                                         jax.devices()[:1]),
+                vocab_size=_unpadded_vocab(cfg, meta))
+    state, meta = ckpt.restore(run.abstract_with_shardings(), iteration)
+    ckpt.close()
+    return run, state, meta
+
+
+def _unpadded_vocab(cfg: JMegatronConfig, meta: dict) -> int:
+    # Any vocabulary size that pads to the saved one rebuilds the same model.
+    return cfg.vocab_size or meta["padded_vocab_size"]

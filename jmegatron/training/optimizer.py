@@ -54,6 +54,7 @@ def lr_schedule(cfg: JMegatronConfig) -> optax.Schedule:
             else:  # pragma: no cover - validated by the config
                 raise ValueError(f"lr_decay_style {style!r}")
             after = min_lr + coeff * (max_lr - min_lr)
+        if style != "constant":
             after = jnp.where(step > decay, min_lr, after)
         return jnp.where((warmup > 0) & (step <= warmup), warm, after)
 

@@ -77,7 +77,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         grads = jax.tree.map(lambda g: g / num_micro, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"lm_loss": loss / num_micro, "grad_norm": optax.global_norm(grads),
+        metrics = {"lm_loss": loss / num_micro, "grad_norm": optax.tree.norm(grads),
                    "lr": jnp.asarray(schedule(state.step), jnp.float32), "num_tokens": tokens}
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics

@@ -1,0 +1,280 @@
+"""Tokenize raw text into Megatron ``.bin``/``.idx`` files.
+
+Follows Megatron-LM ``tools/preprocess_data.py`` (no sentence splitting): every document is
+tokenized, optionally followed by the end-of-document token (``--append-eod``), and stored as
+one sequence of one document in ``{output_prefix}_{key}_document.bin/.idx`` with the token dtype
+Megatron picks (uint16 if the vocabulary has fewer than 65500 ids, else int32).
+
+Usage::
+
+    python -m jmegatron.tools.preprocess_data --input data/ --output-prefix out/corpus \\
+        --tokenizer-model tokenizer.json --append-eod --workers 2
+
+Inputs (``--input``, one or more): a ``.jsonl``/``.json`` file (one JSON object per line; each
+``--json-keys`` key is a document), any other file (the whole file is one ``text`` document), a
+directory (its ``*.txt``, ``*.jsonl`` and ``*.json`` files, sorted by name, not recursive), or a
+glob pattern. Documents keep the order of the inputs.
+
+Parallelism: the input byte stream is cut into line-aligned shards, the shards are tokenized by
+``--workers`` processes into temporary part files, and the parts are merged in order with
+``IndexedDatasetBuilder.add_index``; the output bytes do not depend on the worker count.
+The final prefix of each key is printed on stdout (progress goes to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import multiprocessing
+import os
+import sys
+import time
+from typing import List, Optional, Sequence, Tuple
+
+__all__ = ["main", "resolve_inputs", "preprocess", "get_args"]
+
+_INPUT_SUFFIXES = (".txt", ".jsonl", ".json")
+
+
+def resolve_inputs(inputs: Sequence[str]) -> List[str]:
+    """Expand ``--input`` values into an ordered list of files.
+
+    A directory gives its ``.txt/.jsonl/.json`` files sorted by name; a string with glob
+    characters that is not an existing file gives its sorted matches; a file gives itself.
+
+    Raises:
+        FileNotFoundError: an input does not exist / a glob or directory matches nothing.
+    """
+    files: List[str] = []
+    for item in inputs:
+        item = os.fspath(item)
+        if os.path.isdir(item):
+            found = sorted(
+                os.path.join(item, n) for n in os.listdir(item)
+                if n.endswith(_INPUT_SUFFIXES) and os.path.isfile(os.path.join(item, n))
+            )
+            if not found:
+                raise FileNotFoundError(
+                    f"--input directory {item} has no {'/'.join(_INPUT_SUFFIXES)} files"
+                )
+            files.extend(found)
+        elif os.path.isfile(item):
+            files.append(item)
+        elif glob.has_magic(item):
+            found = sorted(f for f in glob.glob(item) if os.path.isfile(f))
+            if not found:
+                raise FileNotFoundError(f"--input pattern {item!r} matches no files")
+            files.extend(found)
+        else:
+            raise FileNotFoundError(f"--input {item!r}: no such file or directory")
+    return files
+
+
+def _is_json(path: str) -> bool:
+    return path.endswith((".jsonl", ".json"))
+
+
+# ---------------------------------------------------------------- worker side
+_WORKER = {}
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from jmegatron.data.tokenizer import load_tokenizer
+
+    _WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
+
+
+def _iter_shard_docs(files: Sequence[Tuple[str, int, int]], lo: int, hi: int):
+    """Yield (path, lineno or 0, raw text) of every document starting in global bytes [lo, hi).
+
+    ``files`` is [(path, global_base, size)]. A JSON line belongs to the shard containing its
+    first byte; a plain-text file to the shard containing the file's first byte.
+    """
+    for path, base, size in files:
+        start, end = max(lo, base), min(hi, base + size)
+        if _is_json(path):
+            if start >= end:
+                continue
+            with open(path, "rb") as f:
+                pos = start - base
+                if pos > 0:
+                    f.seek(pos - 1)
+                    pos += len(f.readline()) - 1  # skip to the next line start
+                while pos < end - base:
+                    line = f.readline()
+                    if not line:
+                        break
+                    pos += len(line)
+                    yield path, pos, line
+        elif lo <= base < hi:
+            with open(path, "rb") as f:
+                yield path, 0, f.read()
+
+
+def _encode_shard(task) -> Tuple[int, int]:
+    """Tokenize one shard into per-key part files; returns (documents, tokens)."""
+    import numpy as np
+
+    from jmegatron.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, \
+        get_idx_path
+
+    files, lo, hi, part_prefixes, json_keys, append_eod = task
+    tok = _WORKER["tokenizer"]
+    dtype = DType.optimal_dtype(tok.vocab_size)
+    builders = {k: IndexedDatasetBuilder(get_bin_path(p), dtype=dtype)
+                for k, p in part_prefixes.items()}
+    n_docs = n_tokens = 0
+    try:
+        for path, where, raw in _iter_shard_docs(files, lo, hi):
+            try:
+                text_raw = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}: not UTF-8 text ({err})") from None
+            if _is_json(path):
+                if not text_raw.strip():
+                    continue
+                try:
+                    record = json.loads(text_raw)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path} (line ending at byte {where}): invalid JSON "
+                                     f"({err})") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path} (line ending at byte {where}): not a JSON object")
+            else:
+                record = {"text": text_raw}
+            for key in json_keys:
+                if key not in record:
+                    raise ValueError(
+                        f"{path}" + (f" (line ending at byte {where})" if where else "")
+                        + f": no {key!r} key (plain-text files only provide 'text'; "
+                        "check --json-keys)"
+                    )
+                ids = tok.tokenize(str(record[key]))
+                if ids and append_eod:
+                    ids.append(tok.eod)
+                builders[key].add_document(np.asarray(ids, dtype=np.int64),
+                                           [len(ids)] if ids else [])
+                n_tokens += len(ids)
+            n_docs += 1
+    finally:
+        for key, b in builders.items():
+            b.finalize(get_idx_path(part_prefixes[key]))
+    return n_docs, n_tokens
+
+
+# ---------------------------------------------------------------- driver side
+def _shard_bounds(files: Sequence[Tuple[str, int, int]], num_shards: int) -> List[int]:
+    total = sum(size for _, _, size in files)
+    bounds = [round(total * k / num_shards) for k in range(num_shards + 1)]
+    bounds[-1] = total + 1  # make the last shard include everything
+    return bounds
+
+
+def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str,
+               json_keys: Sequence[str] = ("text",), append_eod: bool = False,
+               workers: int = 1, log=sys.stderr) -> List[str]:
+    """Library entry point of the tool; returns the output prefixes, one per json key.
+
+    Raises:
+        FileNotFoundError: missing input/tokenizer.  ValueError: bad JSON, missing keys,
+        non-UTF-8 input, workers < 1.
+    """
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    paths = resolve_inputs(inputs)
+    from jmegatron.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, \
+        get_idx_path
+    from jmegatron.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_model)  # fail early, and pick the dtype
+    dtype = DType.optimal_dtype(tok.vocab_size)
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    finals = {k: f"{output_prefix}_{k}_document" for k in json_keys}
+
+    files, base = [], 0
+    for p in paths:
+        size = os.path.getsize(p)
+        files.append((p, base, size))
+        base += size
+
+    t0 = time.time()
+    if workers == 1:
+        # one shard, written straight to the final files
+        _WORKER["tokenizer"] = tok
+        n_docs, n_tokens = _encode_shard((files, 0, base + 1, finals, list(json_keys),
+                                          append_eod))
+    else:
+        num_shards = workers * 4
+        bounds = _shard_bounds(files, num_shards)
+        parts = [{k: f"{finals[k]}.part{i:05d}" for k in json_keys} for i in range(num_shards)]
+        tasks = [(files, bounds[i], bounds[i + 1], parts[i], list(json_keys), append_eod)
+                 for i in range(num_shards)]
+        try:
+            # spawn, not fork: the parent may hold JAX / tokenizers threads.
+            ctx = multiprocessing.get_context("spawn")
+            with ctx.Pool(workers, initializer=_init_worker, initargs=(tok.path,)) as pool:
+                results = pool.map(_encode_shard, tasks, chunksize=1)
+            n_docs = sum(r[0] for r in results)
+            n_tokens = sum(r[1] for r in results)
+            for key in json_keys:
+                builder = IndexedDatasetBuilder(get_bin_path(finals[key]), dtype=dtype)
+                for part in parts:
+                    builder.add_index(part[key])
+                builder.finalize(get_idx_path(finals[key]))
+        finally:
+            for part in parts:
+                for p in part.values():
+                    for f in (get_bin_path(p), get_idx_path(p)):
+                        if os.path.exists(f):
+                            os.remove(f)
+    if log is not None:
+        print(f"preprocess_data: {len(paths)} files, {n_docs} documents, {n_tokens} tokens "
+              f"({len(json_keys)} key(s)), dtype {dtype.__name__}, {time.time() - t0:.2f}s",
+              file=log)
+    return [finals[k] for k in json_keys]
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse the command line (Megatron flag names)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jmegatron.tools.preprocess_data",
+        description="Tokenize text/jsonl into Megatron .bin/.idx files.",
+    )
+    g = parser.add_argument_group("input data")
+    g.add_argument("--input", nargs="+", required=True,
+                   help="files, directories (their .txt/.jsonl/.json, sorted) or glob patterns")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="keys to extract from each JSON line (default: text)")
+    g = parser.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="HuggingFaceTokenizer",
+                   choices=["HuggingFaceTokenizer"],
+                   help="only HuggingFace tokenizer.json files are supported")
+    g.add_argument("--tokenizer-model", required=True, help="path to a tokenizer.json")
+    g.add_argument("--append-eod", action="store_true",
+                   help="append the <|endoftext|> id to every non-empty document")
+    g = parser.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True,
+                   help="writes {prefix}_{key}_document.bin/.idx")
+    g = parser.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[str]:
+    """CLI entry point; prints each output prefix on stdout and returns them."""
+    args = get_args(argv)
+    try:
+        prefixes = preprocess(args.input, args.output_prefix, args.tokenizer_model,
+                              args.json_keys, args.append_eod, args.workers)
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"preprocess_data: error: {err}")
+    for p in prefixes:
+        print(p)
+    return prefixes
+
+
+if __name__ == "__main__":
+    main()

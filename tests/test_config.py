@@ -1,0 +1,83 @@
+"""Config: Megatron names, validation before compilation, CLI overrides."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
+from jmegatron.train import parse_args
+
+from conftest import REPO
+
+
+def _cfg(**kw):
+    c = base_config()
+    c.mock_data, c.vocab_size = True, 1000
+    for k, v in kw.items():
+        setattr(c, k, v)
+    return from_configdict(c)
+
+
+def test_defaults_are_derived_like_megatron():
+    cfg = _cfg(hidden_size=128, num_attention_heads=4)
+    assert cfg.ffn_hidden_size == 512
+    assert cfg.num_query_groups == 4
+    assert cfg.kv_channels == 32
+    assert cfg.max_position_embeddings == cfg.seq_length
+    assert cfg.lr_decay_iters == cfg.train_iters
+    # megatron/training/tokenizer/tokenizer.py: _vocab_size_with_padding
+    assert cfg.padded_vocab_size(50257) == 50304
+    assert cfg.replace(tensor_model_parallel_size=2).padded_vocab_size(50257) == 50432
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match=r"train_iterz.*train_iters"):
+        parse_args(["--config", "configs/gpt_tiny.py", "--config.train_iterz=5"])
+    c = base_config()
+    with pytest.raises(AttributeError, match="Did you mean \"num_layers\""):
+        c.num_layer = 3
+
+
+@pytest.mark.parametrize("arg, match", [
+    ("--config.train_iters=abc", "train_iters='abc' is not a valid int"),
+    ("--config.bf16=maybe", "bf16='maybe' is not a boolean"),
+    ("--config.lr_decay_style=cosin", 'Did you mean "cosine"'),
+    ("--config.num_query_groups=3", "not divisible by config.num_query_groups=3"),
+    ("--config.hidden_dropout=1.5", r"hidden_dropout=1.5 must be in \[0, 1\)"),
+])
+def test_bad_values_fail_with_field_named(arg, match):
+    with pytest.raises(ConfigError, match=match):
+        path, overrides = parse_args(["--config", str(REPO / "configs" / "gpt_tiny.py"),
+                                      "--config.mock_data=True", "--config.vocab_size=100", arg])
+        load_config_file(path, overrides)
+
+
+def test_overrides_are_typed():
+    path, ov = parse_args(["--config=configs/gpt_tiny.py", "--config.train_iters", "7",
+                           "--config.lr=1e-3", "--config.save=/tmp/x", "--config.bf16=True",
+                           "--config.global_batch_size=None"])
+    assert path == "configs/gpt_tiny.py"
+    assert ov == {"train_iters": 7, "lr": 1e-3, "save": "/tmp/x", "bf16": True, "global_batch_size": None}
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "gpt3_345m", "llama2_7b"])
+def test_shipped_configs_validate(name):
+    cfg = load_config_file(str(REPO / "configs" / f"{name}.py"),
+                           {"mock_data": True, "vocab_size": 32000} if "tiny" in name else {})
+    assert cfg.num_layers > 0
+
+
+def test_missing_data_path_is_explained():
+    with pytest.raises(ConfigError, match="config.data_path is not set"):
+        load_config_file(str(REPO / "configs" / "gpt_tiny.py"))
+
+
+def test_cli_exits_2_with_message_before_compiling():
+    r = subprocess.run([sys.executable, "-m", "jmegatron.train", "--config", "configs/gpt_tiny.py",
+                        "--config.num_layer=2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "num_layers" in r.stderr and "num_layer " in r.stderr
+    r = subprocess.run([sys.executable, "-m", "jmegatron.train", "--config", "configs/nope.py"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "does not exist" in r.stderr
