@@ -298,7 +298,7 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
     """jmegatron params (per-layer or scanned) -> Hugging Face state dict of numpy arrays.
 
     Keys and layouts are those of ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (``transformer.*``
-    / ``model.*``); arrays keep the params' dtype (contiguous copies). ``lm_head.weight`` is
+    / ``model.*``); arrays keep the params' dtype (owned, writable, C-contiguous copies). ``lm_head.weight`` is
     written only for an untied output layer (tied checkpoints omit it, as on the Hub).
     ``vocab_size`` (default: all rows of ``word_embeddings``) keeps only the first
     ``vocab_size`` rows of the embedding and output layer, dropping Megatron's padding.
@@ -329,7 +329,9 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
     if not 0 < v <= rows:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {rows}] (the embedding's rows)")
     sd: dict[str, np.ndarray] = {}
-    c = np.ascontiguousarray
+
+    def c(a):  # an owned, writable, C-contiguous copy (jax arrays give read-only views)
+        return np.array(a, order="C", copy=True)
 
     if arch == GPT2:
         sd["transformer.wte.weight"] = c(wte[:v])
@@ -519,7 +521,8 @@ def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
     config_cls = transformers.GPT2Config if arch == GPT2 else transformers.LlamaConfig
     config = config_cls.from_dict(conf)
     model = getattr(transformers, arch)(config).to(torch.float32)
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)) for k, a in sd.items()}
+    tensors = {k: torch.from_numpy(np.array(a, dtype=np.float32, order="C", copy=True))
+               for k, a in sd.items()}
     if not cfg.untie_embeddings_and_output_weights:
         tensors["lm_head.weight"] = tensors[emb_key]
     model.load_state_dict(tensors, strict=True)

@@ -1,0 +1,98 @@
+"""Checkpoints: exact resume, incompatible and corrupt checkpoints, SIGTERM saves."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jmegatron.config import base_config, from_configdict
+from jmegatron.training import checkpointing
+from jmegatron.training.loop import pretrain
+
+from conftest import REPO
+
+
+def cfg_for(save, **kw):
+    c = base_config()
+    c.mock_data, c.vocab_size = True, 300
+    c.num_layers, c.hidden_size, c.num_attention_heads, c.seq_length = 2, 32, 2, 32
+    c.micro_batch_size, c.global_batch_size = 1, 16  # 8 devices: dp 8, 2 micro-batches
+    c.train_iters, c.log_interval, c.eval_interval, c.eval_iters = 40, 5, 20, 2
+    c.lr, c.lr_warmup_iters, c.lr_decay_style, c.peak_tflops = 1e-3, 5, "cosine", 1.0
+    c.save = str(save)
+    for k, v in kw.items():
+        setattr(c, k, v)
+    return from_configdict(c)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    # hidden/attention dropout stay on (0.1): the resumed run must reproduce the RNG too.
+    full = pretrain(cfg_for(tmp_path / "full"))
+    assert full["iteration"] == 40
+    first = pretrain(cfg_for(tmp_path / "resumed", train_iters=20))
+    assert first["iteration"] == 20
+    second = pretrain(cfg_for(tmp_path / "resumed"))  # same save dir: resumes at 20
+    assert sorted(second["losses"]) == list(range(21, 41))
+    for it in range(21, 41):
+        assert second["losses"][it] == full["losses"][it], it  # bit-identical
+    # metrics.jsonl: one object per logged step with the documented keys
+    rows = [json.loads(l) for l in open(tmp_path / "full" / "metrics.jsonl")]
+    train_rows = [r for r in rows if "lm_loss" in r]
+    assert [r["iteration"] for r in train_rows] == list(range(5, 41, 5))
+    for key in ("iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu"):
+        assert key in train_rows[0]
+    val_rows = [r for r in rows if "val_loss" in r]
+    assert [r["iteration"] for r in val_rows] == [20, 40]
+    assert val_rows[-1]["val_ppl"] == pytest.approx(np.exp(val_rows[-1]["val_loss"]))
+    assert os.path.isdir(tmp_path / "full" / "tensorboard")
+
+
+def test_incompatible_config_names_both_values(tmp_path):
+    pretrain(cfg_for(tmp_path, train_iters=2))
+    with pytest.raises(checkpointing.CheckpointError, match=r"hidden_size: checkpoint 32 vs config 64"):
+        pretrain(cfg_for(tmp_path, train_iters=4, hidden_size=64))
+
+
+def test_corrupt_and_missing_checkpoints_fail_clearly(tmp_path):
+    with pytest.raises(checkpointing.CheckpointError, match="holds no checkpoint"):
+        pretrain(cfg_for(tmp_path / "new", load=str(tmp_path / "nothing")))
+    pretrain(cfg_for(tmp_path / "c", train_iters=2))
+    step_dir = tmp_path / "c" / "2" / "state"
+    for root, _, files in os.walk(step_dir):
+        for f in files:
+            p = os.path.join(root, f)
+            if os.path.getsize(p) > 64:
+                with open(p, "r+b") as fh:
+                    fh.truncate(16)
+    with pytest.raises(checkpointing.CheckpointError, match="corrupt"):
+        pretrain(cfg_for(tmp_path / "c", train_iters=4))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    save = tmp_path / "sig"
+    cmd = [sys.executable, "-m", "jmegatron.train", "--config", "configs/gpt_tiny.py",
+           "--config.mock_data=True", "--config.vocab_size=300", "--config.num_layers=2",
+           "--config.hidden_size=32", "--config.num_attention_heads=2", "--config.seq_length=32",
+           "--config.max_position_embeddings=32", "--config.micro_batch_size=2",
+           "--config.global_batch_size=2", "--config.train_iters=100000", "--config.log_interval=1",
+           "--config.peak_tflops=1.0", f"--config.save={save}", "--config.save_interval=None"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    deadline = time.time() + 180
+    for line in proc.stdout:
+        seen.append(line)
+        if "iteration        3/" in line or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, "".join(seen) + out
+    assert "saving a checkpoint" in out
+    steps = checkpointing.Checkpointer(str(save), create=False).all_steps()
+    assert steps and steps[0] >= 3
