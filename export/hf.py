@@ -215,8 +215,7 @@ def _map_leaves(fn, tree):
 
 
 def _layer_keys(params: Mapping) -> list[str]:
-    keys = sorted((k for k in params if _LAYER_RE.match(k)), key=lambda k: int(_LAYER_RE.match(k)[1]))
-    return keys
+    return sorted((k for k in params if _LAYER_RE.match(k)), key=lambda k: int(_LAYER_RE.match(k)[1]))
 
 
 def stack_layers(params: Mapping, num_layers: int) -> dict:
@@ -298,8 +297,9 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
     """jmegatron params (per-layer or scanned) -> Hugging Face state dict of numpy arrays.
 
     Keys and layouts are those of ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (``transformer.*``
-    / ``model.*``); arrays keep the params' dtype (owned, writable, C-contiguous copies). ``lm_head.weight`` is
-    written only for an untied output layer (tied checkpoints omit it, as on the Hub).
+    / ``model.*``); arrays keep the params' dtype (owned, writable, C-contiguous copies).
+    ``lm_head.weight`` is written only for an untied output layer (tied checkpoints omit it,
+    as on the Hub).
     ``vocab_size`` (default: all rows of ``word_embeddings``) keeps only the first
     ``vocab_size`` rows of the embedding and output layer, dropping Megatron's padding.
 
