@@ -19,8 +19,9 @@ accepted too). jmegatron layout (``h`` hidden, ``nq`` heads, ``nkv`` query group
     word_embeddings/embedding                     [V, h]
     position_embeddings/embedding                 [max_pos, h]   (learned_absolute only)
     decoder_layers_{i}/input_layernorm/{scale,bias}             [h]  (bias: LayerNorm only)
-    decoder_layers_{i}/self_attention/linear_q/kernel           [h, nq, d]   (+ bias [nq, d])
-    decoder_layers_{i}/self_attention/linear_{k,v}/kernel       [h, nkv, d]  (+ bias [nkv, d])
+    decoder_layers_{i}/self_attention/linear_qkv/kernel         [h, nkv, nq/nkv + 2, d]
+                  (+ bias [nkv, nq/nkv + 2, d]); Megatron's fused layout: for each query
+                  group g, its query heads g*nq/nkv .. (g+1)*nq/nkv - 1, then K_g, then V_g
     decoder_layers_{i}/self_attention/linear_proj/kernel        [nq, d, h]   (+ bias [h])
     decoder_layers_{i}/pre_mlp_layernorm/{scale,bias}           [h]
     decoder_layers_{i}/mlp/linear_fc1/kernel      [h, ffn] or [h, 2, ffn] with swiglu
@@ -317,6 +318,7 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
     p = _plain(params)
     if "decoder_layers" in p:
         p = unstack_layers(p, cfg.num_layers)
+    p = _split_fused_qkv(p, cfg)
     h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     ffn = cfg.ffn_hidden_size
     bias = cfg.add_bias_linear
@@ -393,6 +395,49 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
         out = _check_shape("output_layer/kernel", g("output_layer/kernel"), (h, rows))
         sd["lm_head.weight"] = c(out[:, :v].T)
     return sd
+
+
+def _split_fused_qkv(p: dict, cfg) -> dict:
+    """Per-layer params with ``linear_qkv`` replaced by ``linear_q`` ``[h, nq, d]`` and
+    ``linear_k``/``linear_v`` ``[h, nkv, d]`` (biases ``[nq, d]``/``[nkv, d]``)."""
+    nq, nkv, d, h = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.hidden_size
+    per = nq // nkv
+    out = dict(p)
+    for i in range(cfg.num_layers):
+        layer = f"decoder_layers_{i}"
+        attn = dict(_get(out, f"{layer}/self_attention", cfg))
+        fused = attn.pop("linear_qkv", None)
+        if fused is None:
+            raise ValueError(f"params have no {layer}/self_attention/linear_qkv")
+        kernel = _check_shape(f"{layer}/self_attention/linear_qkv/kernel", _to_numpy(fused["kernel"]),
+                              (h, nkv, per + 2, d))
+        attn["linear_q"] = {"kernel": kernel[:, :, :per].reshape(h, nq, d)}
+        attn["linear_k"] = {"kernel": kernel[:, :, per]}
+        attn["linear_v"] = {"kernel": kernel[:, :, per + 1]}
+        if "bias" in fused:
+            b = _check_shape(f"{layer}/self_attention/linear_qkv/bias", _to_numpy(fused["bias"]),
+                             (nkv, per + 2, d))
+            attn["linear_q"]["bias"] = b[:, :per].reshape(nq, d)
+            attn["linear_k"]["bias"] = b[:, per]
+            attn["linear_v"]["bias"] = b[:, per + 1]
+        out[layer] = dict(out[layer], self_attention=attn)
+    return out
+
+
+def _fuse_qkv(p: dict, cfg) -> dict:
+    """The inverse of :func:`_split_fused_qkv`."""
+    nq, nkv, d, h = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.hidden_size
+    per = nq // nkv
+    for i in range(cfg.num_layers):
+        attn = p[f"decoder_layers_{i}"]["self_attention"]
+        q, k, v = (attn.pop(f"linear_{n}") for n in "qkv")
+        fused = {"kernel": np.concatenate([q["kernel"].reshape(h, nkv, per, d), k["kernel"][:, :, None],
+                                           v["kernel"][:, :, None]], axis=2)}
+        if "bias" in q:
+            fused["bias"] = np.concatenate([q["bias"].reshape(nkv, per, d), k["bias"][:, None],
+                                            v["bias"][:, None]], axis=1)
+        attn["linear_qkv"] = fused
+    return p
 
 
 # ------------------------------------------------------------------------ HF -> jmegatron
@@ -494,7 +539,7 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     if unused:
         raise ValueError(f"Hugging Face state dict has tensors this config does not use: {unused[:8]}"
                          + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else ""))
-    p = _map_leaves(np.ascontiguousarray, p)
+    p = _map_leaves(np.ascontiguousarray, _fuse_qkv(p, cfg))
     if cfg.scan_layers:
         p = stack_layers(p, cfg.num_layers)
     return p

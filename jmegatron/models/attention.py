@@ -83,9 +83,10 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 class SelfAttention(nn.Module):
     """Causal self-attention: ``x [b, s, h]`` -> ``[b, s, h]``.
 
-    Separate ``linear_q`` ``[h, nq, d]`` and ``linear_k``/``linear_v`` ``[h, nkv, d]``
-    projections (column-parallel over heads), ``linear_proj`` ``[nq, d, h]``
-    (row-parallel). ``num_query_groups < num_attention_heads`` gives grouped-query
+    One fused ``linear_qkv`` kernel ``[h, nkv, nq / nkv + 2, d]`` (Megatron's layout: for
+    each query group its query heads, then its key and its value head; column-parallel
+    over groups, so the backward pass all-reduces one input gradient), and
+    ``linear_proj`` ``[nq, d, h]`` (row-parallel). ``num_query_groups < num_attention_heads`` gives grouped-query
     attention (Ainslie et al. 2023).
     """
 
@@ -109,11 +110,14 @@ class SelfAttention(nn.Module):
     def __call__(self, x: Array, position_ids: Array, deterministic: bool) -> Array:
         dense = functools.partial(Linear, dtype=self.dtype, dot_general=self.dot_general,
                                   kernel_init=nn.initializers.normal(self.init_std))
-        qkv_bias = self.use_bias or self.qkv_bias
         nq, nkv, d = self.num_attention_heads, self.num_query_groups, self.kv_channels
-        q = dense((nq, d), ("embed", "heads", "kv"), use_bias=qkv_bias, name="linear_q")(x)
-        k = dense((nkv, d), ("embed", "kv_heads", "kv"), use_bias=qkv_bias, name="linear_k")(x)
-        v = dense((nkv, d), ("embed", "kv_heads", "kv"), use_bias=qkv_bias, name="linear_v")(x)
+        per_group = nq // nkv
+        # Megatron's fused linear_qkv layout: per query group, its query heads then K then V.
+        qkv = dense((nkv, per_group + 2, d), ("embed", "kv_heads", None, "kv"),
+                    use_bias=self.use_bias or self.qkv_bias, name="linear_qkv")(x)
+        b, s = x.shape[:2]
+        q = qkv[:, :, :, :per_group, :].reshape(b, s, nq, d)
+        k, v = qkv[:, :, :, per_group, :], qkv[:, :, :, per_group + 1, :]
         q = nn.with_logical_constraint(q, ("batch", "length", "activation_heads", "activation_kv"))
         k = nn.with_logical_constraint(k, ("batch", "length", "activation_kv_heads", "activation_kv"))
         v = nn.with_logical_constraint(v, ("batch", "length", "activation_kv_heads", "activation_kv"))
