@@ -12,8 +12,8 @@ Usage::
 
 Inputs (``--input``, one or more): a ``.jsonl``/``.json`` file (one JSON object per line; each
 ``--json-keys`` key is a document), any other file (the whole file is one ``text`` document), a
-directory (its ``*.txt``, ``*.jsonl`` and ``*.json`` files, sorted by name, not recursive), or a
-glob pattern. Documents keep the order of the inputs.
+directory (its ``*.txt`` and ``*.jsonl`` files, sorted by name, not recursive), or a glob
+pattern. Documents keep the order of the inputs.
 
 Parallelism: the input byte stream is cut into line-aligned shards, the shards are tokenized by
 ``--workers`` processes into temporary part files, and the parts are merged in order with
@@ -34,13 +34,15 @@ from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["main", "resolve_inputs", "preprocess", "get_args"]
 
-_INPUT_SUFFIXES = (".txt", ".jsonl", ".json")
+# a directory contributes these (not *.json, so a tokenizer.json beside the data is not
+# mistaken for a corpus); .json files given explicitly are read as JSON lines.
+_INPUT_SUFFIXES = (".txt", ".jsonl")
 
 
 def resolve_inputs(inputs: Sequence[str]) -> List[str]:
     """Expand ``--input`` values into an ordered list of files.
 
-    A directory gives its ``.txt/.jsonl/.json`` files sorted by name; a string with glob
+    A directory gives its ``.txt``/``.jsonl`` files sorted by name; a string with glob
     characters that is not an existing file gives its sorted matches; a file gives itself.
 
     Raises:
@@ -245,7 +247,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     g = parser.add_argument_group("input data")
     g.add_argument("--input", nargs="+", required=True,
-                   help="files, directories (their .txt/.jsonl/.json, sorted) or glob patterns")
+                   help="files, directories (their .txt/.jsonl files, sorted) or glob patterns")
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="keys to extract from each JSON line (default: text)")
     g = parser.add_argument_group("tokenizer")

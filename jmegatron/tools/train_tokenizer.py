@@ -9,7 +9,7 @@ Usage::
     python -m jmegatron.tools.train_tokenizer --input data/ --vocab-size 8192 \\
         --output tokenizer.json
 
-``--input`` takes files, directories (their .txt/.jsonl/.json files, sorted) or glob patterns,
+``--input`` takes files, directories (their .txt/.jsonl files, sorted) or glob patterns,
 exactly like ``preprocess_data``; .jsonl/.json lines contribute their ``--json-key`` value.
 """
 
@@ -30,7 +30,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         description="Train a byte-level BPE tokenizer.json with an <|endoftext|> token.",
     )
     parser.add_argument("--input", nargs="+", required=True,
-                        help="files, directories (.txt/.jsonl/.json inside, sorted) or globs")
+                        help="files, directories (.txt/.jsonl inside, sorted) or globs")
     parser.add_argument("--vocab-size", type=int, required=True,
                         help="target vocabulary size, special token included (>= 257)")
     parser.add_argument("--output", required=True, help="path of the tokenizer.json to write")
