@@ -99,6 +99,7 @@ class JMegatronConfig:
     keep_checkpoints: int = 2  # jmegatron-only: Orbax max_to_keep
     async_save: bool = False  # Megatron: --async-save
     tensorboard_dir: Optional[str] = None  # None: <save>/tensorboard
+    exit_interval: Optional[int] = None  # Megatron: --exit-interval (save and stop when iteration % N == 0)
     exit_signal_handler: bool = True  # Megatron: --exit-signal-handler (SIGTERM/SIGINT save and exit 0)
     peak_tflops: Optional[float] = None  # jmegatron-only: per-device peak for MFU; None: measured / default
     seed: int = 1234

@@ -34,7 +34,7 @@ def test_resume_is_bit_exact(tmp_path):
     # hidden/attention dropout stay on (0.1): the resumed run must reproduce the RNG too.
     full = pretrain(cfg_for(tmp_path / "full"))
     assert full["iteration"] == 40
-    first = pretrain(cfg_for(tmp_path / "resumed", train_iters=20))
+    first = pretrain(cfg_for(tmp_path / "resumed", exit_interval=20))
     assert first["iteration"] == 20
     second = pretrain(cfg_for(tmp_path / "resumed"))  # same save dir: resumes at 20
     assert sorted(second["losses"]) == list(range(21, 41))
@@ -53,15 +53,15 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 def test_incompatible_config_names_both_values(tmp_path):
-    pretrain(cfg_for(tmp_path, train_iters=2))
+    pretrain(cfg_for(tmp_path, exit_interval=2))
     with pytest.raises(checkpointing.CheckpointError, match=r"hidden_size: checkpoint 32 vs config 64"):
-        pretrain(cfg_for(tmp_path, train_iters=4, hidden_size=64))
+        pretrain(cfg_for(tmp_path, hidden_size=64))
 
 
 def test_corrupt_and_missing_checkpoints_fail_clearly(tmp_path):
     with pytest.raises(checkpointing.CheckpointError, match="holds no checkpoint"):
         pretrain(cfg_for(tmp_path / "new", load=str(tmp_path / "nothing")))
-    pretrain(cfg_for(tmp_path / "c", train_iters=2))
+    pretrain(cfg_for(tmp_path / "c", exit_interval=2))
     step_dir = tmp_path / "c" / "2" / "state"
     for root, _, files in os.walk(step_dir):
         for f in files:
@@ -70,7 +70,7 @@ def test_corrupt_and_missing_checkpoints_fail_clearly(tmp_path):
                 with open(p, "r+b") as fh:
                     fh.truncate(16)
     with pytest.raises(checkpointing.CheckpointError, match="corrupt"):
-        pretrain(cfg_for(tmp_path / "c", train_iters=4))
+        pretrain(cfg_for(tmp_path / "c"))
 
 
 @pytest.mark.slow

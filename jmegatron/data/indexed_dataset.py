@@ -34,7 +34,7 @@ import shutil
 import struct
 from array import array
 from enum import Enum
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -448,7 +448,8 @@ class IndexedDatasetBuilder:
         return np.ascontiguousarray(arr, dtype=self.dtype)
 
     def add_item(self, tokens: Union[Sequence[int], np.ndarray], mode: int = 0) -> None:
-        """Append one sequence (1-D token ids). Close documents with ``end_document``."""
+        """Append one sequence (1-D integer token ids, any int dtype). Close documents with
+        ``end_document``. Raises ValueError if an id does not fit the builder's dtype."""
         arr = self._to_array(tokens)
         self._data_file.write(arr.tobytes(order="C"))
         self._lengths.append(arr.size)

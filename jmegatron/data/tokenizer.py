@@ -97,7 +97,12 @@ def load_tokenizer(path: Union[str, os.PathLike], eod_token: str = EOD_TOKEN) ->
 
 def iter_documents(path: Union[str, os.PathLike], json_key: str = "text") -> Iterator[str]:
     """Documents of one input file: a .jsonl/.json file gives ``json_key`` of every non-blank
-    line; any other file is one document (its whole UTF-8 text).
+    line; any other file is one document (its whole UTF-8 text). Same reading rules as
+    ``jmegatron.tools.preprocess_data`` (Megatron-LM ``tools/preprocess_data.py`` reads only
+    JSON lines).
+
+    Yields:
+        str documents, in file order.
 
     Raises:
         ValueError: a JSON line is malformed or lacks ``json_key`` (message names file:line).

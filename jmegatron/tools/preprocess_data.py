@@ -18,7 +18,10 @@ pattern. Documents keep the order of the inputs.
 Parallelism: the input byte stream is cut into line-aligned shards, the shards are tokenized by
 ``--workers`` processes into temporary part files, and the parts are merged in order with
 ``IndexedDatasetBuilder.add_index``; the output bytes do not depend on the worker count.
-The final prefix of each key is printed on stdout (progress goes to stderr).
+The final prefix of each key is printed on stdout (progress goes to stderr). Workers are
+started with the ``spawn`` method (safe when the caller has JAX or tokenizer threads running), so
+a script calling ``preprocess(..., workers>1)`` needs the usual ``if __name__ == "__main__"``
+guard.
 """
 
 from __future__ import annotations
@@ -177,7 +180,9 @@ def _shard_bounds(files: Sequence[Tuple[str, int, int]], num_shards: int) -> Lis
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str,
                json_keys: Sequence[str] = ("text",), append_eod: bool = False,
                workers: int = 1, log=sys.stderr) -> List[str]:
-    """Library entry point of the tool; returns the output prefixes, one per json key.
+    """Library entry point of the tool (Megatron ``tools/preprocess_data.py: main`` without
+    sentence splitting or partitions); returns the output prefixes
+    ``{output_prefix}_{key}_document``, one per json key, in ``json_keys`` order.
 
     Raises:
         FileNotFoundError: missing input/tokenizer.  ValueError: bad JSON, missing keys,
@@ -240,7 +245,11 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str,
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse the command line (Megatron flag names)."""
+    """Parse the command line (flag names of Megatron ``tools/preprocess_data.py``).
+
+    Raises:
+        SystemExit: argparse errors.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m jmegatron.tools.preprocess_data",
         description="Tokenize text/jsonl into Megatron .bin/.idx files.",
@@ -266,7 +275,11 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[str]:
-    """CLI entry point; prints each output prefix on stdout and returns them."""
+    """CLI entry point; prints each output prefix on stdout and returns them (list[str]).
+
+    Raises:
+        SystemExit: with a one-line ``preprocess_data: error: ...`` message on bad input.
+    """
     args = get_args(argv)
     try:
         prefixes = preprocess(args.input, args.output_prefix, args.tokenizer_model,

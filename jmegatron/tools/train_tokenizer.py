@@ -24,7 +24,11 @@ __all__ = ["main", "get_args"]
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse the command line."""
+    """Parse the command line (no Megatron-LM counterpart).
+
+    Raises:
+        SystemExit: argparse errors.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m jmegatron.tools.train_tokenizer",
         description="Train a byte-level BPE tokenizer.json with an <|endoftext|> token.",
@@ -42,7 +46,11 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    """CLI entry point; prints and returns the output path."""
+    """CLI entry point; prints and returns the output path (str).
+
+    Raises:
+        SystemExit: with a one-line ``train_tokenizer: error: ...`` message on bad input.
+    """
     args = get_args(argv)
     from jmegatron.data.tokenizer import train_bpe_tokenizer
     from jmegatron.tools.preprocess_data import resolve_inputs

@@ -241,7 +241,10 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
             if stop.event.is_set():
                 summary["interrupted"] = True
                 break
-        if not summary["interrupted"] and cfg.eval_interval and iteration % cfg.eval_interval:
+            if cfg.exit_interval and iteration % cfg.exit_interval == 0:
+                print(f"[jmegatron] exiting at iteration {iteration} (exit_interval)", flush=True)
+                break
+        if iteration == cfg.train_iters and cfg.eval_interval and iteration % cfg.eval_interval:
             run_eval(iteration)
         save(iteration)
     finally:
