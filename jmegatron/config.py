@@ -118,6 +118,9 @@ class JMegatronConfig:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False  # Megatron: --sequence-parallel (activations between blocks split on seq over tensor)
+    use_distributed_optimizer: bool = False  # Megatron: --use-distributed-optimizer (ZeRO-1 over data)
+    use_megatron_fsdp: bool = False  # Megatron: --use-megatron-fsdp (params, grads, optimizer state over data)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -201,6 +204,16 @@ class JMegatronConfig:
             raise ConfigError("config.mock_data=True needs config.vocab_size (or config.tokenizer_model).")
         if not self.mock_data and self.tokenizer_model is None and self.vocab_size is None:
             raise ConfigError("config.tokenizer_model is not set; give the tokenizer.json used by preprocess_data.")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("config.sequence_parallel=True needs config.tensor_model_parallel_size > 1 "
+                              "(Megatron disables it otherwise); set sequence_parallel=False.")
+        if self.use_distributed_optimizer and self.use_megatron_fsdp:
+            raise ConfigError("config.use_megatron_fsdp=True already shards the optimizer state; "
+                              "set config.use_distributed_optimizer=False.")
+        for name in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ConfigError(f"config.{name}={getattr(self, name)}: this parallelism is not built yet "
+                                  f"(pipeline, context and expert parallelism are later issues); set it to 1.")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"config.global_batch_size={self.global_batch_size} is not a multiple of "
@@ -218,6 +231,25 @@ class JMegatronConfig:
             raise ConfigError("config.vocab_size is unknown; set it or config.tokenizer_model.")
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return ((v + multiple - 1) // multiple) * multiple
+
+    def check_parallel_divisibility(self, padded_vocab_size: int, data_parallel_size: int) -> None:
+        """Raise ConfigError naming the numbers when a parallel size does not divide the
+        heads, query groups, FFN size, padded vocabulary or sequence (Megatron's
+        validate_args and the divisibility asserts of its parallel layers)."""
+        tp = self.tensor_model_parallel_size
+        checks = [("num_attention_heads", self.num_attention_heads),
+                  ("num_query_groups", self.num_query_groups),
+                  ("ffn_hidden_size", self.ffn_hidden_size),
+                  ("padded vocab size", padded_vocab_size)]
+        if self.sequence_parallel:
+            checks.append(("seq_length", self.seq_length))
+        for name, value in checks:
+            if value % tp:
+                raise ConfigError(f"{name}={value} is not divisible by tensor_model_parallel_size={tp}; "
+                                  f"choose a tensor size that divides it.")
+        if self.use_megatron_fsdp and self.hidden_size % data_parallel_size:
+            raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by the data-parallel size "
+                              f"{data_parallel_size} (use_megatron_fsdp shards parameters on hidden).")
 
     def data_parallel_size(self, num_devices: int) -> int:
         """Devices left for data parallelism after tensor/pipeline/context/expert sizes."""

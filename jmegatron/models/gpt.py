@@ -114,12 +114,12 @@ class TransformerLayer(nn.Module):
             dtype=c.dtype, dot_general=self.dot_general, name="self_attention",
         )(h, position_ids, self.deterministic)
         x = x + drop(h)
-        x = nn.with_logical_constraint(x, ("batch", "length", "activation_embed"))
+        x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "pre_mlp_layernorm")(x)
         self.sow("intermediates", "pre_mlp_layernorm", h)
         h = MLP(c, dot_general=self.dot_general, name="mlp")(h)
         x = x + drop(h)
-        x = nn.with_logical_constraint(x, ("batch", "length", "activation_embed"))
+        x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         return x, None
 
 
@@ -151,7 +151,7 @@ class GPTModel(nn.Module):
             x = x + Embed(c.max_position_embeddings, c.hidden_size, (None, "embed"), dtype=c.dtype,
                           embedding_init=embed_init, name="position_embeddings")(position_ids)
         x = nn.Dropout(rate=c.hidden_dropout, deterministic=deterministic)(x)
-        x = nn.with_logical_constraint(x, ("batch", "length", "activation_embed"))
+        x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
 
         layer_cls = TransformerLayer
         if c.recompute_granularity == "full":

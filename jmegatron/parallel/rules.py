@@ -16,12 +16,14 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = Optional[str | tuple[str, ...]]
+DATA_AXIS = "data"
 
 # Megatron-Core tensor parallelism: attention heads, FFN and vocabulary split over
 # "tensor" (column-parallel in, row-parallel out); the batch over "data".
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", "data"),
     ("length", None),
+    ("activation_length", None),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_kv_heads", "tensor"),
@@ -79,5 +81,20 @@ def logical_to_sharding(specs: Any, mesh: Mesh,
 def batch_sharding(mesh: Mesh, ndim: int, batch_dim: int = 0) -> NamedSharding:
     """Sharding of a data array whose ``batch_dim`` is split over the data axis."""
     spec = [None] * ndim
-    spec[batch_dim] = dict(DEFAULT_RULES)["batch"]
+    spec[batch_dim] = DATA_AXIS
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def make_rules(cfg) -> tuple[tuple[str, MeshAxes], ...]:
+    """The axis rules of a config: :data:`DEFAULT_RULES` plus
+
+    * ``sequence_parallel``: the residual stream's ``activation_length`` split over
+      "tensor" (Megatron-Core sequence parallelism, Korthikanti et al. 2022);
+    * ``use_megatron_fsdp``: every parameter's ``embed`` axis split over "data"
+      (parameters, gradients and optimizer state sharded, ZeRO-3).
+    """
+    table = dict(DEFAULT_RULES)
+    table["activation_length"] = "tensor" if cfg.sequence_parallel else None
+    if cfg.use_megatron_fsdp:
+        table["embed"] = "data"
+    return tuple(table.items())

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from jmegatron.config import JMegatronConfig
 from jmegatron.data.loader import BatchLoader
 from jmegatron.models.gpt import GPTModel, ModelConfig
+from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing, flops, optimizer, state as state_lib, step as step_lib
 from jmegatron.training.logging import MetricsLogger
@@ -45,6 +46,8 @@ class Run:
     global_batch_size: int
     abstract_state: Any
     state_shardings: Any
+    grad_shardings: Any
+    rules: Any
     train_step: Any
     eval_step: Any
 
@@ -79,16 +82,20 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     dp = mesh.shape["data"]
     num_micro = cfg.num_microbatches(dp)
     padded = cfg.padded_vocab_size(vocab_size if vocab_size is not None else vocab_size_of(cfg))
+    cfg.check_parallel_divisibility(padded, dp)
     model = GPTModel(ModelConfig.from_config(cfg, padded))
     tx = optimizer.make_optimizer(cfg)
-    abstract, shardings = state_lib.state_shardings(model, tx, cfg.seq_length, mesh)
+    rules = rules_lib.make_rules(cfg)
+    abstract, shardings, grad_shardings = state_lib.state_shardings(
+        model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer)
     train_step = step_lib.jit_train_step(
-        step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg)), mesh, shardings)
-    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model), mesh, shardings.params)
+        step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg), mesh, shardings.params,
+                                 grad_shardings, rules), mesh, shardings)
+    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules), mesh, shardings.params)
     return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
                num_microbatches=num_micro, global_batch_size=num_micro * cfg.micro_batch_size * dp,
-               abstract_state=abstract, state_shardings=shardings, train_step=train_step,
-               eval_step=eval_step)
+               abstract_state=abstract, state_shardings=shardings, grad_shardings=grad_shardings,
+               rules=rules, train_step=train_step, eval_step=eval_step)
 
 
 def build_datasets(cfg: JMegatronConfig, global_batch_size: int):

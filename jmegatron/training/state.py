@@ -14,9 +14,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jmegatron.parallel import rules as rules_lib
+from jmegatron.parallel.distributed_optimizer import zero1_shardings
 
 
 @flax.struct.dataclass
@@ -38,26 +39,27 @@ def param_logical_specs(model: nn.Module, seq_length: int) -> tuple[Any, Any]:
     return nn.unbox(boxed), nn.get_partition_spec(boxed)
 
 
-def state_logical_specs(model: nn.Module, tx: optax.GradientTransformation, seq_length: int):
-    """(abstract TrainState, TrainState of logical PartitionSpecs). The optimizer's
-    moments take their parameter's spec; its scalars are replicated."""
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_length: int, mesh: Mesh,
+                    rules: Sequence = rules_lib.DEFAULT_RULES, distributed_optimizer: bool = False):
+    """(abstract TrainState, TrainState of NamedShardings, gradient shardings).
+
+    Parameters are laid out by the logical-axis ``rules``. The optimizer's moments take
+    their parameter's sharding, plus the data axis under ``distributed_optimizer``
+    (ZeRO-1, :mod:`jmegatron.parallel.distributed_optimizer`); gradients are produced in
+    the optimizer's layout. Scalars are replicated.
+    """
     abstract_params, param_specs = param_logical_specs(model, seq_length)
+    param_sh = rules_lib.logical_to_sharding(param_specs, mesh, rules)
+    grad_sh = zero1_shardings(param_sh, abstract_params) if distributed_optimizer else param_sh
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    opt_specs = optax.tree_map_params(
-        tx, lambda _, spec: spec, abstract_opt, param_specs,
-        transform_non_params=lambda _: PartitionSpec(), is_leaf=is_spec)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_sh = optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract_opt, grad_sh,
+        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
                           opt_state=abstract_opt, rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
-    specs = TrainState(step=PartitionSpec(), params=param_specs, opt_state=opt_specs, rng=PartitionSpec())
-    return abstract, specs
-
-
-def state_shardings(model, tx, seq_length: int, mesh: Mesh,
-                    rules: Sequence = rules_lib.DEFAULT_RULES):
-    """(abstract TrainState, TrainState of NamedShardings on ``mesh``)."""
-    abstract, specs = state_logical_specs(model, tx, seq_length)
-    return abstract, rules_lib.logical_to_sharding(specs, mesh, rules)
+    shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+    return abstract, shardings, grad_sh
 
 
 def init_train_state(model: nn.Module, tx: optax.GradientTransformation, seed: int,

@@ -9,7 +9,8 @@ step synchronises with the host.
 Loss: per micro-batch, the token mean of the masked cross-entropy over the whole
 micro-batch (all data-parallel ranks together, which makes the loss independent of
 the device layout); the step's loss and gradient are the mean over micro-batches
-(megatron/training/training.py, ``loss_func`` in pretrain_gpt.py).
+(megatron/training/training.py, ``loss_func`` in pretrain_gpt.py). Dropout keys are
+folded with the data-parallel rank, so each rank draws its own masks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jmegatron.parallel import rules as rules_lib
+from jmegatron.parallel.distributed_optimizer import data_dim
 from jmegatron.training.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -39,47 +41,134 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Ar
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
-def _mean(total, count):
-    return total / jnp.maximum(count, 1.0)
+def _without_axis(rules: Sequence, axis: str) -> list:
+    """The rules with ``axis`` removed (inside a shard_map that makes it manual)."""
+    out = []
+    for name, axes in rules:
+        if axes == axis:
+            axes = None
+        elif isinstance(axes, tuple):
+            axes = tuple(a for a in axes if a != axis) or None
+        out.append((name, axes))
+    return out
+
+
+def _local_spec(sharding: NamedSharding, axis: str) -> PartitionSpec:
+    """The part of a sharding's spec that names ``axis`` (for shard_map's manual axis)."""
+    entries = []
+    for e in sharding.spec:
+        axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+        entries.append(axis if axis in axes else None)
+    return PartitionSpec(*entries)
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
+                    mesh: Mesh, param_shardings: Any, grad_shardings: Any,
                     rules: Sequence = rules_lib.DEFAULT_RULES) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """The un-jitted train step ``(state, batch) -> (state, metrics)``.
+
+    Data parallelism is explicit, as in Megatron's DDP: a ``shard_map`` makes the data
+    axis manual, each data-parallel rank accumulates its own gradients over the
+    micro-batches (no communication inside the loop, Megatron's ``no_sync``), and
+    after the loop the gradients are reduced once: an all-reduce (``psum``), or a
+    reduce-scatter (``psum_scatter``) into ``grad_shardings`` under the distributed
+    optimizer. Under FSDP (parameters sharded over data) each micro-batch all-gathers
+    the parameters and reduce-scatters their gradients (the all-gather's transpose).
+    The tensor axis stays automatic (GSPMD), driven by the logical-axis ``rules``.
 
     metrics (float32 scalars): ``lm_loss``, ``grad_norm`` (before clipping), ``lr``
     (the rate this step applied), ``num_tokens``.
     """
+    axis = rules_lib.DATA_AXIS
+    inner_rules = _without_axis(rules, axis)
+    param_dims = jax.tree.map(data_dim, param_shardings)
+    grad_dims = jax.tree.map(data_dim, grad_shardings)
+    param_specs = jax.tree.map(lambda s: _local_spec(s, axis), param_shardings)
+    grad_specs = jax.tree.map(lambda s: _local_spec(s, axis), grad_shardings)
+    batch_spec = PartitionSpec(None, axis, None)
+    is_none = lambda x: x is None  # noqa: E731
 
-    def micro_loss(params, micro, rng):
-        with nn.logical_axis_rules(list(rules)):
+    def gather(p, d):
+        return p if d is None else jax.lax.all_gather(p, axis, axis=d, tiled=True)
+
+    def micro_loss(local_params, micro, rng, num_tokens):
+        params = jax.tree.map(gather, local_params, param_dims, is_leaf=is_none)
+        with nn.logical_axis_rules(inner_rules):
             logits = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
                                  deterministic=False, rngs={"dropout": rng})
-        total, count = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
-        return _mean(total, count), count
+        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
+        return total / jnp.maximum(num_tokens, 1.0)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    grad_fn = jax.value_and_grad(micro_loss)
 
-    def step(state: TrainState, batch: Batch):
-        step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        num_micro = batch["tokens"].shape[0]
+    def local_grads(local_params, batch, rng):
+        # Gradients w.r.t. data-replicated parameters are taken on a "varying" copy, so
+        # autodiff leaves them as this rank's partial sums; the one reduction is below.
+        varying = jax.tree.map(lambda p, d: jax.lax.pcast(p, axis, to="varying") if d is None else p,
+                               local_params, param_dims, is_leaf=is_none)
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
 
         def accumulate(carry, xs):
             grads_acc, loss_acc, tokens_acc = carry
             i, micro = xs
-            (loss, count), grads = grad_fn(state.params, micro, jax.random.fold_in(step_rng, i))
-            grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
-            return (grads_acc, loss_acc + loss, tokens_acc + count), None
+            tokens = jax.lax.psum(jnp.sum(micro["loss_mask"].astype(jnp.float32)), axis)
+            loss, grads = grad_fn(varying, micro, jax.random.fold_in(rng, i), tokens)
+            return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss, tokens_acc + tokens), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        init = (zeros, jnp.float32(0.0), jnp.float32(0.0))
-        (grads, loss, tokens), _ = jax.lax.scan(accumulate, init, (jnp.arange(num_micro), batch))
+        zeros = jax.tree.map(jnp.zeros_like, varying)
+        num_micro = batch["tokens"].shape[0]
+        loss0 = jax.lax.pcast(jnp.float32(0.0), axis, to="varying")
+        (grads, loss, tokens), _ = jax.lax.scan(
+            accumulate, (zeros, loss0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
+
+        def reduce(g, pd, gd):
+            if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose
+                return g
+            if gd is None:
+                return jax.lax.psum(g, axis)
+            return g[None]  # ZeRO-1: this rank's partial sum, reduce-scattered below
+
+        grads = jax.tree.map(reduce, grads, param_dims, grad_dims, is_leaf=is_none)
         grads = jax.tree.map(lambda g: g / num_micro, grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"lm_loss": loss / num_micro, "grad_norm": optax.tree.norm(grads),
+        return grads, jax.lax.psum(loss, axis) / num_micro, tokens
+
+    zero1 = jax.tree.map(lambda pd, gd: pd is None and gd is not None, param_dims, grad_dims,
+                         is_leaf=is_none)
+    out_grad_specs = jax.tree.map(lambda z, spec: PartitionSpec(axis) if z else spec, zero1, grad_specs)
+    sharded_grads = jax.shard_map(
+        local_grads, mesh=mesh, axis_names={axis},
+        in_specs=(param_specs, {k: batch_spec for k in ("tokens", "labels", "loss_mask", "position_ids")},
+                  PartitionSpec()),
+        out_specs=(out_grad_specs, PartitionSpec(), PartitionSpec()))
+
+    # The ZeRO-1 reduce-scatter runs with every mesh axis manual: inside the data-only
+    # shard_map above, XLA replicates tensor-sharded operands of a psum_scatter first.
+    def scatter(stacked, gd):
+        return jax.lax.psum_scatter(stacked[0], axis, scatter_dimension=gd, tiled=True)
+
+    def reduce_scatter_zero1(grads):
+        leaves, treedef = jax.tree.flatten(grads)
+        flags, dims = jax.tree.leaves(zero1), jax.tree.leaves(grad_dims, is_leaf=is_none)
+        p_sh, g_sh = jax.tree.leaves(param_shardings), jax.tree.leaves(grad_shardings)
+        out = []
+        for leaf, z, gd, ps, gs in zip(leaves, flags, dims, p_sh, g_sh):
+            if z:
+                leaf = jax.shard_map(functools.partial(scatter, gd=gd), mesh=mesh,
+                                     in_specs=PartitionSpec(axis, *ps.spec), out_specs=gs.spec)(leaf)
+            out.append(leaf)
+        return jax.tree.unflatten(treedef, out)
+
+    def step(state: TrainState, batch: Batch):
+        step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        grads, loss, tokens = sharded_grads(state.params, batch, step_rng)
+        grads = reduce_scatter_zero1(grads)
+        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        params = jax.lax.with_sharding_constraint(state.params, grad_shardings)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {"lm_loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": jnp.asarray(schedule(state.step), jnp.float32), "num_tokens": tokens}
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
         return new_state, metrics
 
     return step
@@ -104,7 +193,7 @@ def make_eval_step(model: nn.Module, rules: Sequence = rules_lib.DEFAULT_RULES):
 
 def batch_shardings(mesh: Mesh) -> Batch:
     """NamedShardings for a batch: ``[num_micro, batch, seq]`` with batch over data."""
-    spec = PartitionSpec(None, dict(rules_lib.DEFAULT_RULES)["batch"], None)
+    spec = PartitionSpec(None, rules_lib.DATA_AXIS, None)
     s = NamedSharding(mesh, spec)
     return {"tokens": s, "labels": s, "loss_mask": s, "position_ids": s}
 

@@ -1,0 +1,52 @@
+"""Megatron's distributed optimizer (ZeRO-1) as shardings.
+
+Megatron (megatron/core/optimizer/distrib_optimizer.py) shards the fp32 optimizer state
+and master weights over the data-parallel group: gradients are reduce-scattered, each
+rank updates its shard, and the updated parameters are all-gathered. Here each
+optimizer-state leaf takes its parameter's sharding plus the data axis on one more
+dimension (the largest one that the data-parallel size divides and that no other mesh
+axis uses); the gradients are reduce-scattered to that same layout inside the step and
+the parameters gathered back by the step's output sharding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+DATA = "data"
+
+
+def _spec_axes(entry) -> tuple:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def add_data_axis(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """``sharding`` with the data axis added on the largest free dimension divisible by
+    the data-parallel size (unchanged if already data-sharded or none divides)."""
+    mesh = sharding.mesh
+    dp = mesh.shape[DATA]
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    if dp == 1 or any(DATA in _spec_axes(e) for e in spec):
+        return sharding
+    candidates = [d for d in range(len(shape)) if spec[d] is None and shape[d] % dp == 0]
+    if not candidates:
+        return sharding
+    d = max(candidates, key=lambda i: shape[i])
+    spec[d] = DATA
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def zero1_shardings(param_shardings: Any, abstract_params: Any) -> Any:
+    """Per-parameter shardings of gradients and optimizer state under ZeRO-1."""
+    return jax.tree.map(lambda s, a: add_data_axis(s, a.shape), param_shardings, abstract_params)
+
+
+def data_dim(sharding: NamedSharding) -> int | None:
+    """The dimension a sharding splits over the data axis, or None."""
+    for d, entry in enumerate(sharding.spec):
+        if DATA in _spec_axes(entry):
+            return d
+    return None
