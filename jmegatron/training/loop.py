@@ -50,6 +50,7 @@ class Run:
     rules: Any
     train_step: Any
     eval_step: Any
+    compute_grads: Any = None  # jitted (state, batch) -> (grads, loss, tokens); state not donated
 
     def init_state(self) -> state_lib.TrainState:
         return state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
@@ -88,14 +89,15 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     rules = rules_lib.make_rules(cfg)
     abstract, shardings, grad_shardings = state_lib.state_shardings(
         model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer)
-    train_step = step_lib.jit_train_step(
-        step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg), mesh, shardings.params,
-                                 grad_shardings, rules), mesh, shardings)
+    step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg), mesh, shardings.params,
+                                       grad_shardings, rules)
+    train_step = step_lib.jit_train_step(step_fn, mesh, shardings)
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules), mesh, shardings.params)
     return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
                num_microbatches=num_micro, global_batch_size=num_micro * cfg.micro_batch_size * dp,
                abstract_state=abstract, state_shardings=shardings, grad_shardings=grad_shardings,
-               rules=rules, train_step=train_step, eval_step=eval_step)
+               rules=rules, train_step=train_step, eval_step=eval_step,
+               compute_grads=jax.jit(step_fn.compute_grads))
 
 
 def build_datasets(cfg: JMegatronConfig, global_batch_size: int):

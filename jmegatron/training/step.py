@@ -158,10 +158,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             out.append(leaf)
         return jax.tree.unflatten(treedef, out)
 
-    def step(state: TrainState, batch: Batch):
+    def compute_grads(state: TrainState, batch: Batch):
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         grads, loss, tokens = sharded_grads(state.params, batch, step_rng)
-        grads = reduce_scatter_zero1(grads)
+        return reduce_scatter_zero1(grads), loss, tokens
+
+    def step(state: TrainState, batch: Batch):
+        grads, loss, tokens = compute_grads(state, batch)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         params = jax.lax.with_sharding_constraint(state.params, grad_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, params)
@@ -171,6 +174,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
         return new_state, metrics
 
+    step.compute_grads = compute_grads  # (state, batch) -> (grads, loss, tokens), for tests and research code
     return step
 
 

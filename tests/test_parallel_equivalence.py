@@ -1,0 +1,75 @@
+"""Megatron's parallelisms on 8 simulated CPU devices give the same losses and gradients
+as one device (float32, relative 1e-5, 3 steps)."""
+
+import jax
+import numpy as np
+import pytest
+
+from jmegatron.config import ConfigError
+from jmegatron.parallel.mesh import create_mesh
+from jmegatron.training.loop import build
+
+from test_train_step import random_batches, tiny_cfg
+
+LAYOUTS = {
+    "dp8": dict(),
+    "tp2_dp4": dict(tensor_model_parallel_size=2),
+    "tp4_sp_dp2": dict(tensor_model_parallel_size=4, sequence_parallel=True),
+    "tp2_dp4_distopt": dict(tensor_model_parallel_size=2, use_distributed_optimizer=True),
+    "fsdp8": dict(use_megatron_fsdp=True),
+}
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_attention_heads=8,
+             num_query_groups=4, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+             ffn_hidden_size=96)
+
+
+def trajectory(cfg, num_devices, steps=3):
+    run = build(cfg, create_mesh(cfg, jax.devices()[:num_devices]))
+    state = run.init_state()
+    losses, grads = [], []
+    for b in random_batches(steps, run.global_batch_size, cfg.seq_length, 500):
+        b = run.put_batch({k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()})
+        g, _, _ = run.compute_grads(state, b)
+        grads.append(jax.device_get(g))
+        state, m = run.train_step(state, b)
+        losses.append(float(m["lm_loss"]))
+    return np.array(losses), grads, run
+
+
+@pytest.fixture(scope="module", params=["gpt", "llama"])
+def reference(request):
+    arch = {} if request.param == "gpt" else LLAMA
+    # One device, the same 2 micro-batches of 8 sequences as every layout below.
+    return arch, trajectory(tiny_cfg(micro_batch_size=8, **arch), 1)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_device(layout, reference):
+    arch, (ref_losses, ref_grads, _) = reference
+    kw = dict(LAYOUTS[layout], **arch)
+    tp = kw.get("tensor_model_parallel_size", 1)
+    # dp = 8 / tp ranks of micro_batch_size tp: 2 micro-batches of 8 sequences, as the reference.
+    cfg = tiny_cfg(micro_batch_size=tp, **kw)
+    losses, grads, run = trajectory(cfg, 8)
+    assert run.num_microbatches == 2 and run.mesh.shape["tensor"] == tp
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        flat_g, flat_r = jax.tree.leaves(g), jax.tree.leaves(r)
+        assert len(flat_g) == len(flat_r)
+        for a, b in zip(flat_g, flat_r):
+            scale = np.max(np.abs(b)) + 1e-12
+            np.testing.assert_allclose(a / scale, b / scale, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(tensor_model_parallel_size=3), "8 devices are not divisible by tensor\\(3\\)"),
+    (dict(tensor_model_parallel_size=8), "num_attention_heads=4 is not divisible by tensor_model_parallel_size=8"),
+    (dict(tensor_model_parallel_size=4, num_query_groups=2), "num_query_groups=2 is not divisible"),
+    (dict(tensor_model_parallel_size=2, ffn_hidden_size=99), "ffn_hidden_size=99 is not divisible"),
+    (dict(use_megatron_fsdp=True, hidden_size=60, num_attention_heads=4), "hidden_size=60 is not divisible by the data-parallel size 8"),
+    (dict(sequence_parallel=True), "sequence_parallel=True needs"),
+])
+def test_bad_parallel_sizes_fail_at_start_up(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg = tiny_cfg(**kw)
+        build(cfg, create_mesh(cfg, jax.devices()[:8]))
