@@ -11,6 +11,7 @@ the parameters gathered back by the step's output sharding.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -25,18 +26,26 @@ def _spec_axes(entry) -> tuple:
 
 def add_data_axis(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
     """``sharding`` with the data axis added on the largest free dimension divisible by
-    the data-parallel size (unchanged if already data-sharded or none divides)."""
+    the data-parallel size, else on an already-sharded dimension that stays divisible
+    (e.g. ``("tensor", "data")``); unchanged if already data-sharded or nothing divides
+    (that leaf's gradient is then all-reduced and its state replicated)."""
     mesh = sharding.mesh
     dp = mesh.shape[DATA]
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     if dp == 1 or any(DATA in _spec_axes(e) for e in spec):
         return sharding
     candidates = [d for d in range(len(shape)) if spec[d] is None and shape[d] % dp == 0]
-    if not candidates:
-        return sharding
-    d = max(candidates, key=lambda i: shape[i])
-    spec[d] = DATA
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    if candidates:
+        d = max(candidates, key=lambda i: shape[i])
+        spec[d] = DATA
+        return NamedSharding(mesh, PartitionSpec(*spec))
+    # No free dimension: split an already-sharded one further (data minor), if it divides.
+    for d in sorted(range(len(shape)), key=lambda i: -shape[i]):
+        axes = _spec_axes(spec[d])
+        if axes and shape[d] % (math.prod(mesh.shape[a] for a in axes) * dp) == 0:
+            spec[d] = axes + (DATA,)
+            return NamedSharding(mesh, PartitionSpec(*spec))
+    return sharding
 
 
 def zero1_shardings(param_shardings: Any, abstract_params: Any) -> Any:
@@ -45,7 +54,7 @@ def zero1_shardings(param_shardings: Any, abstract_params: Any) -> Any:
 
 
 def data_dim(sharding: NamedSharding) -> int | None:
-    """The dimension a sharding splits over the data axis, or None."""
+    """The dimension a sharding splits over the data axis (alone or with others), or None."""
     for d, entry in enumerate(sharding.spec):
         if DATA in _spec_axes(entry):
             return d

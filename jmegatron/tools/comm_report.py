@@ -1,0 +1,300 @@
+"""``python -m jmegatron.tools.comm_report --config C [--devices 8] [--config.<field>=<value> ...]``
+
+Compiles the train step and reports every collective of the compiled program: kind,
+mesh axes, executions per step (collectives inside the micro-batch loop count once per
+micro-batch: the while loop's known trip count), elements and bytes; then the
+per-device bytes of parameters, gradients and optimizer state from the compiled
+program's shardings, and Megatron's analytic communication volumes for the same layout
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", section 4.2.2; Megatron-Core's distributed optimizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from collections import defaultdict
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_SHAPE_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
+_OP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_WHILE_RE = re.compile(r"\swhile\(.*?condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)")
+_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLS_RE = re.compile(r"(?:calls|to_apply|branch_computations|true_computation|false_computation)=\{?%?([\w.\-, %]+)\}?")
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str
+    axes: tuple[str, ...]
+    result_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    group_size: int
+    per_step: int  # executions per train step
+    computation: str
+
+    @property
+    def elements(self) -> int:
+        """Elements of the full (unsharded) tensor moved: the result for all-reduce and
+        all-gather, result x group size for reduce-scatter."""
+        n = sum(math.prod(d) for _, d in self.result_shapes)
+        return n * self.group_size if self.kind == "reduce-scatter" else n
+
+    @property
+    def bytes(self) -> int:
+        per = sum(math.prod(d) * _DTYPE_BYTES[t] for t, d in self.result_shapes)
+        return per * self.group_size if self.kind == "reduce-scatter" else per
+
+
+def _shapes(text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((t, tuple(int(x) for x in dims.split(",") if x)) for t, dims in _SHAPE_RE.findall(text))
+
+
+_IOTA = r"\[[0-9,]+\](?:<=\[[0-9,]+\])?(?:T\([0-9,]+\))?"
+
+
+def _iota(spec: str) -> np.ndarray:
+    """Devices of XLA's iota tile format ``[a,b]<=[n,m]T(1,0)`` (``<=[..]`` optional)."""
+    m = re.match(r"\[([0-9,]+)\](?:<=\[([0-9,]+)\])?(?:T\(([0-9,]+)\))?", spec)
+    out = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in (m.group(2) or m.group(1)).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(3):
+        ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return ids.reshape(out)
+
+
+def replica_groups(line: str, num_devices: int) -> list[list[int]]:
+    """The device groups of a collective instruction (explicit, iota or mesh-axes format)."""
+    m = re.search(r"replica_groups=(\{\{[0-9,{} ]*\}\})", line)
+    if m:
+        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9, ]*)\}", m.group(1)[1:-1])]
+    m = re.search(r"replica_groups=(" + _IOTA + ")", line)
+    if m:
+        return _iota(m.group(1)).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((" + _IOTA + r")\))?\s*\{([^}]*)\}", line)
+    if m:
+        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        names = [a for a, _ in axes]
+        shape = [int(s) for _, s in axes]
+        chosen = re.findall(r"'(\w+)'", m.group(3))
+        ids = _iota(m.group(2)).reshape(shape) if m.group(2) else np.arange(math.prod(shape)).reshape(shape)
+        keep = [names.index(c) for c in chosen]
+        rest = [i for i in range(len(names)) if i not in keep]
+        return ids.transpose(rest + keep).reshape(-1, math.prod(shape[i] for i in keep) if keep else 1).tolist()
+    if "replica_groups={}" in line or "replica_groups" not in line:
+        return [list(range(num_devices))]
+    raise ValueError(f"cannot parse replica groups of: {line[:200]}")
+
+
+def _group_axes(group: list[int], mesh) -> tuple[str, ...]:
+    coords = {d.id: idx for idx, d in np.ndenumerate(mesh.devices)}
+    pts = np.array([coords[i] for i in group])
+    return tuple(name for k, name in enumerate(mesh.axis_names) if len(set(pts[:, k])) > 1)
+
+
+def parse_collectives(hlo_text: str, mesh) -> list[Collective]:
+    """Every collective in a compiled HLO module, with executions per step."""
+    comps: dict[str, list[str]] = {}
+    entry = None
+    current = None
+    for line in hlo_text.splitlines():
+        m = _COMP_RE.match(line)
+        if m and not line.startswith(" "):
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+            continue
+        if current is not None:
+            comps[current].append(line)
+    # multiplicity of each computation: calls from its callers, while bodies x trip count
+    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for name, lines in comps.items():
+        for line in lines:
+            w = _WHILE_RE.search(line)
+            if w:
+                trip = _TRIP_RE.search(line)
+                edges[name].append((w.group(2), int(trip.group(1)) if trip else 1))
+                edges[name].append((w.group(1), int(trip.group(1)) if trip else 1))
+                continue
+            for c in _CALLS_RE.findall(line):
+                for callee in re.split(r"[,\s]+", c.replace("%", "")):
+                    if callee in comps:
+                        edges[name].append((callee, 1))
+    mult: dict[str, int] = defaultdict(int)
+
+    def visit(name, factor):
+        mult[name] += factor
+        for callee, trip in edges.get(name, ()):
+            visit(callee, factor * trip)
+
+    visit(entry, 1)
+    n_dev = mesh.devices.size
+    out = []
+    for name, lines in comps.items():
+        for line in lines:
+            m = _OP_RE.match(line)
+            if not m or not mult.get(name):
+                continue
+            groups = replica_groups(line, n_dev)
+            axes = _group_axes(groups[0], mesh)
+            # A tuple collective is XLA combining several: count each member on its own.
+            for shape in _shapes(m.group(2)):
+                out.append(Collective(kind=m.group(3), axes=axes, result_shapes=(shape,),
+                                      group_size=len(groups[0]), per_step=mult[name], computation=name))
+    return out
+
+
+def _tree_bytes(abstract: Any, shardings: Any) -> int:
+    import jax
+
+    total = 0
+    for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        total += math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def _without_data(sharding):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def drop(e):
+        if e == "data":
+            return None
+        if isinstance(e, tuple):
+            return tuple(a for a in e if a != "data") or None
+        return e
+
+    return NamedSharding(sharding.mesh, PartitionSpec(*(drop(e) for e in sharding.spec)))
+
+
+def analyze(run) -> dict:
+    """Compile ``run.train_step`` and return the report as a dict (see module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = run.cfg
+    nm, gbs, s = run.num_microbatches, run.global_batch_size, cfg.seq_length
+    batch = {k: jax.ShapeDtypeStruct((nm, gbs // nm, s), jnp.float32 if k == "loss_mask" else jnp.int32)
+             for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    compiled = run.train_step.lower(run.abstract_with_shardings(), batch).compile()
+    colls = parse_collectives(compiled.as_text(), run.mesh)
+    state_sh = compiled.input_shardings[0][0]
+    abstract = run.abstract_state
+    total_param_bytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract.params))
+    total_opt_bytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract.opt_state))
+    mem = compiled.memory_analysis()
+    tp, dp = run.mesh.shape["tensor"], run.mesh.shape["data"]
+    b, h, L = cfg.micro_batch_size, cfg.hidden_size, cfg.num_layers
+    act = b * s * h
+    analytic = {"activation_tensor_elements (b*s*h)": act}
+    if tp > 1:
+        n = (4 * L + 2) * nm
+        if cfg.sequence_parallel:
+            analytic["all-gather over tensor of b*s*h, per step"] = n
+            analytic["reduce-scatter over tensor of b*s*h, per step"] = n
+        else:
+            analytic["all-reduce over tensor of b*s*h, per step"] = n
+        analytic["note"] = ("Megatron per layer and micro-batch: 2 forward + 2 backward all-reduces "
+                            "(or all-gather + reduce-scatter pairs with SP), plus the vocab-parallel "
+                            "embedding's forward and the output layer's input-gradient reduction")
+    # Parameters held by one tensor rank: tensor-sharded ones split, the rest (norms,
+    # row-parallel biases, position embeddings) whole, as in Megatron.
+    param_elems = sum(math.prod(_without_data(s).shard_shape(a.shape))
+                      for a, s in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(state_sh.params)))
+    analytic["parameter elements per tensor rank"] = param_elems
+    if dp > 1 and not cfg.use_megatron_fsdp:
+        if cfg.use_distributed_optimizer:
+            analytic["reduce-scatter over data of gradients, elements per step"] = param_elems
+            analytic["all-gather over data of parameters, elements per step"] = param_elems
+        else:
+            analytic["all-reduce over data of gradients, elements per step"] = param_elems
+    return {
+        "config": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "seq_length", "micro_batch_size",
+                                                 "tensor_model_parallel_size", "sequence_parallel",
+                                                 "use_distributed_optimizer", "use_megatron_fsdp")},
+        "mesh": dict(run.mesh.shape),
+        "num_microbatches": nm,
+        "collectives": colls,
+        "per_device_bytes": {
+            "parameters": _tree_bytes(abstract.params, state_sh.params),
+            "gradients": _tree_bytes(abstract.params, run.grad_shardings),
+            "optimizer_state": _tree_bytes(abstract.opt_state, state_sh.opt_state),
+            "total_parameters": total_param_bytes,
+            "total_optimizer_state": total_opt_bytes,
+        },
+        "memory_analysis": {k: getattr(mem, k, None) for k in (
+            "argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")},
+        "analytic": analytic,
+    }
+
+
+def summarize(colls: list[Collective]) -> list[dict]:
+    """Collectives grouped by (kind, axes, elements): count per step and bytes per step."""
+    rows: dict[tuple, dict] = {}
+    for c in colls:
+        key = (c.kind, c.axes, c.elements)
+        r = rows.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "elements": c.elements,
+                                  "count_per_step": 0, "bytes_per_step": 0})
+        r["count_per_step"] += c.per_step
+        r["bytes_per_step"] += c.bytes * c.per_step
+    return sorted(rows.values(), key=lambda r: (r["kind"], r["axes"], -r["elements"]))
+
+
+def format_report(report: dict) -> str:
+    lines = [f"mesh {report['mesh']}, {report['num_microbatches']} micro-batches, config {report['config']}",
+             "", f"{'collective':<16}{'mesh axes':<18}{'elements':>12}{'count/step':>12}{'bytes/step':>14}"]
+    for r in summarize(report["collectives"]):
+        lines.append(f"{r['kind']:<16}{','.join(r['axes']) or '-':<18}{r['elements']:>12,}"
+                     f"{r['count_per_step']:>12}{r['bytes_per_step']:>14,}")
+    pd = report["per_device_bytes"]
+    lines += ["", "per-device bytes (from the compiled program's shardings):",
+              f"  parameters      {pd['parameters']:>14,}  (total {pd['total_parameters']:,})",
+              f"  gradients       {pd['gradients']:>14,}",
+              f"  optimizer state {pd['optimizer_state']:>14,}  (total {pd['total_optimizer_state']:,})",
+              f"  memory_analysis {report['memory_analysis']}", "", "Megatron analytic:"]
+    lines += [f"  {k}: {v}" for k, v in report["analytic"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m jmegatron.tools.comm_report", add_help=True)
+    p.add_argument("--devices", type=int, default=None,
+                   help="simulate this many CPU devices (sets XLA_FLAGS before JAX starts)")
+    p.add_argument("--json", default=None, help="also write the report as JSON here")
+    args, rest = p.parse_known_args(argv)
+    if args.devices:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={args.devices}")
+    from jmegatron.config import ConfigError, load_config_file
+    from jmegatron.train import parse_args
+
+    try:
+        path, overrides = parse_args(rest)
+        cfg = load_config_file(path, overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from jmegatron.training.loop import build
+
+    report = analyze(build(cfg))
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**report, "collectives": summarize(report["collectives"])}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
