@@ -85,7 +85,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from jmegatron.distributed import initialize_from_env
     from jmegatron.training.loop import pretrain
+
+    initialize_from_env()
 
     summary = pretrain(cfg)
     if summary["interrupted"]:

@@ -98,7 +98,9 @@ def check_compatible(cfg: JMegatronConfig, saved_config: dict, padded_vocab: int
     diffs = [f"{k}: checkpoint {saved_config.get(k)!r} vs config {getattr(cfg, k)!r}"
              for k in MODEL_FIELDS if saved_config.get(k) != getattr(cfg, k)]
     if saved_padded_vocab != padded_vocab:
-        diffs.append(f"padded vocab size: checkpoint {saved_padded_vocab} vs config {padded_vocab}")
+        diffs.append(f"padded vocab size: checkpoint {saved_padded_vocab} vs config {padded_vocab} (it is a "
+                     f"multiple of make_vocab_size_divisible_by x tensor_model_parallel_size; choose "
+                     f"make_vocab_size_divisible_by so that both layouts pad to the same size)")
     if diffs:
         raise CheckpointError(f"checkpoint {path} was saved with a different model; " + "; ".join(diffs)
                               + ". Use the checkpoint's config or a new --config.save directory.")

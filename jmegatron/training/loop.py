@@ -61,8 +61,11 @@ class Run:
                             self.abstract_state, self.state_shardings)
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Place a host batch ``[num_micro, gbs / num_micro, seq]`` on the mesh."""
-        return jax.device_put(batch, step_lib.batch_shardings(self.mesh))
+        """Place a host batch ``[num_micro, gbs / num_micro, seq]`` on the mesh. Every
+        process holds the same global batch and contributes its addressable shards."""
+        shardings = step_lib.batch_shardings(self.mesh)
+        return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
+                for k, v in batch.items()}
 
 
 def vocab_size_of(cfg: JMegatronConfig) -> int:
@@ -193,20 +196,24 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
     ``val_loss``, ``interrupted``.
     """
     run = build(cfg, mesh)
+    main_process = jax.process_index() == 0
     ckpt = None
     if cfg.save:
         os.makedirs(cfg.save, exist_ok=True)
         ckpt = checkpointing.Checkpointer(cfg.save, cfg.keep_checkpoints, cfg.async_save)
-        with open(os.path.join(cfg.save, "config.json"), "w") as f:
-            f.write(cfg.to_json())
+        if main_process:
+            with open(os.path.join(cfg.save, "config.json"), "w") as f:
+                f.write(cfg.to_json())
     state, iteration, consumed = load_or_init(run, ckpt)
     train_ds, valid_ds, _ = build_datasets(cfg, run.global_batch_size)
     loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches, consumed)
     num_devices = run.mesh.devices.size
     flops_per_iter = flops.num_floating_point_operations(cfg, run.global_batch_size, run.padded_vocab_size)
-    logger = MetricsLogger(cfg.save, cfg.tensorboard_dir or (os.path.join(cfg.save, "tensorboard") if cfg.save else None),
-                           flops_per_iter, num_devices, default_peak_tflops(cfg), cfg.train_iters)
-    print(f"[jmegatron] {num_devices} devices, mesh {dict(run.mesh.shape)}, "
+    tb_dir = cfg.tensorboard_dir or (os.path.join(cfg.save, "tensorboard") if cfg.save else None)
+    logger = MetricsLogger(cfg.save if main_process else None, tb_dir if main_process else None,
+                           flops_per_iter, num_devices, default_peak_tflops(cfg), cfg.train_iters,
+                           stream=None if main_process else open(os.devnull, "w"))
+    print(f"[jmegatron] process {jax.process_index()}/{jax.process_count()}, {num_devices} devices, mesh {dict(run.mesh.shape)}, "
           f"{flops.num_parameters(cfg, run.padded_vocab_size):,} parameters, global batch "
           f"{run.global_batch_size} = {run.num_microbatches} micro-batches x {cfg.micro_batch_size} x dp "
           f"{run.mesh.shape['data']}, peak {logger.peak_tflops:.3f} TFLOP/s/device", flush=True)

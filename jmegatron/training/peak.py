@@ -10,8 +10,8 @@ import numpy as np
 
 
 def measure_matmul_tflops(n: int = 1024, dtype=jnp.float32, repeats: int = 5, chain: int = 4) -> float:
-    """Median TFLOP/s of ``chain`` back-to-back ``[n, n] @ [n, n]`` products on device 0."""
-    a = jax.device_put(jnp.ones((n, n), dtype) / n, jax.devices()[0])
+    """Median TFLOP/s of ``chain`` back-to-back ``[n, n] @ [n, n]`` products on this process's first device."""
+    a = jax.device_put(jnp.ones((n, n), dtype) / n, jax.local_devices()[0])
 
     @jax.jit
     def f(x):

@@ -1,0 +1,82 @@
+"""Multi-process runs on JAX's own runtime (jax.distributed, gloo CPU collectives on
+127.0.0.1): 2 processes x 2 devices train like 1 process x 4 devices; a dead rank stops
+the run within a bounded time; checkpoints are written once and resume."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+TRAIN = [sys.executable, "-m", "jmegatron.train", "--config", "configs/gpt_tiny.py",
+         "--config.mock_data=True", "--config.vocab_size=300", "--config.num_layers=2",
+         "--config.hidden_size=32", "--config.num_attention_heads=2", "--config.seq_length=32",
+         "--config.max_position_embeddings=32", "--config.micro_batch_size=2", "--config.global_batch_size=16",
+         "--config.lr_warmup_iters=2", "--config.log_interval=1", "--config.eval_interval=0",
+         "--config.peak_tflops=1.0", "--config.tensor_model_parallel_size=2"]
+
+
+def _env(devices):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JMEGATRON_")}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def _losses(save):
+    rows = [json.loads(l) for l in open(os.path.join(save, "metrics.jsonl"))]
+    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+
+
+def test_two_processes_match_one(tmp_path):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    args = ["--config.train_iters=6", "--config.save_interval=3"]
+    subprocess.run(TRAIN + args + [f"--config.save={one}"], cwd=REPO, env=_env(4), check=True,
+                   timeout=300, capture_output=True)
+    r = subprocess.run([sys.executable, "-m", "jmegatron.launch", "--nproc", "2", "--devices-per-proc", "2",
+                        "--"] + TRAIN + args + [f"--config.save={two}"],
+                       cwd=REPO, env=_env(1), timeout=300, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _losses(one), _losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    np.testing.assert_allclose([b[i] for i in range(1, 7)], [a[i] for i in range(1, 7)], rtol=1e-6)
+    # one metrics file and one set of checkpoint steps, written by the processes together
+    assert sorted(os.listdir(two)) == ["3", "6", "config.json", "metrics.jsonl", "tensorboard"]
+    # resuming the 2-process checkpoint in 1 process continues
+    more = subprocess.run(TRAIN + ["--config.train_iters=8", "--config.lr_decay_iters=6",
+                                   f"--config.save={two}"], cwd=REPO, env=_env(4), timeout=300,
+                          capture_output=True, text=True)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "resumed from" in more.stdout and "iteration 6" in more.stdout
+
+
+def test_dead_rank_stops_the_run(tmp_path):
+    cmd = [sys.executable, "-m", "jmegatron.launch", "--nproc", "2", "--devices-per-proc", "2", "--grace", "5",
+           "--"] + TRAIN + ["--config.train_iters=100000", f"--config.save={tmp_path / 'x'}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    pids, seen = {}, []
+    deadline = time.time() + 240
+    for line in proc.stdout:
+        seen.append(line)
+        m = re.match(r"\[jmegatron.launch\] rank (\d+): pid (\d+)", line)
+        if m:
+            pids[int(m.group(1))] = int(m.group(2))
+        if "iteration        2/" in line or time.time() > deadline:
+            break
+    assert 1 in pids, "".join(seen)
+    t0 = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    elapsed = time.time() - t0
+    assert proc.returncode != 0
+    assert "rank 1 exited with -9" in out and "stopping the other ranks" in out, out[-2000:]
+    assert elapsed < 60, elapsed

@@ -1,0 +1,30 @@
+"""A checkpoint saved under tp2 x dp4 resumes under dp8 and under tp4 x dp2 (Orbax
+restores into the new shardings) and continues with the losses of an uninterrupted run."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from jmegatron.training.loop import pretrain
+
+from test_checkpoint_resume import cfg_for
+
+
+def layout_cfg(save, **kw):
+    # vocab 512 pads to 512 under tp 1, 2 and 4 (Megatron pads to a multiple of 128 x tp)
+    return cfg_for(save, vocab_size=512, hidden_dropout=0.0, attention_dropout=0.0, num_attention_heads=4,
+                   micro_batch_size=2, train_iters=6, eval_interval=0, **kw)
+
+
+@pytest.mark.parametrize("new_layout", [dict(), dict(tensor_model_parallel_size=4),
+                                        dict(tensor_model_parallel_size=4, sequence_parallel=True,
+                                             use_distributed_optimizer=True)])
+def test_resume_under_another_layout(tmp_path, new_layout):
+    full = pretrain(layout_cfg(tmp_path / "full", tensor_model_parallel_size=2))
+    pretrain(layout_cfg(tmp_path / "saved", tensor_model_parallel_size=2, exit_interval=3))
+    resumed = pretrain(layout_cfg(tmp_path / "saved", **new_layout))
+    assert resumed["run"].mesh.shape["tensor"] == new_layout.get("tensor_model_parallel_size", 1)
+    assert sorted(resumed["losses"]) == [4, 5, 6]
+    np.testing.assert_allclose([resumed["losses"][i] for i in (4, 5, 6)],
+                               [full["losses"][i] for i in (4, 5, 6)], rtol=1e-5)
