@@ -97,3 +97,26 @@ def test_bf16_trains_with_fp32_master_weights():
     assert {a.dtype for a in jax.tree.leaves(params)} == {np.dtype("float32")}
     l32, _, _, _ = train(tiny_cfg(), 8, steps=5)
     np.testing.assert_allclose(losses, l32, rtol=2e-2)  # same trajectory within bf16 noise
+
+
+def test_recompute_gives_the_same_step():
+    # (scan_layers draws its initial weights per stacked layer, so its trajectory differs;
+    # the scanned model's logits equal the per-layer model's: tests/test_golden_logits.py)
+    for scan in (False, True):
+        base = train(tiny_cfg(scan_layers=scan), 8, steps=2)
+        for granularity in ("full", "selective"):
+            losses, norms, _, _ = train(tiny_cfg(scan_layers=scan, recompute_granularity=granularity), 8, steps=2)
+            np.testing.assert_allclose(losses, base[0], rtol=1e-5, err_msg=f"{scan} {granularity}")
+            np.testing.assert_allclose(norms, base[1], rtol=1e-4, err_msg=f"{scan} {granularity}")
+
+
+def test_step_makes_no_host_transfer():
+    cfg = tiny_cfg()
+    run = build(cfg, create_mesh(cfg, jax.devices()[:8]))
+    state = run.init_state()
+    b = random_batches(1, run.global_batch_size, cfg.seq_length, 500)[0]
+    b = run.put_batch({k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()})
+    state, _ = run.train_step(state, b)  # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        state, m = run.train_step(state, b)
+    assert np.isfinite(float(m["lm_loss"]))
