@@ -202,8 +202,9 @@ class JMegatronConfig:
                               "(python -m jmegatron.tools.preprocess_data) or set config.mock_data=True.")
         if self.mock_data and self.vocab_size is None and self.tokenizer_model is None:
             raise ConfigError("config.mock_data=True needs config.vocab_size (or config.tokenizer_model).")
-        if not self.mock_data and self.tokenizer_model is None and self.vocab_size is None:
-            raise ConfigError("config.tokenizer_model is not set; give the tokenizer.json used by preprocess_data.")
+        if not self.mock_data and self.tokenizer_model is None:
+            raise ConfigError("config.tokenizer_model is not set; give the tokenizer.json used by "
+                              "preprocess_data (its end-of-document id separates documents).")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("config.sequence_parallel=True needs config.tensor_model_parallel_size > 1 "
                               "(Megatron disables it otherwise); set sequence_parallel=False.")

@@ -86,11 +86,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from jmegatron.distributed import initialize_from_env
+    from jmegatron.training.checkpointing import CheckpointError
     from jmegatron.training.loop import pretrain
 
     initialize_from_env()
-
-    summary = pretrain(cfg)
+    try:
+        summary = pretrain(cfg)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        # bad sizes for the devices, a missing/corrupt/incompatible checkpoint, missing data
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if summary["interrupted"]:
         print(f"[jmegatron] stopped by signal at iteration {summary['iteration']}; checkpoint saved", flush=True)
     return 0

@@ -81,3 +81,27 @@ def test_cli_exits_2_with_message_before_compiling():
     r = subprocess.run([sys.executable, "-m", "jmegatron.train", "--config", "configs/nope.py"],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_cli_reports_errors_found_at_start_up(tmp_path):
+    # sizes that do not fit the devices and a missing data prefix: message, exit 2, no traceback
+    base = [sys.executable, "-m", "jmegatron.train", "--config", "configs/gpt_tiny.py"]
+    r = subprocess.run(base + ["--config.mock_data=True", "--config.vocab_size=100",
+                               "--config.tensor_model_parallel_size=3"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and "not divisible by tensor(3)" in r.stderr and "Traceback" not in r.stderr
+    import os
+
+    from jmegatron.data.tokenizer import train_bpe_tokenizer
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    r = subprocess.run(base + [f"--config.data_path={tmp_path}/missing", f"--config.tokenizer_model={tmp_path}/no.json",
+                               f"--config.save={tmp_path}/s"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 2 and "no.json" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    (tmp_path / "t.txt").write_text("to be or not to be, that is the question " * 50)
+    train_bpe_tokenizer([str(tmp_path / "t.txt")], 300, str(tmp_path / "tok.json"))
+    r = subprocess.run(base + [f"--config.data_path={tmp_path}/missing", f"--config.tokenizer_model={tmp_path}/tok.json",
+                               f"--config.save={tmp_path}/s"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 2 and "missing" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

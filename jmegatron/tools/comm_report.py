@@ -288,7 +288,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     from jmegatron.training.loop import build
 
-    report = analyze(build(cfg))
+    try:
+        run = build(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = analyze(run)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
