@@ -113,6 +113,13 @@ class JMegatronConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
 
+    # --- knowledge distillation (Megatron's --export-kd-teacher-load, --export-kd-cfg,
+    # --export-kd-finalize; see jmegatron.distill) ---
+    kd_teacher_load: Optional[str] = None  # checkpoint dir of the teacher (its own config is read from it)
+    kd_cfg: Optional[str] = None  # distillation YAML; None: logits-only with Megatron's defaults
+    kd_finalize: bool = False  # save a plain student (no kd settings): load the distilled run, save elsewhere
+    kd_teacher_bf16: bool = False  # run the frozen teacher in bf16 (params cast at load)
+
     # --- parallelism (sizes; see jmegatron.parallel.mesh) ---
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -215,6 +222,9 @@ class JMegatronConfig:
             if getattr(self, name) != 1:
                 raise ConfigError(f"config.{name}={getattr(self, name)}: this parallelism is not built yet "
                                   f"(pipeline, context and expert parallelism are later issues); set it to 1.")
+        if self.kd_cfg is not None and self.kd_teacher_load is None and not self.kd_finalize:
+            raise ConfigError("config.kd_cfg is set but config.kd_teacher_load is not; give the teacher's "
+                              "checkpoint directory.")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"config.global_batch_size={self.global_batch_size} is not a multiple of "

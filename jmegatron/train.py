@@ -92,7 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     initialize_from_env()
     try:
         summary = pretrain(cfg)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:  # incl. DistillConfigError
         # bad sizes for the devices, a missing/corrupt/incompatible checkpoint, missing data
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -90,7 +90,8 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm transformer layer ``[b, s, h]`` -> ``[b, s, h]``
     (megatron/core/transformer/transformer_layer.py). Sows ``input_layernorm`` and
-    ``pre_mlp_layernorm`` outputs into the ``intermediates`` collection when it is mutable."""
+    ``pre_mlp_layernorm`` outputs (as ``<name>_output``) into the ``intermediates``
+    collection when it is mutable."""
 
     cfg: ModelConfig
     deterministic: bool = True
@@ -101,7 +102,7 @@ class TransformerLayer(nn.Module):
         c = self.cfg
         drop = nn.Dropout(rate=c.hidden_dropout, deterministic=self.deterministic)
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "input_layernorm")(x)
-        self.sow("intermediates", "input_layernorm", h)
+        self.sow("intermediates", "input_layernorm_output", h)
         h = SelfAttention(
             num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
             kv_channels=c.kv_channels, hidden_size=c.hidden_size, use_bias=c.add_bias_linear,
@@ -116,7 +117,7 @@ class TransformerLayer(nn.Module):
         x = x + drop(h)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "pre_mlp_layernorm")(x)
-        self.sow("intermediates", "pre_mlp_layernorm", h)
+        self.sow("intermediates", "pre_mlp_layernorm_output", h)
         h = MLP(c, dot_general=self.dot_general, name="mlp")(h)
         x = x + drop(h)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
@@ -167,7 +168,7 @@ class GPTModel(nn.Module):
             for i in range(c.num_layers):
                 x, _ = layer_cls(c, deterministic, self.dot_general, name=f"decoder_layers_{i}")(x, position_ids)
         x = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm")(x)
-        self.sow("intermediates", "final_layernorm", x)
+        self.sow("intermediates", "final_layernorm_output", x)
         if c.untie_embeddings_and_output_weights:
             logits = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype,
                             dot_general=self.dot_general, kernel_init=embed_init,

@@ -187,7 +187,7 @@ def analyze(run) -> dict:
     nm, gbs, s = run.num_microbatches, run.global_batch_size, cfg.seq_length
     batch = {k: jax.ShapeDtypeStruct((nm, gbs // nm, s), jnp.float32 if k == "loss_mask" else jnp.int32)
              for k in ("tokens", "labels", "loss_mask", "position_ids")}
-    compiled = run.train_step.lower(run.abstract_with_shardings(), batch).compile()
+    compiled = run.train_step.lower(run.abstract_with_shardings(), batch, *run.extra_args).compile()
     colls = parse_collectives(compiled.as_text(), run.mesh)
     state_sh = compiled.input_shardings[0][0]
     abstract = run.abstract_state

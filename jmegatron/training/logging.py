@@ -16,14 +16,26 @@ from typing import Any, Optional
 import numpy as np
 
 
+# Report keys -> Megatron's console names (pretrain_gpt.py loss_func; the distillation
+# loss_func's "kd loss", "logits distillation loss", "intermediate distillation loss").
+REPORT_NAMES = {
+    "lm_loss": "lm loss",
+    "kd_loss": "kd loss",
+    "logits_distillation_loss": "logits distillation loss",
+    "intermediate_distillation_loss": "intermediate distillation loss",
+}
+
+
 class MetricsLogger:
     """Writes training and validation metrics.
 
     ``metrics.jsonl`` gets one JSON object per logged iteration with ``iteration``,
     ``lm_loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``, ``tflops_per_device``,
-    ``mfu`` (fraction of peak), plus ``val_loss`` and ``val_ppl`` at evaluations.
-    ``lm_loss`` and ``grad_norm`` are means over the iterations since the last log;
-    ``step_losses`` lists each of those iterations' own loss.
+    ``mfu`` (fraction of peak), plus ``val_loss`` and ``val_ppl`` at evaluations, and the
+    distillation losses (``kd_loss``, ``logits_distillation_loss``,
+    ``intermediate_distillation_loss``) when distilling. Losses and ``grad_norm`` are
+    means over the iterations since the last log; ``step_losses`` lists each of those
+    iterations' own ``lm_loss`` (or, when the LM loss is not computed, the optimised loss).
     """
 
     def __init__(self, save_dir: Optional[str], tensorboard_dir: Optional[str],
@@ -48,12 +60,14 @@ class MetricsLogger:
         """Report the host-side metrics of the last ``len(step_metrics)`` iterations,
         which took ``elapsed_s`` seconds of wall time. Returns the JSON record."""
         n = len(step_metrics)
-        losses = [float(m["lm_loss"]) for m in step_metrics]
+        main = "lm_loss" if "lm_loss" in step_metrics[0] else "loss"
+        losses = [float(m[main]) for m in step_metrics]
         tokens = float(sum(float(m["num_tokens"]) for m in step_metrics))
         tflops = self.flops_per_iteration * n / max(elapsed_s, 1e-9) / self.num_devices / 1e12
+        reported = [k for k in REPORT_NAMES if k in step_metrics[0]]
         record = {
             "iteration": iteration,
-            "lm_loss": float(np.mean(losses)),
+            **{k: float(np.mean([float(m[k]) for m in step_metrics])) for k in reported},
             "lr": float(step_metrics[-1]["lr"]),
             "grad_norm": float(np.mean([float(m["grad_norm"]) for m in step_metrics])),
             "tokens_per_sec": tokens / max(elapsed_s, 1e-9),
@@ -62,14 +76,15 @@ class MetricsLogger:
             "step_time_s": elapsed_s / n,
             "step_losses": losses,
         }
+        losses_text = "".join(f" {REPORT_NAMES[k]}: {record[k]:.6E} |" for k in reported)
         self.stream.write(
-            f" iteration {iteration:8d}/{self.train_iters:8d} | lm loss: {record['lm_loss']:.6E} |"
+            f" iteration {iteration:8d}/{self.train_iters:8d} |{losses_text}"
             f" learning rate: {record['lr']:.6E} | grad norm: {record['grad_norm']:.3f} |"
             f" elapsed time per iteration (ms): {1e3 * record['step_time_s']:.1f} |"
             f" tokens/s: {record['tokens_per_sec']:.0f} | TFLOP/s/device: {tflops:.4f} |"
             f" MFU: {100 * record['mfu']:.1f}%\n")
         self.stream.flush()
-        self._write(record, {k: record[k] for k in ("lm_loss", "lr", "grad_norm", "tokens_per_sec",
+        self._write(record, {k: record[k] for k in (*reported, "lr", "grad_norm", "tokens_per_sec",
                                                      "tflops_per_device", "mfu")}, iteration)
         return record
 

@@ -50,7 +50,9 @@ class Run:
     rules: Any
     train_step: Any
     eval_step: Any
-    compute_grads: Any = None  # jitted (state, batch) -> (grads, loss, tokens); state not donated
+    compute_grads: Any = None  # jitted (state, batch, *extra_args) -> (grads, report, tokens)
+    extra_args: tuple = ()  # passed after the batch to train_step (the teacher's params when distilling)
+    teacher: Any = None  # jmegatron.distill.teacher.Teacher when distilling
 
     def init_state(self) -> state_lib.TrainState:
         return state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
@@ -92,15 +94,26 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     rules = rules_lib.make_rules(cfg)
     abstract, shardings, grad_shardings = state_lib.state_shardings(
         model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer)
+    teacher = loss_fn = extra_shardings = None
+    if cfg.kd_teacher_load and not cfg.kd_finalize:
+        from jmegatron.distill.config import load_distill_config
+        from jmegatron.distill.loss_func import distillation_loss_fn
+        from jmegatron.distill.teacher import load_teacher
+
+        dcfg = load_distill_config(cfg.kd_cfg)
+        teacher = load_teacher(cfg.kd_teacher_load, cfg, padded, mesh, cfg.kd_teacher_bf16)
+        loss_fn = distillation_loss_fn(model, teacher.model, dcfg)
+        extra_shardings = teacher.shardings
     step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg), mesh, shardings.params,
-                                       grad_shardings, rules)
-    train_step = step_lib.jit_train_step(step_fn, mesh, shardings)
+                                       grad_shardings, rules, loss_fn, extra_shardings)
+    train_step = step_lib.jit_train_step(step_fn, mesh, shardings, extra_shardings)
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules), mesh, shardings.params)
     return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
                num_microbatches=num_micro, global_batch_size=num_micro * cfg.micro_batch_size * dp,
                abstract_state=abstract, state_shardings=shardings, grad_shardings=grad_shardings,
                rules=rules, train_step=train_step, eval_step=eval_step,
-               compute_grads=jax.jit(step_fn.compute_grads))
+               compute_grads=jax.jit(step_fn.compute_grads),
+               extra_args=(teacher.params,) if teacher else (), teacher=teacher)
 
 
 def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
@@ -156,6 +169,8 @@ class _StopRequest:
 
 
 def _meta(cfg: JMegatronConfig, run: Run, iteration: int, consumed: int) -> dict:
+    if cfg.kd_finalize:  # a plain student checkpoint: nothing of the distillation remains
+        cfg = cfg.replace(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, kd_teacher_bf16=False)
     return {"iteration": iteration, "consumed_train_samples": consumed,
             "padded_vocab_size": run.padded_vocab_size, "config": cfg.to_dict()}
 
@@ -221,7 +236,9 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
     summary = {"losses": {}, "val_loss": None, "interrupted": False}
     pending: list[tuple[int, dict]] = []
     last_log = time.perf_counter()
-    saved_at = iteration
+    # Loaded from another directory (e.g. kd_finalize): the final save writes it to `save`.
+    same_dir = bool(cfg.save) and os.path.abspath(cfg.load or cfg.save) == os.path.abspath(cfg.save)
+    saved_at = iteration if same_dir else -1
 
     def save(it: int):
         nonlocal saved_at
@@ -237,7 +254,7 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
 
     try:
         while iteration < cfg.train_iters:
-            state, metrics = run.train_step(state, run.put_batch(next(loader)))
+            state, metrics = run.train_step(state, run.put_batch(next(loader)), *run.extra_args)
             iteration += 1
             pending.append((iteration, metrics))
             if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stop.event.is_set():
@@ -245,9 +262,9 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
                 now = time.perf_counter()
                 logger.log_train(iteration, host, now - last_log)
                 for (it, _), m in zip(pending, host):
-                    summary["losses"][it] = float(m["lm_loss"])
-                    if not math.isfinite(float(m["lm_loss"])):
-                        raise FloatingPointError(f"lm loss is {m['lm_loss']} at iteration {it}")
+                    summary["losses"][it] = float(m.get("lm_loss", m["loss"]))
+                    if not math.isfinite(float(m["loss"])):
+                        raise FloatingPointError(f"loss is {m['loss']} at iteration {it}")
                 pending, last_log = [], time.perf_counter()
             if cfg.eval_interval and iteration % cfg.eval_interval == 0:
                 run_eval(iteration)

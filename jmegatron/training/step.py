@@ -16,7 +16,7 @@ folded with the data-parallel rank, so each rank draws its own masks.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -62,10 +62,25 @@ def _local_spec(sharding: NamedSharding, axis: str) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def lm_loss_fn(model: nn.Module) -> Callable:
+    """The language-model loss: masked token mean of the cross-entropy (Megatron's
+    ``loss_func`` in pretrain_gpt.py). See :func:`make_train_step` for the interface."""
+
+    def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
+        logits = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
+                             deterministic=False, rngs={"dropout": rng})
+        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
+        loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
+        return loss, {"lm_loss": loss}
+
+    return loss_fn
+
+
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
                     mesh: Mesh, param_shardings: Any, grad_shardings: Any,
-                    rules: Sequence = rules_lib.DEFAULT_RULES) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """The un-jitted train step ``(state, batch) -> (state, metrics)``.
+                    rules: Sequence = rules_lib.DEFAULT_RULES, loss_fn: Optional[Callable] = None,
+                    extra_shardings: Any = None) -> Callable[..., tuple[TrainState, dict]]:
+    """The un-jitted train step ``(state, batch[, extra]) -> (state, metrics)``.
 
     Data parallelism is explicit, as in Megatron's DDP: a ``shard_map`` makes the data
     axis manual, each data-parallel rank accumulates its own gradients over the
@@ -76,50 +91,66 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     the parameters and reduce-scatters their gradients (the all-gather's transpose).
     The tensor axis stays automatic (GSPMD), driven by the logical-axis ``rules``.
 
-    metrics (float32 scalars): ``lm_loss``, ``grad_norm`` (before clipping), ``lr``
-    (the rate this step applied), ``num_tokens``.
+    ``loss_fn(params, micro, rng, num_tokens, extra, data_sum) -> (loss, report)`` gives
+    one micro-batch's loss (float32 scalar, the same on every data-parallel rank: local
+    sums go through ``data_sum``, the psum over data, and are divided by ``num_tokens``,
+    the micro-batch's unmasked tokens over all ranks) and a dict of scalars to report.
+    Default: :func:`lm_loss_fn`. ``extra`` (e.g. a frozen teacher's parameters, laid
+    out by ``extra_shardings``) is passed through untouched and gets no gradient.
+
+    metrics (float32 scalars): ``loss`` (what was optimised), the report's entries
+    (``lm_loss`` by default), ``grad_norm`` (before clipping), ``lr`` (the rate this
+    step applied), ``num_tokens``; each a mean over micro-batches.
     """
     axis = rules_lib.DATA_AXIS
     inner_rules = _without_axis(rules, axis)
+    loss_fn = loss_fn or lm_loss_fn(model)
     param_dims = jax.tree.map(data_dim, param_shardings)
     grad_dims = jax.tree.map(data_dim, grad_shardings)
     param_specs = jax.tree.map(lambda s: _local_spec(s, axis), param_shardings)
     grad_specs = jax.tree.map(lambda s: _local_spec(s, axis), grad_shardings)
+    extra_dims = jax.tree.map(data_dim, extra_shardings)
+    extra_specs = jax.tree.map(lambda s: _local_spec(s, axis), extra_shardings)
     batch_spec = PartitionSpec(None, axis, None)
     is_none = lambda x: x is None  # noqa: E731
 
     def gather(p, d):
         return p if d is None else jax.lax.all_gather(p, axis, axis=d, tiled=True)
 
-    def micro_loss(local_params, micro, rng, num_tokens):
+    def data_sum(x):
+        return jax.lax.psum(x, axis)
+
+    def micro_loss(local_params, micro, rng, num_tokens, extra):
         params = jax.tree.map(gather, local_params, param_dims, is_leaf=is_none)
+        extra = jax.tree.map(gather, extra, extra_dims, is_leaf=is_none)
         with nn.logical_axis_rules(inner_rules):
-            logits = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
-                                 deterministic=False, rngs={"dropout": rng})
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
-        return total / jnp.maximum(num_tokens, 1.0)
+            return loss_fn(params, micro, rng, num_tokens, extra, data_sum)
 
-    grad_fn = jax.value_and_grad(micro_loss)
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def local_grads(local_params, batch, rng):
+    def local_grads(local_params, batch, rng, extra):
         # Gradients w.r.t. data-replicated parameters are taken on a "varying" copy, so
         # autodiff leaves them as this rank's partial sums; the one reduction is below.
         varying = jax.tree.map(lambda p, d: jax.lax.pcast(p, axis, to="varying") if d is None else p,
                                local_params, param_dims, is_leaf=is_none)
         rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+        num_micro = batch["tokens"].shape[0]
 
         def accumulate(carry, xs):
-            grads_acc, loss_acc, tokens_acc = carry
+            grads_acc, report_acc, tokens_acc = carry
             i, micro = xs
             tokens = jax.lax.psum(jnp.sum(micro["loss_mask"].astype(jnp.float32)), axis)
-            loss, grads = grad_fn(varying, micro, jax.random.fold_in(rng, i), tokens)
-            return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss, tokens_acc + tokens), None
+            (loss, report), grads = grad_fn(varying, micro, jax.random.fold_in(rng, i), tokens, extra)
+            report = dict(report, loss=loss)
+            return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, report_acc, report),
+                    tokens_acc + tokens), None
 
         zeros = jax.tree.map(jnp.zeros_like, varying)
-        num_micro = batch["tokens"].shape[0]
-        loss0 = jax.lax.pcast(jnp.float32(0.0), axis, to="varying")
-        (grads, loss, tokens), _ = jax.lax.scan(
-            accumulate, (zeros, loss0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
+        first = jax.tree.map(lambda b: b[0], batch)
+        report_shape = jax.eval_shape(lambda: grad_fn(varying, first, rng, jnp.float32(1.0), extra)[0][1])
+        report0 = dict(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), report_shape), loss=jnp.float32(0.0))
+        (grads, report, tokens), _ = jax.lax.scan(
+            accumulate, (zeros, report0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
 
         def reduce(g, pd, gd):
             if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose
@@ -130,7 +161,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
 
         grads = jax.tree.map(reduce, grads, param_dims, grad_dims, is_leaf=is_none)
         grads = jax.tree.map(lambda g: g / num_micro, grads)
-        return grads, jax.lax.psum(loss, axis) / num_micro, tokens
+        return grads, jax.tree.map(lambda r: r / num_micro, report), tokens
 
     zero1 = jax.tree.map(lambda pd, gd: pd is None and gd is not None, param_dims, grad_dims,
                          is_leaf=is_none)
@@ -138,7 +169,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     sharded_grads = jax.shard_map(
         local_grads, mesh=mesh, axis_names={axis},
         in_specs=(param_specs, {k: batch_spec for k in ("tokens", "labels", "loss_mask", "position_ids")},
-                  PartitionSpec()),
+                  PartitionSpec(), extra_specs),
         out_specs=(out_grad_specs, PartitionSpec(), PartitionSpec()))
 
     # The ZeRO-1 reduce-scatter runs with every mesh axis manual: inside the data-only
@@ -158,23 +189,23 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             out.append(leaf)
         return jax.tree.unflatten(treedef, out)
 
-    def compute_grads(state: TrainState, batch: Batch):
+    def compute_grads(state: TrainState, batch: Batch, extra: Any = None):
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        grads, loss, tokens = sharded_grads(state.params, batch, step_rng)
-        return reduce_scatter_zero1(grads), loss, tokens
+        grads, report, tokens = sharded_grads(state.params, batch, step_rng, extra)
+        return reduce_scatter_zero1(grads), report, tokens
 
-    def step(state: TrainState, batch: Batch):
-        grads, loss, tokens = compute_grads(state, batch)
+    def step(state: TrainState, batch: Batch, extra: Any = None):
+        grads, report, tokens = compute_grads(state, batch, extra)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         params = jax.lax.with_sharding_constraint(state.params, grad_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {"lm_loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": jnp.asarray(schedule(state.step), jnp.float32), "num_tokens": tokens}
+        metrics = dict(report, grad_norm=optax.tree.norm(grads),
+                       lr=jnp.asarray(schedule(state.step), jnp.float32), num_tokens=tokens)
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
         return new_state, metrics
 
-    step.compute_grads = compute_grads  # (state, batch) -> (grads, loss, tokens), for tests and research code
+    step.compute_grads = compute_grads  # (state, batch[, extra]) -> (grads, report, tokens)
     return step
 
 
@@ -202,9 +233,12 @@ def batch_shardings(mesh: Mesh) -> Batch:
     return {"tokens": s, "labels": s, "loss_mask": s, "position_ids": s}
 
 
-def jit_train_step(step_fn, mesh: Mesh, state_shardings: TrainState):
+def jit_train_step(step_fn, mesh: Mesh, state_shardings: TrainState, extra_shardings: Any = None):
     """jit with the state donated and laid out by ``state_shardings``."""
-    return jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings(mesh)),
+    in_shardings = (state_shardings, batch_shardings(mesh))
+    if extra_shardings is not None:
+        in_shardings += (extra_shardings,)
+    return jax.jit(step_fn, in_shardings=in_shardings,
                    out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
                    donate_argnums=(0,))
 

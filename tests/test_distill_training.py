@@ -1,0 +1,120 @@
+"""Distillation in the trainer: teacher from a checkpoint, Megatron's YAML, the report,
+student-only checkpoints, kd_finalize, and the same result under data and tensor parallelism."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jmegatron.distill.config import DistillConfigError, load_distill_config, parse_distill_config
+from jmegatron.parallel.mesh import create_mesh
+from jmegatron.training import checkpointing
+from jmegatron.training.loop import build, pretrain
+
+from test_checkpoint_resume import cfg_for as _cfg_for
+
+
+def cfg_for(save, **kw):
+    # vocab 512 pads to 512 under tp 1, 2 and 4, so one teacher serves every layout
+    return _cfg_for(save, **{"vocab_size": 512, **kw})
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("teacher")
+    pretrain(cfg_for(d, num_layers=3, hidden_size=48, num_attention_heads=4, ffn_hidden_size=96,
+                     train_iters=10, eval_interval=0))
+    return str(d)
+
+
+def yaml_file(tmp_path, text):
+    p = tmp_path / "kd.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_yaml_defaults_and_errors(tmp_path):
+    d = load_distill_config(None)
+    assert d.logit_layers == ("output_layer", "output_layer") and d.intermediate_layer_pairs == ()
+    assert d.skip_lm_loss is True and d.kd_loss_scale == 1.0
+    d = load_distill_config(yaml_file(tmp_path, "intermediate_layer_pairs:\n"
+                                      "  - [decoder.final_layernorm, decoder.final_layernorm]\n"
+                                      "  - [decoder.layers.0.input_layernorm, decoder.layers.2.pre_mlp_layernorm, mse]\n"
+                                      "skip_lm_loss: false\nkd_loss_scale: 2.0\n"))
+    assert [p.loss for p in d.intermediate_layer_pairs] == ["cosine", "mse"] and d.skip_lm_loss is False
+    with pytest.raises(DistillConfigError, match="unknown distillation config keys \\['kd_los_scale'\\]"):
+        parse_distill_config({"kd_los_scale": 1.0})
+    with pytest.raises(DistillConfigError, match="'l2' .* is not one of \\['cosine', 'mse'\\]"):
+        parse_distill_config({"intermediate_layer_pairs": [["a", "b", "l2"]]})
+
+
+def test_distillation_trains_and_reports(tmp_path, teacher_dir):
+    kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
+                             "decoder.layers.2.pre_mlp_layernorm]\nskip_lm_loss: false\n")
+    save = tmp_path / "student"
+    out = pretrain(cfg_for(save, hidden_size=48, num_attention_heads=4, train_iters=6, eval_interval=3,
+                           kd_teacher_load=teacher_dir, kd_cfg=kd))
+    rows = [json.loads(l) for l in open(save / "metrics.jsonl")]
+    train = [r for r in rows if "kd_loss" in r]
+    assert train and all(k in train[0] for k in ("lm_loss", "kd_loss", "logits_distillation_loss",
+                                                  "intermediate_distillation_loss"))
+    assert all(r["intermediate_distillation_loss"] > 0 for r in train)
+    assert [r["iteration"] for r in rows if "val_loss" in r] == [3, 6]  # student's real LM loss
+    # the student's checkpoint holds the student only (no teacher params, same tree as a plain run)
+    state = out["state"]
+    assert set(state.params) == set(build(out["run"].cfg.replace(kd_teacher_load=None, kd_cfg=None),
+                                          out["run"].mesh).abstract_state.params)
+
+
+def test_skip_lm_loss_and_unknown_layer(tmp_path, teacher_dir):
+    save = tmp_path / "s"
+    pretrain(cfg_for(save, train_iters=2, lr_warmup_iters=1, eval_interval=0, kd_teacher_load=teacher_dir))
+    rows = [json.loads(l) for l in open(save / "metrics.jsonl")]
+    assert "lm_loss" not in rows[0] and "kd_loss" in rows[0]
+    bad = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.9.input_layernorm, "
+                              "decoder.final_layernorm]\n")
+    with pytest.raises(DistillConfigError, match="unknown student layer 'decoder.layers.9.input_layernorm'.*valid names"):
+        pretrain(cfg_for(tmp_path / "t", hidden_size=48, num_attention_heads=4, kd_teacher_load=teacher_dir, kd_cfg=bad))
+
+
+def test_teacher_must_share_the_vocabulary(tmp_path, teacher_dir):
+    with pytest.raises(checkpointing.CheckpointError, match="padded vocabulary of 512 but the student has 1024"):
+        pretrain(cfg_for(tmp_path / "v", vocab_size=1000, kd_teacher_load=teacher_dir))
+
+
+def test_kd_finalize_writes_a_plain_student(tmp_path, teacher_dir):
+    kd_dir = tmp_path / "kd"
+    pretrain(cfg_for(kd_dir, train_iters=2, lr_warmup_iters=1, eval_interval=0, kd_teacher_load=teacher_dir))
+    final = tmp_path / "final"
+    pretrain(cfg_for(final, train_iters=2, lr_warmup_iters=1, eval_interval=0, kd_teacher_load=teacher_dir,
+                     kd_finalize=True, load=str(kd_dir)))
+    meta = checkpointing.Checkpointer(str(final), create=False).read_meta()
+    assert meta["config"]["kd_teacher_load"] is None and meta["config"]["kd_cfg"] is None
+    more = pretrain(cfg_for(final, train_iters=4, lr_warmup_iters=1, eval_interval=0))  # trains on like any other
+    assert sorted(more["losses"]) == [3, 4]
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(tensor_model_parallel_size=2),
+                                    dict(tensor_model_parallel_size=4, use_distributed_optimizer=True)])
+def test_distillation_gradients_match_one_device(teacher_dir, layout, tmp_path):
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, num_attention_heads=4, kd_teacher_load=teacher_dir)
+
+    def grads(cfg, n):
+        run = build(cfg, create_mesh(cfg, jax.devices()[:n]))
+        state = run.init_state()
+        rs = np.random.RandomState(0)
+        toks = rs.randint(0, 512, size=(run.global_batch_size, 33)).astype(np.int32)
+        b = {"tokens": toks[:, :-1], "labels": toks[:, 1:], "loss_mask": np.ones((run.global_batch_size, 32), np.float32),
+             "position_ids": np.broadcast_to(np.arange(32, dtype=np.int32), (run.global_batch_size, 32)).copy()}
+        b = run.put_batch({k: v.reshape(run.num_microbatches, -1, 32) for k, v in b.items()})
+        g, report, _ = run.compute_grads(state, b, *run.extra_args)
+        return jax.device_get(g), jax.device_get(report)
+
+    tp = layout.get("tensor_model_parallel_size", 1)
+    g1, r1 = grads(cfg_for(tmp_path / "a", micro_batch_size=8, **kw), 1)
+    g8, r8 = grads(cfg_for(tmp_path / "b", micro_batch_size=tp, **layout, **kw), 8)
+    np.testing.assert_allclose(r8["kd_loss"], r1["kd_loss"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+        scale = np.max(np.abs(b)) + 1e-12
+        np.testing.assert_allclose(a / scale, b / scale, atol=1e-5)
