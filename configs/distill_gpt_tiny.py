@@ -6,15 +6,14 @@
         --config.tokenizer_model=runs/demo/tokenizer.json --config.save=runs/distill/student
 """
 
-import importlib.util
 import os
 
-_spec = importlib.util.spec_from_file_location("gpt_tiny", os.path.join(os.path.dirname(__file__), "gpt_tiny.py"))
-_gpt_tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_gpt_tiny)
+from jmegatron.config import get_config_of
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def get_config():
-    c = _gpt_tiny.get_config()
-    c.kd_cfg = os.path.join(os.path.dirname(__file__), "distill.yaml")
+    c = get_config_of(os.path.join(HERE, "gpt_tiny.py"))
+    c.kd_cfg = os.path.join(HERE, "distill.yaml")
     return c

@@ -366,22 +366,30 @@ def from_json(text: str) -> JMegatronConfig:
     return from_configdict(json.loads(text))
 
 
-def load_config_file(path: str, overrides: Optional[dict[str, Any]] = None) -> JMegatronConfig:
-    """Load ``get_config()`` from a Python file, apply ``overrides``, validate.
+def get_config_of(path: str) -> ml_collections.ConfigDict:
+    """``get_config()`` of another config file (for configs that extend one), unvalidated.
 
-    Raises FileNotFoundError for a missing file, ConfigError for bad fields.
+    Raises FileNotFoundError for a missing file, ConfigError if it has no get_config().
     """
     import importlib.util
     import os
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path!r} does not exist (pass --config configs/gpt_tiny.py)")
-    spec = importlib.util.spec_from_file_location("_jmegatron_config", path)
+    spec = importlib.util.spec_from_file_location(f"_jmegatron_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} has no get_config() function.")
-    cd = module.get_config()
+    return module.get_config()
+
+
+def load_config_file(path: str, overrides: Optional[dict[str, Any]] = None) -> JMegatronConfig:
+    """Load ``get_config()`` from a Python file, apply ``overrides``, validate.
+
+    Raises FileNotFoundError for a missing file, ConfigError for bad fields.
+    """
+    cd = get_config_of(path)
     for key, value in (overrides or {}).items():
         if key not in cd:
             _check_names([key])

@@ -105,3 +105,14 @@ def test_cli_reports_errors_found_at_start_up(tmp_path):
                                f"--config.save={tmp_path}/s"], cwd=REPO, capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 2 and "missing" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_distillation_configs_extend_gpt_tiny():
+    data = {"data_path": "p", "tokenizer_model": "t.json"}
+    teacher = load_config_file(str(REPO / "configs" / "gpt_teacher.py"), data)
+    student = load_config_file(str(REPO / "configs" / "distill_gpt_tiny.py"), dict(data, kd_teacher_load="T"))
+    assert (teacher.num_layers, teacher.hidden_size) == (6, 384)
+    assert student.num_layers == 4 and student.kd_cfg.endswith("configs/distill.yaml")
+    assert teacher.seq_length == student.seq_length
+    with pytest.raises(ConfigError, match="kd_teacher_load is not"):
+        load_config_file(str(REPO / "configs" / "distill_gpt_tiny.py"), data)
