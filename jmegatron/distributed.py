@@ -54,6 +54,7 @@ def initialize_from_env() -> bool:
 
 
 def is_main_process() -> bool:
+    """True on process 0 (the one that writes logs and shared files)."""
     import jax
 
     return jax.process_index() == 0

@@ -52,6 +52,8 @@ class DistillConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class IntermediatePair:
+    """One ``intermediate_layer_pairs`` entry: Megatron layer names and the loss name."""
+
     student: str
     teacher: str
     loss: str = "cosine"

@@ -24,6 +24,9 @@ from jmegatron.training import checkpointing
 
 @dataclasses.dataclass
 class Teacher:
+    """The frozen teacher: its resolved config, model, parameters (float32 or bf16) in
+    ``shardings`` on the student's mesh, and the iteration it was saved at."""
+
     cfg: JMegatronConfig
     model: GPTModel
     params: Any  # arrays laid out by ``shardings``

@@ -57,6 +57,7 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
+        """The model fields of ``cfg``; compute dtype bfloat16 when ``cfg.bf16``."""
         names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype"}
         return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32,
                    **{n: getattr(cfg, n) for n in names})

@@ -36,6 +36,9 @@ _CALLS_RE = re.compile(r"(?:calls|to_apply|branch_computations|true_computation|
 
 @dataclasses.dataclass
 class Collective:
+    """One collective of the compiled step: kind, the mesh axes its groups span, its
+    result shape, group size, executions per train step and the HLO computation."""
+
     kind: str
     axes: tuple[str, ...]
     result_shapes: tuple[tuple[str, tuple[int, ...]], ...]

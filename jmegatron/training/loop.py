@@ -55,10 +55,12 @@ class Run:
     teacher: Any = None  # jmegatron.distill.teacher.Teacher when distilling
 
     def init_state(self) -> state_lib.TrainState:
+        """A freshly initialised TrainState (seed ``cfg.seed``) in ``state_shardings``."""
         return state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
                                           self.state_shardings)
 
     def abstract_with_shardings(self) -> Any:
+        """ShapeDtypeStructs of the TrainState carrying its shardings (a restore target)."""
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.abstract_state, self.state_shardings)
 

@@ -22,6 +22,9 @@ from jmegatron.parallel.distributed_optimizer import zero1_shardings
 
 @flax.struct.dataclass
 class TrainState:
+    """``step`` int32 scalar (optimizer steps taken); ``params`` float32 master weights;
+    ``opt_state`` optax AdamW state (float32 moments); ``rng`` uint32 [2] raw base key."""
+
     step: jax.Array
     params: Any
     opt_state: Any

@@ -244,5 +244,6 @@ def jit_train_step(step_fn, mesh: Mesh, state_shardings: TrainState, extra_shard
 
 
 def jit_eval_step(step_fn, mesh: Mesh, param_shardings: Any):
+    """jit the eval step with the parameters laid out by ``param_shardings``."""
     return jax.jit(step_fn, in_shardings=(param_shardings, batch_shardings(mesh)),
                    out_shardings=NamedSharding(mesh, PartitionSpec()))
