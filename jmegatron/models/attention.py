@@ -113,7 +113,7 @@ class SelfAttention(nn.Module):
         nq, nkv, d = self.num_attention_heads, self.num_query_groups, self.kv_channels
         per_group = nq // nkv
         # Megatron's fused linear_qkv layout: per query group, its query heads then K then V.
-        qkv = dense((nkv, per_group + 2, d), ("embed", "kv_heads", None, "kv"),
+        qkv = dense((nkv, per_group + 2, d), ("embed", "kv_heads", None, "kv"), tp_mode="column", tp_dim=1,
                     use_bias=self.use_bias or self.qkv_bias, name="linear_qkv")(x)
         b, s = x.shape[:2]
         q = qkv[:, :, :, :per_group, :].reshape(b, s, nq, d)
@@ -132,7 +132,7 @@ class SelfAttention(nn.Module):
             core = jax.checkpoint(core)
         out = core(q, k, v)
         out = nn.with_logical_constraint(out, ("batch", "length", "activation_heads", "activation_kv"))
-        return Linear((self.hidden_size,), ("heads", "kv", "embed"), axis=(-2, -1),
+        return Linear((self.hidden_size,), ("heads", "kv", "embed"), axis=(-2, -1), tp_mode="row", tp_dim=0,
                       use_bias=self.use_bias, dtype=self.dtype, dot_general=self.dot_general,
                       kernel_init=nn.initializers.normal(self.output_init_std),
                       name="linear_proj")(out)

@@ -79,13 +79,16 @@ class MLP(nn.Module):
         dense = functools.partial(Linear, use_bias=c.add_bias_linear, dtype=c.dtype,
                                   dot_general=self.dot_general)
         if c.swiglu:
-            h = dense((2, c.ffn_hidden_size), ("embed", None, "mlp"), kernel_init=init, name="linear_fc1")(x)
+            h = dense((2, c.ffn_hidden_size), ("embed", None, "mlp"), kernel_init=init, tp_mode="column",
+                      tp_dim=2, name="linear_fc1")(x)
             h = nn.silu(h[..., 0, :]) * h[..., 1, :]
         else:
-            h = dense((c.ffn_hidden_size,), ("embed", "mlp"), kernel_init=init, name="linear_fc1")(x)
+            h = dense((c.ffn_hidden_size,), ("embed", "mlp"), kernel_init=init, tp_mode="column", tp_dim=1,
+                      name="linear_fc1")(x)
             h = nn.gelu(h, approximate=False)
         h = nn.with_logical_constraint(h, ("batch", "length", "activation_mlp"))
-        return dense((c.hidden_size,), ("mlp", "embed"), kernel_init=out_init, name="linear_fc2")(h)
+        return dense((c.hidden_size,), ("mlp", "embed"), kernel_init=out_init, tp_mode="row", tp_dim=0,
+                     name="linear_fc2")(h)
 
 
 class TransformerLayer(nn.Module):
@@ -171,7 +174,7 @@ class GPTModel(nn.Module):
         x = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm")(x)
         self.sow("intermediates", "final_layernorm_output", x)
         if c.untie_embeddings_and_output_weights:
-            logits = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype,
+            logits = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, tp_mode="column", tp_dim=1,
                             dot_general=self.dot_general, kernel_init=embed_init,
                             name="output_layer")(x)
         else:

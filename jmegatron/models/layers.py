@@ -9,11 +9,13 @@ fp32 master weights. Logical axis names (``embed``, ``mlp``, ``heads``, ``kv``,
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from jmegatron.parallel import tensor_parallel
 
 Array = jax.Array
 DType = Any
@@ -43,6 +45,11 @@ class Linear(nn.Module):
     kernel_init: Callable = nn.initializers.normal(0.02)
     bias_init: Callable = nn.initializers.zeros
     dot_general: DotGeneral = jax.lax.dot_general
+    # Megatron's tensor-parallel role: "column" (kernel output dim ``tp_dim`` split) or
+    # "row" (kernel input dim ``tp_dim`` split); with sequence parallelism the layer then
+    # runs with Megatron's explicit collectives (jmegatron.parallel.tensor_parallel).
+    tp_mode: Optional[str] = None
+    tp_dim: int = 0
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -57,8 +64,15 @@ class Linear(nn.Module):
         )
         kernel = jnp.asarray(kernel, self.dtype)
         x = jnp.asarray(x, self.dtype)
-        contract = (axis, tuple(range(len(axis))))
-        y = self.dot_general(x, kernel, (contract, ((), ())))
+        dims = ((axis, tuple(range(len(axis)))), ((), ()))
+        y = None
+        if self.tp_mode == "column":
+            out_shard = x.ndim - len(axis) + self.tp_dim - len(axis)
+            y = tensor_parallel.column_parallel(x, kernel, dims, self.tp_dim, out_shard, self.dot_general)
+        elif self.tp_mode == "row":
+            y = tensor_parallel.row_parallel(x, kernel, dims, axis[self.tp_dim], self.tp_dim, self.dot_general)
+        if y is None:
+            y = self.dot_general(x, kernel, dims)
         if self.use_bias:
             bias_axes = tuple(self.kernel_axes[len(axis):])
             bias = self.param(
@@ -138,7 +152,17 @@ class Embed(nn.Module):
             (self.num_embeddings, self.features), self.param_dtype)
 
     def __call__(self, ids: Array) -> Array:
-        return jnp.take(jnp.asarray(self.embedding, self.dtype), ids, axis=0)
+        table = jnp.asarray(self.embedding, self.dtype)
+        # Under sequence parallelism: VocabParallelEmbedding + scatter to the sequence-
+        # parallel region, or a replicated table looked up per sequence shard.
+        if self.axes[0] == "vocab":
+            out = tensor_parallel.vocab_parallel_embed(ids, table)
+        else:
+            out = tensor_parallel.sequence_local_embed(ids, table)
+        return jnp.take(table, ids, axis=0) if out is None else out
 
     def attend(self, x: Array) -> Array:
-        return jnp.einsum("...h,vh->...v", x, jnp.asarray(self.embedding, self.dtype))
+        table = jnp.asarray(self.embedding, self.dtype)
+        dims = (((x.ndim - 1,), (1,)), ((), ()))
+        out = tensor_parallel.column_parallel(x, table, dims, 0, x.ndim - 1, jax.lax.dot_general)
+        return jax.lax.dot_general(x, table, dims) if out is None else out
