@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
+import os
 import typing
 from typing import Any, Optional
 
@@ -190,8 +192,6 @@ class JMegatronConfig:
             raise ConfigError(
                 f"config.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"config.num_query_groups={self.num_query_groups}; choose a divisor of the heads.")
-        if self.kv_channels * self.num_attention_heads != self.hidden_size and self.position_embedding_type == "learned_absolute":
-            pass  # allowed (Megatron permits kv_channels != h / n)
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ConfigError(f"config.kv_channels={self.kv_channels} must be even for rope.")
         if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
@@ -222,6 +222,13 @@ class JMegatronConfig:
             if getattr(self, name) != 1:
                 raise ConfigError(f"config.{name}={getattr(self, name)}: this parallelism is not built yet "
                                   f"(pipeline, context and expert parallelism are later issues); set it to 1.")
+        if self.reset_attention_mask:
+            raise ConfigError("config.reset_attention_mask=True needs document-masked attention, which is not "
+                              "built yet; set it to False.")
+        if self.kd_finalize and (not self.save or not self.load or
+                                 os.path.abspath(self.load) == os.path.abspath(self.save)):
+            raise ConfigError("config.kd_finalize=True writes a plain student to a new directory: set "
+                              "config.load to the distilled run and config.save to another directory.")
         if self.kd_cfg is not None and self.kd_teacher_load is None and not self.kd_finalize:
             raise ConfigError("config.kd_cfg is set but config.kd_teacher_load is not; give the teacher's "
                               "checkpoint directory.")
@@ -283,26 +290,34 @@ class JMegatronConfig:
         return gbs // (self.micro_batch_size * dp)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, derived ones resolved (what checkpoints store)."""
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     def replace(self, **changes) -> "JMegatronConfig":
-        """A copy with ``changes`` (validated); unknown names raise ConfigError."""
+        """A copy with ``changes`` (validated); unknown names raise ConfigError.
+
+        Derived fields already resolved in ``self`` (ffn_hidden_size, kv_channels, load,
+        lr_decay_iters, ...) keep their values: pass them too when changing what they
+        derive from."""
         _check_names(changes)
         return dataclasses.replace(self, **changes)
 
 
 # Fields that describe the network's parameters: resuming with a different value fails.
+# (The padded vocabulary is compared separately, so make_vocab_size_divisible_by may change.)
 MODEL_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "max_position_embeddings", "position_embedding_type", "normalization",
-    "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
-    "make_vocab_size_divisible_by",
+    "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
+    "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
+    "add_bias_linear", "add_qkv_bias",
 )
 
 
+@functools.cache
 def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(JMegatronConfig)
 

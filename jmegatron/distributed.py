@@ -41,6 +41,9 @@ def initialize_from_env() -> bool:
     except KeyError as e:
         raise ValueError(f"{ENV_COORDINATOR} is set but {e.args[0]} is not; set both "
                          f"{ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}") from None
+    except ValueError:
+        raise ValueError(f"{ENV_NUM_PROCESSES}={os.environ[ENV_NUM_PROCESSES]!r} and {ENV_PROCESS_ID}="
+                         f"{os.environ[ENV_PROCESS_ID]!r} must be integers") from None
     if not 0 <= pid < num:
         raise ValueError(f"{ENV_PROCESS_ID}={pid} is not in [0, {ENV_NUM_PROCESSES}={num})")
     import jax

@@ -71,7 +71,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     failed = None
+    forwarded_at = None
     while any(q.poll() is None for q in procs):
+        if forwarded["sig"] is not None:
+            forwarded_at = forwarded_at or time.time()
+            if time.time() - forwarded_at > 6 * args.grace:  # saving took too long: stop for good
+                stop_all(signal.SIGKILL)
         for rank, q in enumerate(procs):
             code = q.poll()
             if code not in (None, 0) and failed is None:

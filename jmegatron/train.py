@@ -89,15 +89,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from jmegatron.training.checkpointing import CheckpointError
     from jmegatron.training.loop import pretrain
 
-    initialize_from_env()
     try:
+        initialize_from_env()
         summary = pretrain(cfg)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:  # incl. DistillConfigError
-        # bad sizes for the devices, a missing/corrupt/incompatible checkpoint, missing data
+        # bad sizes for the devices, a missing/corrupt/incompatible checkpoint, missing data,
+        # bad distributed settings: the message names the field and the fix
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if summary["interrupted"]:
-        print(f"[jmegatron] stopped by signal at iteration {summary['iteration']}; checkpoint saved", flush=True)
+    except FloatingPointError as e:
+        print(f"error: {e} (the last checkpoint is intact; lower config.lr or check the data)", file=sys.stderr)
+        return 1
+    import jax
+
+    if summary["interrupted"] and jax.process_index() == 0:
+        saved = f"; checkpoint saved in {cfg.save}" if cfg.save else " (config.save is not set: nothing saved)"
+        print(f"[jmegatron] stopped by signal at iteration {summary['iteration']}{saved}", flush=True)
     return 0
 
 

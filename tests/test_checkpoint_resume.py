@@ -96,3 +96,18 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     assert "saving a checkpoint" in out
     steps = checkpointing.Checkpointer(str(save), create=False).all_steps()
     assert steps and steps[0] >= 3
+
+
+def test_rerun_continues_from_save_and_metrics_are_not_duplicated(tmp_path):
+    # fine-tune from `load` into a new `save`; a rerun continues from `save`, not from `load`
+    pretrain(cfg_for(tmp_path / "pre", exit_interval=5))
+    cfg = cfg_for(tmp_path / "ft", load=str(tmp_path / "pre"), exit_interval=10, eval_interval=0)
+    first = pretrain(cfg)
+    assert sorted(first["losses"]) == list(range(6, 11))
+    # a run that died after its last checkpoint left records past it: they are dropped
+    with open(tmp_path / "ft" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": 13, "lm_loss": 1.0}) + "\n")
+    second = pretrain(cfg.replace(exit_interval=15))
+    assert sorted(second["losses"]) == list(range(11, 16))
+    its = [json.loads(l)["iteration"] for l in open(tmp_path / "ft" / "metrics.jsonl")]
+    assert its == sorted(set(its)) == [10, 15]  # the stray 13 is gone

@@ -116,3 +116,12 @@ def test_distillation_configs_extend_gpt_tiny():
     assert teacher.seq_length == student.seq_length
     with pytest.raises(ConfigError, match="kd_teacher_load is not"):
         load_config_file(str(REPO / "configs" / "distill_gpt_tiny.py"), data)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(reset_attention_mask=True), "reset_attention_mask=True needs document-masked attention"),
+    (dict(kd_finalize=True, save="/tmp/a"), "kd_finalize=True writes a plain student to a new directory"),
+])
+def test_unsupported_or_inconsistent_settings(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        _cfg(**kw)

@@ -133,10 +133,11 @@ class GPTModel(nn.Module):
 
     ``position_ids [b, s]`` default to ``0..s-1``. ``deterministic=False`` turns dropout
     on and needs a ``dropout`` RNG. Parameters (all float32 master weights):
-    ``embedding/word_embeddings`` ``[vocab, h]``, ``embedding/position_embeddings``
-    ``[max_pos, h]`` (learned_absolute only), ``decoder/layers_{i}/...`` (or
-    ``decoder/layers/...`` stacked ``[num_layers, ...]`` with ``scan_layers``),
-    ``decoder/final_layernorm``, and ``output_layer/kernel [h, vocab]`` when untied.
+    ``word_embeddings/embedding`` ``[vocab, h]``, ``position_embeddings/embedding``
+    ``[max_pos, h]`` (learned_absolute only), ``decoder_layers_{i}/...`` (or one
+    ``decoder_layers/...`` stacked ``[num_layers, ...]`` with ``scan_layers``),
+    ``final_layernorm``, and ``output_layer/kernel [h, vocab]`` when untied (layout in
+    jmegatron/export/hf.py).
     """
 
     cfg: ModelConfig

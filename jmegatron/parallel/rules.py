@@ -78,13 +78,6 @@ def logical_to_sharding(specs: Any, mesh: Mesh,
     return nn.logical_to_mesh_sharding(specs, mesh, list(rules))
 
 
-def batch_sharding(mesh: Mesh, ndim: int, batch_dim: int = 0) -> NamedSharding:
-    """Sharding of a data array whose ``batch_dim`` is split over the data axis."""
-    spec = [None] * ndim
-    spec[batch_dim] = DATA_AXIS
-    return NamedSharding(mesh, PartitionSpec(*spec))
-
-
 def make_rules(cfg) -> tuple[tuple[str, MeshAxes], ...]:
     """The axis rules of a config: :data:`DEFAULT_RULES` plus
 

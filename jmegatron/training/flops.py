@@ -117,7 +117,7 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
 
     * ``word_embeddings``: ``V_padded * h``; ``position_embeddings``:
       ``max_position_embeddings * h`` if ``position_embedding_type == "learned_absolute"``.
-    * per layer: two norms; ``linear_q`` ``h*nq*d``, ``linear_k``/``linear_v`` ``h*ng*d``
+    * per layer: two norms; the fused ``linear_qkv`` ``h*(nq + 2*ng)*d``
       each, with biases (``nq*d``, ``ng*d``) if ``add_bias_linear or add_qkv_bias``;
       ``linear_proj`` ``nq*d*h`` (+ ``h`` bias if ``add_bias_linear``); ``linear_fc1``
       ``h*ffn`` (``h*2*ffn`` with SwiGLU) (+ ``ffn`` / ``2*ffn`` bias), ``linear_fc2``

@@ -119,13 +119,15 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
 
 
 def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
-    """(train, valid, test) datasets sized as Megatron's
-    ``build_train_valid_test_datasets`` (train_iters * gbs, evaluations * eval_iters * gbs)."""
+    """(train, valid, test) datasets of ``train_iters * gbs``, ``eval_iters * gbs`` and
+    ``eval_iters * gbs`` samples. Megatron sizes the validation split for every
+    evaluation; jmegatron evaluates the same first batches each time, so only those are
+    built, and the validation samples do not depend on train_iters or eval_interval.
+    Raises ValueError (data_path, split) or FileNotFoundError for missing prefixes."""
     from jmegatron.data.blended_dataset import build_train_valid_test_datasets
 
-    evals = (cfg.train_iters // cfg.eval_interval + 1) if cfg.eval_interval else 1
     num_samples = (cfg.train_iters * global_batch_size,
-                   evals * cfg.eval_iters * global_batch_size,
+                   cfg.eval_iters * global_batch_size,
                    cfg.eval_iters * global_batch_size)
     eod = None
     if cfg.tokenizer_model:
@@ -136,18 +138,18 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
     return build_train_valid_test_datasets(
         data_path=data_path, split=cfg.split, train_valid_test_num_samples=num_samples,
         seq_length=cfg.seq_length, seed=cfg.seed, eod_id=eod, mock=cfg.mock_data,
-        vocab_size=cfg.vocab_size)
+        vocab_size=vocab_size_of(cfg), eod_mask_loss=cfg.eod_mask_loss,
+        reset_position_ids=cfg.reset_position_ids)
 
 
 def evaluate(run: Run, params: Any, dataset: Any, num_iters: int) -> float:
     """Mean per-token validation loss (nats) over the first ``num_iters`` global batches
     of ``dataset`` (the same batches at every evaluation, so curves compare)."""
     loader = BatchLoader(dataset, run.global_batch_size, run.num_microbatches)
-    total, count = 0.0, 0.0
-    for i in range(num_iters):
-        t, c = run.eval_step(params, run.put_batch(loader.batch_at(i * run.global_batch_size)))
-        total, count = total + float(t), count + float(c)
-    return total / max(count, 1.0)
+    sums = [run.eval_step(params, run.put_batch(loader.batch_at(i * run.global_batch_size)))
+            for i in range(num_iters)]
+    total, count = jax.device_get(jax.tree.map(lambda *x: sum(x), *sums))  # one host sync
+    return float(total) / max(float(count), 1.0)
 
 
 class _StopRequest:
@@ -156,14 +158,31 @@ class _StopRequest:
 
     def __init__(self, enabled: bool):
         self.event = threading.Event()
+        self.signum = None
         self._previous = {}
         if enabled and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        print(f"[jmegatron] received signal {signum}: saving a checkpoint and exiting", flush=True)
+        # Only set the flag (printing from a handler can re-enter a busy stdout); a second
+        # signal gets the default behaviour, so a stuck run can still be killed.
+        self.signum = signum
         self.event.set()
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+
+    def agreed(self, iteration: int, every: int) -> bool:
+        """Whether to stop now. With several processes, ranks must stop at the same
+        iteration (the save ends in a barrier): they agree every ``every`` iterations
+        (Megatron's DistributedSignalHandler all-gathers the flag likewise)."""
+        if jax.process_count() == 1:
+            return self.event.is_set()
+        if iteration % every:
+            return False
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.array(self.event.is_set()))
+        return bool(np.any(flags))
 
     def restore(self):
         for sig, handler in self._previous.items():
@@ -178,10 +197,16 @@ def _meta(cfg: JMegatronConfig, run: Run, iteration: int, consumed: int) -> dict
 
 
 def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[Any, int, int]:
-    """(state, iteration, consumed_train_samples): restored from the latest checkpoint in
-    ``cfg.load`` (resharded to this run's layout) or freshly initialised."""
+    """(state, iteration, consumed_train_samples): restored from the latest checkpoint
+    (resharded to this run's layout) or freshly initialised. A checkpoint in ``cfg.save``
+    wins over ``cfg.load`` (a rerun continues its own progress), except with kd_finalize.
+
+    Raises CheckpointError: ``cfg.load`` given but empty, an unreadable or corrupt
+    checkpoint, or one of a different model (both values named)."""
     cfg = run.cfg
     load_dir = cfg.load
+    if cfg.save and not cfg.kd_finalize and checkpointing.has_checkpoint(cfg.save):
+        load_dir = cfg.save
     if load_dir and checkpointing.has_checkpoint(load_dir):
         loader_ckpt = ckpt if ckpt and ckpt.directory == os.path.abspath(load_dir) else \
             checkpointing.Checkpointer(load_dir, create=False)
@@ -191,9 +216,22 @@ def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[
         state, meta = loader_ckpt.restore(run.abstract_with_shardings())
         print(f"[jmegatron] resumed from {loader_ckpt.directory} at iteration {meta['iteration']}", flush=True)
         return state, int(meta["iteration"]), int(meta["consumed_train_samples"])
-    if cfg.load and cfg.load != cfg.save:
+    if cfg.load and os.path.abspath(cfg.load) != os.path.abspath(cfg.save or ""):
         raise checkpointing.CheckpointError(f"config.load={cfg.load!r} holds no checkpoint")
     return run.init_state(), 0, 0
+
+
+def _truncate_metrics(path: str, iteration: int) -> None:
+    """Drop metrics.jsonl records past the resumed iteration (written by a run that died
+    after its last checkpoint), so every iteration appears once."""
+    if not os.path.exists(path):
+        return
+    import json
+
+    with open(path) as f:
+        lines = [l for l in f if l.strip() and json.loads(l).get("iteration", 0) <= iteration]
+    with open(path, "w") as f:
+        f.writelines(lines)
 
 
 def default_peak_tflops(cfg: JMegatronConfig) -> float:
@@ -222,6 +260,8 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
             with open(os.path.join(cfg.save, "config.json"), "w") as f:
                 f.write(cfg.to_json())
     state, iteration, consumed = load_or_init(run, ckpt)
+    if main_process and cfg.save:
+        _truncate_metrics(os.path.join(cfg.save, "metrics.jsonl"), iteration)
     train_ds, valid_ds, _ = build_datasets(cfg, run.global_batch_size)
     loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches, consumed)
     num_devices = run.mesh.devices.size
@@ -239,8 +279,9 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
     pending: list[tuple[int, dict]] = []
     last_log = time.perf_counter()
     # Loaded from another directory (e.g. kd_finalize): the final save writes it to `save`.
-    same_dir = bool(cfg.save) and os.path.abspath(cfg.load or cfg.save) == os.path.abspath(cfg.save)
-    saved_at = iteration if same_dir else -1
+    resumed_from_save = bool(cfg.save) and iteration > 0 and checkpointing.has_checkpoint(cfg.save) \
+        and not cfg.kd_finalize
+    saved_at = iteration if resumed_from_save else -1
 
     def save(it: int):
         nonlocal saved_at
@@ -255,11 +296,13 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
             summary["val_loss"] = val
 
     try:
-        while iteration < cfg.train_iters:
+        while iteration < cfg.train_iters and not cfg.kd_finalize:  # finalize: convert, no training
             state, metrics = run.train_step(state, run.put_batch(next(loader)), *run.extra_args)
             iteration += 1
             pending.append((iteration, metrics))
-            if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stop.event.is_set():
+            signalled = stop.agreed(iteration, cfg.log_interval)
+            stopping = signalled or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
+            if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stopping:
                 host = jax.device_get([m for _, m in pending])
                 now = time.perf_counter()
                 logger.log_train(iteration, host, now - last_log)
@@ -273,7 +316,8 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
                 last_log = time.perf_counter()
             if cfg.save_interval and iteration % cfg.save_interval == 0:
                 save(iteration)
-            if stop.event.is_set():
+            if signalled:
+                print(f"[jmegatron] received signal {stop.signum}: saving a checkpoint and exiting", flush=True)
                 summary["interrupted"] = True
                 break
             if cfg.exit_interval and iteration % cfg.exit_interval == 0:
@@ -305,6 +349,8 @@ def restore_run(load_dir: str, mesh: Optional[Mesh] = None,
     ckpt = checkpointing.Checkpointer(load_dir, create=False)
     meta = ckpt.read_meta(iteration)
     saved = dict(meta["config"])
+    # evaluation, sampling and export need the student only, never its teacher
+    saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
     saved.update(overrides)
     cfg = from_configdict(saved)
     run = build(cfg, mesh or create_mesh(cfg.replace(tensor_model_parallel_size=1,

@@ -98,9 +98,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     Default: :func:`lm_loss_fn`. ``extra`` (e.g. a frozen teacher's parameters, laid
     out by ``extra_shardings``) is passed through untouched and gets no gradient.
 
-    metrics (float32 scalars): ``loss`` (what was optimised), the report's entries
-    (``lm_loss`` by default), ``grad_norm`` (before clipping), ``lr`` (the rate this
-    step applied), ``num_tokens``; each a mean over micro-batches.
+    metrics (float32 scalars): ``loss`` (what was optimised) and the report's entries
+    (``lm_loss`` by default), each a mean over micro-batches; ``grad_norm`` (before
+    clipping); ``lr`` (the rate this step applied); ``num_tokens`` (unmasked tokens of
+    the whole step, summed).
     """
     axis = rules_lib.DATA_AXIS
     inner_rules = _without_axis(rules, axis)
