@@ -17,11 +17,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jmegatron.parallel.rules import entry_axes
+
 DATA = "data"
-
-
-def _spec_axes(entry) -> tuple:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
 def add_data_axis(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
@@ -32,7 +30,7 @@ def add_data_axis(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShard
     mesh = sharding.mesh
     dp = mesh.shape[DATA]
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    if dp == 1 or any(DATA in _spec_axes(e) for e in spec):
+    if dp == 1 or any(DATA in entry_axes(e) for e in spec):
         return sharding
     candidates = [d for d in range(len(shape)) if spec[d] is None and shape[d] % dp == 0]
     if candidates:
@@ -41,7 +39,7 @@ def add_data_axis(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShard
         return NamedSharding(mesh, PartitionSpec(*spec))
     # No free dimension: split an already-sharded one further (data minor), if it divides.
     for d in sorted(range(len(shape)), key=lambda i: -shape[i]):
-        axes = _spec_axes(spec[d])
+        axes = entry_axes(spec[d])
         if axes and shape[d] % (math.prod(mesh.shape[a] for a in axes) * dp) == 0:
             spec[d] = axes + (DATA,)
             return NamedSharding(mesh, PartitionSpec(*spec))
@@ -56,6 +54,6 @@ def zero1_shardings(param_shardings: Any, abstract_params: Any) -> Any:
 def data_dim(sharding: NamedSharding) -> int | None:
     """The dimension a sharding splits over the data axis (alone or with others), or None."""
     for d, entry in enumerate(sharding.spec):
-        if DATA in _spec_axes(entry):
+        if DATA in entry_axes(entry):
             return d
     return None

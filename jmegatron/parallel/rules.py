@@ -78,6 +78,30 @@ def logical_to_sharding(specs: Any, mesh: Mesh,
     return nn.logical_to_mesh_sharding(specs, mesh, list(rules))
 
 
+def entry_axes(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def spec_only(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """``spec`` keeping only ``axis`` (the in/out specs of a shard_map over that axis)."""
+    return PartitionSpec(*(axis if axis in entry_axes(e) else None for e in spec))
+
+
+def spec_without(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """``spec`` with ``axis`` removed from every entry."""
+    return PartitionSpec(*(tuple(a for a in entry_axes(e) if a != axis) or None for e in spec))
+
+
+def rules_without(rules: Sequence[tuple[str, MeshAxes]], axis: str) -> list[tuple[str, MeshAxes]]:
+    """The rules with ``axis`` removed (inside a shard_map that makes it manual)."""
+    out = []
+    for name, axes in rules:
+        rest = tuple(a for a in entry_axes(axes) if a != axis)
+        out.append((name, rest[0] if len(rest) == 1 else (rest or None)))
+    return out
+
+
 def make_rules(cfg) -> tuple[tuple[str, MeshAxes], ...]:
     """The axis rules of a config: :data:`DEFAULT_RULES` plus
 

@@ -168,19 +168,6 @@ def _tree_bytes(abstract: Any, shardings: Any) -> int:
     return total
 
 
-def _without_data(sharding):
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    def drop(e):
-        if e == "data":
-            return None
-        if isinstance(e, tuple):
-            return tuple(a for a in e if a != "data") or None
-        return e
-
-    return NamedSharding(sharding.mesh, PartitionSpec(*(drop(e) for e in sharding.spec)))
-
-
 def analyze(run) -> dict:
     """Compile ``run.train_step`` and return the report as a dict (see module docstring)."""
     import jax
@@ -213,7 +200,11 @@ def analyze(run) -> dict:
                             "embedding's forward and the output layer's input-gradient reduction")
     # Parameters held by one tensor rank: tensor-sharded ones split, the rest (norms,
     # row-parallel biases, position embeddings) whole, as in Megatron.
-    param_elems = sum(math.prod(_without_data(s).shard_shape(a.shape))
+    from jax.sharding import NamedSharding
+
+    from jmegatron.parallel.rules import spec_without
+
+    param_elems = sum(math.prod(NamedSharding(s.mesh, spec_without(s.spec, "data")).shard_shape(a.shape))
                       for a, s in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(state_sh.params)))
     analytic["parameter elements per tensor rank"] = param_elems
     if dp > 1 and not cfg.use_megatron_fsdp:

@@ -41,27 +41,6 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Ar
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
-def _without_axis(rules: Sequence, axis: str) -> list:
-    """The rules with ``axis`` removed (inside a shard_map that makes it manual)."""
-    out = []
-    for name, axes in rules:
-        if axes == axis:
-            axes = None
-        elif isinstance(axes, tuple):
-            axes = tuple(a for a in axes if a != axis) or None
-        out.append((name, axes))
-    return out
-
-
-def _local_spec(sharding: NamedSharding, axis: str) -> PartitionSpec:
-    """The part of a sharding's spec that names ``axis`` (for shard_map's manual axis)."""
-    entries = []
-    for e in sharding.spec:
-        axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
-        entries.append(axis if axis in axes else None)
-    return PartitionSpec(*entries)
-
-
 def lm_loss_fn(model: nn.Module) -> Callable:
     """The language-model loss: masked token mean of the cross-entropy (Megatron's
     ``loss_func`` in pretrain_gpt.py). See :func:`make_train_step` for the interface."""
@@ -104,14 +83,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     the whole step, summed).
     """
     axis = rules_lib.DATA_AXIS
-    inner_rules = _without_axis(rules, axis)
+    inner_rules = rules_lib.rules_without(rules, axis)
     loss_fn = loss_fn or lm_loss_fn(model)
     param_dims = jax.tree.map(data_dim, param_shardings)
     grad_dims = jax.tree.map(data_dim, grad_shardings)
-    param_specs = jax.tree.map(lambda s: _local_spec(s, axis), param_shardings)
-    grad_specs = jax.tree.map(lambda s: _local_spec(s, axis), grad_shardings)
+    param_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, axis), param_shardings)
+    grad_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, axis), grad_shardings)
     extra_dims = jax.tree.map(data_dim, extra_shardings)
-    extra_specs = jax.tree.map(lambda s: _local_spec(s, axis), extra_shardings)
+    extra_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, axis), extra_shardings)
     batch_spec = PartitionSpec(None, axis, None)
     is_none = lambda x: x is None  # noqa: E731
 
