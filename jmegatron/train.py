@@ -77,11 +77,18 @@ def parse_args(argv: Sequence[str]) -> tuple[str, dict[str, Any]]:
     return path, overrides
 
 
+def config_from_argv(argv: Sequence[str]) -> JMegatronConfig:
+    """``--config F [--config.<field>=<value> ...]`` -> a validated config (every CLI that
+    takes a training config uses this). Raises ConfigError or FileNotFoundError."""
+    path, overrides = parse_args(argv)
+    return load_config_file(path, overrides)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The training CLI; returns the exit status (0, 1 for a non-finite loss, 2 for bad input)."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        path, overrides = parse_args(argv)
-        cfg = load_config_file(path, overrides)
+        cfg = config_from_argv(argv)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

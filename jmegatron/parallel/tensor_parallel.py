@@ -74,7 +74,11 @@ def _smap(fn, axis, in_specs, out_specs):
 # --------------------------------------------------------------------------- column
 def column_parallel(x, kernel, dims, k_shard: int, out_shard: int, dot_general: Callable):
     """``dot_general(all_gather_seq(x), kernel)`` with the kernel split on ``k_shard``
-    (an output dimension) and the result split on ``out_shard``; None without SP."""
+    (an output dimension) and the result split on ``out_shard``; None without SP.
+
+    ``x``: ``[b, s, *in]`` (s split over tensor), ``kernel``: ``[*in, *out]``,
+    ``dims``: dot_general dimension numbers contracting ``*in``; returns ``[b, s, *out]``
+    in the dtype of the product. Megatron: ColumnParallelLinear with sequence_parallel."""
     axis = sequence_parallel_axis()
     if axis is None:
         return None
@@ -117,7 +121,11 @@ _column.defvjp(_column_fwd, _column_bwd)
 # ------------------------------------------------------------------------------ row
 def row_parallel(x, kernel, dims, x_shard: int, k_shard: int, dot_general: Callable):
     """``reduce_scatter_seq(dot_general(x, kernel))`` with ``x`` split on ``x_shard`` and the
-    kernel on ``k_shard`` (the contracted, tensor-split dimension); None without SP."""
+    kernel on ``k_shard`` (the contracted, tensor-split dimension); None without SP.
+
+    ``x``: ``[b, s, *in]`` (full sequence, ``*in`` holding the heads or FFN axis),
+    ``kernel``: ``[*in, h]``; returns ``[b, s, h]`` with s split over tensor. Megatron:
+    RowParallelLinear with sequence_parallel."""
     axis = sequence_parallel_axis()
     if axis is None:
         return None

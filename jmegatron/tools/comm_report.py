@@ -246,6 +246,7 @@ def summarize(colls: list[Collective]) -> list[dict]:
 
 
 def format_report(report: dict) -> str:
+    """The report as the text table the CLI prints."""
     lines = [f"mesh {report['mesh']}, {report['num_microbatches']} micro-batches, config {report['config']}",
              "", f"{'collective':<16}{'mesh axes':<18}{'elements':>12}{'count/step':>12}{'bytes/step':>14}"]
     for r in summarize(report["collectives"]):
@@ -271,20 +272,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.devices}")
-    from jmegatron.config import ConfigError, load_config_file
-    from jmegatron.train import parse_args
-
-    try:
-        path, overrides = parse_args(rest)
-        cfg = load_config_file(path, overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from jmegatron.train import config_from_argv
     from jmegatron.training.loop import build
 
     try:
-        run = build(cfg)
-    except ConfigError as e:
+        run = build(config_from_argv(rest))
+    except (ValueError, FileNotFoundError) as e:  # ConfigError and bad data/teacher settings
         print(f"error: {e}", file=sys.stderr)
         return 2
     report = analyze(run)

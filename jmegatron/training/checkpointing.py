@@ -34,9 +34,11 @@ class Checkpointer:
                                               item_names=("state", "meta"))
 
     def latest_step(self) -> Optional[int]:
+        """The newest finished step (iteration), or None."""
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        """Every finished step (iteration) kept in the directory."""
         return list(self._manager.all_steps())
 
     def save(self, iteration: int, state: Any, meta: dict) -> None:
@@ -70,6 +72,7 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for pending (async) saves and release the manager."""
         self._manager.wait_until_finished()
         self._manager.close()
 
