@@ -1,0 +1,51 @@
+"""``python -m jmegatron.export <command> ...``: the export chain from a jmegatron checkpoint.
+
+Commands (each module registers its own with ``register(subparsers)``):
+
+* ``hf`` / ``import-hf`` (:mod:`jmegatron.export.convert`): Hugging Face folders.
+* ``quantize`` (:mod:`jmegatron.export.quantize`): NVIDIA ModelOpt post-training quantization.
+* ``trtllm`` / ``check-trtllm`` (:mod:`jmegatron.export.trtllm`): TensorRT-LLM checkpoints.
+
+Bad input raises :class:`jmegatron.export.common.ExportError`: the message is printed as
+``error: ...`` and the exit status is 2, before any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+from jmegatron.export.common import ExportError
+
+# modules with a ``register(subparsers)`` function; each sets ``func=run(args) -> int``
+COMMAND_MODULES = ("jmegatron.export.convert", "jmegatron.export.quantize", "jmegatron.export.trtllm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jmegatron.export",
+                                     description="Export a jmegatron checkpoint (Hugging Face, ModelOpt, TensorRT-LLM).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a missing dependency inside the module is a real error
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""What every export command starts from: a jmegatron checkpoint read back as plain arrays.
+
+:func:`load_checkpoint` restores a checkpoint written by any parallel layout (tensor
+parallel, ZeRO-1, FSDP: Orbax reassembles the shards) onto one device, keeps the student
+only (a distillation run's teacher is never in its checkpoints), and returns float32
+NumPy parameters in the per-layer layout (``decoder_layers_{i}``, scanned checkpoints are
+unstacked) with the resolved config, the true and padded vocabulary sizes and the
+tokenizer. Commands raise :class:`ExportError` for bad input; the CLI
+(``python -m jmegatron.export``) prints it and exits 2, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["ExportError", "ExportSource", "load_checkpoint", "hf_model", "load_source_tokenizer"]
+
+
+class ExportError(ValueError):
+    """Bad input to an export command (message names the argument and the fix)."""
+
+
+@dataclasses.dataclass
+class ExportSource:
+    """A checkpoint read for export.
+
+    Attributes:
+        cfg: the checkpoint's resolved :class:`jmegatron.config.JMegatronConfig`
+            (distillation fields cleared, ``scan_layers=False``).
+        params: nested dict of float32 ``np.ndarray`` in the per-layer layout (see
+            ``jmegatron.export.hf`` for names and shapes; embedding rows = padded vocab).
+        vocab_size: the true vocabulary (``cfg.vocab_size``, else the tokenizer's, else
+            the padded size); exports drop the padding rows.
+        padded_vocab_size: rows of the embedding / output layer.
+        tokenizer_path: the config's ``tokenizer_model`` if that file exists, else None.
+        iteration: the checkpoint's iteration.
+        load_dir: absolute path of the checkpoint directory.
+    """
+
+    cfg: Any
+    params: dict
+    vocab_size: int
+    padded_vocab_size: int
+    tokenizer_path: Optional[str]
+    iteration: int
+    load_dir: str
+
+
+def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSource:
+    """Read ``load_dir`` (a jmegatron ``save`` directory) at ``iteration`` (default latest).
+
+    Raises ExportError for a missing or corrupt checkpoint (the message comes from
+    ``jmegatron.training.checkpointing.CheckpointError``).
+    """
+    import jax
+
+    from jmegatron.export.hf import _plain, unstack_layers
+    from jmegatron.training.checkpointing import CheckpointError
+    from jmegatron.training.loop import restore_run
+
+    if not load_dir:
+        raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
+    try:
+        run, state, meta = restore_run(load_dir, iteration=iteration)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        raise ExportError(f"--load {load_dir}: {e}") from e
+    params = jax.tree.map(lambda a: np.asarray(jax.device_get(a), dtype=np.float32), _plain(state.params))
+    cfg = run.cfg
+    if cfg.scan_layers:
+        params = unstack_layers(params, cfg.num_layers)
+        cfg = cfg.replace(scan_layers=False)
+    tok = cfg.tokenizer_model if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model) else None
+    vocab = cfg.vocab_size
+    if vocab is None and tok is not None:
+        from jmegatron.data.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(tok).vocab_size
+    return ExportSource(cfg=cfg, params=params, vocab_size=int(vocab or run.padded_vocab_size),
+                        padded_vocab_size=int(run.padded_vocab_size), tokenizer_path=tok,
+                        iteration=int(meta["iteration"]), load_dir=os.path.abspath(load_dir))
+
+
+def load_source_tokenizer(src: ExportSource):
+    """The checkpoint's :class:`jmegatron.data.tokenizer.HFTokenizer`, or None without one."""
+    if src.tokenizer_path is None:
+        return None
+    from jmegatron.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(src.tokenizer_path)
+
+
+def hf_model(src: ExportSource):
+    """The float32, eval-mode ``transformers`` model (``GPT2LMHeadModel`` or
+    ``LlamaForCausalLM``) of ``src`` with the true vocabulary; bos/eos are the tokenizer's
+    end-of-document id when there is a tokenizer. Raises ExportError when the
+    architecture has no Hugging Face target (the fields are named)."""
+    from jmegatron.export.hf import to_hf_model
+
+    tok = load_source_tokenizer(src)
+    eod = tok.eod if tok is not None else None
+    try:
+        return to_hf_model(src.params, src.cfg, src.vocab_size, bos_token_id=eod, eos_token_id=eod)
+    except ValueError as e:
+        raise ExportError(str(e)) from e

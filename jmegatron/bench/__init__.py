@@ -1,0 +1,1 @@
+"""Benchmark harness in the ByteMLPerf manner (python -m jmegatron.bench)."""
