@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["ExportError", "ExportSource", "load_checkpoint", "hf_model", "load_source_tokenizer"]
+__all__ = ["ExportError", "ExportSource", "checkpoint_config", "load_checkpoint", "hf_model",
+           "load_source_tokenizer"]
 
 
 class ExportError(ValueError):
@@ -48,6 +49,27 @@ class ExportSource:
     tokenizer_path: Optional[str]
     iteration: int
     load_dir: str
+
+
+def checkpoint_config(load_dir: str, iteration: Optional[int] = None):
+    """The resolved :class:`jmegatron.config.JMegatronConfig` of a checkpoint, read from its
+    metadata without restoring any array (so commands can refuse bad input before work).
+    Raises ExportError for a missing or unreadable checkpoint."""
+    from jmegatron.config import ConfigError, from_configdict
+    from jmegatron.training import checkpointing
+
+    if not load_dir:
+        raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
+    if not checkpointing.has_checkpoint(load_dir):
+        raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}")
+    try:
+        ckpt = checkpointing.Checkpointer(load_dir, create=False)
+        saved = dict(ckpt.read_meta(iteration)["config"])
+        ckpt.close()
+        saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
+        return from_configdict(saved)
+    except (checkpointing.CheckpointError, ConfigError, KeyError) as e:
+        raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {e}") from e
 
 
 def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSource:

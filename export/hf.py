@@ -181,6 +181,69 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
     }
 
 
+def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
+    """The jmegatron architecture fields (:data:`jmegatron.config.MODEL_FIELDS` plus
+    ``vocab_size``) of a transformers ``config.json`` mapping; the inverse of
+    :func:`hf_config_dict`.
+
+    Accepts ``GPT2LMHeadModel`` (``model_type`` "gpt2") with the exact ``activation_function
+    "gelu"`` and ``LlamaForCausalLM`` ("llama") with ``hidden_act "silu"``, default RoPE and
+    equal ``attention_bias``/``mlp_bias``. Raises ValueError naming each HF field jmegatron
+    cannot represent (e.g. GPT-2's default tanh ``"gelu_new"``, RoPE scaling).
+    """
+    model_type = conf.get("model_type")
+    problems: list[str] = []
+    if model_type == "gpt2":
+        h, heads = int(conf["n_embd"]), int(conf["n_head"])
+        act = conf.get("activation_function", "gelu_new")
+        if act != "gelu":
+            problems.append(f"activation_function={act!r} (jmegatron's GPT MLP is the exact erf GELU, "
+                            f"HF 'gelu'; the tanh approximation 'gelu_new' is not built)")
+        for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if conf.get(key):
+                problems.append(f"{key}=True (not built)")
+        if conf.get("scale_attn_weights", True) is False:
+            problems.append("scale_attn_weights=False (jmegatron scales by 1/sqrt(head_dim))")
+        fields = dict(
+            num_layers=int(conf["n_layer"]), hidden_size=h, num_attention_heads=heads,
+            ffn_hidden_size=int(conf.get("n_inner") or 4 * h), num_query_groups=heads, kv_channels=h // heads,
+            max_position_embeddings=int(conf["n_positions"]), position_embedding_type="learned_absolute",
+            normalization="LayerNorm", norm_epsilon=float(conf.get("layer_norm_epsilon", 1e-5)), swiglu=False,
+            add_bias_linear=True, add_qkv_bias=False)
+    elif model_type == "llama":
+        h, heads = int(conf["hidden_size"]), int(conf["num_attention_heads"])
+        rope = dict(conf.get("rope_parameters") or {})
+        rope_type = rope.get("rope_type", (conf.get("rope_scaling") or {}).get("rope_type", "default"))
+        if rope_type != "default" or conf.get("rope_scaling"):
+            problems.append(f"RoPE scaling {rope_type!r} (only the default RoPE is built)")
+        if conf.get("hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act={conf.get('hidden_act')!r} (SwiGLU uses silu)")
+        theta = float(rope.get("rope_theta", conf.get("rope_theta", 10000.0)))
+        if theta != int(theta):
+            problems.append(f"rope_theta={theta} (jmegatron's rotary_base is an integer)")
+        attn_bias, mlp_bias = bool(conf.get("attention_bias", False)), bool(conf.get("mlp_bias", False))
+        if attn_bias != mlp_bias:
+            problems.append(f"attention_bias={attn_bias} with mlp_bias={mlp_bias} (jmegatron's add_bias_linear "
+                            f"biases every linear layer or none)")
+        fields = dict(
+            num_layers=int(conf["num_hidden_layers"]), hidden_size=h, num_attention_heads=heads,
+            ffn_hidden_size=int(conf["intermediate_size"]),
+            num_query_groups=int(conf.get("num_key_value_heads") or heads),
+            kv_channels=int(conf.get("head_dim") or h // heads),
+            max_position_embeddings=int(conf["max_position_embeddings"]), position_embedding_type="rope",
+            rotary_base=int(theta),
+            normalization="RMSNorm", norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)), swiglu=True,
+            add_bias_linear=attn_bias and mlp_bias, add_qkv_bias=False)
+    else:
+        raise ValueError(f"Hugging Face model_type={model_type!r} has no jmegatron import: "
+                         f"supported are 'gpt2' ({GPT2}) and 'llama' ({LLAMA})")
+    if problems:
+        raise ValueError(f"this Hugging Face {model_type} config cannot be imported: " + "; ".join(problems))
+    fields["untie_embeddings_and_output_weights"] = not bool(conf.get("tie_word_embeddings", True))
+    fields["vocab_size"] = int(conf["vocab_size"])
+    return fields
+
+
 # ------------------------------------------------------------------------ tree helpers
 def _to_numpy(x) -> np.ndarray:
     """numpy view of a numpy/jax array or torch tensor (bfloat16 torch tensors -> float32)."""

@@ -235,13 +235,13 @@ def _truncate_metrics(path: str, iteration: int) -> None:
 
 
 def default_peak_tflops(cfg: JMegatronConfig) -> float:
-    """Configured ``peak_tflops`` or a measured matmul peak of this device."""
+    """Configured ``peak_tflops``, else the peak ``python -m jmegatron.bench peak`` stored for
+    this device (runs/bench/peak.json or $JMEGATRON_PEAK_FILE), else a quick measurement."""
     if cfg.peak_tflops:
         return cfg.peak_tflops
-    from jmegatron.training.peak import measure_matmul_tflops
-    import jax.numpy as jnp
+    from jmegatron.training.peak import device_peak_tflops
 
-    return measure_matmul_tflops(dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32)
+    return device_peak_tflops("bfloat16" if cfg.bf16 else "float32")[0]
 
 
 def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
@@ -351,14 +351,12 @@ def restore_run(load_dir: str, mesh: Optional[Mesh] = None,
     saved = dict(meta["config"])
     # evaluation, sampling and export need the student only, never its teacher
     saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
+    if mesh is None:  # one device: Orbax gathers whatever layout the checkpoint was saved in
+        saved.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                     expert_model_parallel_size=1, sequence_parallel=False)
     saved.update(overrides)
     cfg = from_configdict(saved)
-    run = build(cfg, mesh or create_mesh(cfg.replace(tensor_model_parallel_size=1,
-                                                     pipeline_model_parallel_size=1,
-                                                     context_parallel_size=1,
-                                                     expert_model_parallel_size=1),
-                                         jax.devices()[:1]),
-                vocab_size=_unpadded_vocab(cfg, meta))
+    run = build(cfg, mesh or create_mesh(cfg, jax.devices()[:1]), vocab_size=_unpadded_vocab(cfg, meta))
     state, meta = ckpt.restore(run.abstract_with_shardings(), iteration)
     ckpt.close()
     return run, state, meta

@@ -1,0 +1,191 @@
+"""``python -m jmegatron.export hf`` and ``import-hf``: jmegatron checkpoints <-> Hugging Face folders.
+
+``hf --load CKPT --out DIR [--dtype float32|bfloat16|float16]`` writes what
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads: ``config.json``,
+``generation_config.json``, ``model.safetensors`` (``GPT2LMHeadModel`` for the GPT variant,
+``LlamaForCausalLM`` for the Llama variant; the weight mapping is :mod:`jmegatron.export.hf`,
+held to 1e-4 logits by the golden tests), the tokenizer (``tokenizer.json`` +
+``tokenizer_config.json`` via ``PreTrainedTokenizerFast``, end-of-document as bos/eos) and
+``jmegatron_export.json`` (source checkpoint, iteration, vocabulary sizes). Any parallel
+layout loads (Orbax gathers the shards onto one device); a distillation checkpoint exports
+its student only. Megatron's vocabulary padding rows are dropped.
+
+``import-hf --hf DIR --out CKPT [--config FILE] [--seq-length N]`` reads such a folder
+(``*.safetensors``, sharded or not) and writes a jmegatron checkpoint at iteration 0 (fresh
+optimizer state) that trains, evaluates and exports like any other; the architecture comes
+from the HF ``config.json``, training settings from ``--config`` (default: jmegatron's
+defaults). JAX -> HF -> JAX gives identical arrays (tests/test_export_hf.py).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from typing import Any
+
+from jmegatron.export.common import ExportError, checkpoint_config, hf_model, load_checkpoint
+
+__all__ = ["register", "export_hf", "import_hf"]
+
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(sub) -> None:
+    """Add the ``hf`` and ``import-hf`` subcommands to an argparse subparsers object."""
+    p = sub.add_parser("hf", help="write a Hugging Face folder (GPT2LMHeadModel / LlamaForCausalLM)")
+    p.add_argument("--load", required=True, help="jmegatron checkpoint directory")
+    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    p.add_argument("--dtype", choices=TORCH_DTYPES, default="float32")
+    p.set_defaults(func=_run_hf)
+
+    q = sub.add_parser("import-hf", help="a Hugging Face folder -> a jmegatron checkpoint")
+    q.add_argument("--hf", required=True, help="folder with config.json and *.safetensors")
+    q.add_argument("--out", required=True, help="jmegatron checkpoint directory to create (must hold none)")
+    q.add_argument("--config", default=None, help="config file for the training settings (architecture from HF)")
+    q.add_argument("--seq-length", type=int, default=None,
+                   help="training sequence length (default: the config's, capped at max_position_embeddings)")
+    q.set_defaults(func=_run_import_hf)
+
+
+def _run_hf(args) -> int:
+    export_hf(args.load, args.out, args.dtype, args.iteration)
+    return 0
+
+
+def _run_import_hf(args) -> int:
+    import_hf(args.hf, args.out, args.config, args.seq_length)
+    return 0
+
+
+def _check_out_dir(out: str) -> None:
+    if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out)):
+        raise ExportError(f"--out {out} exists and is not empty; choose a new folder (nothing is overwritten)")
+
+
+def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None = None) -> dict[str, Any]:
+    """Write the Hugging Face folder of checkpoint ``load`` to ``out`` in ``dtype``.
+
+    Returns the summary written to ``out/jmegatron_export.json``. Raises ExportError for a
+    missing checkpoint, an architecture with no HF target (fields named), or a non-empty
+    ``out``; all before any array is restored.
+    """
+    import torch
+
+    from jmegatron.export.hf import hf_architecture
+
+    if dtype not in TORCH_DTYPES:
+        raise ExportError(f"--dtype {dtype!r} is not one of {TORCH_DTYPES}")
+    _check_out_dir(out)
+    try:
+        arch = hf_architecture(checkpoint_config(load, iteration))
+    except ValueError as e:
+        if isinstance(e, ExportError):
+            raise
+        raise ExportError(f"--load {load}: {e}") from e
+    src = load_checkpoint(load, iteration)
+    model = hf_model(src).to(getattr(torch, dtype))
+    model.config.dtype = dtype
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    if src.tokenizer_path:
+        from transformers import PreTrainedTokenizerFast
+
+        from jmegatron.export.common import load_source_tokenizer
+
+        eod = load_source_tokenizer(src).eod_token
+        tok = PreTrainedTokenizerFast(tokenizer_file=src.tokenizer_path, bos_token=eod, eos_token=eod,
+                                      unk_token=None, model_max_length=src.cfg.max_position_embeddings)
+        tok.save_pretrained(out)
+    summary = {"architecture": arch, "source": src.load_dir, "iteration": src.iteration, "dtype": dtype,
+               "vocab_size": src.vocab_size, "padded_vocab_size": src.padded_vocab_size,
+               "tokenizer": src.tokenizer_path}
+    with open(os.path.join(out, "jmegatron_export.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"[jmegatron.export hf] {arch} ({dtype}, vocab {src.vocab_size}) of {src.load_dir} "
+          f"iteration {src.iteration} -> {os.path.abspath(out)}")
+    return summary
+
+
+def _read_hf_state_dict(folder: str) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ExportError(f"--hf {folder}: no *.safetensors file (PyTorch .bin checkpoints are not read; "
+                          f"re-save with save_pretrained(safe_serialization=True))")
+    sd = {}
+    for path in files:
+        sd.update({k: v.float().numpy() for k, v in load_file(path).items()})
+    return sd
+
+
+def import_hf(folder: str, out: str, config_file: str | None = None, seq_length: int | None = None):
+    """Write a jmegatron checkpoint (iteration 0) holding the Hugging Face model of ``folder``.
+
+    The architecture fields come from ``folder/config.json`` (:func:`jmegatron.export.hf.
+    config_fields_from_hf`), everything else from ``config_file`` or jmegatron's defaults;
+    ``folder/tokenizer.json``, when present, is copied to ``out/tokenizer.json`` and becomes
+    ``tokenizer_model``. Returns the resolved config. Raises ExportError for a missing
+    folder or config.json, an architecture jmegatron cannot represent (HF fields named), a
+    tensor that is missing or of the wrong shape, or an ``out`` that already holds files.
+    """
+    import jax
+
+    from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
+    from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict
+    from jmegatron.parallel.mesh import create_mesh
+    from jmegatron.training import checkpointing
+    from jmegatron.training.loop import _meta, build
+
+    conf_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(conf_path):
+        raise ExportError(f"--hf {folder}: no config.json (expected a save_pretrained folder)")
+    _check_out_dir(out)
+    with open(conf_path) as f:
+        hf_conf = json.load(f)
+    try:
+        fields = config_fields_from_hf(hf_conf)
+    except (KeyError, ValueError) as e:
+        raise ExportError(f"--hf {folder}: {e}") from e
+    try:
+        base = load_config_file(config_file).to_dict() if config_file else base_config().to_dict()
+    except (ConfigError, FileNotFoundError) as e:
+        raise ExportError(f"--config {config_file}: {e}") from e
+    base.update(fields)
+    if not config_file and not base.get("data_path"):
+        base["mock_data"] = True  # jmegatron's defaults name no data; a training run gives its own config
+    base["seq_length"] = min(seq_length or base["seq_length"], fields["max_position_embeddings"])
+    base.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                expert_model_parallel_size=1, sequence_parallel=False, save=os.path.abspath(out), load=None,
+                kd_teacher_load=None, kd_cfg=None, kd_finalize=False, micro_batch_size=1, global_batch_size=1)
+    tok_src = os.path.join(folder, "tokenizer.json")
+    if os.path.isfile(tok_src):
+        base["tokenizer_model"] = os.path.join(os.path.abspath(out), "tokenizer.json")
+    try:
+        cfg = from_configdict(base)
+    except ConfigError as e:
+        raise ExportError(f"--hf {folder}: the imported config is invalid: {e}") from e
+
+    sd = _read_hf_state_dict(folder)
+    run = build(cfg, create_mesh(cfg, jax.devices()[:1]), vocab_size=fields["vocab_size"])
+    try:
+        params = from_hf_state_dict(sd, cfg, run.padded_vocab_size)
+    except ValueError as e:
+        raise ExportError(f"--hf {folder}: {e}") from e
+    state = run.init_state()
+    state = state.replace(params=jax.device_put(params, run.state_shardings.params))
+    os.makedirs(out, exist_ok=True)
+    if os.path.isfile(tok_src):
+        shutil.copyfile(tok_src, cfg.tokenizer_model)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        f.write(cfg.to_json())
+    ckpt = checkpointing.Checkpointer(out)
+    ckpt.save(0, state, _meta(cfg, run, 0, 0))
+    ckpt.wait()
+    ckpt.close()
+    print(f"[jmegatron.export import-hf] {hf_conf.get('architectures', ['?'])[0]} from {os.path.abspath(folder)} "
+          f"-> jmegatron checkpoint {os.path.abspath(out)} (iteration 0)")
+    return cfg
