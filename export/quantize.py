@@ -1,0 +1,683 @@
+"""``python -m jmegatron.export quantize``: NVIDIA ModelOpt post-training quantization (PTQ).
+
+    python -m jmegatron.export quantize --load CKPT --quant-cfg int8_sq,fp8,int4_awq,w4a8_awq \\
+        --calib-data PREFIX [--calib-size 512 --calib-batch-size 4 --calib-seq-length 512] \\
+        [--eval-data PREFIX --eval-samples 256] [--kv-cache-quant fp8] --out DIR
+
+The checkpoint becomes the float32 ``transformers`` model of :func:`jmegatron.export.common.hf_model`
+(``GPT2LMHeadModel`` / ``LlamaForCausalLM``); for every ``--quant-cfg`` a copy of it is quantized
+with ``mtq.quantize`` (fake quantization: quantizers inserted around every linear layer,
+calibrated by a forward loop), the output layer left unquantized as Megatron-LM does
+(``*lm_head*``/``*output_layer*`` disabled), and saved. Follows Megatron-LM
+``examples/export/ptq_and_trtllm_export/text_generation_ptq.py`` (config names, the output
+layer rule, export dtype bf16 if the run trained in bf16 else fp16) and ModelOpt
+``examples/llm_ptq/hf_ptq.py`` (KV-cache config merge, greedy sample before/after PTQ, unified
+Hugging Face export).
+
+Data. Calibration and evaluation use the project's own tokenized MMIDIDX data
+(``PREFIX.bin``/``PREFIX.idx``), never a hub dataset, cut with the checkpoint config's ``split``
+exactly as training cut it (``jmegatron.data.blended_dataset``: contiguous sequence ranges
+``[round(begin * N), round(end * N))``): calibration samples are :class:`GPTDataset` samples of
+the **train** portion of ``--calib-data``, perplexity is measured on the **test** portion of
+``--eval-data`` (default: the same prefix), which training never read (it only evaluates on
+valid) and calibration never reads, so the quality figures are held-out figures. Evaluation
+takes the first ``--eval-samples`` samples of one epoch of the test portion (fewer if the
+portion is smaller; never repeated text).
+
+Output (``--out DIR``, which must be empty or absent)::
+
+    DIR/quantize.json           source checkpoint, configs, data, timings (manifest)
+    DIR/quality.json, .md       held-out perplexity: fp32 row + one row per config
+    DIR/<cfg>/modelopt_state.pth    ``mto.save`` of the fake-quantized model (architecture
+                                    changes, quantizer amax/scales, smoothed weights)
+    DIR/<cfg>/quantize_info.json    what :func:`load_quantized` needs (source checkpoint,
+                                    iteration, ModelOpt config, KV-cache quant, perplexity)
+    DIR/<cfg>/unified_hf/       ModelOpt's unified Hugging Face checkpoint
+                                (``export_hf_checkpoint``): config.json with
+                                ``quantization_config``, model.safetensors (quantized weights
+                                and scales), hf_quant_config.json (``quant_algo``,
+                                ``kv_cache_quant_algo``, ``exclude_modules``), and the tokenizer
+                                (tokenizer.json, tokenizer_config.json) when the checkpoint has one.
+                                TensorRT-LLM (``LLM(model=...)``) and vLLM load this folder.
+
+Note: ModelOpt turns GPT-2's ``Conv1D`` ([in, out] weights) into ``nn.Linear``, so the
+exported GPT-2 weights are ``[out, in]``; the ``quant_algo`` names are ModelOpt's
+(``W8A8_SQ_PER_CHANNEL``, ``FP8``, ``W4A16_AWQ``, ``W4A8_AWQ``, ``INT8``, ``W8A16``).
+
+Requires ``torch`` and ``nvidia-modelopt`` (the ``export`` extra); on CPU ModelOpt 0.47 runs
+the six configs offered here (NVFP4 / MXFP8 need CUDA).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from jmegatron.export.common import (ExportError, ExportSource, checkpoint_config, hf_model, load_checkpoint,
+                                     load_source_tokenizer)
+
+__all__ = [
+    "QUANT_CFG_CHOICES", "KV_CACHE_QUANT_CHOICES", "MODELOPT_STATE", "UNIFIED_HF_DIR", "INFO_FILE",
+    "MANIFEST", "register", "run", "quantize", "load_quantized", "parse_quant_cfgs",
+    "build_quant_config", "portion_dataset", "make_batches", "perplexity", "quantize_model",
+    "enabled_quantizers", "greedy_continuation",
+]
+
+# --quant-cfg name -> ModelOpt config (names as Megatron-LM's text_generation_ptq.py / hf_ptq.py)
+QUANT_CFG_CHOICES = {
+    "int8": "INT8_DEFAULT_CFG",          # W8A8 per-channel weights, per-tensor activations (max)
+    "int8_sq": "INT8_SMOOTHQUANT_CFG",   # W8A8 with SmoothQuant (arXiv:2211.10438)
+    "int8_wo": "INT8_WEIGHT_ONLY_CFG",   # W8A16
+    "fp8": "FP8_DEFAULT_CFG",            # E4M3 weights and activations, per tensor
+    "int4_awq": "INT4_AWQ_CFG",          # W4A16, groups of 128, AWQ-lite (arXiv:2306.00978)
+    "w4a8_awq": "W4A8_AWQ_BETA_CFG",     # INT4 AWQ weights, FP8 activations
+}
+KV_CACHE_QUANT_CHOICES = {"none": None, "fp8": "FP8_KV_CFG"}
+# Megatron keeps the output layer in high precision (text_generation_ptq.py disables it)
+UNQUANTIZED_PATTERNS = ("*lm_head*", "*output_layer*")
+OUTPUT_LAYER = "lm_head"
+
+MODELOPT_STATE = "modelopt_state.pth"
+UNIFIED_HF_DIR = "unified_hf"
+INFO_FILE = "quantize_info.json"
+MANIFEST = "quantize.json"
+EXPORT_DTYPES = ("float16", "bfloat16", "float32")
+_SPLITS = {"train": 0, "valid": 1, "test": 2}
+
+
+# ----------------------------------------------------------------------------- CLI
+def register(sub) -> None:
+    """Add the ``quantize`` subcommand to an argparse subparsers object."""
+    p = sub.add_parser("quantize", help="ModelOpt post-training quantization + unified HF export + quality report",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="jmegatron checkpoint directory")
+    p.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
+    p.add_argument("--quant-cfg", required=True,
+                   help="one or a comma list of: " + ", ".join(QUANT_CFG_CHOICES))
+    p.add_argument("--kv-cache-quant", default="none", help="KV-cache quantization: none (default) or fp8")
+    p.add_argument("--calib-data", required=True, help="dataset prefix (PREFIX.bin/.idx); its train portion calibrates")
+    p.add_argument("--calib-size", type=int, default=512, help="calibration samples (default 512)")
+    p.add_argument("--calib-batch-size", type=int, default=4,
+                   help="samples per forward pass, for calibration and evaluation (default 4)")
+    p.add_argument("--calib-seq-length", type=int, default=512,
+                   help="tokens per calibration sample (default 512; clamped to max_position_embeddings)")
+    p.add_argument("--eval-data", default=None, help="dataset prefix whose test portion measures perplexity "
+                   "(default: --calib-data)")
+    p.add_argument("--eval-samples", type=int, default=256,
+                   help="held-out samples for perplexity (default 256, at most one epoch of the test portion)")
+    p.add_argument("--eval-seq-length", type=int, default=None,
+                   help="tokens per evaluation sample (default: the checkpoint's seq_length)")
+    p.add_argument("--split", default=None, help="train,valid,test weights (default: the checkpoint config's split)")
+    p.add_argument("--prompt", default=None, help="sanity prompt for greedy continuations "
+                   "(default: the first 16 tokens of the first held-out sample)")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens of the sanity continuation (default 24)")
+    p.add_argument("--export-dtype", choices=EXPORT_DTYPES, default=None,
+                   help="dtype of the unquantized tensors in the unified HF checkpoint "
+                        "(default: bfloat16 if the run trained in bf16, else float16, as Megatron)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    """The ``quantize`` command: :func:`quantize` with the parsed arguments; returns 0."""
+    quantize(load=args.load, quant_cfgs=args.quant_cfg, calib_data=args.calib_data, out=args.out,
+             iteration=args.iteration, kv_cache_quant=args.kv_cache_quant, calib_size=args.calib_size,
+             calib_batch_size=args.calib_batch_size, calib_seq_length=args.calib_seq_length,
+             eval_data=args.eval_data, eval_samples=args.eval_samples, eval_seq_length=args.eval_seq_length,
+             split=args.split, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+             export_dtype=args.export_dtype, device=args.device)
+    return 0
+
+
+# ----------------------------------------------------------------------------- configs
+def parse_quant_cfgs(text: str) -> list[str]:
+    """``"int8_sq,fp8"`` -> ``["int8_sq", "fp8"]``. Raises ExportError naming ``--quant-cfg``
+    for an empty list, an unknown name (the choices are listed) or a repeated one."""
+    names = [n.strip() for n in str(text or "").split(",") if n.strip()]
+    if not names:
+        raise ExportError(f"--quant-cfg is empty; give one or a comma list of: {', '.join(QUANT_CFG_CHOICES)}")
+    unknown = [n for n in names if n not in QUANT_CFG_CHOICES]
+    if unknown:
+        raise ExportError(f"--quant-cfg: unknown config(s) {unknown}; choose from {', '.join(QUANT_CFG_CHOICES)} "
+                          "(NVFP4/MXFP8 need CUDA and are not offered)")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ExportError(f"--quant-cfg lists {repeated} more than once")
+    return names
+
+
+def _check_kv_cache_quant(kv_cache_quant: Optional[str]) -> str:
+    kv = kv_cache_quant or "none"
+    if kv not in KV_CACHE_QUANT_CHOICES:
+        raise ExportError(f"--kv-cache-quant {kv!r}: choose from {', '.join(KV_CACHE_QUANT_CHOICES)}")
+    return kv
+
+
+def _append_entries(quant_cfg, entries: Sequence[tuple[str, dict]]):
+    """Add (pattern, settings) entries after the existing ones (later entries win). ModelOpt
+    0.47 keeps ``quant_cfg`` as a list of ``{"quantizer_name": ..., ...}``; older releases as a
+    pattern -> settings dict; both are handled."""
+    if isinstance(quant_cfg, list):
+        return quant_cfg + [{"quantizer_name": pattern, **settings} for pattern, settings in entries]
+    out = dict(quant_cfg)
+    for pattern, settings in entries:
+        out[pattern] = settings
+    return out
+
+
+def build_quant_config(name: str, kv_cache_quant: str = "none") -> dict:
+    """The ModelOpt config dict (``{"quant_cfg": ..., "algorithm": ...}``) for ``--quant-cfg name``:
+    a deep copy of ``mtq.<QUANT_CFG_CHOICES[name]>`` with the output layer disabled
+    (``*lm_head*``, ``*output_layer*``) and, for ``kv_cache_quant="fp8"``, ``mtq.FP8_KV_CFG``'s
+    ``*[kv]_bmm_quantizer`` entries appended (as hf_ptq.py merges them).
+    Raises ExportError for an unknown name or KV-cache choice."""
+    import modelopt.torch.quantization as mtq
+
+    parse_quant_cfgs(name)
+    kv = _check_kv_cache_quant(kv_cache_quant)
+    cfg = copy.deepcopy(getattr(mtq, QUANT_CFG_CHOICES[name]))
+    cfg["quant_cfg"] = _append_entries(cfg["quant_cfg"], [(p, {"enable": False}) for p in UNQUANTIZED_PATTERNS])
+    if KV_CACHE_QUANT_CHOICES[kv] is not None:
+        kv_cfg = copy.deepcopy(getattr(mtq, KV_CACHE_QUANT_CHOICES[kv])["quant_cfg"])
+        if isinstance(kv_cfg, list):
+            entries = [(e["quantizer_name"], {k: v for k, v in e.items() if k != "quantizer_name"}) for e in kv_cfg]
+        else:
+            entries = list(kv_cfg.items())
+        cfg["quant_cfg"] = _append_entries(cfg["quant_cfg"], entries)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- data
+def _check_prefix(prefix: Optional[str], flag: str) -> str:
+    from jmegatron.data.indexed_dataset import IndexedDataset
+
+    if not prefix:
+        raise ExportError(f"{flag} is required: a tokenized dataset prefix (PREFIX.bin/PREFIX.idx)")
+    p = os.fspath(prefix)
+    if IndexedDataset.exists(p):
+        return p
+    hint = ""
+    if p.endswith((".bin", ".idx")) and IndexedDataset.exists(p[:-4]):
+        hint = f"; drop the suffix: {p[:-4]}"
+    elif IndexedDataset.exists(p + "_text_document"):
+        hint = f"; did you mean {p}_text_document?"
+    raise ExportError(f"{flag} {p}: no {p}.bin/{p}.idx{hint} (a prefix is the path without .bin/.idx, "
+                      "as printed by `python -m jmegatron.tools.preprocess_data`)")
+
+
+@dataclasses.dataclass
+class Portion:
+    """One split portion of a dataset prefix: its GPTDataset and where it lies."""
+
+    dataset: Any          # jmegatron.data.gpt_dataset.GPTDataset
+    prefix: str
+    split: str
+    name: str             # "train" | "valid" | "test"
+    sequences: tuple      # [begin, end) sequence ids of the portion
+    num_sequences: int    # sequences in the prefix
+    tokens: int           # tokens in the portion
+
+
+def portion_dataset(prefix: str, split: str, name: str, num_samples: Optional[int], seq_length: int,
+                    seed: int, eod_id: int, *, reset_position_ids: bool = False,
+                    eod_mask_loss: bool = False) -> Portion:
+    """The :class:`jmegatron.data.gpt_dataset.GPTDataset` over the ``name`` portion of ``prefix``.
+
+    The portion is the contiguous sequence range ``[round(begin * N), round(end * N))`` that
+    ``split`` (``"949,50,1"`` style) gives ``name`` among the prefix's ``N`` sequences, the
+    rule of Megatron's ``BlendedMegatronDatasetBuilder`` (so the train portion is what
+    training read and the test portion is text it never saw). ``num_samples`` None gives one
+    epoch (no repeated text); otherwise the documents repeat over as many epochs as needed.
+    Samples: ``tokens``/``labels``/``position_ids`` int32 [seq_length], ``loss_mask`` float32.
+
+    Raises ExportError for a bad ``split`` or an empty portion (message suggests ``--split``).
+    """
+    from jmegatron.data.blended_dataset import convert_split_vector_to_split_matrix, parse_and_normalize_split
+    from jmegatron.data.gpt_dataset import GPTDataset
+    from jmegatron.data.indexed_dataset import IndexedDataset
+
+    try:
+        bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[_SPLITS[name]]
+    except ValueError as e:
+        raise ExportError(f"--split: {e}") from e
+    low = IndexedDataset(prefix)
+    n = int(low.sequence_lengths.shape[0])
+    lo, hi = (0, 0) if bounds is None else (int(round(bounds[0] * float(n))), int(round(bounds[1] * float(n))))
+    tokens = int(np.sum(low.sequence_lengths[lo:hi], dtype=np.int64))
+    if hi <= lo or tokens == 0:
+        raise ExportError(f"split={split!r} gives the {name} portion of {prefix} no text ({n} sequences in all); "
+                          f"pass --split with a larger {name} share (e.g. --split 90,5,5) or a dataset with more "
+                          "documents")
+    ds = GPTDataset(low, np.arange(lo, hi, dtype=np.int32), num_samples, seq_length, seed, eod_id,
+                    reset_position_ids=reset_position_ids, eod_mask_loss=eod_mask_loss)
+    return Portion(ds, prefix, split, name, (lo, hi), n, tokens)
+
+
+def make_batches(dataset, num_samples: int, batch_size: int, vocab_size: int) -> list[dict]:
+    """The first ``num_samples`` samples of ``dataset`` (in its shuffled order) as batches of
+    ``batch_size`` (the last may be smaller): dicts of int64 ``np.ndarray`` ``tokens``,
+    ``labels``, ``position_ids`` [b, seq] and float32 ``loss_mask`` [b, seq].
+    Raises ExportError when a token id is >= ``vocab_size`` (data tokenized with another
+    tokenizer)."""
+    n = min(int(num_samples), len(dataset))
+    batches = []
+    for start in range(0, n, batch_size):
+        samples = [dataset[i] for i in range(start, min(start + batch_size, n))]
+        batch = {k: np.stack([s[k] for s in samples]).astype(np.float32 if k == "loss_mask" else np.int64)
+                 for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        top = int(max(batch["tokens"].max(), batch["labels"].max()))
+        if top >= vocab_size:
+            raise ExportError(f"{dataset.dataset.path_prefix}: token id {top} >= the model's vocabulary "
+                              f"{vocab_size}; the data was tokenized with another tokenizer")
+        batches.append(batch)
+    return batches
+
+
+# ----------------------------------------------------------------------------- torch side
+def _forward_logits(model, batch: dict, device):
+    import torch
+
+    ids = torch.from_numpy(batch["tokens"]).to(device)
+    pos = torch.from_numpy(batch["position_ids"]).to(device)
+    return model(input_ids=ids, position_ids=pos, use_cache=False).logits
+
+
+def calibration_loop(batches: Sequence[dict], device="cpu"):
+    """The ``forward_loop(model)`` handed to ``mtq.quantize``: one no-grad forward pass per
+    calibration batch (``input_ids``/``position_ids`` [b, seq])."""
+    import torch
+
+    def forward_loop(model) -> None:
+        with torch.no_grad():
+            for batch in batches:
+                _forward_logits(model, batch, device)
+
+    return forward_loop
+
+
+def perplexity(model, batches: Sequence[dict], device="cpu") -> dict:
+    """Token-mean cross-entropy (nats) of ``model`` over ``batches`` (labels weighted by
+    ``loss_mask``, summed in float64) and its exponential: ``{"loss", "ppl", "tokens"}``.
+    Raises ValueError when the batches hold no counted token."""
+    import torch
+
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for batch in batches:
+            logits = _forward_logits(model, batch, device).float()
+            labels = torch.from_numpy(batch["labels"]).to(device)
+            mask = torch.from_numpy(batch["loss_mask"]).to(device)
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                    reduction="none")
+            total += float((nll * mask.reshape(-1)).double().sum())
+            count += float(mask.double().sum())
+    if count == 0:
+        raise ValueError("perplexity: the evaluation batches hold no token with loss_mask > 0")
+    loss = total / count
+    return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf"), "tokens": int(count)}
+
+
+def quantize_model(model, name: str, kv_cache_quant: str, calib_batches: Sequence[dict], device="cpu"):
+    """``mtq.quantize`` ``model`` in place with :func:`build_quant_config` ``(name, kv_cache_quant)``,
+    calibrated on ``calib_batches``; returns the fake-quantized model."""
+    import modelopt.torch.quantization as mtq
+
+    return mtq.quantize(model, build_quant_config(name, kv_cache_quant), forward_loop=calibration_loop(
+        calib_batches, device))
+
+
+def enabled_quantizers(model, prefix: str) -> list[str]:
+    """Names of the enabled ModelOpt ``TensorQuantizer`` s under module ``prefix`` (e.g.
+    ``"lm_head"``); [] means that module runs unquantized."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    return [n for n, m in model.named_modules()
+            if (n == prefix or n.startswith(prefix + ".")) and isinstance(m, TensorQuantizer) and m.is_enabled]
+
+
+def greedy_continuation(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_id: Optional[int],
+                        device="cpu") -> list[int]:
+    """Greedy ``model.generate`` continuation (new token ids only) of ``prompt_ids``."""
+    import torch
+
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, num_beams=1, eos_token_id=eos_token_id,
+                             pad_token_id=eos_token_id if eos_token_id is not None else 0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+# ----------------------------------------------------------------------------- save / load
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def _save_tokenizer(src: ExportSource, folder: str) -> bool:
+    if not src.tokenizer_path:
+        return False
+    from transformers import PreTrainedTokenizerFast
+
+    eod = load_source_tokenizer(src).eod_token
+    tok = PreTrainedTokenizerFast(tokenizer_file=src.tokenizer_path, bos_token=eod, eos_token=eod,
+                                  unk_token=None, model_max_length=src.cfg.max_position_embeddings)
+    tok.save_pretrained(folder)
+    return True
+
+
+def _resolve_cfg_dir(quantized_dir: str, cfg_name: Optional[str]) -> str:
+    if os.path.isfile(os.path.join(quantized_dir, INFO_FILE)):
+        return quantized_dir  # already one config's folder
+    manifest = os.path.join(quantized_dir, MANIFEST)
+    if not os.path.isfile(manifest):
+        raise ExportError(f"{quantized_dir} is not a `jmegatron.export quantize` output (no {MANIFEST} or "
+                          f"{INFO_FILE}); run `python -m jmegatron.export quantize ... --out {quantized_dir}` first")
+    with open(manifest) as f:
+        names = list(json.load(f)["quant_cfgs"])
+    if cfg_name is None:
+        if len(names) != 1:
+            raise ExportError(f"{quantized_dir} holds configs {names}; name one (cfg_name / --quant-cfg)")
+        cfg_name = names[0]
+    if cfg_name not in names:
+        raise ExportError(f"{quantized_dir} has no config {cfg_name!r}; it holds {names}")
+    return os.path.join(quantized_dir, cfg_name)
+
+
+def load_quantized(quantized_dir: str, cfg_name: Optional[str] = None):
+    """Restore a fake-quantized model written by ``quantize``.
+
+    Args:
+        quantized_dir: the ``--out DIR`` of ``quantize`` or one config's ``DIR/<cfg>`` folder.
+        cfg_name: which config of ``DIR`` (e.g. ``"int8_sq"``); may be omitted when ``DIR``
+            holds a single config or is itself a config folder.
+
+    Returns:
+        ``(model, src, info)``: the float32 ``transformers`` model rebuilt from the source
+        checkpoint recorded in ``quantize_info.json`` with ModelOpt's quantizers restored by
+        ``mto.restore`` (eval mode, CPU; its logits equal the quantized model's before saving);
+        the :class:`ExportSource` of that checkpoint; and the info dict (``quant_cfg``,
+        ``modelopt_config``, ``kv_cache_quant``, ``quant_algo``, ``kv_cache_quant_algo``,
+        ``unified_hf_dir``, ``source``, ``perplexity``, ...).
+
+    Raises:
+        ExportError: not a quantize output, unknown/ambiguous ``cfg_name``, or the source
+            checkpoint is gone (the message names the path).
+    """
+    import modelopt.torch.opt as mto
+
+    cfg_dir = _resolve_cfg_dir(quantized_dir, cfg_name)
+    with open(os.path.join(cfg_dir, INFO_FILE)) as f:
+        info = json.load(f)
+    info["unified_hf_dir"] = os.path.join(os.path.abspath(cfg_dir), UNIFIED_HF_DIR)
+    source = info["source"]
+    if not os.path.isdir(source["load_dir"]):
+        raise ExportError(f"{cfg_dir}: its source checkpoint {source['load_dir']} is gone; the fake-quantized "
+                          "model is rebuilt from it (the unified HF folder alone does not need it)")
+    src = load_checkpoint(source["load_dir"], source["iteration"])
+    model = hf_model(src)
+    model = mto.restore(model, os.path.join(cfg_dir, MODELOPT_STATE))
+    model.eval()
+    return model, src, info
+
+
+# ----------------------------------------------------------------------------- the command
+def _log(msg: str) -> None:
+    print(f"[jmegatron.export quantize] {msg}", flush=True)
+
+
+def _warn(msg: str) -> None:
+    print(f"[jmegatron.export quantize] warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _check_out_dir(out: str) -> None:
+    if not out:
+        raise ExportError("--out is required: a new folder for the quantized checkpoints and the report")
+    if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out)):
+        raise ExportError(f"--out {out} exists and is not empty; choose a new folder (nothing is overwritten)")
+
+
+def _positive(value: Optional[int], flag: str) -> None:
+    if value is not None and (isinstance(value, bool) or int(value) < 1):
+        raise ExportError(f"{flag} must be an integer >= 1, got {value}")
+
+
+def _clamp_length(value: int, flag: str, cfg) -> int:
+    limit = int(cfg.max_position_embeddings)
+    if value > limit:
+        _warn(f"{flag} {value} > the model's max_position_embeddings {limit}; using {limit}")
+        return limit
+    return int(value)
+
+
+def _jmegatron_continuation(load: str, prompt: str, max_new_tokens: int) -> str:
+    """fp32 greedy continuation (repr) from jmegatron's own KV-cache generator
+    (``jmegatron.inference.generate.generate_text``), or why there is none. Only a sanity
+    print: a failure here is reported, not raised."""
+    try:
+        from jmegatron.inference.generate import generate_text
+    except ImportError:
+        return "skipped: jmegatron.inference.generate.generate_text is not available"
+    try:
+        out = generate_text(load, [prompt], max_new_tokens, greedy=True)
+    except Exception as e:  # noqa: BLE001 - reported next to the torch continuations
+        return f"failed: {type(e).__name__}: {e}"
+    return repr(out[0])
+
+
+def _quality_markdown(report: dict) -> str:
+    ev, cal = report["eval"], report["calibration"]
+    lines = [
+        f"# Post-training quantization quality: {report['source']['load_dir']} (iteration "
+        f"{report['source']['iteration']})",
+        "",
+        f"Held-out perplexity on the **test** portion (sequences {ev['sequences'][0]}..{ev['sequences'][1] - 1} "
+        f"of {ev['num_sequences']}, split {ev['split']!r}) of `{ev['prefix']}`: {ev['samples']} samples x "
+        f"{ev['seq_length']} tokens = {ev['tokens']} tokens. Calibration: {cal['samples']} samples x "
+        f"{cal['seq_length']} tokens of the **train** portion (sequences {cal['sequences'][0]}.."
+        f"{cal['sequences'][1] - 1}) of `{cal['prefix']}`, batch {cal['batch_size']}. KV cache: "
+        f"{report['kv_cache_quant']}. Quantized rows are ModelOpt fake quantization (simulated in "
+        "float32), the output layer unquantized.",
+        "",
+        "| model | ModelOpt config | quant_algo | loss (nats) | perplexity | relative change | calibrate (s) |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for row in report["rows"]:
+        rel = "" if row["relative_change"] is None else f"{100 * row['relative_change']:+.2f}%"
+        cal_s = "" if row.get("calibration_seconds") is None else f"{row['calibration_seconds']:.1f}"
+        lines.append(f"| {row['name']} | {row.get('modelopt_config') or '-'} | {row.get('quant_algo') or '-'} | "
+                     f"{row['loss']:.4f} | {row['ppl']:.3f} | {rel} | {cal_s} |")
+    return "\n".join(lines) + "\n"
+
+
+def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Optional[int] = None,
+             kv_cache_quant: str = "none", calib_size: int = 512, calib_batch_size: int = 4,
+             calib_seq_length: int = 512, eval_data: Optional[str] = None, eval_samples: int = 256,
+             eval_seq_length: Optional[int] = None, split: Optional[str] = None, prompt: Optional[str] = None,
+             max_new_tokens: int = 24, export_dtype: Optional[str] = None, device: Optional[str] = None) -> dict:
+    """Quantize checkpoint ``load`` with each of ``quant_cfgs`` and write ``out`` (layout in the
+    module docstring). Returns the quality report (also ``out/quality.json``): ``rows`` =
+    fp32 then one per config with ``loss`` (nats/token), ``ppl``, ``relative_change``
+    (``ppl / ppl_fp32 - 1``), ``quant_algo``; ``eval`` / ``calibration`` describe the data.
+
+    Sequence lengths above ``max_position_embeddings`` are clamped to it with a warning.
+
+    Raises:
+        ExportError, before any array is restored: unknown ``--quant-cfg`` / ``--kv-cache-quant``,
+            non-positive sizes, a non-empty ``out``, a missing ``PREFIX.bin/.idx``, a
+            missing or unreadable checkpoint, an architecture with no Hugging Face target (the
+            config fields are named), a split portion without text; after loading: token ids
+            outside the vocabulary.
+    """
+    t_start = time.time()
+    names = parse_quant_cfgs(",".join(quant_cfgs) if isinstance(quant_cfgs, (list, tuple)) else quant_cfgs)
+    kv = _check_kv_cache_quant(kv_cache_quant)
+    for value, flag in ((calib_size, "--calib-size"), (calib_batch_size, "--calib-batch-size"),
+                        (calib_seq_length, "--calib-seq-length"), (eval_samples, "--eval-samples"),
+                        (eval_seq_length, "--eval-seq-length"), (max_new_tokens, "--max-new-tokens")):
+        _positive(value, flag)
+    if export_dtype is not None and export_dtype not in EXPORT_DTYPES:
+        raise ExportError(f"--export-dtype {export_dtype!r}: choose from {', '.join(EXPORT_DTYPES)}")
+    _check_out_dir(out)
+    calib_prefix = _check_prefix(calib_data, "--calib-data")
+    eval_prefix = _check_prefix(eval_data or calib_data, "--eval-data" if eval_data else "--calib-data")
+    cfg = checkpoint_config(load, iteration)
+    from jmegatron.export.hf import hf_architecture
+
+    try:
+        arch = hf_architecture(cfg)
+    except ValueError as e:
+        raise ExportError(f"--load {load}: {e}") from e
+    split = split or cfg.split
+    calib_len = _clamp_length(calib_seq_length, "--calib-seq-length", cfg)
+    eval_len = _clamp_length(eval_seq_length or cfg.seq_length, "--eval-seq-length", cfg)
+    tok = None
+    if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model):
+        from jmegatron.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(cfg.tokenizer_model)
+    if tok is None and (cfg.eod_mask_loss or cfg.reset_position_ids):
+        raise ExportError(f"--load {load}: eod_mask_loss/reset_position_ids need the end-of-document id, but the "
+                          f"checkpoint's tokenizer_model {cfg.tokenizer_model!r} is missing")
+    eod = tok.eod if tok is not None else 0
+    flags = dict(reset_position_ids=cfg.reset_position_ids, eod_mask_loss=cfg.eod_mask_loss)
+    calib = portion_dataset(calib_prefix, split, "train", calib_size, calib_len, cfg.seed, eod, **flags)
+    held_out = portion_dataset(eval_prefix, split, "test", None, eval_len, cfg.seed, eod, **flags)
+    if len(held_out.dataset) < eval_samples:
+        _warn(f"the test portion of {eval_prefix} holds {len(held_out.dataset)} samples of {eval_len} tokens; "
+              f"evaluating on those instead of --eval-samples {eval_samples}")
+
+    # ---- work starts: restore the arrays, build the torch model
+    import torch
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype_name = export_dtype or ("bfloat16" if cfg.bf16 else "float16")
+    t0 = time.time()
+    src = load_checkpoint(load, iteration)
+    base = hf_model(src).to(device)
+    calib_batches = make_batches(calib.dataset, calib_size, calib_batch_size, src.vocab_size)
+    eval_batches = make_batches(held_out.dataset, eval_samples, calib_batch_size, src.vocab_size)
+    _log(f"{arch} of {src.load_dir} iteration {src.iteration}: loaded in {time.time() - t0:.1f}s; calibration "
+         f"{sum(len(b['tokens']) for b in calib_batches)} x {calib_len} tokens from the train portion of "
+         f"{calib_prefix}, evaluation {sum(len(b['tokens']) for b in eval_batches)} x {eval_len} tokens from the "
+         f"test portion of {eval_prefix} (split {split!r})")
+
+    t0 = time.time()
+    fp32 = perplexity(base, eval_batches, device)
+    fp32_seconds = time.time() - t0
+    _log(f"fp32: held-out loss {fp32['loss']:.4f}, perplexity {fp32['ppl']:.3f} ({fp32_seconds:.1f}s)")
+
+    # sanity prompt: greedy continuations, fp32 first
+    tokenizer = load_source_tokenizer(src)
+    if prompt is not None and tokenizer is None:
+        raise ExportError("--prompt needs the checkpoint's tokenizer, which is missing")
+    prompt_ids = (tokenizer.tokenize(prompt) if prompt is not None
+                  else eval_batches[0]["tokens"][0, :16].tolist())
+    max_new = max(0, min(max_new_tokens, cfg.max_position_embeddings - len(prompt_ids)))
+
+    def show(ids) -> str:
+        return repr(tokenizer.detokenize(ids)) if tokenizer is not None else str(list(ids))
+
+    prompt_text = tokenizer.detokenize(prompt_ids) if tokenizer is not None else None
+    samples = {"prompt": prompt_text if prompt_text is not None else list(prompt_ids)}
+    if max_new:
+        cont = greedy_continuation(base, prompt_ids, max_new, eod if tokenizer is not None else None, device)
+        samples["fp32"] = show(cont)
+        _log(f"sanity prompt {show(prompt_ids)}")
+        _log(f"  fp32 (torch)     -> {samples['fp32']}")
+        if prompt_text is None:
+            samples["fp32_jmegatron"] = "skipped: no tokenizer"
+        elif iteration is not None:
+            samples["fp32_jmegatron"] = "skipped: generate_text restores the latest iteration only"
+        else:
+            samples["fp32_jmegatron"] = _jmegatron_continuation(src.load_dir, prompt_text, max_new)
+        _log(f"  fp32 (jmegatron) -> {samples['fp32_jmegatron']}")
+
+    import modelopt.torch.opt as mto
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    os.makedirs(out, exist_ok=True)
+    source = {"load_dir": src.load_dir, "iteration": src.iteration, "architecture": arch,
+              "vocab_size": src.vocab_size, "tokenizer": src.tokenizer_path}
+    data = {
+        "calibration": {"prefix": os.path.abspath(calib_prefix), "portion": "train", "split": split,
+                        "sequences": list(calib.sequences), "num_sequences": calib.num_sequences,
+                        "samples": sum(len(b["tokens"]) for b in calib_batches), "seq_length": calib_len,
+                        "batch_size": calib_batch_size, "seed": cfg.seed},
+        "eval": {"prefix": os.path.abspath(eval_prefix), "portion": "test", "split": split,
+                 "sequences": list(held_out.sequences), "num_sequences": held_out.num_sequences,
+                 "samples": sum(len(b["tokens"]) for b in eval_batches), "seq_length": eval_len,
+                 "tokens": fp32["tokens"], "seed": cfg.seed},
+    }
+    rows = [{"name": "fp32", "modelopt_config": None, "quant_algo": None, "loss": fp32["loss"], "ppl": fp32["ppl"],
+             "relative_change": None, "calibration_seconds": None, "eval_seconds": fp32_seconds}]
+    for name in names:
+        t0 = time.time()
+        model = quantize_model(copy.deepcopy(base), name, kv, calib_batches, device)
+        calib_seconds = time.time() - t0
+        _log(f"{name} ({QUANT_CFG_CHOICES[name]}, KV cache {kv}): calibrated in {calib_seconds:.1f}s")
+        mtq.print_quant_summary(model)
+        left_on = enabled_quantizers(model, OUTPUT_LAYER)
+        if left_on:
+            raise RuntimeError(f"{name}: the output layer has enabled quantizers {left_on} (it must stay unquantized)")
+        t0 = time.time()
+        q = perplexity(model, eval_batches, device)
+        eval_seconds = time.time() - t0
+        rel = q["ppl"] / fp32["ppl"] - 1.0
+        _log(f"{name}: held-out loss {q['loss']:.4f}, perplexity {q['ppl']:.3f} ({100 * rel:+.2f}% vs fp32)")
+        if max_new:
+            cont = greedy_continuation(model, prompt_ids, max_new, eod if tokenizer is not None else None, device)
+            samples[name] = show(cont)
+            _log(f"  fp32 (torch)     -> {samples['fp32']}")
+            _log(f"  {name:<16} -> {samples[name]}")
+
+        # save: ModelOpt state first (export may rewrite the model's weights in place)
+        cfg_dir = os.path.join(out, name)
+        os.makedirs(cfg_dir)
+        t0 = time.time()
+        mto.save(model, os.path.join(cfg_dir, MODELOPT_STATE))
+        hf_dir = os.path.join(cfg_dir, UNIFIED_HF_DIR)
+        with torch.inference_mode():
+            export_hf_checkpoint(model, dtype=getattr(torch, dtype_name), export_dir=hf_dir)
+        has_tok = _save_tokenizer(src, hf_dir)
+        export_seconds = time.time() - t0
+        with open(os.path.join(hf_dir, "hf_quant_config.json")) as f:
+            hf_quant = json.load(f)["quantization"]
+        info = {"quant_cfg": name, "modelopt_config": QUANT_CFG_CHOICES[name], "kv_cache_quant": kv,
+                "quant_algo": hf_quant.get("quant_algo"), "kv_cache_quant_algo": hf_quant.get("kv_cache_quant_algo"),
+                "exclude_modules": hf_quant.get("exclude_modules"), "export_dtype": dtype_name,
+                "unified_hf_dir": UNIFIED_HF_DIR, "modelopt_state": MODELOPT_STATE, "tokenizer": has_tok,
+                "source": source, "perplexity": q, "fp32_perplexity": fp32, "relative_change": rel,
+                "calibration": data["calibration"], "eval": data["eval"]}
+        _write_json(os.path.join(cfg_dir, INFO_FILE), info)
+        _log(f"{name}: {hf_quant.get('quant_algo')} unified HF checkpoint -> {os.path.abspath(hf_dir)} "
+             f"({dtype_name}, saved in {export_seconds:.1f}s)")
+        rows.append({"name": name, "modelopt_config": QUANT_CFG_CHOICES[name], "quant_algo": hf_quant.get("quant_algo"),
+                     "kv_cache_quant_algo": hf_quant.get("kv_cache_quant_algo"), "loss": q["loss"], "ppl": q["ppl"],
+                     "relative_change": rel, "calibration_seconds": calib_seconds, "eval_seconds": eval_seconds,
+                     "export_seconds": export_seconds})
+        del model
+
+    report = {"source": source, "kv_cache_quant": kv, "export_dtype": dtype_name, "device": str(device), **data,
+              "rows": rows, "samples": samples, "total_seconds": time.time() - t_start}
+    _write_json(os.path.join(out, "quality.json"), report)
+    md = _quality_markdown(report)
+    with open(os.path.join(out, "quality.md"), "w") as f:
+        f.write(md)
+    _write_json(os.path.join(out, MANIFEST), {"quant_cfgs": names, "kv_cache_quant": kv, "source": source,
+                                              "export_dtype": dtype_name, **data,
+                                              "total_seconds": report["total_seconds"]})
+    print(md, flush=True)
+    _log(f"done in {report['total_seconds']:.1f}s -> {os.path.abspath(out)}")
+    return report
