@@ -1,0 +1,570 @@
+"""``python -m jmegatron.export trtllm``: TensorRT-LLM checkpoints (what ``trtllm-build`` reads).
+
+    python -m jmegatron.export trtllm (--load CKPT | --quantized DIR [--quant-cfg NAME])
+        --tp N --dtype float16|bfloat16 --out DIR [--no-parallel-embedding] [--build-engine]
+    python -m jmegatron.export check-trtllm DIR
+
+The format is TensorRT-LLM's checkpoint of TRT-LLM <= 1.2 (the one Megatron-LM's
+``examples/export/ptq_and_trtllm_export`` targets; ``docs/source/architecture/checkpoint.md``):
+``config.json`` (``PretrainedConfig`` / ``GPTConfig`` / ``LLaMAConfig`` fields of
+``tensorrt_llm/models``) and ``rank{r}.safetensors`` for ``r < tp``, each holding that tensor
+parallel rank's shards under TRT-LLM's names. The checker
+(:mod:`jmegatron.export.trtllm_check`) validates the result after every export.
+
+Targets (chosen as for Hugging Face, :func:`jmegatron.export.hf.hf_architecture`):
+
+* ``GPTForCausalLM`` for the GPT-2 variant (learned positions, LayerNorm, GELU, biases):
+  ``position_embedding_type="learned_absolute"``, ``hidden_act="gelu"``, ``bias=true``.
+  **GELU mismatch:** jmegatron's GELU is the exact erf form; TensorRT-LLM has no exact GELU:
+  ``tensorrt_llm.functional.gelu`` (``ACT2FN`` "gelu", "gelu_new", "gelu_fast") is the tanh
+  approximation ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``. The two differ by at
+  most 4.7e-4 per activation (at ``|x| ~= 2.7``), so engine logits differ slightly from
+  jmegatron's (as with Megatron's own fused bias-GELU, which is the tanh form).
+* ``LlamaForCausalLM`` for the Llama variant (RoPE, RMSNorm, SwiGLU, GQA):
+  ``position_embedding_type="rope_gpt_neox"`` (rotate-half, jmegatron's RoPE),
+  ``hidden_act="silu"``, ``rotary_base``, ``attn_bias`` / ``mlp_bias`` from
+  ``add_bias_linear``. TRT-LLM's ``GatedMLP`` computes ``proj(act(fc(x)) * gate(x))``, so
+  ``mlp.fc`` is the SwiGLU gate (jmegatron fc1 index 0, HF ``gate_proj``) and ``mlp.gate`` is
+  the up projection (fc1 index 1, HF ``up_proj``), as ``tensorrt_llm/models/llama/convert.py``.
+
+Tensor parallel layout (``tensorrt_llm/models/gpt/convert.py``, ``llama/convert.py``):
+``attention.qkv.weight`` of rank ``r`` is ``[(nq/tp + 2 kv_r) * d, h]``: the rows of query
+heads ``r*nq/tp .. (r+1)*nq/tp - 1``, then the K rows, then the V rows of its KV heads
+(``kv_r = nkv/tp``; when ``nkv < tp`` each KV head is duplicated on the ``tp/nkv`` ranks whose
+query heads use it, ``kv_r = 1``). jmegatron's fused kernel ``[h, nkv, nq/nkv + 2, d]``
+(per group: its query heads, K, V) is unpacked into that order. ``attention.dense`` and
+``mlp.proj`` are split on their input columns (biases replicated), ``mlp.fc``/``mlp.gate`` on
+rows, norms replicated. The vocabulary is the true one (Megatron's padding rows dropped) and,
+as TRT-LLM's ``pad_vocab_size``, ``lm_head.weight`` is zero-padded to a multiple of tp and
+split on rows (``[ceil(V/tp), h]`` per rank). With ``use_parallel_embedding`` (the default,
+ModelOpt's and Megatron's vocab-parallel choice; ``embedding_sharding_dim=0``) the vocab and
+position embeddings are zero-padded and split on rows too; ``--no-parallel-embedding``
+replicates them. ``lm_head.weight`` is always written (``share_embedding_table=false``), also
+for tied models, as TRT-LLM's converters do.
+
+``--quantized DIR`` takes a ``jmegatron.export quantize`` output: the fake-quantized model
+(:func:`jmegatron.export.quantize.load_quantized`) goes through ModelOpt's
+``export_tensorrt_llm_checkpoint`` (``decoder_type`` "gpt"/"llama",
+``inference_tensor_parallel=tp``), whose quantized tensors (int8 / fp8 / packed int4 weights
+and scaling factors) are kept, and its ``config.json`` is corrected by
+:func:`fix_modelopt_config` (each fix documented there and printed).
+
+Bad input (an architecture TRT-LLM cannot represent, a tp that does not divide the heads,
+KV heads or ffn size, a non-empty ``--out``, ``--build-engine`` without TensorRT-LLM) raises
+:class:`ExportError` before anything is written. Output is written to a temporary sibling
+folder and renamed into place, so a failure never leaves a partial checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any, Optional
+
+import numpy as np
+
+from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint
+
+__all__ = ["register", "run", "trtllm_architecture", "check_exportable", "trtllm_config", "rank_tensors",
+           "write_trtllm_checkpoint", "export_checkpoint", "export_quantized_model", "export_quantized",
+           "fix_modelopt_config", "build_engine", "GPT", "LLAMA", "DTYPES"]
+
+GPT = "GPTForCausalLM"
+LLAMA = "LlamaForCausalLM"
+DTYPES = ("float16", "bfloat16")
+GELU_TANH_MAX_ABS_DIFF = 4.7e-4  # max |gelu_erf(x) - gelu_tanh(x)| over the reals, at |x| ~= 2.70
+
+
+# ----------------------------------------------------------------------------- checks
+def trtllm_architecture(cfg) -> str:
+    """``"GPTForCausalLM"`` or ``"LlamaForCausalLM"`` for ``cfg`` (a JMegatronConfig).
+
+    Same rules as :func:`jmegatron.export.hf.hf_architecture` (GPT-2: learned_absolute +
+    LayerNorm + GELU + MHA + biases; Llama: rope + RMSNorm + SwiGLU). Raises ExportError
+    naming every config field the target cannot represent.
+    """
+    from jmegatron.export.hf import GPT2, hf_architecture
+
+    try:
+        return GPT if hf_architecture(cfg) == GPT2 else LLAMA
+    except ValueError as e:
+        raise ExportError(f"no TensorRT-LLM target (GPTForCausalLM / LlamaForCausalLM) for this checkpoint: "
+                          f"{e}") from e
+
+
+def check_exportable(cfg, tp: int, dtype: str) -> str:
+    """Refuse what the TensorRT-LLM layout cannot hold, before any work; returns the architecture.
+
+    Raises ExportError for: ``dtype`` not float16/bfloat16; ``tp < 1``; an architecture with
+    no target; ``num_attention_heads`` or ``ffn_hidden_size`` not divisible by ``tp``;
+    ``num_query_groups`` neither divisible by ``tp`` nor dividing it (TRT-LLM splits KV heads
+    or duplicates them when there are fewer than ``tp``). A vocabulary not divisible by
+    ``tp`` is fine: it is padded, as TRT-LLM's ``pad_vocab_size``.
+    """
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: TensorRT-LLM checkpoints are written in one of {DTYPES}")
+    if not isinstance(tp, int) or tp < 1:
+        raise ExportError(f"--tp {tp!r}: the tensor parallel size must be an integer >= 1")
+    arch = trtllm_architecture(cfg)
+    nq, nkv, ffn = cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size
+    problems = []
+    if nq % tp:
+        problems.append(f"num_attention_heads={nq} is not divisible by --tp {tp} (each rank holds nq/tp heads)")
+    if nkv % tp and tp % nkv:
+        problems.append(f"num_query_groups={nkv}: --tp {tp} must divide it, or be a multiple of it (KV heads are "
+                        "split, or duplicated when fewer than tp)")
+    if ffn % tp:
+        problems.append(f"ffn_hidden_size={ffn} is not divisible by --tp {tp}")
+    if problems:
+        divisors = [t for t in range(1, nq + 1) if not nq % t and not ffn % t and (not nkv % t or not t % nkv)]
+        raise ExportError("--tp " + str(tp) + ": " + "; ".join(problems)
+                          + f". Tensor parallel sizes that fit this model: {divisors}")
+    return arch
+
+
+def _check_out(out: str, overwrite: bool) -> str:
+    if not out:
+        raise ExportError("--out is required: the TensorRT-LLM checkpoint folder to create")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"--out {out} is a file; give a folder")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ExportError(f"--out {out} is not empty; choose a new folder (or pass --overwrite to replace it)")
+    return out
+
+
+def _check_build_engine_possible() -> None:
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        raise ExportError("--build-engine runs `trtllm-build`, which needs TensorRT-LLM (<= 1.2, the TensorRT "
+                          "backend) and an NVIDIA GPU: `import tensorrt_llm` is not available in this environment. "
+                          "Export without --build-engine, then run `trtllm-build --checkpoint_dir OUT --output_dir "
+                          "ENGINE_DIR` where TensorRT-LLM is installed.")
+
+
+# ----------------------------------------------------------------------------- config
+def trtllm_config(cfg, vocab_size: int, tp: int, dtype: str, *, use_parallel_embedding: bool = True,
+                  producer: Optional[dict] = None) -> dict[str, Any]:
+    """The ``config.json`` of the unquantized TensorRT-LLM checkpoint for ``cfg``.
+
+    ``PretrainedConfig`` fields (architecture, dtype, logits_dtype float32, vocab_size =
+    ``vocab_size`` (the true vocabulary), max_position_embeddings, hidden_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, head_size (kv_channels),
+    intermediate_size, hidden_act, norm_epsilon, position_embedding_type, mapping
+    ``{world_size: tp, tp_size: tp, pp_size: 1}``, quantization ``{quant_algo: null,
+    kv_cache_quant_algo: null}``, use_parallel_embedding, embedding_sharding_dim 0,
+    share_embedding_table false) plus ``GPTConfig`` (bias, rotary_pct, rotary_base,
+    q_scaling, apply_query_key_layer_scaling, gpt_variant) or ``LLaMAConfig`` (rotary_base,
+    rotary_scaling, attn_bias, mlp_bias) fields, ``tie_word_embeddings`` and a ``producer``
+    record. Raises ExportError as :func:`check_exportable`.
+    """
+    arch = check_exportable(cfg, tp, dtype)
+    c: dict[str, Any] = {
+        "architecture": arch,
+        "dtype": dtype,
+        "logits_dtype": "float32",
+        "vocab_size": int(vocab_size),
+        "max_position_embeddings": int(cfg.max_position_embeddings),
+        "hidden_size": int(cfg.hidden_size),
+        "num_hidden_layers": int(cfg.num_layers),
+        "num_attention_heads": int(cfg.num_attention_heads),
+        "num_key_value_heads": int(cfg.num_query_groups),
+        "head_size": int(cfg.kv_channels),
+        "intermediate_size": int(cfg.ffn_hidden_size),
+        "norm_epsilon": float(cfg.norm_epsilon),
+        "mapping": {"world_size": int(tp), "tp_size": int(tp), "pp_size": 1},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
+        "use_parallel_embedding": bool(use_parallel_embedding),
+        "embedding_sharding_dim": 0,
+        "share_embedding_table": False,
+        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+    }
+    if arch == GPT:
+        c.update(position_embedding_type="learned_absolute", hidden_act="gelu", bias=True, gpt_variant="gpt2",
+                 rotary_pct=1.0, rotary_base=float(cfg.rotary_base), q_scaling=1.0,
+                 apply_query_key_layer_scaling=False)
+    else:
+        c.update(position_embedding_type="rope_gpt_neox", hidden_act="silu", rotary_base=float(cfg.rotary_base),
+                 rotary_scaling=None, attn_bias=bool(cfg.add_bias_linear), mlp_bias=bool(cfg.add_bias_linear))
+    c["producer"] = dict(producer or {}, name="jmegatron.export trtllm")
+    return c
+
+
+# ----------------------------------------------------------------------------- tensors
+def _rows_split(a: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """Zero-pad axis 0 to a multiple of ``tp`` (TRT-LLM's pad_vocab_size) and take ``rank``'s rows."""
+    rows = -(-a.shape[0] // tp)
+    if rows * tp != a.shape[0]:
+        a = np.concatenate([a, np.zeros((rows * tp - a.shape[0],) + a.shape[1:], a.dtype)])
+    return a[rank * rows:(rank + 1) * rows]
+
+
+def _kv_heads_of_rank(nkv: int, tp: int, rank: int) -> list[int]:
+    if nkv >= tp:
+        per = nkv // tp
+        return list(range(rank * per, (rank + 1) * per))
+    return [rank // (tp // nkv)]  # duplicated: ranks r*tp/nkv .. share KV head r
+
+
+def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *,
+                 use_parallel_embedding: bool = True) -> dict[str, np.ndarray]:
+    """TensorRT-LLM tensors of tensor parallel ``rank`` (float32 numpy, C-contiguous).
+
+    ``params``: jmegatron parameters in the per-layer or scanned layout (see
+    :mod:`jmegatron.export.hf` for names and shapes); ``vocab_size``: the true vocabulary
+    (rows beyond it, Megatron's padding, are dropped). Names and per-rank shapes are listed
+    in :mod:`jmegatron.export.trtllm_check`; the splits are described in this module's
+    docstring. Raises ExportError as :func:`check_exportable` and ValueError when the params
+    do not match ``cfg``.
+    """
+    from jmegatron.export.hf import _check_shape, _get, _plain, unstack_layers
+
+    arch = check_exportable(cfg, tp, "float16")
+    p = _plain(params)
+    if "decoder_layers" in p:
+        p = unstack_layers(p, cfg.num_layers)
+    h, nq, nkv, d, ffn = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels,
+                          cfg.ffn_hidden_size)
+    per = nq // nkv
+    bias = cfg.add_bias_linear
+    qh = np.arange(rank * nq // tp, (rank + 1) * nq // tp)
+    kvh = np.asarray(_kv_heads_of_rank(nkv, tp, rank))
+    fsl = slice(rank * ffn // tp, (rank + 1) * ffn // tp)
+    g = lambda path: np.asarray(_get(p, path, cfg), dtype=np.float32)  # noqa: E731
+    out: dict[str, np.ndarray] = {}
+
+    wte = g("word_embeddings/embedding")
+    if not 0 < vocab_size <= wte.shape[0]:
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, {wte.shape[0]}] (the embedding's rows)")
+    emb = wte[:vocab_size]
+    out["transformer.vocab_embedding.weight"] = _rows_split(emb, tp, rank) if use_parallel_embedding else emb
+    if arch == GPT:
+        pos = _check_shape("position_embeddings/embedding", g("position_embeddings/embedding"),
+                           (cfg.max_position_embeddings, h))
+        out["transformer.position_embedding.weight"] = _rows_split(pos, tp, rank) if use_parallel_embedding else pos
+    norm_parts = (("weight", "scale"), ("bias", "bias")) if arch == GPT else (("weight", "scale"),)
+
+    for i in range(cfg.num_layers):
+        L, o = f"decoder_layers_{i}", f"transformer.layers.{i}"
+        for dst, src in (("input_layernorm", "input_layernorm"), ("post_layernorm", "pre_mlp_layernorm")):
+            for tname, jname in norm_parts:
+                out[f"{o}.{dst}.{tname}"] = g(f"{L}/{src}/{jname}")
+        # QKV: fused [h, nkv, per + 2, d] -> rows q(rank heads) | k(rank kv heads) | v
+        qkv = _check_shape(f"{L}/self_attention/linear_qkv/kernel", g(f"{L}/self_attention/linear_qkv/kernel"),
+                           (h, nkv, per + 2, d))
+        q = qkv[:, :, :per].reshape(h, nq, d)  # head index g * per + j, Megatron's group-major order
+        blocks = [q[:, qh], qkv[:, kvh, per], qkv[:, kvh, per + 1]]
+        out[f"{o}.attention.qkv.weight"] = np.concatenate([b.reshape(h, -1) for b in blocks], axis=1).T
+        if bias:
+            b = _check_shape(f"{L}/self_attention/linear_qkv/bias", g(f"{L}/self_attention/linear_qkv/bias"),
+                             (nkv, per + 2, d))
+            qb = b[:, :per].reshape(nq, d)
+            out[f"{o}.attention.qkv.bias"] = np.concatenate([qb[qh].ravel(), b[kvh, per].ravel(),
+                                                             b[kvh, per + 1].ravel()])
+        proj = _check_shape(f"{L}/self_attention/linear_proj/kernel", g(f"{L}/self_attention/linear_proj/kernel"),
+                            (nq, d, h))
+        out[f"{o}.attention.dense.weight"] = proj[qh].reshape(-1, h).T
+        if bias:
+            out[f"{o}.attention.dense.bias"] = g(f"{L}/self_attention/linear_proj/bias")
+        fc1 = g(f"{L}/mlp/linear_fc1/kernel")
+        if arch == GPT:
+            _check_shape(f"{L}/mlp/linear_fc1/kernel", fc1, (h, ffn))
+            out[f"{o}.mlp.fc.weight"] = fc1[:, fsl].T
+            out[f"{o}.mlp.fc.bias"] = g(f"{L}/mlp/linear_fc1/bias")[fsl]
+        else:
+            _check_shape(f"{L}/mlp/linear_fc1/kernel", fc1, (h, 2, ffn))
+            out[f"{o}.mlp.fc.weight"] = fc1[:, 0, fsl].T  # SwiGLU gate: silu(fc(x)) * gate(x)
+            out[f"{o}.mlp.gate.weight"] = fc1[:, 1, fsl].T  # up projection
+            if bias:
+                b1 = g(f"{L}/mlp/linear_fc1/bias")
+                out[f"{o}.mlp.fc.bias"] = b1[0, fsl]
+                out[f"{o}.mlp.gate.bias"] = b1[1, fsl]
+        fc2 = _check_shape(f"{L}/mlp/linear_fc2/kernel", g(f"{L}/mlp/linear_fc2/kernel"), (ffn, h))
+        out[f"{o}.mlp.proj.weight"] = fc2[fsl].T
+        if bias:
+            out[f"{o}.mlp.proj.bias"] = g(f"{L}/mlp/linear_fc2/bias")
+
+    for tname, jname in norm_parts:
+        out[f"transformer.ln_f.{tname}"] = g(f"final_layernorm/{jname}")
+    if cfg.untie_embeddings_and_output_weights:
+        head = _check_shape("output_layer/kernel", g("output_layer/kernel"), (h, wte.shape[0]))[:, :vocab_size].T
+    else:
+        head = emb
+    out["lm_head.weight"] = _rows_split(head, tp, rank)
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def _save_rank(tensors: dict[str, np.ndarray], path: str, dtype: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    save_file({k: torch.from_numpy(np.require(v, requirements=["C", "W"])).to(tdt) for k, v in tensors.items()},
+              path, metadata={"format": "pt"})
+
+
+def _staging_dir(out: str) -> str:
+    parent = os.path.dirname(out) or "."
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+
+
+def _publish(staging: str, out: str) -> None:
+    """Move the finished ``staging`` folder to ``out`` (replacing an existing ``out``), with
+    the umask's ordinary permissions (``mkdtemp`` makes it private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, dirs, files in os.walk(staging):
+        os.chmod(root, 0o777 & ~umask)
+        for fn in files:
+            os.chmod(os.path.join(root, fn), 0o666 & ~umask)
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.replace(staging, out)
+
+
+def write_trtllm_checkpoint(params: dict, cfg, vocab_size: int, out: str, *, tp: int = 1, dtype: str = "float16",
+                            use_parallel_embedding: bool = True, overwrite: bool = False,
+                            producer: Optional[dict] = None) -> dict:
+    """Write ``config.json`` + ``rank{r}.safetensors`` (``r < tp``) for jmegatron ``params``.
+
+    Tensors are cast from float32 to ``dtype`` (float16 / bfloat16) with torch. Everything
+    is validated (:func:`check_exportable`, ``out`` empty or absent unless ``overwrite``)
+    before any file is written, and written in a temporary sibling folder renamed to
+    ``out`` at the end. Returns the config dict. Raises ExportError for bad input and
+    ValueError when ``params`` do not match ``cfg``.
+    """
+    config = trtllm_config(cfg, vocab_size, tp, dtype, use_parallel_embedding=use_parallel_embedding,
+                           producer=producer)
+    out = _check_out(out, overwrite)
+    staging = _staging_dir(out)
+    try:
+        for r in range(tp):
+            _save_rank(rank_tensors(params, cfg, vocab_size, tp, r, use_parallel_embedding=use_parallel_embedding),
+                       os.path.join(staging, f"rank{r}.safetensors"), dtype)
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        _publish(staging, out)
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging)
+    return config
+
+
+def export_checkpoint(load: str, out: str, *, tp: int = 1, dtype: str = "float16", iteration: Optional[int] = None,
+                      use_parallel_embedding: bool = True, overwrite: bool = False) -> dict:
+    """``trtllm --load``: a jmegatron checkpoint (any parallel layout) -> TensorRT-LLM checkpoint.
+
+    The config is read first (no arrays) and checked (:func:`check_exportable`, ``out``);
+    then the float32 params are restored (:func:`jmegatron.export.common.load_checkpoint`)
+    and written by :func:`write_trtllm_checkpoint`. Returns the config dict.
+    """
+    cfg = checkpoint_config(load, iteration)
+    check_exportable(cfg, tp, dtype)
+    _check_out(out, overwrite)
+    src = load_checkpoint(load, iteration)
+    return write_trtllm_checkpoint(src.params, src.cfg, src.vocab_size, out, tp=tp, dtype=dtype,
+                                   use_parallel_embedding=use_parallel_embedding, overwrite=overwrite,
+                                   producer={"source": src.load_dir, "iteration": src.iteration})
+
+
+# ----------------------------------------------------------------------------- quantized (ModelOpt)
+def fix_modelopt_config(config: dict, cfg) -> tuple[dict, list[str]]:
+    """Correct what ModelOpt 0.47's manual config path (used when ``tensorrt_llm`` is not
+    importable: ``modelopt/torch/export/tensorrt_llm_utils.py``) gets wrong or leaves out.
+
+    Returns ``(fixed_config, fixes)`` with one sentence per change made:
+
+    * GPT: ``position_embedding_type`` is written as ``"rope_gpt_neox"`` for every model
+      (``decoder_config.position_embedding_type or "rope_gpt_neox"``); GPT-2 has learned
+      absolute positions (its ``transformer.position_embedding.weight`` is exported), so it
+      becomes ``"learned_absolute"``. ``rotary_base`` is dropped for it. ``architecture``
+      (ModelOpt copies the HF name ``GPT2LMHeadModel``, an alias of the same TRT-LLM class)
+      is written as ``GPTForCausalLM``, as the unquantized export does.
+    * Llama: TRT-LLM's ``LLaMAConfig`` reads ``attn_bias`` / ``mlp_bias`` (default false);
+      ModelOpt writes only its own ``bias`` field, so a Llama with biases would build without
+      them: both are set from ``cfg.add_bias_linear``. ``rotary_base`` is set to
+      ``cfg.rotary_base`` and ``rotary_scaling`` to null when missing.
+    * Both: ``rank`` (ModelOpt writes the rank of the last rank file into the one shared
+      config) is removed; ``tie_word_embeddings`` is recorded; ``producer`` names this
+      command. ``hidden_act`` "gelu" is kept (TensorRT-LLM's GELU is the tanh form, see the
+      module docstring). Kept as ModelOpt writes them: ``logits_dtype`` (float16 for a
+      bfloat16 model), its extra fields (``decoder``, ``rmsnorm``, ``rotary_pct``, ...), and
+      for AWQ the vocabulary padded to a multiple of 64 (``vocab_size`` grows; the extra
+      embedding and ``lm_head`` rows are zero).
+    """
+    c = json.loads(json.dumps(config))
+    fixes: list[str] = []
+    arch = trtllm_architecture(cfg)
+    if arch == GPT:
+        if c.get("position_embedding_type") != "learned_absolute":
+            fixes.append(f"position_embedding_type {c.get('position_embedding_type')!r} -> 'learned_absolute' "
+                         "(GPT-2 has a learned position table; ModelOpt's manual config writes rope for all)")
+            c["position_embedding_type"] = "learned_absolute"
+            c.pop("rotary_base", None)
+        if c.get("architecture") != GPT:
+            fixes.append(f"architecture {c.get('architecture')!r} -> {GPT!r} (the Hugging Face class name; "
+                         f"MODEL_MAP maps both to {GPT}, written as the unquantized export writes it)")
+            c["architecture"] = GPT
+    else:
+        bias = bool(cfg.add_bias_linear)
+        for k in ("attn_bias", "mlp_bias"):
+            if c.get(k) != bias:
+                fixes.append(f"{k} {c.get(k)!r} -> {bias} (LLaMAConfig reads {k}; ModelOpt writes only 'bias')")
+                c[k] = bias
+        if c.get("rotary_base") != float(cfg.rotary_base):
+            fixes.append(f"rotary_base {c.get('rotary_base')!r} -> {float(cfg.rotary_base)}")
+            c["rotary_base"] = float(cfg.rotary_base)
+        c.setdefault("rotary_scaling", None)
+        if c.get("architecture") != LLAMA:
+            fixes.append(f"architecture {c.get('architecture')!r} -> {LLAMA!r}")
+            c["architecture"] = LLAMA
+    if "rank" in c:
+        fixes.append(f"removed 'rank': {c['rank']} (a per-rank value in the config every rank reads)")
+        del c["rank"]
+    c["tie_word_embeddings"] = not cfg.untie_embeddings_and_output_weights
+    c["producer"] = dict(c.get("producer") or {}, exported_by="jmegatron.export trtllm --quantized")
+    return c, fixes
+
+
+def export_quantized_model(model, cfg, out: str, *, tp: int = 1, dtype: str = "float16",
+                           overwrite: bool = False, producer: Optional[dict] = None) -> tuple[dict, list[str]]:
+    """ModelOpt's TensorRT-LLM export of a fake-quantized ``transformers`` model, config fixed.
+
+    ``model``: ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` with ModelOpt quantizers (from
+    ``mtq.quantize`` or ``load_quantized``); ``cfg``: the jmegatron config it came from.
+    Calls ``modelopt.torch.export.export_tensorrt_llm_checkpoint(model, decoder_type
+    "gpt"/"llama", dtype, export_dir, inference_tensor_parallel=tp)`` into a temporary folder,
+    applies :func:`fix_modelopt_config`, and moves the result to ``out``. Returns
+    ``(config, fixes)``. Raises ExportError for bad input (as :func:`check_exportable`) and
+    when ModelOpt refuses the layout (e.g. SmoothQuant with fewer KV heads than tp, AWQ with
+    per-rank input features not divisible by its block size), quoting ModelOpt's reason.
+    """
+    import torch
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    arch = check_exportable(cfg, tp, dtype)
+    out = _check_out(out, overwrite)
+    staging = _staging_dir(out)
+    try:
+        try:
+            export_tensorrt_llm_checkpoint(model, "gpt" if arch == GPT else "llama",
+                                           {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype],
+                                           export_dir=staging, inference_tensor_parallel=tp)
+        except (NotImplementedError, AssertionError, ValueError) as e:
+            raise ExportError(f"ModelOpt cannot export this quantized model at --tp {tp}: {type(e).__name__}: {e} "
+                              "(try another --tp, e.g. 1)") from e
+        path = os.path.join(staging, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config, fixes = fix_modelopt_config(config, cfg)
+        if producer:
+            config["producer"].update(producer)
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+        _publish(staging, out)
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging)
+    return config, fixes
+
+
+def export_quantized(quantized_dir: str, out: str, *, tp: int = 1, dtype: str = "float16",
+                     quant_cfg: Optional[str] = None, overwrite: bool = False) -> tuple[dict, list[str]]:
+    """``trtllm --quantized DIR``: a ``jmegatron.export quantize`` output -> TensorRT-LLM checkpoint.
+
+    Restores the fake-quantized model with
+    ``jmegatron.export.quantize.load_quantized(quantized_dir, quant_cfg) -> (model, src, info)``
+    and exports it with :func:`export_quantized_model`. ``dtype``/``tp``/``out`` are checked
+    before the model is restored, the architecture and tp splits right after (they need the
+    source config). Returns ``(config, fixes)``.
+    """
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: TensorRT-LLM checkpoints are written in one of {DTYPES}")
+    if not isinstance(tp, int) or tp < 1:
+        raise ExportError(f"--tp {tp!r}: the tensor parallel size must be an integer >= 1")
+    _check_out(out, overwrite)
+    try:
+        from jmegatron.export.quantize import load_quantized
+    except ImportError as e:
+        raise ExportError(f"--quantized needs jmegatron.export.quantize.load_quantized ({e})") from e
+    model, src, info = load_quantized(quantized_dir, quant_cfg)
+    check_exportable(src.cfg, tp, dtype)
+    producer = {"source": src.load_dir, "iteration": src.iteration, "quantized_dir": os.path.abspath(quantized_dir),
+                "quant_cfg": info.get("quant_cfg") if isinstance(info, dict) else None}
+    return export_quantized_model(model, src.cfg, out, tp=tp, dtype=dtype, overwrite=overwrite, producer=producer)
+
+
+# ----------------------------------------------------------------------------- engine
+def build_engine(checkpoint_dir: str, engine_dir: str) -> None:
+    """Run ``trtllm-build --checkpoint_dir checkpoint_dir --output_dir engine_dir``.
+
+    Uses the ``trtllm-build`` on PATH, else ``python -m tensorrt_llm.commands.build``.
+    Raises ExportError when TensorRT-LLM is not importable or the build fails.
+    """
+    _check_build_engine_possible()
+    exe = shutil.which("trtllm-build")
+    cmd = ([exe] if exe else [sys.executable, "-m", "tensorrt_llm.commands.build"]) + [
+        "--checkpoint_dir", checkpoint_dir, "--output_dir", engine_dir]
+    print("[jmegatron.export trtllm] " + " ".join(cmd), flush=True)
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        raise ExportError(f"trtllm-build failed (exit {rc}) on {checkpoint_dir}")
+
+
+# ----------------------------------------------------------------------------- CLI
+def register(sub) -> None:
+    """Add ``trtllm`` and ``check-trtllm`` to an argparse subparsers object."""
+    from jmegatron.export import trtllm_check
+
+    p = sub.add_parser("trtllm", help="write a TensorRT-LLM checkpoint (config.json + rank{r}.safetensors)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--load", help="jmegatron checkpoint directory")
+    src.add_argument("--quantized", help="output folder of `python -m jmegatron.export quantize`")
+    p.add_argument("--iteration", type=int, default=None, help="with --load: default the latest")
+    p.add_argument("--quant-cfg", default=None, help="with --quantized: which config of DIR (e.g. int8_sq)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size of the engine (rank files)")
+    p.add_argument("--dtype", choices=DTYPES, default="float16")
+    p.add_argument("--out", required=True, help="checkpoint folder to create (must be empty or absent)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--no-parallel-embedding", action="store_true",
+                   help="replicate the vocab/position embeddings on every rank (default: split on rows)")
+    p.add_argument("--build-engine", action="store_true", help="then run trtllm-build (needs TensorRT-LLM)")
+    p.add_argument("--engine-dir", default=None, help="with --build-engine: default OUT/engine")
+    p.set_defaults(func=run)
+    trtllm_check.register(sub)
+
+
+def run(args) -> int:
+    """The ``trtllm`` command: export, self-check with the checker, optionally build."""
+    from jmegatron.export.trtllm_check import check_trtllm_checkpoint
+
+    if args.build_engine:
+        _check_build_engine_possible()
+    if args.load and args.quant_cfg:
+        raise ExportError("--quant-cfg goes with --quantized, not --load")
+    if args.quantized and args.iteration is not None:
+        raise ExportError("--iteration goes with --load (a --quantized folder records its source iteration)")
+    if args.quantized:
+        if args.no_parallel_embedding:
+            raise ExportError("--no-parallel-embedding is not available with --quantized (ModelOpt splits the "
+                              "embeddings)")
+        _, fixes = export_quantized(args.quantized, args.out, tp=args.tp, dtype=args.dtype,
+                                    quant_cfg=args.quant_cfg, overwrite=args.overwrite)
+        for fx in fixes:
+            print(f"[jmegatron.export trtllm] config.json fix: {fx}")
+    else:
+        export_checkpoint(args.load, args.out, tp=args.tp, dtype=args.dtype, iteration=args.iteration,
+                          use_parallel_embedding=not args.no_parallel_embedding, overwrite=args.overwrite)
+    report = check_trtllm_checkpoint(args.out)
+    print(report.format())
+    if not report.ok:
+        print(f"error: the written checkpoint fails its own check ({len(report.errors)} errors)", file=sys.stderr)
+        return 1
+    if args.build_engine:
+        build_engine(os.path.abspath(args.out), os.path.abspath(args.engine_dir or os.path.join(args.out, "engine")))
+    return 0
