@@ -55,7 +55,8 @@ then optionally the float tensors for value checks. What is checked:
                            P.weights_scaling_factor [1]; P.activation_scaling_factor [1]
       W8A8_SQ_PER_CHANNEL  P.weight int8 [out, in]; P.weights_scaling_factor [out]
                            (per channel); P.activation_scaling_factor [1];
-                           P.prequant_scaling_factor [in] (SmoothQuant smoothing)
+                           P.prequant_scaling_factor [in] (SmoothQuant smoothing; absent
+                           when none was applied, e.g. ModelOpt's plain int8 config)
       W4A16_AWQ            P.weight int8 [out/2, in] (two int4 per byte);
                            P.weights_scaling_factor [out, in/group_size] (per group);
                            P.prequant_scaling_factor [in] (AWQ pre-quant scale)
@@ -65,7 +66,10 @@ then optionally the float tensors for value checks. What is checked:
                            or int8 [in, out] + P.per_channel_scale [out] (TRT-LLM's
                            converter), or P.weight in ``dtype`` (quantized by trtllm-build)
       kv_cache_quant_algo FP8 / INT8: transformer.layers.{i}.attention.kv_cache_scaling_factor
-                           [1] (kv_cache_rcp_scaling_factor [1] optional)
+                           [1] and/or k_cache_scaling_factor [1] + v_cache_scaling_factor [1]
+                           (ModelOpt writes all three; TRT-LLM's preprocess_weights merges
+                           k and v into kv);
+                           kv_cache_rcp_scaling_factor [1] optional
 
   Other ``quant_algo`` values (W4A16, W4A16_GPTQ, NVFP4, ...) are reported as not validated.
   TRT-LLM's own SmoothQuant converter names (``per_channel_scale``, ``act_scale``,
@@ -474,6 +478,7 @@ class _Spec:
     shape: tuple
     dtypes: tuple
     replicated: bool = False  # every TP rank holds the full tensor (value check)
+    optional: bool = False  # may be absent
 
 
 def _kv_heads_per_rank(m: _Model) -> int:
@@ -518,7 +523,9 @@ def _linear_specs(m: _Model, module: str, out: int, inp: int, bias: bool, bias_r
         specs[f"{module}.weight"] = _Spec((out, inp), ("int8",))
         specs[f"{module}.weights_scaling_factor"] = _Spec((out,), scale)
         specs[f"{module}.activation_scaling_factor"] = _Spec(one, scale)
-        specs[f"{module}.prequant_scaling_factor"] = _Spec((inp,), pre)
+        # the smoothing factors: present after SmoothQuant (ModelOpt int8_sq), absent after
+        # plain per-channel int8 (ModelOpt's int8 config exports the same quant_algo)
+        specs[f"{module}.prequant_scaling_factor"] = _Spec((inp,), pre, optional=True)
     elif algo in ("W4A16_AWQ", "W4A8_AWQ"):
         g = m.group_size
         if out % 2 or inp % g:
@@ -571,8 +578,14 @@ def _expected(m: _Model, rank: int, present: dict, errors: list, where: str) -> 
             bias = m.attn_bias if mod.startswith("attention") else m.mlp_bias
             req.update(_linear_specs(m, f"{p}.{mod}", out, inp, bias, bias_rep, present, errors, where))
         if m.kv_algo is not None:
-            req[f"{p}.attention.kv_cache_scaling_factor"] = _Spec((1,), _FLOATS)
-            opt[f"{p}.attention.kv_cache_rcp_scaling_factor"] = _Spec((1,), _FLOATS)
+            # one KV scale, or K and V scales apart (ModelOpt; TRT-LLM's preprocess_weights
+            # merges them into kv_cache_scaling_factor = max(k, v))
+            a = f"{p}.attention"
+            kv, split = f"{a}.kv_cache_scaling_factor", (f"{a}.k_cache_scaling_factor", f"{a}.v_cache_scaling_factor")
+            has_split = any(n in present for n in split)
+            for n in (split if has_split else ()) + ((kv,) if kv in present or not has_split else ()):
+                req[n] = _Spec((1,), _FLOATS)
+            opt[f"{a}.kv_cache_rcp_scaling_factor"] = _Spec((1,), _FLOATS)
     if pp_rank == m.pp - 1:
         for s in norms:
             req[f"transformer.ln_f.{s}"] = _Spec((m.h,), dt, replicated=True)
@@ -725,6 +738,8 @@ def check_trtllm_checkpoint(checkpoint_dir: str, check_values: bool = True) -> C
         n_before = len(errors)
         present = headers[r]
         req, opt = _expected(model, r, present, errors, where)
+        opt.update({k: v for k, v in req.items() if v.optional})
+        req = {k: v for k, v in req.items() if not v.optional}
         all_specs[r] = {**opt, **req}
         for name in sorted(set(req) - set(present)):
             errors.append(f"{where}: missing tensor {name}")

@@ -7,6 +7,8 @@ checkpoints fail with the tensor or field named; bad input stops before anything
 written; quantized exports (int8_sq, int4_awq) pass the checker.
 """
 
+import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -33,7 +35,7 @@ from jmegatron.models.gpt import GPTModel, ModelConfig  # noqa: E402
 VOCAB = 500  # config vocab (Megatron pads it to 512 rows)
 TRUE_VOCAB = 497  # exported vocabulary: not a multiple of 2 or 4, so lm_head is padded per tp
 load_file, save_file = safetensors_torch.load_file, safetensors_torch.save_file
-HAS_TRTLLM = __import__("importlib").util.find_spec("tensorrt_llm") is not None
+HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 
 
 def make_cfg(kind: str, **changes):
@@ -325,6 +327,29 @@ def test_quantization_fields_are_checked(llama_tp4, tmp_path):
     assert not any("lm_head" in e for e in errors)  # lm_head may stay unquantized
 
 
+def test_checker_pipeline_stages(tmp_path):
+    """pp_size 2: embeddings on the first stage, ln_f and lm_head on the last, layers renumbered."""
+    cfg = make_cfg("llama")
+    src = tmp_path / "tp1"
+    write_trtllm_checkpoint(random_params(cfg), cfg, TRUE_VOCAB, str(src), tp=1)
+    full = load_file(str(src / "rank0.safetensors"))
+    out = tmp_path / "pp2"
+    out.mkdir()
+    first = {k: v for k, v in full.items() if k.startswith(("transformer.vocab_embedding", "transformer.layers.0."))}
+    last = {k.replace("layers.1.", "layers.0."): v for k, v in full.items()
+            if k.startswith(("transformer.layers.1.", "transformer.ln_f", "lm_head"))}
+    save_file(first, str(out / "rank0.safetensors"))
+    save_file(last, str(out / "rank1.safetensors"))
+    c = config_of(src)
+    c["mapping"] = {"world_size": 2, "tp_size": 1, "pp_size": 2}
+    with open(out / "config.json", "w") as f:
+        json.dump(c, f)
+    report = check_trtllm_checkpoint(str(out))
+    assert report.ok, report.errors
+    _edit_rank(str(out), 0, lambda t: t.update({"lm_head.weight": full["lm_head.weight"]}))
+    assert any("rank0.safetensors: unexpected tensor lm_head.weight" in e for e in errors_of(out))
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_bad_tp_and_architecture_fail_before_writing(tmp_path):
     out = tmp_path / "never"
@@ -407,44 +432,60 @@ def test_build_engine(trained, tmp_path):
 
 
 # ----------------------------------------------------------------------------- quantized (ModelOpt)
-def _fake_quantized(kind: str, qformat: str, seed: int = 0):
-    """(model, cfg): the transformers model of random weights, fake-quantized by ModelOpt and
-    calibrated on random tokens (hidden 128 so AWQ's 128-wide blocks fit)."""
+@functools.lru_cache(maxsize=None)
+def _fake_quantized(kind: str, qformat: str, kv_cache: str = "none", seed: int = 0):
+    """(model, cfg): the transformers model of random weights, fake-quantized by ModelOpt with
+    ``quantize``'s config (output layer left unquantized) and calibrated on random tokens
+    (hidden 128 so AWQ's 128-wide blocks fit)."""
     import modelopt.torch.quantization as mtq
+    from jmegatron.export.quantize import build_quant_config
 
     cfg = make_cfg(kind, hidden_size=128, ffn_hidden_size=256)
     model = hf.to_hf_model(random_params(cfg, seed), cfg, TRUE_VOCAB)
-    qcfg = {"int8_sq": mtq.INT8_SMOOTHQUANT_CFG, "int4_awq": mtq.INT4_AWQ_CFG}[qformat]
     tokens = torch.from_numpy(np.random.default_rng(seed).integers(0, TRUE_VOCAB, (4, 32)))
 
     def loop(m):
         m(tokens)
 
-    return mtq.quantize(model, qcfg, loop), cfg
+    return mtq.quantize(model, build_quant_config(qformat, kv_cache), loop), cfg
 
 
-@pytest.mark.parametrize("kind,qformat,tp,algo", [
-    ("gpt", "int8_sq", 2, "W8A8_SQ_PER_CHANNEL"),
-    ("llama", "int4_awq", 1, "W4A16_AWQ"),
-], ids=["gpt-int8_sq-tp2", "llama-int4_awq-tp1"])
-def test_quantized_export_passes_checker(kind, qformat, tp, algo, tmp_path):
+@pytest.mark.parametrize("kind,qformat,kv_cache,tp,algo", [
+    ("gpt", "int8_sq", "none", 2, "W8A8_SQ_PER_CHANNEL"),
+    ("llama", "int4_awq", "none", 1, "W4A16_AWQ"),
+    ("llama", "fp8", "fp8", 2, "FP8"),
+], ids=["gpt-int8_sq-tp2", "llama-int4_awq-tp1", "llama-fp8-fp8kv-tp2"])
+def test_quantized_export_passes_checker(kind, qformat, kv_cache, tp, algo, tmp_path):
     pytest.importorskip("modelopt.torch.quantization")
-    model, cfg = _fake_quantized(kind, qformat)
+    model, cfg = _fake_quantized(kind, qformat, kv_cache)
     out = tmp_path / "q"
     config, fixes = export_quantized_model(model, cfg, str(out), tp=tp, dtype="float16")
     print(fixes)
     assert config["quantization"]["quant_algo"] == algo
+    assert config["quantization"]["kv_cache_quant_algo"] == (None if kv_cache == "none" else "FP8")
     assert "rank" not in config and (kind != "gpt" or config["position_embedding_type"] == "learned_absolute")
     report = check_trtllm_checkpoint(str(out))
     print(report.format())
     assert report.ok, report.errors
     r0 = load_file(str(out / "rank0.safetensors"))
-    assert r0["transformer.layers.0.attention.dense.weight"].dtype == torch.int8
+    dense = r0["transformer.layers.0.attention.dense.weight"]
+    assert dense.dtype == (torch.float8_e4m3fn if qformat == "fp8" else torch.int8)
+    assert r0["lm_head.weight"].dtype == torch.float16
     # a missing scaling factor is named
     scale = "transformer.layers.1.mlp.fc.weights_scaling_factor"
     assert scale in r0
     _edit_rank(str(out), 0, lambda t: t.pop(scale))
     assert any(f"rank0.safetensors: missing tensor {scale}" in e for e in errors_of(out))
+
+
+def test_quantized_layout_modelopt_refuses_is_a_clear_error(tmp_path):
+    """AWQ at tp 2: 64 input features per rank of attention.dense cannot hold 128-wide groups."""
+    pytest.importorskip("modelopt.torch.quantization")
+    model, cfg = _fake_quantized("llama", "int4_awq", "none")
+    out = tmp_path / "never"
+    with pytest.raises(ExportError, match="ModelOpt cannot export this quantized model at --tp 2: .*block size 128"):
+        export_quantized_model(model, cfg, str(out), tp=2)
+    assert os.listdir(tmp_path) == []
 
 
 def test_cli_quantized_end_to_end(trained, tmp_path, capsys):
