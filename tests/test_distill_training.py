@@ -118,3 +118,53 @@ def test_distillation_gradients_match_one_device(teacher_dir, layout, tmp_path):
     for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
         scale = np.max(np.abs(b)) + 1e-12
         np.testing.assert_allclose(a / scale, b / scale, atol=1e-5)
+
+
+def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, teacher_dir):
+    # student hidden 32, teacher hidden 48: the shared kd_projection [32 -> 48] is trained with the
+    # student, saved in its checkpoints (the rerun resumes), and dropped by kd_finalize / export
+    from jmegatron.distill.losses import ProjectionLayer
+    from jmegatron.export.common import load_checkpoint
+    from jmegatron.training.loop import restore_run
+
+    kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
+                             "decoder.layers.2.pre_mlp_layernorm]\n  - [decoder.final_layernorm, "
+                             "decoder.final_layernorm, mse]\n")
+    kd_dir = tmp_path / "kd"
+    kw = dict(lr_warmup_iters=1, eval_interval=0, save_interval=2, kd_teacher_load=teacher_dir, kd_cfg=kd)
+    cfg = cfg_for(kd_dir, train_iters=2, **kw)
+    run = build(cfg)
+    init = run.init_state().params["kd_projection"]
+    assert isinstance(run.aux_modules["kd_projection"][0], ProjectionLayer)
+    kernel = np.asarray(init["Linear_0"]["kernel"])
+    assert kernel.shape == (32, 48) and not np.asarray(init["Linear_0"]["bias"]).any()
+    assert 0.007 < kernel.std() < 0.013  # N(0, 0.01), Megatron's init
+    out = pretrain(cfg)
+    trained = np.asarray(out["state"].params["kd_projection"]["Linear_0"]["kernel"])
+    assert not np.array_equal(trained, kernel)
+    rows = [json.loads(l) for l in open(kd_dir / "metrics.jsonl")]
+    assert all(r["intermediate_distillation_loss"] > 0 for r in rows if "kd_loss" in r)
+    meta = checkpointing.Checkpointer(str(kd_dir), create=False).read_meta()
+    assert meta["aux_params"]["kd_projection"]["teacher_hidden_size"] == 48
+    # rerunning with more iterations resumes the projection too (the resumed run restores it)
+    more = pretrain(cfg_for(kd_dir, train_iters=4, **kw))
+    assert sorted(more["losses"]) == [3, 4] and "kd_projection" in more["state"].params
+    # evaluation / export read the student only
+    run2, state2, _ = restore_run(str(kd_dir))
+    assert "kd_projection" not in state2.params
+    assert "kd_projection" not in load_checkpoint(str(kd_dir)).params
+    final = tmp_path / "final"
+    pretrain(cfg_for(final, train_iters=4, kd_finalize=True, load=str(kd_dir), **{**kw, "save_interval": 0}))
+    meta = checkpointing.Checkpointer(str(final), create=False).read_meta()
+    assert "aux_params" not in meta and meta["config"]["kd_cfg"] is None
+    plain = pretrain(cfg_for(final, train_iters=5, lr_warmup_iters=1, eval_interval=0))
+    assert sorted(plain["losses"]) == [5] and "kd_projection" not in plain["state"].params
+
+
+def test_distillation_from_a_pretrained_student_initialises_the_projection(tmp_path, teacher_dir):
+    pre = tmp_path / "pre"
+    pretrain(cfg_for(pre, train_iters=2, lr_warmup_iters=1, eval_interval=0))
+    kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.final_layernorm, decoder.final_layernorm]\n")
+    out = pretrain(cfg_for(tmp_path / "kd", train_iters=3, lr_warmup_iters=1, eval_interval=0, load=str(pre),
+                           kd_teacher_load=teacher_dir, kd_cfg=kd))
+    assert sorted(out["losses"]) == [3] and out["state"].params["kd_projection"]["Linear_0"]["kernel"].shape == (32, 48)

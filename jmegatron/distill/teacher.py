@@ -43,7 +43,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     both sizes. The student's parallel sizes are used for the teacher (one mesh).
     Raises CheckpointError for a missing or unreadable checkpoint.
     """
-    from jmegatron.training.loop import build
+    from jmegatron.training.loop import build, restore_state
 
     if not checkpointing.has_checkpoint(load_dir):
         raise checkpointing.CheckpointError(f"config.kd_teacher_load={load_dir!r} holds no checkpoint")
@@ -63,7 +63,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
             f"has {padded_vocab_size}; teacher and student must share the tokenizer (config.tokenizer_model) "
             f"and make_vocab_size_divisible_by")
     run = build(tcfg, mesh, vocab_size=meta["padded_vocab_size"])
-    state, meta = ckpt.restore(run.abstract_with_shardings())
+    state, meta = restore_state(run, ckpt)
     ckpt.close()
     params = state.params
     if bf16:

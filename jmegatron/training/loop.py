@@ -53,11 +53,14 @@ class Run:
     compute_grads: Any = None  # jitted (state, batch, *extra_args) -> (grads, report, tokens)
     extra_args: tuple = ()  # passed after the batch to train_step (the teacher's params when distilling)
     teacher: Any = None  # jmegatron.distill.teacher.Teacher when distilling
+    # trainable modules stored beside the model's params (name -> (module, example input
+    # shape)): distillation's kd_projection; recorded in the checkpoint meta as "aux_params"
+    aux_modules: dict = dataclasses.field(default_factory=dict)
 
     def init_state(self) -> state_lib.TrainState:
         """A freshly initialised TrainState (seed ``cfg.seed``) in ``state_shardings``."""
         return state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
-                                          self.state_shardings)
+                                          self.state_shardings, self.aux_modules)
 
     def abstract_with_shardings(self) -> Any:
         """ShapeDtypeStructs of the TrainState carrying its shardings (a restore target)."""
@@ -94,18 +97,20 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     model = GPTModel(ModelConfig.from_config(cfg, padded))
     tx = optimizer.make_optimizer(cfg)
     rules = rules_lib.make_rules(cfg)
-    abstract, shardings, grad_shardings = state_lib.state_shardings(
-        model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer)
     teacher = loss_fn = extra_shardings = None
+    aux = {}
     if cfg.kd_teacher_load and not cfg.kd_finalize:
         from jmegatron.distill.config import load_distill_config
-        from jmegatron.distill.loss_func import distillation_loss_fn
+        from jmegatron.distill.loss_func import distillation_loss_fn, projection_aux
         from jmegatron.distill.teacher import load_teacher
 
         dcfg = load_distill_config(cfg.kd_cfg)
         teacher = load_teacher(cfg.kd_teacher_load, cfg, padded, mesh, cfg.kd_teacher_bf16)
-        loss_fn = distillation_loss_fn(model, teacher.model, dcfg)
+        aux = projection_aux(cfg, teacher.cfg.hidden_size, dcfg)
+        loss_fn = distillation_loss_fn(model, teacher.model, dcfg, aux)
         extra_shardings = teacher.shardings
+    abstract, shardings, grad_shardings = state_lib.state_shardings(
+        model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer, aux)
     step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg), mesh, shardings.params,
                                        grad_shardings, rules, loss_fn, extra_shardings)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, extra_shardings)
@@ -115,7 +120,7 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
                abstract_state=abstract, state_shardings=shardings, grad_shardings=grad_shardings,
                rules=rules, train_step=train_step, eval_step=eval_step,
                compute_grads=jax.jit(step_fn.compute_grads),
-               extra_args=(teacher.params,) if teacher else (), teacher=teacher)
+               extra_args=(teacher.params,) if teacher else (), teacher=teacher, aux_modules=aux)
 
 
 def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
@@ -192,8 +197,56 @@ class _StopRequest:
 def _meta(cfg: JMegatronConfig, run: Run, iteration: int, consumed: int) -> dict:
     if cfg.kd_finalize:  # a plain student checkpoint: nothing of the distillation remains
         cfg = cfg.replace(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, kd_teacher_bf16=False)
-    return {"iteration": iteration, "consumed_train_samples": consumed,
+    meta = {"iteration": iteration, "consumed_train_samples": consumed,
             "padded_vocab_size": run.padded_vocab_size, "config": cfg.to_dict()}
+    if run.aux_modules and not cfg.kd_finalize:
+        meta["aux_params"] = {name: aux_spec(module) for name, (module, _) in run.aux_modules.items()}
+    return meta
+
+
+def aux_spec(module) -> dict:
+    """JSON description of an auxiliary module (rebuilt by :func:`aux_from_meta`)."""
+    from jmegatron.distill.losses import ProjectionLayer
+
+    if isinstance(module, ProjectionLayer):
+        return {"type": "ProjectionLayer", "student_hidden_size": module.student_hidden_size,
+                "teacher_hidden_size": module.teacher_hidden_size}
+    raise TypeError(f"no checkpoint description for auxiliary module {type(module).__name__}")
+
+
+def aux_from_meta(meta: dict) -> dict:
+    """The auxiliary modules a checkpoint's params hold besides the model's (``aux_params``)."""
+    from jmegatron.distill.losses import ProjectionLayer
+
+    out = {}
+    for name, spec in (meta.get("aux_params") or {}).items():
+        if spec.get("type") != "ProjectionLayer":
+            raise checkpointing.CheckpointError(f"unknown auxiliary parameters {name!r}: {spec}")
+        out[name] = (ProjectionLayer(spec["student_hidden_size"], spec["teacher_hidden_size"]),
+                     (1, 1, spec["student_hidden_size"]))
+    return out
+
+
+def restore_state(run: Run, ckpt: checkpointing.Checkpointer, iteration: Optional[int] = None) -> tuple[Any, dict]:
+    """(state, meta) of ``ckpt`` in ``run``'s layout and structure.
+
+    Auxiliary params (``aux_params`` in the meta, e.g. a distillation run's
+    ``kd_projection``) are matched by name: a checkpoint holding some the run does not
+    train (read by kd_finalize, evaluation, export, a teacher load) is restored whole and
+    pruned, giving a plain student state; a run training some the checkpoint lacks (a
+    distillation started from a pretrained student) gets them, and their optimizer
+    moments, freshly initialised. Raises CheckpointError.
+    """
+    meta = ckpt.read_meta(iteration)
+    saved_aux = aux_from_meta(meta)
+    if set(saved_aux) == set(run.aux_modules):
+        return ckpt.restore(run.abstract_with_shardings(), iteration)
+    abstract, shardings, _ = state_lib.state_shardings(
+        run.model, run.tx, run.cfg.seq_length, run.mesh, run.rules, run.cfg.use_distributed_optimizer, saved_aux)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    state, meta = ckpt.restore(target, iteration)
+    fill = run.init_state() if set(run.aux_modules) - set(saved_aux) else None
+    return state_lib.prune_to(state, run.abstract_state, fill), meta
 
 
 def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[Any, int, int]:
@@ -213,7 +266,7 @@ def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[
         meta = loader_ckpt.read_meta()
         checkpointing.check_compatible(cfg, meta["config"], run.padded_vocab_size,
                                        meta["padded_vocab_size"], loader_ckpt.directory)
-        state, meta = loader_ckpt.restore(run.abstract_with_shardings())
+        state, meta = restore_state(run, loader_ckpt)
         print(f"[jmegatron] resumed from {loader_ckpt.directory} at iteration {meta['iteration']}", flush=True)
         return state, int(meta["iteration"]), int(meta["consumed_train_samples"])
     if cfg.load and os.path.abspath(cfg.load) != os.path.abspath(cfg.save or ""):
@@ -357,7 +410,7 @@ def restore_run(load_dir: str, mesh: Optional[Mesh] = None,
     saved.update(overrides)
     cfg = from_configdict(saved)
     run = build(cfg, mesh or create_mesh(cfg, jax.devices()[:1]), vocab_size=_unpadded_vocab(cfg, meta))
-    state, meta = ckpt.restore(run.abstract_with_shardings(), iteration)
+    state, meta = restore_state(run, ckpt, iteration)
     ckpt.close()
     return run, state, meta
 

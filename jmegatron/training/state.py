@@ -7,7 +7,7 @@ taken, int32 scalar), float32 ``params``, the optax ``opt_state`` and the base
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import flax.struct
@@ -35,15 +35,33 @@ def _dummy_tokens(seq_length: int) -> jax.Array:
     return jnp.zeros((1, seq_length), jnp.int32)
 
 
-def param_logical_specs(model: nn.Module, seq_length: int) -> tuple[Any, Any]:
-    """(abstract float32 params, logical PartitionSpecs) without allocating anything."""
-    boxed = jax.eval_shape(lambda k: model.init({"params": k}, _dummy_tokens(seq_length)),
-                           jax.random.key(0))["params"]
+AuxModules = Optional[Mapping[str, tuple[nn.Module, tuple[int, ...]]]]
+
+
+def _init_params(model: nn.Module, key: jax.Array, seq_length: int, aux: AuxModules) -> dict:
+    """The model's boxed params, plus one top-level entry per auxiliary trainable module
+    (``name -> (module, example input shape)``), each initialised with its own key folded
+    from ``key`` so the model's own initialisation does not depend on ``aux``."""
+    params = dict(model.init({"params": key}, _dummy_tokens(seq_length))["params"])
+    for i, (name, (module, shape)) in enumerate(sorted((aux or {}).items())):
+        if name in params:
+            raise ValueError(f"auxiliary module name {name!r} collides with a model parameter")
+        params[name] = module.init({"params": jax.random.fold_in(key, 1_000_003 + i)},
+                                   jnp.zeros(shape, jnp.float32))["params"]
+    return params
+
+
+def param_logical_specs(model: nn.Module, seq_length: int, aux: AuxModules = None) -> tuple[Any, Any]:
+    """(abstract float32 params, logical PartitionSpecs) without allocating anything.
+    ``aux``: extra trainable modules stored beside the model's params (e.g. distillation's
+    ``kd_projection``), see :func:`_init_params`."""
+    boxed = jax.eval_shape(lambda k: _init_params(model, k, seq_length, aux), jax.random.key(0))
     return nn.unbox(boxed), nn.get_partition_spec(boxed)
 
 
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_length: int, mesh: Mesh,
-                    rules: Sequence = rules_lib.DEFAULT_RULES, distributed_optimizer: bool = False):
+                    rules: Sequence = rules_lib.DEFAULT_RULES, distributed_optimizer: bool = False,
+                    aux: AuxModules = None):
     """(abstract TrainState, TrainState of NamedShardings, gradient shardings).
 
     Parameters are laid out by the logical-axis ``rules``. The optimizer's moments take
@@ -51,7 +69,7 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_leng
     (ZeRO-1, :mod:`jmegatron.parallel.distributed_optimizer`); gradients are produced in
     the optimizer's layout. Scalars are replicated.
     """
-    abstract_params, param_specs = param_logical_specs(model, seq_length)
+    abstract_params, param_specs = param_logical_specs(model, seq_length, aux)
     param_sh = rules_lib.logical_to_sharding(param_specs, mesh, rules)
     grad_sh = zero1_shardings(param_sh, abstract_params) if distributed_optimizer else param_sh
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
@@ -66,15 +84,36 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_leng
 
 
 def init_train_state(model: nn.Module, tx: optax.GradientTransformation, seed: int,
-                     seq_length: int, shardings: TrainState) -> TrainState:
+                     seq_length: int, shardings: TrainState, aux: AuxModules = None) -> TrainState:
     """Initialise params (Megatron's init: normal(init_method_std), output layers scaled
-    by 1/sqrt(2 num_layers)) and optimizer state directly in their shardings."""
+    by 1/sqrt(2 num_layers)) and optimizer state directly in their shardings; ``aux`` as
+    in :func:`param_logical_specs`."""
 
     def init(seed):
         key = jax.random.key(seed)
         params_key, rng = jax.random.split(key)
-        params = nn.unbox(model.init({"params": params_key}, _dummy_tokens(seq_length))["params"])
+        params = nn.unbox(_init_params(model, params_key, seq_length, aux))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                           rng=jax.random.key_data(rng))
 
     return jax.jit(init, out_shardings=shardings)(seed)
+
+
+def prune_to(tree: Any, target: Any, fill: Any = None) -> Any:
+    """``target``'s structure with the leaves of ``tree`` at the same paths: drops what
+    ``target`` lacks (e.g. a distillation run's auxiliary params and their optimizer
+    moments when a plain student is restored). A path ``tree`` lacks takes ``fill``'s leaf
+    (a tree of ``target``'s structure), or raises KeyError naming it without ``fill``."""
+    leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+    fill_leaves = jax.tree_util.tree_leaves(fill) if fill is not None else None
+    out = []
+    for i, (path, _) in enumerate(paths):
+        key = jax.tree_util.keystr(path)
+        if key in leaves:
+            out.append(leaves[key])
+        elif fill_leaves is not None:
+            out.append(fill_leaves[i])
+        else:
+            raise KeyError(f"the restored state has no {key}")
+    return jax.tree_util.tree_unflatten(treedef, out)
