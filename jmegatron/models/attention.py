@@ -4,6 +4,12 @@ Follows megatron/core/transformer/attention.py (SelfAttention) and
 megatron/core/transformer/dot_product_attention.py (core attention), and
 megatron/core/models/common/embeddings/rotary_pos_embedding.py for RoPE
 (Su et al. 2021, non-interleaved "rotate half" layout, as Hugging Face Llama).
+
+Decoding with a KV cache (Megatron-Core's static inference context,
+megatron/core/inference/contexts/static_context.py + the key/value memory of
+attention.py): the cache holds each layer's keys and values ``[b, max_length, g, d]``
+per query group (GQA caches ``g = num_query_groups`` heads, not ``num_attention_heads``),
+and a token's slot in the cache is its position id.
 """
 
 from __future__ import annotations
@@ -64,6 +70,36 @@ CORE_ATTENTIONS: dict[str, CoreAttention] = {
 }
 
 
+def update_kv_cache(cache: Array, new: Array, start: Array) -> Array:
+    """Write ``new [b, s, g, d]`` into ``cache [b, max_length, g, d]`` at slots
+    ``start[i] .. start[i] + s - 1`` of row ``i`` (``start``: int ``[b]``), returning the
+    updated cache in its own dtype. The caller keeps ``start + s <= max_length``
+    (``lax.dynamic_update_slice`` would clamp the start otherwise)."""
+    def row(c, n, i):
+        return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), i, axis=0)
+    return jax.vmap(row)(cache, new, start)
+
+
+def cached_attention(q: Array, k_cache: Array, v_cache: Array, q_positions: Array) -> Array:
+    """Causal attention of ``q [b, s, nq, d]`` over a KV cache ``[b, L, nkv, d]``.
+
+    Query ``(i, t)`` at position ``q_positions[i, t]`` sees cache slots ``0 ..
+    q_positions[i, t]`` (slot = position), so stale or padded slots beyond a row's
+    length never contribute. Same arithmetic as :func:`xla_attention` (float32 scores and
+    softmax, GQA grouping); no dropout (inference). Returns ``[b, s, nq, d]`` in q's dtype.
+    """
+    b, s, nq, d = q.shape
+    length, nkv = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(b, s, nkv, nq // nkv, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
+    visible = jnp.arange(length, dtype=jnp.int32)[None, None, :] <= q_positions[:, :, None]  # [b, s, L]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(q.dtype), v_cache.astype(q.dtype))
+    return out.reshape(b, s, nq, d)
+
+
 def rope_cos_sin(position_ids: Array, head_dim: int, base: float) -> tuple[Array, Array]:
     """cos/sin tables ``[b, s, 1, head_dim]`` (float32) for integer ``position_ids [b, s]``."""
     inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
@@ -107,7 +143,16 @@ class SelfAttention(nn.Module):
     dot_general: Callable = jax.lax.dot_general
 
     @nn.compact
-    def __call__(self, x: Array, position_ids: Array, deterministic: bool) -> Array:
+    def __call__(self, x: Array, position_ids: Array, deterministic: bool,
+                 kv_cache: Optional[tuple[Array, Array]] = None):
+        """``x [b, s, h]``, ``position_ids`` int ``[b, s]`` -> ``[b, s, h]``.
+
+        With ``kv_cache = (k, v)``, each ``[b, max_length, num_query_groups, kv_channels]``,
+        this call's keys/values are written at the slots given by ``position_ids`` (which
+        must be consecutive in each row, starting at ``position_ids[:, 0]``), the queries
+        attend over the cache (:func:`cached_attention`; ``core_attention`` is not used)
+        and ``(out, (k, v))`` is returned with the updated cache.
+        """
         dense = functools.partial(Linear, dtype=self.dtype, dot_general=self.dot_general,
                                   kernel_init=nn.initializers.normal(self.init_std))
         nq, nkv, d = self.num_attention_heads, self.num_query_groups, self.kv_channels
@@ -124,15 +169,25 @@ class SelfAttention(nn.Module):
         if self.use_rope:
             cos, sin = rope_cos_sin(position_ids, d, self.rotary_base)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_cache = None
+        if kv_cache is not None:
+            start = position_ids[:, 0]
+            new_cache = (update_kv_cache(kv_cache[0], k, start), update_kv_cache(kv_cache[1], v, start))
+            out = cached_attention(q, new_cache[0], new_cache[1], position_ids)
+        else:
+            out = self._core(q, k, v, deterministic)
+        out = nn.with_logical_constraint(out, ("batch", "length", "activation_heads", "activation_kv"))
+        out = Linear((self.hidden_size,), ("heads", "kv", "embed"), axis=(-2, -1), tp_mode="row", tp_dim=0,
+                     use_bias=self.use_bias, dtype=self.dtype, dot_general=self.dot_general,
+                     kernel_init=nn.initializers.normal(self.output_init_std),
+                     name="linear_proj")(out)
+        return out if kv_cache is None else (out, new_cache)
+
+    def _core(self, q: Array, k: Array, v: Array, deterministic: bool) -> Array:
         core = CORE_ATTENTIONS[self.core_attention]
         core = functools.partial(core, dropout_rate=self.attention_dropout, deterministic=deterministic,
                                  dropout_rng=None if deterministic or self.attention_dropout == 0.0
                                  else self.make_rng("dropout"))
         if self.recompute_core_attention:  # Megatron's selective recompute
             core = jax.checkpoint(core)
-        out = core(q, k, v)
-        out = nn.with_logical_constraint(out, ("batch", "length", "activation_heads", "activation_kv"))
-        return Linear((self.hidden_size,), ("heads", "kv", "embed"), axis=(-2, -1), tp_mode="row", tp_dim=0,
-                      use_bias=self.use_bias, dtype=self.dtype, dot_general=self.dot_general,
-                      kernel_init=nn.initializers.normal(self.output_init_std),
-                      name="linear_proj")(out)
+        return core(q, k, v)

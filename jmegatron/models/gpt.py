@@ -25,6 +25,7 @@ from jmegatron.models.attention import SelfAttention
 from jmegatron.models.layers import Embed, Linear, make_norm
 
 Array = jax.Array
+KVPair = tuple[Array, Array]  # one layer's (keys, values), each [b, max_length, num_query_groups, kv_channels]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +103,15 @@ class TransformerLayer(nn.Module):
     dot_general: Callable = jax.lax.dot_general
 
     @nn.compact
-    def __call__(self, x: Array, position_ids: Array) -> tuple[Array, None]:
+    def __call__(self, x: Array, position_ids: Array, kv_cache: Optional[KVPair] = None
+                 ) -> tuple[Array, Optional[KVPair]]:
+        """``(x, None)``, or ``(x, updated kv_cache)`` when decoding with a cache (see
+        :class:`SelfAttention`)."""
         c = self.cfg
         drop = nn.Dropout(rate=c.hidden_dropout, deterministic=self.deterministic)
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "input_layernorm")(x)
         self.sow("intermediates", "input_layernorm_output", h)
-        h = SelfAttention(
+        attention = SelfAttention(
             num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
             kv_channels=c.kv_channels, hidden_size=c.hidden_size, use_bias=c.add_bias_linear,
             qkv_bias=c.add_qkv_bias, use_rope=c.position_embedding_type == "rope",
@@ -117,7 +121,11 @@ class TransformerLayer(nn.Module):
             core_attention=c.attention_impl,
             recompute_core_attention=c.recompute_granularity == "selective",
             dtype=c.dtype, dot_general=self.dot_general, name="self_attention",
-        )(h, position_ids, self.deterministic)
+        )
+        if kv_cache is None:
+            h = attention(h, position_ids, self.deterministic)
+        else:
+            h, kv_cache = attention(h, position_ids, self.deterministic, kv_cache)
         x = x + drop(h)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "pre_mlp_layernorm")(x)
@@ -125,7 +133,7 @@ class TransformerLayer(nn.Module):
         h = MLP(c, dot_general=self.dot_general, name="mlp")(h)
         x = x + drop(h)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
-        return x, None
+        return x, kv_cache
 
 
 class GPTModel(nn.Module):
@@ -138,6 +146,11 @@ class GPTModel(nn.Module):
     ``decoder_layers/...`` stacked ``[num_layers, ...]`` with ``scan_layers``),
     ``final_layernorm``, and ``output_layer/kernel [h, vocab]`` when untied (layout in
     jmegatron/export/hf.py).
+
+    Decoding: with ``kv_cache`` (from :func:`init_kv_cache`) the call writes the tokens'
+    keys/values into the cache at their positions (consecutive per row) and returns
+    ``(logits, updated kv_cache)``; prefill and single-token decode steps are both this
+    call (jmegatron/inference/generate.py drives it).
     """
 
     cfg: ModelConfig
@@ -145,7 +158,7 @@ class GPTModel(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Array, position_ids: Optional[Array] = None,
-                 deterministic: bool = True) -> Array:
+                 deterministic: bool = True, kv_cache: Any = None):
         c = self.cfg
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -164,14 +177,24 @@ class GPTModel(nn.Module):
             layer_cls = nn.remat(layer_cls, prevent_cse=not c.scan_layers,
                                  policy=jax.checkpoint_policies.nothing_saveable)
         if c.scan_layers:
+            # With a cache, the stacked (k, v) [num_layers, ...] is scanned along with the
+            # stacked params and comes back as the scan's per-layer outputs.
+            cached = () if kv_cache is None else (kv_cache,)
             stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0},
                             split_rngs={"params": True, "dropout": True},
-                            in_axes=(nn.broadcast,), length=c.num_layers,
+                            in_axes=(nn.broadcast,) + (0,) * len(cached), length=c.num_layers,
                             metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = stack(c, deterministic, self.dot_general, name="decoder_layers")(x, position_ids)
+            x, kv_cache = stack(c, deterministic, self.dot_general, name="decoder_layers")(x, position_ids, *cached)
         else:
+            new_cache = []
             for i in range(c.num_layers):
-                x, _ = layer_cls(c, deterministic, self.dot_general, name=f"decoder_layers_{i}")(x, position_ids)
+                layer = layer_cls(c, deterministic, self.dot_general, name=f"decoder_layers_{i}")
+                if kv_cache is None:
+                    x, _ = layer(x, position_ids)
+                else:
+                    x, kv = layer(x, position_ids, kv_cache[i])
+                    new_cache.append(kv)
+            kv_cache = None if kv_cache is None else tuple(new_cache)
         x = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm")(x)
         self.sow("intermediates", "final_layernorm_output", x)
         if c.untie_embeddings_and_output_weights:
@@ -181,4 +204,22 @@ class GPTModel(nn.Module):
         else:
             logits = word.attend(x)
         logits = nn.with_logical_constraint(logits, ("batch", "length", "activation_vocab"))
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        return logits if kv_cache is None else (logits, kv_cache)
+
+
+def init_kv_cache(cfg: ModelConfig, batch: int, max_length: int, dtype: Any = None) -> Any:
+    """An empty (zero) KV cache for :class:`GPTModel` decoding, in ``dtype`` (default the
+    compute dtype ``cfg.dtype``).
+
+    Per layer, keys and values ``[batch, max_length, num_query_groups, kv_channels]``
+    (grouped-query attention caches one head per group). Structure: a tuple of
+    ``num_layers`` ``(k, v)`` pairs, or with ``scan_layers`` one ``(k, v)`` pair stacked
+    ``[num_layers, batch, max_length, ...]`` (the layout of the scanned params).
+    """
+    dtype = dtype or cfg.dtype
+    shape = (batch, max_length, cfg.num_query_groups, cfg.kv_channels)
+    if cfg.scan_layers:
+        stacked = jnp.zeros((cfg.num_layers,) + shape, dtype)
+        return (stacked, stacked)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))

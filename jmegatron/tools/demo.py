@@ -7,7 +7,7 @@ real text (what ``make demo`` runs).
 3. Preprocesses to Megatron's ``.bin/.idx`` (``jmegatron.tools.preprocess_data``).
 4. Trains ``configs/gpt_tiny.py`` (``jmegatron.train``), evaluating every eval_interval.
 5. Evaluates the test split (``jmegatron.evaluate``) and prints a sample
-   (``jmegatron.tools.sample``).
+   (``jmegatron.generate``, the KV-cache generator).
 
 Each step is printed as the command that runs it, so it can be repeated by hand.
 Steps whose outputs exist are skipped; training resumes from its checkpoint.
@@ -138,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         train.append(f"--config.train_iters={args.train_iters}")
     _run(train)
     _run([py, "-m", "jmegatron.evaluate", "--load", str(ckpt), "--split", "test"])
-    _run([py, "-m", "jmegatron.tools.sample", "--load", str(ckpt), "--prompt", args.prompt,
+    _run([py, "-m", "jmegatron.generate", "--load", str(ckpt), "--prompt", args.prompt,
           "--max-new-tokens", "120", "--temperature", "0.8", "--top-k", "40"])
     print(f"demo done: metrics in {ckpt / 'metrics.jsonl'}, TensorBoard in {ckpt / 'tensorboard'}")
     return 0
