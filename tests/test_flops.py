@@ -166,3 +166,141 @@ def test_mfu_and_throughput():
         flops.mfu(1.0, 0.0)
     with pytest.raises(ValueError):
         flops.tflops_per_device(1.0, 0.0, 1)
+
+
+# ------------------------------------------------------- theoretical memory
+from jmegatron.training import memory  # noqa: E402
+from jmegatron.training.memory import ParallelLayout  # noqa: E402
+
+TP1 = ParallelLayout()
+
+
+def test_parallel_layout_parse_and_name():
+    lay = ParallelLayout.parse("tp2-dp4-zero1")
+    assert (lay.tensor_model_parallel_size, lay.data_parallel_size, lay.use_distributed_optimizer) == (2, 4, True)
+    assert lay.name == "tp2-dp4-zero1" and lay.num_devices == 8
+    assert ParallelLayout.parse("dp8-fsdp").name == "tp1-dp8-fsdp"
+    assert ParallelLayout.parse("tp4-sp-dp2").sequence_parallel
+    with pytest.raises(ValueError, match="unknown part 'pp2'"):
+        ParallelLayout.parse("tp2-pp2")
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        ParallelLayout.parse("sp-dp8")
+
+
+def test_parameter_classes_gpt3_345m():
+    cfg = _load("gpt3_345m.py")
+    c = memory.parameter_classes(cfg, 50304)
+    h, L = 1024, 24
+    assert c["tensor_replicated_fsdp_sharded"] == L * 2 * h + 1024 * h == 1_097_728  # proj/fc2 biases, positions
+    assert c["replicated"] == L * 2 * (2 * h) + 2 * h == 100_352  # LayerNorm scale + bias
+    assert c["tensor_sharded_fsdp_replicated"] == L * (3 * h + 4 * h) == 172_032  # qkv and fc1 biases
+    kernels = 50304 * h + L * (3 * h * h + h * h + 2 * 4 * h * h)
+    assert c["sharded"] == kernels == 353_501_184
+    assert sum(c.values()) == flops.num_parameters(cfg, 50304)
+
+
+def test_state_memory_gpt3_345m():
+    cfg = _load("gpt3_345m.py")
+    P = 354_871_296
+    s = memory.weight_and_optimizer_memory(cfg, 50304, TP1)
+    assert (s.weights, s.gradients, s.optimizer_state) == (4 * P, 4 * P, 8 * P)  # float32 params, grads, m, v
+    assert s.total == 16 * P == 5_677_940_736
+    # tp2 x dp4 with ZeRO-1: sharded kernels and qkv/fc1 biases / 2, the rest whole; moments / 4.
+    lay = ParallelLayout(2, 4, use_distributed_optimizer=True)
+    per_device = 353_501_184 / 2 + 172_032 / 2 + 1_097_728 + 100_352
+    assert per_device == 178_034_688
+    assert memory.parameters_per_device(cfg, 50304, lay) == per_device
+    z = memory.weight_and_optimizer_memory(cfg, 50304, lay)
+    assert (z.weights, z.gradients, z.optimizer_state) == (712_138_752, 712_138_752, 356_069_376)
+    # FSDP over 8: everything with a hidden axis / 8; norms and qkv/fc1 biases stay whole.
+    f = memory.parameters_per_device(cfg, 50304, ParallelLayout(1, 8, use_megatron_fsdp=True))
+    assert f == (353_501_184 + 1_097_728) / 8 + 172_032 + 100_352
+    # Megatron's own figure: 18 B per parameter of its count (no biases, no position embeddings).
+    megatron_params = 24 * (2 * 1024 * (4096 + 2) + 2 * 1024 ** 2 * 2) + 2 * 1024 + 1024 * 50304
+    assert megatron_params == 353_601_536
+    assert memory.megatron_weight_and_optimizer_memory(cfg, 50304, TP1) == 18 * megatron_params == 6_364_827_648
+    assert memory.megatron_weight_and_optimizer_memory(cfg, 50304, lay) == megatron_params / 2 * (6 + 12 / 4)
+
+
+def test_activation_memory_gpt3_345m_matches_korthikanti_table2():
+    """bf16 (2 bytes), dropout on: exactly the paper's per-layer counts (arXiv:2205.05198 Table 2)."""
+    cfg = _load("gpt3_345m.py")  # s 1024, micro-batch 4, h 1024, 16 heads
+    s, b, h, a = 1024, 4, 1024, 16
+    sbh, as2b = s * b * h, a * s * s * b
+    per_layer = memory.activation_memory_per_layer
+    assert per_layer(cfg, b, TP1) == sbh * 34 + 5 * as2b == 478_150_656
+    tp2 = ParallelLayout(2, 1)
+    assert per_layer(cfg, b, tp2) == sbh * (10 + 24 / 2) + 5 * as2b / 2 == 260_046_848
+    sp2 = ParallelLayout(2, 1, sequence_parallel=True)
+    assert per_layer(cfg, b, sp2) == sbh * 34 / 2 + 5 * as2b / 2 == 239_075_328
+    assert per_layer(cfg, b, sp2, "selective") == sbh * 34 / 2 == 71_303_168
+    # Megatron's compute_activation_memory (SP + selective): sbh (18 + 4 ffn / h) / t.
+    assert per_layer(cfg, b, sp2, "selective") == sbh * (18 + 4 * 4096 / 1024) / 2
+    assert per_layer(cfg, b, sp2, "full") == 2 * sbh / 2
+    assert per_layer(cfg, b, tp2, "full") == 2 * sbh  # no SP: the layer input is replicated
+    act = memory.activation_memory(cfg, 50304, TP1)
+    assert act.embedding == 4 * s * b + sbh  # int32 token ids + embedding dropout mask
+    assert act.output == 2 * 2 * sbh + 4 * s * b * 50304 == 840_957_952  # norm in/out + fp32 logits
+    assert act.total == 24 * 478_150_656 + 4 * s * b + sbh + 840_957_952 == 12_320_784_384
+    full = memory.activation_memory(cfg, 50304, TP1, recompute="full")
+    assert full.layers == 24 * 2 * sbh and full.recompute_working_set == 478_150_656
+    # float32 doubles every activation, not the dropout masks (1 byte).
+    f32 = _load("gpt3_345m.py", bf16=False)
+    assert per_layer(f32, b, TP1) == sbh * (2 * 32 + 2) + (4 + 1 + 4) * as2b == 880_803_840
+    with pytest.raises(ValueError, match="recompute"):
+        per_layer(cfg, b, TP1, "everything")
+
+
+def test_memory_llama2_7b():
+    cfg = _load("llama2_7b.py")  # bf16, no dropout, SwiGLU, s 4096, micro-batch 1
+    s, h, F, a, V = 4096, 4096, 11008, 32, 32000
+    # LN inputs 4, QKV/fc1 inputs 2+2, Q K 4, V 2, proj input 2 (x sbh); gate/up 4F + product 2F (x sb);
+    # softmax output 2 a s^2 b; no dropout masks.
+    per_layer = 16 * s * h + 6 * s * F + 2 * a * s * s
+    assert per_layer == 1_612_709_888
+    assert memory.activation_memory_per_layer(cfg, 1, TP1) == per_layer
+    assert memory.activation_memory_per_layer(cfg, 1, TP1, "selective") == 16 * s * h + 6 * s * F == 538_968_064
+    act = memory.activation_memory(cfg, V, TP1)
+    assert act.output == 2 * 2 * s * h + 4 * s * V == 591_396_864
+    assert act.embedding == 4 * s  # no embedding dropout mask
+    assert act.total == 32 * per_layer + 4 * s + 591_396_864
+    P = 6_738_415_616
+    st = memory.weight_and_optimizer_memory(cfg, V, TP1)
+    assert st.total == 16 * P
+    # Megatron counts the same 6.74e9 parameters for Llama-2-7B (no biases, rope): 18 B each.
+    assert memory.megatron_weight_and_optimizer_memory(cfg, V, TP1) == 18 * P == 121_291_481_088
+    # tp8 + SP (vocab padded to 32768): everything but the norms / 8.
+    tp8 = _load("llama2_7b.py", tensor_model_parallel_size=8, sequence_parallel=True)
+    lay = ParallelLayout.from_config(tp8, 1)
+    norms = 32 * 2 * h + h
+    assert memory.parameters_per_device(tp8, 32768, lay) == (6_744_707_072 - norms) / 8 + norms == 843_321_344
+    est = memory.theoretical_memory(tp8, 32768, lay)
+    assert est.activations == memory.activation_memory(tp8, 32768, lay).total
+    assert est.total == 16 * 843_321_344 + est.activations
+    assert est.to_dict()["total"] == est.total
+
+
+def test_theoretical_memory_matches_state_shardings():
+    """The per-device parameter count equals the bytes the real shardings put on a device."""
+    import numpy as np
+
+    from jmegatron.parallel.mesh import create_mesh
+    from jmegatron.training.loop import build
+
+    for name, layout in [("gpt_tiny.py", "tp2-dp4-zero1"), ("llama_tiny.py", "tp2-dp4"),
+                         ("gpt_tiny.py", "tp4-dp2"), ("llama_tiny.py", "dp8-fsdp")]:
+        lay = ParallelLayout.parse(layout)
+        cfg = _load(name, **TINY, tensor_model_parallel_size=lay.tensor_model_parallel_size,
+                    use_distributed_optimizer=lay.use_distributed_optimizer,
+                    use_megatron_fsdp=lay.use_megatron_fsdp, global_batch_size=64,
+                    lr_warmup_iters=0)
+        run = build(cfg, create_mesh(cfg, jax.devices()[:lay.num_devices]))
+
+        def device_bytes(tree, shardings):
+            return sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+                       for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+        st = memory.weight_and_optimizer_memory(cfg, run.padded_vocab_size, lay)
+        assert device_bytes(run.abstract_state.params, run.state_shardings.params) == st.weights, layout
+        assert device_bytes(run.abstract_state.opt_state, run.state_shardings.opt_state) == \
+            pytest.approx(st.optimizer_state, rel=1e-3), layout

@@ -1,0 +1,82 @@
+"""``python -m jmegatron.bench [--devices N] <command> ...``: the benchmark harness, judging the
+training stack the way ByteDance's ByteMLPerf training suite does (precision, determinism,
+memory, training efficiency).
+
+Commands (each module registers its own with ``register(subparsers)``; each writes
+``<command>.json``, ``<command>.md`` and PNG charts into ``--out DIR``, default
+``runs/bench/<command>``):
+
+* ``peak`` (:mod:`jmegatron.bench.peak`): this device's matmul peak, stored for MFU.
+* ``precision`` (:mod:`jmegatron.bench.precision`): loss curve against a reference log.
+* ``determinism`` (:mod:`jmegatron.bench.determinism`): repeated and resumed runs bit-exact.
+* ``memory`` (:mod:`jmegatron.bench.memory`): compiled vs theoretical memory, host RSS over
+  many steps, variable sequence lengths.
+* ``mfu`` (:mod:`jmegatron.bench.mfu`): tokens/s, TFLOP/s per device and MFU.
+* ``report`` (:mod:`jmegatron.bench.report`): one markdown page over the last results.
+
+Commands that train take ``--config CONFIG.py`` followed by any ``--config.<field>=<value>``
+overrides, as ``python -m jmegatron.train``. ``--devices N`` (before the command) gives the
+CPU backend N simulated devices (``--xla_force_host_platform_device_count``), for parallel
+layouts on one machine. Bad input prints ``error: ...`` and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Optional, Sequence
+
+COMMAND_MODULES = ("jmegatron.bench.peak", "jmegatron.bench.precision", "jmegatron.bench.determinism",
+                   "jmegatron.bench.memory", "jmegatron.bench.mfu", "jmegatron.bench.report")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jmegatron.bench",
+                                     description="jmegatron benchmark harness (ByteMLPerf manner).")
+    parser.add_argument("--devices", type=int, default=None, metavar="N",
+                        help="simulated CPU devices (XLA --xla_force_host_platform_device_count); "
+                             "must come before the command")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def _set_devices(n: int) -> None:
+    """Must run before JAX is imported (XLA reads the flag once)."""
+    if "jax" in sys.modules:
+        from jmegatron.bench.common import BenchError
+
+        raise BenchError("--devices must be set before JAX is imported (call main() in a fresh process)")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse and run one command; returns the exit status (0 ok, 1 a check failed, 2 bad input)."""
+    from jmegatron.bench.common import BenchError
+    from jmegatron.config import ConfigError
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        overrides = [a for a in extra if a.startswith("--config.")]
+        stray = [a for a in extra if not a.startswith("--config.")]
+        if stray or (overrides and not hasattr(args, "config")):
+            parser.error(f"unrecognized arguments: {' '.join(stray or overrides)}"
+                         + (" (--config.<field>=<value> overrides need the '=')" if stray and overrides else ""))
+        args.config_overrides = overrides
+        if args.devices is not None:
+            if args.devices < 1:
+                raise BenchError(f"--devices={args.devices} must be >= 1")
+            _set_devices(args.devices)
+        return int(args.func(args) or 0)
+    except (BenchError, ConfigError) as e:  # bad arguments, or sizes that do not fit the devices
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Shared pieces of the bench subcommands: config arguments, output files, charts,
+state hashing and the environment record every result carries."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+from typing import Any, Optional, Sequence
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEFAULT_BENCH_DIR = os.path.join("runs", "bench")
+
+
+class BenchError(ValueError):
+    """Bad input to a bench subcommand; printed as ``error: ...`` with exit status 2."""
+
+
+# ------------------------------------------------------------------ arguments
+def add_config_arguments(parser) -> None:
+    """``--config PATH`` (overrides ``--config.<field>=<value>`` are collected by
+    :func:`jmegatron.bench.__main__.main` from the unparsed arguments)."""
+    parser.add_argument("--config", required=True, metavar="CONFIG.py",
+                        help="a jmegatron config file; add --config.<field>=<value> overrides after it")
+
+
+def add_out_argument(parser, command: str) -> None:
+    parser.add_argument("--out", default=os.path.join(DEFAULT_BENCH_DIR, command), metavar="DIR",
+                        help=f"output directory (default {os.path.join(DEFAULT_BENCH_DIR, command)})")
+
+
+def config_argv(args, **overrides) -> list[str]:
+    """The ``--config F --config.x=y ...`` argument list of ``args`` with ``overrides``
+    appended (later ones win), to rebuild the same config in another process."""
+    argv = ["--config", args.config, *getattr(args, "config_overrides", [])]
+    argv += [f"--config.{k}={v}" for k, v in overrides.items()]
+    return argv
+
+
+def load_config(args, **overrides):
+    """The validated :class:`JMegatronConfig` of ``--config`` and its overrides, with
+    ``overrides`` applied last (before validation, so derived fields such as
+    ``lr_decay_iters`` follow them). Raises BenchError naming the bad argument."""
+    from jmegatron.config import ConfigError, load_config_file
+    from jmegatron.train import parse_args
+
+    try:
+        path, parsed = parse_args(config_argv(args))
+        parsed.update(overrides)
+        return load_config_file(path, parsed)
+    except (ConfigError, FileNotFoundError) as e:
+        raise BenchError(str(e)) from None
+
+
+def load_config_for_steps(args, steps: int, **overrides):
+    """:func:`load_config` with ``train_iters`` = ``steps`` (raised to the config's
+    ``lr_warmup_iters`` if needed: the benchmarks that only measure memory or time do not
+    care about the schedule, and a warm-up longer than the run is a config error)."""
+    base = load_config(args, **overrides)
+    return load_config(args, train_iters=max(steps, base.lr_warmup_iters, 1), **overrides)
+
+
+def bench_config(cfg, **changes):
+    """``cfg`` for a bench run: nothing saved, no TensorBoard, no evaluation, no exit
+    interval (unless ``changes`` say otherwise)."""
+    base = dict(save=None, load=None, tensorboard_dir=None, eval_interval=0, exit_interval=None)
+    base.update(changes)
+    return cfg.replace(**base)
+
+
+# ------------------------------------------------------------------ outputs
+def out_dir(args) -> pathlib.Path:
+    path = pathlib.Path(args.out)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _json_default(x):
+    if hasattr(x, "item"):
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def write_json(path: os.PathLike, obj: Any) -> str:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=_json_default, allow_nan=True)
+        f.write("\n")
+    return str(path)
+
+
+def read_json(path: os.PathLike) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_text(path: os.PathLike, text: str) -> str:
+    with open(path, "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+    return str(path)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def mib(n_bytes: Optional[float]) -> float:
+    return float("nan") if n_bytes is None else n_bytes / 2 ** 20
+
+
+def fmt(x: Optional[float], digits: int = 4) -> str:
+    """A number for a markdown table (``-`` for None / NaN)."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return f"{x:.{digits}g}"
+
+
+def pct(fraction: Optional[float]) -> str:
+    """A fraction as a percentage with 3 significant digits (``2.4e-05%`` for tiny ones)."""
+    if fraction is None or (isinstance(fraction, float) and math.isnan(fraction)):
+        return "-"
+    return f"{100 * fraction:.3g}%"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    """Where and with what a result was measured (recorded in every JSON)."""
+    import jax
+
+    commit = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    dev = jax.devices()[0]
+    return {"time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "hostname": platform.node(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+            "jax_version": jax.__version__, "platform": dev.platform, "device_kind": dev.device_kind,
+            "num_devices": jax.device_count(), "git_commit": commit, "argv": sys.argv}
+
+
+# ------------------------------------------------------------------ state hashing
+def tree_digest(tree: Any) -> str:
+    """sha256 over every leaf of ``tree`` in flattening order: its key path, dtype, shape
+    and raw bytes (sharded arrays are gathered to the host first). Bit-identical trees,
+    and only those, give the same digest."""
+    import jax
+    import numpy as np
+
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]:
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()

@@ -1,0 +1,142 @@
+"""``bench mfu``: training throughput of a config: tokens/s, TFLOP/s per device and MFU.
+
+Builds the run (mesh from the config's parallel sizes over the visible devices), trains
+``--warmup`` untimed steps (compilation included), then times ``--steps`` steps one by one
+(each waited for with ``block_until_ready``; the batch is placed on the devices before the
+clock starts, so data loading is not timed). From the median step time ``t``:
+
+* tokens/s = ``global_batch_size * seq_length / t``;
+* TFLOP/s per device = ``num_floating_point_operations(cfg, global_batch_size) / (t * 1e12 *
+  devices)`` (:mod:`jmegatron.training.flops`, Megatron's model-FLOPs formula);
+* MFU = that over the per-device peak: ``config.peak_tflops`` if set, else the stored
+  ``bench peak`` measurement for the compute dtype (bfloat16 with ``bf16``), else a quick
+  measurement now (the source is recorded).
+
+Outputs in ``--out``: ``mfu.json``, ``mfu.md``, ``mfu.png`` (step times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from jmegatron.bench import common
+
+
+def register(sub) -> None:
+    p = sub.add_parser("mfu", help="tokens/s, TFLOP/s per device and MFU of a config",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_config_arguments(p)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median taken)")
+    p.add_argument("--peak-file", default=None, help="measured peak to use (default runs/bench/peak.json)")
+    common.add_out_argument(p, "mfu")
+    p.set_defaults(func=run)
+
+
+def peak_for(cfg, peak_file=None) -> tuple[float, str]:
+    """(peak TFLOP/s per device, source) as every MFU in jmegatron: ``config.peak_tflops``,
+    else the stored measurement for the compute dtype, else measured now."""
+    from jmegatron.training.peak import device_peak_tflops
+
+    if cfg.peak_tflops:
+        return float(cfg.peak_tflops), "config.peak_tflops"
+    return device_peak_tflops("bfloat16" if cfg.bf16 else "float32", peak_file)
+
+
+def run(args) -> int:
+    if args.warmup < 1 or args.steps < 1:
+        raise common.BenchError("--warmup and --steps must be >= 1 (the first step compiles)")
+    cfg = common.load_config_for_steps(args, args.warmup + args.steps)
+
+    import jax
+
+    from jmegatron.data.loader import BatchLoader
+    from jmegatron.training import flops
+    from jmegatron.training.loop import build, build_datasets
+
+    cfg = common.bench_config(cfg)
+    run_ = build(cfg)
+    state = run_.init_state()
+    train_ds, _, _ = build_datasets(cfg, run_.global_batch_size)
+    loader = BatchLoader(train_ds, run_.global_batch_size, run_.num_microbatches)
+    times, losses = [], []
+    t_compile = None
+    for i in range(args.warmup + args.steps):
+        batch = run_.put_batch(next(loader))
+        jax.block_until_ready(batch)
+        t0 = time.perf_counter()
+        state, metrics = run_.train_step(state, batch)
+        jax.block_until_ready((state, metrics))
+        dt = time.perf_counter() - t0
+        losses.append(float(metrics["loss"]))
+        if i == 0:
+            t_compile = dt
+        if i >= args.warmup:
+            times.append(dt)
+    devices = run_.mesh.devices.size
+    step = float(np.median(times))
+    tokens = run_.global_batch_size * cfg.seq_length
+    flops_per_step = flops.num_floating_point_operations(cfg, run_.global_batch_size, run_.padded_vocab_size)
+    tflops = flops.tflops_per_device(flops_per_step, step, devices)
+    peak, source = peak_for(cfg, args.peak_file)
+    result = {
+        "command": "mfu", "config": args.config, "config_overrides": args.config_overrides,
+        "mesh": dict(run_.mesh.shape), "num_devices": devices, "bf16": cfg.bf16,
+        "global_batch_size": run_.global_batch_size, "num_microbatches": run_.num_microbatches,
+        "seq_length": cfg.seq_length, "num_parameters": flops.num_parameters(cfg, run_.padded_vocab_size),
+        "flops_per_step": flops_per_step, "flops_per_token": flops_per_step / tokens,
+        "warmup_steps": args.warmup, "timed_steps": args.steps, "first_step_seconds": t_compile,
+        "step_seconds": times, "median_step_seconds": step,
+        "step_seconds_p10_p90": [float(np.percentile(times, 10)), float(np.percentile(times, 90))],
+        "tokens_per_second": tokens / step, "tokens_per_second_per_device": tokens / step / devices,
+        "tflops_per_device": tflops, "peak_tflops": peak, "peak_source": source,
+        "mfu": flops.mfu(tflops, peak), "losses": losses, "environment": common.environment()}
+    out = common.out_dir(args)
+    common.write_json(out / "mfu.json", result)
+    _chart(result, out / "mfu.png")
+    common.write_text(out / "mfu.md", markdown(result))
+    print(f"[bench mfu] median step {1e3 * step:.1f} ms | {result['tokens_per_second']:.0f} tokens/s | "
+          f"{tflops:.4f} TFLOP/s/device | MFU {100 * result['mfu']:.1f}% of {peak:.4f} ({source}); results in {out}")
+    return 0
+
+
+def markdown(r: dict) -> str:
+    lo, hi = r["step_seconds_p10_p90"]
+    return "\n".join([
+        "# Training efficiency (MFU)", "",
+        f"`{r['config']}` {' '.join(r['config_overrides'])}: mesh {r['mesh']}, global batch "
+        f"{r['global_batch_size']} x {r['seq_length']} tokens, {r['num_parameters']:,} parameters, "
+        f"{'bf16' if r['bf16'] else 'float32'}.", "",
+        common.markdown_table(["", "value"], [
+            ["median step time", f"{1e3 * r['median_step_seconds']:.2f} ms (p10 {1e3 * lo:.2f}, p90 {1e3 * hi:.2f}; "
+                                 f"{r['timed_steps']} timed after {r['warmup_steps']} warm-up)"],
+            ["first step (compile + run)", f"{r['first_step_seconds']:.2f} s"],
+            ["tokens/s", f"{r['tokens_per_second']:.1f} ({r['tokens_per_second_per_device']:.1f} per device)"],
+            ["model FLOPs per step", f"{r['flops_per_step']:.4g} ({r['flops_per_token']:.4g} per token)"],
+            ["TFLOP/s per device", f"{r['tflops_per_device']:.4f}"],
+            ["peak TFLOP/s per device", f"{r['peak_tflops']:.4f} ({r['peak_source']})"],
+            ["MFU", f"**{100 * r['mfu']:.2f}%**"],
+        ]), "",
+        "Model FLOPs follow Megatron's `num_floating_point_operations` (matmuls only, causal "
+        "attention half-counted, no recomputation), so MFU is comparable with Megatron's logs.", "",
+        "![step times](mfu.png)"])
+
+
+def _chart(r: dict, path) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = list(range(r["warmup_steps"] + 1, r["warmup_steps"] + 1 + len(r["step_seconds"])))
+    ax.plot(steps, [1e3 * t for t in r["step_seconds"]], "o-", ms=3, label="step time")
+    ax.axhline(1e3 * r["median_step_seconds"], color="red", ls="--", lw=1,
+               label=f"median {1e3 * r['median_step_seconds']:.1f} ms, MFU {100 * r['mfu']:.1f}%")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms")
+    ax.set_title("Timed training steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,361 @@
+"""Theoretical memory of one training step per device: weights, gradients, optimizer state
+and activations, for a parallel layout (tensor, data with ZeRO-1 or FSDP, sequence parallel).
+
+Follows Megatron-LM ``megatron/training/theoretical_memory_usage.py``
+(``compute_weight_and_optimizer_memory``, ``compute_activation_memory``) and the paper it
+cites, Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv:2205.05198), section 4 and Table 2. FLOPs stay in
+:mod:`jmegatron.training.flops`; this module counts bytes and uses
+:func:`flops.num_parameters` for the parameter count.
+
+Units: every function returns **bytes per device** (floats, since the per-device share of
+a sharded tensor is a division). Divide by ``2**20`` for Megatron's "MB".
+
+Two bookkeepings of the model state:
+
+* jmegatron's (:func:`weight_and_optimizer_memory`): float32 master parameters (also with
+  ``bf16``, which only casts the compute), a float32 gradient accumulator of the full
+  (tensor-sharded) parameter size, and AdamW's two float32 moments: 16 bytes per
+  parameter. The distributed optimizer (ZeRO-1) shards the moments over data
+  (``4 + 4 + 8 / dp``); FSDP shards all three (``16 / dp``) for the parameters with a
+  hidden axis. Parameters the model keeps replicated over the tensor axis (norms, the
+  row-parallel biases, position embeddings) are not divided by ``tp``
+  (:func:`parameter_classes`).
+* Megatron's (:func:`megatron_weight_and_optimizer_memory`): 16-bit parameters and fp32
+  gradients, main parameters and moments, 18 bytes per parameter, ``6 + 12 / dp`` with the
+  distributed optimizer, over Megatron's own parameter count (no biases, no position
+  embeddings) of the most loaded tensor shard; for comparison with Megatron's printout.
+
+Activations (:func:`activation_memory`) follow the paper's per-layer count term by term,
+generalised from its 16-bit GPT layer to jmegatron's layers: ``e`` bytes per activation
+element (4 in float32, 2 with ``bf16``), 1 byte per dropout-mask element (only when that
+dropout is on), grouped-query widths ``q = heads * kv_channels``, ``kv = groups *
+kv_channels``, SwiGLU, and the ``s x s`` score tensors. For GPT with ``ffn = 4h``,
+``e = 2`` and dropout on, it is exactly the paper's ``sbh (34 + 5 a s / h)`` per layer
+(``sbh (10 + 24/t + 5as/(ht))`` with tensor parallelism, ``sbh (34/t + 5as/(ht))`` with
+sequence parallelism, the ``s^2`` terms gone with selective recomputation, and ``e * sbh
+(/t with SP)`` stored per layer with full recomputation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+from jmegatron.config import JMegatronConfig
+from jmegatron.training import flops
+
+FLOAT32_BYTES = 4
+MASK_BYTES = 1  # a dropout mask element (Megatron's paper: 1 byte)
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+# jmegatron's state, bytes per parameter (see the module docstring)
+PARAM_BYTES = FLOAT32_BYTES
+GRAD_BYTES = FLOAT32_BYTES
+ADAM_STATE_BYTES = 2 * FLOAT32_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """How one training step is laid out over devices (Megatron's argument names).
+
+    ``use_distributed_optimizer`` is ZeRO-1 over the data axis; ``use_megatron_fsdp``
+    shards parameters, gradients and optimizer state over data.
+    """
+
+    tensor_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    use_distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+    use_megatron_fsdp: bool = False
+
+    def __post_init__(self):
+        if self.tensor_model_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError(f"parallel sizes must be >= 1 (tp={self.tensor_model_parallel_size}, "
+                             f"dp={self.data_parallel_size})")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+        if self.use_distributed_optimizer and self.use_megatron_fsdp:
+            raise ValueError("use_megatron_fsdp already shards the optimizer state; drop zero1")
+
+    @classmethod
+    def from_config(cls, cfg: JMegatronConfig, data_parallel_size: int) -> "ParallelLayout":
+        """The layout ``cfg`` asks for with ``data_parallel_size`` data-parallel ranks."""
+        return cls(cfg.tensor_model_parallel_size, data_parallel_size, cfg.use_distributed_optimizer,
+                   cfg.sequence_parallel, cfg.use_megatron_fsdp)
+
+    @classmethod
+    def parse(cls, text: str) -> "ParallelLayout":
+        """``"tp2-dp4"``, ``"tp2-dp4-zero1"``, ``"tp4-sp-dp2"``, ``"dp8-fsdp"`` (parts in any
+        order, missing sizes are 1). Raises ValueError naming the bad part."""
+        tp, dp, zero1, sp, fsdp = 1, 1, False, False, False
+        for part in text.lower().split("-"):
+            m = re.fullmatch(r"(tp|dp)(\d+)", part)
+            if m:
+                if m[1] == "tp":
+                    tp = int(m[2])
+                else:
+                    dp = int(m[2])
+            elif part == "zero1":
+                zero1 = True
+            elif part == "sp":
+                sp = True
+            elif part == "fsdp":
+                fsdp = True
+            else:
+                raise ValueError(f"layout {text!r}: unknown part {part!r} (use tpN, dpN, zero1, sp, fsdp, "
+                                 f"joined by '-', e.g. tp2-dp4-zero1)")
+        return cls(tp, dp, zero1, sp, fsdp)
+
+    @property
+    def name(self) -> str:
+        """The :meth:`parse` spelling, e.g. ``"tp2-dp4-zero1"``."""
+        parts = [f"tp{self.tensor_model_parallel_size}"] + (["sp"] if self.sequence_parallel else [])
+        parts.append(f"dp{self.data_parallel_size}")
+        if self.use_distributed_optimizer:
+            parts.append("zero1")
+        if self.use_megatron_fsdp:
+            parts.append("fsdp")
+        return "-".join(parts)
+
+    @property
+    def num_devices(self) -> int:
+        return self.tensor_model_parallel_size * self.data_parallel_size
+
+
+# ------------------------------------------------------------------ parameters
+def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int) -> dict[str, int]:
+    """Parameter counts by how jmegatron's logical-axis rules lay them out:
+
+    * ``tensor_replicated_fsdp_sharded``: no tensor axis but a hidden (``embed``) axis: the
+      ``[h]`` biases of the row-parallel ``linear_proj`` and ``linear_fc2``, and learned
+      position embeddings;
+    * ``replicated``: neither: the norms;
+    * ``tensor_sharded_fsdp_replicated``: a tensor axis but no hidden axis: the
+      ``linear_qkv`` and ``linear_fc1`` biases;
+    * ``sharded``: both (every kernel, the word embeddings, the untied output layer).
+
+    The four add up to :func:`flops.num_parameters`.
+    """
+    h = cfg.hidden_size
+    norm = 2 * h if cfg.normalization == "LayerNorm" else h
+    bias = cfg.add_bias_linear
+    qkv_bias = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels \
+        if (bias or cfg.add_qkv_bias) else 0
+    fc1_bias = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size if bias else 0
+    positions = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
+    classes = {
+        "tensor_replicated_fsdp_sharded": cfg.num_layers * (2 * h if bias else 0) + positions,
+        "replicated": cfg.num_layers * 2 * norm + norm,
+        "tensor_sharded_fsdp_replicated": cfg.num_layers * (qkv_bias + fc1_bias),
+    }
+    classes["sharded"] = flops.num_parameters(cfg, padded_vocab_size) - sum(classes.values())
+    return classes
+
+
+def parameters_per_device(cfg: JMegatronConfig, padded_vocab_size: int, layout: ParallelLayout) -> float:
+    """Parameters held by one device (:func:`parameter_classes`): tensor-sharded classes
+    divided by tp, and under FSDP the classes with a hidden axis divided by dp."""
+    c = parameter_classes(cfg, padded_vocab_size)
+    t = layout.tensor_model_parallel_size
+    d = layout.data_parallel_size if layout.use_megatron_fsdp else 1
+    return (c["sharded"] / (t * d) + c["tensor_sharded_fsdp_replicated"] / t
+            + c["tensor_replicated_fsdp_sharded"] / d + c["replicated"])
+
+
+@dataclasses.dataclass(frozen=True)
+class StateMemory:
+    """Bytes per device of the model state: ``weights``, ``gradients``, ``optimizer_state``."""
+
+    weights: float
+    gradients: float
+    optimizer_state: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer_state
+
+
+def weight_and_optimizer_memory(cfg: JMegatronConfig, padded_vocab_size: int,
+                                layout: ParallelLayout) -> StateMemory:
+    """jmegatron's model state per device (bytes): float32 weights (4 B/param), the float32
+    gradient accumulator (4 B/param; the micro-batch loop accumulates full local
+    gradients before the one reduction, as Megatron's grad buffer), AdamW moments
+    (8 B/param, divided by dp with the distributed optimizer). FSDP divides all three by
+    dp for the parameters it shards (gradients reduce-scattered per micro-batch)."""
+    n = parameters_per_device(cfg, padded_vocab_size, layout)  # FSDP's / dp included
+    optimizer = ADAM_STATE_BYTES * n
+    if layout.use_distributed_optimizer:
+        optimizer /= layout.data_parallel_size
+    return StateMemory(weights=PARAM_BYTES * n, gradients=GRAD_BYTES * n, optimizer_state=optimizer)
+
+
+def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vocab_size: int,
+                                                 tensor_model_parallel_size: int = 1) -> float:
+    """Megatron's ``num_parameters_on_most_loaded_model_shard`` (pipeline size 1, dense):
+    ``(L * (2h (ffn * g + norm) + 2h^2 (1 + groups/heads) q/h) + norm h + V h (x2 if
+    untied)) / tp`` with ``g = 3/2`` for SwiGLU, ``norm = 2`` for LayerNorm (1 for
+    RMSNorm); no biases and no position embeddings, as Megatron counts."""
+    h = cfg.hidden_size
+    norm_size = 1 if cfg.normalization == "RMSNorm" else 2
+    gated = 1.5 if cfg.swiglu else 1.0
+    q_ratio = cfg.kv_channels * cfg.num_attention_heads / h
+    self_attn = 2 * h * h * ((1 + cfg.num_query_groups / cfg.num_attention_heads) * q_ratio)
+    layer = 2 * h * (cfg.ffn_hidden_size * gated + norm_size) + self_attn
+    embedding = h * padded_vocab_size
+    shard = cfg.num_layers * layer + norm_size * h + embedding
+    if cfg.untie_embeddings_and_output_weights:
+        shard += embedding
+    return shard / tensor_model_parallel_size
+
+
+def megatron_weight_and_optimizer_memory(cfg: JMegatronConfig, padded_vocab_size: int,
+                                         layout: ParallelLayout) -> float:
+    """Megatron's ``compute_weight_and_optimizer_memory`` (bytes): 18 bytes per parameter
+    of the most loaded shard, ``6 + 12 / dp`` with the distributed optimizer."""
+    per_param = 6 + 12 / layout.data_parallel_size if layout.use_distributed_optimizer else 18
+    return per_param * megatron_num_parameters_on_most_loaded_shard(
+        cfg, padded_vocab_size, layout.tensor_model_parallel_size)
+
+
+# ------------------------------------------------------------------ activations
+def activation_bytes_per_element(cfg: JMegatronConfig) -> int:
+    """2 with ``bf16`` (bfloat16 compute), else 4 (float32)."""
+    return 2 if cfg.bf16 else 4
+
+
+def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, layout: ParallelLayout,
+                                recompute: str = "none", bytes_per_element: Optional[int] = None) -> float:
+    """Bytes one transformer layer keeps for its backward pass, per device, for one
+    micro-batch of ``micro_batch_size`` sequences of ``cfg.seq_length`` tokens.
+
+    With ``e`` = ``bytes_per_element`` (default :func:`activation_bytes_per_element`),
+    ``m`` = 1 byte when the hidden dropout is on (else 0), ``m_a`` likewise for attention
+    dropout, ``t`` = tp, ``n = s * b`` tokens, ``a`` heads, ``F`` = ffn (``2F`` fc1 width
+    with SwiGLU)::
+
+        replicated over t without SP (all / t with SP):
+          2 e n h      inputs of input_layernorm and pre_mlp_layernorm
+          e n h        linear_qkv input (layernorm output)
+          e n h        linear_fc1 input (layernorm output)
+          2 m n h      the two residual dropout masks
+        split over t:
+          e n (q + kv) Q and K for the scores;  e n kv  V
+          e a s^2 b    softmax output;  (m_a + e) a s^2 b  attention dropout mask and output
+          e n q        linear_proj input
+          e n F_1      activation input (fc1 output, F_1 = F or 2F);  e n F  linear_fc2 input
+
+    ``recompute="selective"`` drops the ``s^2`` terms (core attention recomputed);
+    ``"full"`` keeps only the layer input, ``e n h`` (/ t with SP). Raises ValueError for
+    another ``recompute``.
+    """
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE_CHOICES}")
+    e = activation_bytes_per_element(cfg) if bytes_per_element is None else bytes_per_element
+    t = layout.tensor_model_parallel_size
+    sp_div = t if layout.sequence_parallel else 1
+    s, b, h = cfg.seq_length, micro_batch_size, cfg.hidden_size
+    n = s * b
+    if recompute == "full":
+        return e * n * h / sp_div
+    m = MASK_BYTES if cfg.hidden_dropout > 0 else 0
+    m_a = MASK_BYTES if cfg.attention_dropout > 0 else 0
+    q = cfg.kv_channels * cfg.num_attention_heads
+    kv = cfg.kv_channels * cfg.num_query_groups
+    ffn = cfg.ffn_hidden_size
+    fc1_width = 2 * ffn if cfg.swiglu else ffn
+    replicated = n * h * (2 * e + e + e + 2 * m)
+    split = n * (e * (q + kv) + e * kv + e * q + e * fc1_width + e * ffn)
+    scores = 0 if recompute == "selective" else \
+        cfg.num_attention_heads * s * s * b * (e + (m_a + e if m_a else 0))
+    return replicated / sp_div + (split + scores) / t
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationMemory:
+    """Bytes per device kept for the backward pass of one micro-batch: ``per_layer``
+    (x ``num_layers`` = ``layers``), ``embedding`` (token ids and the embedding dropout
+    mask), ``output`` (final layernorm input and output-layer input, float32 logits for
+    the cross-entropy), ``recompute_working_set`` (full recomputation: one layer's
+    activations rebuilt during its backward pass), ``recompute``."""
+
+    per_layer: float
+    layers: float
+    embedding: float
+    output: float
+    recompute_working_set: float
+    recompute: str
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.embedding + self.output + self.recompute_working_set
+
+
+def activation_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: ParallelLayout,
+                      micro_batch_size: Optional[int] = None, recompute: Optional[str] = None,
+                      bytes_per_element: Optional[int] = None) -> ActivationMemory:
+    """Activation bytes per device for one micro-batch (jmegatron's micro-batch loop holds
+    one at a time; there is no pipeline schedule with several in flight).
+
+    ``micro_batch_size`` defaults to ``cfg.micro_batch_size`` (sequences per data-parallel
+    rank), ``recompute`` to ``cfg.recompute_granularity``. Besides the layers
+    (:func:`activation_memory_per_layer`): token ids, 4 bytes per token (Megatron counts 8
+    for int64), and the embedding dropout mask ``m s b h``; the final layernorm input and
+    the output layer input ``2 e s b h`` (/ t with SP) and the float32 logits ``4 s b V / t``
+    (Megatron's ``4 sbh (1 + V/h)`` counts the same logits plus one ``[s, b, h]``).
+    """
+    recompute = cfg.recompute_granularity if recompute is None else recompute
+    b = cfg.micro_batch_size if micro_batch_size is None else micro_batch_size
+    e = activation_bytes_per_element(cfg) if bytes_per_element is None else bytes_per_element
+    t = layout.tensor_model_parallel_size
+    sp_div = t if layout.sequence_parallel else 1
+    n = cfg.seq_length * b
+    per_layer = activation_memory_per_layer(cfg, b, layout, recompute, e)
+    m = MASK_BYTES if cfg.hidden_dropout > 0 else 0
+    embedding = FLOAT32_BYTES * n + m * n * cfg.hidden_size / sp_div
+    output = 2 * e * n * cfg.hidden_size / sp_div + FLOAT32_BYTES * n * padded_vocab_size / t
+    working = activation_memory_per_layer(cfg, b, layout, "none", e) if recompute == "full" else 0.0
+    return ActivationMemory(per_layer=per_layer, layers=per_layer * cfg.num_layers, embedding=embedding,
+                            output=output, recompute_working_set=working, recompute=recompute)
+
+
+# ------------------------------------------------------------------ everything
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Theoretical bytes per device of one training step (see :func:`theoretical_memory`)."""
+
+    layout: str
+    num_parameters: int
+    parameters_per_device: float
+    weights: float
+    gradients: float
+    optimizer_state: float
+    activations: float
+    activations_by_recompute: dict
+    megatron_weight_and_optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer_state + self.activations
+
+    def to_dict(self) -> dict:
+        """Every field plus ``total`` (bytes), JSON-ready."""
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def theoretical_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: ParallelLayout,
+                       micro_batch_size: Optional[int] = None) -> MemoryEstimate:
+    """Weights, gradients, optimizer state (:func:`weight_and_optimizer_memory`) and
+    activations (:func:`activation_memory` with ``cfg.recompute_granularity``; the other
+    recompute choices in ``activations_by_recompute``) in bytes per device, and Megatron's
+    own weight+optimizer figure for the same layout."""
+    state = weight_and_optimizer_memory(cfg, padded_vocab_size, layout)
+    by_recompute = {r: activation_memory(cfg, padded_vocab_size, layout, micro_batch_size, r).total
+                    for r in RECOMPUTE_CHOICES}
+    return MemoryEstimate(
+        layout=layout.name, num_parameters=flops.num_parameters(cfg, padded_vocab_size),
+        parameters_per_device=parameters_per_device(cfg, padded_vocab_size, layout),
+        weights=state.weights, gradients=state.gradients, optimizer_state=state.optimizer_state,
+        activations=by_recompute[cfg.recompute_granularity], activations_by_recompute=by_recompute,
+        megatron_weight_and_optimizer=megatron_weight_and_optimizer_memory(cfg, padded_vocab_size, layout))
