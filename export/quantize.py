@@ -38,11 +38,18 @@ Output (``--out DIR``, which must be empty or absent)::
                                 and scales), hf_quant_config.json (``quant_algo``,
                                 ``kv_cache_quant_algo``, ``exclude_modules``), and the tokenizer
                                 (tokenizer.json, tokenizer_config.json) when the checkpoint has one.
-                                TensorRT-LLM (``LLM(model=...)``) and vLLM load this folder.
+                                This is the format TensorRT-LLM's ``LLM(model=...)`` and vLLM
+                                read (not run here: no GPU). Caveat from hf_ptq.py: it still
+                                sends ``int8_sq`` to the legacy TRT-LLM exporter, as the
+                                TensorRT-LLM torch runtime lacks W8A8 SmoothQuant.
 
-Note: ModelOpt turns GPT-2's ``Conv1D`` ([in, out] weights) into ``nn.Linear``, so the
-exported GPT-2 weights are ``[out, in]``; the ``quant_algo`` names are ModelOpt's
-(``W8A8_SQ_PER_CHANNEL``, ``FP8``, ``W4A16_AWQ``, ``W4A8_AWQ``, ``INT8``, ``W8A16``).
+Calibration and evaluation run the float32 model (fake quantization); the export then casts
+it to ``--export-dtype`` (default bf16 if the run trained in bf16, else fp16, as Megatron),
+so the unquantized tensors are half precision as from a model loaded in that dtype. ModelOpt
+turns GPT-2's ``Conv1D`` ([in, out] weights) into ``nn.Linear``, so the exported GPT-2
+weights are ``[out, in]``. ``quant_algo`` names are ModelOpt's (``W8A8_SQ_PER_CHANNEL``,
+``FP8``, ``W4A16_AWQ``, ``W4A8_AWQ``, ...). On a CPU shared with other jobs, torch's OpenMP
+threads spin: ``OMP_NUM_THREADS=1`` ran 5 to 35 times faster on the shared 2-core test machine.
 
 Requires ``torch`` and ``nvidia-modelopt`` (the ``export`` extra); on CPU ModelOpt 0.47 runs
 the six configs offered here (NVFP4 / MXFP8 need CUDA).
@@ -68,7 +75,7 @@ __all__ = [
     "QUANT_CFG_CHOICES", "KV_CACHE_QUANT_CHOICES", "MODELOPT_STATE", "UNIFIED_HF_DIR", "INFO_FILE",
     "MANIFEST", "register", "run", "quantize", "load_quantized", "parse_quant_cfgs",
     "build_quant_config", "portion_dataset", "make_batches", "perplexity", "quantize_model",
-    "enabled_quantizers", "greedy_continuation",
+    "enabled_quantizers", "greedy_continuation", "save_quantized",
 ]
 
 # --quant-cfg name -> ModelOpt config (names as Megatron-LM's text_generation_ptq.py / hf_ptq.py)
@@ -118,7 +125,8 @@ def register(sub) -> None:
     p.add_argument("--split", default=None, help="train,valid,test weights (default: the checkpoint config's split)")
     p.add_argument("--prompt", default=None, help="sanity prompt for greedy continuations "
                    "(default: the first 16 tokens of the first held-out sample)")
-    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens of the sanity continuation (default 24)")
+    p.add_argument("--max-new-tokens", type=int, default=24,
+                   help="tokens of the sanity continuations (default 24; 0 skips them)")
     p.add_argument("--export-dtype", choices=EXPORT_DTYPES, default=None,
                    help="dtype of the unquantized tensors in the unified HF checkpoint "
                         "(default: bfloat16 if the run trained in bf16, else float16, as Megatron)")
@@ -377,8 +385,13 @@ def _save_tokenizer(src: ExportSource, folder: str) -> bool:
 
 
 def _resolve_cfg_dir(quantized_dir: str, cfg_name: Optional[str]) -> str:
-    if os.path.isfile(os.path.join(quantized_dir, INFO_FILE)):
-        return quantized_dir  # already one config's folder
+    info_path = os.path.join(quantized_dir, INFO_FILE)
+    if os.path.isfile(info_path):  # already one config's folder
+        with open(info_path) as f:
+            holds = json.load(f)["quant_cfg"]
+        if cfg_name is not None and cfg_name != holds:
+            raise ExportError(f"{quantized_dir} holds config {holds!r}, not {cfg_name!r}")
+        return quantized_dir
     manifest = os.path.join(quantized_dir, MANIFEST)
     if not os.path.isfile(manifest):
         raise ExportError(f"{quantized_dir} is not a `jmegatron.export quantize` output (no {MANIFEST} or "
@@ -500,32 +513,33 @@ def _quality_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Optional[int] = None,
-             kv_cache_quant: str = "none", calib_size: int = 512, calib_batch_size: int = 4,
-             calib_seq_length: int = 512, eval_data: Optional[str] = None, eval_samples: int = 256,
-             eval_seq_length: Optional[int] = None, split: Optional[str] = None, prompt: Optional[str] = None,
-             max_new_tokens: int = 24, export_dtype: Optional[str] = None, device: Optional[str] = None) -> dict:
-    """Quantize checkpoint ``load`` with each of ``quant_cfgs`` and write ``out`` (layout in the
-    module docstring). Returns the quality report (also ``out/quality.json``): ``rows`` =
-    fp32 then one per config with ``loss`` (nats/token), ``ppl``, ``relative_change``
-    (``ppl / ppl_fp32 - 1``), ``quant_algo``; ``eval`` / ``calibration`` describe the data.
+@dataclasses.dataclass
+class _Plan:
+    """Everything checked before any array is restored."""
 
-    Sequence lengths above ``max_position_embeddings`` are clamped to it with a warning.
+    names: list
+    kv: str
+    cfg: Any
+    arch: str
+    split: str
+    calib: Portion
+    held_out: Portion
+    tokenizer: Any        # jmegatron.data.tokenizer.HFTokenizer or None
+    eod: int
+    export_dtype: str
 
-    Raises:
-        ExportError, before any array is restored: unknown ``--quant-cfg`` / ``--kv-cache-quant``,
-            non-positive sizes, a non-empty ``out``, a missing ``PREFIX.bin/.idx``, a
-            missing or unreadable checkpoint, an architecture with no Hugging Face target (the
-            config fields are named), a split portion without text; after loading: token ids
-            outside the vocabulary.
-    """
-    t_start = time.time()
+
+def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_size, calib_batch_size,
+          calib_seq_length, eval_data, eval_samples, eval_seq_length, split, prompt, max_new_tokens,
+          export_dtype) -> _Plan:
     names = parse_quant_cfgs(",".join(quant_cfgs) if isinstance(quant_cfgs, (list, tuple)) else quant_cfgs)
     kv = _check_kv_cache_quant(kv_cache_quant)
     for value, flag in ((calib_size, "--calib-size"), (calib_batch_size, "--calib-batch-size"),
                         (calib_seq_length, "--calib-seq-length"), (eval_samples, "--eval-samples"),
-                        (eval_seq_length, "--eval-seq-length"), (max_new_tokens, "--max-new-tokens")):
+                        (eval_seq_length, "--eval-seq-length")):
         _positive(value, flag)
+    if isinstance(max_new_tokens, bool) or int(max_new_tokens) < 0:
+        raise ExportError(f"--max-new-tokens must be >= 0 (0: no sanity continuations), got {max_new_tokens}")
     if export_dtype is not None and export_dtype not in EXPORT_DTYPES:
         raise ExportError(f"--export-dtype {export_dtype!r}: choose from {', '.join(EXPORT_DTYPES)}")
     _check_out_dir(out)
@@ -538,95 +552,165 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
         arch = hf_architecture(cfg)
     except ValueError as e:
         raise ExportError(f"--load {load}: {e}") from e
-    split = split or cfg.split
-    calib_len = _clamp_length(calib_seq_length, "--calib-seq-length", cfg)
-    eval_len = _clamp_length(eval_seq_length or cfg.seq_length, "--eval-seq-length", cfg)
-    tok = None
+    tokenizer = None
     if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model):
         from jmegatron.data.tokenizer import load_tokenizer
 
-        tok = load_tokenizer(cfg.tokenizer_model)
-    if tok is None and (cfg.eod_mask_loss or cfg.reset_position_ids):
-        raise ExportError(f"--load {load}: eod_mask_loss/reset_position_ids need the end-of-document id, but the "
-                          f"checkpoint's tokenizer_model {cfg.tokenizer_model!r} is missing")
-    eod = tok.eod if tok is not None else 0
+        tokenizer = load_tokenizer(cfg.tokenizer_model)
+    elif cfg.eod_mask_loss or cfg.reset_position_ids or prompt is not None:
+        raise ExportError(f"--load {load}: the checkpoint's tokenizer_model {cfg.tokenizer_model!r} is missing; "
+                          "--prompt, eod_mask_loss and reset_position_ids need it")
+    eod = tokenizer.eod if tokenizer is not None else 0  # only read by the two flags above
+    split = split or cfg.split
+    calib_len = _clamp_length(calib_seq_length, "--calib-seq-length", cfg)
+    eval_len = _clamp_length(eval_seq_length or cfg.seq_length, "--eval-seq-length", cfg)
     flags = dict(reset_position_ids=cfg.reset_position_ids, eod_mask_loss=cfg.eod_mask_loss)
     calib = portion_dataset(calib_prefix, split, "train", calib_size, calib_len, cfg.seed, eod, **flags)
     held_out = portion_dataset(eval_prefix, split, "test", None, eval_len, cfg.seed, eod, **flags)
     if len(held_out.dataset) < eval_samples:
         _warn(f"the test portion of {eval_prefix} holds {len(held_out.dataset)} samples of {eval_len} tokens; "
               f"evaluating on those instead of --eval-samples {eval_samples}")
+    return _Plan(names, kv, cfg, arch, split, calib, held_out, tokenizer, eod,
+                 export_dtype or ("bfloat16" if cfg.bf16 else "float16"))
+
+
+def _portion_record(portion: Portion, batches: Sequence[dict], **extra) -> dict:
+    ds = portion.dataset
+    return {"prefix": os.path.abspath(portion.prefix), "portion": portion.name, "split": portion.split,
+            "sequences": list(portion.sequences), "num_sequences": portion.num_sequences,
+            "samples": sum(len(b["tokens"]) for b in batches), "seq_length": ds.seq_length, "seed": ds.seed, **extra}
+
+
+def save_quantized(model, cfg_dir: str, src: ExportSource, export_dtype: str, info: dict) -> dict:
+    """Write one quantized model: ``cfg_dir/modelopt_state.pth`` (``mto.save``), then the
+    unified HF checkpoint ``cfg_dir/unified_hf`` (``export_hf_checkpoint``; the unquantized
+    tensors in ``export_dtype``, plus the tokenizer when ``src`` has one), then
+    ``cfg_dir/quantize_info.json`` = ``info`` + ``quant_algo``/``kv_cache_quant_algo``/
+    ``exclude_modules`` from ``hf_quant_config.json``. Returns that info. The export casts
+    ``model`` to ``export_dtype`` and packs its weights: use the model no further."""
+    import modelopt.torch.opt as mto
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+
+    os.makedirs(cfg_dir)
+    mto.save(model, os.path.join(cfg_dir, MODELOPT_STATE))
+    hf_dir = os.path.join(cfg_dir, UNIFIED_HF_DIR)
+    dtype = getattr(torch, export_dtype)
+    # as from a model loaded in that dtype (hf_ptq.py); a few quantized codes can move by one
+    # step against the float32 fake quantization
+    model.to(dtype)
+    model.config.dtype = dtype
+    with torch.inference_mode():
+        export_hf_checkpoint(model, dtype=dtype, export_dir=hf_dir)
+    with open(os.path.join(hf_dir, "hf_quant_config.json")) as f:
+        hf_quant = json.load(f)["quantization"]
+    info = {**info, "quant_algo": hf_quant.get("quant_algo"),
+            "kv_cache_quant_algo": hf_quant.get("kv_cache_quant_algo"),
+            "exclude_modules": hf_quant.get("exclude_modules"), "export_dtype": export_dtype,
+            "unified_hf_dir": UNIFIED_HF_DIR, "modelopt_state": MODELOPT_STATE,
+            "tokenizer": _save_tokenizer(src, hf_dir)}
+    _write_json(os.path.join(cfg_dir, INFO_FILE), info)
+    return info
+
+
+class _Sanity:
+    """Greedy continuations of one prompt, printed side by side (hf_ptq.py's before/after PTQ)."""
+
+    def __init__(self, plan: _Plan, prompt: Optional[str], first_held_out: np.ndarray, max_new_tokens: int, device):
+        self.tok, self.device = plan.tokenizer, device
+        self.ids = self.tok.tokenize(prompt) if prompt is not None else first_held_out[:16].tolist()
+        self.max_new = max(0, min(int(max_new_tokens), plan.cfg.max_position_embeddings - len(self.ids)))
+        self.eos = plan.eod if self.tok is not None else None
+        self.samples: dict[str, Any] = {"prompt": self.text(self.ids) if self.tok else list(self.ids)}
+
+    def text(self, ids) -> str:
+        return self.tok.detokenize(ids) if self.tok is not None else str(list(ids))
+
+    def add(self, name: str, model) -> None:
+        if self.max_new:
+            cont = greedy_continuation(model, self.ids, self.max_new, self.eos, self.device)
+            self.samples[name] = repr(self.text(cont))
+            if name != "fp32":
+                _log(f"  {'fp32 (torch)':<16} -> {self.samples['fp32']}")
+            _log(f"  {name if name != 'fp32' else 'fp32 (torch)':<16} -> {self.samples[name]}")
+
+    def add_jmegatron(self, load_dir: str, latest: bool) -> None:
+        if not self.max_new:
+            return
+        if self.tok is None:
+            why = "skipped: no tokenizer"
+        elif not latest:
+            why = "skipped: generate_text restores the latest iteration only"
+        else:
+            why = _jmegatron_continuation(load_dir, self.samples["prompt"], self.max_new)
+        self.samples["fp32_jmegatron"] = why
+        _log(f"  {'fp32 (jmegatron)':<16} -> {why}")
+
+
+def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Optional[int] = None,
+             kv_cache_quant: str = "none", calib_size: int = 512, calib_batch_size: int = 4,
+             calib_seq_length: int = 512, eval_data: Optional[str] = None, eval_samples: int = 256,
+             eval_seq_length: Optional[int] = None, split: Optional[str] = None, prompt: Optional[str] = None,
+             max_new_tokens: int = 24, export_dtype: Optional[str] = None, device: Optional[str] = None) -> dict:
+    """Quantize checkpoint ``load`` with each of ``quant_cfgs`` (names or a comma string) and
+    write ``out`` (layout in the module docstring). Returns the quality report (also
+    ``out/quality.json``): ``rows`` = fp32 then one per config with ``loss`` (nats/token),
+    ``ppl``, ``relative_change`` (``ppl / ppl_fp32 - 1``), ``quant_algo``, timings (s);
+    ``eval`` / ``calibration`` describe the data; ``samples`` the sanity continuations.
+
+    ``calib_batch_size`` also batches the evaluation. Sequence lengths above
+    ``max_position_embeddings`` are clamped to it with a warning.
+
+    Raises:
+        ExportError, before any array is restored: unknown ``--quant-cfg`` / ``--kv-cache-quant``,
+            non-positive sizes, a non-empty ``out``, a missing ``PREFIX.bin/.idx``, a
+            missing or unreadable checkpoint, an architecture with no Hugging Face target (the
+            config fields are named), a split portion without text, ``--prompt`` without a
+            tokenizer; after loading: token ids outside the vocabulary.
+    """
+    t_start = time.time()
+    plan = _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_size, calib_batch_size,
+                 calib_seq_length, eval_data, eval_samples, eval_seq_length, split, prompt, max_new_tokens,
+                 export_dtype)
 
     # ---- work starts: restore the arrays, build the torch model
+    import modelopt.torch.quantization as mtq
     import torch
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype_name = export_dtype or ("bfloat16" if cfg.bf16 else "float16")
     t0 = time.time()
     src = load_checkpoint(load, iteration)
     base = hf_model(src).to(device)
-    calib_batches = make_batches(calib.dataset, calib_size, calib_batch_size, src.vocab_size)
-    eval_batches = make_batches(held_out.dataset, eval_samples, calib_batch_size, src.vocab_size)
-    _log(f"{arch} of {src.load_dir} iteration {src.iteration}: loaded in {time.time() - t0:.1f}s; calibration "
-         f"{sum(len(b['tokens']) for b in calib_batches)} x {calib_len} tokens from the train portion of "
-         f"{calib_prefix}, evaluation {sum(len(b['tokens']) for b in eval_batches)} x {eval_len} tokens from the "
-         f"test portion of {eval_prefix} (split {split!r})")
+    calib_batches = make_batches(plan.calib.dataset, calib_size, calib_batch_size, src.vocab_size)
+    eval_batches = make_batches(plan.held_out.dataset, eval_samples, calib_batch_size, src.vocab_size)
+    source = {"load_dir": src.load_dir, "iteration": src.iteration, "architecture": plan.arch,
+              "vocab_size": src.vocab_size, "tokenizer": src.tokenizer_path}
+    data = {"calibration": _portion_record(plan.calib, calib_batches, batch_size=calib_batch_size),
+            "eval": _portion_record(plan.held_out, eval_batches)}
+    cal, ev = data["calibration"], data["eval"]
+    _log(f"{plan.arch} of {src.load_dir} iteration {src.iteration} loaded in {time.time() - t0:.1f}s; calibration: "
+         f"{cal['samples']} x {cal['seq_length']} tokens of the train portion of {cal['prefix']}; evaluation: "
+         f"{ev['samples']} x {ev['seq_length']} tokens of its test portion{' of ' + ev['prefix'] if eval_data else ''}"
+         f" (split {plan.split!r})")
 
     t0 = time.time()
     fp32 = perplexity(base, eval_batches, device)
-    fp32_seconds = time.time() - t0
-    _log(f"fp32: held-out loss {fp32['loss']:.4f}, perplexity {fp32['ppl']:.3f} ({fp32_seconds:.1f}s)")
-
-    # sanity prompt: greedy continuations, fp32 first
-    tokenizer = load_source_tokenizer(src)
-    if prompt is not None and tokenizer is None:
-        raise ExportError("--prompt needs the checkpoint's tokenizer, which is missing")
-    prompt_ids = (tokenizer.tokenize(prompt) if prompt is not None
-                  else eval_batches[0]["tokens"][0, :16].tolist())
-    max_new = max(0, min(max_new_tokens, cfg.max_position_embeddings - len(prompt_ids)))
-
-    def show(ids) -> str:
-        return repr(tokenizer.detokenize(ids)) if tokenizer is not None else str(list(ids))
-
-    prompt_text = tokenizer.detokenize(prompt_ids) if tokenizer is not None else None
-    samples = {"prompt": prompt_text if prompt_text is not None else list(prompt_ids)}
-    if max_new:
-        cont = greedy_continuation(base, prompt_ids, max_new, eod if tokenizer is not None else None, device)
-        samples["fp32"] = show(cont)
-        _log(f"sanity prompt {show(prompt_ids)}")
-        _log(f"  fp32 (torch)     -> {samples['fp32']}")
-        if prompt_text is None:
-            samples["fp32_jmegatron"] = "skipped: no tokenizer"
-        elif iteration is not None:
-            samples["fp32_jmegatron"] = "skipped: generate_text restores the latest iteration only"
-        else:
-            samples["fp32_jmegatron"] = _jmegatron_continuation(src.load_dir, prompt_text, max_new)
-        _log(f"  fp32 (jmegatron) -> {samples['fp32_jmegatron']}")
-
-    import modelopt.torch.opt as mto
-    import modelopt.torch.quantization as mtq
-    from modelopt.torch.export import export_hf_checkpoint
+    ev["tokens"] = fp32["tokens"]
+    rows = [{"name": "fp32", "modelopt_config": None, "quant_algo": None, "loss": fp32["loss"], "ppl": fp32["ppl"],
+             "relative_change": None, "calibration_seconds": None, "eval_seconds": time.time() - t0}]
+    _log(f"fp32: held-out loss {fp32['loss']:.4f}, perplexity {fp32['ppl']:.3f} ({rows[0]['eval_seconds']:.1f}s)")
+    sanity = _Sanity(plan, prompt, eval_batches[0]["tokens"][0], max_new_tokens, device)
+    if sanity.max_new:
+        _log(f"sanity prompt {sanity.samples['prompt']!r}")
+    sanity.add("fp32", base)
+    sanity.add_jmegatron(src.load_dir, latest=iteration is None)
 
     os.makedirs(out, exist_ok=True)
-    source = {"load_dir": src.load_dir, "iteration": src.iteration, "architecture": arch,
-              "vocab_size": src.vocab_size, "tokenizer": src.tokenizer_path}
-    data = {
-        "calibration": {"prefix": os.path.abspath(calib_prefix), "portion": "train", "split": split,
-                        "sequences": list(calib.sequences), "num_sequences": calib.num_sequences,
-                        "samples": sum(len(b["tokens"]) for b in calib_batches), "seq_length": calib_len,
-                        "batch_size": calib_batch_size, "seed": cfg.seed},
-        "eval": {"prefix": os.path.abspath(eval_prefix), "portion": "test", "split": split,
-                 "sequences": list(held_out.sequences), "num_sequences": held_out.num_sequences,
-                 "samples": sum(len(b["tokens"]) for b in eval_batches), "seq_length": eval_len,
-                 "tokens": fp32["tokens"], "seed": cfg.seed},
-    }
-    rows = [{"name": "fp32", "modelopt_config": None, "quant_algo": None, "loss": fp32["loss"], "ppl": fp32["ppl"],
-             "relative_change": None, "calibration_seconds": None, "eval_seconds": fp32_seconds}]
-    for name in names:
+    for name in plan.names:
         t0 = time.time()
-        model = quantize_model(copy.deepcopy(base), name, kv, calib_batches, device)
+        model = quantize_model(copy.deepcopy(base), name, plan.kv, calib_batches, device)
         calib_seconds = time.time() - t0
-        _log(f"{name} ({QUANT_CFG_CHOICES[name]}, KV cache {kv}): calibrated in {calib_seconds:.1f}s")
+        _log(f"{name} ({QUANT_CFG_CHOICES[name]}, KV cache {plan.kv}): calibrated in {calib_seconds:.1f}s")
         mtq.print_quant_summary(model)
         left_on = enabled_quantizers(model, OUTPUT_LAYER)
         if left_on:
@@ -636,47 +720,28 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
         eval_seconds = time.time() - t0
         rel = q["ppl"] / fp32["ppl"] - 1.0
         _log(f"{name}: held-out loss {q['loss']:.4f}, perplexity {q['ppl']:.3f} ({100 * rel:+.2f}% vs fp32)")
-        if max_new:
-            cont = greedy_continuation(model, prompt_ids, max_new, eod if tokenizer is not None else None, device)
-            samples[name] = show(cont)
-            _log(f"  fp32 (torch)     -> {samples['fp32']}")
-            _log(f"  {name:<16} -> {samples[name]}")
-
-        # save: ModelOpt state first (export may rewrite the model's weights in place)
-        cfg_dir = os.path.join(out, name)
-        os.makedirs(cfg_dir)
+        sanity.add(name, model)
         t0 = time.time()
-        mto.save(model, os.path.join(cfg_dir, MODELOPT_STATE))
-        hf_dir = os.path.join(cfg_dir, UNIFIED_HF_DIR)
-        with torch.inference_mode():
-            export_hf_checkpoint(model, dtype=getattr(torch, dtype_name), export_dir=hf_dir)
-        has_tok = _save_tokenizer(src, hf_dir)
+        info = save_quantized(model, os.path.join(out, name), src, plan.export_dtype, {
+            "quant_cfg": name, "modelopt_config": QUANT_CFG_CHOICES[name], "kv_cache_quant": plan.kv,
+            "source": source, "perplexity": q, "fp32_perplexity": fp32, "relative_change": rel, **data})
         export_seconds = time.time() - t0
-        with open(os.path.join(hf_dir, "hf_quant_config.json")) as f:
-            hf_quant = json.load(f)["quantization"]
-        info = {"quant_cfg": name, "modelopt_config": QUANT_CFG_CHOICES[name], "kv_cache_quant": kv,
-                "quant_algo": hf_quant.get("quant_algo"), "kv_cache_quant_algo": hf_quant.get("kv_cache_quant_algo"),
-                "exclude_modules": hf_quant.get("exclude_modules"), "export_dtype": dtype_name,
-                "unified_hf_dir": UNIFIED_HF_DIR, "modelopt_state": MODELOPT_STATE, "tokenizer": has_tok,
-                "source": source, "perplexity": q, "fp32_perplexity": fp32, "relative_change": rel,
-                "calibration": data["calibration"], "eval": data["eval"]}
-        _write_json(os.path.join(cfg_dir, INFO_FILE), info)
-        _log(f"{name}: {hf_quant.get('quant_algo')} unified HF checkpoint -> {os.path.abspath(hf_dir)} "
-             f"({dtype_name}, saved in {export_seconds:.1f}s)")
-        rows.append({"name": name, "modelopt_config": QUANT_CFG_CHOICES[name], "quant_algo": hf_quant.get("quant_algo"),
-                     "kv_cache_quant_algo": hf_quant.get("kv_cache_quant_algo"), "loss": q["loss"], "ppl": q["ppl"],
+        _log(f"{name}: {info['quant_algo']} unified HF checkpoint ({plan.export_dtype}) -> "
+             f"{os.path.abspath(os.path.join(out, name, UNIFIED_HF_DIR))} ({export_seconds:.1f}s)")
+        rows.append({"name": name, "modelopt_config": QUANT_CFG_CHOICES[name], "quant_algo": info["quant_algo"],
+                     "kv_cache_quant_algo": info["kv_cache_quant_algo"], "loss": q["loss"], "ppl": q["ppl"],
                      "relative_change": rel, "calibration_seconds": calib_seconds, "eval_seconds": eval_seconds,
                      "export_seconds": export_seconds})
         del model
 
-    report = {"source": source, "kv_cache_quant": kv, "export_dtype": dtype_name, "device": str(device), **data,
-              "rows": rows, "samples": samples, "total_seconds": time.time() - t_start}
+    report = {"source": source, "kv_cache_quant": plan.kv, "export_dtype": plan.export_dtype, "device": str(device),
+              **data, "rows": rows, "samples": sanity.samples, "total_seconds": time.time() - t_start}
     _write_json(os.path.join(out, "quality.json"), report)
     md = _quality_markdown(report)
     with open(os.path.join(out, "quality.md"), "w") as f:
         f.write(md)
-    _write_json(os.path.join(out, MANIFEST), {"quant_cfgs": names, "kv_cache_quant": kv, "source": source,
-                                              "export_dtype": dtype_name, **data,
+    _write_json(os.path.join(out, MANIFEST), {"quant_cfgs": plan.names, "kv_cache_quant": plan.kv, "source": source,
+                                              "export_dtype": plan.export_dtype, **data,
                                               "total_seconds": report["total_seconds"]})
     print(md, flush=True)
     _log(f"done in {report['total_seconds']:.1f}s -> {os.path.abspath(out)}")
