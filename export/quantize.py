@@ -473,19 +473,18 @@ def _clamp_length(value: int, flag: str, cfg) -> int:
     return int(value)
 
 
-def _jmegatron_continuation(load: str, prompt: str, max_new_tokens: int) -> str:
-    """fp32 greedy continuation (repr) from jmegatron's own KV-cache generator
-    (``jmegatron.inference.generate.generate_text``), or why there is none. Only a sanity
-    print: a failure here is reported, not raised."""
+def _jmegatron_continuation(load: str, prompt: str, max_new_tokens: int) -> tuple[Optional[str], str]:
+    """(text, note): the fp32 greedy continuation from jmegatron's own KV-cache generator
+    (``jmegatron.inference.generate.generate_text``), or (None, why there is none). Only a
+    sanity print: a failure here is reported, not raised."""
     try:
         from jmegatron.inference.generate import generate_text
     except ImportError:
-        return "skipped: jmegatron.inference.generate.generate_text is not available"
+        return None, "skipped: jmegatron.inference.generate.generate_text is not available"
     try:
-        out = generate_text(load, [prompt], max_new_tokens, greedy=True)
+        return generate_text(load, [prompt], max_new_tokens, greedy=True)[0], "ok"
     except Exception as e:  # noqa: BLE001 - reported next to the torch continuations
-        return f"failed: {type(e).__name__}: {e}"
-    return repr(out[0])
+        return None, f"failed: {type(e).__name__}: {e}"
 
 
 def _quality_markdown(report: dict) -> str:
@@ -628,23 +627,24 @@ class _Sanity:
 
     def add(self, name: str, model) -> None:
         if self.max_new:
-            cont = greedy_continuation(model, self.ids, self.max_new, self.eos, self.device)
-            self.samples[name] = repr(self.text(cont))
+            self.samples[name] = self.text(greedy_continuation(model, self.ids, self.max_new, self.eos, self.device))
             if name != "fp32":
-                _log(f"  {'fp32 (torch)':<16} -> {self.samples['fp32']}")
-            _log(f"  {name if name != 'fp32' else 'fp32 (torch)':<16} -> {self.samples[name]}")
+                _log(f"  {'fp32 (torch)':<16} -> {self.samples['fp32']!r}")
+            _log(f"  {name if name != 'fp32' else 'fp32 (torch)':<16} -> {self.samples[name]!r}")
 
     def add_jmegatron(self, load_dir: str, latest: bool) -> None:
+        """``samples["fp32_jmegatron"]`` (text) or ``samples["fp32_jmegatron_note"]`` (why not)."""
         if not self.max_new:
             return
-        if self.tok is None:
-            why = "skipped: no tokenizer"
-        elif not latest:
-            why = "skipped: generate_text restores the latest iteration only"
+        text, note = None, "skipped: no tokenizer"
+        if self.tok is not None:
+            text, note = (_jmegatron_continuation(load_dir, self.samples["prompt"], self.max_new) if latest
+                          else (None, "skipped: generate_text restores the latest iteration only"))
+        if text is None:
+            self.samples["fp32_jmegatron_note"] = note
         else:
-            why = _jmegatron_continuation(load_dir, self.samples["prompt"], self.max_new)
-        self.samples["fp32_jmegatron"] = why
-        _log(f"  {'fp32 (jmegatron)':<16} -> {why}")
+            self.samples["fp32_jmegatron"] = text
+        _log(f"  {'fp32 (jmegatron)':<16} -> {note if text is None else repr(text)}")
 
 
 def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Optional[int] = None,

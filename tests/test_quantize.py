@@ -122,10 +122,8 @@ def test_quality_report(quantized):
     assert all(f"| {n} |" in md for n in rows)
     samples = report["samples"]  # greedy sanity continuations of the first held-out tokens
     assert all(samples[n] for n in rows)
-    jm = samples["fp32_jmegatron"]
-    assert not jm.startswith("failed"), jm
-    if not jm.startswith("skipped"):  # jmegatron's own KV-cache generator agrees with torch
-        assert jm == samples["fp32"]
+    assert "fp32_jmegatron_note" not in samples, samples["fp32_jmegatron_note"]
+    assert samples["fp32_jmegatron"] == samples["fp32"]  # jmegatron's KV-cache generator agrees with torch
 
 
 def test_load_quantized_round_trip(quantized):
