@@ -575,7 +575,7 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
 
 def _portion_record(portion: Portion, batches: Sequence[dict], **extra) -> dict:
     ds = portion.dataset
-    return {"prefix": os.path.abspath(portion.prefix), "portion": portion.name, "split": portion.split,
+    return {"prefix": os.path.realpath(portion.prefix), "portion": portion.name, "split": portion.split,
             "sequences": list(portion.sequences), "num_sequences": portion.num_sequences,
             "samples": sum(len(b["tokens"]) for b in batches), "seq_length": ds.seq_length, "seed": ds.seed, **extra}
 
@@ -683,8 +683,8 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
     base = hf_model(src).to(device)
     calib_batches = make_batches(plan.calib.dataset, calib_size, calib_batch_size, src.vocab_size)
     eval_batches = make_batches(plan.held_out.dataset, eval_samples, calib_batch_size, src.vocab_size)
-    source = {"load_dir": src.load_dir, "iteration": src.iteration, "architecture": plan.arch,
-              "vocab_size": src.vocab_size, "tokenizer": src.tokenizer_path}
+    source = {"load_dir": os.path.realpath(src.load_dir), "iteration": src.iteration, "architecture": plan.arch,
+              "vocab_size": src.vocab_size, "tokenizer": src.tokenizer_path and os.path.realpath(src.tokenizer_path)}
     data = {"calibration": _portion_record(plan.calib, calib_batches, batch_size=calib_batch_size),
             "eval": _portion_record(plan.held_out, eval_batches)}
     cal, ev = data["calibration"], data["eval"]
