@@ -75,7 +75,7 @@ __all__ = [
     "QUANT_CFG_CHOICES", "KV_CACHE_QUANT_CHOICES", "MODELOPT_STATE", "UNIFIED_HF_DIR", "INFO_FILE",
     "MANIFEST", "register", "run", "quantize", "load_quantized", "parse_quant_cfgs",
     "build_quant_config", "portion_dataset", "make_batches", "perplexity", "quantize_model",
-    "enabled_quantizers", "greedy_continuation", "save_quantized",
+    "enabled_quantizers", "greedy_continuation", "save_quantized", "weight_block_size", "check_block_sizes",
 ]
 
 # --quant-cfg name -> ModelOpt config (names as Megatron-LM's text_generation_ptq.py / hf_ptq.py)
@@ -202,6 +202,35 @@ def build_quant_config(name: str, kv_cache_quant: str = "none") -> dict:
             entries = list(kv_cfg.items())
         cfg["quant_cfg"] = _append_entries(cfg["quant_cfg"], entries)
     return cfg
+
+
+def weight_block_size(name: str) -> Optional[int]:
+    """Input features per block of the weight quantizer of ``--quant-cfg name`` (128 for the
+    INT4 AWQ configs), or None for per-channel / per-tensor weights."""
+    for entry in build_quant_config(name)["quant_cfg"]:
+        if entry.get("quantizer_name") == "*weight_quantizer":
+            settings = entry.get("cfg")
+            for s in settings if isinstance(settings, list) else [settings or {}]:
+                if s.get("block_sizes"):
+                    return int(s["block_sizes"][-1])
+    return None
+
+
+def check_block_sizes(name: str, cfg) -> None:
+    """Raise ExportError when a linear layer's input features are not a multiple of the
+    weight block size of ``name``: ModelOpt fake-quantizes partial blocks but refuses to pack
+    them at export (``NotImplementedError``), so this is caught before any work."""
+    block = weight_block_size(name)
+    if not block:
+        return
+    inputs = {"hidden_size (linear_qkv / linear_fc1 input)": cfg.hidden_size,
+              "num_attention_heads * kv_channels (linear_proj input)": cfg.num_attention_heads * cfg.kv_channels,
+              "ffn_hidden_size (linear_fc2 input)": cfg.ffn_hidden_size}
+    bad = [f"{k} = {v}" for k, v in inputs.items() if v % block]
+    if bad:
+        raise ExportError(f"--quant-cfg {name}: ModelOpt packs the weights in blocks of {block} input features and "
+                          f"cannot export partial blocks, but {'; '.join(bad)} is not a multiple of {block}; "
+                          "leave this config out (int8_sq, int8_wo and fp8 have no blocks)")
 
 
 # ----------------------------------------------------------------------------- data
@@ -551,6 +580,8 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
         arch = hf_architecture(cfg)
     except ValueError as e:
         raise ExportError(f"--load {load}: {e}") from e
+    for name in names:
+        check_block_sizes(name, cfg)
     tokenizer = None
     if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model):
         from jmegatron.data.tokenizer import load_tokenizer

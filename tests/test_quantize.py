@@ -176,6 +176,20 @@ def test_build_quant_config():
         build_quant_config("fp8", "int4")
 
 
+def test_awq_block_size_refused_before_work():
+    from jmegatron.config import load_config_file
+    from jmegatron.export.quantize import check_block_sizes, weight_block_size
+
+    assert weight_block_size("int4_awq") == weight_block_size("w4a8_awq") == 128
+    assert weight_block_size("int8_sq") is None and weight_block_size("fp8") is None
+    # llama_tiny's ffn_hidden_size 688 is 5.375 blocks of 128
+    llama = load_config_file("configs/llama_tiny.py", {"mock_data": True, "vocab_size": 256})
+    with pytest.raises(ExportError, match=r"ffn_hidden_size \(linear_fc2 input\) = 688 is not a multiple of 128"):
+        check_block_sizes("w4a8_awq", llama)
+    check_block_sizes("fp8", llama)
+    check_block_sizes("int4_awq", llama.replace(ffn_hidden_size=768))
+
+
 @pytest.fixture(scope="module")
 def no_hf_target(tmp_path_factory):
     """A checkpoint whose config (learned positions + SwiGLU) no Hugging Face class holds. Its
