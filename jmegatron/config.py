@@ -30,6 +30,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
 ATTENTION_IMPLS = ("xla", "dot_product")
+DROPOUT_IMPLS = ("hash", "threefry")  # jmegatron.models.dropout.DROPOUT_IMPLS
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,9 @@ class JMegatronConfig:
     scan_layers: bool = False  # nn.scan over layers (one compiled layer body)
     recompute_granularity: str = "none"  # Megatron: --recompute-granularity {full,selective}
     attention_impl: str = "xla"
+    # dropout masks: "hash" (counter-based hash of the element index, jmegatron.models.dropout)
+    # or "threefry" (jax.random.bernoulli, ~50x slower on CPU)
+    dropout_impl: str = "hash"
 
     # --- precision ---
     bf16: bool = False  # bf16 compute, fp32 master weights and optimizer state
@@ -157,6 +161,7 @@ class JMegatronConfig:
             "lr_wsd_decay_style": WSD_DECAY_STYLES,
             "recompute_granularity": RECOMPUTE_GRANULARITIES,
             "attention_impl": ATTENTION_IMPLS,
+            "dropout_impl": DROPOUT_IMPLS,
         }
         for name, allowed in choices.items():
             value = getattr(self, name)

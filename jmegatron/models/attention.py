@@ -21,22 +21,26 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jmegatron.models.dropout import keep_mask
+
 from jmegatron.models.layers import Linear
 
 Array = jax.Array
 
 # A core attention: (q [b, s, nq, d], k [b, s, nkv, d], v [b, s, nkv, d], *,
-#   dropout_rate, dropout_rng, deterministic) -> [b, s, nq, d]; causal.
+#   dropout_rate, dropout_rng, deterministic, dropout_impl) -> [b, s, nq, d]; causal.
 CoreAttention = Callable[..., Array]
 
 
 def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
-                  dropout_rng: Optional[Array] = None, deterministic: bool = True) -> Array:
+                  dropout_rng: Optional[Array] = None, deterministic: bool = True,
+                  dropout_impl: str = "hash") -> Array:
     """Causal softmax(q k^T / sqrt(d)) v in plain XLA ops, softmax in float32.
 
     Shapes: q ``[b, s, nq, d]``, k/v ``[b, s, nkv, d]`` with ``nq % nkv == 0`` (GQA:
     query head ``i`` uses key/value group ``i // (nq // nkv)``, as Megatron and Hugging Face). Returns ``[b, s, nq, d]`` in q's dtype.
-    Attention dropout is applied to the probabilities (Megatron's attention_dropout).
+    Attention dropout is applied to the probabilities (Megatron's attention_dropout), its
+    mask drawn by ``dropout_impl`` (:mod:`jmegatron.models.dropout`).
     """
     b, s, nq, d = q.shape
     nkv = k.shape[2]
@@ -48,14 +52,15 @@ def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     if not deterministic and dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+        keep = keep_mask(dropout_rng, dropout_rate, probs.shape, dropout_impl)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v)
     return out.reshape(b, s, nq, d)
 
 
 def dot_product_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
-                          dropout_rng: Optional[Array] = None, deterministic: bool = True) -> Array:
+                          dropout_rng: Optional[Array] = None, deterministic: bool = True,
+                          dropout_impl: str = "hash") -> Array:
     """``jax.nn.dot_product_attention`` (XLA implementation, causal). No attention dropout:
     raises ValueError when dropout is requested in training."""
     if not deterministic and dropout_rate > 0.0:
@@ -140,6 +145,7 @@ class SelfAttention(nn.Module):
     core_attention: str = "xla"
     recompute_core_attention: bool = False
     dtype: Any = jnp.float32
+    dropout_impl: str = "hash"  # jmegatron.models.dropout.DROPOUT_IMPLS
     dot_general: Callable = jax.lax.dot_general
 
     @nn.compact
@@ -186,6 +192,7 @@ class SelfAttention(nn.Module):
     def _core(self, q: Array, k: Array, v: Array, deterministic: bool) -> Array:
         core = CORE_ATTENTIONS[self.core_attention]
         core = functools.partial(core, dropout_rate=self.attention_dropout, deterministic=deterministic,
+                                 dropout_impl=self.dropout_impl,
                                  dropout_rng=None if deterministic or self.attention_dropout == 0.0
                                  else self.make_rng("dropout"))
         if self.recompute_core_attention:  # Megatron's selective recompute

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jmegatron.config import JMegatronConfig
 from jmegatron.models.attention import SelfAttention
+from jmegatron.models.dropout import Dropout
 from jmegatron.models.layers import Embed, Linear, make_norm
 
 Array = jax.Array
@@ -54,6 +55,7 @@ class ModelConfig:
     scan_layers: bool = False
     recompute_granularity: str = "none"
     attention_impl: str = "xla"
+    dropout_impl: str = "hash"
     dtype: Any = jnp.float32
 
     @classmethod
@@ -108,14 +110,14 @@ class TransformerLayer(nn.Module):
         """``(x, None)``, or ``(x, updated kv_cache)`` when decoding with a cache (see
         :class:`SelfAttention`)."""
         c = self.cfg
-        drop = nn.Dropout(rate=c.hidden_dropout, deterministic=self.deterministic)
+        drop = Dropout(rate=c.hidden_dropout, deterministic=self.deterministic, impl=c.dropout_impl)
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "input_layernorm")(x)
         self.sow("intermediates", "input_layernorm_output", h)
         attention = SelfAttention(
             num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
             kv_channels=c.kv_channels, hidden_size=c.hidden_size, use_bias=c.add_bias_linear,
             qkv_bias=c.add_qkv_bias, use_rope=c.position_embedding_type == "rope",
-            rotary_base=c.rotary_base, attention_dropout=c.attention_dropout,
+            rotary_base=c.rotary_base, attention_dropout=c.attention_dropout, dropout_impl=c.dropout_impl,
             init_std=c.init_method_std,
             output_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
             core_attention=c.attention_impl,
@@ -169,7 +171,7 @@ class GPTModel(nn.Module):
         if c.position_embedding_type == "learned_absolute":
             x = x + Embed(c.max_position_embeddings, c.hidden_size, (None, "embed"), dtype=c.dtype,
                           embedding_init=embed_init, name="position_embeddings")(position_ids)
-        x = nn.Dropout(rate=c.hidden_dropout, deterministic=deterministic)(x)
+        x = Dropout(rate=c.hidden_dropout, deterministic=deterministic, impl=c.dropout_impl)(x)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
 
         layer_cls = TransformerLayer
