@@ -213,8 +213,13 @@ def test_state_memory_gpt3_345m():
     z = memory.weight_and_optimizer_memory(cfg, 50304, lay)
     assert (z.weights, z.gradients, z.optimizer_state) == (712_138_752, 712_138_752, 356_069_376)
     # FSDP over 8: everything with a hidden axis / 8; norms and qkv/fc1 biases stay whole.
-    f = memory.parameters_per_device(cfg, 50304, ParallelLayout(1, 8, use_megatron_fsdp=True))
+    fsdp = ParallelLayout(1, 8, use_megatron_fsdp=True)
+    f = memory.parameters_per_device(cfg, 50304, fsdp)
     assert f == (353_501_184 + 1_097_728) / 8 + 172_032 + 100_352
+    est = memory.theoretical_memory(cfg, 50304, fsdp)
+    assert est.weights == 4 * f and est.optimizer_state == 8 * f
+    assert est.fsdp_gathered == 8 * P  # the gathered float32 weights and their whole gradients
+    assert memory.theoretical_memory(cfg, 50304, lay).fsdp_gathered == 0.0
     # Megatron's own figure: 18 B per parameter of its count (no biases, no position embeddings).
     megatron_params = 24 * (2 * 1024 * (4096 + 2) + 2 * 1024 ** 2 * 2) + 2 * 1024 + 1024 * 50304
     assert megatron_params == 353_601_536

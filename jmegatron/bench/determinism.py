@@ -78,6 +78,7 @@ def _run_b_subprocess(args, cfg, out) -> dict:
     if proc.returncode != 0 or not path.exists():
         raise common.BenchError(f"run B failed (exit {proc.returncode}): {' '.join(cmd)}")
     result = common.read_json(path)
+    path.unlink()
     result["losses"] = {int(k): v for k, v in result["losses"].items()}
     return result
 

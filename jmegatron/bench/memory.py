@@ -11,7 +11,8 @@ Three parts (ByteMLPerf's memory criteria: usage matches the expectation, no gro
    next to the exact per-device bytes of the TrainState from its shardings and the
    theoretical count of :mod:`jmegatron.training.memory` (weights, gradients, optimizer
    state, activations with each recomputation choice; Megatron's own weight+optimizer
-   figure). Every layout keeps the config's micro-batch size and its number of
+   figure). Layouts may use more devices than the training parts (``--train-devices``).
+   Every layout keeps the config's micro-batch size and its number of
    micro-batches at dp=1 (the global batch grows with dp, the work per device is fixed).
 2. **Host RSS** over ``--steps`` (1000) training steps of the config (psutil, after every
    step, which waits for the step): growth = (median of the last ``--window`` steps -
@@ -54,6 +55,9 @@ def register(sub) -> None:
     p.add_argument("--layouts", default=None,
                    help="comma-separated layouts to compile, e.g. tp1-dp1,tp2-dp4-zero1,tp2-sp-dp4 "
                         "(default: the config's layout on the visible devices; more devices: --devices)")
+    p.add_argument("--train-devices", type=int, default=None, metavar="N",
+                   help="devices the RSS and variable-length tests train on (the config's tp, dp = N / tp; "
+                        "default all visible); layouts may use more")
     p.add_argument("--steps", type=int, default=1000, help="training steps of the RSS test (0 skips it)")
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="steps before the RSS baseline (default max(10, steps // 20))")
@@ -194,15 +198,25 @@ def layout_report(cfg, layout, num_micro: int) -> dict:
             "batch_bytes_per_device": batch_bytes, "theoretical": estimate.to_dict()}
 
 
-def rss_phase(cfg, steps: int, warmup: int, window: int, threshold: float) -> dict:
-    """Train ``steps`` steps, recording the process RSS after each (see module docstring)."""
+def _train_mesh(cfg, num_devices: Optional[int]):
+    import jax
+
+    from jmegatron.parallel.mesh import create_mesh
+
+    return create_mesh(cfg, jax.devices()[:num_devices] if num_devices else None)
+
+
+def rss_phase(cfg, steps: int, warmup: int, window: int, threshold: float,
+              num_devices: Optional[int] = None) -> dict:
+    """Train ``steps`` steps on the first ``num_devices`` devices (default all), recording
+    the process RSS after each (see the module docstring)."""
     import jax
     import psutil
 
     from jmegatron.data.loader import BatchLoader
     from jmegatron.training.loop import build, build_datasets
 
-    run = build(cfg)
+    run = build(cfg, _train_mesh(cfg, num_devices))
     state = run.init_state()
     train_ds, _, _ = build_datasets(cfg, run.global_batch_size)
     loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches)
@@ -223,7 +237,7 @@ def rss_phase(cfg, steps: int, warmup: int, window: int, threshold: float) -> di
             "passed": growth["passed"] and bool(np.all(np.isfinite(losses)))}
 
 
-def varlen_phase(cfg, lengths: Sequence[int], min_bucket: int) -> dict:
+def varlen_phase(cfg, lengths: Sequence[int], min_bucket: int, num_devices: Optional[int] = None) -> dict:
     """Train one step per length in ``lengths`` (batches cut from ``cfg.seq_length``-long
     samples and padded to their power-of-two bucket with loss mask 0)."""
     import jax
@@ -234,7 +248,7 @@ def varlen_phase(cfg, lengths: Sequence[int], min_bucket: int) -> dict:
     from jmegatron.training.loop import build, build_datasets
     from jmegatron.training.memory import ParallelLayout
 
-    run = build(cfg)
+    run = build(cfg, _train_mesh(cfg, num_devices))
     state = run.init_state()
     train_ds, _, _ = build_datasets(cfg, run.global_batch_size)
     loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches)
@@ -304,8 +318,13 @@ def run(args) -> int:
     # Every layout does the same work per device: the config's micro-batch size and its
     # number of micro-batches at dp=1 (the global batch grows with dp).
     num_micro = cfg.num_microbatches(1)
-    layouts = layouts or [ParallelLayout.from_config(cfg, cfg.data_parallel_size(jax.device_count()))]
+    if args.train_devices is not None and not 1 <= args.train_devices <= jax.device_count():
+        raise common.BenchError(f"--train-devices={args.train_devices} must be in 1..{jax.device_count()} "
+                                "(the visible devices; more with --devices)")
+    train_devices = args.train_devices or jax.device_count()
+    layouts = layouts or [ParallelLayout.from_config(cfg, cfg.data_parallel_size(train_devices))]
     result = {"command": "memory", "config": args.config, "config_overrides": args.config_overrides,
+              "train_devices": train_devices,
               "micro_batch_size": cfg.micro_batch_size, "num_microbatches": num_micro,
               "seq_length": cfg.seq_length, "bf16": cfg.bf16, "recompute_granularity": cfg.recompute_granularity}
     result["layouts"], result["layout_errors"] = [], []
@@ -322,7 +341,7 @@ def run(args) -> int:
               f"MiB, temp {common.mib(lr['compiled']['temp_size_in_bytes']):.1f} MiB; theoretical total "
               f"{common.mib(lr['theoretical']['total']):.1f} MiB", flush=True)
     if args.steps:
-        result["rss"] = rss_phase(cfg, args.steps, warmup, args.window, args.growth_threshold)
+        result["rss"] = rss_phase(cfg, args.steps, warmup, args.window, args.growth_threshold, train_devices)
         print(f"[bench memory] RSS over {args.steps} steps: growth {100 * result['rss']['growth']:.3f}% "
               f"(baseline {common.mib(result['rss']['baseline_bytes']):.1f} MiB)", flush=True)
     if args.varlen_steps:
@@ -331,7 +350,7 @@ def run(args) -> int:
             args, args.varlen_steps, seq_length=args.max_seq, max_position_embeddings=pos,
             micro_batch_size=args.varlen_micro_batch, global_batch_size=None))
         lengths = draw_lengths(args.varlen_steps, args.min_seq, args.max_seq, args.seed)
-        result["varlen"] = varlen_phase(cfg_v, lengths, bucket_length(args.min_seq))
+        result["varlen"] = varlen_phase(cfg_v, lengths, bucket_length(args.min_seq), train_devices)
         v = result["varlen"]
         print(f"[bench memory] variable lengths {args.min_seq}..{args.max_seq}: {len(v['steps'])} steps, "
               f"{v['backend_compiles']} compilations for {v['buckets_used']} buckets"
@@ -352,17 +371,20 @@ def layout_rows(layouts: list) -> list:
     rows = []
     for lr in layouts:
         t, c, s = lr["theoretical"], lr["compiled"], lr["state_bytes_per_device"]
+        transient = t["gradients"] + t["activations"] + t.get("fsdp_gathered", 0.0)
         rows.append([lr["layout"], common.mib(t["weights"] + t["optimizer_state"]),
                      common.mib(s["params"] + s["opt_state"]),
                      common.mib(c["argument_size_in_bytes"] - lr["batch_bytes_per_device"]),
-                     common.mib(t["gradients"] + t["activations"]), common.mib(c["temp_size_in_bytes"]),
+                     common.mib(transient), common.mib(c["temp_size_in_bytes"]),
+                     f"{c['temp_size_in_bytes'] / transient:.2f}" if transient else "-",
                      common.mib(t["total"]), common.mib(c["peak_estimate_bytes"]),
                      common.mib(c["generated_code_size_in_bytes"])])
     return rows
 
 
 LAYOUT_HEADER = ["layout", "theory weights+opt MiB", "exact state MiB", "compiled args-batch MiB",
-                 "theory grads+act MiB", "compiled temp MiB", "theory total MiB", "compiled peak MiB", "code MiB"]
+                 "theory grads+act(+FSDP gathered) MiB", "compiled temp MiB", "temp / theory",
+                 "theory total MiB", "compiled peak MiB", "code MiB"]
 
 
 def markdown(r: dict) -> str:
@@ -376,9 +398,12 @@ def markdown(r: dict) -> str:
              *[f"- **{e['layout']} failed to compile**: `{e['error'][:300]}`" for e in r.get("layout_errors", [])],
              "",
              "Theory: float32 weights, gradient accumulator and AdamW moments (`jmegatron/training/memory.py`); "
-             "activations of one micro-batch (the micro-batch loop holds one at a time). Compiled: "
+             "activations of one micro-batch (the micro-batch loop holds one at a time); under FSDP the "
+             "all-gathered parameters and their whole gradients. Compiled: "
              "`memory_analysis()` of the train step; arguments minus the batch = the TrainState shard; "
-             "peak = args + outputs - aliased (donated) + temporaries.", ""]
+             "peak = args + outputs - aliased (donated) + temporaries. The theory counts what the "
+             "backward pass keeps (Megatron's model); XLA's temporaries also hold the backward pass's "
+             "own working buffers, hence a ratio above 1.", ""]
     rec_rows = [[lr["layout"], *(common.mib(lr["theoretical"]["activations_by_recompute"][k])
                                  for k in ("none", "selective", "full")),
                  common.mib(lr["theoretical"]["megatron_weight_and_optimizer"])] for lr in r["layouts"]]
@@ -422,9 +447,10 @@ def _charts(r: dict, out) -> None:
         t, c = lr["theoretical"], lr["compiled"]
         bottom = 0.0
         for key, color in (("weights", "#4c72b0"), ("optimizer_state", "#55a868"), ("gradients", "#c44e52"),
-                           ("activations", "#8172b2")):
-            ax.bar(x[i] - 0.2, common.mib(t[key]), 0.38, bottom=bottom, color=color, label=key if i == 0 else None)
-            bottom += common.mib(t[key])
+                           ("activations", "#8172b2"), ("fsdp_gathered", "#937860")):
+            ax.bar(x[i] - 0.2, common.mib(t.get(key, 0.0)), 0.38, bottom=bottom, color=color,
+                   label=key if i == 0 else None)
+            bottom += common.mib(t.get(key, 0.0))
         args_ = common.mib(c["argument_size_in_bytes"])
         ax.bar(x[i] + 0.2, args_, 0.38, color="#8c8c8c", label="compiled arguments" if i == 0 else None)
         ax.bar(x[i] + 0.2, common.mib(c["temp_size_in_bytes"]), 0.38, bottom=args_, color="#dd8452",

@@ -334,10 +334,11 @@ class MemoryEstimate:
     activations: float
     activations_by_recompute: dict
     megatron_weight_and_optimizer: float
+    fsdp_gathered: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer_state + self.activations
+        return self.weights + self.gradients + self.optimizer_state + self.activations + self.fsdp_gathered
 
     def to_dict(self) -> dict:
         """Every field plus ``total`` (bytes), JSON-ready."""
@@ -349,8 +350,18 @@ def theoretical_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: Par
     """Weights, gradients, optimizer state (:func:`weight_and_optimizer_memory`) and
     activations (:func:`activation_memory` with ``cfg.recompute_granularity``; the other
     recompute choices in ``activations_by_recompute``) in bytes per device, and Megatron's
-    own weight+optimizer figure for the same layout."""
+    own weight+optimizer figure for the same layout.
+
+    Under FSDP, ``fsdp_gathered`` counts what the step materialises besides the shards:
+    each micro-batch all-gathers the whole (tensor-sharded) float32 parameters, and
+    autodiff produces their whole gradient before the reduce-scatter (jmegatron gathers
+    all layers at once, not layer by layer as Megatron-FSDP): ``2 * 4`` bytes per
+    parameter of the layout without FSDP, counted whole (XLA may overlap their lifetimes)."""
     state = weight_and_optimizer_memory(cfg, padded_vocab_size, layout)
+    gathered = 0.0
+    if layout.use_megatron_fsdp:
+        unsharded = dataclasses.replace(layout, use_megatron_fsdp=False)
+        gathered = (PARAM_BYTES + GRAD_BYTES) * parameters_per_device(cfg, padded_vocab_size, unsharded)
     by_recompute = {r: activation_memory(cfg, padded_vocab_size, layout, micro_batch_size, r).total
                     for r in RECOMPUTE_CHOICES}
     return MemoryEstimate(
@@ -358,4 +369,5 @@ def theoretical_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: Par
         parameters_per_device=parameters_per_device(cfg, padded_vocab_size, layout),
         weights=state.weights, gradients=state.gradients, optimizer_state=state.optimizer_state,
         activations=by_recompute[cfg.recompute_granularity], activations_by_recompute=by_recompute,
-        megatron_weight_and_optimizer=megatron_weight_and_optimizer_memory(cfg, padded_vocab_size, layout))
+        megatron_weight_and_optimizer=megatron_weight_and_optimizer_memory(cfg, padded_vocab_size, layout),
+        fsdp_gathered=gathered)
