@@ -7,7 +7,6 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from jmegatron.bench import common

@@ -240,7 +240,6 @@ def rss_phase(cfg, steps: int, warmup: int, window: int, threshold: float,
 def varlen_phase(cfg, lengths: Sequence[int], min_bucket: int, num_devices: Optional[int] = None) -> dict:
     """Train one step per length in ``lengths`` (batches cut from ``cfg.seq_length``-long
     samples and padded to their power-of-two bucket with loss mask 0)."""
-    import jax
     import psutil
 
     from jmegatron.data.loader import BatchLoader
