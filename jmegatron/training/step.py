@@ -94,11 +94,19 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     batch_spec = PartitionSpec(None, axis, None)
     is_none = lambda x: x is None  # noqa: E731
 
+    # With one data-parallel rank every data collective is the identity. It is skipped,
+    # not emitted: XLA's SPMD partitioner rejects an all-reduce over a size-1 manual axis
+    # when other mesh axes (tensor) stay automatic.
+    single = mesh.shape[axis] == 1
+
+    def psum(x):
+        return x if single else jax.lax.psum(x, axis)
+
     def gather(p, d):
-        return p if d is None else jax.lax.all_gather(p, axis, axis=d, tiled=True)
+        return p if d is None or single else jax.lax.all_gather(p, axis, axis=d, tiled=True)
 
     def data_sum(x):
-        return jax.lax.psum(x, axis)
+        return psum(x)
 
     def micro_loss(local_params, micro, rng, num_tokens, extra):
         params = jax.tree.map(gather, local_params, param_dims, is_leaf=is_none)
@@ -119,7 +127,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         def accumulate(carry, xs):
             grads_acc, report_acc, tokens_acc = carry
             i, micro = xs
-            tokens = jax.lax.psum(jnp.sum(micro["loss_mask"].astype(jnp.float32)), axis)
+            tokens = psum(jnp.sum(micro["loss_mask"].astype(jnp.float32)))
             (loss, report), grads = grad_fn(varying, micro, jax.random.fold_in(rng, i), tokens, extra)
             report = dict(report, loss=loss)
             return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, report_acc, report),
@@ -136,7 +144,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose
                 return g
             if gd is None:
-                return jax.lax.psum(g, axis)
+                return psum(g)
             return g[None]  # ZeRO-1: this rank's partial sum, reduce-scattered below
 
         grads = jax.tree.map(reduce, grads, param_dims, grad_dims, is_leaf=is_none)
@@ -147,7 +155,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                          is_leaf=is_none)
     out_grad_specs = jax.tree.map(lambda z, spec: PartitionSpec(axis) if z else spec, zero1, grad_specs)
     sharded_grads = jax.shard_map(
-        local_grads, mesh=mesh, axis_names={axis},
+        local_grads, mesh=mesh, axis_names={axis}, check_vma=not single,
         in_specs=(param_specs, {k: batch_spec for k in ("tokens", "labels", "loss_mask", "position_ids")},
                   PartitionSpec(), extra_specs),
         out_specs=(out_grad_specs, PartitionSpec(), PartitionSpec()))
@@ -155,6 +163,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     # The ZeRO-1 reduce-scatter runs with every mesh axis manual: inside the data-only
     # shard_map above, XLA replicates tensor-sharded operands of a psum_scatter first.
     def scatter(stacked, gd):
+        if single:
+            return stacked[0]
         return jax.lax.psum_scatter(stacked[0], axis, scatter_dimension=gd, tiled=True)
 
     def reduce_scatter_zero1(grads):
