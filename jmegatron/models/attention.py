@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jmegatron.models.dropout import keep_mask
 
-from jmegatron.models.layers import Linear
+from jmegatron.models.layers import Linear, dense_dot_general_fn
 
 Array = jax.Array
 
@@ -146,7 +146,7 @@ class SelfAttention(nn.Module):
     recompute_core_attention: bool = False
     dtype: Any = jnp.float32
     dropout_impl: str = "hash"  # jmegatron.models.dropout.DROPOUT_IMPLS
-    dot_general: Callable = jax.lax.dot_general
+    dot_general: Callable = dense_dot_general_fn
 
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, deterministic: bool,

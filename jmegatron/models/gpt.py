@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jmegatron.config import JMegatronConfig
 from jmegatron.models.attention import SelfAttention
 from jmegatron.models.dropout import Dropout
-from jmegatron.models.layers import Embed, Linear, make_norm
+from jmegatron.models.layers import Embed, Linear, dense_dot_general_fn, make_norm
 
 Array = jax.Array
 KVPair = tuple[Array, Array]  # one layer's (keys, values), each [b, max_length, num_query_groups, kv_channels]
@@ -72,7 +72,7 @@ class MLP(nn.Module):
     gate, 1 the up projection), one matmul as Megatron's fused fc1."""
 
     cfg: ModelConfig
-    dot_general: Callable = jax.lax.dot_general
+    dot_general: Callable = dense_dot_general_fn
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -102,7 +102,7 @@ class TransformerLayer(nn.Module):
 
     cfg: ModelConfig
     deterministic: bool = True
-    dot_general: Callable = jax.lax.dot_general
+    dot_general: Callable = dense_dot_general_fn
 
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, kv_cache: Optional[KVPair] = None
@@ -156,7 +156,7 @@ class GPTModel(nn.Module):
     """
 
     cfg: ModelConfig
-    dot_general: Callable = jax.lax.dot_general
+    dot_general: Callable = dense_dot_general_fn
 
     @nn.compact
     def __call__(self, tokens: Array, position_ids: Optional[Array] = None,

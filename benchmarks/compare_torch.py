@@ -1,0 +1,219 @@
+"""jmegatron's train step against a lean PyTorch GPT of the same shape, measured alternately.
+
+    python benchmarks/compare_torch.py --config configs/gpt_tiny.py
+    python benchmarks/compare_torch.py --config configs/gpt_small.py --rounds 5 --steps 3
+
+The PyTorch model is nanoGPT-style (Karpathy's nanoGPT ``model.py``, not copied): token and
+learned position embeddings, pre-LayerNorm blocks with one fused QKV ``nn.Linear``,
+``F.scaled_dot_product_attention(is_causal=True)``, exact GELU MLP, tied output layer,
+the config's dropout; ``torch.optim.AdamW`` (weight decay on matrices only) with gradient
+clipping, float32, as jmegatron's step (same vocabulary padding, same micro-batch and
+sequence). Both run on the same random token batch.
+
+Each round times ``--steps`` steps of jmegatron, PyTorch eager and ``torch.compile``
+in turn (the machine is shared and noisy: ratios come from the same rounds); the table
+gives the median tokens/s, TFLOP/s (Megatron's FLOPs formula, the same for all three)
+and MFU against the measured float32 matmul peak (``python -m jmegatron.bench peak``),
+then ``ratio: <jmegatron tokens/s over PyTorch eager tokens/s>`` and the same against
+compiled PyTorch. ``--out FILE`` also writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+# ---------------------------------------------------------------------------- PyTorch side
+def torch_gpt(cfg, vocab: int):
+    import torch
+    import torch.nn as tnn
+    import torch.nn.functional as F
+
+    h, heads, ffn, seq = cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_hidden_size, cfg.seq_length
+
+    class Block(tnn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1 = tnn.LayerNorm(h, eps=cfg.norm_epsilon)
+            self.qkv = tnn.Linear(h, 3 * h)
+            self.proj = tnn.Linear(h, h)
+            self.ln_2 = tnn.LayerNorm(h, eps=cfg.norm_epsilon)
+            self.fc = tnn.Linear(h, ffn)
+            self.fc2 = tnn.Linear(ffn, h)
+            self.drop = tnn.Dropout(cfg.hidden_dropout)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(self.ln_1(x)).split(h, dim=2)
+            q, k, v = (t.view(b, s, heads, h // heads).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=cfg.attention_dropout if self.training else 0.0)
+            x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, s, h)))
+            return x + self.drop(self.fc2(F.gelu(self.fc(self.ln_2(x)))))
+
+    class GPT(tnn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = tnn.Embedding(vocab, h)
+            self.wpe = tnn.Embedding(seq, h)
+            self.drop = tnn.Dropout(cfg.hidden_dropout)
+            self.blocks = tnn.ModuleList(Block() for _ in range(cfg.num_layers))
+            self.ln_f = tnn.LayerNorm(h, eps=cfg.norm_epsilon)
+            for p in self.parameters():
+                if p.dim() == 2:
+                    tnn.init.normal_(p, std=cfg.init_method_std)
+
+        def forward(self, tokens, labels):
+            pos = torch.arange(tokens.shape[1], device=tokens.device)
+            x = self.drop(self.wte(tokens) + self.wpe(pos))
+            for blk in self.blocks:
+                x = blk(x)
+            logits = self.ln_f(x) @ self.wte.weight.t()
+            return F.cross_entropy(logits.view(-1, vocab), labels.view(-1))
+
+    return GPT()
+
+
+def torch_stepper(cfg, vocab: int, tokens: np.ndarray, labels: np.ndarray, compiled: bool):
+    import torch
+
+    torch.manual_seed(cfg.seed)
+    model = torch_gpt(cfg, vocab).train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    fwd = torch.compile(model) if compiled else model
+    t, y = torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(labels.astype(np.int64))
+
+    def step():
+        loss = fwd(t, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+        opt.step()
+        return float(loss)
+
+    return step
+
+
+# ---------------------------------------------------------------------------- jmegatron side
+def jmegatron_stepper(cfg, tokens: np.ndarray, labels: np.ndarray, num_devices: int = 1):
+    """A function running one jmegatron train step on ``tokens``/``labels`` ``[b, s]``
+    (``b`` = the config's global batch) over the first ``num_devices`` devices
+    (data parallel when > 1: each CPU device then runs its share of the batch)."""
+    import jax
+
+    from jmegatron.parallel.mesh import create_mesh
+    from jmegatron.training.loop import build
+
+    run = build(cfg, create_mesh(cfg, jax.devices()[:num_devices]))
+    state = run.init_state()
+    b, s = tokens.shape
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": np.ones((b, s), np.float32),
+             "position_ids": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()}
+    batch = run.put_batch({k: v.reshape(run.num_microbatches, -1, s) for k, v in batch.items()})
+    holder = {"state": state}
+
+    def step():
+        holder["state"], metrics = run.train_step(holder["state"], batch)
+        return float(metrics["lm_loss"])  # waits for the step
+
+    step.compiled_text = lambda: run.train_step.lower(holder["state"], batch).compile().as_text()
+    return step, run
+
+
+def time_steps(step, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t0) / n
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/gpt_tiny.py")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="steps per framework per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="PyTorch intra-op threads")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from jmegatron.config import from_configdict, get_config_of
+    from jmegatron.training import flops
+    from jmegatron.training.loop import default_peak_tflops
+
+    torch.set_num_threads(args.threads)
+    cd = get_config_of(args.config)
+    cd.mock_data, cd.data_path = True, None
+    cd.vocab_size = cd.vocab_size or 8192  # gpt_tiny's vocabulary is its Shakespeare tokenizer's 8192
+    cd.global_batch_size = cd.micro_batch_size  # one micro-batch per step, as the PyTorch loop
+    cfg = from_configdict(cd)
+    vocab = cfg.padded_vocab_size()
+    rs = np.random.RandomState(0)
+    toks = rs.randint(0, cfg.vocab_size, size=(cfg.micro_batch_size, cfg.seq_length + 1)).astype(np.int32)
+    tokens, labels = toks[:, :-1], toks[:, 1:]
+
+    steppers = {}
+    steppers["jmegatron"], run = jmegatron_stepper(cfg, tokens, labels)
+    steppers["pytorch_eager"] = torch_stepper(cfg, vocab, tokens, labels, compiled=False)
+    if not args.no_compile:
+        steppers["pytorch_compile"] = torch_stepper(cfg, vocab, tokens, labels, compiled=True)
+    for name, step in steppers.items():
+        t0 = time.perf_counter()
+        losses = [step() for _ in range(args.warmup)]
+        print(f"[warm-up] {name}: {args.warmup} steps in {time.perf_counter() - t0:.1f}s, losses "
+              + ", ".join(f"{x:.4f}" for x in losses), flush=True)
+
+    times = {name: [] for name in steppers}
+    for r in range(args.rounds):
+        for name, step in steppers.items():
+            times[name].append(time_steps(step, args.steps))
+        print(f"[round {r + 1}/{args.rounds}] " + ", ".join(f"{n} {t * 1e3:.0f} ms/step" for n, t in
+                                                          ((n, ts[-1]) for n, ts in times.items())), flush=True)
+
+    tokens_per_step = cfg.micro_batch_size * cfg.seq_length
+    flop = flops.num_floating_point_operations(cfg, cfg.micro_batch_size, vocab)
+    peak = default_peak_tflops(cfg)
+    result = {"config": args.config, "shape": {k: getattr(cfg, k) for k in (
+        "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size")},
+        "padded_vocab_size": vocab, "flops_per_step": flop, "peak_tflops": peak, "rounds": args.rounds,
+        "steps_per_round": args.steps, "torch_threads": args.threads, "frameworks": {}}
+    print(f"\n{args.config}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, "
+          f"ffn {cfg.ffn_hidden_size}, vocab {vocab}, seq {cfg.seq_length}, batch {cfg.micro_batch_size}, "
+          f"dropout {cfg.hidden_dropout}; float32 peak {peak * 1e3:.1f} GFLOP/s")
+    print(f"| framework | ms/step (median) | tokens/s | TFLOP/s | MFU |\n|---|---|---|---|---|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        tps, tflops = tokens_per_step / med, flop / med / 1e12
+        result["frameworks"][name] = {"ms_per_step": med * 1e3, "tokens_per_s": tps, "tflops": tflops,
+                                      "mfu": tflops / peak, "ms_per_step_rounds": [t * 1e3 for t in ts]}
+        print(f"| {name} | {med * 1e3:.1f} | {tps:,.0f} | {tflops:.4f} | {100 * tflops / peak:.1f}% |")
+    fw = result["frameworks"]
+    result["ratio_eager"] = fw["jmegatron"]["tokens_per_s"] / fw["pytorch_eager"]["tokens_per_s"]
+    print(f"ratio: {result['ratio_eager']:.3f}  (jmegatron tokens/s over PyTorch eager tokens/s)")
+    if "pytorch_compile" in fw:
+        result["ratio_compile"] = fw["jmegatron"]["tokens_per_s"] / fw["pytorch_compile"]["tokens_per_s"]
+        print(f"ratio vs torch.compile: {result['ratio_compile']:.3f}  (jmegatron tokens/s over compiled PyTorch)")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
