@@ -30,12 +30,17 @@ def main(argv=None) -> int:
                    help="data-parallel CPU devices for the same global batch (set "
                         "--xla_force_host_platform_device_count in XLA_FLAGS)")
     args = p.parse_args(argv)
+    if os.environ.get("JMEGATRON_SRC"):  # another checkout (xla_flags_sweep's src=DIR)
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
+                            and "editable" not in getattr(f, "__name__", "").lower()]
+        sys.path.insert(0, os.environ["JMEGATRON_SRC"])
 
     import jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from compare_torch import jmegatron_stepper
 
+    import jmegatron
     from jmegatron.config import from_configdict, get_config_of
     from jmegatron.training import flops
     from jmegatron.training.peak import measure_matmul_tflops
@@ -72,7 +77,7 @@ def main(argv=None) -> int:
     print(json.dumps({"config": args.config, "overrides": overrides, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                       "ms_per_step": med * 1e3, "tokens_per_s": cfg.global_batch_size * cfg.seq_length / med,
                       "tflops": flop / med / 1e12, "matmul_tflops": measure_matmul_tflops(1024),
-                      "devices": len(jax.devices())}))
+                      "devices": len(jax.devices()), "source": os.path.dirname(jmegatron.__file__)}))
     return 0
 
 

@@ -4,7 +4,9 @@
         --variant base= --variant onednn=--xla_cpu_use_onednn=true ...
 
 A variant is ``NAME=XLA_FLAGS`` or ``NAME=XLA_FLAGS|field=value,field=value`` (config
-overrides after ``|``; ``devices=N`` there runs data parallel over N CPU devices). Each round starts one fresh process per variant, in turn, so
+overrides after ``|``; ``devices=N`` there runs data parallel over N CPU devices, and
+``src=DIR`` runs another checkout of jmegatron, e.g. a ``git worktree`` of an older
+commit, so code changes are compared in the same alternating rounds). Each round starts one fresh process per variant, in turn, so
 slow drifts of a shared machine hit every variant alike; the table gives the median over
 rounds of each process's median step time, and its ratio to the first variant.
 """
@@ -38,6 +40,10 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for name, flags, sets in variants:
             env = dict(os.environ, XLA_FLAGS=flags)
+            src = [s.split("=", 1)[1] for s in sets if s.startswith("src=")]
+            sets = [s for s in sets if not s.startswith("src=")]
+            if src:
+                env["JMEGATRON_SRC"] = os.path.abspath(src[0])
             devices = [s.split("=")[1] for s in sets if s.startswith("devices=")]
             cmd = [sys.executable, os.path.join(HERE, "step_time.py"), "--config", args.config,
                    "--steps", str(args.steps)] + [x for s in sets if not s.startswith("devices=")
