@@ -107,6 +107,30 @@ def torch_stepper(cfg, vocab: int, tokens: np.ndarray, labels: np.ndarray, compi
 
 
 # ---------------------------------------------------------------------------- jmegatron side
+def bench_config(path: str, sets=(), devices: int = 1):
+    """The config of ``path`` for speed runs: mock data (vocabulary 8192 unless the config
+    sets one, gpt_tiny's Shakespeare tokenizer size), one micro-batch per step split over
+    ``devices`` data-parallel devices, then ``sets`` (``field=python_literal`` strings)."""
+    import ast
+
+    from jmegatron.config import from_configdict, get_config_of
+
+    cd = get_config_of(path)
+    cd.mock_data, cd.data_path = True, None
+    cd.vocab_size = cd.vocab_size or 8192
+    cd.global_batch_size = cd.micro_batch_size
+    if devices > 1:
+        cd.micro_batch_size = cd.global_batch_size // devices
+    for item in sets:
+        key, value = item.split("=", 1)
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass
+        setattr(cd, key, value)
+    return from_configdict(cd)
+
+
 def jmegatron_stepper(cfg, tokens: np.ndarray, labels: np.ndarray, num_devices: int = 1):
     """A function running one jmegatron train step on ``tokens``/``labels`` ``[b, s]``
     (``b`` = the config's global batch) over the first ``num_devices`` devices
@@ -152,16 +176,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from jmegatron.config import from_configdict, get_config_of
     from jmegatron.training import flops
     from jmegatron.training.loop import default_peak_tflops
 
     torch.set_num_threads(args.threads)
-    cd = get_config_of(args.config)
-    cd.mock_data, cd.data_path = True, None
-    cd.vocab_size = cd.vocab_size or 8192  # gpt_tiny's vocabulary is its Shakespeare tokenizer's 8192
-    cd.global_batch_size = cd.micro_batch_size  # one micro-batch per step, as the PyTorch loop
-    cfg = from_configdict(cd)
+    cfg = bench_config(args.config)
     vocab = cfg.padded_vocab_size()
     rs = np.random.RandomState(0)
     toks = rs.randint(0, cfg.vocab_size, size=(cfg.micro_batch_size, cfg.seq_length + 1)).astype(np.int32)

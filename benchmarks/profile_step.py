@@ -11,7 +11,6 @@ most time, summed over the traced steps, grouped by HLO op name and by op kind.
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import glob
 import os
@@ -38,22 +37,10 @@ def main(argv=None) -> int:
     from jax.profiler import ProfileData
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from compare_torch import jmegatron_stepper
+    from compare_torch import bench_config, jmegatron_stepper
 
-    from jmegatron.config import from_configdict, get_config_of
 
-    cd = get_config_of(args.config)
-    cd.mock_data, cd.data_path = True, None
-    cd.vocab_size = cd.vocab_size or 8192
-    cd.global_batch_size = cd.micro_batch_size
-    for item in args.set:
-        k, v = item.split("=", 1)
-        try:
-            v = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            pass
-        setattr(cd, k, v)
-    cfg = from_configdict(cd)
+    cfg = bench_config(args.config, args.set)
     toks = np.random.RandomState(0).randint(0, cfg.vocab_size, size=(cfg.micro_batch_size, cfg.seq_length + 1))
     step, run = jmegatron_stepper(cfg, toks[:, :-1].astype(np.int32), toks[:, 1:].astype(np.int32))
     step()

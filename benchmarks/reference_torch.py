@@ -20,8 +20,9 @@ Trains the same model as jmegatron would, with nothing of jmegatron's training c
 * optimizer: ``torch.optim.AdamW`` (betas, eps, weight decay from the config) with no
   weight decay on biases and norm weights (Megatron's rule, as jmegatron's
   ``weight_decay_mask``), ``torch.nn.utils.clip_grad_norm_`` at ``clip_grad``, and the
-  learning rate of Megatron's ``OptimizerParamScheduler.get_lr`` (transcribed below,
-  iteration ``k`` uses the rate for ``k - 1`` steps taken).
+  learning rate of Megatron's ``OptimizerParamScheduler.get_lr`` (jmegatron's
+  ``lr_schedule``, itself tested against a transcription of ``get_lr`` in
+  tests/test_optimizer.py; iteration ``k`` uses the rate for ``k - 1`` steps taken).
 
 Writes ``--out/metrics.jsonl`` (one ``{"iteration", "lm loss", "lr", "grad_norm"}`` per
 iteration) and ``--out/reference.json`` (settings, versions, timing). Dropout cannot be
@@ -33,46 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-
-def megatron_lr(steps_taken: int, cfg) -> float:
-    """Megatron-LM ``megatron/core/optimizer_param_scheduler.py``, ``get_lr`` with init_lr 0,
-    in iterations."""
-    max_lr, min_lr = cfg.lr, cfg.min_lr
-    warmup, decay, style = cfg.lr_warmup_iters, cfg.lr_decay_iters, cfg.lr_decay_style
-    step = steps_taken
-    if warmup > 0 and step <= warmup:
-        return max_lr * step / warmup
-    if style == "constant":
-        return max_lr
-    if step > decay:
-        return min_lr
-    if style == "inverse-square-root":
-        warmup = max(warmup, 1)
-        return max(min_lr, max_lr * math.sqrt(warmup) / math.sqrt(max(step, 1)))
-    ratio = (step - warmup) / (decay - warmup)
-    if style == "linear":
-        coeff = 1.0 - ratio
-    elif style == "cosine":
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    elif style == "WSD":
-        anneal_start = decay - cfg.lr_wsd_decay_iters
-        if step <= anneal_start:
-            coeff = 1.0
-        else:
-            r = (step - anneal_start) / cfg.lr_wsd_decay_iters
-            coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
-                     "exponential": 2.0 * 0.5 ** r - 1.0,
-                     "minus_sqrt": 1.0 - math.sqrt(r)}[cfg.lr_wsd_decay_style]
-    else:
-        raise ValueError(f"lr_decay_style {style!r}")
-    return min_lr + coeff * (max_lr - min_lr)
 
 
 def param_groups(model, weight_decay: float):
@@ -141,6 +107,7 @@ def main(argv=None) -> int:
     from jmegatron.export.hf import hf_architecture, to_hf_model
     from jmegatron.parallel.mesh import create_mesh
     from jmegatron.training.loop import build, build_datasets
+    from jmegatron.training.optimizer import lr_schedule
 
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
@@ -153,13 +120,14 @@ def main(argv=None) -> int:
     groups = param_groups(model, cfg.weight_decay)
     params_list = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    schedule = lr_schedule(cfg)
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(out / "metrics.jsonl", "w") as log:
         for it in range(1, cfg.train_iters + 1):
-            lr = megatron_lr(it - 1, cfg)
+            lr = float(schedule(it - 1))
             for g in opt.param_groups:
                 g["lr"] = lr
             batch = next(loader)

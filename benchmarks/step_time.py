@@ -10,7 +10,6 @@ the 1024^3 float32 matmul TFLOP/s measured in the same process (the flags affect
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import statistics
@@ -38,31 +37,15 @@ def main(argv=None) -> int:
     import jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from compare_torch import jmegatron_stepper
+    from compare_torch import bench_config, jmegatron_stepper
 
     import jmegatron
-    from jmegatron.config import from_configdict, get_config_of
     from jmegatron.training import flops
     from jmegatron.training.peak import measure_matmul_tflops
 
-    cd = get_config_of(args.config)
-    cd.mock_data, cd.data_path = True, None
-    cd.vocab_size = cd.vocab_size or 8192
-    cd.global_batch_size = cd.micro_batch_size
-    overrides = {}
-    if args.devices > 1:  # the same global batch, split over data-parallel devices
-        cd.micro_batch_size = cd.global_batch_size // args.devices
-    for item in args.set:
-        k, v = item.split("=", 1)
-        try:
-            v = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            pass
-        setattr(cd, k, v)
-        overrides[k] = v
-    cfg = from_configdict(cd)
+    cfg = bench_config(args.config, args.set, args.devices)
+    overrides = dict(item.split("=", 1) for item in args.set)
     rs = np.random.RandomState(0)
-    toks = rs.randint(0, cfg.vocab_size, size=(cfg.micro_batch_size, cfg.seq_length + 1)).astype(np.int32)
     toks = rs.randint(0, cfg.vocab_size, size=(cfg.global_batch_size, cfg.seq_length + 1)).astype(np.int32)
     step, run = jmegatron_stepper(cfg, toks[:, :-1], toks[:, 1:], args.devices)
     for _ in range(args.warmup):
