@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,11 +32,13 @@ def test_train_on_shakespeare(tmp_path, shakespeare_dir):
     prefix = out.strip().splitlines()[-1]
     assert prefix.endswith("shk_text_document")
     save = tmp_path / "ckpt"
-    run(["jmegatron.train", "--config", "configs/gpt_tiny.py", f"--config.data_path={prefix}",
+    train_out = run(["jmegatron.train", "--config", "configs/gpt_tiny.py", f"--config.data_path={prefix}",
          f"--config.tokenizer_model={tok}", f"--config.save={save}", "--config.num_layers=2",
          "--config.seq_length=128", "--config.max_position_embeddings=128", "--config.train_iters=40",
          "--config.lr_warmup_iters=5", "--config.log_interval=10", "--config.eval_interval=20",
          "--config.eval_iters=2", "--config.save_interval=20", "--config.peak_tflops=1.0"])
+    # Megatron's report_theoretical_memory line, from jmegatron.training.memory
+    assert re.search(r"theoretical memory per device \(MiB\): weights [\d.]+, .* total [\d.]+", train_out)
     rows = [json.loads(l) for l in open(save / "metrics.jsonl")]
     losses = [r["lm_loss"] for r in rows if "lm_loss" in r]
     vals = [r["val_loss"] for r in rows if "val_loss" in r]

@@ -27,7 +27,7 @@ from jmegatron.data.loader import BatchLoader
 from jmegatron.models.gpt import GPTModel, ModelConfig
 from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpointing, flops, optimizer, state as state_lib, step as step_lib
+from jmegatron.training import checkpointing, flops, memory, optimizer, state as state_lib, step as step_lib
 from jmegatron.training.logging import MetricsLogger
 
 
@@ -327,6 +327,14 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
           f"{flops.num_parameters(cfg, run.padded_vocab_size):,} parameters, global batch "
           f"{run.global_batch_size} = {run.num_microbatches} micro-batches x {cfg.micro_batch_size} x dp "
           f"{run.mesh.shape['data']}, peak {logger.peak_tflops:.3f} TFLOP/s/device", flush=True)
+    if main_process:  # Megatron's report_theoretical_memory
+        est = memory.theoretical_memory(cfg, run.padded_vocab_size,
+                                        memory.ParallelLayout.from_config(cfg, run.mesh.shape["data"]))
+        mib = 1024 ** 2
+        print(f"[jmegatron] theoretical memory per device (MiB): weights {est.weights / mib:.1f}, gradients "
+              f"{est.gradients / mib:.1f}, optimizer {est.optimizer_state / mib:.1f}, activations "
+              f"{est.activations / mib:.1f} (recompute {cfg.recompute_granularity}), total {est.total / mib:.1f}",
+              flush=True)
     stop = _StopRequest(cfg.exit_signal_handler)
     summary = {"losses": {}, "val_loss": None, "interrupted": False}
     pending: list[tuple[int, dict]] = []
