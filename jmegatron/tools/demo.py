@@ -134,8 +134,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     train = [py, "-m", "jmegatron.train", "--config", args.config,
              f"--config.data_path={prefix}", f"--config.tokenizer_model={tokenizer}",
              f"--config.save={ckpt}"]
-    if args.train_iters:
-        train.append(f"--config.train_iters={args.train_iters}")
+    if args.train_iters:  # a shorter run warms up over its first tenth (the config's 50 may not fit)
+        train += [f"--config.train_iters={args.train_iters}", f"--config.lr_warmup_iters={args.train_iters // 10}",
+                  f"--config.eval_interval={max(1, args.train_iters // 5)}",
+                  f"--config.save_interval={args.train_iters}"]
     _run(train)
     _run([py, "-m", "jmegatron.evaluate", "--load", str(ckpt), "--split", "test"])
     _run([py, "-m", "jmegatron.generate", "--load", str(ckpt), "--prompt", args.prompt,
