@@ -24,6 +24,7 @@ COMMAND_MODULES = ("jmegatron.export.convert", "jmegatron.export.quantize", "jme
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with every command module's subcommands registered."""
     parser = argparse.ArgumentParser(prog="python -m jmegatron.export",
                                      description="Export a jmegatron checkpoint (Hugging Face, ModelOpt, TensorRT-LLM).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one export command; returns its exit status (2 for an ExportError, printed as ``error: ...``)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI entry point; returns the exit status (2 with ``error: ...`` for bad input)."""
     p = argparse.ArgumentParser(prog="python -m jmegatron.generate",
                                 description="Generate text from a jmegatron checkpoint (KV cache).")
     p.add_argument("--load", required=True, help="checkpoint directory (a training run's save dir)")

@@ -33,6 +33,7 @@ COMMAND_MODULES = ("jmegatron.bench.peak", "jmegatron.bench.precision", "jmegatr
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with every bench subcommand registered."""
     parser = argparse.ArgumentParser(prog="python -m jmegatron.bench",
                                      description="jmegatron benchmark harness (ByteMLPerf manner).")
     parser.add_argument("--devices", type=int, default=None, metavar="N",

@@ -31,6 +31,7 @@ def add_config_arguments(parser) -> None:
 
 
 def add_out_argument(parser, command: str) -> None:
+    """Add ``--out DIR`` (default ``runs/bench/<name>``) to a subcommand parser."""
     parser.add_argument("--out", default=os.path.join(DEFAULT_BENCH_DIR, command), metavar="DIR",
                         help=f"output directory (default {os.path.join(DEFAULT_BENCH_DIR, command)})")
 
@@ -76,6 +77,7 @@ def bench_config(cfg, **changes):
 
 # ------------------------------------------------------------------ outputs
 def out_dir(args) -> pathlib.Path:
+    """The subcommand's output directory (created)."""
     path = pathlib.Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -90,6 +92,7 @@ def _json_default(x):
 
 
 def write_json(path: os.PathLike, obj: Any) -> str:
+    """Write ``obj`` as indented JSON to ``path``."""
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, default=_json_default, allow_nan=True)
         f.write("\n")
@@ -97,11 +100,13 @@ def write_json(path: os.PathLike, obj: Any) -> str:
 
 
 def read_json(path: os.PathLike) -> Any:
+    """The JSON object stored at ``path``."""
     with open(path) as f:
         return json.load(f)
 
 
 def write_text(path: os.PathLike, text: str) -> str:
+    """Write ``text`` to ``path``."""
     with open(path, "w") as f:
         f.write(text if text.endswith("\n") else text + "\n")
     return str(path)
@@ -118,6 +123,7 @@ def pyplot():
 
 
 def mib(n_bytes: Optional[float]) -> float:
+    """Bytes as MiB (float)."""
     return float("nan") if n_bytes is None else n_bytes / 2 ** 20
 
 
@@ -140,6 +146,7 @@ def pct(fraction: Optional[float]) -> str:
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table from a header row and data rows."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in row) + " |")

@@ -26,6 +26,7 @@ from jmegatron.bench import common
 
 
 def register(sub) -> None:
+    """Add the ``determinism`` subcommand to the bench CLI's subparsers."""
     p = sub.add_parser("determinism", help="repeated and resumed runs must be bit-identical",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_config_arguments(p)
@@ -84,6 +85,7 @@ def _run_b_subprocess(args, cfg, out) -> dict:
 
 
 def run(args) -> int:
+    """Run ``bench determinism`` from parsed arguments; returns the exit status (0 pass, 1 a check failed, 2 bad input)."""
     overrides = {} if args.train_iters is None else {"train_iters": args.train_iters}
     cfg = common.load_config(args, **overrides)
     if cfg.train_iters < 2:
@@ -137,6 +139,7 @@ def _listed(r: dict) -> list:
 
 
 def markdown(r: dict) -> str:
+    """The markdown summary of a ``bench determinism`` result (its JSON object)."""
     def row(name, c):
         return [name, c["identical_losses"], c["first_mismatch"] if c["first_mismatch"] is not None else "-",
                 c["max_abs_diff"], c["params_identical"], c["state_identical"]]

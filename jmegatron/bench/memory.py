@@ -49,6 +49,7 @@ MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_i
 
 
 def register(sub) -> None:
+    """Add the ``memory`` subcommand to the bench CLI's subparsers."""
     p = sub.add_parser("memory", help="compiled vs theoretical memory, RSS over many steps, variable lengths",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_config_arguments(p)
@@ -297,6 +298,7 @@ def varlen_phase(cfg, lengths: Sequence[int], min_bucket: int, num_devices: Opti
 
 # ------------------------------------------------------------------ the command
 def run(args) -> int:
+    """Run ``bench memory`` from parsed arguments; returns the exit status (0 pass, 1 a check failed, 2 bad input)."""
     from jmegatron.training.memory import ParallelLayout
 
     if args.steps < 0 or args.varlen_steps < 0:
@@ -367,6 +369,7 @@ def run(args) -> int:
 
 # ------------------------------------------------------------------ reporting
 def layout_rows(layouts: list) -> list:
+    """One table row per compiled layout: compiled memory against the theory."""
     rows = []
     for lr in layouts:
         t, c, s = lr["theoretical"], lr["compiled"], lr["state_bytes_per_device"]
@@ -387,6 +390,7 @@ LAYOUT_HEADER = ["layout", "theory weights+opt MiB", "exact state MiB", "compile
 
 
 def markdown(r: dict) -> str:
+    """The markdown summary of a ``bench memory`` result (its JSON object)."""
     lines = ["# Memory", "",
              f"`{r['config']}` {' '.join(r['config_overrides'])}: micro-batch {r['micro_batch_size']} x "
              f"{r['seq_length']} tokens, {r['num_microbatches']} micro-batches, "

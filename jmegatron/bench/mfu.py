@@ -26,6 +26,7 @@ from jmegatron.bench import common
 
 
 def register(sub) -> None:
+    """Add the ``mfu`` subcommand to the bench CLI's subparsers."""
     p = sub.add_parser("mfu", help="tokens/s, TFLOP/s per device and MFU of a config",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_config_arguments(p)
@@ -47,6 +48,7 @@ def peak_for(cfg, peak_file=None) -> tuple[float, str]:
 
 
 def run(args) -> int:
+    """Run ``bench mfu`` from parsed arguments; returns the exit status."""
     if args.warmup < 1 or args.steps < 1:
         raise common.BenchError("--warmup and --steps must be >= 1 (the first step compiles)")
     cfg = common.load_config_for_steps(args, args.warmup + args.steps)
@@ -104,6 +106,7 @@ def run(args) -> int:
 
 
 def markdown(r: dict) -> str:
+    """The markdown summary of a ``bench mfu`` result (its JSON object)."""
     lo, hi = r["step_seconds_p10_p90"]
     return "\n".join([
         "# Training efficiency (MFU)", "",

@@ -16,6 +16,7 @@ from jmegatron.bench import common
 
 
 def register(sub) -> None:
+    """Add the ``peak`` subcommand to the bench CLI's subparsers."""
     p = sub.add_parser("peak", help="measure and store this device's matmul peak (TFLOP/s)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="256,512,1024,2048", help="square matrix sizes, comma separated")
@@ -39,6 +40,7 @@ def _ints(text: str, name: str) -> list[int]:
 
 
 def run(args) -> int:
+    """Run ``bench peak`` from parsed arguments; returns the exit status."""
     from jmegatron.training import peak as peak_lib
 
     sizes = _ints(args.sizes, "sizes")
@@ -62,6 +64,7 @@ def run(args) -> int:
 
 
 def markdown(result: dict) -> str:
+    """The markdown summary of a ``bench peak`` result (its JSON object)."""
     rows = []
     for name, entry in result["dtypes"].items():
         for size, s in entry["by_size"].items():

@@ -46,6 +46,7 @@ REFERENCE_SCRIPT = common.REPO_ROOT / "benchmarks" / "reference_torch.py"
 
 
 def register(sub) -> None:
+    """Add the ``precision`` subcommand to the bench CLI's subparsers."""
     p = sub.add_parser("precision", help="compare the loss curve with a reference log",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_config_arguments(p)
@@ -159,6 +160,7 @@ def _run_torch_reference(args, cfg, train_iters: int, dp: int, out) -> str:
 
 
 def run(args) -> int:
+    """Run ``bench precision`` from parsed arguments; returns the exit status (0 pass, 1 a check failed, 2 bad input)."""
     overrides = {} if args.train_iters is None else {"train_iters": args.train_iters}
     if args.train_iters is not None and args.train_iters < 1:
         raise common.BenchError(f"--train-iters={args.train_iters} must be >= 1")
@@ -203,6 +205,7 @@ def run(args) -> int:
 
 
 def markdown(r: dict) -> str:
+    """The markdown summary of a ``bench precision`` result (its JSON object)."""
     verdict = "**PASS**" if r["passed"] else "**FAIL**"
     notes = []
     if r["short_window"]:

@@ -18,6 +18,7 @@ COMMANDS = ("peak", "precision", "determinism", "memory", "mfu")
 
 
 def register(sub) -> None:
+    """Add the ``report`` subcommand to the bench CLI's subparsers."""
     p = sub.add_parser("report", help="one markdown page over the last results",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench-dir", default=common.DEFAULT_BENCH_DIR, help="where the subcommands wrote (runs/bench)")
@@ -66,6 +67,7 @@ def summary(results: dict) -> dict:
 
 
 def markdown(results: dict, out: pathlib.Path, bench_dir: pathlib.Path) -> str:
+    """The markdown summary of a ``bench report`` result (its JSON object)."""
     from jmegatron.bench import memory as memory_cmd
 
     def verdict(ok):
@@ -130,6 +132,7 @@ def markdown(results: dict, out: pathlib.Path, bench_dir: pathlib.Path) -> str:
 
 
 def run(args) -> int:
+    """Run ``bench report`` from parsed arguments; returns the exit status."""
     bench_dir = pathlib.Path(args.bench_dir)
     if not bench_dir.is_dir():
         raise common.BenchError(f"--bench-dir {bench_dir} does not exist (run some bench commands first)")
