@@ -10,8 +10,10 @@ the config's dropout; ``torch.optim.AdamW`` (weight decay on matrices only) with
 clipping, float32, as jmegatron's step (same vocabulary padding, same micro-batch and
 sequence). Both run on the same random token batch.
 
-Each round times ``--steps`` steps of jmegatron, PyTorch eager and ``torch.compile``
-in turn (the machine is shared and noisy: ratios come from the same rounds); the table
+Each framework runs in its own process (so no framework's thread pools compete with
+another's timed steps); each round times ``--steps`` steps of jmegatron, PyTorch eager
+and ``torch.compile`` in turn (the machine is shared and noisy: ratios come from the same
+rounds); the table
 gives the median tokens/s, TFLOP/s (Megatron's FLOPs formula, the same for all three)
 and MFU against the measured float32 matmul peak (``python -m jmegatron.bench peak``),
 then ``ratio: <jmegatron tokens/s over PyTorch eager tokens/s>`` and the same against
@@ -163,6 +165,30 @@ def time_steps(step, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def _worker(name: str, config: str, threads: int, warmup: int, conn) -> None:
+    """One framework in its own process: build, warm up, then time ``n`` steps per request.
+    Separate processes keep each framework's thread pools (XLA's, PyTorch's OpenMP and the
+    compiled kernels') from competing with the other's timed steps."""
+    import torch
+
+    torch.set_num_threads(threads)
+    cfg = bench_config(config)
+    toks = np.random.RandomState(0).randint(0, cfg.vocab_size, size=(cfg.micro_batch_size, cfg.seq_length + 1))
+    tokens, labels = toks[:, :-1].astype(np.int32), toks[:, 1:].astype(np.int32)
+    if name == "jmegatron":
+        step = jmegatron_stepper(cfg, tokens, labels)[0]
+    else:
+        step = torch_stepper(cfg, cfg.padded_vocab_size(), tokens, labels, compiled=name == "pytorch_compile")
+    t0 = time.perf_counter()
+    losses = [step() for _ in range(warmup)]
+    conn.send((time.perf_counter() - t0, losses))
+    while True:
+        n = conn.recv()
+        if n is None:
+            break
+        conn.send(time_steps(step, n))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/gpt_tiny.py")
@@ -171,38 +197,42 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="PyTorch intra-op threads")
+    p.add_argument("--settle", type=float, default=1.0,
+                   help="seconds of idle before each framework's timed steps (OpenMP worker threads "
+                        "busy-wait for a while after a parallel region)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
 
-    import torch
+    import multiprocessing as mp
 
     from jmegatron.training import flops
     from jmegatron.training.loop import default_peak_tflops
 
-    torch.set_num_threads(args.threads)
     cfg = bench_config(args.config)
     vocab = cfg.padded_vocab_size()
-    rs = np.random.RandomState(0)
-    toks = rs.randint(0, cfg.vocab_size, size=(cfg.micro_batch_size, cfg.seq_length + 1)).astype(np.int32)
-    tokens, labels = toks[:, :-1], toks[:, 1:]
-
-    steppers = {}
-    steppers["jmegatron"], run = jmegatron_stepper(cfg, tokens, labels)
-    steppers["pytorch_eager"] = torch_stepper(cfg, vocab, tokens, labels, compiled=False)
-    if not args.no_compile:
-        steppers["pytorch_compile"] = torch_stepper(cfg, vocab, tokens, labels, compiled=True)
-    for name, step in steppers.items():
-        t0 = time.perf_counter()
-        losses = [step() for _ in range(args.warmup)]
-        print(f"[warm-up] {name}: {args.warmup} steps in {time.perf_counter() - t0:.1f}s, losses "
+    names = ["jmegatron", "pytorch_eager"] + ([] if args.no_compile else ["pytorch_compile"])
+    ctx = mp.get_context("spawn")
+    workers = {}
+    for name in names:  # built and warmed up one at a time, so compilations do not overlap
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(name, args.config, args.threads, args.warmup, child))
+        proc.start()
+        seconds, losses = parent.recv()
+        print(f"[warm-up] {name}: {args.warmup} steps in {seconds:.1f}s, losses "
               + ", ".join(f"{x:.4f}" for x in losses), flush=True)
+        workers[name] = (proc, parent)
 
-    times = {name: [] for name in steppers}
+    times = {name: [] for name in names}
     for r in range(args.rounds):
-        for name, step in steppers.items():
-            times[name].append(time_steps(step, args.steps))
+        for name, (_, conn) in workers.items():
+            time.sleep(args.settle)
+            conn.send(args.steps)
+            times[name].append(conn.recv())
         print(f"[round {r + 1}/{args.rounds}] " + ", ".join(f"{n} {t * 1e3:.0f} ms/step" for n, t in
                                                           ((n, ts[-1]) for n, ts in times.items())), flush=True)
+    for proc, conn in workers.values():
+        conn.send(None)
+        proc.join()
 
     tokens_per_step = cfg.micro_batch_size * cfg.seq_length
     flop = flops.num_floating_point_operations(cfg, cfg.micro_batch_size, vocab)
