@@ -35,6 +35,7 @@ import numpy as np
 
 # ---------------------------------------------------------------------------- PyTorch side
 def torch_gpt(cfg, vocab: int):
+    """The lean PyTorch GPT (nanoGPT-style) of ``cfg``'s shape with ``vocab`` (padded) rows; float32, the config's dropout."""
     import torch
     import torch.nn as tnn
     import torch.nn.functional as F
@@ -85,6 +86,7 @@ def torch_gpt(cfg, vocab: int):
 
 
 def torch_stepper(cfg, vocab: int, tokens: np.ndarray, labels: np.ndarray, compiled: bool):
+    """A function running one PyTorch train step (AdamW, clipping) on ``tokens``/``labels`` ``[b, s]``; ``compiled`` wraps the model in ``torch.compile``. Returns the loss (float)."""
     import torch
 
     torch.manual_seed(cfg.seed)
@@ -159,6 +161,7 @@ def jmegatron_stepper(cfg, tokens: np.ndarray, labels: np.ndarray, num_devices: 
 
 
 def time_steps(step, n: int) -> float:
+    """Mean seconds per step of ``n`` consecutive calls of ``step`` (each waits for its result)."""
     t0 = time.perf_counter()
     for _ in range(n):
         step()
