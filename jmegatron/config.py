@@ -29,7 +29,10 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
-ATTENTION_IMPLS = ("xla", "dot_product")
+# "auto": the CPU kernels (jmegatron.kernels.cpu) on a CPU backend in float32 without
+# tensor parallelism, else XLA's ops ("xla"); resolved by jmegatron.models.gpt.ModelConfig.
+ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cpu")
+MATMUL_IMPLS = ("auto", "xla", "blas")
 DROPOUT_IMPLS = ("hash", "threefry")  # jmegatron.models.dropout.DROPOUT_IMPLS
 
 
@@ -70,7 +73,13 @@ class JMegatronConfig:
     # jmegatron-only model execution options
     scan_layers: bool = False  # nn.scan over layers (one compiled layer body)
     recompute_granularity: str = "none"  # Megatron: --recompute-granularity {full,selective}
-    attention_impl: str = "xla"
+    # core attention: "auto" | "xla" (plain XLA ops) | "dot_product" (jax.nn) | "cpu" (the
+    # CPU kernel, jmegatron.kernels.cpu); "auto" = "cpu" on a CPU backend in float32 without
+    # tensor parallelism, else "xla"
+    attention_impl: str = "auto"
+    # dense-layer matmuls: "auto" | "xla" | "blas" (jmegatron.kernels.cpu: OpenBLAS through an
+    # XLA FFI custom call, no transposing copies in the backward); "auto" as attention_impl
+    matmul_impl: str = "auto"
     # dropout masks: "hash" (counter-based hash of the element index, jmegatron.models.dropout)
     # or "threefry" (jax.random.bernoulli, ~50x slower on CPU)
     dropout_impl: str = "hash"
@@ -161,6 +170,7 @@ class JMegatronConfig:
             "lr_wsd_decay_style": WSD_DECAY_STYLES,
             "recompute_granularity": RECOMPUTE_GRANULARITIES,
             "attention_impl": ATTENTION_IMPLS,
+            "matmul_impl": MATMUL_IMPLS,
             "dropout_impl": DROPOUT_IMPLS,
         }
         for name, allowed in choices.items():
@@ -220,6 +230,11 @@ class JMegatronConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("config.sequence_parallel=True needs config.tensor_model_parallel_size > 1 "
                               "(Megatron disables it otherwise); set sequence_parallel=False.")
+        for name, kernel in (("matmul_impl", "blas"), ("attention_impl", "cpu")):
+            if getattr(self, name) == kernel and self.tensor_model_parallel_size > 1:
+                raise ConfigError(
+                    f"config.{name}={kernel!r} is a CPU custom call that GSPMD cannot partition, so it "
+                    f"runs without tensor parallelism; set tensor_model_parallel_size=1 or {name}='auto'.")
         if self.use_distributed_optimizer and self.use_megatron_fsdp:
             raise ConfigError("config.use_megatron_fsdp=True already shards the optimizer state; "
                               "set config.use_distributed_optimizer=False.")

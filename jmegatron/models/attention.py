@@ -69,9 +69,17 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, dropout_rate: float =
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
+def cpu_attention(q: Array, k: Array, v: Array, **kwargs) -> Array:
+    """The CPU attention kernel (:func:`jmegatron.kernels.cpu.ops.cpu_attention`), same
+    signature and dropout masks as :func:`xla_attention`."""
+    from jmegatron.kernels.cpu.ops import cpu_attention as kernel
+    return kernel(q, k, v, **kwargs)
+
+
 CORE_ATTENTIONS: dict[str, CoreAttention] = {
     "xla": xla_attention,
     "dot_product": dot_product_attention,
+    "cpu": cpu_attention,
 }
 
 

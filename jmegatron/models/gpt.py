@@ -55,15 +55,35 @@ class ModelConfig:
     scan_layers: bool = False
     recompute_granularity: str = "none"
     attention_impl: str = "xla"
+    matmul_impl: str = "xla"
     dropout_impl: str = "hash"
     dtype: Any = jnp.float32
 
     @classmethod
     def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
-        """The model fields of ``cfg``; compute dtype bfloat16 when ``cfg.bf16``."""
+        """The model fields of ``cfg``; compute dtype bfloat16 when ``cfg.bf16``.
+
+        ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolve here: to the CPU kernels
+        ("cpu" / "blas", :mod:`jmegatron.kernels.cpu`) when JAX's backend is the CPU, the
+        compute dtype float32, tensor_model_parallel_size 1 and the kernels build; else
+        to "xla"."""
         names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype"}
-        return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32,
-                   **{n: getattr(cfg, n) for n in names})
+        fields = {n: getattr(cfg, n) for n in names}
+        if "auto" in (cfg.attention_impl, cfg.matmul_impl):
+            from jmegatron.kernels import cpu as cpu_kernels
+            kernels = cpu_kernels.use_by_default(cfg.tensor_model_parallel_size, float32=not cfg.bf16)
+            if cfg.attention_impl == "auto":
+                fields["attention_impl"] = "cpu" if kernels else "xla"
+            if cfg.matmul_impl == "auto":
+                fields["matmul_impl"] = "blas" if kernels else "xla"
+        return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32, **fields)
+
+    def dense_dot_general(self) -> Callable:
+        """The dense layers' ``dot_general`` for ``matmul_impl``."""
+        if self.matmul_impl == "blas":
+            from jmegatron.kernels.cpu.ops import blas_dot_general
+            return blas_dot_general
+        return dense_dot_general_fn
 
 
 class MLP(nn.Module):
@@ -162,6 +182,9 @@ class GPTModel(nn.Module):
     def __call__(self, tokens: Array, position_ids: Optional[Array] = None,
                  deterministic: bool = True, kv_cache: Any = None):
         c = self.cfg
+        dot_general = self.dot_general
+        if dot_general is dense_dot_general_fn:
+            dot_general = c.dense_dot_general()
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         embed_init = nn.initializers.normal(c.init_method_std)
@@ -186,11 +209,11 @@ class GPTModel(nn.Module):
                             split_rngs={"params": True, "dropout": True},
                             in_axes=(nn.broadcast,) + (0,) * len(cached), length=c.num_layers,
                             metadata_params={nn.PARTITION_NAME: "layers"})
-            x, kv_cache = stack(c, deterministic, self.dot_general, name="decoder_layers")(x, position_ids, *cached)
+            x, kv_cache = stack(c, deterministic, dot_general, name="decoder_layers")(x, position_ids, *cached)
         else:
             new_cache = []
             for i in range(c.num_layers):
-                layer = layer_cls(c, deterministic, self.dot_general, name=f"decoder_layers_{i}")
+                layer = layer_cls(c, deterministic, dot_general, name=f"decoder_layers_{i}")
                 if kv_cache is None:
                     x, _ = layer(x, position_ids)
                 else:
@@ -201,10 +224,10 @@ class GPTModel(nn.Module):
         self.sow("intermediates", "final_layernorm_output", x)
         if c.untie_embeddings_and_output_weights:
             logits = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, tp_mode="column", tp_dim=1,
-                            dot_general=self.dot_general, kernel_init=embed_init,
+                            dot_general=dot_general, kernel_init=embed_init,
                             name="output_layer")(x)
         else:
-            logits = word.attend(x)
+            logits = word.attend(x, dot_general)
         logits = nn.with_logical_constraint(logits, ("batch", "length", "activation_vocab"))
         logits = logits.astype(jnp.float32)
         return logits if kv_cache is None else (logits, kv_cache)

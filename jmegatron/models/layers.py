@@ -216,8 +216,11 @@ class Embed(nn.Module):
             out = tensor_parallel.sequence_local_embed(ids, table)
         return jnp.take(table, ids, axis=0) if out is None else out
 
-    def attend(self, x: Array) -> Array:
+    def attend(self, x: Array, dot_general: Optional[DotGeneral] = None) -> Array:
+        """Logits ``x @ embedding^T`` by ``dot_general`` (default :func:`dense_dot_general`)."""
         table = jnp.asarray(self.embedding, self.dtype)
         dims = (((x.ndim - 1,), (1,)), ((), ()))
         out = tensor_parallel.column_parallel(x, table, dims, 0, x.ndim - 1, jax.lax.dot_general)
-        return dense_dot_general(x, table, dims) if out is None else out
+        if out is not None:
+            return out
+        return (dot_general or dense_dot_general_fn)(x, table, dims)

@@ -1,0 +1,295 @@
+// Causal softmax attention for XLA's CPU backend as XLA FFI custom calls
+// (jmegatron_attention_fwd / jmegatron_attention_bwd).
+//
+// out = dropout(softmax(scale * q k^T, causal)) v per (batch, query head), float32,
+// with grouped-query heads (query head h reads key/value head h / group). The
+// reference is jmegatron.models.attention.xla_attention; the dropout mask is the same
+// counter hash as jmegatron.models.dropout.hash_bits over the probabilities' shape
+// [b, nkv, group, s, s], so both paths drop exactly the same elements.
+//
+// The work follows FlashAttention (Dao et al. 2022, "FlashAttention: Fast and
+// Memory-Efficient Exact Attention with IO-Awareness"): queries in blocks of `block`
+// rows, each block only against the keys it can see (causal), softmax in registers of
+// a [block, keys] scratch, and only the log-sum-exp saved for the backward, which
+// recomputes the probabilities. The matmuls are single-threaded OpenBLAS calls with
+// the head strides as leading dimensions (no copies); the (batch, head) tasks run on
+// XLA's intra-op thread pool (parallel.h).
+//
+// Layouts (row-major): q [b, s, nq, d], k and v [b, s, nkv, d], out [b, s, nq, d],
+// lse [b, nq, s]; key uint32 [2] = the hash's two key words (k0, k1).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cblas.h"
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline uint32_t Triple32(uint32_t x) {
+  // Wellons' triple32, as jmegatron/models/dropout.py
+  x ^= x >> 17;
+  x *= 0xED5AD4BBu;
+  x ^= x >> 11;
+  x *= 0xAC4C1B51u;
+  x ^= x >> 15;
+  x *= 0x31848BABu;
+  x ^= x >> 14;
+  return x;
+}
+
+// exp(x) for x <= 0 to about 2 ulp, vectorisable (Cody-Waite reduction + degree-6
+// polynomial); exp(x) = 0 below -87.
+inline float ExpNeg(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+struct Shape {
+  int64_t b, s, nq, nkv, d, group;
+};
+
+ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
+                       const ffi::Buffer<ffi::F32>& v, Shape* out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument("jmegatron_attention: q, k, v must be [b, s, heads, d]");
+  }
+  Shape sh{qd[0], qd[1], qd[2], kd[2], qd[3], 0};
+  if (kd[0] != sh.b || kd[1] != sh.s || kd[3] != sh.d || vd[0] != sh.b || vd[1] != sh.s ||
+      vd[2] != sh.nkv || vd[3] != sh.d || sh.nkv == 0 || sh.nq % sh.nkv != 0) {
+    return ffi::Error::InvalidArgument("jmegatron_attention: k/v shapes do not match q");
+  }
+  sh.group = sh.nq / sh.nkv;
+  *out = sh;
+  return ffi::Error::Success();
+}
+
+struct Dropout {
+  float rate;
+  uint32_t threshold;
+  uint32_t k0, k1;
+  float keep_scale;  // 1 / (1 - rate) is applied as a division, as the XLA path
+  bool on() const { return rate > 0.0f; }
+  // rest index of (h, qi, 0) in [b, nkv, group, s, s]: (h * s + qi) * s, mod 2^32
+  bool Keep(uint32_t lead, uint32_t rest) const { return Triple32(lead ^ rest ^ k1) >= threshold; }
+};
+
+ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U32> key,
+                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                        float scale, float dropout_rate, int64_t threshold, int64_t block) {
+  Shape sh;
+  if (auto err = CheckShapes(q, k, v, &sh); err.failure()) return err;
+  const uint32_t* kw = key.typed_data();
+  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], 1.0f - dropout_rate};
+  const float* pq = q.typed_data();
+  const float* pk = k.typed_data();
+  const float* pv = v.typed_data();
+  float* po = out->typed_data();
+  float* pl = lse->typed_data();
+  const int64_t s = sh.s, d = sh.d, ldq = sh.nq * d, ldk = sh.nkv * d;
+  const int64_t bq = std::max<int64_t>(1, std::min(block, s));
+
+  auto task = [&](int64_t t) {
+    const int64_t bi = t / sh.nq, h = t % sh.nq, hk = h / sh.group;
+    const float* Q = pq + bi * s * ldq + h * d;
+    const float* K = pk + bi * s * ldk + hk * d;
+    const float* V = pv + bi * s * ldk + hk * d;
+    float* O = po + bi * s * ldq + h * d;
+    float* L = pl + (bi * sh.nq + h) * s;
+    const uint32_t lead = Triple32(static_cast<uint32_t>(bi) ^ drop.k0);
+    std::vector<float> scratch(bq * s);
+    float* S = scratch.data();
+    for (int64_t q0 = 0; q0 < s; q0 += bq) {
+      const int64_t rows = std::min(bq, s - q0), cols = q0 + rows;
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, d, scale, Q + q0 * ldq, ldq, K,
+                        ldk, 0.0f, S, cols);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t qi = q0 + r, n = qi + 1;
+        float* row = S + r * cols;
+        float m = row[0];
+        for (int64_t j = 1; j < n; ++j) m = std::max(m, row[j]);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+          row[j] = ExpNeg(row[j] - m);
+          sum += row[j];
+        }
+        L[qi] = m + std::log(sum);
+        if (drop.on()) {
+          const uint32_t rest = static_cast<uint32_t>((h * s + qi) * s);
+          for (int64_t j = 0; j < n; ++j) {
+            const float p = row[j] / sum;
+            row[j] = drop.Keep(lead, rest + static_cast<uint32_t>(j)) ? p / drop.keep_scale : 0.0f;
+          }
+        } else {
+          for (int64_t j = 0; j < n; ++j) row[j] = row[j] / sum;
+        }
+        std::fill(row + n, row + cols, 0.0f);
+      }
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, cols, 1.0f, S, cols, V, ldk, 0.0f,
+                        O + q0 * ldq, ldq);
+    }
+  };
+  jmegatron::ParallelFor(pool, sh.b * sh.nq, task);
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> dout,
+                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::U32> key,
+                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                        ffi::ResultBuffer<ffi::F32> dv, float scale, float dropout_rate, int64_t threshold,
+                        int64_t block) {
+  Shape sh;
+  if (auto err = CheckShapes(q, k, v, &sh); err.failure()) return err;
+  const uint32_t* kw = key.typed_data();
+  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], 1.0f - dropout_rate};
+  const float* pq = q.typed_data();
+  const float* pk = k.typed_data();
+  const float* pv = v.typed_data();
+  const float* po = out.typed_data();
+  const float* pdo = dout.typed_data();
+  const float* pl = lse.typed_data();
+  float* pdq = dq->typed_data();
+  float* pdk = dk->typed_data();
+  float* pdv = dv->typed_data();
+  const int64_t s = sh.s, d = sh.d, ldq = sh.nq * d, ldk = sh.nkv * d;
+  const int64_t bq = std::max<int64_t>(1, std::min(block, s));
+
+  // One task per (batch, key/value head): the query heads of its group all add into
+  // the same dK and dV rows.
+  auto task = [&](int64_t t) {
+    const int64_t bi = t / sh.nkv, hk = t % sh.nkv;
+    const float* K = pk + bi * s * ldk + hk * d;
+    const float* V = pv + bi * s * ldk + hk * d;
+    float* dK = pdk + bi * s * ldk + hk * d;
+    float* dV = pdv + bi * s * ldk + hk * d;
+    for (int64_t i = 0; i < s; ++i) {
+      std::fill(dK + i * ldk, dK + i * ldk + d, 0.0f);
+      std::fill(dV + i * ldk, dV + i * ldk + d, 0.0f);
+    }
+    const uint32_t lead = Triple32(static_cast<uint32_t>(bi) ^ drop.k0);
+    std::vector<float> scratch(3 * bq * s + bq);
+    float* P = scratch.data();          // probabilities, then dS
+    float* Pd = P + bq * s;             // dropped probabilities
+    float* dP = Pd + bq * s;            // gradient of the dropped probabilities
+    float* D = dP + bq * s;             // rowsum(dO * O)
+    for (int64_t g = 0; g < sh.group; ++g) {
+      const int64_t h = hk * sh.group + g;
+      const float* Q = pq + bi * s * ldq + h * d;
+      const float* O = po + bi * s * ldq + h * d;
+      const float* dO = pdo + bi * s * ldq + h * d;
+      float* dQ = pdq + bi * s * ldq + h * d;
+      const float* L = pl + (bi * sh.nq + h) * s;
+      for (int64_t q0 = 0; q0 < s; q0 += bq) {
+        const int64_t rows = std::min(bq, s - q0), cols = q0 + rows;
+        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, d, scale, Q + q0 * ldq, ldq, K,
+                          ldk, 0.0f, P, cols);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t qi = q0 + r, n = qi + 1;
+          float* row = P + r * cols;
+          float* drow = Pd + r * cols;
+          const float l = L[qi];
+          for (int64_t j = 0; j < n; ++j) row[j] = ExpNeg(row[j] - l);
+          std::fill(row + n, row + cols, 0.0f);
+          if (drop.on()) {
+            const uint32_t rest = static_cast<uint32_t>((h * s + qi) * s);
+            for (int64_t j = 0; j < n; ++j) {
+              drow[j] = drop.Keep(lead, rest + static_cast<uint32_t>(j)) ? row[j] / drop.keep_scale : 0.0f;
+            }
+            std::fill(drow + n, drow + cols, 0.0f);
+          }
+          const float* o = O + qi * ldq;
+          const float* go = dO + qi * ldq;
+          float acc = 0.0f;
+          for (int64_t c = 0; c < d; ++c) acc += o[c] * go[c];
+          D[r] = acc;
+        }
+        const float* probs = drop.on() ? Pd : P;
+        // dV[:cols] += Pd^T dO_blk
+        scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, d, rows, 1.0f, probs, cols,
+                          dO + q0 * ldq, ldq, 1.0f, dV, ldk);
+        // dPd = dO_blk V[:cols]^T
+        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, d, 1.0f, dO + q0 * ldq, ldq, V,
+                          ldk, 0.0f, dP, cols);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t qi = q0 + r, n = qi + 1;
+          float* row = P + r * cols;
+          const float* grow = dP + r * cols;
+          const float dr = D[r];
+          if (drop.on()) {
+            const uint32_t rest = static_cast<uint32_t>((h * s + qi) * s);
+            for (int64_t j = 0; j < n; ++j) {
+              const float gp = drop.Keep(lead, rest + static_cast<uint32_t>(j)) ? grow[j] / drop.keep_scale : 0.0f;
+              row[j] = row[j] * (gp - dr);
+            }
+          } else {
+            for (int64_t j = 0; j < n; ++j) row[j] = row[j] * (grow[j] - dr);
+          }
+        }
+        // dQ_blk = scale dS K[:cols];  dK[:cols] += scale dS^T Q_blk
+        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, cols, scale, P, cols, K, ldk, 0.0f,
+                          dQ + q0 * ldq, ldq);
+        scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, d, rows, scale, P, cols, Q + q0 * ldq,
+                          ldq, 1.0f, dK, ldk);
+      }
+    }
+  };
+  jmegatron::ParallelFor(pool, sh.b * sh.nkv, task);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionFwd, AttentionFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // key
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Attr<float>("scale")
+                                  .Attr<float>("dropout_rate")
+                                  .Attr<int64_t>("threshold")
+                                  .Attr<int64_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBwd, AttentionBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // out
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // dout
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // key
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dk
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dv
+                                  .Attr<float>("scale")
+                                  .Attr<float>("dropout_rate")
+                                  .Attr<int64_t>("threshold")
+                                  .Attr<int64_t>("block"));

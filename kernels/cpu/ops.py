@@ -1,0 +1,194 @@
+"""JAX ops over the CPU kernels (:mod:`jmegatron.kernels.cpu`), each with autodiff rules.
+
+* :func:`sgemm` -- ``op(a) @ op(b)``, float32, rank 2 (``jmegatron_sgemm``).
+* :func:`blas_dot_general` -- a ``jax.lax.dot_general`` for dense layers (``x [..., K]``
+  against a kernel ``[K..., N...]`` or ``[N..., K...]``) whose forward, input gradient and
+  weight gradient are each one :func:`sgemm` with no transposing copies; other forms and
+  dtypes fall back to :func:`jmegatron.models.layers.dense_dot_general`.
+* :func:`cpu_attention` -- the causal core attention of
+  :func:`jmegatron.models.attention.xla_attention` (same signature, same dropout masks).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmegatron.kernels import cpu as _lib
+
+Array = jax.Array
+
+# Query rows per block in the attention kernel (FlashAttention's B_r).
+ATTENTION_BLOCK = 128
+
+
+def _same_vma(*xs):
+    """``xs`` cast to the union of their varying manual axes (inside ``shard_map`` with
+    ``check_vma``), so a custom call's operands and results share one type. Outside
+    custom_vjp rules autodiff transposes the cast (a psum), as for any JAX op."""
+    sets = [jax.typeof(x).manual_axis_type.varying for x in xs]
+    union = frozenset().union(*sets)
+    return tuple(x if v == union else jax.lax.pcast(x, tuple(sorted(union - v)), to="varying")
+                 for x, v in zip(xs, sets))
+
+
+def _result(shape, like) -> jax.ShapeDtypeStruct:
+    """A float32 result ``shape`` typed like ``like`` inside ``shard_map``: the same
+    varying manual axes and mesh (tensor-level sharding is not carried: replicated)."""
+    aval = jax.typeof(like)
+    mat = aval.manual_axis_type
+    if mat.empty:
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+    sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding, manual_axis_type=mat)
+
+
+def sgemm(a: Array, b: Array, trans_a: bool = False, trans_b: bool = False) -> Array:
+    """``op(a) @ op(b)`` for float32 ``a``, ``b`` of rank 2 (op = transpose when the flag is
+    set): ``[M, K] x [K, N] -> [M, N]`` float32. No autodiff rule of its own (the callers
+    define theirs). Raises ValueError on other ranks, dtypes or mismatched K."""
+    if a.ndim != 2 or b.ndim != 2 or a.dtype != jnp.float32 or b.dtype != jnp.float32:
+        raise ValueError(f"sgemm needs float32 matrices, got {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
+    m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    kb, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
+    if k != kb:
+        raise ValueError(f"sgemm: contracting sizes differ ({k} vs {kb})")
+    _lib.load()
+    a, b = _same_vma(a, b)
+    return jax.ffi.ffi_call("jmegatron_sgemm", _result((m, n), a))(
+        a, b, trans_a=bool(trans_a), trans_b=bool(trans_b))
+
+
+def _kernel_form(x, kernel, dims) -> Optional[bool]:
+    """False: kernel ``[K..., N...]``; True: kernel ``[N..., K...]`` (trans_b); None: other."""
+    (xc, kc), batch = dims
+    if batch != ((), ()) or x.dtype != jnp.float32 or kernel.dtype != jnp.float32:
+        return None
+    nc = len(xc)
+    if nc == 0 or tuple(xc) != tuple(range(x.ndim - nc, x.ndim)):
+        return None
+    if tuple(kc) == tuple(range(nc)):
+        return False
+    if tuple(kc) == tuple(range(kernel.ndim - nc, kernel.ndim)):
+        return True
+    return None
+
+
+def _as_matrices(x, kernel, dims, trans_b):
+    nc = len(dims[0][0])
+    tokens, k = math.prod(x.shape[:x.ndim - nc]), math.prod(x.shape[x.ndim - nc:])
+    n = kernel.size // k if k else 0
+    free = kernel.shape[:kernel.ndim - nc] if trans_b else kernel.shape[nc:]
+    k2 = kernel.reshape((n, k) if trans_b else (k, n))
+    return x.reshape(tokens, k), k2, x.shape[:x.ndim - nc] + free
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _blas_dense(x, kernel, dims):
+    trans_b = _kernel_form(x, kernel, dims)
+    x2, k2, out_shape = _as_matrices(x, kernel, dims, trans_b)
+    return sgemm(x2, k2, False, trans_b).reshape(out_shape)
+
+
+def _blas_dense_fwd(x, kernel, dims):
+    return _blas_dense(x, kernel, dims), (x, kernel)
+
+
+def _blas_dense_bwd(dims, res, g):
+    x, kernel = res
+    trans_b = _kernel_form(x, kernel, dims)
+    x2, k2, _ = _as_matrices(x, kernel, dims, trans_b)
+    g2 = g.reshape(x2.shape[0], -1).astype(jnp.float32)
+    dx = sgemm(g2, k2, False, not trans_b).reshape(x.shape)
+    dk = sgemm(g2, x2, True, False) if trans_b else sgemm(x2, g2, True, False)
+    return dx, dk.reshape(kernel.shape)
+
+
+_blas_dense.defvjp(_blas_dense_fwd, _blas_dense_bwd)
+
+
+def blas_dot_general(x: Array, kernel: Array, dims, precision=None, preferred_element_type=None) -> Array:
+    """``jax.lax.dot_general(x, kernel, dims)`` through :func:`sgemm` (a drop-in
+    ``dot_general`` for :class:`jmegatron.models.layers.Linear` and the models).
+
+    Used when both are float32, there are no batch dimensions, ``x``'s contracting axes
+    are its trailing ones and the kernel's are its leading (``[K..., N...]``) or trailing
+    (``[N..., K...]``, the tied output layer) ones, in order; anything else goes to
+    :func:`jmegatron.models.layers.dense_dot_general_fn`. Gradients: ``dx = g op(W)^T``
+    and ``dW = x^T g`` (or ``g^T x``), each one BLAS call reading its operands in place.
+    """
+    from jmegatron.models.layers import dense_dot_general_fn
+    if precision is not None or preferred_element_type not in (None, jnp.float32):
+        return dense_dot_general_fn(x, kernel, dims, precision, preferred_element_type)
+    if _kernel_form(x, kernel, dims) is None or x.size == 0 or kernel.size == 0:
+        return dense_dot_general_fn(x, kernel, dims)
+    return _blas_dense(*_same_vma(x, kernel), dims)
+
+
+def _dropout_key(dropout_rng) -> Array:
+    from jmegatron.models.dropout import _key_words
+    k0, k1 = _key_words(dropout_rng)
+    return jnp.stack([k0, k1]).astype(jnp.uint32)
+
+
+def _threshold(rate: float) -> int:
+    return min(int(math.floor(rate * 2.0**32)), 2**32 - 1)
+
+
+def _attn_attrs(d: int, rate: float, block: int) -> dict:
+    return dict(scale=np.float32(1.0 / np.sqrt(np.float32(d))), dropout_rate=np.float32(rate),
+                threshold=np.int64(_threshold(rate)), block=np.int64(block))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, key, rate, block):
+    return _attention_fwd(q, k, v, key, rate, block)[0]
+
+
+def _attention_fwd(q, k, v, key, rate, block):
+    _lib.load()
+    b, s, nq, d = q.shape
+    out, lse = jax.ffi.ffi_call(
+        "jmegatron_attention_fwd", (_result(q.shape, q), _result((b, nq, s), q)),
+    )(q, k, v, key, **_attn_attrs(d, rate, block))
+    return out, (q, k, v, key, out, lse)
+
+
+def _attention_bwd(rate, block, res, g):
+    q, k, v, key, out, lse = res
+    dq, dk, dv = jax.ffi.ffi_call(
+        "jmegatron_attention_bwd", (_result(q.shape, q), _result(k.shape, q), _result(v.shape, q)),
+    )(q, k, v, out, g.astype(jnp.float32), lse, key, **_attn_attrs(q.shape[-1], rate, block))
+    return dq, dk, dv, np.zeros(key.shape, jax.dtypes.float0)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def cpu_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
+                  dropout_rng: Optional[Array] = None, deterministic: bool = True,
+                  dropout_impl: str = "hash") -> Array:
+    """Causal ``softmax(q k^T / sqrt(d)) v`` by the CPU attention kernel.
+
+    Shapes as :func:`jmegatron.models.attention.xla_attention`: q ``[b, s, nq, d]``, k/v
+    ``[b, s, nkv, d]`` float32 with ``nq % nkv == 0``; returns ``[b, s, nq, d]`` float32.
+    Attention dropout draws :func:`jmegatron.models.dropout.keep_mask`'s hash mask over
+    ``[b, nkv, nq // nkv, s, s]``, element for element the XLA path's. Memory: saves only
+    q, k, v, the output and the log-sum-exp ``[b, nq, s]`` (no ``[s, s]`` activations).
+    Other dtypes and ``dropout_impl="threefry"`` with dropout go to ``xla_attention``.
+    """
+    from jmegatron.models.attention import xla_attention
+    rate = 0.0 if deterministic else float(dropout_rate)
+    if (q.dtype != jnp.float32 or k.dtype != jnp.float32 or v.dtype != jnp.float32
+            or (rate > 0.0 and dropout_impl != "hash")):
+        return xla_attention(q, k, v, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                             deterministic=deterministic, dropout_impl=dropout_impl)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate {rate} must be in [0, 1)")
+    key = _dropout_key(dropout_rng) if rate > 0.0 else jnp.zeros((2,), jnp.uint32)
+    return _attention(*_same_vma(q, k, v, key), rate, ATTENTION_BLOCK)

@@ -1,0 +1,157 @@
+"""The CPU kernels (jmegatron/kernels/cpu) against their XLA reference paths."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmegatron.config import ConfigError
+from jmegatron.kernels import cpu
+from jmegatron.kernels.cpu.ops import blas_dot_general, cpu_attention, sgemm
+from jmegatron.models.attention import xla_attention
+from jmegatron.models.gpt import ModelConfig
+
+from conftest import REPO
+from test_parallel_equivalence import trajectory
+from test_train_step import tiny_cfg
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+
+def rand(*shape, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("m,k,n", [(1, 7, 5), (130, 64, 3), (300, 33, 257)])
+def test_sgemm_matches_numpy(trans_a, trans_b, m, k, n):
+    a = rand(*((k, m) if trans_a else (m, k)))
+    b = rand(*((n, k) if trans_b else (k, n)), seed=1)
+    want = (np.asarray(a).T if trans_a else np.asarray(a)) @ (np.asarray(b).T if trans_b else np.asarray(b))
+    got = jax.jit(lambda a, b: sgemm(a, b, trans_a, trans_b))(a, b)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_sgemm_refuses_bad_operands():
+    with pytest.raises(ValueError, match="contracting sizes differ"):
+        sgemm(rand(4, 5), rand(6, 3))
+    with pytest.raises(ValueError, match="float32 matrices"):
+        sgemm(rand(4, 5).astype(jnp.bfloat16), rand(5, 3))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dims", [
+    ((4, 6, 16), (16, 24), (((2,), (0,)), ((), ()))),                  # Linear [K, N]
+    ((4, 6, 16), (16, 2, 12), (((2,), (0,)), ((), ()))),               # fused QKV / SwiGLU fc1
+    ((4, 6, 2, 8), (2, 8, 16), (((2, 3), (0, 1)), ((), ()))),          # linear_proj over (heads, kv)
+    ((4, 6, 16), (40, 16), (((2,), (1,)), ((), ()))),                  # tied output layer [N, K]
+])
+def test_blas_dot_general_values_and_gradients_match_xla(x_shape, w_shape, dims):
+    x, w = rand(*x_shape), rand(*w_shape, seed=1)
+    np.testing.assert_allclose(np.asarray(jax.jit(blas_dot_general, static_argnums=2)(x, w, dims)),
+                               np.asarray(jax.lax.dot_general(x, w, dims)), rtol=1e-5, atol=1e-5)
+    f = lambda dot: lambda x, w: jnp.sum(jnp.sin(dot(x, w, dims)))  # noqa: E731
+    want = jax.grad(f(jax.lax.dot_general), argnums=(0, 1))(x, w)
+    got = jax.jit(jax.grad(f(blas_dot_general), argnums=(0, 1)))(x, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+def test_blas_dot_general_falls_back_to_xla_for_other_forms():
+    x, w = rand(3, 4, 5), rand(3, 5, 6, seed=1)
+    batched = (((2,), (1,)), ((0,), (0,)))
+    jaxpr = str(jax.make_jaxpr(lambda x, w: blas_dot_general(x, w, batched))(x, w))
+    assert "ffi_call" not in jaxpr
+    bf = str(jax.make_jaxpr(lambda x, w: blas_dot_general(x, w, (((2,), (0,)), ((), ()))))(
+        rand(3, 4, 5).astype(jnp.bfloat16), rand(5, 6).astype(jnp.bfloat16)))
+    assert "ffi_call" not in bf
+    f32 = str(jax.make_jaxpr(lambda x, w: blas_dot_general(x, w, (((2,), (0,)), ((), ()))))(rand(3, 4, 5), rand(5, 6)))
+    assert "ffi_call" in f32
+
+
+@pytest.mark.parametrize("b,s,nq,nkv,d,rate", [
+    (2, 37, 4, 2, 16, 0.0),     # GQA, one partial block
+    (2, 200, 4, 4, 32, 0.1),    # two blocks, the second partial
+    (1, 300, 6, 2, 64, 0.3),    # GQA with dropout over three blocks
+    (2, 1, 2, 1, 8, 0.1),       # one token
+])
+def test_cpu_attention_matches_xla(b, s, nq, nkv, d, rate):
+    q, k, v = rand(b, s, nq, d), rand(b, s, nkv, d, seed=1), rand(b, s, nkv, d, seed=2)
+    key = jax.random.key(7)
+    kw = dict(dropout_rate=rate, dropout_rng=key, deterministic=False)
+    want = xla_attention(q, k, v, **kw)
+    got = jax.jit(lambda q, k, v: cpu_attention(q, k, v, **kw))(q, k, v)
+    # The same dropout mask: element-wise agreement, not just statistics.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=2e-5)
+    f = lambda attn: lambda q, k, v: jnp.sum(jnp.sin(attn(q, k, v, **kw)))  # noqa: E731
+    grads_want = jax.grad(f(xla_attention), argnums=(0, 1, 2))(q, k, v)
+    grads_got = jax.jit(jax.grad(f(cpu_attention), argnums=(0, 1, 2)))(q, k, v)
+    for g, r in zip(grads_got, grads_want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=2e-5)
+
+
+def test_cpu_attention_without_dropout_ignores_the_rng():
+    q, k, v = rand(1, 20, 2, 8), rand(1, 20, 2, 8, seed=1), rand(1, 20, 2, 8, seed=2)
+    a = cpu_attention(q, k, v, dropout_rate=0.5, deterministic=True)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(xla_attention(q, k, v)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(use_distributed_optimizer=True), dict(use_megatron_fsdp=True)])
+def test_train_step_with_kernels_matches_xla_on_8_devices(layout):
+    """dp 8 (the kernels inside the data-parallel shard_map), ZeRO-1 and FSDP: 3 steps of
+    losses and gradients as with XLA's ops, dropout on."""
+    def run(impl):
+        kernel = {"xla": ("xla", "xla"), "kernels": ("blas", "cpu")}[impl]
+        cfg = tiny_cfg(micro_batch_size=1, matmul_impl=kernel[0], attention_impl=kernel[1],
+                       hidden_dropout=0.1, attention_dropout=0.1, **layout)
+        return trajectory(cfg, 8)
+    ref_losses, ref_grads, ref_run = run("xla")
+    losses, grads, run_k = run("kernels")
+    assert (run_k.model.cfg.matmul_impl, run_k.model.cfg.attention_impl) == ("blas", "cpu")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5 * np.max(np.abs(b)))
+
+
+def test_auto_resolution_and_refusals():
+    cfg = tiny_cfg()
+    m = ModelConfig.from_config(cfg, cfg.padded_vocab_size())
+    assert (m.matmul_impl, m.attention_impl) == ("blas", "cpu")
+    tp = tiny_cfg(tensor_model_parallel_size=2)
+    m = ModelConfig.from_config(tp, tp.padded_vocab_size())
+    assert (m.matmul_impl, m.attention_impl) == ("xla", "xla")
+    bf = tiny_cfg(bf16=True)
+    assert ModelConfig.from_config(bf, bf.padded_vocab_size()).matmul_impl == "xla"
+    with pytest.raises(ConfigError, match="matmul_impl='blas'.*tensor_model_parallel_size=1"):
+        tiny_cfg(tensor_model_parallel_size=2, matmul_impl="blas")
+    with pytest.raises(ConfigError, match="attention_impl='cpu'"):
+        tiny_cfg(tensor_model_parallel_size=2, attention_impl="cpu")
+
+
+def test_without_a_compiler_auto_falls_back_and_explicit_choice_says_why(tmp_path):
+    code = (
+        "import jax\n"
+        "from jmegatron.kernels import cpu\n"
+        "from jmegatron.kernels.cpu.ops import sgemm\n"
+        "from jmegatron.models.gpt import ModelConfig\n"
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from test_train_step import tiny_cfg\n"
+        "c = tiny_cfg()\n"
+        "m = ModelConfig.from_config(c, c.padded_vocab_size())\n"
+        "print('RESOLVED', m.matmul_impl, m.attention_impl)\n"
+        "try:\n"
+        "    sgemm(jax.numpy.ones((2, 2)), jax.numpy.ones((2, 2)))\n"
+        "except cpu.KernelUnavailable as e:\n"
+        "    print('ERROR', e)\n")
+    env = dict(os.environ, CXX="/nonexistent/g++", JMEGATRON_KERNEL_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "RESOLVED xla xla" in out.stdout
+    assert "ERROR building the CPU kernels failed" in out.stdout
+    assert "CPU kernels unavailable, using XLA's ops" in out.stderr
