@@ -172,9 +172,10 @@ def _worker(name: str, config: str, threads: int, warmup: int, conn) -> None:
     """One framework in its own process: build, warm up, then time ``n`` steps per request.
     Separate processes keep each framework's thread pools (XLA's, PyTorch's OpenMP and the
     compiled kernels') from competing with the other's timed steps."""
-    import torch
+    if name != "jmegatron":
+        import torch
 
-    torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
     cfg = bench_config(config)
     toks = np.random.RandomState(0).randint(0, cfg.vocab_size, size=(cfg.micro_batch_size, cfg.seq_length + 1))
     tokens, labels = toks[:, :-1].astype(np.int32), toks[:, 1:].astype(np.int32)
@@ -203,6 +204,9 @@ def main(argv=None) -> int:
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds of idle before each framework's timed steps (OpenMP worker threads "
                         "busy-wait for a while after a parallel region)")
+    p.add_argument("--allocator", choices=("tuned", "default"), default="tuned",
+                   help="glibc malloc of every framework's process alike: 'tuned' = huge pages "
+                        "(jmegatron.runtime, what python -m jmegatron.train uses), 'default' = glibc's")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
 
@@ -214,6 +218,12 @@ def main(argv=None) -> int:
     cfg = bench_config(args.config)
     vocab = cfg.padded_vocab_size()
     names = ["jmegatron", "pytorch_eager"] + ([] if args.no_compile else ["pytorch_compile"])
+    from jmegatron import runtime
+
+    if args.allocator == "tuned" and runtime.wanted():
+        os.environ.update(runtime.host_tunables_env())  # inherited by every worker below
+    else:
+        args.allocator = "default"
     ctx = mp.get_context("spawn")
     workers = {}
     for name in names:  # built and warmed up one at a time, so compilations do not overlap
@@ -243,10 +253,11 @@ def main(argv=None) -> int:
     result = {"config": args.config, "shape": {k: getattr(cfg, k) for k in (
         "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size")},
         "padded_vocab_size": vocab, "flops_per_step": flop, "peak_tflops": peak, "rounds": args.rounds,
-        "steps_per_round": args.steps, "torch_threads": args.threads, "frameworks": {}}
+        "steps_per_round": args.steps, "torch_threads": args.threads, "allocator": args.allocator,
+        "frameworks": {}}
     print(f"\n{args.config}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, "
           f"ffn {cfg.ffn_hidden_size}, vocab {vocab}, seq {cfg.seq_length}, batch {cfg.micro_batch_size}, "
-          f"dropout {cfg.hidden_dropout}; float32 peak {peak * 1e3:.1f} GFLOP/s")
+          f"dropout {cfg.hidden_dropout}; float32 peak {peak * 1e3:.1f} GFLOP/s; malloc {args.allocator}")
     print(f"| framework | ms/step (median) | tokens/s | TFLOP/s | MFU |\n|---|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)

@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--hlo-out", default=None, help="also write the compiled HLO text here")
     p.add_argument("--explain", action="store_true", help="show each top op's HLO shape and source")
     args = p.parse_args(argv)
+    from jmegatron.runtime import reexec_with_host_tunables
+    reexec_with_host_tunables()  # as python -m jmegatron.train (JMEGATRON_HOST_ALLOCATOR=default: off)
 
     import jax
     from jax.profiler import ProfileData
@@ -79,7 +81,9 @@ def main(argv=None) -> int:
             if m:
                 operands = len(re.findall(r"%[\w.\-]+", m.group(4).split("), ")[0]))
                 meta = re.search(r'op_name="([^"]+)"', line)
-                hlo[m.group(1)] = f"{m.group(2)} {operands} operands  {meta.group(1)[-90:] if meta else ''}"
+                target = re.search(r'custom_call_target="([^"]+)"', line)
+                kind = f"{target.group(1)} " if target else ""
+                hlo[m.group(1)] = f"{kind}{m.group(2)} {operands} operands  {meta.group(1)[-90:] if meta else ''}"
     print("top ops:")
     for k, v in by_name.most_common(args.top):
         print(f"  {v:9.2f}  {100 * v / total:5.1f}%  {k}  {hlo.get(k, '')}")

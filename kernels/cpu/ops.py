@@ -24,7 +24,7 @@ from jmegatron.kernels import cpu as _lib
 Array = jax.Array
 
 # Query rows per block in the attention kernel (FlashAttention's B_r).
-ATTENTION_BLOCK = 128
+ATTENTION_BLOCK = 64
 
 
 def _same_vma(*xs):
