@@ -77,13 +77,22 @@ def main(argv=None) -> int:
             with open(args.hlo_out, "w") as f:
                 f.write(text)
         for line in text.splitlines():
-            m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+) (\w+)\((.*)", line)
+            m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) ([\w\-]+)\((.*)", line)
             if m:
                 operands = len(re.findall(r"%[\w.\-]+", m.group(4).split("), ")[0]))
                 meta = re.search(r'op_name="([^"]+)"', line)
                 target = re.search(r'custom_call_target="([^"]+)"', line)
                 kind = f"{target.group(1)} " if target else ""
                 hlo[m.group(1)] = f"{kind}{m.group(2)} {operands} operands  {meta.group(1)[-90:] if meta else ''}"
+        by_target = collections.Counter()
+        for k, v in by_name.items():
+            target = re.match(r"(jmegatron_\w+) ", hlo.get(k, ""))
+            if target:
+                by_target[target.group(1)] += v
+        if by_target:
+            print("custom calls by target:")
+            for k, v in by_target.most_common():
+                print(f"  {v:9.2f}  {100 * v / total:5.1f}%  {k}")
     print("top ops:")
     for k, v in by_name.most_common(args.top):
         print(f"  {v:9.2f}  {100 * v / total:5.1f}%  {k}  {hlo.get(k, '')}")

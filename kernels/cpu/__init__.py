@@ -97,7 +97,7 @@ def _build() -> str:
             return lib
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-w",
+        cmd = [compiler, "-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w",
                "-I", ffi_include, "-I", blas.get_include_dir(),
                *[os.path.join(_HERE, s) for s in SOURCES],
                "-L", blas.get_lib_dir(), f"-l{blas.get_library()}",

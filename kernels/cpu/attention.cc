@@ -31,6 +31,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+#pragma omp declare simd
 inline uint32_t Triple32(uint32_t x) {
   // Wellons' triple32, as jmegatron/models/dropout.py
   x ^= x >> 17;
@@ -43,11 +44,13 @@ inline uint32_t Triple32(uint32_t x) {
   return x;
 }
 
-// exp(x) for x <= 0 to about 2 ulp, vectorisable (Cody-Waite reduction + degree-6
-// polynomial); exp(x) = 0 below -87.
+// exp(x) for x <= 0 to about 2 ulp, branch-free so loops over it vectorise (Cody-Waite
+// reduction, degree-6 polynomial, rounding by the 1.5 * 2^23 trick); 0 below -87.
+#pragma omp declare simd
 inline float ExpNeg(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  x = x < -87.0f ? -87.0f : x;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -57,12 +60,8 @@ inline float ExpNeg(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
+  const int32_t bits = __builtin_bit_cast(int32_t, p) + (static_cast<int32_t>(n) << 23);
+  return __builtin_bit_cast(float, bits);
 }
 
 struct Shape {
@@ -91,9 +90,87 @@ struct Dropout {
   uint32_t k0, k1;
   float keep_scale;  // 1 / (1 - rate) is applied as a division, as the XLA path
   bool on() const { return rate > 0.0f; }
-  // rest index of (h, qi, 0) in [b, nkv, group, s, s]: (h * s + qi) * s, mod 2^32
-  bool Keep(uint32_t lead, uint32_t rest) const { return Triple32(lead ^ rest ^ k1) >= threshold; }
+  // The mask bit of element j of a row is Triple32(lead ^ (rest + j) ^ k1) >= threshold,
+  // lead = Triple32(batch ^ k0) and rest = (h * s + qi) * s mod 2^32, the row-major index
+  // over [nkv, group, s, s] (jmegatron.models.dropout.hash_bits).
 };
+
+// Row kernels over the n <= cols visible keys of one query row; the loops vectorise
+// (#pragma omp simd, -fopenmp-simd: reductions without -ffast-math's other licences).
+
+// row[0:n) <- softmax(row[0:n)) with the dropout of row `rest`, row[n:cols) <- 0; returns
+// the log-sum-exp.
+inline float SoftmaxDropoutRow(float* __restrict row, int64_t n, int64_t cols, const Dropout& drop,
+                               uint32_t lead, uint32_t rest) {
+  float m = row[0];
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = row[j] > m ? row[j] : m;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = ExpNeg(row[j] - m);
+    row[j] = e;
+    sum += e;
+  }
+  if (drop.on()) {
+    const uint32_t k1 = drop.k1, threshold = drop.threshold;
+    const float ks = drop.keep_scale;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = row[j] / sum;
+      const bool keep = Triple32(lead ^ (rest + static_cast<uint32_t>(j)) ^ k1) >= threshold;
+      row[j] = keep ? p / ks : 0.0f;
+    }
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] = row[j] / sum;
+  }
+  for (int64_t j = n; j < cols; ++j) row[j] = 0.0f;
+  return m + std::log(sum);
+}
+
+// Backward, first half: row <- P = exp(row - lse) (0 past n); dropped <- P with dropout.
+inline void ProbsRow(float* __restrict row, float* __restrict dropped, int64_t n, int64_t cols, float lse,
+                     const Dropout& drop, uint32_t lead, uint32_t rest) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) row[j] = ExpNeg(row[j] - lse);
+  for (int64_t j = n; j < cols; ++j) row[j] = 0.0f;
+  if (!drop.on()) return;
+  const uint32_t k1 = drop.k1, threshold = drop.threshold;
+  const float ks = drop.keep_scale;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const bool keep = Triple32(lead ^ (rest + static_cast<uint32_t>(j)) ^ k1) >= threshold;
+    dropped[j] = keep ? row[j] / ks : 0.0f;
+  }
+  for (int64_t j = n; j < cols; ++j) dropped[j] = 0.0f;
+}
+
+// Backward, second half: row <- dS = P * (dP - D), dP the gradient of the undropped
+// probabilities (grad of the dropped ones through the mask).
+inline void SoftmaxGradRow(float* __restrict row, const float* __restrict grad, int64_t n, float dr,
+                           const Dropout& drop, uint32_t lead, uint32_t rest) {
+  if (drop.on()) {
+    const uint32_t k1 = drop.k1, threshold = drop.threshold;
+    const float ks = drop.keep_scale;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const bool keep = Triple32(lead ^ (rest + static_cast<uint32_t>(j)) ^ k1) >= threshold;
+      const float gp = keep ? grad[j] / ks : 0.0f;
+      row[j] = row[j] * (gp - dr);
+    }
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] = row[j] * (grad[j] - dr);
+  }
+}
+
+inline float Dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t c = 0; c < d; ++c) acc += a[c] * b[c];
+  return acc;
+}
 
 ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U32> key,
@@ -126,26 +203,8 @@ ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, d, scale, Q + q0 * ldq, ldq, K,
                         ldk, 0.0f, S, cols);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t qi = q0 + r, n = qi + 1;
-        float* row = S + r * cols;
-        float m = row[0];
-        for (int64_t j = 1; j < n; ++j) m = std::max(m, row[j]);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; ++j) {
-          row[j] = ExpNeg(row[j] - m);
-          sum += row[j];
-        }
-        L[qi] = m + std::log(sum);
-        if (drop.on()) {
-          const uint32_t rest = static_cast<uint32_t>((h * s + qi) * s);
-          for (int64_t j = 0; j < n; ++j) {
-            const float p = row[j] / sum;
-            row[j] = drop.Keep(lead, rest + static_cast<uint32_t>(j)) ? p / drop.keep_scale : 0.0f;
-          }
-        } else {
-          for (int64_t j = 0; j < n; ++j) row[j] = row[j] / sum;
-        }
-        std::fill(row + n, row + cols, 0.0f);
+        const int64_t qi = q0 + r;
+        L[qi] = SoftmaxDropoutRow(S + r * cols, qi + 1, cols, drop, lead, static_cast<uint32_t>((h * s + qi) * s));
       }
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, cols, 1.0f, S, cols, V, ldk, 0.0f,
                         O + q0 * ldq, ldq);
@@ -207,24 +266,10 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
         scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, d, scale, Q + q0 * ldq, ldq, K,
                           ldk, 0.0f, P, cols);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t qi = q0 + r, n = qi + 1;
-          float* row = P + r * cols;
-          float* drow = Pd + r * cols;
-          const float l = L[qi];
-          for (int64_t j = 0; j < n; ++j) row[j] = ExpNeg(row[j] - l);
-          std::fill(row + n, row + cols, 0.0f);
-          if (drop.on()) {
-            const uint32_t rest = static_cast<uint32_t>((h * s + qi) * s);
-            for (int64_t j = 0; j < n; ++j) {
-              drow[j] = drop.Keep(lead, rest + static_cast<uint32_t>(j)) ? row[j] / drop.keep_scale : 0.0f;
-            }
-            std::fill(drow + n, drow + cols, 0.0f);
-          }
-          const float* o = O + qi * ldq;
-          const float* go = dO + qi * ldq;
-          float acc = 0.0f;
-          for (int64_t c = 0; c < d; ++c) acc += o[c] * go[c];
-          D[r] = acc;
+          const int64_t qi = q0 + r;
+          ProbsRow(P + r * cols, Pd + r * cols, qi + 1, cols, L[qi], drop, lead,
+                   static_cast<uint32_t>((h * s + qi) * s));
+          D[r] = Dot(O + qi * ldq, dO + qi * ldq, d);
         }
         const float* probs = drop.on() ? Pd : P;
         // dV[:cols] += Pd^T dO_blk
@@ -234,19 +279,9 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
         scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, d, 1.0f, dO + q0 * ldq, ldq, V,
                           ldk, 0.0f, dP, cols);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t qi = q0 + r, n = qi + 1;
-          float* row = P + r * cols;
-          const float* grow = dP + r * cols;
-          const float dr = D[r];
-          if (drop.on()) {
-            const uint32_t rest = static_cast<uint32_t>((h * s + qi) * s);
-            for (int64_t j = 0; j < n; ++j) {
-              const float gp = drop.Keep(lead, rest + static_cast<uint32_t>(j)) ? grow[j] / drop.keep_scale : 0.0f;
-              row[j] = row[j] * (gp - dr);
-            }
-          } else {
-            for (int64_t j = 0; j < n; ++j) row[j] = row[j] * (grow[j] - dr);
-          }
+          const int64_t qi = q0 + r;
+          SoftmaxGradRow(P + r * cols, dP + r * cols, qi + 1, D[r], drop, lead,
+                         static_cast<uint32_t>((h * s + qi) * s));
         }
         // dQ_blk = scale dS K[:cols];  dK[:cols] += scale dS^T Q_blk
         scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, cols, scale, P, cols, K, ldk, 0.0f,
