@@ -12,8 +12,10 @@ sequence). Both run on the same random token batch.
 
 Each framework runs in its own process (so no framework's thread pools compete with
 another's timed steps); each round times ``--steps`` steps of jmegatron, PyTorch eager
-and ``torch.compile`` in turn (the machine is shared and noisy: ratios come from the same
-rounds); the table
+and ``torch.compile`` in turn, each turn after ``--round-warmup`` untimed steps (the
+machine is shared and noisy: ratios come from the same rounds). Every framework's process
+gets the same glibc malloc setting (``--allocator``: huge pages, as ``python -m
+jmegatron.train`` runs, or glibc's default). The table
 gives the median tokens/s, TFLOP/s (Megatron's FLOPs formula, the same for all three)
 and MFU against the measured float32 matmul peak (``python -m jmegatron.bench peak``),
 then ``ratio: <jmegatron tokens/s over PyTorch eager tokens/s>`` and the same against
@@ -187,9 +189,12 @@ def _worker(name: str, config: str, threads: int, warmup: int, conn) -> None:
     losses = [step() for _ in range(warmup)]
     conn.send((time.perf_counter() - t0, losses))
     while True:
-        n = conn.recv()
-        if n is None:
+        request = conn.recv()
+        if request is None:
             break
+        n, untimed = request
+        for _ in range(untimed):
+            step()
         conn.send(time_steps(step, n))
 
 
@@ -201,6 +206,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="PyTorch intra-op threads")
+    p.add_argument("--round-warmup", type=int, default=1,
+                   help="untimed steps at the start of each framework's turn in a round (all frameworks "
+                        "alike): the step after a few seconds idle pays extra kernel time for its fresh "
+                        "memory (docs/PERFORMANCE.md, attempt 16); 0 times it too")
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds of idle before each framework's timed steps (OpenMP worker threads "
                         "busy-wait for a while after a parallel region)")
@@ -239,7 +248,7 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for name, (_, conn) in workers.items():
             time.sleep(args.settle)
-            conn.send(args.steps)
+            conn.send((args.steps, args.round_warmup))
             times[name].append(conn.recv())
         print(f"[round {r + 1}/{args.rounds}] " + ", ".join(f"{n} {t * 1e3:.0f} ms/step" for n, t in
                                                           ((n, ts[-1]) for n, ts in times.items())), flush=True)
@@ -254,10 +263,12 @@ def main(argv=None) -> int:
         "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size")},
         "padded_vocab_size": vocab, "flops_per_step": flop, "peak_tflops": peak, "rounds": args.rounds,
         "steps_per_round": args.steps, "torch_threads": args.threads, "allocator": args.allocator,
+        "round_warmup": args.round_warmup,
         "frameworks": {}}
     print(f"\n{args.config}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, "
           f"ffn {cfg.ffn_hidden_size}, vocab {vocab}, seq {cfg.seq_length}, batch {cfg.micro_batch_size}, "
-          f"dropout {cfg.hidden_dropout}; float32 peak {peak * 1e3:.1f} GFLOP/s; malloc {args.allocator}")
+          f"dropout {cfg.hidden_dropout}; float32 peak {peak * 1e3:.1f} GFLOP/s; malloc {args.allocator}; "
+          f"{args.round_warmup} untimed + {args.steps} timed steps per framework per round")
     print(f"| framework | ms/step (median) | tokens/s | TFLOP/s | MFU |\n|---|---|---|---|---|")
     for name, ts in times.items():
         med = statistics.median(ts)

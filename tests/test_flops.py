@@ -250,8 +250,11 @@ def test_activation_memory_gpt3_345m_matches_korthikanti_table2():
     full = memory.activation_memory(cfg, 50304, TP1, recompute="full")
     assert full.layers == 24 * 2 * sbh and full.recompute_working_set == 478_150_656
     # float32 doubles every activation, not the dropout masks (1 byte).
-    f32 = _load("gpt3_345m.py", bf16=False)
+    f32 = _load("gpt3_345m.py", bf16=False, attention_impl="xla")
     assert per_layer(f32, b, TP1) == sbh * (2 * 32 + 2) + (4 + 1 + 4) * as2b == 880_803_840
+    # The CPU attention kernel keeps a float32 log-sum-exp [b, a, s] instead of the s^2 terms.
+    kernel = _load("gpt3_345m.py", bf16=False, attention_impl="cpu")
+    assert per_layer(kernel, b, TP1) == sbh * (2 * 32 + 2) + 4 * a * s * b
     with pytest.raises(ValueError, match="recompute"):
         per_layer(cfg, b, TP1, "everything")
 

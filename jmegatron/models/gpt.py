@@ -68,14 +68,7 @@ class ModelConfig:
         compute dtype float32, tensor_model_parallel_size 1 and the kernels build; else
         to "xla"."""
         names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype"}
-        fields = {n: getattr(cfg, n) for n in names}
-        if "auto" in (cfg.attention_impl, cfg.matmul_impl):
-            from jmegatron.kernels import cpu as cpu_kernels
-            kernels = cpu_kernels.use_by_default(cfg.tensor_model_parallel_size, float32=not cfg.bf16)
-            if cfg.attention_impl == "auto":
-                fields["attention_impl"] = "cpu" if kernels else "xla"
-            if cfg.matmul_impl == "auto":
-                fields["matmul_impl"] = "blas" if kernels else "xla"
+        fields = dict({n: getattr(cfg, n) for n in names}, **resolve_impls(cfg))
         return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32, **fields)
 
     def dense_dot_general(self) -> Callable:
@@ -84,6 +77,22 @@ class ModelConfig:
             from jmegatron.kernels.cpu.ops import blas_dot_general
             return blas_dot_general
         return dense_dot_general_fn
+
+
+def resolve_impls(cfg: JMegatronConfig) -> dict[str, str]:
+    """``{"attention_impl": ..., "matmul_impl": ...}`` with ``"auto"`` resolved: the CPU
+    kernels ("cpu" / "blas", :mod:`jmegatron.kernels.cpu`) when JAX's backend is the CPU,
+    the compute dtype float32, tensor_model_parallel_size 1 and the kernels build; else
+    "xla". Explicit choices are kept."""
+    out = {"attention_impl": cfg.attention_impl, "matmul_impl": cfg.matmul_impl}
+    if "auto" in out.values():
+        from jmegatron.kernels import cpu as cpu_kernels
+        kernels = cpu_kernels.use_by_default(cfg.tensor_model_parallel_size, float32=not cfg.bf16)
+        if out["attention_impl"] == "auto":
+            out["attention_impl"] = "cpu" if kernels else "xla"
+        if out["matmul_impl"] == "auto":
+            out["matmul_impl"] = "blas" if kernels else "xla"
+    return out
 
 
 class MLP(nn.Module):

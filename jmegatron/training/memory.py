@@ -247,8 +247,11 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
           e n F_1      activation input (fc1 output, F_1 = F or 2F);  e n F  linear_fc2 input
 
     ``recompute="selective"`` drops the ``s^2`` terms (core attention recomputed);
-    ``"full"`` keeps only the layer input, ``e n h`` (/ t with SP). Raises ValueError for
-    another ``recompute``.
+    ``"full"`` keeps only the layer input, ``e n h`` (/ t with SP). With the CPU attention
+    kernel (``attention_impl`` resolving to "cpu", :mod:`jmegatron.kernels.cpu`) the ``s^2``
+    terms are replaced by its float32 log-sum-exp, ``4 a s b`` (its output is the
+    linear_proj input already counted), as FlashAttention. Raises ValueError for another
+    ``recompute``.
     """
     if recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE_CHOICES}")
@@ -267,8 +270,13 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
     fc1_width = 2 * ffn if cfg.swiglu else ffn
     replicated = n * h * (2 * e + e + e + 2 * m)
     split = n * (e * (q + kv) + e * kv + e * q + e * fc1_width + e * ffn)
-    scores = 0 if recompute == "selective" else \
-        cfg.num_attention_heads * s * s * b * (e + (m_a + e if m_a else 0))
+    from jmegatron.models.gpt import resolve_impls
+    if resolve_impls(cfg)["attention_impl"] == "cpu":
+        scores = FLOAT32_BYTES * cfg.num_attention_heads * s * b
+    elif recompute == "selective":
+        scores = 0
+    else:
+        scores = cfg.num_attention_heads * s * s * b * (e + (m_a + e if m_a else 0))
     return replicated / sp_div + (split + scores) / t
 
 
