@@ -14,8 +14,8 @@ Each framework runs in its own process (so no framework's thread pools compete w
 another's timed steps); each round times ``--steps`` steps of jmegatron, PyTorch eager
 and ``torch.compile`` in turn, each turn after ``--round-warmup`` untimed steps (the
 machine is shared and noisy: ratios come from the same rounds). Every framework's process
-gets the same glibc malloc setting (``--allocator``: huge pages, as ``python -m
-jmegatron.train`` runs, or glibc's default). The table
+gets the same glibc malloc setting (``--allocator``: glibc's default, or huge pages as
+``JMEGATRON_HOST_ALLOCATOR=hugepages``, jmegatron/runtime.py). The table
 gives the median tokens/s, TFLOP/s (Megatron's FLOPs formula, the same for all three)
 and MFU against the measured float32 matmul peak (``python -m jmegatron.bench peak``),
 then ``ratio: <jmegatron tokens/s over PyTorch eager tokens/s>`` and the same against
@@ -213,9 +213,10 @@ def main(argv=None) -> int:
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds of idle before each framework's timed steps (OpenMP worker threads "
                         "busy-wait for a while after a parallel region)")
-    p.add_argument("--allocator", choices=("tuned", "default"), default="tuned",
-                   help="glibc malloc of every framework's process alike: 'tuned' = huge pages "
-                        "(jmegatron.runtime, what python -m jmegatron.train uses), 'default' = glibc's")
+    p.add_argument("--allocator", choices=("hugepages", "default"), default="default",
+                   help="glibc malloc of every framework's process alike: 'hugepages' = "
+                        "glibc.malloc.hugetlb=1 (jmegatron.runtime, JMEGATRON_HOST_ALLOCATOR=hugepages), "
+                        "'default' = glibc's")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
 
@@ -229,10 +230,12 @@ def main(argv=None) -> int:
     names = ["jmegatron", "pytorch_eager"] + ([] if args.no_compile else ["pytorch_compile"])
     from jmegatron import runtime
 
-    if args.allocator == "tuned" and runtime.wanted():
-        os.environ.update(runtime.host_tunables_env())  # inherited by every worker below
-    else:
-        args.allocator = "default"
+    if args.allocator == "hugepages":
+        os.environ["JMEGATRON_HOST_ALLOCATOR"] = "hugepages"
+        if runtime.wanted():
+            os.environ.update(runtime.host_tunables_env())  # inherited by every worker below
+        else:
+            args.allocator = "default"
     ctx = mp.get_context("spawn")
     workers = {}
     for name in names:  # built and warmed up one at a time, so compilations do not overlap

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--explain", action="store_true", help="show each top op's HLO shape and source")
     args = p.parse_args(argv)
     from jmegatron.runtime import reexec_with_host_tunables
-    reexec_with_host_tunables()  # as python -m jmegatron.train (JMEGATRON_HOST_ALLOCATOR=default: off)
+    reexec_with_host_tunables()  # JMEGATRON_HOST_ALLOCATOR=hugepages, as python -m jmegatron.train
 
     import jax
     from jax.profiler import ProfileData

@@ -116,9 +116,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run() -> None:
-    """The console entry point: restarts the interpreter with huge pages for ``malloc``
-    (:func:`jmegatron.runtime.reexec_with_host_tunables`; ``JMEGATRON_HOST_ALLOCATOR=default``
-    skips it), then :func:`main`."""
+    """The console entry point: with ``JMEGATRON_HOST_ALLOCATOR=hugepages`` restarts the
+    interpreter with huge pages for ``malloc`` first
+    (:func:`jmegatron.runtime.reexec_with_host_tunables`), then :func:`main`."""
     from jmegatron.runtime import reexec_with_host_tunables
     reexec_with_host_tunables()
     sys.exit(main())
