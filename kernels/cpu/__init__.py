@@ -35,11 +35,16 @@ from typing import Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("gemm.cc", "attention.cc")
+HEADERS = ("parallel.h",)
 TARGETS = {
     "jmegatron_sgemm": "JmegatronSgemm",
     "jmegatron_attention_fwd": "JmegatronAttentionFwd",
     "jmegatron_attention_bwd": "JmegatronAttentionBwd",
 }
+
+# g++ flags (part of the library's cache key). -fopenmp-simd: the `#pragma omp simd` row
+# loops vectorise without -ffast-math (whose reassociation would change results).
+CXXFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w")
 
 _state: dict = {}
 
@@ -50,6 +55,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def cache_dir() -> str:
+    """Where built libraries are kept: ``$JMEGATRON_KERNEL_CACHE`` or ``~/.cache/jmegatron/kernels``."""
     return os.environ.get("JMEGATRON_KERNEL_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "jmegatron", "kernels")
 
@@ -82,10 +88,10 @@ def _build() -> str:
     compiler, ffi_include, blas = _toolchain()
     import jax
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         with open(os.path.join(_HERE, name), "rb") as f:
             digest.update(f.read())
-    digest.update(f"{jax.__version__} {blas.get_openblas_config()} {compiler} {_cpu_model()}".encode())
+    digest.update(f"{jax.__version__} {blas.get_openblas_config()} {compiler} {CXXFLAGS} {_cpu_model()}".encode())
     out_dir = cache_dir()
     os.makedirs(out_dir, exist_ok=True)
     lib = os.path.join(out_dir, f"libjmegatron_cpu_{digest.hexdigest()[:16]}.so")
@@ -97,8 +103,7 @@ def _build() -> str:
             return lib
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++17", "-w",
-               "-I", ffi_include, "-I", blas.get_include_dir(),
+        cmd = [compiler, *CXXFLAGS, "-I", ffi_include, "-I", blas.get_include_dir(),
                *[os.path.join(_HERE, s) for s in SOURCES],
                "-L", blas.get_lib_dir(), f"-l{blas.get_library()}",
                f"-Wl,-rpath,{blas.get_lib_dir()}", "-o", tmp]
@@ -157,6 +162,8 @@ def use_by_default(tensor_model_parallel_size: int, float32: bool) -> bool:
     if jax.default_backend() != "cpu" or not float32 or tensor_model_parallel_size != 1:
         return False
     if not available():
-        print(f"jmegatron: CPU kernels unavailable, using XLA's ops: {_state.get('error')}", file=sys.stderr)
+        if not _state.get("warned"):
+            print(f"jmegatron: CPU kernels unavailable, using XLA's ops: {_state.get('error')}", file=sys.stderr)
+            _state["warned"] = True
         return False
     return True
