@@ -94,6 +94,16 @@ def test_cpu_attention_matches_xla(b, s, nq, nkv, d, rate):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=2e-5)
 
 
+def test_cpu_attention_underflow_and_dropout_scale_match_xla():
+    """Large scores (probabilities below exp(-87) are exactly 0, as XLA's) and a rate whose
+    float32 keep-scale differs from 1.0f - float32(rate) in the last bit."""
+    q, k, v = rand(1, 100, 2, 16) * 20, rand(1, 100, 1, 16, seed=1) * 20, rand(1, 100, 1, 16, seed=2)
+    kw = dict(dropout_rate=0.058, dropout_rng=jax.random.key(3), deterministic=False)
+    got, want = jax.jit(lambda q, k, v: cpu_attention(q, k, v, **kw))(q, k, v), xla_attention(q, k, v, **kw)
+    np.testing.assert_array_equal(np.asarray(got) == 0, np.asarray(want) == 0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
 def test_cpu_attention_without_dropout_ignores_the_rng():
     q, k, v = rand(1, 20, 2, 8), rand(1, 20, 2, 8, seed=1), rand(1, 20, 2, 8, seed=2)
     a = cpu_attention(q, k, v, dropout_rate=0.5, deterministic=True)
@@ -133,7 +143,8 @@ def test_auto_resolution_and_refusals():
         tiny_cfg(tensor_model_parallel_size=2, attention_impl="cpu")
 
 
-def test_without_a_compiler_auto_falls_back_and_explicit_choice_says_why(tmp_path):
+@pytest.mark.parametrize("broken", ["compiler", "cache"])
+def test_without_a_compiler_auto_falls_back_and_explicit_choice_says_why(tmp_path, broken):
     code = (
         "import jax\n"
         "from jmegatron.kernels import cpu\n"
@@ -148,10 +159,15 @@ def test_without_a_compiler_auto_falls_back_and_explicit_choice_says_why(tmp_pat
         "    sgemm(jax.numpy.ones((2, 2)), jax.numpy.ones((2, 2)))\n"
         "except cpu.KernelUnavailable as e:\n"
         "    print('ERROR', e)\n")
-    env = dict(os.environ, CXX="/nonexistent/g++", JMEGATRON_KERNEL_CACHE=str(tmp_path))
+    if broken == "compiler":
+        env = dict(os.environ, CXX="/nonexistent/g++", JMEGATRON_KERNEL_CACHE=str(tmp_path))
+        reason = "ERROR building the CPU kernels failed"
+    else:  # a cache directory that cannot be created
+        env = dict(os.environ, JMEGATRON_KERNEL_CACHE="/proc/jmegatron-kernels")
+        reason = "ERROR the CPU kernels could not be built or loaded"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "RESOLVED xla xla" in out.stdout
-    assert "ERROR building the CPU kernels failed" in out.stdout
-    assert "CPU kernels unavailable, using XLA's ops" in out.stderr
+    assert reason in out.stdout
+    assert out.stderr.count("CPU kernels unavailable, using XLA's ops") == 1

@@ -76,12 +76,19 @@ def _toolchain():
 
 
 def _cpu_model() -> str:
-    # -march=native: a library built on one CPU model is not reused on another
+    # -march=native: a library built for one CPU's instruction set is not reused on another
+    # (a shared home directory): the model name and the whole feature list are in the key.
+    import platform
+    seen = {}
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("model name", "flags"))), "")
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU part") and key not in seen:
+                    seen[key] = line.strip()
     except OSError:
-        return ""
+        pass
+    return platform.machine() + " " + " ".join(seen[k] for k in sorted(seen))
 
 
 def _build() -> str:
@@ -91,7 +98,12 @@ def _build() -> str:
     for name in SOURCES + HEADERS:
         with open(os.path.join(_HERE, name), "rb") as f:
             digest.update(f.read())
-    digest.update(f"{jax.__version__} {blas.get_openblas_config()} {compiler} {CXXFLAGS} {_cpu_model()}".encode())
+    try:
+        version = subprocess.run([compiler, "-dumpfullversion"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        version = ""
+    digest.update(f"{jax.__version__} {blas.get_openblas_config()} {compiler} {version} {CXXFLAGS} "
+                  f"{_cpu_model()}".encode())
     out_dir = cache_dir()
     os.makedirs(out_dir, exist_ok=True)
     lib = os.path.join(out_dir, f"libjmegatron_cpu_{digest.hexdigest()[:16]}.so")
@@ -129,10 +141,15 @@ def load() -> ctypes.CDLL:
         raise KernelUnavailable(_state["error"])
     try:
         import jax
-        lib = ctypes.CDLL(_build())
-        lib.JmegatronBlasInit()  # single-threaded BLAS calls: the threads are XLA's
-        for target, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        try:
+            lib = ctypes.CDLL(_build())
+            lib.JmegatronBlasInit()  # single-threaded BLAS calls: the threads are XLA's
+            for target, symbol in TARGETS.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        except (OSError, AttributeError) as e:  # cache not writable, library not loadable, ...
+            raise KernelUnavailable(f"the CPU kernels could not be built or loaded ({type(e).__name__}: {e}); "
+                                    f"set $JMEGATRON_KERNEL_CACHE to a writable directory, or set "
+                                    f"matmul_impl='xla' and attention_impl='xla'") from e
     except KernelUnavailable as e:
         _state["error"] = str(e)
         raise

@@ -45,10 +45,11 @@ inline uint32_t Triple32(uint32_t x) {
 }
 
 // exp(x) for x <= 0 to about 2 ulp, branch-free so loops over it vectorise (Cody-Waite
-// reduction, degree-6 polynomial, rounding by the 1.5 * 2^23 trick); 0 below -87.
+// reduction, degree-6 polynomial, rounding by the 1.5 * 2^23 trick); 0 below -87 (where
+// float32's exp is subnormal: XLA's flushes to 0 as well).
 #pragma omp declare simd
-inline float ExpNeg(float x) {
-  x = x < -87.0f ? -87.0f : x;
+inline float ExpNeg(float x_in) {
+  const float x = x_in < -87.0f ? -87.0f : x_in;
   const float shifter = 12582912.0f;  // 1.5 * 2^23
   const float n = (x * 1.44269504088896341f + shifter) - shifter;
   float r = x - n * 0.693359375f;
@@ -60,8 +61,8 @@ inline float ExpNeg(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = __builtin_bit_cast(int32_t, p) + (static_cast<int32_t>(n) << 23);
-  return __builtin_bit_cast(float, bits);
+  const uint32_t bits = __builtin_bit_cast(uint32_t, p) + (static_cast<uint32_t>(static_cast<int32_t>(n)) << 23);
+  return x_in < -87.0f ? 0.0f : __builtin_bit_cast(float, bits);
 }
 
 struct Shape {
@@ -88,7 +89,7 @@ struct Dropout {
   float rate;
   uint32_t threshold;
   uint32_t k0, k1;
-  float keep_scale;  // 1 / (1 - rate) is applied as a division, as the XLA path
+  float keep_scale;  // float32(1 - rate), from Python; applied as a division, as the XLA path
   bool on() const { return rate > 0.0f; }
   // The mask bit of element j of a row is Triple32(lead ^ (rest + j) ^ k1) >= threshold,
   // lead = Triple32(batch ^ k0) and rest = (h * s + qi) * s mod 2^32, the row-major index
@@ -175,11 +176,11 @@ inline float Dot(const float* __restrict a, const float* __restrict b, int64_t d
 ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U32> key,
                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
-                        float scale, float dropout_rate, int64_t threshold, int64_t block) {
+                        float scale, float dropout_rate, float keep_scale, int64_t threshold, int64_t block) {
   Shape sh;
   if (auto err = CheckShapes(q, k, v, &sh); err.failure()) return err;
   const uint32_t* kw = key.typed_data();
-  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], 1.0f - dropout_rate};
+  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], keep_scale};
   const float* pq = q.typed_data();
   const float* pk = k.typed_data();
   const float* pv = v.typed_data();
@@ -218,12 +219,12 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> dout,
                         ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::U32> key,
                         ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                        ffi::ResultBuffer<ffi::F32> dv, float scale, float dropout_rate, int64_t threshold,
-                        int64_t block) {
+                        ffi::ResultBuffer<ffi::F32> dv, float scale, float dropout_rate, float keep_scale,
+                        int64_t threshold, int64_t block) {
   Shape sh;
   if (auto err = CheckShapes(q, k, v, &sh); err.failure()) return err;
   const uint32_t* kw = key.typed_data();
-  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], 1.0f - dropout_rate};
+  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], keep_scale};
   const float* pq = q.typed_data();
   const float* pk = k.typed_data();
   const float* pv = v.typed_data();
@@ -308,6 +309,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionFwd, AttentionFwd,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Attr<float>("scale")
                                   .Attr<float>("dropout_rate")
+                                  .Attr<float>("keep_scale")
                                   .Attr<int64_t>("threshold")
                                   .Attr<int64_t>("block"));
 
@@ -326,5 +328,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBwd, AttentionBwd,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // dv
                                   .Attr<float>("scale")
                                   .Attr<float>("dropout_rate")
+                                  .Attr<float>("keep_scale")
                                   .Attr<int64_t>("threshold")
                                   .Attr<int64_t>("block"));

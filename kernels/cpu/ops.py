@@ -141,8 +141,9 @@ def _threshold(rate: float) -> int:
 
 
 def _attn_attrs(d: int, rate: float, block: int) -> dict:
+    # keep_scale: the XLA path divides float32 probabilities by the weakly typed 1.0 - rate
     return dict(scale=np.float32(1.0 / np.sqrt(np.float32(d))), dropout_rate=np.float32(rate),
-                threshold=np.int64(_threshold(rate)), block=np.int64(block))
+                keep_scale=np.float32(1.0 - rate), threshold=np.int64(_threshold(rate)), block=np.int64(block))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
