@@ -237,17 +237,23 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   const int64_t s = sh.s, d = sh.d, ldq = sh.nq * d, ldk = sh.nkv * d;
   const int64_t bq = std::max<int64_t>(1, std::min(block, s));
 
-  // One task per (batch, key/value head): the query heads of its group all add into
-  // the same dK and dV rows.
+  // One task per (batch, query head), as the forward. With grouped-query heads the query
+  // heads of a group would add into the same dK and dV rows, so each task accumulates into
+  // its own [s, d] slice of `parts` and a second pass sums each group's slices.
+  const bool grouped = sh.group > 1;
+  std::vector<float> parts(grouped ? 2 * sh.b * sh.nq * s * d : 0);
+  float* dk_parts = parts.data();
+  float* dv_parts = grouped ? dk_parts + sh.b * sh.nq * s * d : nullptr;
   auto task = [&](int64_t t) {
-    const int64_t bi = t / sh.nkv, hk = t % sh.nkv;
+    const int64_t bi = t / sh.nq, h = t % sh.nq, hk = h / sh.group;
     const float* K = pk + bi * s * ldk + hk * d;
     const float* V = pv + bi * s * ldk + hk * d;
-    float* dK = pdk + bi * s * ldk + hk * d;
-    float* dV = pdv + bi * s * ldk + hk * d;
+    const int64_t ldacc = grouped ? d : ldk;
+    float* dK = grouped ? dk_parts + t * s * d : pdk + bi * s * ldk + hk * d;
+    float* dV = grouped ? dv_parts + t * s * d : pdv + bi * s * ldk + hk * d;
     for (int64_t i = 0; i < s; ++i) {
-      std::fill(dK + i * ldk, dK + i * ldk + d, 0.0f);
-      std::fill(dV + i * ldk, dV + i * ldk + d, 0.0f);
+      std::fill(dK + i * ldacc, dK + i * ldacc + d, 0.0f);
+      std::fill(dV + i * ldacc, dV + i * ldacc + d, 0.0f);
     }
     const uint32_t lead = Triple32(static_cast<uint32_t>(bi) ^ drop.k0);
     std::vector<float> scratch(3 * bq * s + bq);
@@ -255,8 +261,7 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     float* Pd = P + bq * s;             // dropped probabilities
     float* dP = Pd + bq * s;            // gradient of the dropped probabilities
     float* D = dP + bq * s;             // rowsum(dO * O)
-    for (int64_t g = 0; g < sh.group; ++g) {
-      const int64_t h = hk * sh.group + g;
+    {
       const float* Q = pq + bi * s * ldq + h * d;
       const float* O = po + bi * s * ldq + h * d;
       const float* dO = pdo + bi * s * ldq + h * d;
@@ -275,7 +280,7 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
         const float* probs = drop.on() ? Pd : P;
         // dV[:cols] += Pd^T dO_blk
         scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, d, rows, 1.0f, probs, cols,
-                          dO + q0 * ldq, ldq, 1.0f, dV, ldk);
+                          dO + q0 * ldq, ldq, 1.0f, dV, ldacc);
         // dPd = dO_blk V[:cols]^T
         scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, d, 1.0f, dO + q0 * ldq, ldq, V,
                           ldk, 0.0f, dP, cols);
@@ -288,11 +293,33 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
         scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, cols, scale, P, cols, K, ldk, 0.0f,
                           dQ + q0 * ldq, ldq);
         scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, d, rows, scale, P, cols, Q + q0 * ldq,
-                          ldq, 1.0f, dK, ldk);
+                          ldq, 1.0f, dK, ldacc);
       }
     }
   };
-  jmegatron::ParallelFor(pool, sh.b * sh.nkv, task);
+  jmegatron::ParallelFor(pool, sh.b * sh.nq, task);
+  if (grouped) {  // dK, dV of each (batch, kv head) = the sum over its group's slices
+    auto reduce = [&](int64_t t) {
+      const int64_t bi = t / sh.nkv, hk = t % sh.nkv;
+      const int64_t first = bi * sh.nq + hk * sh.group;
+      for (int64_t i = 0; i < s; ++i) {
+        float* dk_row = pdk + (bi * s + i) * ldk + hk * d;
+        float* dv_row = pdv + (bi * s + i) * ldk + hk * d;
+        std::fill(dk_row, dk_row + d, 0.0f);
+        std::fill(dv_row, dv_row + d, 0.0f);
+        for (int64_t g = 0; g < sh.group; ++g) {
+          const float* pk_row = dk_parts + ((first + g) * s + i) * d;
+          const float* pv_row = dv_parts + ((first + g) * s + i) * d;
+#pragma omp simd
+          for (int64_t c = 0; c < d; ++c) {
+            dk_row[c] += pk_row[c];
+            dv_row[c] += pv_row[c];
+          }
+        }
+      }
+    };
+    jmegatron::ParallelFor(pool, sh.b * sh.nkv, reduce);
+  }
   return ffi::Error::Success();
 }
 
