@@ -18,8 +18,8 @@ re-executes the interpreter with them set.
 It is **opt-in** (``JMEGATRON_HOST_ALLOCATOR=hugepages``; ``python -m jmegatron.train``,
 ``python -m jmegatron.bench`` and the benchmark scripts honour it), because it has costs,
 measured here: the first step after a few seconds idle spends about 0.7 s more in the
-kernel; the process RSS is about 30% higher and moves in 23 MB jumps (the bench's RSS
-check saw 7.4% "growth" over 1000 steps, against 0.016% with glibc's default); and
+kernel; the process RSS moves in 23 MB jumps (the bench's RSS check saw 7.4% "growth"
+over 1000 steps, against 0.096% with glibc's default); and
 PyTorch eager ran slower under the same setting. Research code importing jmegatron's
 step functions gets it by starting Python with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``.
 """

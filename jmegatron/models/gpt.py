@@ -61,12 +61,8 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
-        """The model fields of ``cfg``; compute dtype bfloat16 when ``cfg.bf16``.
-
-        ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolve here: to the CPU kernels
-        ("cpu" / "blas", :mod:`jmegatron.kernels.cpu`) when JAX's backend is the CPU, the
-        compute dtype float32, tensor_model_parallel_size 1 and the kernels build; else
-        to "xla"."""
+        """The model fields of ``cfg``; compute dtype bfloat16 when ``cfg.bf16``;
+        ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolved by :func:`resolve_impls`."""
         names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype"}
         fields = dict({n: getattr(cfg, n) for n in names}, **resolve_impls(cfg))
         return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32, **fields)
