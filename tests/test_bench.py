@@ -234,8 +234,9 @@ def test_memory(bench_dir, jax_cache):
     assert len(rss["rss_bytes"]) == 30 and rss["all_losses_finite"] and rss["live_arrays_constant"]
     assert rss["passed"] and rss["threshold"] == 0.01 and rss["warmup_steps"] == 10 and rss["window"] == 10
     # From the raw series, not the module's medians: after the 10 warm-up steps RSS never
-    # rises 1 % above its value at step 11 (a leak of one float32 gpt_tiny state per step,
-    # ~0.1 MB here, would add ~2 MB over 20 steps; the baseline is ~500 MB).
+    # rises 1 % above its value at step 11 (~5 MB of a ~500 MB baseline: a leaked copy of
+    # this model's TrainState, 21,760 parameters and two AdamW moments = 0.26 MB, every
+    # step would reach it in 20 steps).
     after = rss["rss_bytes"][10:]
     assert max(after) < 1.01 * after[0], (after[0], max(after))
     for png in ("memory_rss.png", "memory_seqlen.png", "memory_layouts.png"):
