@@ -1,5 +1,6 @@
 """Theoretical memory of one training step per device: weights, gradients, optimizer state
-and activations, for a parallel layout (tensor, data with ZeRO-1 or FSDP, sequence parallel).
+and activations, for a parallel layout (tensor, data with ZeRO-1 or FSDP, sequence parallel,
+pipeline stages).
 
 Follows Megatron-LM ``megatron/training/theoretical_memory_usage.py``
 (``compute_weight_and_optimizer_memory``, ``compute_activation_memory``) and the paper it
@@ -35,6 +36,18 @@ kv_channels``, SwiGLU, and the ``s x s`` score tensors. For GPT with ``ffn = 4h`
 (``sbh (10 + 24/t + 5as/(ht))`` with tensor parallelism, ``sbh (34/t + 5as/(ht))`` with
 sequence parallelism, the ``s^2`` terms gone with selective recomputation, and ``e * sbh
 (/t with SP)`` stored per layer with full recomputation).
+
+Pipeline stages (``pipeline_model_parallel_size`` = ``p`` > 1; jmegatron cannot train
+them yet, the estimate is for reports such as :mod:`jmegatron.tools.model_report`) are
+counted as Megatron's ``theoretical_memory_usage.py`` does (Megatron-LM core_r0.12 and
+ByteMLPerf's fork ``byte_train_perf/Megatron-LM/megatron/training/theoretical_memory_usage.py``):
+the figures are those of the most loaded device. Parameters: each stage holds ``L / p``
+layers; the first stage also the word (and position) embeddings, the last the final norm
+and the output layer (a tied model's last stage keeps its own copy of the word
+embeddings, as Megatron); the larger of the two. Activations: the first stage under the
+1F1B schedule, which holds ``min(num_microbatches, p)`` micro-batches of its ``L / p``
+layers in flight (Megatron: ``num_layers`` layers' worth, times ``min(1, m / p)``), the
+embedding input and dropout mask of as many micro-batches, and no output layer.
 """
 
 from __future__ import annotations
@@ -62,6 +75,8 @@ class ParallelLayout:
 
     ``use_distributed_optimizer`` is ZeRO-1 over the data axis; ``use_megatron_fsdp``
     shards parameters, gradients and optimizer state over data.
+    ``pipeline_model_parallel_size`` > 1 exists for the theory only (see the module
+    docstring): the trainer and ``bench memory`` (:meth:`parse`) do not take it.
     """
 
     tensor_model_parallel_size: int = 1
@@ -69,11 +84,12 @@ class ParallelLayout:
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
     use_megatron_fsdp: bool = False
+    pipeline_model_parallel_size: int = 1
 
     def __post_init__(self):
-        if self.tensor_model_parallel_size < 1 or self.data_parallel_size < 1:
+        if min(self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size) < 1:
             raise ValueError(f"parallel sizes must be >= 1 (tp={self.tensor_model_parallel_size}, "
-                             f"dp={self.data_parallel_size})")
+                             f"dp={self.data_parallel_size}, pp={self.pipeline_model_parallel_size})")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
         if self.use_distributed_optimizer and self.use_megatron_fsdp:
@@ -83,7 +99,7 @@ class ParallelLayout:
     def from_config(cls, cfg: JMegatronConfig, data_parallel_size: int) -> "ParallelLayout":
         """The layout ``cfg`` asks for with ``data_parallel_size`` data-parallel ranks."""
         return cls(cfg.tensor_model_parallel_size, data_parallel_size, cfg.use_distributed_optimizer,
-                   cfg.sequence_parallel, cfg.use_megatron_fsdp)
+                   cfg.sequence_parallel, cfg.use_megatron_fsdp, cfg.pipeline_model_parallel_size)
 
     @classmethod
     def parse(cls, text: str) -> "ParallelLayout":
@@ -112,6 +128,8 @@ class ParallelLayout:
     def name(self) -> str:
         """The :meth:`parse` spelling, e.g. ``"tp2-dp4-zero1"``."""
         parts = [f"tp{self.tensor_model_parallel_size}"] + (["sp"] if self.sequence_parallel else [])
+        if self.pipeline_model_parallel_size > 1:
+            parts.append(f"pp{self.pipeline_model_parallel_size}")
         parts.append(f"dp{self.data_parallel_size}")
         if self.use_distributed_optimizer:
             parts.append("zero1")
@@ -121,11 +139,12 @@ class ParallelLayout:
 
     @property
     def num_devices(self) -> int:
-        return self.tensor_model_parallel_size * self.data_parallel_size
+        return self.tensor_model_parallel_size * self.data_parallel_size * self.pipeline_model_parallel_size
 
 
 # ------------------------------------------------------------------ parameters
-def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int) -> dict[str, int]:
+def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_model_parallel_size: int = 1,
+                      pipeline_stage: int = 0) -> dict[str, int]:
     """Parameter counts by how jmegatron's logical-axis rules lay them out:
 
     * ``tensor_replicated_fsdp_sharded``: no tensor axis but a hidden (``embed``) axis: the
@@ -136,8 +155,18 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int) -> dict[str,
       ``linear_qkv`` and ``linear_fc1`` biases;
     * ``sharded``: both (every kernel, the word embeddings, the untied output layer).
 
-    The four add up to :func:`flops.num_parameters`.
+    The four add up to :func:`flops.num_parameters`. With ``pipeline_model_parallel_size``
+    = ``p`` > 1, the classes of pipeline stage ``pipeline_stage`` (0-based): ``L / p``
+    layers, plus the embeddings on stage 0 and the final norm and output layer (``V h``,
+    tied or not) on stage ``p - 1``. Raises ValueError when ``p`` does not divide
+    ``num_layers`` (Megatron's even split) or the stage is out of range.
     """
+    p = pipeline_model_parallel_size
+    if p < 1 or cfg.num_layers % p:
+        raise ValueError(f"pipeline_model_parallel_size={p} must be >= 1 and divide num_layers={cfg.num_layers} "
+                         f"(Megatron splits the layers evenly over the stages)")
+    if not 0 <= pipeline_stage < p:
+        raise ValueError(f"pipeline_stage={pipeline_stage} is not in 0..{p - 1}")
     h = cfg.hidden_size
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
     bias = cfg.add_bias_linear
@@ -151,17 +180,40 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int) -> dict[str,
         "tensor_sharded_fsdp_replicated": cfg.num_layers * (qkv_bias + fc1_bias),
     }
     classes["sharded"] = flops.num_parameters(cfg, padded_vocab_size) - sum(classes.values())
-    return classes
+    if p == 1:
+        return classes
+    # Pipeline stages: split the whole-model classes into layers, embeddings and the head.
+    word = padded_vocab_size * h
+    output = word if cfg.untie_embeddings_and_output_weights else 0
+    layers = {
+        "tensor_replicated_fsdp_sharded": classes["tensor_replicated_fsdp_sharded"] - positions,
+        "replicated": classes["replicated"] - norm,
+        "tensor_sharded_fsdp_replicated": classes["tensor_sharded_fsdp_replicated"],
+        "sharded": classes["sharded"] - word - output,
+    }
+    stage = {k: v // p for k, v in layers.items()}
+    if pipeline_stage == 0:
+        stage["tensor_replicated_fsdp_sharded"] += positions
+        stage["sharded"] += word
+    if pipeline_stage == p - 1:
+        stage["replicated"] += norm
+        stage["sharded"] += word  # the output layer, or a tied model's copy of the embeddings
+    return stage
 
 
 def parameters_per_device(cfg: JMegatronConfig, padded_vocab_size: int, layout: ParallelLayout) -> float:
     """Parameters held by one device (:func:`parameter_classes`): tensor-sharded classes
-    divided by tp, and under FSDP the classes with a hidden axis divided by dp."""
-    c = parameter_classes(cfg, padded_vocab_size)
+    divided by tp, and under FSDP the classes with a hidden axis divided by dp; with
+    pipeline stages, those of the most loaded stage (the first or the last)."""
+    p = layout.pipeline_model_parallel_size
     t = layout.tensor_model_parallel_size
     d = layout.data_parallel_size if layout.use_megatron_fsdp else 1
-    return (c["sharded"] / (t * d) + c["tensor_sharded_fsdp_replicated"] / t
-            + c["tensor_replicated_fsdp_sharded"] / d + c["replicated"])
+
+    def per_device(c):
+        return (c["sharded"] / (t * d) + c["tensor_sharded_fsdp_replicated"] / t
+                + c["tensor_replicated_fsdp_sharded"] / d + c["replicated"])
+
+    return max(per_device(parameter_classes(cfg, padded_vocab_size, p, stage)) for stage in {0, p - 1})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,11 +244,13 @@ def weight_and_optimizer_memory(cfg: JMegatronConfig, padded_vocab_size: int,
 
 
 def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vocab_size: int,
-                                                 tensor_model_parallel_size: int = 1) -> float:
-    """Megatron's ``num_parameters_on_most_loaded_model_shard`` (pipeline size 1, dense):
-    ``(L * (2h (ffn * g + norm) + 2h^2 (1 + groups/heads) q/h) + norm h + V h (x2 if
-    untied)) / tp`` with ``g = 3/2`` for SwiGLU, ``norm = 2`` for LayerNorm (1 for
-    RMSNorm); no biases and no position embeddings, as Megatron counts."""
+                                                 tensor_model_parallel_size: int = 1,
+                                                 pipeline_model_parallel_size: int = 1) -> float:
+    """Megatron's ``num_parameters_on_most_loaded_model_shard`` (dense):
+    ``(T / p + V h (x2 if untied and p == 1)) / tp`` with the transformer's ``T = L * (2h
+    (ffn * g + norm) + 2h^2 (1 + groups/heads) q/h) + norm h``, ``g = 3/2`` for SwiGLU,
+    ``norm = 2`` for LayerNorm (1 for RMSNorm); no biases and no position embeddings, as
+    Megatron counts (its final norm is split over the stages with the layers)."""
     h = cfg.hidden_size
     norm_size = 1 if cfg.normalization == "RMSNorm" else 2
     gated = 1.5 if cfg.swiglu else 1.0
@@ -204,8 +258,8 @@ def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vo
     self_attn = 2 * h * h * ((1 + cfg.num_query_groups / cfg.num_attention_heads) * q_ratio)
     layer = 2 * h * (cfg.ffn_hidden_size * gated + norm_size) + self_attn
     embedding = h * padded_vocab_size
-    shard = cfg.num_layers * layer + norm_size * h + embedding
-    if cfg.untie_embeddings_and_output_weights:
+    shard = (cfg.num_layers * layer + norm_size * h) / pipeline_model_parallel_size + embedding
+    if cfg.untie_embeddings_and_output_weights and pipeline_model_parallel_size == 1:
         shard += embedding
     return shard / tensor_model_parallel_size
 
@@ -216,7 +270,26 @@ def megatron_weight_and_optimizer_memory(cfg: JMegatronConfig, padded_vocab_size
     of the most loaded shard, ``6 + 12 / dp`` with the distributed optimizer."""
     per_param = 6 + 12 / layout.data_parallel_size if layout.use_distributed_optimizer else 18
     return per_param * megatron_num_parameters_on_most_loaded_shard(
-        cfg, padded_vocab_size, layout.tensor_model_parallel_size)
+        cfg, padded_vocab_size, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size)
+
+
+def megatron_activation_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: ParallelLayout,
+                               num_microbatches: Optional[int] = None) -> float:
+    """Megatron's ``compute_activation_memory`` (bytes per device of the first pipeline
+    stage; Table 2 of arXiv:2205.05198 with sequence parallelism and selective recomputation
+    assumed, 16-bit activations, ``q = h``): ``s b h (18 + 4 ffn / h) L`` for the layers,
+    ``8 s b p`` token ids and ``s b h p`` embedding dropout masks, all times ``min(1, m / p)``
+    when ``p > 1`` and ``m`` = ``num_microbatches`` is known, plus ``4 s b h (1 + V / h)``
+    for the output layer and cross-entropy when ``p == 1``; the sum divided by tp."""
+    s, b, h = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size
+    p = layout.pipeline_model_parallel_size
+    act = s * b * h * (18 + 4 * cfg.ffn_hidden_size / h) * cfg.num_layers
+    act += 8 * s * b * p + s * b * h * p
+    if p > 1 and num_microbatches is not None:
+        act *= min(1.0, num_microbatches / p)
+    if p == 1:
+        act += 4 * s * b * h * (1 + padded_vocab_size / h)
+    return act / layout.tensor_model_parallel_size
 
 
 # ------------------------------------------------------------------ activations
@@ -302,9 +375,13 @@ class ActivationMemory:
 
 def activation_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: ParallelLayout,
                       micro_batch_size: Optional[int] = None, recompute: Optional[str] = None,
-                      bytes_per_element: Optional[int] = None) -> ActivationMemory:
+                      bytes_per_element: Optional[int] = None,
+                      num_microbatches: Optional[int] = None) -> ActivationMemory:
     """Activation bytes per device for one micro-batch (jmegatron's micro-batch loop holds
-    one at a time; there is no pipeline schedule with several in flight).
+    one at a time). With pipeline stages (``p`` > 1), the first stage's under 1F1B, as
+    Megatron: ``L / p`` layers for each of ``min(num_microbatches, p)`` micro-batches in
+    flight (``p`` when ``num_microbatches`` is None), the embedding terms for as many, and
+    no output layer (it is on the last stage).
 
     ``micro_batch_size`` defaults to ``cfg.micro_batch_size`` (sequences per data-parallel
     rank), ``recompute`` to ``cfg.recompute_granularity``. Besides the layers
@@ -324,7 +401,16 @@ def activation_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: Para
     embedding = FLOAT32_BYTES * n + m * n * cfg.hidden_size / sp_div
     output = 2 * e * n * cfg.hidden_size / sp_div + FLOAT32_BYTES * n * padded_vocab_size / t
     working = activation_memory_per_layer(cfg, b, layout, "none", e) if recompute == "full" else 0.0
-    return ActivationMemory(per_layer=per_layer, layers=per_layer * cfg.num_layers, embedding=embedding,
+    p = layout.pipeline_model_parallel_size
+    layers = per_layer * cfg.num_layers
+    if p > 1:
+        if cfg.num_layers % p:
+            raise ValueError(f"pipeline_model_parallel_size={p} must divide num_layers={cfg.num_layers}")
+        in_flight = p if num_microbatches is None else min(num_microbatches, p)
+        layers = per_layer * (cfg.num_layers // p) * in_flight
+        embedding *= in_flight
+        output = 0.0
+    return ActivationMemory(per_layer=per_layer, layers=layers, embedding=embedding,
                             output=output, recompute_working_set=working, recompute=recompute)
 
 
@@ -354,7 +440,8 @@ class MemoryEstimate:
 
 
 def theoretical_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: ParallelLayout,
-                       micro_batch_size: Optional[int] = None) -> MemoryEstimate:
+                       micro_batch_size: Optional[int] = None,
+                       num_microbatches: Optional[int] = None) -> MemoryEstimate:
     """Weights, gradients, optimizer state (:func:`weight_and_optimizer_memory`) and
     activations (:func:`activation_memory` with ``cfg.recompute_granularity``; the other
     recompute choices in ``activations_by_recompute``) in bytes per device, and Megatron's
@@ -364,13 +451,15 @@ def theoretical_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: Par
     each micro-batch all-gathers the whole (tensor-sharded) float32 parameters, and
     autodiff produces their whole gradient before the reduce-scatter (jmegatron gathers
     all layers at once, not layer by layer as Megatron-FSDP): ``2 * 4`` bytes per
-    parameter of the layout without FSDP, counted whole (XLA may overlap their lifetimes)."""
+    parameter of the layout without FSDP, counted whole (XLA may overlap their lifetimes).
+    ``num_microbatches`` matters only with pipeline stages (:func:`activation_memory`)."""
     state = weight_and_optimizer_memory(cfg, padded_vocab_size, layout)
     gathered = 0.0
     if layout.use_megatron_fsdp:
         unsharded = dataclasses.replace(layout, use_megatron_fsdp=False)
         gathered = (PARAM_BYTES + GRAD_BYTES) * parameters_per_device(cfg, padded_vocab_size, unsharded)
-    by_recompute = {r: activation_memory(cfg, padded_vocab_size, layout, micro_batch_size, r).total
+    by_recompute = {r: activation_memory(cfg, padded_vocab_size, layout, micro_batch_size, r,
+                                         num_microbatches=num_microbatches).total
                     for r in RECOMPUTE_CHOICES}
     return MemoryEstimate(
         layout=layout.name, num_parameters=flops.num_parameters(cfg, padded_vocab_size),

@@ -1,0 +1,176 @@
+"""``python -m jmegatron.tools.model_report --config C [--config.<field>=<value> ...]
+[--tp N] [--pp N] [--dp N] [--zero1] [--sp] [--fsdp] [--json PATH]``
+
+Parameters, FLOPs per iteration and theoretical memory per device of any config in any
+layout, without building the model or touching a device (so it works for configs and
+layouts jmegatron cannot train, e.g. ByteMLPerf's GPT-3 175B at tp 8 x pp 16):
+
+* parameters: :func:`jmegatron.training.flops.num_parameters` (exact, jmegatron's model)
+  and Megatron's count on the most loaded shard
+  (:func:`jmegatron.training.memory.megatron_num_parameters_on_most_loaded_shard`);
+* FLOPs per iteration: Megatron's ``num_floating_point_operations`` for one global batch
+  (:func:`jmegatron.training.flops.num_floating_point_operations`), per token, per device;
+* memory per device: :func:`jmegatron.training.memory.theoretical_memory` (float32 master
+  weights, gradients, AdamW moments, activations with each recomputation choice; pipeline
+  stages as Megatron's ``theoretical_memory_usage.py``) and Megatron's own weight+optimizer
+  and activation formulas (:func:`~jmegatron.training.memory.megatron_weight_and_optimizer_memory`,
+  :func:`~jmegatron.training.memory.megatron_activation_memory`).
+
+The layout: ``--tp/--pp/--dp/--zero1/--sp/--fsdp``, else the config file's module constant
+``LAYOUT`` (a dict of ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+``data_parallel_size``: the layout of the script a config transcribes, e.g.
+configs/bytemlperf/gpt3_175b.py), else the config's own parallel fields with dp 1.
+``--config.<field>`` overrides as :mod:`jmegatron.train`. Bad input exits 2 with the
+field or flag named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+GIB = 2 ** 30
+MIB = 2 ** 20
+
+
+def config_layout(path: str) -> dict:
+    """The ``LAYOUT`` dict a config file defines, or ``{}``. Raises FileNotFoundError,
+    ValueError for a LAYOUT with other keys."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist (pass --config configs/gpt_tiny.py)")
+    spec = importlib.util.spec_from_file_location(f"_jmegatron_report_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    layout = dict(getattr(module, "LAYOUT", {}) or {})
+    allowed = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"}
+    if set(layout) - allowed:
+        raise ValueError(f"{path}: LAYOUT has unknown keys {sorted(set(layout) - allowed)}; allowed: {sorted(allowed)}")
+    return layout
+
+
+def report(cfg, layout, num_microbatches: int) -> dict:
+    """Every figure of the report (counts and bytes per device) as a JSON-ready dict.
+    ``cfg`` is validated and carries the layout's tensor size (its padded vocabulary);
+    ``layout`` is a :class:`jmegatron.training.memory.ParallelLayout`."""
+    from jmegatron.training import flops, memory
+
+    padded = cfg.padded_vocab_size()
+    global_batch = num_microbatches * cfg.micro_batch_size * layout.data_parallel_size
+    flops_iter = flops.num_floating_point_operations(cfg, global_batch, padded)
+    est = memory.theoretical_memory(cfg, padded, layout, num_microbatches=num_microbatches)
+    megatron_state = memory.megatron_weight_and_optimizer_memory(cfg, padded, layout)
+    megatron_act = memory.megatron_activation_memory(cfg, padded, layout, num_microbatches)
+    return {
+        "layout": layout.name, "num_devices": layout.num_devices,
+        "micro_batch_size": cfg.micro_batch_size, "num_microbatches": num_microbatches,
+        "global_batch_size": global_batch, "seq_length": cfg.seq_length, "padded_vocab_size": padded,
+        "num_parameters": flops.num_parameters(cfg, padded),
+        "parameters_per_device": est.parameters_per_device,
+        "megatron_parameters_on_most_loaded_shard": memory.megatron_num_parameters_on_most_loaded_shard(
+            cfg, padded, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size),
+        "flops_per_iteration": flops_iter,
+        "flops_per_token": flops_iter / (global_batch * cfg.seq_length),
+        "flops_per_iteration_per_device": flops_iter / layout.num_devices,
+        "memory": est.to_dict(),
+        "megatron_memory": {"weight_and_optimizer": megatron_state, "activations": megatron_act,
+                            "total": megatron_state + megatron_act},
+    }
+
+
+def format_report(r: dict, config_path: str, bf16: bool, recompute: str) -> str:
+    """The console text of :func:`report`'s dict."""
+    m, mm = r["memory"], r["megatron_memory"]
+    by = m["activations_by_recompute"]
+    lines = [
+        f"model_report: {config_path}",
+        f"layout {r['layout']} ({r['num_devices']} devices); micro-batch {r['micro_batch_size']} x "
+        f"{r['num_microbatches']} micro-batches x dp -> global batch {r['global_batch_size']} x "
+        f"{r['seq_length']} tokens; padded vocab {r['padded_vocab_size']}",
+        "",
+        f"parameters:            {r['num_parameters']:,} (jmegatron's model, exact)",
+        f"  per device:          {r['parameters_per_device']:,.0f} (most loaded pipeline stage)",
+        f"  Megatron's count:    {r['megatron_parameters_on_most_loaded_shard']:,.0f} on the most loaded shard "
+        "(no biases, no position embeddings)",
+        f"FLOPs per iteration:   {r['flops_per_iteration']:.6g} (Megatron's num_floating_point_operations, "
+        "one global batch, fwd + bwd)",
+        f"  per token:           {r['flops_per_token']:.6g}",
+        f"  per device:          {r['flops_per_iteration_per_device']:.6g}",
+        f"theoretical memory per device (jmegatron, {'bf16 compute' if bf16 else 'float32'}, "
+        f"fp32 state, recompute {recompute}):",
+        f"  weights              {m['weights'] / GIB:10.3f} GiB",
+        f"  gradients            {m['gradients'] / GIB:10.3f} GiB",
+        f"  optimizer state      {m['optimizer_state'] / GIB:10.3f} GiB",
+        f"  activations          {m['activations'] / GIB:10.3f} GiB  (none {by['none'] / GIB:.3f}, selective "
+        f"{by['selective'] / GIB:.3f}, full {by['full'] / GIB:.3f})",
+    ]
+    if m.get("fsdp_gathered"):
+        lines.append(f"  FSDP gathered        {m['fsdp_gathered'] / GIB:10.3f} GiB")
+    lines += [
+        f"  total                {m['total'] / GIB:10.3f} GiB",
+        "Megatron's theoretical_memory_usage.py (18 B/param or 6 + 12/dp; activations with SP + selective):",
+        f"  weight and optimizer {mm['weight_and_optimizer'] / GIB:10.3f} GiB ({mm['weight_and_optimizer'] / MIB:.2f} MB)",
+        f"  activations          {mm['activations'] / GIB:10.3f} GiB ({mm['activations'] / MIB:.2f} MB)",
+        f"  total                {mm['total'] / GIB:10.3f} GiB ({mm['total'] / MIB:.2f} MB)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the CLI; returns the exit status (0, or 2 for bad input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m jmegatron.tools.model_report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=None, help="tensor_model_parallel_size")
+    p.add_argument("--pp", type=int, default=None, help="pipeline_model_parallel_size (theory only)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context_parallel_size (only 1: not in the memory theory)")
+    p.add_argument("--zero1", action="store_true", default=None, help="use_distributed_optimizer")
+    p.add_argument("--sp", action="store_true", default=None, help="sequence_parallel")
+    p.add_argument("--fsdp", action="store_true", default=None, help="use_megatron_fsdp")
+    p.add_argument("--json", default=None, help="also write the figures as JSON here")
+    args, rest = p.parse_known_args(argv)
+
+    from jmegatron.train import parse_args
+    from jmegatron.config import load_config_file
+    from jmegatron.training.memory import ParallelLayout
+
+    try:
+        if args.cp != 1:
+            raise ValueError(f"--cp {args.cp}: context parallelism is not in the memory theory (nor in Megatron's "
+                             "theoretical_memory_usage.py); use --cp 1")
+        path, overrides = parse_args(rest)
+        file_layout = config_layout(path)
+        cfg = load_config_file(path, overrides)
+        tp = args.tp or file_layout.get("tensor_model_parallel_size", cfg.tensor_model_parallel_size)
+        pp = args.pp or file_layout.get("pipeline_model_parallel_size", cfg.pipeline_model_parallel_size)
+        dp = args.dp or file_layout.get("data_parallel_size", 1)
+        zero1 = cfg.use_distributed_optimizer if args.zero1 is None else args.zero1
+        sp = cfg.sequence_parallel if args.sp is None else args.sp
+        fsdp = cfg.use_megatron_fsdp if args.fsdp is None else args.fsdp
+        for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: parallel sizes must be >= 1")
+        # The tensor size pads the vocabulary; pipeline stages stay out of the config
+        # (validation refuses them: the trainer has none), in the layout only.
+        cfg = cfg.replace(tensor_model_parallel_size=tp, sequence_parallel=sp, use_distributed_optimizer=zero1,
+                          use_megatron_fsdp=fsdp)
+        cfg.check_parallel_divisibility(cfg.padded_vocab_size(), dp)
+        layout = ParallelLayout(tp, dp, zero1, sp, fsdp, pp)
+        num_micro = cfg.num_microbatches(dp)
+        r = report(cfg, layout, num_micro)
+    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(r, path, cfg.bf16, cfg.recompute_granularity))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": path, "config_overrides": overrides, **r}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
