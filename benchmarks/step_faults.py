@@ -1,0 +1,78 @@
+"""Page faults and system time per train step (why huge pages or a caching allocator help).
+
+    python benchmarks/step_faults.py --config configs/gpt_tiny.py [--allocator hugepages] \
+        [--steps 10] [--warmup 3] [--config.<field>=<value> ...]
+
+Trains ``--warmup`` untimed steps (compilation included), then ``--steps`` steps on mock
+data (the config's shapes; ``vocab_size`` 8192 unless given), each waited for, and prints
+one JSON line with the medians per step of: minor and major page faults
+(``getrusage(RUSAGE_SELF)``: ``ru_minflt``, ``ru_majflt``), system and user CPU seconds,
+and wall milliseconds, plus the malloc setting. ``--allocator hugepages`` restarts the
+process with glibc's huge-page tunable, as ``JMEGATRON_HOST_ALLOCATOR=hugepages`` does for
+the CLIs (:mod:`jmegatron.runtime`). Timings on a shared machine are noisy; fault counts
+much less so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--allocator", choices=("default", "hugepages"), default="default",
+                   help="glibc's default malloc, or huge pages (re-executes with GLIBC_TUNABLES)")
+    args, rest = p.parse_known_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1")
+    if args.allocator == "hugepages":
+        os.environ["JMEGATRON_HOST_ALLOCATOR"] = "hugepages"
+    from jmegatron.runtime import active, reexec_with_host_tunables
+
+    reexec_with_host_tunables()
+
+    import jax
+
+    from jmegatron.data.loader import BatchLoader
+    from jmegatron.train import parse_args
+    from jmegatron.config import load_config_file
+    from jmegatron.training.loop import build, build_datasets
+
+    path, overrides = parse_args(rest)
+    overrides.setdefault("mock_data", True)
+    overrides.setdefault("vocab_size", 8192)
+    cfg = load_config_file(path, overrides)
+    run = build(cfg)
+    state = run.init_state()
+    train_ds, _, _ = build_datasets(cfg, run.global_batch_size)
+    loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches)
+    rows = []
+    for i in range(args.warmup + args.steps):
+        batch = run.put_batch(next(loader))
+        jax.block_until_ready(batch)
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        state, metrics = run.train_step(state, batch)
+        jax.block_until_ready((state, metrics))
+        r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        if i >= args.warmup:
+            rows.append({"minor_faults": r1.ru_minflt - r0.ru_minflt, "major_faults": r1.ru_majflt - r0.ru_majflt,
+                         "system_s": r1.ru_stime - r0.ru_stime, "user_s": r1.ru_utime - r0.ru_utime,
+                         "wall_ms": 1e3 * (t1 - t0)})
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    print(json.dumps({"config": path, "overrides": {k: v for k, v in overrides.items()},
+                      "allocator": "hugepages" if active() else "default", "steps": args.steps,
+                      "median_per_step": med, "per_step": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
