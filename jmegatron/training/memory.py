@@ -39,8 +39,8 @@ sequence parallelism, the ``s^2`` terms gone with selective recomputation, and `
 
 Pipeline stages (``pipeline_model_parallel_size`` = ``p`` > 1; jmegatron cannot train
 them yet, the estimate is for reports such as :mod:`jmegatron.tools.model_report`) are
-counted as Megatron's ``theoretical_memory_usage.py`` does (Megatron-LM core_r0.12 and
-ByteMLPerf's fork ``byte_train_perf/Megatron-LM/megatron/training/theoretical_memory_usage.py``):
+counted as Megatron's ``theoretical_memory_usage.py`` does (read in ByteMLPerf's fork,
+``byte_train_perf/Megatron-LM/megatron/training/theoretical_memory_usage.py``, commit a30b4f97b174):
 the figures are those of the most loaded device. Parameters: each stage holds ``L / p``
 layers; the first stage also the word (and position) embeddings, the last the final norm
 and the output layer (a tied model's last stage keeps its own copy of the word
