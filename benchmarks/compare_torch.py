@@ -1,25 +1,35 @@
 """jmegatron's train step against a lean PyTorch GPT of the same shape, measured alternately.
 
     python benchmarks/compare_torch.py --config configs/gpt_tiny.py
-    python benchmarks/compare_torch.py --config configs/gpt_small.py --rounds 5 --steps 3
+    python benchmarks/compare_torch.py --config configs/gpt_small.py --rounds 5 --steps 2
 
 The PyTorch model is nanoGPT-style (Karpathy's nanoGPT ``model.py``, not copied): token and
 learned position embeddings, pre-LayerNorm blocks with one fused QKV ``nn.Linear``,
 ``F.scaled_dot_product_attention(is_causal=True)``, exact GELU MLP, tied output layer,
-the config's dropout; ``torch.optim.AdamW`` (weight decay on matrices only) with gradient
-clipping, float32, as jmegatron's step (same vocabulary padding, same micro-batch and
-sequence). Both run on the same random token batch.
+``torch.optim.AdamW`` (weight decay on matrices only) with gradient clipping, float32, as
+jmegatron's step (same vocabulary padding, same micro-batch and sequence). Both run on the
+same random token batch.
 
-Each framework runs in its own process (so no framework's thread pools compete with
-another's timed steps); each round times ``--steps`` steps of jmegatron, PyTorch eager
-and ``torch.compile`` in turn, each turn after ``--round-warmup`` untimed steps (the
-machine is shared and noisy: ratios come from the same rounds). Every framework's process
-gets the same glibc malloc setting (``--allocator``: glibc's default, or huge pages as
-``JMEGATRON_HOST_ALLOCATOR=hugepages``, jmegatron/runtime.py). The table
-gives the median tokens/s, TFLOP/s (Megatron's FLOPs formula, the same for all three)
-and MFU against the measured float32 matmul peak (``python -m jmegatron.bench peak``),
-then ``ratio: <jmegatron tokens/s over PyTorch eager tokens/s>`` and the same against
-compiled PyTorch. ``--out FILE`` also writes the figures as JSON.
+Fairness (each side its best settings, the same work):
+- Every ``--dropout`` setting (default 0 and 0.1, hidden and attention dropout alike) is a
+  row of its own. Dropout 0 is the headline: PyTorch's CPU ``scaled_dot_product_attention``
+  takes its flash path only without dropout, so with dropout the ratio partly measures the
+  dropout implementation.
+- PyTorch gets the fastest of its AdamW implementations (for-loop, foreach, fused), chosen
+  per process at warm-up by alternating timed steps (:func:`pick_adamw`) and reported;
+  jmegatron runs its default step (optax AdamW inside the jitted step, "auto" kernels).
+- Each (framework, dropout) runs in its own process; every round gives each one turn of
+  ``--steps`` timed steps, in turn, after ``--settle`` seconds idle. Nothing runs untimed
+  inside a round unless ``--round-warmup N`` is given, and then the figures with those N
+  steps counted are printed too. At least 5 rounds.
+- Every process gets the same glibc malloc setting (``--allocator``).
+
+The table per dropout setting gives ms/step as min / median / max over rounds (each
+round's figure is the mean of its timed steps), tokens/s and TFLOP/s at the median
+(Megatron's FLOPs formula, the same for all), MFU against the stored peak and against the
+theoretical peak (jmegatron.training.peak); then ``ratio: <jmegatron tokens/s over PyTorch
+eager tokens/s> at dropout D`` with the per-round ratios' min / median / max, and the same
+against compiled PyTorch. ``--out FILE`` also writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -87,28 +97,45 @@ def torch_gpt(cfg, vocab: int):
     return GPT()
 
 
-def torch_stepper(cfg, vocab: int, tokens: np.ndarray, labels: np.ndarray, compiled: bool):
-    """A function running one PyTorch train step (AdamW, clipping) on ``tokens``/``labels`` ``[b, s]``; ``compiled`` wraps the model in ``torch.compile``. Returns the loss (float)."""
+ADAMW_IMPLS = ("forloop", "foreach", "fused")
+
+
+def torch_stepper(cfg, vocab: int, tokens: np.ndarray, labels: np.ndarray, compiled: bool,
+                  adamw_impl: str = "fused"):
+    """A function running one PyTorch train step (AdamW, clipping) on ``tokens``/``labels``
+    ``[b, s]``; ``compiled`` wraps the model in ``torch.compile``; ``adamw_impl`` picks
+    ``torch.optim.AdamW``'s implementation ("forloop": ``foreach=False``, "foreach",
+    "fused"; the fused CPU kernel exists since PyTorch 2.4). Returns the loss (float).
+    ``step.set_adamw(impl)`` swaps the optimizer (fresh moments) on the same model."""
     import torch
 
+    if adamw_impl not in ADAMW_IMPLS:
+        raise ValueError(f"adamw_impl={adamw_impl!r} must be one of {ADAMW_IMPLS}")
     torch.manual_seed(cfg.seed)
     model = torch_gpt(cfg, vocab).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+    def make_opt(impl):
+        flags = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[impl]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, **flags)
+
+    holder = {"opt": make_opt(adamw_impl), "impl": adamw_impl}
     fwd = torch.compile(model) if compiled else model
     t, y = torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(labels.astype(np.int64))
 
     def step():
         loss = fwd(t, y)
-        opt.zero_grad(set_to_none=True)
+        holder["opt"].zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-        opt.step()
-        return float(loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad,
+                                       foreach=holder["impl"] != "forloop")
+        holder["opt"].step()
+        return float(loss.detach())
 
+    step.set_adamw = lambda impl: holder.update(opt=make_opt(impl), impl=impl)
     return step
 
 
@@ -162,56 +189,114 @@ def jmegatron_stepper(cfg, tokens: np.ndarray, labels: np.ndarray, num_devices: 
     return step, run
 
 
-def time_steps(step, n: int) -> float:
-    """Mean seconds per step of ``n`` consecutive calls of ``step`` (each waits for its result)."""
-    t0 = time.perf_counter()
+def step_times(step, n: int) -> list[float]:
+    """Seconds of each of ``n`` consecutive calls of ``step`` (each waits for its result)."""
+    out = []
     for _ in range(n):
+        t0 = time.perf_counter()
         step()
-    return (time.perf_counter() - t0) / n
+        out.append(time.perf_counter() - t0)
+    return out
 
 
-def _worker(name: str, config: str, threads: int, warmup: int, conn) -> None:
-    """One framework in its own process: build, warm up, then time ``n`` steps per request.
+def pick_adamw(step, trials: int = 3, rounds: int = 2) -> tuple[str, dict]:
+    """The fastest of PyTorch's AdamW implementations for ``step`` (a :func:`torch_stepper`):
+    ``rounds`` alternating rounds of ``trials`` whole train steps per implementation (one
+    untimed step after each swap: fresh moments), best median of the step time wins.
+    Returns (name, {name: [seconds per step, ...]})."""
+    samples = {impl: [] for impl in ADAMW_IMPLS}
+    for _ in range(rounds):
+        for impl in ADAMW_IMPLS:
+            step.set_adamw(impl)
+            step()
+            samples[impl] += step_times(step, trials)
+    best = min(samples, key=lambda k: statistics.median(samples[k]))
+    step.set_adamw(best)
+    return best, samples
+
+
+def _worker(name: str, config: str, dropout: float, threads: int, warmup: int, conn) -> None:
+    """One (framework, dropout) in its own process: build, warm up (PyTorch: also pick its
+    fastest AdamW), then answer requests ``n`` with the seconds of each of ``n`` steps.
     Separate processes keep each framework's thread pools (XLA's, PyTorch's OpenMP and the
     compiled kernels') from competing with the other's timed steps."""
     if name != "jmegatron":
         import torch
 
         torch.set_num_threads(threads)
-    cfg = bench_config(config)
+    cfg = bench_config(config, (f"hidden_dropout={dropout}", f"attention_dropout={dropout}"))
     toks = np.random.RandomState(0).randint(0, cfg.vocab_size, size=(cfg.micro_batch_size, cfg.seq_length + 1))
     tokens, labels = toks[:, :-1].astype(np.int32), toks[:, 1:].astype(np.int32)
+    info = {}
     if name == "jmegatron":
         step = jmegatron_stepper(cfg, tokens, labels)[0]
     else:
         step = torch_stepper(cfg, cfg.padded_vocab_size(), tokens, labels, compiled=name == "pytorch_compile")
     t0 = time.perf_counter()
     losses = [step() for _ in range(warmup)]
-    conn.send((time.perf_counter() - t0, losses))
+    info["warmup_s"] = time.perf_counter() - t0
+    if name != "jmegatron":
+        best, samples = pick_adamw(step)
+        info["adamw"] = best
+        info["adamw_ms"] = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    conn.send((info, losses))
     while True:
-        request = conn.recv()
-        if request is None:
+        n = conn.recv()
+        if n is None:
             break
-        n, untimed = request
-        for _ in range(untimed):
-            step()
-        conn.send(time_steps(step, n))
+        conn.send(step_times(step, n))
+
+
+def spread(values: list[float]) -> dict:
+    """min / median / max of ``values``."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def summarize(times: dict, untimed: int, tokens_per_step: int, flop: float, peak: float,
+              theoretical: float | None) -> dict:
+    """Per framework: ms per step (min / median / max over rounds of each round's mean over
+    its counted steps), tokens/s and TFLOP/s at the median, MFU against ``peak`` and the
+    theoretical peak. ``times[name]`` = per round, the seconds of each step; the first
+    ``untimed`` steps of each round are left out here (the caller shows both)."""
+    out = {}
+    for name, rounds in times.items():
+        per_round = [statistics.mean(r[untimed:]) for r in rounds]
+        ms = {k: v * 1e3 for k, v in spread(per_round).items()}
+        med = ms["median"] / 1e3
+        tflops = flop / med / 1e12
+        out[name] = {"ms_per_step": ms, "ms_per_step_rounds": [t * 1e3 for t in per_round],
+                     "tokens_per_s": tokens_per_step / med, "tflops": tflops, "mfu": tflops / peak,
+                     "mfu_theoretical": tflops / theoretical if theoretical else None}
+    return out
+
+
+def ratios(times: dict, untimed: int, other: str) -> dict:
+    """jmegatron's tokens/s over ``other``'s: per round (jmegatron's and the other's turns of
+    the same round), as min / median / max, and the ratio of the median step times."""
+    jm = [statistics.mean(r[untimed:]) for r in times["jmegatron"]]
+    ot = [statistics.mean(r[untimed:]) for r in times[other]]
+    per_round = [o / j for j, o in zip(jm, ot)]
+    return {"of_medians": statistics.median(ot) / statistics.median(jm), "per_round": per_round,
+            **spread(per_round)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/gpt_tiny.py")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=5, help="steps per framework per round")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (at least 5)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per framework per round")
+    p.add_argument("--warmup", type=int, default=3, help="steps run once after building, before any round")
+    p.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1],
+                   help="hidden and attention dropout settings, each a row of the table (0 first: the "
+                        "headline, PyTorch's CPU flash attention path needs dropout 0)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="PyTorch intra-op threads")
-    p.add_argument("--round-warmup", type=int, default=1,
-                   help="untimed steps at the start of each framework's turn in a round (all frameworks "
-                        "alike): the step after a few seconds idle pays extra kernel time for its fresh "
-                        "memory (docs/PERFORMANCE.md, attempt 16); 0 times it too")
+    p.add_argument("--round-warmup", type=int, default=0,
+                   help="steps at the start of each framework's turn that the headline leaves out "
+                        "(every framework alike); they are still timed and the figures with them are "
+                        "printed too")
     p.add_argument("--settle", type=float, default=1.0,
-                   help="seconds of idle before each framework's timed steps (OpenMP worker threads "
+                   help="seconds of idle before each framework's turn (OpenMP worker threads "
                         "busy-wait for a while after a parallel region)")
     p.add_argument("--allocator", choices=("hugepages", "default"), default="default",
                    help="glibc malloc of every framework's process alike: 'hugepages' = "
@@ -219,17 +304,18 @@ def main(argv=None) -> int:
                         "'default' = glibc's")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
+    if args.rounds < 5:
+        p.error(f"--rounds {args.rounds}: at least 5 rounds are needed for a spread worth reporting")
 
     import multiprocessing as mp
 
+    from jmegatron import runtime
     from jmegatron.training import flops
     from jmegatron.training.loop import default_peak_tflops
 
     cfg = bench_config(args.config)
     vocab = cfg.padded_vocab_size()
-    names = ["jmegatron", "pytorch_eager"] + ([] if args.no_compile else ["pytorch_compile"])
-    from jmegatron import runtime
-
+    frameworks = ["jmegatron", "pytorch_eager"] + ([] if args.no_compile else ["pytorch_compile"])
     if args.allocator == "hugepages":
         os.environ["JMEGATRON_HOST_ALLOCATOR"] = "hugepages"
         if runtime.wanted():
@@ -237,59 +323,93 @@ def main(argv=None) -> int:
         else:
             args.allocator = "default"
     ctx = mp.get_context("spawn")
-    workers = {}
-    for name in names:  # built and warmed up one at a time, so compilations do not overlap
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(name, args.config, args.threads, args.warmup, child))
-        proc.start()
-        seconds, losses = parent.recv()
-        print(f"[warm-up] {name}: {args.warmup} steps in {seconds:.1f}s, losses "
-              + ", ".join(f"{x:.4f}" for x in losses), flush=True)
-        workers[name] = (proc, parent)
+    workers, infos = {}, {}
+    for dropout in args.dropout:
+        for name in frameworks:  # built and warmed up one at a time, so compilations do not overlap
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(name, args.config, dropout, args.threads, args.warmup, child))
+            proc.start()
+            info, losses = parent.recv()
+            infos[(name, dropout)] = info
+            extra = ""
+            if "adamw" in info:
+                extra = f"; AdamW {info['adamw']} (ms/step: " + ", ".join(
+                    f"{k} {v:.0f}" for k, v in info["adamw_ms"].items()) + ")"
+            print(f"[warm-up] {name} dropout {dropout}: {args.warmup} steps in {info['warmup_s']:.1f}s, losses "
+                  + ", ".join(f"{x:.4f}" for x in losses) + extra, flush=True)
+            workers[(name, dropout)] = (proc, parent)
 
-    times = {name: [] for name in names}
+    times = {key: [] for key in workers}
     for r in range(args.rounds):
-        for name, (_, conn) in workers.items():
+        for key, (_, conn) in workers.items():
             time.sleep(args.settle)
-            conn.send((args.steps, args.round_warmup))
-            times[name].append(conn.recv())
-        print(f"[round {r + 1}/{args.rounds}] " + ", ".join(f"{n} {t * 1e3:.0f} ms/step" for n, t in
-                                                          ((n, ts[-1]) for n, ts in times.items())), flush=True)
+            conn.send(args.round_warmup + args.steps)
+            times[key].append(conn.recv())
+        print(f"[round {r + 1}/{args.rounds}] " + ", ".join(
+            f"{n}@{d} {statistics.mean(ts[-1][args.round_warmup:]) * 1e3:.0f} ms/step"
+            for (n, d), ts in times.items()), flush=True)
     for proc, conn in workers.values():
         conn.send(None)
         proc.join()
 
     tokens_per_step = cfg.micro_batch_size * cfg.seq_length
-    flop = flops.num_floating_point_operations(cfg, cfg.micro_batch_size, vocab)
     peak = default_peak_tflops(cfg)
+    theoretical = _theoretical_peak()
     result = {"config": args.config, "shape": {k: getattr(cfg, k) for k in (
         "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size")},
-        "padded_vocab_size": vocab, "flops_per_step": flop, "peak_tflops": peak, "rounds": args.rounds,
-        "steps_per_round": args.steps, "torch_threads": args.threads, "allocator": args.allocator,
-        "round_warmup": args.round_warmup,
-        "frameworks": {}}
+        "padded_vocab_size": vocab, "peak_tflops": peak, "theoretical_peak_tflops": theoretical,
+        "rounds": args.rounds, "steps_per_round": args.steps, "round_warmup": args.round_warmup,
+        "torch_threads": args.threads, "allocator": args.allocator, "by_dropout": {}}
     print(f"\n{args.config}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, "
-          f"ffn {cfg.ffn_hidden_size}, vocab {vocab}, seq {cfg.seq_length}, batch {cfg.micro_batch_size}, "
-          f"dropout {cfg.hidden_dropout}; float32 peak {peak * 1e3:.1f} GFLOP/s; malloc {args.allocator}; "
-          f"{args.round_warmup} untimed + {args.steps} timed steps per framework per round")
-    print(f"| framework | ms/step (median) | tokens/s | TFLOP/s | MFU |\n|---|---|---|---|---|")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        tps, tflops = tokens_per_step / med, flop / med / 1e12
-        result["frameworks"][name] = {"ms_per_step": med * 1e3, "tokens_per_s": tps, "tflops": tflops,
-                                      "mfu": tflops / peak, "ms_per_step_rounds": [t * 1e3 for t in ts]}
-        print(f"| {name} | {med * 1e3:.1f} | {tps:,.0f} | {tflops:.4f} | {100 * tflops / peak:.1f}% |")
-    fw = result["frameworks"]
-    result["ratio_eager"] = fw["jmegatron"]["tokens_per_s"] / fw["pytorch_eager"]["tokens_per_s"]
-    print(f"ratio: {result['ratio_eager']:.3f}  (jmegatron tokens/s over PyTorch eager tokens/s)")
-    if "pytorch_compile" in fw:
-        result["ratio_compile"] = fw["jmegatron"]["tokens_per_s"] / fw["pytorch_compile"]["tokens_per_s"]
-        print(f"ratio vs torch.compile: {result['ratio_compile']:.3f}  (jmegatron tokens/s over compiled PyTorch)")
+          f"ffn {cfg.ffn_hidden_size}, vocab {vocab}, seq {cfg.seq_length}, batch {cfg.micro_batch_size}; "
+          f"float32; peak {peak * 1e3:.1f} GFLOP/s"
+          + (f" (theoretical {theoretical * 1e3:.1f})" if theoretical else "")
+          + f"; malloc {args.allocator}; {args.rounds} rounds x {args.steps} timed steps per framework"
+          + (f" after {args.round_warmup} left-out steps" if args.round_warmup else ""))
+    for dropout in args.dropout:
+        sub = {name: times[(name, dropout)] for name in frameworks}
+        flop = flops.num_floating_point_operations(cfg, cfg.micro_batch_size, vocab)
+        entry = {"frameworks": summarize(sub, args.round_warmup, tokens_per_step, flop, peak, theoretical)}
+        for name in frameworks:
+            entry["frameworks"][name].update(infos[(name, dropout)])
+        if args.round_warmup:
+            entry["frameworks_all_steps"] = summarize(sub, 0, tokens_per_step, flop, peak, theoretical)
+        print(f"\ndropout {dropout}:\n| framework | ms/step min / median / max | tokens/s | TFLOP/s | MFU | "
+              f"MFU (theoretical) | AdamW |\n|---|---|---|---|---|---|---|")
+        for name, fw in entry["frameworks"].items():
+            ms = fw["ms_per_step"]
+            mfu_t = f"{100 * fw['mfu_theoretical']:.1f}%" if fw["mfu_theoretical"] else "n/a"
+            print(f"| {name} | {ms['min']:.1f} / {ms['median']:.1f} / {ms['max']:.1f} | {fw['tokens_per_s']:,.0f} | "
+                  f"{fw['tflops']:.4f} | {100 * fw['mfu']:.1f}% | {mfu_t} | {fw.get('adamw', 'optax adamw')} |")
+        labels = {"pytorch_eager": "", "pytorch_compile": " vs torch.compile"}
+        for other in frameworks[1:]:
+            rt = ratios(sub, args.round_warmup, other)
+            entry[f"ratio_{other.split('_')[1]}"] = rt
+            print(f"ratio{labels[other]}: {rt['of_medians']:.3f} at dropout {dropout} (jmegatron tokens/s over "
+                  f"{other}; per round min {rt['min']:.3f} / median {rt['median']:.3f} / max {rt['max']:.3f})")
+            if args.round_warmup:
+                ra = ratios(sub, 0, other)
+                entry[f"ratio_{other.split('_')[1]}_all_steps"] = ra
+                print(f"  with the {args.round_warmup} left-out steps counted: {ra['of_medians']:.3f} "
+                      f"(per round {ra['min']:.3f} / {ra['median']:.3f} / {ra['max']:.3f})")
+        result["by_dropout"][str(dropout)] = entry
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def _theoretical_peak() -> float | None:
+    """The CPU's theoretical float32 peak (TFLOP/s) when jmegatron.training.peak knows it."""
+    try:
+        from jmegatron.training import peak as peak_lib
+
+        fn = getattr(peak_lib, "theoretical_peak_tflops", None)
+        return float(fn("float32")) if fn else None
+    except Exception as e:  # noqa: BLE001 - a report field, not a reason to lose the run
+        print(f"[compare_torch] no theoretical peak: {e}", flush=True)
+        return None
 
 
 if __name__ == "__main__":
