@@ -55,7 +55,7 @@ def no_overrides(monkeypatch):
     ("AuthenticAMD", 23, 1, X86, 16, 16, "Zen / Zen+"),                                    # 2 x 128-bit
     ("AuthenticAMD", 23, 49, X86, 32, 32, "Zen 2"),
     ("AuthenticAMD", 26, 2, X86 + ["avx512f", "avx512_bf16"], 64, 128, "Zen 5"),
-    ("HygonGenuine", 24, 1, ["sse", "sse2"], 16, 16, "unknown"),                           # default: 2 pipes x ISA width
+    ("HygonGenuine", 24, 1, ["sse", "sse2"], 16, 16, "unknown"),  # default: 2 pipes x ISA width
 ])
 def test_flop_per_cycle_from_flags(vendor, family, model, flags, fp32, bf16, arch):
     cpu = peak.cpu_info(fake_cpuinfo(vendor, family, model, flags, cores=1, mhz=1000.0), sysfs_root="/nonexistent",
@@ -158,6 +158,9 @@ def test_resolution_order_and_machine_key(tmp_path, monkeypatch):
     assert other.key != cpu.key and other.model_name == cpu.model_name
     peak.save_peak(_record(other.key), path)
     assert res().source.startswith("theoretical")
+    # Measured with another CPU affinity (core count): not this run's peak either.
+    peak.save_peak(_record(dataclasses.replace(cpu, cores=cpu.cores + 1).key), path)
+    assert res().source.startswith("theoretical")
     # The config helper takes the compute dtype from bf16.
     peak.save_peak(_record(peak.machine_key("cpu", "cpu")), path)
     cfg = from_configdict(_tiny())
@@ -241,3 +244,20 @@ def test_bench_peak_stores_a_record_the_trainer_uses(tmp_path):
     assert "measured / theoretical" in proc.stdout and (out / "peak.md").is_file() and (out / "peak.png").is_file()
     r = peak.resolve_peak("float32", path=str(store), num_local_devices=1, platform_name="cpu", device_kind="cpu")
     assert r.tflops == record["dtypes"]["float32"]["peak_tflops"] and r.source.startswith("measured")
+
+
+def test_bench_peak_warns_when_a_run_beats_the_theoretical_peak():
+    from jmegatron.bench import peak as bench_peak
+
+    def record(samples):
+        by_size = {"64": {"median_tflops": sorted(samples)[len(samples) // 2], "samples_tflops": samples}}
+        med = by_size["64"]["median_tflops"]
+        return {"theoretical": {"float32": 1.0, "summary": "1 core x 1 GHz x 1000 FLOP/cycle"},
+                "libraries": {"xla": {"float32": {"peak_tflops": med, "best_size": 64, "by_size": by_size}}},
+                "dtypes": {"float32": {"peak_tflops": med, "library": "xla", "best_size": 64}}}
+
+    assert bench_peak.warnings(record([0.5, 0.6, 0.9])) == []
+    (line,) = bench_peak.warnings(record([0.5, 0.6, 1.2]))  # one run above: the assumptions are wrong
+    assert "1.2 TFLOP/s, 1.20x the theoretical" in line and "JMEGATRON_CPU_FP32_FLOP_PER_CYCLE" in line
+    (line,) = bench_peak.warnings(record([1.1, 1.2, 1.3]))  # the median above
+    assert "measured peak 1.2 TFLOP/s is 1.20x" in line and bench_peak.ratio(record([1.1, 1.2, 1.3]), "float32") == 1.2

@@ -8,8 +8,9 @@ denominator from :func:`resolve_peak`, which never times anything:
    ``runs/bench/peak.json`` relative to the working directory, or ``$JMEGATRON_PEAK_FILE``):
    the best sustained GEMM median over the libraries it measured (XLA's dot, the
    project's OpenBLAS kernel, ``torch.matmul``). A record is used only when its key
-   matches: on a CPU the model name and a hash of the feature flags, elsewhere the
-   platform and ``device_kind``, so a record from another machine is ignored;
+   matches: on a CPU the model name, the usable physical cores and a hash of the feature
+   flags, elsewhere the platform and ``device_kind``, so a record from another machine
+   is ignored;
 3. else the theoretical peak (:func:`theoretical_peak`).
 
 The theoretical peak is reported beside every MFU as well (``mfu_theoretical``).
@@ -52,7 +53,7 @@ CPU devices of one process share the host's cores: with ``N`` local CPU devices
 
 Stored record (``PEAK_FORMAT_VERSION`` 2)::
 
-    {"format_version": 2, "key": "cpu|AMD EPYC|flags-sha256:1a2b...", "platform": "cpu",
+    {"format_version": 2, "key": "cpu|AMD EPYC|2 cores|flags-sha256:6a93...", "platform": "cpu",
      "device_kind": "cpu", "cpu": {"model_name": ..., "flags_sha256": ..., ...},
      "hostname": ..., "measured_at": "2026-...Z", "sizes": [...], "repeats": 5, "chain": 4,
      "theoretical": {"float32": 0.33, "bfloat16": 0.66, "description": ...},
@@ -117,8 +118,9 @@ class CpuInfo:
 
     @property
     def key(self) -> str:
-        """The stored-record key: model name and a hash of the sorted feature flags."""
-        return f"cpu|{self.model_name}|flags-sha256:{self.flags_sha256[:16]}"
+        """The stored-record key: model name, usable physical cores (a measurement with
+        another CPU affinity does not apply) and a hash of the sorted feature flags."""
+        return f"cpu|{self.model_name}|{self.cores} cores|flags-sha256:{self.flags_sha256[:16]}"
 
 
 def _parse_cpuinfo(text: str) -> list[dict]:
@@ -172,7 +174,8 @@ def cpu_info(cpuinfo_text: Optional[str] = None, sysfs_root: str = SYSFS_CPU,
         cores = len(usable) or 1
         note = "logical CPUs (no 'core id' in /proc/cpuinfo: SMT siblings, if any, counted as cores)"
     flags = frozenset((first.get("flags") or first.get("Features") or "").split())
-    model_name = first.get("model name") or first.get("Processor") or first.get("CPU part") or platform.machine() or "unknown"
+    model_name = (first.get("model name") or first.get("Processor") or first.get("CPU part")
+                  or platform.machine() or "unknown")
     clock, source = None, ""
     env = os.environ.get(CLOCK_ENV)
     if env:
@@ -215,7 +218,8 @@ class Microarchitecture:
 # (vendor_id, family, predicate on (model, flags)) -> microarchitecture. First match wins.
 MICROARCHITECTURES: tuple = (
     ("AuthenticAMD", 0x17, lambda m, f: m is not None and m < 0x30,
-     Microarchitecture("AMD Zen / Zen+", 2, 128, "AMD Software Optimization Guide for family 17h: two 128-bit FMA pipes")),
+     Microarchitecture("AMD Zen / Zen+", 2, 128, "AMD Software Optimization Guide (SOG) for family 17h: "
+                                                 "two 128-bit FMA pipes")),
     ("AuthenticAMD", 0x17, lambda m, f: True,
      Microarchitecture("AMD Zen 2", 2, 256, "AMD SOG family 17h models 30h+: two 256-bit FMA pipes")),
     ("AuthenticAMD", 0x19, lambda m, f: "avx512f" in f,
@@ -227,9 +231,9 @@ MICROARCHITECTURES: tuple = (
      Microarchitecture("AMD Zen 5", 2, 512, "AMD SOG family 1Ah (Zen 5): two 512-bit FMA pipes "
                                             "(some mobile parts: 256-bit; override)")),
     ("GenuineIntel", 6, lambda m, f: "avx512f" in f,
-     Microarchitecture("Intel core with AVX-512", 2, 512, "assumed two 512-bit FMA units (Xeon Gold 6xxx/Platinum, "
-                                                           "Sapphire Rapids); some Xeon Silver/Bronze and client "
-                                                           "cores have one: set $JMEGATRON_CPU_FP32_FLOP_PER_CYCLE=32")),
+     Microarchitecture("Intel core with AVX-512", 2, 512,
+                       "assumed two 512-bit FMA units (Xeon Gold 6xxx/Platinum, Sapphire Rapids); some Xeon "
+                       "Silver/Bronze and client cores have one: set $JMEGATRON_CPU_FP32_FLOP_PER_CYCLE=32")),
     ("GenuineIntel", 6, lambda m, f: "fma" in f,
      Microarchitecture("Intel core with AVX2/FMA", 2, 256, "Intel optimization manual: two 256-bit FMA units "
                                                            "(Haswell and later client/server cores)")),
@@ -275,7 +279,8 @@ def flop_per_cycle(cpu: CpuInfo, fp32_flop_per_cycle: Optional[int] = None) -> d
     if fp32_flop_per_cycle is not None:
         if fp32_flop_per_cycle <= 0:
             raise PeakUnavailable(f"float32 FLOP/cycle={fp32_flop_per_cycle} must be >= 1")
-        fp32, note = int(fp32_flop_per_cycle), f"float32 FLOP/cycle {fp32_flop_per_cycle} as given (${FLOP_PER_CYCLE_ENV})"
+        fp32 = int(fp32_flop_per_cycle)
+        note = f"float32 FLOP/cycle {fp32} as given (${FLOP_PER_CYCLE_ENV} or fp32_flop_per_cycle=)"
     if "hypervisor" in cpu.flags:
         note += "; under a hypervisor the CPUID may name an older core than the host's"
     if "amx_bf16" in cpu.flags:
@@ -318,16 +323,21 @@ ACCELERATOR_DENSE_PEAK_TFLOPS: tuple = (
 )
 
 
+def _accelerator_entry(device_kind: str):
+    for pattern, name, peaks, ref in ACCELERATOR_DENSE_PEAK_TFLOPS:
+        if re.search(pattern, device_kind):
+            return name, peaks, ref
+    raise PeakUnavailable(f"device kind {device_kind!r} is not in jmegatron's table of spec-sheet peaks "
+                          "(training/peak.py ACCELERATOR_DENSE_PEAK_TFLOPS); set config.peak_tflops")
+
+
 def accelerator_peak(device_kind: str, dtype: str) -> tuple[float, str]:
     """(dense spec-sheet TFLOP/s, description) of one accelerator for ``dtype``. Raises
     PeakUnavailable for a device kind or dtype not in :data:`ACCELERATOR_DENSE_PEAK_TFLOPS`."""
-    for pattern, name, peaks, ref in ACCELERATOR_DENSE_PEAK_TFLOPS:
-        if re.search(pattern, device_kind):
-            if dtype not in peaks:
-                raise PeakUnavailable(f"{name} has no {dtype} figure in jmegatron's table; set config.peak_tflops")
-            return peaks[dtype], f"{name} {dtype} dense spec-sheet peak ({ref})"
-    raise PeakUnavailable(f"device kind {device_kind!r} is not in jmegatron's table of spec-sheet peaks "
-                          "(training/peak.py ACCELERATOR_DENSE_PEAK_TFLOPS); set config.peak_tflops")
+    name, peaks, ref = _accelerator_entry(device_kind)
+    if dtype not in peaks:
+        raise PeakUnavailable(f"{name} has no {dtype} figure in jmegatron's table; set config.peak_tflops")
+    return peaks[dtype], f"{name} {dtype} dense spec-sheet peak ({ref})"
 
 
 # ------------------------------------------------------------------ theoretical peak
@@ -367,15 +377,10 @@ def theoretical_peak(platform_name: Optional[str] = None, device_kind: Optional[
         platform_name, device_kind = dev.platform, dev.device_kind
     if platform_name == "cpu":
         return theoretical_cpu_peak()
-    tflops, desc = {}, ""
-    for d in DTYPES:
-        try:
-            tflops[d], desc = accelerator_peak(device_kind, d)
-        except PeakUnavailable:
-            if d == DTYPES[0]:
-                raise
-    desc = desc.replace("float32 ", "").replace("bfloat16 ", "")
-    return TheoreticalPeak(tflops, desc.split(" (")[0], desc, "device")
+    name, peaks, ref = _accelerator_entry(device_kind)
+    tflops = {d: peaks[d] for d in DTYPES if d in peaks}
+    summary = f"{name} dense spec-sheet peak" + (", float32 as TF32" if "float32_simt" in peaks else "")
+    return TheoreticalPeak(tflops, summary, f"{summary} ({ref})", "device")
 
 
 # ------------------------------------------------------------------ the stored record
@@ -490,6 +495,8 @@ def resolve_peak(dtype: str = "float32", config_peak_tflops: Optional[float] = N
     per = f" / {share} CPU devices" if share > 1 else ""
     try:
         theo = theoretical_peak(platform_name, device_kind)
+        if dtype not in theo.tflops:
+            raise PeakUnavailable(f"no {dtype} figure for {device_kind!r} in jmegatron's table")
         theo_tflops, theo_source = theo.tflops[dtype] / share, theo.summary + per
     except PeakUnavailable as e:
         theo_tflops, theo_source = None, str(e)
