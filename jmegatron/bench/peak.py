@@ -1,8 +1,8 @@
 """``bench peak``: the best sustained GEMM of every library here, beside the theoretical peak.
 
 For each library that runs here -- XLA's dot (``xla``), the project's OpenBLAS custom call
-``jmegatron_sgemm`` (``openblas``, float32, when it builds), ``torch.matmul`` (``torch``,
-when torch imports) -- and each dtype (float32, bfloat16 where the library has it) and
+``jmegatron_sgemm`` (``openblas``, float32, CPU, when it builds), ``torch.matmul`` (``torch``,
+when torch imports; CUDA beside a JAX GPU backend) -- and each dtype (float32, bfloat16) and
 square size ``n``: ``--repeats`` timed runs of ``--chain`` dependent ``[n, n] @ [n, n]``
 products after one untimed run, each library alone in a fresh process; the median per
 size, the best size's median per library.

@@ -519,7 +519,7 @@ def resolve_peak_for_config(cfg, path: Optional[str] = None, num_local_devices: 
 
 
 # ------------------------------------------------------------------ measuring (bench peak only)
-def _xla_runner(n: int, dtype: str, chain: int) -> Callable[[], None]:
+def _xla_runner(n: int, dtype: str, chain: int, platform_name: str) -> Callable[[], None]:
     import jax
     import jax.numpy as jnp
 
@@ -534,16 +534,16 @@ def _xla_runner(n: int, dtype: str, chain: int) -> Callable[[], None]:
     return lambda: f(a).block_until_ready()
 
 
-def _openblas_runner(n: int, dtype: str, chain: int) -> Callable[[], None]:
+def _openblas_runner(n: int, dtype: str, chain: int, platform_name: str) -> Callable[[], None]:
+    if dtype != "float32":
+        raise PeakUnavailable("the OpenBLAS kernel (jmegatron_sgemm) is float32 only")
+    if platform_name != "cpu":
+        raise PeakUnavailable("the OpenBLAS kernel runs on the CPU backend only")
     import jax
     import jax.numpy as jnp
 
     from jmegatron.kernels.cpu import ops
 
-    if dtype != "float32":
-        raise PeakUnavailable("the OpenBLAS kernel (jmegatron_sgemm) is float32 only")
-    if jax.local_devices()[0].platform != "cpu":
-        raise PeakUnavailable("the OpenBLAS kernel runs on the CPU backend only")
     ops._lib.load()  # KernelUnavailable (a RuntimeError) names the missing piece
     a = jnp.ones((n, n), jnp.float32) / n
 
@@ -556,16 +556,22 @@ def _openblas_runner(n: int, dtype: str, chain: int) -> Callable[[], None]:
     return lambda: f(a).block_until_ready()
 
 
-def _torch_runner(n: int, dtype: str, chain: int) -> Callable[[], None]:
+def _torch_runner(n: int, dtype: str, chain: int, platform_name: str) -> Callable[[], None]:
     import torch
 
-    a = torch.ones((n, n), dtype=getattr(torch, dtype)) / n
+    # torch on the devices JAX trains on: the CPU, or CUDA beside a JAX GPU backend.
+    device = {"cpu": "cpu", "gpu": "cuda" if torch.cuda.is_available() else None}.get(platform_name)
+    if device is None:
+        raise PeakUnavailable(f"torch has no device here for JAX's {platform_name} platform")
+    a = torch.ones((n, n), dtype=getattr(torch, dtype), device=device) / n
 
     def f():
         with torch.no_grad():
             x = a
             for _ in range(chain):
                 x = torch.matmul(x, a)
+        if device == "cuda":
+            torch.cuda.synchronize()
         return x
 
     return f
@@ -575,17 +581,18 @@ RUNNERS = {"xla": _xla_runner, "openblas": _openblas_runner, "torch": _torch_run
 
 
 def gemm_tflops_samples(library: str, n: int, dtype: str = "float32", repeats: int = 5,
-                        chain: int = 4) -> list[float]:
+                        chain: int = 4, platform_name: str = "cpu") -> list[float]:
     """TFLOP/s of each of ``repeats`` timed runs (after one untimed warm-up run, which
     compiles under XLA) of ``chain`` dependent ``[n, n] @ [n, n]`` products (``2 n^3`` FLOPs
-    each) in ``dtype`` through ``library`` (:data:`LIBRARIES`). Raises ValueError for
+    each) in ``dtype`` through ``library`` (:data:`LIBRARIES`) on the device of JAX's
+    ``platform_name`` (for torch: "cpu" or "gpu" = CUDA). Raises ValueError for
     non-positive sizes or an unknown library; PeakUnavailable / ImportError /
     KernelUnavailable when the library cannot run it here."""
     if n <= 0 or repeats <= 0 or chain <= 0:
         raise ValueError(f"n={n}, repeats={repeats} and chain={chain} must be > 0.")
     if library not in RUNNERS or dtype not in DTYPES:
         raise ValueError(f"library={library!r} must be one of {LIBRARIES} and dtype={dtype!r} one of {DTYPES}")
-    run = RUNNERS[library](n, dtype, chain)
+    run = RUNNERS[library](n, dtype, chain, platform_name)
     run()
     samples = []
     for _ in range(repeats):
@@ -597,7 +604,8 @@ def gemm_tflops_samples(library: str, n: int, dtype: str = "float32", repeats: i
 
 def matmul_tflops_samples(n: int, dtype="float32", repeats: int = 5, chain: int = 4) -> list[float]:
     """:func:`gemm_tflops_samples` through XLA's dot (``dtype`` a name or a jnp dtype)."""
-    return gemm_tflops_samples("xla", n, np.dtype(dtype).name if not isinstance(dtype, str) else dtype, repeats, chain)
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    return gemm_tflops_samples("xla", n, name, repeats, chain)  # XLA: JAX's first device, any platform
 
 
 def measure_matmul_tflops(n: int = 1024, dtype="float32", repeats: int = 5, chain: int = 4) -> float:
@@ -607,14 +615,14 @@ def measure_matmul_tflops(n: int = 1024, dtype="float32", repeats: int = 5, chai
 
 
 def _measure_library(library: str, sizes: Sequence[int], dtypes: Sequence[str], repeats: int, chain: int,
-                     verbose: bool) -> tuple[dict, dict]:
+                     verbose: bool, platform_name: str) -> tuple[dict, dict]:
     """({dtype: entry}, {dtype: reason skipped}) of one library (runs in its own process)."""
     entries, skipped = {}, {}
     for name in dtypes:
         by_size = {}
         try:
             for n in sizes:
-                samples = gemm_tflops_samples(library, int(n), name, repeats, chain)
+                samples = gemm_tflops_samples(library, int(n), name, repeats, chain, platform_name)
                 by_size[str(n)] = {"median_tflops": float(np.median(samples)), "samples_tflops": samples}
                 if verbose:
                     print(f"[bench peak] {library} {name} n={n}: median {by_size[str(n)]['median_tflops']:.4g} "
@@ -665,7 +673,7 @@ def measure_peak(sizes: Sequence[int] = (256, 512, 1024, 2048), dtypes: Sequence
               "sizes": [int(n) for n in sizes], "repeats": int(repeats), "chain": int(chain),
               "separate_processes": bool(separate_processes),
               "theoretical": theoretical, "libraries": {}, "skipped": {}, "dtypes": {}}
-    args = ([int(n) for n in sizes], list(dtypes), int(repeats), int(chain), verbose)
+    args = ([int(n) for n in sizes], list(dtypes), int(repeats), int(chain), verbose, dev.platform)
     for lib in libraries:
         if separate_processes:
             import concurrent.futures
