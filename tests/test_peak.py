@@ -192,6 +192,7 @@ def _tiny():
     return c
 
 
+@pytest.mark.slow
 def test_trainer_startup_times_nothing(tmp_path, monkeypatch, capsys):
     import jax
 
