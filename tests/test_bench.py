@@ -113,31 +113,7 @@ def test_rss_growth():
         rss_growth([1.0] * 5, warmup=5)
 
 
-# ------------------------------------------------------------ stored peak
-def test_stored_peak_feeds_mfu(tmp_path, monkeypatch):
-    import jax
-
-    from jmegatron.config import load_config_file
-    from jmegatron.training import peak
-    from jmegatron.training.loop import default_peak_tflops
-
-    dev = jax.local_devices()[0]
-    record = {"format_version": peak.PEAK_FORMAT_VERSION, "platform": dev.platform, "device_kind": dev.device_kind,
-              "dtypes": {"float32": {"peak_tflops": 0.125}, "bfloat16": {"peak_tflops": 0.375}}}
-    path = str(tmp_path / "peak.json")
-    assert peak.save_peak(record, path) == path
-    monkeypatch.setenv(peak.PEAK_FILE_ENV, path)
-    cfg = load_config_file(str(REPO / "configs" / "gpt_tiny.py"), {"mock_data": True, "vocab_size": 256})
-    assert default_peak_tflops(cfg) == 0.125
-    assert default_peak_tflops(cfg.replace(bf16=True)) == 0.375
-    assert default_peak_tflops(cfg.replace(peak_tflops=7.0)) == 7.0  # a configured peak wins
-    assert peak.device_peak_tflops("float32") == (0.125, path)
-    # A record of another device is ignored (measured now instead).
-    peak.save_peak(dict(record, device_kind="some accelerator"), path)
-    assert peak.stored_peak_tflops("float32") is None
-    (tmp_path / "junk.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="not a jmegatron peak record"):
-        peak.load_peak(str(tmp_path / "junk.json"))
+# (the stored peak and its resolution: tests/test_peak.py)
 
 
 # ------------------------------------------------------------ end to end

@@ -6,7 +6,8 @@ Commands (each module registers its own with ``register(subparsers)``; each writ
 ``<command>.json``, ``<command>.md`` and PNG charts into ``--out DIR``, default
 ``runs/bench/<command>``):
 
-* ``peak`` (:mod:`jmegatron.bench.peak`): this device's matmul peak, stored for MFU.
+* ``peak`` (:mod:`jmegatron.bench.peak`): each GEMM library's sustained peak beside the
+  theoretical one; the best is stored for MFU.
 * ``precision`` (:mod:`jmegatron.bench.precision`): loss curve against a reference log.
 * ``determinism`` (:mod:`jmegatron.bench.determinism`): repeated and resumed runs bit-exact.
 * ``memory`` (:mod:`jmegatron.bench.memory`): compiled vs theoretical memory, host RSS over

@@ -8,9 +8,12 @@ clock starts, so data loading is not timed). From the median step time ``t``:
 * tokens/s = ``global_batch_size * seq_length / t``;
 * TFLOP/s per device = ``num_floating_point_operations(cfg, global_batch_size) / (t * 1e12 *
   devices)`` (:mod:`jmegatron.training.flops`, Megatron's model-FLOPs formula);
-* MFU = that over the per-device peak: ``config.peak_tflops`` if set, else the stored
-  ``bench peak`` measurement for the compute dtype (bfloat16 with ``bf16``), else a quick
-  measurement now (the source is recorded).
+* MFU = that over the per-device peak of :func:`jmegatron.training.peak.resolve_peak_for_config`
+  (the trainer's): ``config.peak_tflops`` if set, else the ``bench peak`` record stored for
+  this machine for the compute dtype (bfloat16 with ``bf16``), else the theoretical peak;
+  nothing is timed for it. ``mfu_theoretical`` is the same over the theoretical peak (cores
+  x clock x FLOP/cycle, or the accelerator's spec sheet). An MFU above 100% means the peak
+  is wrong: a warning says so.
 
 Outputs in ``--out``: ``mfu.json``, ``mfu.md``, ``mfu.png`` (step times).
 """
@@ -37,14 +40,11 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def peak_for(cfg, peak_file=None) -> tuple[float, str]:
-    """(peak TFLOP/s per device, source) as every MFU in jmegatron: ``config.peak_tflops``,
-    else the stored measurement for the compute dtype, else measured now."""
-    from jmegatron.training.peak import device_peak_tflops
+def peak_for(cfg, peak_file=None, num_local_devices=None):
+    """The :class:`jmegatron.training.peak.PeakChoice` of ``cfg``, as every MFU in jmegatron."""
+    from jmegatron.training.peak import resolve_peak_for_config
 
-    if cfg.peak_tflops:
-        return float(cfg.peak_tflops), "config.peak_tflops"
-    return device_peak_tflops("bfloat16" if cfg.bf16 else "float32", peak_file)
+    return resolve_peak_for_config(cfg, peak_file, num_local_devices)
 
 
 def run(args) -> int:
@@ -83,7 +83,8 @@ def run(args) -> int:
     tokens = run_.global_batch_size * cfg.seq_length
     flops_per_step = flops.num_floating_point_operations(cfg, run_.global_batch_size, run_.padded_vocab_size)
     tflops = flops.tflops_per_device(flops_per_step, step, devices)
-    peak, source = peak_for(cfg, args.peak_file)
+    choice = peak_for(cfg, args.peak_file, devices)
+    peak, source, theo = choice.tflops, choice.source, choice.theoretical_tflops
     result = {
         "command": "mfu", "config": args.config, "config_overrides": args.config_overrides,
         "mesh": dict(run_.mesh.shape), "num_devices": devices, "bf16": cfg.bf16,
@@ -95,13 +96,19 @@ def run(args) -> int:
         "step_seconds_p10_p90": [float(np.percentile(times, 10)), float(np.percentile(times, 90))],
         "tokens_per_second": tokens / step, "tokens_per_second_per_device": tokens / step / devices,
         "tflops_per_device": tflops, "peak_tflops": peak, "peak_source": source,
-        "mfu": flops.mfu(tflops, peak), "losses": losses, "environment": common.environment()}
+        "mfu": flops.mfu(tflops, peak) if peak else None,
+        "theoretical_peak_tflops": theo, "theoretical_peak_source": choice.theoretical_source,
+        "mfu_theoretical": flops.mfu(tflops, theo) if theo else None,
+        "losses": losses, "environment": common.environment()}
     out = common.out_dir(args)
     common.write_json(out / "mfu.json", result)
     _chart(result, out / "mfu.png")
     common.write_text(out / "mfu.md", markdown(result))
     print(f"[bench mfu] median step {1e3 * step:.1f} ms | {result['tokens_per_second']:.0f} tokens/s | "
-          f"{tflops:.4f} TFLOP/s/device | MFU {100 * result['mfu']:.1f}% of {peak:.4f} ({source}); results in {out}")
+          f"{tflops:.4f} TFLOP/s/device | MFU {common.pct(result['mfu'])} of {common.fmt(peak)} ({source}) | "
+          f"MFU {common.pct(result['mfu_theoretical'])} of the theoretical {common.fmt(theo)}; results in {out}")
+    if result["mfu"] is not None and result["mfu"] > 1.0:
+        print(f"[bench mfu] WARNING: {choice.mfu_warning(result['mfu'])}")
     return 0
 
 
@@ -120,8 +127,11 @@ def markdown(r: dict) -> str:
             ["tokens/s", f"{r['tokens_per_second']:.1f} ({r['tokens_per_second_per_device']:.1f} per device)"],
             ["model FLOPs per step", f"{r['flops_per_step']:.4g} ({r['flops_per_token']:.4g} per token)"],
             ["TFLOP/s per device", f"{r['tflops_per_device']:.4f}"],
-            ["peak TFLOP/s per device", f"{r['peak_tflops']:.4f} ({r['peak_source']})"],
-            ["MFU", f"**{100 * r['mfu']:.2f}%**"],
+            ["peak TFLOP/s per device", f"{common.fmt(r['peak_tflops'])} ({r['peak_source']})"],
+            ["MFU", f"**{common.pct(r['mfu'])}**"],
+            ["theoretical peak TFLOP/s per device",
+             f"{common.fmt(r.get('theoretical_peak_tflops'))} ({r.get('theoretical_peak_source', '-')})"],
+            ["MFU of the theoretical peak", common.pct(r.get("mfu_theoretical"))],
         ]), "",
         "Model FLOPs follow Megatron's `num_floating_point_operations` (matmuls only, causal "
         "attention half-counted, no recomputation), so MFU is comparable with Megatron's logs.", "",
@@ -134,7 +144,8 @@ def _chart(r: dict, path) -> None:
     steps = list(range(r["warmup_steps"] + 1, r["warmup_steps"] + 1 + len(r["step_seconds"])))
     ax.plot(steps, [1e3 * t for t in r["step_seconds"]], "o-", ms=3, label="step time")
     ax.axhline(1e3 * r["median_step_seconds"], color="red", ls="--", lw=1,
-               label=f"median {1e3 * r['median_step_seconds']:.1f} ms, MFU {100 * r['mfu']:.1f}%")
+               label=f"median {1e3 * r['median_step_seconds']:.1f} ms, MFU {common.pct(r['mfu'])} "
+                     f"({common.pct(r.get('mfu_theoretical'))} of theoretical)")
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
     ax.set_title("Timed training steps")

@@ -40,8 +40,9 @@ class MetricsLogger:
 
     def __init__(self, save_dir: Optional[str], tensorboard_dir: Optional[str],
                  flops_per_iteration: float, num_devices: int, peak_tflops: float,
-                 train_iters: int, stream=None):
+                 train_iters: int, stream=None, theoretical_peak_tflops: Optional[float] = None):
         self.flops_per_iteration = flops_per_iteration
+        self.theoretical_peak_tflops = theoretical_peak_tflops
         self.num_devices = num_devices
         self.peak_tflops = peak_tflops
         self.train_iters = train_iters
@@ -73,6 +74,7 @@ class MetricsLogger:
             "tokens_per_sec": tokens / max(elapsed_s, 1e-9),
             "tflops_per_device": tflops,
             "mfu": tflops / self.peak_tflops if self.peak_tflops else float("nan"),
+            "mfu_theoretical": tflops / self.theoretical_peak_tflops if self.theoretical_peak_tflops else float("nan"),
             "step_time_s": elapsed_s / n,
             "step_losses": losses,
         }

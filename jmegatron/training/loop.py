@@ -29,6 +29,7 @@ from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing, flops, memory, optimizer, state as state_lib, step as step_lib
 from jmegatron.training.logging import MetricsLogger
+from jmegatron.training.peak import resolve_peak_for_config
 
 
 @dataclasses.dataclass
@@ -287,14 +288,11 @@ def _truncate_metrics(path: str, iteration: int) -> None:
         f.writelines(lines)
 
 
-def default_peak_tflops(cfg: JMegatronConfig) -> float:
-    """Configured ``peak_tflops``, else the peak ``python -m jmegatron.bench peak`` stored for
-    this device (runs/bench/peak.json or $JMEGATRON_PEAK_FILE), else a quick measurement."""
-    if cfg.peak_tflops:
-        return cfg.peak_tflops
-    from jmegatron.training.peak import device_peak_tflops
-
-    return device_peak_tflops("bfloat16" if cfg.bf16 else "float32")[0]
+def default_peak_tflops(cfg: JMegatronConfig) -> Optional[float]:
+    """The per-device peak (TFLOP/s) MFU divides by: ``config.peak_tflops``, else the
+    ``bench peak`` record stored for this machine, else the theoretical peak; None when none
+    is known (:func:`jmegatron.training.peak.resolve_peak_for_config`). Never times anything."""
+    return resolve_peak_for_config(cfg).tflops
 
 
 def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
@@ -320,13 +318,19 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
     num_devices = run.mesh.devices.size
     flops_per_iter = flops.num_floating_point_operations(cfg, run.global_batch_size, run.padded_vocab_size)
     tb_dir = cfg.tensorboard_dir or (os.path.join(cfg.save, "tensorboard") if cfg.save else None)
+    # CPU devices of this process share its cores: the host's peak is split among those in the mesh.
+    peak_choice = resolve_peak_for_config(cfg, num_local_devices=sum(
+        d.process_index == jax.process_index() for d in run.mesh.devices.flat))
     logger = MetricsLogger(cfg.save if main_process else None, tb_dir if main_process else None,
-                           flops_per_iter, num_devices, default_peak_tflops(cfg), cfg.train_iters,
-                           stream=None if main_process else open(os.devnull, "w"))
+                           flops_per_iter, num_devices, peak_choice.tflops, cfg.train_iters,
+                           stream=None if main_process else open(os.devnull, "w"),
+                           theoretical_peak_tflops=peak_choice.theoretical_tflops)
     print(f"[jmegatron] process {jax.process_index()}/{jax.process_count()}, {num_devices} devices, mesh {dict(run.mesh.shape)}, "
           f"{flops.num_parameters(cfg, run.padded_vocab_size):,} parameters, global batch "
           f"{run.global_batch_size} = {run.num_microbatches} micro-batches x {cfg.micro_batch_size} x dp "
-          f"{run.mesh.shape['data']}, peak {logger.peak_tflops:.3f} TFLOP/s/device", flush=True)
+          f"{run.mesh.shape['data']}", flush=True)
+    if main_process:
+        print(f"[jmegatron] {peak_choice.describe()}", flush=True)
     if main_process:  # Megatron's report_theoretical_memory
         est = memory.theoretical_memory(cfg, run.padded_vocab_size,
                                         memory.ParallelLayout.from_config(cfg, run.mesh.shape["data"]))
