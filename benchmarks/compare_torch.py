@@ -265,7 +265,7 @@ def summarize(times: dict, untimed: int, tokens_per_step: int, flop: float, peak
         med = ms["median"] / 1e3
         tflops = flop / med / 1e12
         out[name] = {"ms_per_step": ms, "ms_per_step_rounds": [t * 1e3 for t in per_round],
-                     "tokens_per_s": tokens_per_step / med, "tflops": tflops, "mfu": tflops / peak,
+                     "tokens_per_s": tokens_per_step / med, "tflops": tflops, "mfu": tflops / peak if peak else None,
                      "mfu_theoretical": tflops / theoretical if theoretical else None}
     return out
 
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
 
     from jmegatron import runtime
     from jmegatron.training import flops
-    from jmegatron.training.loop import default_peak_tflops
+    from jmegatron.training.peak import resolve_peak_for_config
 
     cfg = bench_config(args.config)
     vocab = cfg.padded_vocab_size()
@@ -353,17 +353,18 @@ def main(argv=None) -> int:
         proc.join()
 
     tokens_per_step = cfg.micro_batch_size * cfg.seq_length
-    peak = default_peak_tflops(cfg)
-    theoretical = _theoretical_peak()
+    choice = resolve_peak_for_config(cfg, num_local_devices=1)  # every framework runs on the whole host
+    peak, theoretical = choice.tflops, choice.theoretical_tflops
+    print(f"\n{choice.describe()}")
     result = {"config": args.config, "shape": {k: getattr(cfg, k) for k in (
         "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size")},
-        "padded_vocab_size": vocab, "peak_tflops": peak, "theoretical_peak_tflops": theoretical,
+        "padded_vocab_size": vocab, "peak_tflops": peak, "peak_source": choice.source,
+        "theoretical_peak_tflops": theoretical, "theoretical_peak_source": choice.theoretical_source,
         "rounds": args.rounds, "steps_per_round": args.steps, "round_warmup": args.round_warmup,
         "torch_threads": args.threads, "allocator": args.allocator, "by_dropout": {}}
     print(f"\n{args.config}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, "
           f"ffn {cfg.ffn_hidden_size}, vocab {vocab}, seq {cfg.seq_length}, batch {cfg.micro_batch_size}; "
-          f"float32; peak {peak * 1e3:.1f} GFLOP/s"
-          + (f" (theoretical {theoretical * 1e3:.1f})" if theoretical else "")
+          f"float32"
           + f"; malloc {args.allocator}; {args.rounds} rounds x {args.steps} timed steps per framework"
           + (f" after {args.round_warmup} left-out steps" if args.round_warmup else ""))
     for dropout in args.dropout:
@@ -378,9 +379,10 @@ def main(argv=None) -> int:
               f"MFU (theoretical) | AdamW |\n|---|---|---|---|---|---|---|")
         for name, fw in entry["frameworks"].items():
             ms = fw["ms_per_step"]
+            mfu = f"{100 * fw['mfu']:.1f}%" if fw["mfu"] else "n/a"
             mfu_t = f"{100 * fw['mfu_theoretical']:.1f}%" if fw["mfu_theoretical"] else "n/a"
             print(f"| {name} | {ms['min']:.1f} / {ms['median']:.1f} / {ms['max']:.1f} | {fw['tokens_per_s']:,.0f} | "
-                  f"{fw['tflops']:.4f} | {100 * fw['mfu']:.1f}% | {mfu_t} | {fw.get('adamw', 'optax adamw')} |")
+                  f"{fw['tflops']:.4f} | {mfu} | {mfu_t} | {fw.get('adamw', 'optax adamw')} |")
         labels = {"pytorch_eager": "", "pytorch_compile": " vs torch.compile"}
         for other in frameworks[1:]:
             rt = ratios(sub, args.round_warmup, other)
@@ -398,18 +400,6 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     return 0
-
-
-def _theoretical_peak() -> float | None:
-    """The CPU's theoretical float32 peak (TFLOP/s) when jmegatron.training.peak knows it."""
-    try:
-        from jmegatron.training import peak as peak_lib
-
-        fn = getattr(peak_lib, "theoretical_peak_tflops", None)
-        return float(fn("float32")) if fn else None
-    except Exception as e:  # noqa: BLE001 - a report field, not a reason to lose the run
-        print(f"[compare_torch] no theoretical peak: {e}", flush=True)
-        return None
 
 
 if __name__ == "__main__":
