@@ -141,8 +141,12 @@ def test_truncated_and_foreign_logs_name_file_and_line(tmp_path):
     bad.write_text(lines[3].replace("grad norm: 33.400", "grad norm: 33.4x0") + "\n")
     with pytest.raises(LogFormatError, match=r"bad.log:1: 'grad norm' has '33.4x0', not a number"):
         read_log(str(bad))
-    with pytest.raises(LogFormatError, match=r"README.md has no Megatron iteration line.*line 1 reads '# jmegatron'"):
-        read_log(str(REPO / "README.md"))
+    foreign = tmp_path / "lightning.log"  # another framework's log
+    foreign.write_text("\nGPU available: True (cuda), used: True\nEpoch 0:  50%|#####     | 5/10 [00:01<00:01, "
+                       "loss=2.31, v_num=0]\n")
+    with pytest.raises(LogFormatError, match=r"lightning.log has no Megatron iteration line.*its 3 lines; line 2 "
+                                             r"reads 'GPU available"):
+        read_log(str(foreign))
     jsonl = tmp_path / "metrics.jsonl"
     jsonl.write_text('{"iteration": 1, "lm_loss": 2.0, "step_losses": [2.0]}\n{"iteration": 2, "lm_lo')
     with pytest.raises(LogFormatError, match=r"metrics.jsonl:2 is not JSON"):
@@ -304,3 +308,47 @@ def test_round_trip_loss_chart_and_precision_against_megatron_log(jmegatron_log,
     assert bench_main(["loss_chart", "-b", str(train_log), "-i", str(second), "-o", str(tmp_path / "two"),
                        "-s", "8"]) == 0
     assert read_loss_log(str(megatron)) == {i: float(f"{v:.6E}") for i, v in losses.items()}
+
+
+# ------------------------------------------------------------ the logger's own parts
+class FakeDevice:
+    def __init__(self, id, stats):
+        self.id, self._stats = id, stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_logger_device_memory_lines_and_mfu(tmp_path, capsys):
+    import io
+
+    from jmegatron.training.logging import MetricsLogger
+
+    stream = io.StringIO()
+    logger = MetricsLogger(str(tmp_path), None, flops_per_iteration=4e12, num_devices=2, peak_tflops=1.0,
+                           train_iters=10, stream=stream, theoretical_peak_tflops=4.0)
+    gpu = [FakeDevice(0, {"bytes_in_use": 3 * 2 ** 20, "peak_bytes_in_use": 5 * 2 ** 20, "pool_bytes": 8 * 2 ** 20,
+                          "peak_pool_bytes": 9 * 2 ** 20, "bytes_reserved": 0, "bytes_limit": 70 * 2 ** 30}),
+           FakeDevice(1, {"bytes_in_use": 2 ** 20, "bytes_reserved": 0, "bytes_limit": 2 ** 30})]
+    step = {"lm_loss": 2.0, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.5, "num_tokens": 64.0, "skipped": 0, "nan": 1}
+    record = logger.log_train(3, [step, dict(step, lm_loss=4.0)], elapsed_s=1.0, consumed_samples=24,
+                              global_batch_size=8, memory_devices=gpu)
+    logger.close()
+    # 2 iterations of 4 TFLOP in 1 s on 2 devices: 4 TFLOP/s/device, 400 % of 1.0, 100 % of 4.0
+    assert record["mfu"] == pytest.approx(4.0) and record["mfu_theoretical"] == pytest.approx(1.0)
+    assert "peak" in capsys.readouterr().err  # MFU > 100 % is said once
+    logger2 = MetricsLogger(None, None, 4e12, 2, 1.0, 10, stream=io.StringIO())
+    logger2.log_train(1, [step], 1.0)
+    logger2.log_train(2, [step], 1.0)
+    assert capsys.readouterr().err.count("WARNING: MFU") == 1
+    path = tmp_path / "stdout.log"
+    path.write_text(stream.getvalue())
+    log = read_log(str(path))
+    assert log.loss() == {3: 3.0} and log.fields[3]["number of nan iterations"] == 2  # per interval, as Megatron
+    assert log.fields[3]["MFU (theoretical peak)"] == 100.0
+    m0, m1 = log.memory[0][0], log.memory[1][0]
+    assert (m0.allocated, m0.max_allocated, m0.reserved, m0.max_reserved) == (3.0, 5.0, 8.0, 9.0)
+    assert m0.source == "device memory_stats (reserved: pool_bytes)"
+    assert (m1.allocated, m1.max_allocated, m1.reserved) == (1.0, 1.0, 1024.0)
+    jsonl = read_log(str(tmp_path / "metrics.jsonl"))
+    assert jsonl.memory[1][0].reserved == 1024.0 and jsonl.loss() == {2: 2.0, 3: 4.0}

@@ -163,6 +163,7 @@ def _chart(r: dict, path) -> None:
     bottom.set_ylabel("relative error (%)")
     bottom.set_xlabel("iteration")
     bottom.set_yscale("symlog", linthresh=1e-4)
+    bottom.set_ylim(bottom=0)  # errors are >= 0
     bottom.grid(alpha=0.3)
     bottom.legend(fontsize=8)
     fig.tight_layout()

@@ -59,17 +59,22 @@ SOURCE_HOST = "compiled train step per device + process RSS"
 def device_memory(devices) -> Optional[list[dict]]:
     """Megatron's four figures (bytes) for each device whose backend keeps allocator
     statistics (GPU/TPU ``Device.memory_stats()``: ``bytes_in_use``, ``peak_bytes_in_use``,
-    ``pool_bytes`` / ``bytes_reserved`` and their peaks); None when a device has none (CPU)."""
+    reserved from the first nonzero of ``pool_bytes`` / ``bytes_reserved`` / ``bytes_limit``,
+    named in ``reserved_key``, and its peak); None when a device has none (CPU)."""
     out = []
     for d in devices:
         stats = d.memory_stats() if hasattr(d, "memory_stats") else None
         if not stats or "bytes_in_use" not in stats:
             return None
-        reserved = next((stats[k] for k in ("pool_bytes", "bytes_reserved", "bytes_limit") if stats.get(k)), 0)
-        peak_reserved = next((stats[k] for k in ("peak_pool_bytes", "peak_bytes_reserved") if stats.get(k)), reserved)
+        # reserved: the allocator's pool (BFC's pool_bytes, torch's memory_reserved analogue), else
+        # reserved bytes, else the pool's limit; the key used is named in the line's source
+        key = next((k for k in ("pool_bytes", "bytes_reserved", "bytes_limit") if stats.get(k, 0) > 0), None)
+        reserved = stats[key] if key else 0
+        peak = {"pool_bytes": "peak_pool_bytes", "bytes_reserved": "peak_bytes_reserved"}.get(key)
         out.append({"rank": int(d.id), "allocated": stats["bytes_in_use"],
                     "max_allocated": stats.get("peak_bytes_in_use", stats["bytes_in_use"]),
-                    "reserved": reserved, "max_reserved": max(peak_reserved, reserved)})
+                    "reserved": reserved, "max_reserved": max(stats.get(peak, 0) if peak else 0, reserved),
+                    "reserved_key": key})
     return out
 
 
@@ -250,14 +255,15 @@ class MetricsLogger:
         ``devices``, ``[Rank <device id>]``. Without (CPU), one line for this process,
         ``[Rank <rank>]``, from :func:`host_memory` with ``compiled_memory()`` (a callable
         returning the train step's ``compile().memory_analysis()``, called once and
-        kept). The line ends with `` | source: device memory_stats`` or `` | source:
+        kept). The line ends with `` | source: device memory_stats (reserved: <key>)`` or `` | source:
         compiled train step per device + process RSS``: allocated = the step's arguments
         (the state and batch, live between steps), max allocated = arguments + outputs -
         aliased (donated) + temporaries (the step's peak), reserved = the process's RSS,
         max reserved = its peak RSS. Returns the records (figures in MB)."""
         stats = device_memory(devices)
-        source = SOURCE_DEVICE
-        if stats is None:
+        if stats is not None:
+            source = f"{SOURCE_DEVICE} (reserved: {stats[0]['reserved_key']})"
+        else:
             if self._compiled_memory is None and compiled_memory is not None:
                 self._compiled_memory = compiled_memory()
             stats, source = [host_memory(rank, self._compiled_memory)], SOURCE_HOST
