@@ -37,7 +37,7 @@ DEFAULT_THRESHOLD = 0.002  # 0.2 %
 
 def register(sub) -> None:
     """Add the ``loss_chart`` subcommand to the bench CLI's subparsers."""
-    p = sub.add_parser("loss_chart", help="compare two logs' loss curves (ByteMLPerf: mean error < 0.2%% over 50 steps)",
+    p = sub.add_parser("loss_chart", help="compare two logs' loss curves (ByteMLPerf: mean error < 0.2%% in 50 steps)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_log_arguments(p, "loss_chart")
     p.add_argument("-s", "--steps", type=int, default=DEFAULT_STEPS, help="iterations compared (50)")

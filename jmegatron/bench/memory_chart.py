@@ -27,7 +27,6 @@ error names the file and line).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
