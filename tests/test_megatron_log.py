@@ -352,3 +352,34 @@ def test_logger_device_memory_lines_and_mfu(tmp_path, capsys):
     assert (m1.allocated, m1.max_allocated, m1.reserved) == (1.0, 1.0, 1024.0)
     jsonl = read_log(str(tmp_path / "metrics.jsonl"))
     assert jsonl.memory[1][0].reserved == 1024.0 and jsonl.loss() == {2: 2.0, 3: 4.0}
+
+
+def test_num_zeros_in_grad_counts_the_reduced_gradients():
+    """``num_zeros`` (Megatron's --log-num-zeros-in-grad) equals a count over the gradients
+    the step applies, under dp 2 with 2 micro-batches: the unused vocabulary rows of the
+    embedding have zero gradients (tokens are drawn from 40 of the 128 entries)."""
+    import jax
+    import numpy as np
+
+    from jmegatron.config import base_config, from_configdict
+    from jmegatron.parallel.mesh import create_mesh
+    from jmegatron.training.loop import build
+
+    c = base_config()
+    c.mock_data, c.vocab_size, c.num_layers, c.hidden_size, c.num_attention_heads = True, 128, 1, 16, 2
+    c.ffn_hidden_size, c.seq_length, c.max_position_embeddings = 32, 8, 8
+    c.micro_batch_size, c.global_batch_size, c.log_num_zeros_in_grad = 1, 4, True
+    c.untie_embeddings_and_output_weights = True  # tied, the output layer gives every row a gradient
+    cfg = from_configdict(c)
+    run = build(cfg, create_mesh(cfg, jax.devices()[:2]))
+    rs = np.random.RandomState(0)
+    toks = rs.randint(0, 40, size=(4, 9)).astype(np.int32)
+    batch = {"tokens": toks[:, :-1], "labels": toks[:, 1:], "loss_mask": np.ones((4, 8), np.float32),
+             "position_ids": np.tile(np.arange(8, dtype=np.int32), (4, 1))}
+    batch = run.put_batch({k: v.reshape(run.num_microbatches, -1, 8) for k, v in batch.items()})
+    state = run.init_state()
+    grads, _, _ = run.compute_grads(state, batch)
+    expected = sum(int(np.sum(np.asarray(g) == 0)) for g in jax.tree.leaves(jax.device_get(grads)))
+    _, metrics = run.train_step(state, batch)
+    assert expected >= (128 - 40) * 16  # at least the unused embedding rows
+    assert float(metrics["num_zeros"]) == expected
