@@ -45,7 +45,8 @@ from jmegatron.bench import common
 # and the throughput fields jmegatron appends after them.
 NON_LOSS_FIELDS = frozenset({
     "consumed samples", "skipped samples", "elapsed time per iteration (ms)",
-    "throughput per GPU (TFLOP/s/GPU)", "energy per GPU (J/iter/GPU)", "power per GPU (W/GPU)", "learning rate", "decoupled learning rate", "global batch size",
+    "throughput per GPU (TFLOP/s/GPU)", "energy per GPU (J/iter/GPU)", "power per GPU (W/GPU)",
+    "learning rate", "decoupled learning rate", "global batch size",
     "loss scale", "grad norm", "num zeros", "params norm", "number of skipped iterations",
     "number of nan iterations", "tokens/s", "TFLOP/s/device", "MFU", "MFU (theoretical peak)"})
 # jmegatron report keys -> Megatron's printed loss names (jmegatron.training.logging).
