@@ -117,6 +117,8 @@ class JMegatronConfig:
     exit_interval: Optional[int] = None  # Megatron: --exit-interval (save and stop when iteration % N == 0)
     exit_signal_handler: bool = True  # Megatron: --exit-signal-handler (SIGTERM/SIGINT save and exit 0)
     peak_tflops: Optional[float] = None  # jmegatron-only: per-device peak for MFU; None: measured / default
+    log_num_zeros_in_grad: bool = False  # Megatron: --log-num-zeros-in-grad (count zero gradients each step)
+    test_memory: bool = False  # ByteMLPerf: --test-memory (memory line at every log, not only the first)
     seed: int = 1234
 
     # --- data (megatron/training/arguments.py: _add_data_args) ---

@@ -14,6 +14,9 @@ Commands (each module registers its own with ``register(subparsers)``; each writ
   many steps, variable sequence lengths.
 * ``mfu`` (:mod:`jmegatron.bench.mfu`): tokens/s, TFLOP/s per device and MFU.
 * ``report`` (:mod:`jmegatron.bench.report`): one markdown page over the last results.
+* ``loss_chart`` (:mod:`jmegatron.bench.loss_chart`): two logs' loss curves (Megatron stdout
+  or JSON Lines), ByteMLPerf's mean error over 50 steps; ``-b BASELINE -i INPUT -o OUTDIR``.
+* ``memory_chart`` (:mod:`jmegatron.bench.memory_chart`): two logs' memory lines per rank.
 
 Commands that train take ``--config CONFIG.py`` followed by any ``--config.<field>=<value>``
 overrides, as ``python -m jmegatron.train``. ``--devices N`` (before the command) gives the
@@ -30,7 +33,8 @@ import sys
 from typing import Optional, Sequence
 
 COMMAND_MODULES = ("jmegatron.bench.peak", "jmegatron.bench.precision", "jmegatron.bench.determinism",
-                   "jmegatron.bench.memory", "jmegatron.bench.mfu", "jmegatron.bench.report")
+                   "jmegatron.bench.memory", "jmegatron.bench.mfu", "jmegatron.bench.report",
+                   "jmegatron.bench.loss_chart", "jmegatron.bench.memory_chart")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,10 +23,10 @@ class BenchError(ValueError):
 
 
 # ------------------------------------------------------------------ arguments
-def add_config_arguments(parser) -> None:
+def add_config_arguments(parser, required: bool = True) -> None:
     """``--config PATH`` (overrides ``--config.<field>=<value>`` are collected by
     :func:`jmegatron.bench.__main__.main` from the unparsed arguments)."""
-    parser.add_argument("--config", required=True, metavar="CONFIG.py",
+    parser.add_argument("--config", required=required, metavar="CONFIG.py",
                         help="a jmegatron config file; add --config.<field>=<value> overrides after it")
 
 

@@ -29,6 +29,15 @@ Three parts (ByteMLPerf's memory criteria: usage matches the expectation, no gro
 
 Outputs in ``--out``: ``memory.json``, ``memory.md``, ``memory_rss.png`` (RSS per step),
 ``memory_seqlen.png`` (memory by sequence length), ``memory_layouts.png``.
+
+**A log instead** (``--log LOG``, no ``--config``): the memory lines of a Megatron /
+ByteMLPerf / jmegatron stdout log or a jmegatron ``metrics.jsonl``
+(``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ... |
+reserved: ... | max reserved: ...``, :mod:`jmegatron.bench.megatron_log`), per rank. A rank
+with several lines (ByteMLPerf's ``--test-memory`` prints one per logged iteration) gets
+the growth test of part 2 on its ``allocated`` series (warm-up ``--warmup-steps`` lines,
+default a twentieth; ``--window``; ``--growth-threshold``); a rank with one line is
+reported, not judged. Outputs ``memory.json``, ``memory.md`` and ``memory_log.png``.
 """
 
 from __future__ import annotations
@@ -52,7 +61,10 @@ def register(sub) -> None:
     """Add the ``memory`` subcommand to the bench CLI's subparsers."""
     p = sub.add_parser("memory", help="compiled vs theoretical memory, RSS over many steps, variable lengths",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_config_arguments(p)
+    common.add_config_arguments(p, required=False)
+    p.add_argument("--log", default=None, metavar="LOG",
+                   help="read the memory lines of a Megatron/jmegatron stdout log or metrics.jsonl instead of "
+                        "training (no --config)")
     p.add_argument("--layouts", default=None,
                    help="comma-separated layouts to compile, e.g. tp1-dp1,tp2-dp4-zero1,tp2-sp-dp4 "
                         "(default: the config's layout on the visible devices; more devices: --devices)")
@@ -301,6 +313,12 @@ def run(args) -> int:
     """Run ``bench memory`` from parsed arguments; returns the exit status (0 pass, 1 a check failed, 2 bad input)."""
     from jmegatron.training.memory import ParallelLayout
 
+    if args.log is not None:
+        if args.config is not None:
+            raise common.BenchError("give --log LOG or --config CONFIG.py, not both")
+        return run_log(args)
+    if args.config is None:
+        raise common.BenchError("--config CONFIG.py is required (or --log LOG to read a log's memory lines)")
     if args.steps < 0 or args.varlen_steps < 0:
         raise common.BenchError("--steps and --varlen-steps must be >= 0")
     if not 1 <= args.min_seq <= args.max_seq:
@@ -365,6 +383,86 @@ def run(args) -> int:
     common.write_text(out / "memory.md", markdown(result))
     print(f"[bench memory] {'PASS' if result['passed'] else 'FAIL'}; results in {out}")
     return 0 if result["passed"] else 1
+
+
+def log_memory_report(memory: dict, warmup: Optional[int], window: int, threshold: float) -> dict:
+    """Per rank of ``{rank: [MemoryRecord]}`` (:mod:`jmegatron.bench.megatron_log`): the
+    iterations and the four series (MB; a repeated iteration keeps its last record), and,
+    with two records or more, :func:`rss_growth` of ``allocated`` (``warmup`` None: a
+    twentieth of the records) plus the ``reserved`` growth (reported only). ``passed``:
+    every judged rank's growth below ``threshold``; None when no rank has two records."""
+    ranks = {}
+    for rank, records in sorted(memory.items()):
+        by_it = {r.iteration: r for r in records}
+        its = sorted(by_it)
+        entry = {"iterations": its, "source": by_it[its[-1]].source,
+                 **{k: [by_it[i].value(k) for i in its] for k in ("allocated", "max_allocated", "reserved",
+                                                                  "max_reserved")}}
+        if len(its) >= 2:
+            w = len(its) // 20 if warmup is None else warmup
+            if w >= len(its):
+                raise common.BenchError(f"--warmup-steps={w} leaves none of rank {rank}'s {len(its)} memory lines")
+            entry["growth"] = rss_growth(entry["allocated"], w, window, threshold)
+            entry["reserved_growth"] = rss_growth(entry["reserved"], w, window, threshold)["growth"]
+        ranks[rank] = entry
+    judged = [e["growth"]["passed"] for e in ranks.values() if "growth" in e]
+    return {"ranks": ranks, "judged_ranks": len(judged), "passed": all(judged) if judged else None}
+
+
+def run_log(args) -> int:
+    """``bench memory --log LOG``: the memory lines of a log, per rank (module docstring)."""
+    from jmegatron.bench import megatron_log
+
+    log = megatron_log.read_log(args.log, "--log")
+    if not log.memory:
+        raise common.BenchError(f"--log {args.log} has no memory line ('[Rank r] (after N iterations) memory (MB) | "
+                                "allocated: ...'; Megatron prints one after the first logged iteration, ByteMLPerf's "
+                                "--test-memory one at every logged iteration)")
+    report = log_memory_report(log.memory, args.warmup_steps, args.window, args.growth_threshold)
+    result = {"command": "memory", "log": args.log, "log_format": log.format, **report}
+    out = common.out_dir(args)
+    common.write_json(out / "memory.json", result)
+    _log_chart(result, out / "memory_log.png")
+    common.write_text(out / "memory.md", log_markdown(result))
+    verdict = {True: "PASS", False: "FAIL", None: "no growth judged (one memory line per rank)"}[result["passed"]]
+    print(f"[bench memory] {args.log}: {len(report['ranks'])} ranks, {verdict}; results in {out}")
+    return 1 if result["passed"] is False else 0
+
+
+def log_markdown(r: dict) -> str:
+    """The markdown summary of ``bench memory --log``."""
+    rows = []
+    for rank, e in r["ranks"].items():
+        g = e.get("growth")
+        rows.append([str(rank), len(e["iterations"]), f"{e['allocated'][-1]:.2f}", f"{e['max_allocated'][-1]:.2f}",
+                     f"{e['reserved'][-1]:.2f}", f"{e['max_reserved'][-1]:.2f}",
+                     common.pct(g["growth"]) if g else "-", common.pct(e.get("reserved_growth")),
+                     ("yes" if g["passed"] else "**no**") if g else "not judged", str(e["source"])])
+    verdict = {True: "**PASS**", False: "**FAIL**", None: "Not judged (one memory line per rank)"}[r["passed"]]
+    return "\n".join([
+        "# Memory from a log", "", f"`{r['log']}` ({r['log_format']}). {verdict}: growth of `allocated` per rank "
+        "(median of the last lines against the median after warm-up).", "",
+        common.markdown_table(["rank", "lines", "allocated MB (last)", "max allocated", "reserved", "max reserved",
+                               "allocated growth", "reserved growth", "below threshold", "source"], rows), "",
+        "Source `None`: a Megatron log (torch.cuda's caching allocator).", "", "![memory per rank](memory_log.png)"])
+
+
+def _log_chart(r: dict, path) -> None:
+    plt = common.pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for rank, e in r["ranks"].items():
+        a.plot(e["iterations"], e["allocated"], marker=".", lw=1, label=f"rank {rank}")
+        b.plot(e["iterations"], e["reserved"], marker=".", lw=1, label=f"rank {rank}")
+    for ax, name in ((a, "allocated"), (b, "reserved")):
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(f"{name} (MB)")
+        ax.set_title(f"{name} per rank")
+        ax.grid(alpha=0.3)
+        if len(r["ranks"]) <= 16:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------ reporting

@@ -8,15 +8,19 @@ compared steps is computed and the run passes when the worst window's mean is be
 ``--threshold`` (0.002). With fewer than ``--window`` steps there is one window of all the
 steps (reported as ``short_window``).
 
-Reference log (``--reference LOG``), JSON Lines, one object per line:
+Reference log (``--reference LOG``, read by :mod:`jmegatron.bench.megatron_log`):
 
+* a Megatron-LM / ByteMLPerf / jmegatron **stdout log**: the ``lm loss`` of each
+  `` iteration i/N | ... | lm loss: X | ...`` line (Megatron's ``training_log``; with a
+  log interval above 1, the interval's mean at the logged iteration); or JSON Lines:
 * ``iteration`` (int, 1-based optimizer step) and a loss under ``"lm loss"``,
   ``"lm_loss"`` or ``"loss"`` (the first present): one iteration per line; or
 * jmegatron's ``metrics.jsonl``: a record at iteration ``I`` with ``step_losses`` (the
   list of each logged iteration's loss) covers iterations ``I - len + 1 .. I``.
 
 Lines without a loss (validation records) are skipped; a repeated iteration keeps its
-last value (a resumed run's). ``--reference torch`` first runs
+last value (a resumed run's). A truncated or foreign log is an error naming its file
+and line. ``--reference torch`` first runs
 ``benchmarks/reference_torch.py`` (Hugging Face GPT-2 / Llama in float32 from the same
 initial weights and batches) with the same config and uses its ``metrics.jsonl``.
 
@@ -37,11 +41,11 @@ from typing import Mapping
 
 import numpy as np
 
-from jmegatron.bench import common
+from jmegatron.bench import common, megatron_log
 
 DEFAULT_WINDOW = 50
 DEFAULT_THRESHOLD = 0.002  # 0.2 %
-LOSS_KEYS = ("lm loss", "lm_loss", "loss")
+LOSS_KEYS = megatron_log.JSONL_PLAIN_LOSS_KEYS
 REFERENCE_SCRIPT = common.REPO_ROOT / "benchmarks" / "reference_torch.py"
 
 
@@ -51,7 +55,8 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_config_arguments(p)
     p.add_argument("--reference", required=True, metavar="LOG|torch",
-                   help="reference JSONL log, or 'torch' to run benchmarks/reference_torch.py first")
+                   help="reference log (Megatron/jmegatron stdout or JSON Lines), or 'torch' to run "
+                        "benchmarks/reference_torch.py first")
     p.add_argument("--train-iters", type=int, default=None, metavar="N",
                    help="steps to train (sets config.train_iters; default the config's)")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="consecutive steps per window (50)")
@@ -63,36 +68,10 @@ def register(sub) -> None:
 
 # ------------------------------------------------------------------ pure functions
 def read_loss_log(path: str) -> dict[int, float]:
-    """``{iteration: loss}`` from a JSONL log in the format of the module docstring.
-    Raises BenchError naming the file (and line) when it is missing, not JSON Lines, or
-    holds no per-iteration loss."""
-    if not os.path.isfile(path):
-        raise common.BenchError(f"--reference {path!r} does not exist (give a metrics.jsonl or 'torch')")
-    losses: dict[int, float] = {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise common.BenchError(f"{path}:{lineno} is not JSON ({e.msg}); the reference must be "
-                                        "JSON Lines with 'iteration' and 'lm loss'/'lm_loss'/'loss'") from None
-            if not isinstance(rec, dict) or "iteration" not in rec:
-                continue
-            it = int(rec["iteration"])
-            if isinstance(rec.get("step_losses"), list):
-                steps = rec["step_losses"]
-                for k, value in enumerate(steps):
-                    losses[it - len(steps) + 1 + k] = float(value)
-                continue
-            key = next((k for k in LOSS_KEYS if k in rec), None)
-            if key is not None:
-                losses[it] = float(rec[key])
-    if not losses:
-        raise common.BenchError(f"{path} has no per-iteration losses (records need 'iteration' and one of "
-                                f"{list(LOSS_KEYS)}, or jmegatron's 'step_losses')")
-    return losses
+    """``{iteration: lm loss}`` from a reference log in any format of the module docstring
+    (:func:`jmegatron.bench.megatron_log.read_log`). Raises BenchError naming the file
+    (and line) when it is missing, truncated, foreign or holds no per-iteration loss."""
+    return megatron_log.read_log(path, "--reference").loss("lm loss")
 
 
 def write_loss_log(path, losses: Mapping[int, float], source: str) -> None:

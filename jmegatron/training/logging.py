@@ -1,52 +1,143 @@
-"""Training reports: console progress line, TensorBoard events and ``metrics.jsonl``.
+"""Training reports: console lines, TensorBoard events and ``metrics.jsonl``.
 
-The console line follows Megatron's ``training_log`` (megatron/training/training.py):
-iteration, lm loss (averaged over the logging interval), learning rate, grad norm,
-throughput (tokens/s), TFLOP/s per device and MFU against a peak.
+The console follows Megatron-LM (megatron/training/training.py ``training_log`` and
+``evaluate_and_print_results``, megatron/training/utils.py ``report_memory``; the ByteMLPerf
+fork, byte_train_perf/Megatron-LM/megatron/training/, prints the same lines), so
+ByteMLPerf's log tools and :mod:`jmegatron.bench.megatron_log` read a jmegatron log as a
+Megatron one:
+
+* every ``log_interval`` iterations, ``' [YYYY-MM-DD HH:MM:SS] iteration {:8d}/{:8d} |
+  consumed samples: {:12d} | elapsed time per iteration (ms): {:.1f} | learning rate:
+  {:.6E} | global batch size: {:5d} | lm loss: {:.6E} |'`` (and each other loss, ``'
+  {name}: {:.6E} |'``) ``' loss scale: {:.1f} | grad norm: {:.3f} |'`` [``' num zeros:
+  {:.1f} |'`` with ``log_num_zeros_in_grad``] ``' number of skipped iterations: {:3d} |
+  number of nan iterations: {:3d} |'``, then jmegatron's own fields by key: ``tokens/s``,
+  ``TFLOP/s/device``, ``MFU`` (against the peak in use) and ``MFU (theoretical peak)``;
+* at evaluations, Megatron's block: a line of dashes, `` validation loss at iteration N |
+  lm loss value: {:.6E} | lm loss PPL: {:.6E} |`` (PPL = exp(min(20, loss)) as Megatron),
+  dashes;
+* after the first logged iteration (every logged iteration with ``test_memory``,
+  ByteMLPerf's ``--test-memory``), ``[Rank r] (after N iterations) memory (MB) | allocated:
+  X | max allocated: X | reserved: X | max reserved: X | source: ...``.
+
+Differences from Megatron, on purpose: losses and grad norm are means over the log
+interval (Megatron prints the interval's mean loss but the last iteration's grad norm;
+equal with ``log_interval=1``, ByteMLPerf's setting); ``loss scale`` is 1.0 (no fp16 loss
+scaling exists yet; Megatron prints 1.0 in bf16 too); skipped and nan iterations count
+step metrics ``skipped`` / ``nan`` when the step reports them, else 0.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
+import resource
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 
 # Report keys -> Megatron's console names (pretrain_gpt.py loss_func; the distillation
-# loss_func's "kd loss", "logits distillation loss", "intermediate distillation loss").
+# loss_func's "kd loss", "logits distillation loss", "intermediate distillation loss";
+# Megatron-Core MoE's "load_balancing_loss" as ByteMLPerf's Mixtral logs print it).
 REPORT_NAMES = {
     "lm_loss": "lm loss",
     "kd_loss": "kd loss",
     "logits_distillation_loss": "logits distillation loss",
     "intermediate_distillation_loss": "intermediate distillation loss",
+    "load_balancing_loss": "load_balancing_loss",
 }
+MB = 1024.0 * 1024.0  # Megatron's report_memory "MB" (mega_bytes = 1024 * 1024)
+# The " | source: ..." suffix of the memory line: which figures it holds (log_memory's docstring).
+SOURCE_DEVICE = "device memory_stats"
+SOURCE_HOST = "compiled train step per device + process RSS"
+
+
+def device_memory(devices) -> Optional[list[dict]]:
+    """Megatron's four figures (bytes) for each device whose backend keeps allocator
+    statistics (GPU/TPU ``Device.memory_stats()``: ``bytes_in_use``, ``peak_bytes_in_use``,
+    reserved from the first nonzero of ``pool_bytes`` / ``bytes_reserved`` / ``bytes_limit``,
+    named in ``reserved_key``, and its peak); None when a device has none (CPU)."""
+    out = []
+    for d in devices:
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if not stats or "bytes_in_use" not in stats:
+            return None
+        # reserved: the allocator's pool (BFC's pool_bytes, torch's memory_reserved analogue), else
+        # reserved bytes, else the pool's limit; the key used is named in the line's source
+        key = next((k for k in ("pool_bytes", "bytes_reserved", "bytes_limit") if stats.get(k, 0) > 0), None)
+        reserved = stats[key] if key else 0
+        peak = {"pool_bytes": "peak_pool_bytes", "bytes_reserved": "peak_bytes_reserved"}.get(key)
+        out.append({"rank": int(d.id), "allocated": stats["bytes_in_use"],
+                    "max_allocated": stats.get("peak_bytes_in_use", stats["bytes_in_use"]),
+                    "reserved": reserved, "max_reserved": max(stats.get(peak, 0) if peak else 0, reserved),
+                    "reserved_key": key})
+    return out
+
+
+def host_memory(rank: int, analysis: Any) -> dict:
+    """Megatron's four figures (bytes) where the backend keeps no allocator statistics:
+    allocated / max allocated from a compiled program's ``memory_analysis()`` (per device:
+    arguments, and arguments + outputs - aliased + temporaries, the step's peak; 0 when
+    None), reserved / max reserved from this process's resident set and its peak
+    (psutil, ``getrusage`` ru_maxrss in KiB on Linux)."""
+    import psutil
+
+    def get(name):
+        return float(getattr(analysis, name, 0) or 0) if analysis is not None else 0.0
+
+    args = get("argument_size_in_bytes")
+    peak = args + get("output_size_in_bytes") - get("alias_size_in_bytes") + get("temp_size_in_bytes")
+    rss = float(psutil.Process().memory_info().rss)
+    max_rss = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
+    return {"rank": rank, "allocated": args, "max_allocated": peak, "reserved": rss, "max_reserved": max(rss, max_rss)}
+
+
+def memory_line(iteration: int, m: dict, source: Optional[str]) -> str:
+    """ByteMLPerf's memory line (Megatron's report_memory behind ``[Rank r]``): MB =
+    bytes / 2**20, printed with Python's ``str(float)`` as Megatron's ``'{}'.format``;
+    jmegatron adds `` | source: ...``."""
+    text = (f"[Rank {m['rank']}] (after {iteration} iterations) memory (MB) | allocated: {m['allocated'] / MB}"
+            f" | max allocated: {m['max_allocated'] / MB} | reserved: {m['reserved'] / MB}"
+            f" | max reserved: {m['max_reserved'] / MB}")
+    return text + (f" | source: {source}" if source else "")
 
 
 class MetricsLogger:
     """Writes training and validation metrics.
 
     ``metrics.jsonl`` gets one JSON object per logged iteration with ``iteration``,
-    ``lm_loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``, ``tflops_per_device``,
-    ``mfu`` (fraction of peak), plus ``val_loss`` and ``val_ppl`` at evaluations, and the
-    distillation losses (``kd_loss``, ``logits_distillation_loss``,
-    ``intermediate_distillation_loss``) when distilling. Losses and ``grad_norm`` are
-    means over the iterations since the last log; ``step_losses`` lists each of those
-    iterations' own ``lm_loss`` (or, when the LM loss is not computed, the optimised loss).
+    ``consumed_samples``, ``global_batch_size``, ``lm_loss``, ``lr``, ``grad_norm``,
+    ``loss_scale``, ``skipped_iterations``, ``nan_iterations`` (``num_zeros`` with
+    ``log_num_zeros_in_grad``), ``tokens_per_sec``, ``tflops_per_device``, ``mfu``
+    (fraction of ``peak_tflops``), ``mfu_theoretical`` (fraction of
+    ``theoretical_peak_tflops``, NaN without one), plus ``val_loss`` and ``val_ppl`` at
+    evaluations, and the distillation losses (``kd_loss``, ``logits_distillation_loss``,
+    ``intermediate_distillation_loss``) when distilling. Losses and ``grad_norm`` are means
+    over the iterations since the last log; ``step_losses`` lists each of those iterations'
+    own ``lm_loss`` (or, when the LM loss is not computed, the optimised loss). A record
+    with a memory report has ``memory``: a list of ``{rank, allocated_mb,
+    max_allocated_mb, reserved_mb, max_reserved_mb, source}``.
+
+    ``flops_per_iteration`` (FLOPs of one iteration, all devices), ``peak_tflops`` and
+    ``theoretical_peak_tflops`` (per device, TFLOP/s) give TFLOP/s and MFU; an MFU above
+    100 % means the peak is wrong, said once on stderr.
     """
 
     def __init__(self, save_dir: Optional[str], tensorboard_dir: Optional[str],
                  flops_per_iteration: float, num_devices: int, peak_tflops: float,
                  train_iters: int, stream=None, theoretical_peak_tflops: Optional[float] = None):
         self.flops_per_iteration = flops_per_iteration
-        self.theoretical_peak_tflops = theoretical_peak_tflops
         self.num_devices = num_devices
         self.peak_tflops = peak_tflops
+        self.theoretical_peak_tflops = theoretical_peak_tflops
         self.train_iters = train_iters
         self.stream = stream or sys.stdout
+        self._warned_mfu = False
+        self._compiled_memory = None  # memory_analysis() of the train step, read once
         self._jsonl = None
         if save_dir:
             os.makedirs(save_dir, exist_ok=True)
@@ -57,51 +148,140 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(tensorboard_dir)
 
-    def log_train(self, iteration: int, step_metrics: list[dict[str, Any]], elapsed_s: float) -> dict:
-        """Report the host-side metrics of the last ``len(step_metrics)`` iterations,
-        which took ``elapsed_s`` seconds of wall time. Returns the JSON record."""
+    def log_train(self, iteration: int, step_metrics: list[dict[str, Any]], elapsed_s: float,
+                  consumed_samples: Optional[int] = None, global_batch_size: Optional[int] = None,
+                  flops: Optional[float] = None, memory_devices=None, memory_rank: int = 0,
+                  compiled_memory: Optional[Callable[[], Any]] = None) -> dict:
+        """Report the host-side metrics of the last ``len(step_metrics)`` iterations, which
+        took ``elapsed_s`` seconds of wall time. ``consumed_samples``: samples trained so
+        far, this iteration's included (Megatron's ``args.consumed_train_samples``);
+        ``global_batch_size``: this iteration's (a ramping batch reports its own);
+        ``flops``: floating-point operations of all ``len(step_metrics)`` iterations
+        together (default ``flops_per_iteration * len(step_metrics)``). With
+        ``memory_devices`` (the devices of this process), the memory line(s) of
+        :meth:`log_memory` follow the iteration line and the record gets ``memory`` (their
+        list). Returns the JSON record."""
         n = len(step_metrics)
         main = "lm_loss" if "lm_loss" in step_metrics[0] else "loss"
         losses = [float(m[main]) for m in step_metrics]
         tokens = float(sum(float(m["num_tokens"]) for m in step_metrics))
-        tflops = self.flops_per_iteration * n / max(elapsed_s, 1e-9) / self.num_devices / 1e12
+        flops = self.flops_per_iteration * n if flops is None else float(flops)
+        tflops = flops / max(elapsed_s, 1e-9) / self.num_devices / 1e12
         reported = [k for k in REPORT_NAMES if k in step_metrics[0]]
         record = {
             "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "global_batch_size": global_batch_size,
             **{k: float(np.mean([float(m[k]) for m in step_metrics])) for k in reported},
             "lr": float(step_metrics[-1]["lr"]),
             "grad_norm": float(np.mean([float(m["grad_norm"]) for m in step_metrics])),
+            "loss_scale": 1.0,
+            "skipped_iterations": int(sum(int(m.get("skipped", 0)) for m in step_metrics)),
+            "nan_iterations": int(sum(int(m.get("nan", 0)) for m in step_metrics)),
             "tokens_per_sec": tokens / max(elapsed_s, 1e-9),
             "tflops_per_device": tflops,
             "mfu": tflops / self.peak_tflops if self.peak_tflops else float("nan"),
-            "mfu_theoretical": tflops / self.theoretical_peak_tflops if self.theoretical_peak_tflops else float("nan"),
+            "mfu_theoretical": (tflops / self.theoretical_peak_tflops if self.theoretical_peak_tflops
+                                else float("nan")),
             "step_time_s": elapsed_s / n,
             "step_losses": losses,
         }
-        losses_text = "".join(f" {REPORT_NAMES[k]}: {record[k]:.6E} |" for k in reported)
-        self.stream.write(
-            f" iteration {iteration:8d}/{self.train_iters:8d} |{losses_text}"
-            f" learning rate: {record['lr']:.6E} | grad norm: {record['grad_norm']:.3f} |"
-            f" elapsed time per iteration (ms): {1e3 * record['step_time_s']:.1f} |"
-            f" tokens/s: {record['tokens_per_sec']:.0f} | TFLOP/s/device: {tflops:.4f} |"
-            f" MFU: {100 * record['mfu']:.1f}%\n")
+        if "num_zeros" in step_metrics[-1]:
+            record["num_zeros"] = float(step_metrics[-1]["num_zeros"])
+        for key, name, peak in (("mfu", "peak", self.peak_tflops),
+                                ("mfu_theoretical", "theoretical peak", self.theoretical_peak_tflops)):
+            if record[key] > 1.0 and not self._warned_mfu:  # NaN (no peak) compares False
+                self._warned_mfu = True
+                print(f"[jmegatron] WARNING: MFU {100 * record[key]:.1f}% > 100% of the {name} at iteration "
+                      f"{iteration}: that peak ({peak:.4g} TFLOP/s/device) is wrong (too low); set "
+                      "config.peak_tflops or rerun python -m jmegatron.bench peak on a quiet machine",
+                      file=sys.stderr, flush=True)
+        self.stream.write(self._train_line(record, reported) + "\n")
         self.stream.flush()
-        self._write(record, {k: record[k] for k in (*reported, "lr", "grad_norm", "tokens_per_sec",
-                                                     "tflops_per_device", "mfu")}, iteration)
+        if memory_devices is not None:
+            record["memory"] = self.log_memory(iteration, memory_devices, memory_rank, compiled_memory)
+        scalars = [*reported, "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device", "mfu",
+                   "mfu_theoretical", "skipped_iterations", "nan_iterations", "num_zeros", "consumed_samples",
+                   "global_batch_size"]
+        self._write(record, {k: record[k] for k in scalars
+                             if record.get(k) is not None and math.isfinite(record[k])}, iteration)
         return record
 
+    def _train_line(self, r: dict, reported: list) -> str:
+        """The Megatron console line of a log_train record (module docstring)."""
+        gbs = r["global_batch_size"]
+        text = f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+        text += f" iteration {r['iteration']:8d}/{self.train_iters:8d} |"
+        if r["consumed_samples"] is not None:
+            text += f" consumed samples: {r['consumed_samples']:12d} |"
+        text += f" elapsed time per iteration (ms): {1e3 * r['step_time_s']:.1f} |"
+        text += f" learning rate: {r['lr']:.6E} |"
+        if gbs is not None:
+            text += f" global batch size: {gbs:5d} |"
+        text += "".join(f" {REPORT_NAMES[k]}: {r[k]:.6E} |" for k in reported)
+        text += f" loss scale: {r['loss_scale']:.1f} |"
+        text += f" grad norm: {r['grad_norm']:.3f} |"
+        if "num_zeros" in r:
+            text += f" num zeros: {r['num_zeros']:.1f} |"
+        text += f" number of skipped iterations: {r['skipped_iterations']:3d} |"
+        text += f" number of nan iterations: {r['nan_iterations']:3d} |"
+        text += f" tokens/s: {r['tokens_per_sec']:.0f} | TFLOP/s/device: {r['tflops_per_device']:.4f} |"
+        text += f" MFU: {100 * r['mfu']:.1f}% |"
+        if self.theoretical_peak_tflops:
+            text += f" MFU (theoretical peak): {100 * r['mfu_theoretical']:.1f}% |"
+        return text
+
     def log_eval(self, iteration: int, val_loss: float, prefix: str = "validation") -> dict:
-        """Report a validation loss (nats per token) and its perplexity."""
+        """Report a validation loss (nats per token) and its perplexity (``val_ppl`` =
+        exp(min(loss, 700)); the console prints Megatron's exp(min(20, loss)))."""
         ppl = math.exp(min(val_loss, 700.0))
         record = {"iteration": iteration, "val_loss": val_loss, "val_ppl": ppl}
+        at = f"iteration {iteration}"
         if prefix != "validation":
             record = {"iteration": iteration, f"{prefix}_loss": val_loss, f"{prefix}_ppl": ppl}
-        bar = "-" * 90
-        self.stream.write(f"{bar}\n {prefix} loss at iteration {iteration} | lm loss value: "
-                          f"{val_loss:.6E} | lm loss PPL: {ppl:.6E} |\n{bar}\n")
+            at += f" for {prefix} data"
+        text = f" validation loss at {at} | lm loss value: {val_loss:.6E} | lm loss PPL: " \
+               f"{math.exp(min(20.0, val_loss)):.6E} | "
+        bar = "-" * (len(text) + 1)
+        self.stream.write(f"{bar}\n{text}\n{bar}\n")
         self.stream.flush()
         self._write(record, {k: v for k, v in record.items() if k != "iteration"}, iteration)
         return record
+
+    def log_memory(self, iteration: int, devices, rank: int = 0,
+                   compiled_memory: Optional[Callable[[], Any]] = None) -> list[dict]:
+        """Print ByteMLPerf's memory line(s) after ``iteration`` iterations (TensorBoard:
+        Megatron's ``mem-*-bytes`` scalars); the JSON Lines get them through
+        :meth:`log_train`'s record.
+
+        With allocator statistics (:func:`device_memory`: GPU), one line per device in
+        ``devices``, ``[Rank <device id>]``. Without (CPU), one line for this process,
+        ``[Rank <rank>]``, from :func:`host_memory` with ``compiled_memory()`` (a callable
+        returning the train step's ``compile().memory_analysis()``, called once and
+        kept). The line ends with `` | source: device memory_stats (reserved: <key>)`` or `` | source:
+        compiled train step per device + process RSS``: allocated = the step's arguments
+        (the state and batch, live between steps), max allocated = arguments + outputs -
+        aliased (donated) + temporaries (the step's peak), reserved = the process's RSS,
+        max reserved = its peak RSS. Returns the records (figures in MB)."""
+        stats = device_memory(devices)
+        if stats is not None:
+            source = f"{SOURCE_DEVICE} (reserved: {stats[0]['reserved_key']})"
+        else:
+            if self._compiled_memory is None and compiled_memory is not None:
+                self._compiled_memory = compiled_memory()
+            stats, source = [host_memory(rank, self._compiled_memory)], SOURCE_HOST
+        records = []
+        for m in stats:
+            self.stream.write(memory_line(iteration, m, source) + "\n")
+            records.append({"rank": m["rank"], **{f"{k}_mb": m[k] / MB for k in
+                                                  ("allocated", "max_allocated", "reserved", "max_reserved")},
+                            "source": source})
+        self.stream.flush()
+        if self._tb and stats:  # Megatron's --log-memory-to-tensorboard names (first rank)
+            for name, key in (("mem-allocated-bytes", "allocated"), ("mem-max-allocated-bytes", "max_allocated"),
+                              ("mem-reserved-bytes", "reserved"), ("mem-max-reserved-bytes", "max_reserved")):
+                self._tb.add_scalar(name, stats[0][key], iteration)
+        return records
 
     def _write(self, record: dict, scalars: dict, iteration: int) -> None:
         if self._jsonl:

@@ -113,7 +113,7 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     abstract, shardings, grad_shardings = state_lib.state_shardings(
         model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer, aux)
     step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg), mesh, shardings.params,
-                                       grad_shardings, rules, loss_fn, extra_shardings)
+                                       grad_shardings, rules, loss_fn, extra_shardings, cfg.log_num_zeros_in_grad)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, extra_shardings)
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules), mesh, shardings.params)
     return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
@@ -342,6 +342,7 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
     stop = _StopRequest(cfg.exit_signal_handler)
     summary = {"losses": {}, "val_loss": None, "interrupted": False}
     pending: list[tuple[int, dict]] = []
+    memory_reports = 0
     last_log = time.perf_counter()
     # Loaded from another directory (e.g. kd_finalize): the final save writes it to `save`.
     resumed_from_save = bool(cfg.save) and iteration > 0 and checkpointing.has_checkpoint(cfg.save) \
@@ -362,7 +363,8 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
 
     try:
         while iteration < cfg.train_iters and not cfg.kd_finalize:  # finalize: convert, no training
-            state, metrics = run.train_step(state, run.put_batch(next(loader)), *run.extra_args)
+            batch = run.put_batch(next(loader))
+            state, metrics = run.train_step(state, batch, *run.extra_args)
             iteration += 1
             pending.append((iteration, metrics))
             signalled = stop.agreed(iteration, cfg.log_interval)
@@ -370,7 +372,12 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
             if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stopping:
                 host = jax.device_get([m for _, m in pending])
                 now = time.perf_counter()
-                logger.log_train(iteration, host, now - last_log)
+                report_memory = memory_reports == 0 or cfg.test_memory  # Megatron: first log; ByteMLPerf: all
+                logger.log_train(iteration, host, now - last_log, loader.consumed_samples, run.global_batch_size,
+                                 memory_devices=jax.local_devices() if report_memory else None,
+                                 memory_rank=jax.process_index(), compiled_memory=lambda: run.train_step.lower(
+                                     state, batch, *run.extra_args).compile().memory_analysis())
+                memory_reports += report_memory
                 for (it, _), m in zip(pending, host):
                     summary["losses"][it] = float(m.get("lm_loss", m["loss"]))
                     if not math.isfinite(float(m["loss"])):

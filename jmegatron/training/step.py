@@ -58,7 +58,8 @@ def lm_loss_fn(model: nn.Module) -> Callable:
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
                     mesh: Mesh, param_shardings: Any, grad_shardings: Any,
                     rules: Sequence = rules_lib.DEFAULT_RULES, loss_fn: Optional[Callable] = None,
-                    extra_shardings: Any = None) -> Callable[..., tuple[TrainState, dict]]:
+                    extra_shardings: Any = None, log_num_zeros_in_grad: bool = False,
+                    ) -> Callable[..., tuple[TrainState, dict]]:
     """The un-jitted train step ``(state, batch[, extra]) -> (state, metrics)``.
 
     Data parallelism is explicit, as in Megatron's DDP: a ``shard_map`` makes the data
@@ -80,7 +81,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     metrics (float32 scalars): ``loss`` (what was optimised) and the report's entries
     (``lm_loss`` by default), each a mean over micro-batches; ``grad_norm`` (before
     clipping); ``lr`` (the rate this step applied); ``num_tokens`` (unmasked tokens of
-    the whole step, summed).
+    the whole step, summed); with ``log_num_zeros_in_grad``, ``num_zeros`` (zero entries
+    of the reduced gradients, before clipping: Megatron's ``count_zeros_fp32``).
     """
     axis = rules_lib.DATA_AXIS
     inner_rules = rules_lib.rules_without(rules, axis)
@@ -192,6 +194,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         new_params = optax.apply_updates(params, updates)
         metrics = dict(report, grad_norm=optax.tree.norm(grads),
                        lr=jnp.asarray(schedule(state.step), jnp.float32), num_tokens=tokens)
+        if log_num_zeros_in_grad:  # int32 per tensor, float32 over tensors, as Megatron's float count
+            metrics["num_zeros"] = sum(jnp.sum(g == 0, dtype=jnp.int32).astype(jnp.float32)
+                                       for g in jax.tree.leaves(grads))
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
         return new_state, metrics
 
