@@ -45,13 +45,29 @@ def test_yaml_defaults_and_errors(tmp_path):
     assert [p.loss for p in d.intermediate_layer_pairs] == ["cosine", "mse"] and d.skip_lm_loss is False
     with pytest.raises(DistillConfigError, match="unknown distillation config keys \\['kd_los_scale'\\]"):
         parse_distill_config({"kd_los_scale": 1.0})
-    with pytest.raises(DistillConfigError, match="'l2' .* is not one of \\['cosine', 'mse'\\]"):
+    with pytest.raises(DistillConfigError, match="'l2' .* is not one of \\['cosine', 'hidden_cosine', 'mse'\\]"):
         parse_distill_config({"intermediate_layer_pairs": [["a", "b", "l2"]]})
+
+
+def test_megatron_yaml_spelling_hidden_cosine(tmp_path):
+    """Megatron-LM 48d7275's loss name ``hidden_cosine`` and ModelOpt's ``cosine`` both give
+    HiddenStateCosineLoss; ``mse`` MSELoss (a YAML as Megatron's docs write it)."""
+    from jmegatron.distill.losses import HiddenStateCosineLoss, MSELoss, intermediate_loss_from_name
+    d = load_distill_config(yaml_file(tmp_path, (
+        'logit_layers: ["output_layer", "output_layer"]\n'
+        "intermediate_layer_pairs:\n"
+        '  - ["decoder.layers.0.input_layernorm", "decoder.layers.1.input_layernorm", "hidden_cosine"]\n'
+        '  - ["decoder.layers.1.pre_mlp_layernorm", "decoder.layers.2.pre_mlp_layernorm", "cosine"]\n'
+        '  - ["decoder.final_layernorm", "decoder.final_layernorm", "mse"]\n'
+        "skip_lm_loss: true\nkd_loss_scale: 1.0\n")))
+    assert [p.loss for p in d.intermediate_layer_pairs] == ["hidden_cosine", "cosine", "mse"]
+    kinds = [type(intermediate_loss_from_name(p.loss)) for p in d.intermediate_layer_pairs]
+    assert kinds == [HiddenStateCosineLoss, HiddenStateCosineLoss, MSELoss]
 
 
 def test_distillation_trains_and_reports(tmp_path, teacher_dir):
     kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
-                             "decoder.layers.2.pre_mlp_layernorm]\nskip_lm_loss: false\n")
+                             "decoder.layers.2.pre_mlp_layernorm, hidden_cosine]\nskip_lm_loss: false\n")
     save = tmp_path / "student"
     out = pretrain(cfg_for(save, hidden_size=48, num_attention_heads=4, train_iters=6, eval_interval=3,
                            kd_teacher_load=teacher_dir, kd_cfg=kd))
