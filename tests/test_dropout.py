@@ -34,13 +34,15 @@ def test_bits_look_uniform_and_independent():
     assert chi2 < 255 + 5 * np.sqrt(2 * 255)
 
 
-def test_same_mask_under_any_sharding():
+@pytest.mark.parametrize("impl", ["hash", "threefry"])
+def test_same_mask_under_any_sharding(impl):
     mesh = jax.make_mesh((2, 4), ("a", "b"))
     key = jax.random.key(7)
     shape = (8, 4, 64, 64)
-    ref = np.asarray(jax.jit(lambda k: keep_mask(k, 0.1, shape))(key))
+    ref = np.asarray(jax.jit(lambda k: keep_mask(k, 0.1, shape, impl, sample_offset=3))(key))
     for spec in (P("a", "b"), P(None, "b", "a"), P(("a", "b"))):
-        got = jax.jit(lambda k: keep_mask(k, 0.1, shape), out_shardings=NamedSharding(mesh, spec))(key)
+        got = jax.jit(lambda k: keep_mask(k, 0.1, shape, impl, sample_offset=3),
+                      out_shardings=NamedSharding(mesh, spec))(key)
         assert np.array_equal(np.asarray(got), ref), spec
 
 
