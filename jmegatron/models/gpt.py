@@ -170,9 +170,10 @@ class GPTModel(nn.Module):
     ``position_ids [b, s]`` default to ``0..s-1``. ``deterministic=False`` turns dropout
     on and needs a ``dropout`` RNG; ``sample_offset`` (int or integer scalar) is the global
     sample number of ``tokens[0]`` in the step's batch, so that a data-parallel rank's rows
-    draw the masks they would draw in a single-device run (:mod:`jmegatron.models.dropout`). Parameters (all float32 master weights):
-    ``word_embeddings/embedding`` ``[vocab, h]``, ``position_embeddings/embedding``
-    ``[max_pos, h]`` (learned_absolute only), ``decoder_layers_{i}/...`` (or one
+    draw the masks they would draw in a single-device run (:mod:`jmegatron.models.dropout`).
+    Parameters (all float32 master weights): ``word_embeddings/embedding`` ``[vocab, h]``,
+    ``position_embeddings/embedding`` ``[max_pos, h]`` (learned_absolute only),
+    ``decoder_layers_{i}/...`` (or one
     ``decoder_layers/...`` stacked ``[num_layers, ...]`` with ``scan_layers``),
     ``final_layernorm``, and ``output_layer/kernel [h, vocab]`` when untied (layout in
     jmegatron/export/hf.py).
