@@ -82,7 +82,8 @@ def test_blas_dot_general_falls_back_to_xla_for_other_forms():
 def test_cpu_attention_matches_xla(b, s, nq, nkv, d, rate):
     q, k, v = rand(b, s, nq, d), rand(b, s, nkv, d, seed=1), rand(b, s, nkv, d, seed=2)
     key = jax.random.key(7)
-    kw = dict(dropout_rate=rate, dropout_rng=key, deterministic=False)
+    # batch row 0 is global sample 5 (a data-parallel rank's rows): both paths add the offset
+    kw = dict(dropout_rate=rate, dropout_rng=key, deterministic=False, sample_offset=5)
     want = xla_attention(q, k, v, **kw)
     got = jax.jit(lambda q, k, v: cpu_attention(q, k, v, **kw))(q, k, v)
     # The same dropout mask: element-wise agreement, not just statistics.
@@ -92,6 +93,23 @@ def test_cpu_attention_matches_xla(b, s, nq, nkv, d, rate):
     grads_got = jax.jit(jax.grad(f(cpu_attention), argnums=(0, 1, 2)))(q, k, v)
     for g, r in zip(grads_got, grads_want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=2e-5)
+
+
+def test_cpu_attention_rows_with_sample_offset_match_the_whole_batch():
+    """Rows 2..3 of a batch given sample_offset=2 drop what the whole batch drops there
+    (the data-parallel rule), forward and backward; offset 0 drops other elements."""
+    q, k, v = rand(4, 70, 4, 16), rand(4, 70, 2, 16, seed=1), rand(4, 70, 2, 16, seed=2)
+    kw = dict(dropout_rate=0.2, dropout_rng=jax.random.key(9), deterministic=False)
+    attn = jax.jit(lambda q, k, v, off: cpu_attention(q, k, v, sample_offset=off, **kw))
+    whole = np.asarray(attn(q, k, v, 0))
+    part = np.asarray(attn(q[2:], k[2:], v[2:], 2))
+    np.testing.assert_array_equal(part, whole[2:])
+    assert not np.allclose(np.asarray(attn(q[2:], k[2:], v[2:], 0)), whole[2:], atol=1e-3)
+    loss = lambda q, k, v, off: jnp.sum(jnp.sin(cpu_attention(q, k, v, sample_offset=off, **kw)))  # noqa: E731
+    g_whole = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, 0)
+    g_part = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q[2:], k[2:], v[2:], 2)
+    for a, b in zip(g_part, g_whole):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[2:])
 
 
 def test_cpu_attention_underflow_and_dropout_scale_match_xla():

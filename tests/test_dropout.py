@@ -1,6 +1,6 @@
 """Hash-based dropout masks (jmegatron.models.dropout): the right keep rate, independent
-across keys and positions, the same under any sharding of the tensor, and the threefry
-option still available."""
+across keys and positions, the same under any sharding of the tensor and for any split of
+the batch (sample_offset), and the threefry option still available."""
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +34,15 @@ def test_bits_look_uniform_and_independent():
     assert chi2 < 255 + 5 * np.sqrt(2 * 255)
 
 
-def test_same_mask_under_any_sharding():
+@pytest.mark.parametrize("impl", ["hash", "threefry"])
+def test_same_mask_under_any_sharding(impl):
     mesh = jax.make_mesh((2, 4), ("a", "b"))
     key = jax.random.key(7)
     shape = (8, 4, 64, 64)
-    ref = np.asarray(jax.jit(lambda k: keep_mask(k, 0.1, shape))(key))
+    ref = np.asarray(jax.jit(lambda k: keep_mask(k, 0.1, shape, impl, sample_offset=3))(key))
     for spec in (P("a", "b"), P(None, "b", "a"), P(("a", "b"))):
-        got = jax.jit(lambda k: keep_mask(k, 0.1, shape), out_shardings=NamedSharding(mesh, spec))(key)
+        got = jax.jit(lambda k: keep_mask(k, 0.1, shape, impl, sample_offset=3),
+                      out_shardings=NamedSharding(mesh, spec))(key)
         assert np.array_equal(np.asarray(got), ref), spec
 
 
@@ -53,9 +55,52 @@ def test_dropout_scales_and_module_matches_function():
     z = mod.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
     assert z.shape == x.shape and np.isclose(float((np.asarray(z) == 0).mean()), 0.25, atol=0.05)
     assert np.array_equal(np.asarray(mod.apply({}, x, deterministic=True)), np.asarray(x))
-    t = np.asarray(keep_mask(jax.random.key(2), 0.25, (64, 64), impl="threefry"))
-    assert np.array_equal(t, np.asarray(jax.random.bernoulli(jax.random.key(2), 0.75, (64, 64))))
+    # threefry: one bernoulli draw per global sample, under fold_in(key, sample)
+    t = np.asarray(keep_mask(jax.random.key(2), 0.25, (4, 64), impl="threefry", sample_offset=3))
+    for i in range(4):
+        want = jax.random.bernoulli(jax.random.fold_in(jax.random.key(2), 3 + i), 0.75, (64,))
+        assert np.array_equal(t[i], np.asarray(want))
+    assert 0.2 < 1 - t.mean() < 0.3
     with pytest.raises(ValueError, match="not one of"):
         keep_mask(jax.random.key(0), 0.1, (2,), impl="philox")
     with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
         keep_mask(jax.random.key(0), 1.0, (2,))
+
+
+@pytest.mark.parametrize("impl", ["hash", "threefry"])
+def test_rows_of_a_split_batch_draw_the_global_batch_masks(impl):
+    """A slice of the batch given its sample_offset draws exactly the rows of the whole
+    batch's mask; another offset draws other masks."""
+    key, shape = jax.random.key(5), (8, 3, 16, 16)
+    whole = np.asarray(keep_mask(key, 0.3, shape, impl))
+    for start, n in ((0, 8), (2, 3), (7, 1)):
+        part = np.asarray(keep_mask(key, 0.3, (n,) + shape[1:], impl, sample_offset=start))
+        assert np.array_equal(part, whole[start:start + n]), (start, n)
+    shifted = np.asarray(keep_mask(key, 0.3, shape, impl, sample_offset=1))
+    assert np.array_equal(shifted[:-1], whole[1:]) and not np.array_equal(shifted, whole)
+
+
+def test_data_parallel_shards_with_offsets_draw_the_one_device_masks():
+    """Inside a data-parallel shard_map each rank's rows, offset by rank * local rows, drop
+    the same elements as one device holding the whole batch (the train step's rule); a key
+    folded with the rank (the old rule) does not."""
+    mesh = jax.make_mesh((8,), ("data",))
+    key, x = jax.random.key(11), jnp.ones((16, 32, 24))
+
+    def drop(x, rng, offset):
+        return Dropout(0.1).apply({}, x, deterministic=False, rngs={"dropout": rng}, sample_offset=offset)
+
+    want = np.asarray(drop(x, key, 0))
+    assert 0.05 < (want == 0).mean() < 0.15
+
+    def local(x, fold_rank):
+        rank = jax.lax.axis_index("data")
+        if fold_rank:
+            return drop(x, jax.random.fold_in(key, rank), 0)
+        return drop(x, key, rank * x.shape[0])
+
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    for fold_rank in (False, True):
+        got = jax.jit(jax.shard_map(lambda x: local(x, fold_rank), mesh=mesh, in_specs=P("data"),
+                                    out_specs=P("data")))(xs)
+        assert np.array_equal(np.asarray(got), want) != fold_rank, fold_rank

@@ -12,8 +12,12 @@ Schema (megatron/post_training/algos/distillation.py, ``load_distillation_config
     kd_loss_alpha: 0.5          # optional: (1 - a) * lm + a * kd instead of the balancer
 
 Missing keys take Megatron's defaults (logits only, ``skip_lm_loss: true``,
-``kd_loss_scale: 1.0``, temperature 1). The third entry of a pair selects the loss:
-``cosine`` (HiddenStateCosineLoss, the default) or ``mse``.
+``kd_loss_scale: 1.0``, temperature 1). The third entry of a pair selects the loss, in
+either spelling in use: ``hidden_cosine`` (Megatron-LM 48d7275's
+``load_distillation_config``) or ``cosine`` (ModelOpt's
+``modelopt/torch/distill/plugins/megatron.py``, which Megatron-LM uses since 8463257),
+both HiddenStateCosineLoss, the default for a two-entry pair; or ``mse`` (MSELoss,
+both).
 
 Layer names resolve to the values jmegatron's GPTModel sows into its ``intermediates``
 collection (the output of the named module, as Megatron's forward hooks capture):
@@ -43,7 +47,9 @@ OUTPUT_LAYER = "output_layer"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(input_layernorm|pre_mlp_layernorm)$")
 KEYS = ("logit_layers", "intermediate_layer_pairs", "skip_lm_loss", "kd_loss_scale",
         "logit_kl_temperature", "kd_loss_alpha")
-LOSS_NAMES = ("cosine", "mse")
+# every intermediate-loss spelling Megatron-LM or ModelOpt accepts (jmegatron.distill.losses
+# maps each to its loss)
+LOSS_NAMES = ("cosine", "hidden_cosine", "mse")
 
 
 class DistillConfigError(ValueError):
@@ -112,7 +118,7 @@ def parse_distill_config(data: Optional[dict[str, Any]]) -> DistillConfig:
     for entry in data.get("intermediate_layer_pairs") or ():
         if not (isinstance(entry, (list, tuple)) and len(entry) in (2, 3)):
             raise DistillConfigError(f"intermediate_layer_pairs entries are [student, teacher] or "
-                                     f"[student, teacher, cosine|mse], got {entry!r}")
+                                     f"[student, teacher, {'|'.join(LOSS_NAMES)}], got {entry!r}")
         loss = entry[2] if len(entry) == 3 else "cosine"
         if loss not in LOSS_NAMES:
             raise DistillConfigError(f"intermediate loss {loss!r} in {entry!r} is not one of {list(LOSS_NAMES)}")

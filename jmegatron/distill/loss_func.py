@@ -78,7 +78,7 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
     def loss_fn(params, micro, rng, num_tokens, teacher_params, data_sum):
         args = (micro["tokens"], micro["position_ids"])
         out_s = student.apply({"params": params}, *args, deterministic=False, rngs={"dropout": rng},
-                              mutable=mutable)
+                              sample_offset=micro["sample_offset"], mutable=mutable)
         out_t = teacher.apply({"params": teacher_params}, *args, deterministic=True, mutable=mutable)
         (logits_s, inter_s), (logits_t, inter_t) = (out_s, out_t) if pairs else ((out_s, {}), (out_t, {}))
         logits_t = jax.lax.stop_gradient(logits_t.astype(jnp.float32))

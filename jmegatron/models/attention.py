@@ -28,19 +28,22 @@ from jmegatron.models.layers import Linear, dense_dot_general_fn
 Array = jax.Array
 
 # A core attention: (q [b, s, nq, d], k [b, s, nkv, d], v [b, s, nkv, d], *,
-#   dropout_rate, dropout_rng, deterministic, dropout_impl) -> [b, s, nq, d]; causal.
+#   dropout_rate, dropout_rng, deterministic, dropout_impl, sample_offset) -> [b, s, nq, d];
+#   causal. sample_offset: the global sample number of row 0 (jmegatron.models.dropout).
 CoreAttention = Callable[..., Array]
 
 
 def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                   dropout_rng: Optional[Array] = None, deterministic: bool = True,
-                  dropout_impl: str = "hash") -> Array:
+                  dropout_impl: str = "hash", sample_offset=0) -> Array:
     """Causal softmax(q k^T / sqrt(d)) v in plain XLA ops, softmax in float32.
 
     Shapes: q ``[b, s, nq, d]``, k/v ``[b, s, nkv, d]`` with ``nq % nkv == 0`` (GQA:
     query head ``i`` uses key/value group ``i // (nq // nkv)``, as Megatron and Hugging Face). Returns ``[b, s, nq, d]`` in q's dtype.
     Attention dropout is applied to the probabilities (Megatron's attention_dropout), its
-    mask drawn by ``dropout_impl`` (:mod:`jmegatron.models.dropout`).
+    mask drawn by ``dropout_impl`` (:mod:`jmegatron.models.dropout`) over the probabilities'
+    shape ``[b, nkv, nq // nkv, s, s]``, batch row ``i`` being global sample
+    ``sample_offset + i``.
     """
     b, s, nq, d = q.shape
     nkv = k.shape[2]
@@ -52,7 +55,7 @@ def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     if not deterministic and dropout_rate > 0.0:
-        keep = keep_mask(dropout_rng, dropout_rate, probs.shape, dropout_impl)
+        keep = keep_mask(dropout_rng, dropout_rate, probs.shape, dropout_impl, sample_offset)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v)
     return out.reshape(b, s, nq, d)
@@ -60,7 +63,7 @@ def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
 
 def dot_product_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                           dropout_rng: Optional[Array] = None, deterministic: bool = True,
-                          dropout_impl: str = "hash") -> Array:
+                          dropout_impl: str = "hash", sample_offset=0) -> Array:
     """``jax.nn.dot_product_attention`` (XLA implementation, causal). No attention dropout:
     raises ValueError when dropout is requested in training."""
     if not deterministic and dropout_rate > 0.0:
@@ -158,8 +161,11 @@ class SelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, deterministic: bool,
-                 kv_cache: Optional[tuple[Array, Array]] = None):
+                 kv_cache: Optional[tuple[Array, Array]] = None, sample_offset=0):
         """``x [b, s, h]``, ``position_ids`` int ``[b, s]`` -> ``[b, s, h]``.
+
+        ``sample_offset``: the global sample number of ``x[0]``, from which the attention
+        dropout masks are drawn (:mod:`jmegatron.models.dropout`).
 
         With ``kv_cache = (k, v)``, each ``[b, max_length, num_query_groups, kv_channels]``,
         this call's keys/values are written at the slots given by ``position_ids`` (which
@@ -189,7 +195,7 @@ class SelfAttention(nn.Module):
             new_cache = (update_kv_cache(kv_cache[0], k, start), update_kv_cache(kv_cache[1], v, start))
             out = cached_attention(q, new_cache[0], new_cache[1], position_ids)
         else:
-            out = self._core(q, k, v, deterministic)
+            out = self._core(q, k, v, deterministic, sample_offset)
         out = nn.with_logical_constraint(out, ("batch", "length", "activation_heads", "activation_kv"))
         out = Linear((self.hidden_size,), ("heads", "kv", "embed"), axis=(-2, -1), tp_mode="row", tp_dim=0,
                      use_bias=self.use_bias, dtype=self.dtype, dot_general=self.dot_general,
@@ -197,10 +203,10 @@ class SelfAttention(nn.Module):
                      name="linear_proj")(out)
         return out if kv_cache is None else (out, new_cache)
 
-    def _core(self, q: Array, k: Array, v: Array, deterministic: bool) -> Array:
+    def _core(self, q: Array, k: Array, v: Array, deterministic: bool, sample_offset) -> Array:
         core = CORE_ATTENTIONS[self.core_attention]
         core = functools.partial(core, dropout_rate=self.attention_dropout, deterministic=deterministic,
-                                 dropout_impl=self.dropout_impl,
+                                 dropout_impl=self.dropout_impl, sample_offset=sample_offset,
                                  dropout_rng=None if deterministic or self.attention_dropout == 0.0
                                  else self.make_rng("dropout"))
         if self.recompute_core_attention:  # Megatron's selective recompute

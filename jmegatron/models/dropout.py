@@ -11,17 +11,33 @@ one elementwise op (measured in docs/PERFORMANCE.md).
 
 The hash is Chris Wellons' ``triple32`` integer finalizer (an xorshift-multiply
 permutation of 32-bit words with very low avalanche bias) applied in two keyed stages:
-``h = triple32(triple32(i_lead ^ k0) ^ i_rest ^ k1)`` where ``i_lead`` is the index on
-the leading axis and ``i_rest`` the row-major index over the others (so tensors of more
-than 2^32 elements do not wrap as long as one leading slice has fewer). It is
-statistically good for Bernoulli masks, not a cryptographic generator and not a
-replacement for ``jax.random`` elsewhere.
+``h = triple32(triple32(sample ^ k0) ^ i_rest ^ k1)`` where ``sample = sample_offset +
+i_lead`` is the *global sample number* of the leading (batch) index and ``i_rest`` the
+row-major index over the other axes (token, head, feature...; so tensors of more than
+2^32 elements do not wrap as long as one sample has fewer). It is statistically good for
+Bernoulli masks, not a cryptographic generator and not a replacement for ``jax.random``
+elsewhere.
 
-Because the counter is the global index, GSPMD partitions the ``iota`` with the tensor:
-every layout (data, tensor, sequence parallel) draws the same mask for the same element,
-and a resumed run draws the same masks (the key comes from the state's base key).
+Global positions, so the layout never changes a mask:
 
-``config.dropout_impl="threefry"`` keeps ``jax.random.bernoulli`` for comparison.
+* **Data parallelism** (inside the train step's data-parallel ``shard_map``, where each
+  rank sees only its rows): the caller passes ``sample_offset``, the global number of
+  its first row in the step's batch, counted over micro-batches, ``(micro_batch *
+  data_parallel_size + rank) * local_micro_batch_size``
+  (:func:`jmegatron.training.step.make_train_step`). The step key is the same on every
+  rank and every micro-batch; the sample number is what differs.
+* **Tensor and sequence parallelism** (GSPMD, automatic axes): the ``iota`` of the index
+  is partitioned with the tensor, so every shard computes its elements' global indices.
+
+So a mask bit depends only on (step key, module, global sample, position within the
+sample): 1 device, dp8, tp, SP, ZeRO-1 and FSDP runs of the same global batch draw the
+same masks (tests/test_parallel_equivalence.py), as do runs that split that batch into a
+different number of micro-batches; a resumed run draws the same masks (the key comes
+from the state's base key). The CPU attention kernel (kernels/cpu/attention.cc) computes
+the same hash, element for element.
+
+``config.dropout_impl="threefry"`` keeps ``jax.random.bernoulli`` for comparison, with
+one key per global sample (``fold_in(key, sample)``), so it is layout-free as well.
 """
 
 from __future__ import annotations
@@ -55,14 +71,25 @@ def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     return data[0], data[-1] ^ _U(0x9E3779B9)
 
 
-def hash_bits(key: jax.Array, shape: Sequence[int]) -> jax.Array:
+def _samples(sample_offset, n: int) -> jax.Array:
+    """uint32 ``[n]``: the global sample numbers ``sample_offset + 0 .. n - 1`` (mod 2^32)."""
+    return jnp.asarray(sample_offset).astype(_U) + jnp.arange(n, dtype=_U)
+
+
+def hash_bits(key: jax.Array, shape: Sequence[int], sample_offset=0) -> jax.Array:
     """uint32 ``shape`` of hashed global element indices under ``key`` (a JAX PRNG key or
-    its raw uint32 data). Pure and elementwise: XLA fuses it into the consumer."""
+    its raw uint32 data). Pure and elementwise: XLA fuses it into the consumer.
+
+    ``sample_offset`` (int or integer scalar array, may be traced): the global sample
+    number of index 0 on the leading axis; the leading index hashed is ``sample_offset
+    + i``. ``shape == ()`` hashes the single sample ``sample_offset``.
+    """
     shape = tuple(int(d) for d in shape)
     k0, k1 = _key_words(key)
+    offset = jnp.asarray(sample_offset).astype(_U)
     if not shape:
-        return _triple32(_triple32(k0) ^ k1)
-    lead = jax.lax.broadcasted_iota(_U, shape, 0)
+        return _triple32(_triple32(offset ^ k0) ^ k1)
+    lead = jax.lax.broadcasted_iota(_U, shape, 0) + offset
     rest = jnp.zeros(shape, _U)
     stride = 1
     for dim in range(len(shape) - 1, 0, -1):
@@ -71,42 +98,54 @@ def hash_bits(key: jax.Array, shape: Sequence[int]) -> jax.Array:
     return _triple32(_triple32(lead ^ k0) ^ rest ^ k1)
 
 
-def keep_mask(key: jax.Array, rate: float, shape: Sequence[int], impl: str = "hash") -> jax.Array:
+def keep_mask(key: jax.Array, rate: float, shape: Sequence[int], impl: str = "hash",
+              sample_offset=0) -> jax.Array:
     """bool ``shape``: True with probability ``1 - rate`` per element (to 2^-32).
 
-    ``impl`` "hash" (:func:`hash_bits`) or "threefry" (``jax.random.bernoulli``).
-    Raises ValueError for an unknown ``impl`` or ``rate`` outside [0, 1).
+    ``impl`` "hash" (:func:`hash_bits`) or "threefry" (``jax.random.bernoulli`` of
+    ``shape[1:]`` under ``fold_in(key, sample)`` for each global sample number
+    ``sample_offset + i`` of the leading axis). Raises ValueError for an unknown ``impl``
+    or ``rate`` outside [0, 1).
     """
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate {rate} must be in [0, 1)")
+    shape = tuple(int(d) for d in shape)
     if impl == "threefry":
-        return jax.random.bernoulli(key, 1.0 - rate, tuple(shape))
+        if not shape:
+            return jax.random.bernoulli(jax.random.fold_in(key, _samples(sample_offset, 1)[0]), 1.0 - rate)
+        return jax.vmap(lambda n: jax.random.bernoulli(jax.random.fold_in(key, n), 1.0 - rate, shape[1:]))(
+            _samples(sample_offset, shape[0]))
     if impl != "hash":
         raise ValueError(f"dropout impl {impl!r} is not one of {DROPOUT_IMPLS}")
     threshold = min(int(math.floor(rate * 2.0**32)), 2**32 - 1)
-    return hash_bits(key, shape) >= _U(threshold)
+    return hash_bits(key, shape, sample_offset) >= _U(threshold)
 
 
-def dropout(x: jax.Array, rate: float, key: Optional[jax.Array], impl: str = "hash") -> jax.Array:
-    """Inverted dropout of ``x`` (any shape and float dtype): zero with probability
+def dropout(x: jax.Array, rate: float, key: Optional[jax.Array], impl: str = "hash",
+            sample_offset=0) -> jax.Array:
+    """Inverted dropout of ``x`` (any shape and float dtype; the leading axis is the
+    batch, its row 0 the global sample ``sample_offset``): zero with probability
     ``rate``, else scaled by ``1 / (1 - rate)``; ``x`` itself when ``rate == 0``."""
     if rate == 0.0:
         return x
-    keep = keep_mask(key, rate, x.shape, impl)
+    keep = keep_mask(key, rate, x.shape, impl, sample_offset)
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
 class Dropout(nn.Module):
     """Flax module form of :func:`dropout` (the ``"dropout"`` RNG collection), a drop-in for
-    ``nn.Dropout(rate, deterministic)`` with the mask generator chosen by ``impl``."""
+    ``nn.Dropout(rate, deterministic)`` with the mask generator chosen by ``impl``.
+
+    ``__call__(x [batch, ...], deterministic=None, sample_offset=0)``: ``sample_offset``
+    is the global sample number of ``x[0]`` (see the module docstring)."""
 
     rate: float
     deterministic: Optional[bool] = None
     impl: str = "hash"
 
     @nn.compact
-    def __call__(self, x: jax.Array, deterministic: Optional[bool] = None) -> jax.Array:
+    def __call__(self, x: jax.Array, deterministic: Optional[bool] = None, sample_offset=0) -> jax.Array:
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
         if deterministic or self.rate == 0.0:
             return x
-        return dropout(x, self.rate, self.make_rng("dropout"), self.impl)
+        return dropout(x, self.rate, self.make_rng("dropout"), self.impl, sample_offset)

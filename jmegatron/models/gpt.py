@@ -130,10 +130,11 @@ class TransformerLayer(nn.Module):
     dot_general: Callable = dense_dot_general_fn
 
     @nn.compact
-    def __call__(self, x: Array, position_ids: Array, kv_cache: Optional[KVPair] = None
+    def __call__(self, x: Array, position_ids: Array, sample_offset: Array, kv_cache: Optional[KVPair] = None
                  ) -> tuple[Array, Optional[KVPair]]:
         """``(x, None)``, or ``(x, updated kv_cache)`` when decoding with a cache (see
-        :class:`SelfAttention`)."""
+        :class:`SelfAttention`). ``sample_offset``: the global sample number of ``x[0]``
+        (dropout masks, :mod:`jmegatron.models.dropout`)."""
         c = self.cfg
         drop = Dropout(rate=c.hidden_dropout, deterministic=self.deterministic, impl=c.dropout_impl)
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "input_layernorm")(x)
@@ -150,15 +151,15 @@ class TransformerLayer(nn.Module):
             dtype=c.dtype, dot_general=self.dot_general, name="self_attention",
         )
         if kv_cache is None:
-            h = attention(h, position_ids, self.deterministic)
+            h = attention(h, position_ids, self.deterministic, sample_offset=sample_offset)
         else:
             h, kv_cache = attention(h, position_ids, self.deterministic, kv_cache)
-        x = x + drop(h)
+        x = x + drop(h, sample_offset=sample_offset)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "pre_mlp_layernorm")(x)
         self.sow("intermediates", "pre_mlp_layernorm_output", h)
         h = MLP(c, dot_general=self.dot_general, name="mlp")(h)
-        x = x + drop(h)
+        x = x + drop(h, sample_offset=sample_offset)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         return x, kv_cache
 
@@ -167,9 +168,12 @@ class GPTModel(nn.Module):
     """Decoder-only language model: int32 ``tokens [b, s]`` -> float32 ``logits [b, s, vocab]``.
 
     ``position_ids [b, s]`` default to ``0..s-1``. ``deterministic=False`` turns dropout
-    on and needs a ``dropout`` RNG. Parameters (all float32 master weights):
-    ``word_embeddings/embedding`` ``[vocab, h]``, ``position_embeddings/embedding``
-    ``[max_pos, h]`` (learned_absolute only), ``decoder_layers_{i}/...`` (or one
+    on and needs a ``dropout`` RNG; ``sample_offset`` (int or integer scalar) is the global
+    sample number of ``tokens[0]`` in the step's batch, so that a data-parallel rank's rows
+    draw the masks they would draw in a single-device run (:mod:`jmegatron.models.dropout`).
+    Parameters (all float32 master weights): ``word_embeddings/embedding`` ``[vocab, h]``,
+    ``position_embeddings/embedding`` ``[max_pos, h]`` (learned_absolute only),
+    ``decoder_layers_{i}/...`` (or one
     ``decoder_layers/...`` stacked ``[num_layers, ...]`` with ``scan_layers``),
     ``final_layernorm``, and ``output_layer/kernel [h, vocab]`` when untied (layout in
     jmegatron/export/hf.py).
@@ -185,8 +189,9 @@ class GPTModel(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Array, position_ids: Optional[Array] = None,
-                 deterministic: bool = True, kv_cache: Any = None):
+                 deterministic: bool = True, kv_cache: Any = None, sample_offset: Any = 0):
         c = self.cfg
+        sample_offset = jnp.asarray(sample_offset, jnp.uint32)
         dot_general = self.dot_general
         if dot_general is dense_dot_general_fn:
             dot_general = c.dense_dot_general()
@@ -199,7 +204,8 @@ class GPTModel(nn.Module):
         if c.position_embedding_type == "learned_absolute":
             x = x + Embed(c.max_position_embeddings, c.hidden_size, (None, "embed"), dtype=c.dtype,
                           embedding_init=embed_init, name="position_embeddings")(position_ids)
-        x = Dropout(rate=c.hidden_dropout, deterministic=deterministic, impl=c.dropout_impl)(x)
+        x = Dropout(rate=c.hidden_dropout, deterministic=deterministic, impl=c.dropout_impl)(
+            x, sample_offset=sample_offset)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
 
         layer_cls = TransformerLayer
@@ -212,17 +218,18 @@ class GPTModel(nn.Module):
             cached = () if kv_cache is None else (kv_cache,)
             stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0},
                             split_rngs={"params": True, "dropout": True},
-                            in_axes=(nn.broadcast,) + (0,) * len(cached), length=c.num_layers,
+                            in_axes=(nn.broadcast, nn.broadcast) + (0,) * len(cached), length=c.num_layers,
                             metadata_params={nn.PARTITION_NAME: "layers"})
-            x, kv_cache = stack(c, deterministic, dot_general, name="decoder_layers")(x, position_ids, *cached)
+            x, kv_cache = stack(c, deterministic, dot_general, name="decoder_layers")(
+                x, position_ids, sample_offset, *cached)
         else:
             new_cache = []
             for i in range(c.num_layers):
                 layer = layer_cls(c, deterministic, dot_general, name=f"decoder_layers_{i}")
                 if kv_cache is None:
-                    x, _ = layer(x, position_ids)
+                    x, _ = layer(x, position_ids, sample_offset)
                 else:
-                    x, kv = layer(x, position_ids, kv_cache[i])
+                    x, kv = layer(x, position_ids, sample_offset, kv_cache[i])
                     new_cache.append(kv)
             kv_cache = None if kv_cache is None else tuple(new_cache)
         x = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm")(x)

@@ -9,8 +9,13 @@ step synchronises with the host.
 Loss: per micro-batch, the token mean of the masked cross-entropy over the whole
 micro-batch (all data-parallel ranks together, which makes the loss independent of
 the device layout); the step's loss and gradient are the mean over micro-batches
-(megatron/training/training.py, ``loss_func`` in pretrain_gpt.py). Dropout keys are
-folded with the data-parallel rank, so each rank draws its own masks.
+(megatron/training/training.py, ``loss_func`` in pretrain_gpt.py).
+
+Dropout: one key per step (``fold_in(base, step)``), the same on every rank and
+micro-batch; each micro-batch carries ``sample_offset``, the global number of its first
+local row in the step's batch, and masks are drawn from (key, global sample, position)
+(:mod:`jmegatron.models.dropout`), so any data/tensor/sequence-parallel, ZeRO-1 or FSDP
+layout of the same global batch draws the same masks.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def lm_loss_fn(model: nn.Module) -> Callable:
 
     def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
         logits = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
-                             deterministic=False, rngs={"dropout": rng})
+                             deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"])
         total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
         loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
         return loss, {"lm_loss": loss}
@@ -75,6 +80,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     one micro-batch's loss (float32 scalar, the same on every data-parallel rank: local
     sums go through ``data_sum``, the psum over data, and are divided by ``num_tokens``,
     the micro-batch's unmasked tokens over all ranks) and a dict of scalars to report.
+    ``micro`` holds this rank's rows of the batch's arrays and ``sample_offset`` (int32
+    scalar, ``(micro_batch * data_parallel_size + rank) * local_rows``: the global sample
+    number of its first row), which the model's dropout must receive with ``rng`` (the
+    step's key, the same on every rank).
     Default: :func:`lm_loss_fn`. ``extra`` (e.g. a frozen teacher's parameters, laid
     out by ``extra_shardings``) is passed through untouched and gets no gradient.
 
@@ -123,20 +132,24 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         # autodiff leaves them as this rank's partial sums; the one reduction is below.
         varying = jax.tree.map(lambda p, d: jax.lax.pcast(p, axis, to="varying") if d is None else p,
                                local_params, param_dims, is_leaf=is_none)
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        num_micro = batch["tokens"].shape[0]
+        num_micro, local_rows = batch["tokens"].shape[:2]
+
+        def with_offset(micro, i):
+            # Dropout draws from global sample numbers, never from the rank: see the docstring.
+            first = (i * mesh.shape[axis] + jax.lax.axis_index(axis)) * local_rows
+            return dict(micro, sample_offset=jnp.asarray(first, jnp.int32))
 
         def accumulate(carry, xs):
             grads_acc, report_acc, tokens_acc = carry
             i, micro = xs
             tokens = psum(jnp.sum(micro["loss_mask"].astype(jnp.float32)))
-            (loss, report), grads = grad_fn(varying, micro, jax.random.fold_in(rng, i), tokens, extra)
+            (loss, report), grads = grad_fn(varying, with_offset(micro, i), rng, tokens, extra)
             report = dict(report, loss=loss)
             return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, report_acc, report),
                     tokens_acc + tokens), None
 
         zeros = jax.tree.map(jnp.zeros_like, varying)
-        first = jax.tree.map(lambda b: b[0], batch)
+        first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
         report_shape = jax.eval_shape(lambda: grad_fn(varying, first, rng, jnp.float32(1.0), extra)[0][1])
         report0 = dict(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), report_shape), loss=jnp.float32(0.0))
         (grads, report, tokens), _ = jax.lax.scan(

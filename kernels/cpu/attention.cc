@@ -16,7 +16,8 @@
 // XLA's intra-op thread pool (parallel.h).
 //
 // Layouts (row-major): q [b, s, nq, d], k and v [b, s, nkv, d], out [b, s, nq, d],
-// lse [b, nq, s]; key uint32 [2] = the hash's two key words (k0, k1).
+// lse [b, nq, s]; key uint32 [3] = the hash's two key words (k0, k1) and the global
+// sample number of batch row 0 (jmegatron.models.dropout's sample_offset).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -88,12 +89,14 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
 struct Dropout {
   float rate;
   uint32_t threshold;
-  uint32_t k0, k1;
+  uint32_t k0, k1, sample_offset;
   float keep_scale;  // float32(1 - rate), from Python; applied as a division, as the XLA path
   bool on() const { return rate > 0.0f; }
   // The mask bit of element j of a row is Triple32(lead ^ (rest + j) ^ k1) >= threshold,
-  // lead = Triple32(batch ^ k0) and rest = (h * s + qi) * s mod 2^32, the row-major index
-  // over [nkv, group, s, s] (jmegatron.models.dropout.hash_bits).
+  // lead = Triple32((sample_offset + batch) ^ k0) (the global sample number, mod 2^32) and
+  // rest = (h * s + qi) * s mod 2^32, the row-major index over [nkv, group, s, s]
+  // (jmegatron.models.dropout.hash_bits).
+  uint32_t Lead(int64_t batch) const { return Triple32((sample_offset + static_cast<uint32_t>(batch)) ^ k0); }
 };
 
 // Row kernels over the n <= cols visible keys of one query row; the loops vectorise
@@ -179,8 +182,11 @@ ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
                         float scale, float dropout_rate, float keep_scale, int64_t threshold, int64_t block) {
   Shape sh;
   if (auto err = CheckShapes(q, k, v, &sh); err.failure()) return err;
+  if (key.element_count() != 3) {
+    return ffi::Error::InvalidArgument("jmegatron_attention: key must be uint32[3] (k0, k1, sample_offset)");
+  }
   const uint32_t* kw = key.typed_data();
-  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], keep_scale};
+  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], kw[2], keep_scale};
   const float* pq = q.typed_data();
   const float* pk = k.typed_data();
   const float* pv = v.typed_data();
@@ -196,7 +202,7 @@ ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     const float* V = pv + bi * s * ldk + hk * d;
     float* O = po + bi * s * ldq + h * d;
     float* L = pl + (bi * sh.nq + h) * s;
-    const uint32_t lead = Triple32(static_cast<uint32_t>(bi) ^ drop.k0);
+    const uint32_t lead = drop.Lead(bi);
     std::vector<float> scratch(bq * s);
     float* S = scratch.data();
     for (int64_t q0 = 0; q0 < s; q0 += bq) {
@@ -223,8 +229,11 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
                         int64_t threshold, int64_t block) {
   Shape sh;
   if (auto err = CheckShapes(q, k, v, &sh); err.failure()) return err;
+  if (key.element_count() != 3) {
+    return ffi::Error::InvalidArgument("jmegatron_attention: key must be uint32[3] (k0, k1, sample_offset)");
+  }
   const uint32_t* kw = key.typed_data();
-  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], keep_scale};
+  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], kw[2], keep_scale};
   const float* pq = q.typed_data();
   const float* pk = k.typed_data();
   const float* pv = v.typed_data();
@@ -255,7 +264,7 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
       std::fill(dK + i * ldacc, dK + i * ldacc + d, 0.0f);
       std::fill(dV + i * ldacc, dV + i * ldacc + d, 0.0f);
     }
-    const uint32_t lead = Triple32(static_cast<uint32_t>(bi) ^ drop.k0);
+    const uint32_t lead = drop.Lead(bi);
     std::vector<float> scratch(3 * bq * s + bq);
     float* P = scratch.data();          // probabilities, then dS
     float* Pd = P + bq * s;             // dropped probabilities

@@ -130,10 +130,11 @@ def blas_dot_general(x: Array, kernel: Array, dims, precision=None, preferred_el
     return _blas_dense(*_same_vma(x, kernel), dims)
 
 
-def _dropout_key(dropout_rng) -> Array:
+def _dropout_key(dropout_rng, sample_offset) -> Array:
+    """uint32 ``[3]``: the hash's key words (k0, k1) and the global sample number of row 0."""
     from jmegatron.models.dropout import _key_words
     k0, k1 = _key_words(dropout_rng)
-    return jnp.stack([k0, k1]).astype(jnp.uint32)
+    return jnp.stack([k0, k1, jnp.asarray(sample_offset).astype(jnp.uint32)]).astype(jnp.uint32)
 
 
 def _threshold(rate: float) -> int:
@@ -173,13 +174,14 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def cpu_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                   dropout_rng: Optional[Array] = None, deterministic: bool = True,
-                  dropout_impl: str = "hash") -> Array:
+                  dropout_impl: str = "hash", sample_offset=0) -> Array:
     """Causal ``softmax(q k^T / sqrt(d)) v`` by the CPU attention kernel.
 
     Shapes as :func:`jmegatron.models.attention.xla_attention`: q ``[b, s, nq, d]``, k/v
     ``[b, s, nkv, d]`` float32 with ``nq % nkv == 0``; returns ``[b, s, nq, d]`` float32.
     Attention dropout draws :func:`jmegatron.models.dropout.keep_mask`'s hash mask over
-    ``[b, nkv, nq // nkv, s, s]``, element for element the XLA path's. Memory: saves only
+    ``[b, nkv, nq // nkv, s, s]`` with batch row ``i`` the global sample ``sample_offset +
+    i``, element for element the XLA path's. Memory: saves only
     q, k, v, the output and the log-sum-exp ``[b, nq, s]`` (no ``[s, s]`` activations).
     Other dtypes and ``dropout_impl="threefry"`` with dropout go to ``xla_attention``.
     """
@@ -188,8 +190,9 @@ def cpu_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     if (q.dtype != jnp.float32 or k.dtype != jnp.float32 or v.dtype != jnp.float32
             or (rate > 0.0 and dropout_impl != "hash")):
         return xla_attention(q, k, v, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                             deterministic=deterministic, dropout_impl=dropout_impl)
+                             deterministic=deterministic, dropout_impl=dropout_impl,
+                             sample_offset=sample_offset)
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate {rate} must be in [0, 1)")
-    key = _dropout_key(dropout_rng) if rate > 0.0 else jnp.zeros((2,), jnp.uint32)
+    key = _dropout_key(dropout_rng, sample_offset) if rate > 0.0 else jnp.zeros((3,), jnp.uint32)
     return _attention(*_same_vma(q, k, v, key), rate, ATTENTION_BLOCK)
