@@ -262,3 +262,47 @@ def test_bench_peak_warns_when_a_run_beats_the_theoretical_peak():
     assert "1.2 TFLOP/s, 1.20x the theoretical" in line and "JMEGATRON_CPU_FP32_FLOP_PER_CYCLE" in line
     (line,) = bench_peak.warnings(record([1.1, 1.2, 1.3]))  # the median above
     assert "measured peak 1.2 TFLOP/s is 1.20x" in line and bench_peak.ratio(record([1.1, 1.2, 1.3]), "float32") == 1.2
+
+
+def test_measured_core_clock_replaces_a_nominal_cpuinfo_clock(tmp_path, monkeypatch):
+    """bench peak's measured core clock lifts a /proc/cpuinfo 'cpu MHz' clock (a hypervisor's
+    nominal one) in the theoretical peak; cpufreq's maximum and the override are kept."""
+    text = fake_cpuinfo("AuthenticAMD", 25, 17, X86 + ["avx512f"], cores=2, mhz=2596.0)
+    cpu = peak.cpu_info(text, sysfs_root="/nonexistent", affinity=[0, 1])
+    theo = peak.theoretical_cpu_peak(cpu, measured_clock_ghz=3.675)
+    assert theo.tflops["float32"] == pytest.approx(2 * 3.675e9 * 32 / 1e12)
+    assert "measured by bench peak" in theo.description and "2.596 GHz" in theo.description
+    assert peak.theoretical_cpu_peak(cpu, measured_clock_ghz=2.0).tflops["float32"] == \
+        pytest.approx(2 * 2.596e9 * 32 / 1e12)  # a slower measurement (a loaded core) never lowers it
+    sysfs = sysfs_with_max_freq(tmp_path, 3000000)
+    cpu = peak.cpu_info(text, sysfs_root=sysfs, affinity=[0, 1])
+    assert peak.theoretical_cpu_peak(cpu, measured_clock_ghz=3.675).tflops["float32"] == \
+        pytest.approx(2 * 3.0e9 * 32 / 1e12)
+
+
+def test_resolve_peak_uses_the_stored_clock_of_this_machine_only(tmp_path, monkeypatch):
+    path = str(tmp_path / "peak.json")
+    cpu = peak.cpu_info()
+    if cpu.clock_ghz is None or "cpu MHz" not in cpu.clock_source:
+        pytest.skip(f"this machine's clock does not come from /proc/cpuinfo's cpu MHz: {cpu.clock_source}")
+    lifted = cpu.clock_ghz * 1.5
+    record = dict(_record(peak.machine_key("cpu", "cpu")), cpu={"measured_clock_ghz": lifted})
+    peak.save_peak(record, path)
+    r = peak.resolve_peak("float32", None, path, num_local_devices=1, platform_name="cpu", device_kind="cpu")
+    assert r.theoretical_tflops == pytest.approx(peak.theoretical_cpu_peak(cpu).tflops["float32"] * 1.5)
+    assert f"{lifted:.3f} GHz" in r.theoretical_source
+    peak.save_peak(dict(record, key="cpu|Other CPU|2 cores|flags-sha256:0"), path)
+    r = peak.resolve_peak("float32", None, path, num_local_devices=1, platform_name="cpu", device_kind="cpu")
+    assert r.theoretical_tflops == pytest.approx(peak.theoretical_cpu_peak(cpu).tflops["float32"])
+
+
+def test_core_clock_is_measured():
+    from jmegatron.training import core_clock
+
+    try:
+        c = core_clock.measure_core_clock_ghz(samples=20, iterations=2_000_000)
+    except core_clock.ClockUnavailable as e:
+        pytest.skip(str(e))
+    assert 0.3 < c["median_ghz"] <= c["ghz"] < 8.0  # no CPU core runs outside this
+    with pytest.raises(ValueError, match="samples"):
+        core_clock.measure_core_clock_ghz(samples=0)

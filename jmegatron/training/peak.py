@@ -351,32 +351,45 @@ class TheoreticalPeak:
     per: str  # "host" (shared by the process's CPU devices) or "device"
 
 
-def theoretical_cpu_peak(cpu: Optional[CpuInfo] = None, fp32_flop_per_cycle: Optional[int] = None) -> TheoreticalPeak:
+def theoretical_cpu_peak(cpu: Optional[CpuInfo] = None, fp32_flop_per_cycle: Optional[int] = None,
+                         measured_clock_ghz: Optional[float] = None) -> TheoreticalPeak:
     """cores x clock x FLOP/cycle of ``cpu`` (default :func:`cpu_info`) for float32 and
-    bfloat16, for the whole host. Raises PeakUnavailable when the clock is unknown."""
+    bfloat16, for the whole host. ``measured_clock_ghz`` (the core clock ``bench peak``
+    measured, :mod:`jmegatron.training.core_clock`) replaces a clock read from
+    ``/proc/cpuinfo``'s ``cpu MHz`` when it is higher (a hypervisor shows the nominal clock
+    while the core boosts); a clock from ``$JMEGATRON_CPU_CLOCK_GHZ`` or cpufreq's maximum
+    is kept. Raises PeakUnavailable when no clock is known."""
     cpu = cpu or cpu_info()
-    if cpu.clock_ghz is None:
+    clock, clock_source = cpu.clock_ghz, cpu.clock_source
+    if measured_clock_ghz and (clock is None or ("cpu MHz" in clock_source and measured_clock_ghz > clock)):
+        clock = measured_clock_ghz
+        clock_source = "core clock measured by bench peak (dependent-add chain, jmegatron.training.core_clock)"
+        if cpu.clock_ghz:
+            clock_source += f", above the {cpu.clock_ghz:.3f} GHz that /proc/cpuinfo reports"
+    if clock is None:
         raise PeakUnavailable(f"the CPU's theoretical peak needs its clock: {cpu.clock_source} "
                               "(or set config.peak_tflops)")
     fpc = flop_per_cycle(cpu, fp32_flop_per_cycle)
-    tflops = {d: cpu.cores * cpu.clock_ghz * 1e9 * fpc[d] / 1e12 for d in DTYPES}
-    summary = (f"{cpu.cores} cores x {cpu.clock_ghz:.3f} GHz x {fpc['float32']} float32 / {fpc['bfloat16']} "
+    tflops = {d: cpu.cores * clock * 1e9 * fpc[d] / 1e12 for d in DTYPES}
+    summary = (f"{cpu.cores} cores x {clock:.3f} GHz x {fpc['float32']} float32 / {fpc['bfloat16']} "
                f"bfloat16 FLOP/cycle, {cpu.model_name} as {fpc['microarchitecture']}")
-    desc = f"{summary}; cores: {cpu.cores_note}; clock: {cpu.clock_source}; FLOP/cycle: {fpc['assumption']}"
+    desc = f"{summary}; cores: {cpu.cores_note}; clock: {clock_source}; FLOP/cycle: {fpc['assumption']}"
     return TheoreticalPeak(tflops, summary, desc, "host")
 
 
-def theoretical_peak(platform_name: Optional[str] = None, device_kind: Optional[str] = None) -> TheoreticalPeak:
+def theoretical_peak(platform_name: Optional[str] = None, device_kind: Optional[str] = None,
+                     measured_clock_ghz: Optional[float] = None) -> TheoreticalPeak:
     """The theoretical peak of this process's first device (or of ``platform_name`` /
-    ``device_kind`` given): the CPU's from its ISA, an accelerator's from the spec-sheet
-    table. Raises PeakUnavailable when none can be stated."""
+    ``device_kind`` given): the CPU's from its ISA (``measured_clock_ghz`` as in
+    :func:`theoretical_cpu_peak`), an accelerator's from the spec-sheet table. Raises
+    PeakUnavailable when none can be stated."""
     if platform_name is None or device_kind is None:
         import jax
 
         dev = jax.local_devices()[0]
         platform_name, device_kind = dev.platform, dev.device_kind
     if platform_name == "cpu":
-        return theoretical_cpu_peak()
+        return theoretical_cpu_peak(measured_clock_ghz=measured_clock_ghz)
     name, peaks, ref = _accelerator_entry(device_kind)
     tflops = {d: peaks[d] for d in DTYPES if d in peaks}
     summary = f"{name} dense spec-sheet peak" + (", float32 as TF32" if "float32_simt" in peaks else "")
@@ -446,6 +459,16 @@ def stored_peak(dtype: str = "float32", path: Optional[str] = None,
                                          f"{record.get('measured_at', '?')}; {peak_file(path)})")
 
 
+def stored_clock_ghz(path: Optional[str] = None, key: Optional[str] = None) -> Optional[float]:
+    """The core clock (GHz) ``bench peak`` measured and stored for this machine (``key``,
+    default :func:`machine_key`), or None (no record, another machine, not measured)."""
+    record = load_peak(path)
+    if record is None or record["key"] != (key or machine_key()):
+        return None
+    value = (record.get("cpu") or {}).get("measured_clock_ghz")
+    return float(value) if value else None
+
+
 # ------------------------------------------------------------------ resolution
 @dataclasses.dataclass(frozen=True)
 class PeakChoice:
@@ -493,8 +516,10 @@ def resolve_peak(dtype: str = "float32", config_peak_tflops: Optional[float] = N
         num_local_devices = num_local_devices or jax.local_device_count()
     share = num_local_devices if platform_name == "cpu" else 1
     per = f" / {share} CPU devices" if share > 1 else ""
+    key = machine_key(platform_name, device_kind)
     try:
-        theo = theoretical_peak(platform_name, device_kind)
+        clock = stored_clock_ghz(path, key) if platform_name == "cpu" else None
+        theo = theoretical_peak(platform_name, device_kind, clock)
         if dtype not in theo.tflops:
             raise PeakUnavailable(f"no {dtype} figure for {device_kind!r} in jmegatron's table")
         theo_tflops, theo_source = theo.tflops[dtype] / share, theo.summary + per
@@ -502,7 +527,7 @@ def resolve_peak(dtype: str = "float32", config_peak_tflops: Optional[float] = N
         theo_tflops, theo_source = None, str(e)
     if config_peak_tflops:
         return PeakChoice(float(config_peak_tflops), "config.peak_tflops", theo_tflops, theo_source, dtype)
-    stored = stored_peak(dtype, path, machine_key(platform_name, device_kind))
+    stored = stored_peak(dtype, path, key)
     if stored is not None:
         return PeakChoice(stored[0] / share, stored[1] + per, theo_tflops, theo_source, dtype)
     if theo_tflops is not None:
@@ -656,8 +681,21 @@ def measure_peak(sizes: Sequence[int] = (256, 512, 1024, 2048), dtypes: Sequence
                          f"{list(libraries)}) and sizes non-empty (got {list(sizes)}).")
     dev = jax.local_devices()[0]
     cpu = cpu_info() if dev.platform == "cpu" else None
+    clock = None
+    if cpu is not None:  # first, before the GEMMs warm anything up or throttle the core
+        from jmegatron.training import core_clock
+
+        try:
+            clock = core_clock.measure_core_clock_ghz()
+            if verbose:
+                print(f"[bench peak] core clock {clock['ghz']:.3f} GHz ({clock['method']}; median "
+                      f"{clock['median_ghz']:.3f}); /proc/cpuinfo: {cpu.clock_ghz} GHz", flush=True)
+        except core_clock.ClockUnavailable as e:
+            clock = {"error": str(e)}
+            if verbose:
+                print(f"[bench peak] core clock not measured: {e}", flush=True)
     try:
-        theo = theoretical_peak(dev.platform, dev.device_kind)
+        theo = theoretical_peak(dev.platform, dev.device_kind, (clock or {}).get("ghz"))
         theoretical = {**theo.tflops, "summary": theo.summary, "description": theo.description, "per": theo.per}
     except PeakUnavailable as e:
         theoretical = {"error": str(e)}
@@ -667,7 +705,8 @@ def measure_peak(sizes: Sequence[int] = (256, 512, 1024, 2048), dtypes: Sequence
               "cpu": None if cpu is None else {
                   "model_name": cpu.model_name, "vendor_id": cpu.vendor_id, "family": cpu.family,
                   "model": cpu.model, "flags_sha256": cpu.flags_sha256, "cores": cpu.cores,
-                  "logical_cpus": cpu.logical_cpus, "clock_ghz": cpu.clock_ghz, "clock_source": cpu.clock_source},
+                  "logical_cpus": cpu.logical_cpus, "clock_ghz": cpu.clock_ghz, "clock_source": cpu.clock_source,
+                  "measured_clock_ghz": (clock or {}).get("ghz"), "measured_clock": clock},
               "hostname": platform.node(), "cpu_count": os.cpu_count(), "jax_version": jax.__version__,
               "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "sizes": [int(n) for n in sizes], "repeats": int(repeats), "chain": int(chain),
