@@ -23,8 +23,11 @@ CPU theoretical peak = physical cores usable by this process x clock x FLOP/cycl
 * clock: ``/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq`` (the maximum boost
   clock: an upper bound, sustained all-core vector clocks are lower), else
   ``/proc/cpuinfo``'s ``cpu MHz`` (the current clock; under a hypervisor without cpufreq,
-  usually the nominal one); ``$JMEGATRON_CPU_CLOCK_GHZ`` overrides both. No clock at all
-  raises :class:`PeakUnavailable` (the trainer then uses no peak and says so).
+  usually the nominal one); ``$JMEGATRON_CPU_CLOCK_GHZ`` overrides both. A ``cpu MHz``
+  clock is replaced by the core clock ``bench peak`` measured and stored for this machine
+  when that is higher (:mod:`jmegatron.training.core_clock`: this VM reports 2.596 GHz and
+  its cores run at 3.675). No clock at all raises :class:`PeakUnavailable` (the trainer
+  then uses no peak and says so).
 * float32 FLOP/cycle = FMA pipes x (vector width / 32 bits) x 2 (a multiply and an add).
   The vector width is the narrower of the widest ISA in the flags (``avx512f`` 512,
   ``avx2``/``fma``/``avx`` 256, ``sse2``/``asimd`` 128) and the pipes' own width. The number
