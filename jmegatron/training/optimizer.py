@@ -120,8 +120,9 @@ def lr_schedule(cfg: JMegatronConfig, global_batch_size: Optional[int] = None) -
 
     def schedule(step):
         step = jnp.asarray(step, jnp.int32)
-        i = jnp.searchsorted(first_steps, step, side="right") - 1
-        x = first_units[i] + (step - first_steps[i]).astype(jnp.float32) * unit_per_step[i]
+        steps_, units_, per_step_ = jnp.asarray(first_steps), jnp.asarray(first_units), jnp.asarray(unit_per_step)
+        i = jnp.searchsorted(steps_, step, side="right") - 1
+        x = units_[i] + (step - steps_[i]).astype(jnp.float32) * per_step_[i]
         warm = init_lr + (max_lr - init_lr) * x / warm_den
         if style == "constant":
             after = jnp.float32(max_lr)
