@@ -4,6 +4,7 @@ ByteMLPerf's multi-step branch, driven as Megatron's training loop drives it."""
 
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -235,3 +236,16 @@ def test_bad_schedule_settings_fail_with_field_named(kw, match):
 def test_rampup_batches_must_split_into_microbatches():
     with pytest.raises(nmc.NumMicroBatchesCalculatorError, match="multiples of config.micro_batch_size"):
         nmc.build_num_microbatches_calculator(32, 4, 2, (4, 4, 100))
+
+
+def test_schedule_is_one_jitted_function_of_the_step():
+    cfg = _cfg(lr=2e-3, min_lr=1e-4, lr_warmup_samples=30, train_samples=600, lr_decay_style="multi-step",
+               global_batch_size=16, micro_batch_size=4, rampup_batch_size=(4, 4, 100))
+    sched = lr_schedule(cfg)
+    jitted = jax.jit(sched)
+    steps = np.arange(cfg.train_iters + 3, dtype=np.int32)
+    got = np.array([float(jitted(s)) for s in steps])
+    assert jitted._cache_size() == 1  # the step is traced, never baked in
+    # XLA may fuse a division differently from op-by-op execution: 1 ulp
+    np.testing.assert_allclose(got, _ours(cfg, len(steps)), rtol=3e-7)
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.vmap(sched))(steps)), got, rtol=3e-7)
