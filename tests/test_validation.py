@@ -54,6 +54,7 @@ def _record_eval_starts(monkeypatch):
     return starts
 
 
+@pytest.mark.slow
 def test_valid_iterator_continues_and_resumes(tmp_path, monkeypatch):
     starts = _record_eval_starts(monkeypatch)
     mesh = create_mesh(_cfg(), jax.devices()[:1])

@@ -360,7 +360,7 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
         start, inc, ramp = cfg.rampup_batch_size
         print(f"[jmegatron] batch size ramp-up from {start} by {inc} to {run.global_batch_size} over {ramp} "
               f"samples: {cfg.train_iters} iterations for {cfg.train_samples} samples", flush=True)
-    if cfg.variable_data:
+    if cfg.variable_data and train_ds is not None:
         print(f"[jmegatron] variable data: sample lengths {sorted(train_ds.lengths)} (padded to each batch's "
               f"longest; one compilation per length)", flush=True)
     num_devices = run.mesh.devices.size
