@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     groups = param_groups(model, cfg.weight_decay)
     params_list = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    schedule = lr_schedule(cfg)
+    schedule = lr_schedule(cfg, gbs)
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

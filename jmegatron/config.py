@@ -26,7 +26,7 @@ import ml_collections
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD", "multi-step")  # multi-step: ByteMLPerf
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
 # "auto": the CPU kernels (jmegatron.kernels.cpu) on a CPU backend in float32 without
@@ -90,14 +90,27 @@ class JMegatronConfig:
     # --- batch sizes and schedule (megatron/training/arguments.py: _add_training_args) ---
     micro_batch_size: int = 4
     global_batch_size: Optional[int] = None  # None: micro_batch_size * data_parallel_size
-    train_iters: int = 100
+    # (start global batch, increment, ramp-up samples): Megatron's --rampup-batch-size
+    # (needs train_samples, as Megatron); see jmegatron.training.num_microbatches_calculator
+    rampup_batch_size: Optional[tuple] = None
+    # iteration- or sample-based (Megatron: exactly one of --train-iters / --train-samples);
+    # None: derived from train_samples (Megatron's update_train_iters), else 100
+    train_iters: Optional[int] = None
+    train_samples: Optional[int] = None
     lr: float = 3e-4
     min_lr: float = 0.0
+    lr_warmup_init: float = 0.0  # the warm-up starts from this rate
+    lr_warmup_fraction: Optional[float] = None  # warm-up = this fraction of the decay length
     lr_warmup_iters: int = 0
-    lr_decay_iters: Optional[int] = None  # None: = train_iters
+    lr_warmup_samples: int = 0  # sample-based runs
+    lr_decay_iters: Optional[int] = None  # None: = train_iters (iteration-based runs)
+    lr_decay_samples: Optional[int] = None  # None: = train_samples (sample-based runs)
     lr_decay_style: str = "linear"
+    # multi-step (ByteMLPerf's --lr-decay-multi-step): shares of the decay at lr, lr/sqrt(10), lr/10
+    lr_decay_multi_step: tuple = (0.6, 0.3, 0.1)
     lr_wsd_decay_style: str = "exponential"
     lr_wsd_decay_iters: Optional[int] = None  # WSD: the final annealing phase length
+    lr_wsd_decay_samples: Optional[int] = None  # WSD, sample-based runs
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -108,6 +121,10 @@ class JMegatronConfig:
     log_interval: int = 10
     eval_interval: int = 100  # 0 disables evaluation during training
     eval_iters: int = 10
+    # jmegatron-only: evaluate the same first eval_iters global batches every time (curves
+    # compare point to point); False (default): Megatron's validation iterator, which
+    # continues through the validation split from one evaluation to the next
+    eval_fixed_batches: bool = False
     save_interval: Optional[int] = None  # None: save only at the end
     save: Optional[str] = None
     load: Optional[str] = None  # None: = save (resume automatically)
@@ -129,6 +146,10 @@ class JMegatronConfig:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    # ByteMLPerf's --variable-data / --seq-length-step: samples of seq_length - k * seq_length_step
+    # tokens, k in 1..9, padded to the batch's longest (jmegatron.data.gpt_variable_dataset)
+    variable_data: bool = False
+    seq_length_step: Optional[int] = None
 
     # --- knowledge distillation (Megatron's --export-kd-teacher-load, --export-kd-cfg,
     # --export-kd-finalize; see jmegatron.distill) ---
@@ -147,14 +168,21 @@ class JMegatronConfig:
     use_megatron_fsdp: bool = False  # Megatron: --use-megatron-fsdp (params, grads, optimizer state over data)
 
     def __post_init__(self):
+        for name in ("rampup_batch_size", "lr_decay_multi_step"):  # JSON gives lists
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), _field_types()[f.name])
         self._check_choices()
+        self._check_training_length()
+        train_iters = self._derived_train_iters()
         derived = {
             "num_query_groups": self.num_query_groups or self.num_attention_heads,
             "ffn_hidden_size": self.ffn_hidden_size or 4 * self.hidden_size,
             "max_position_embeddings": self.max_position_embeddings or self.seq_length,
-            "lr_decay_iters": self.lr_decay_iters or self.train_iters,
+            "train_iters": train_iters,
+            "lr_decay_iters": None if self.train_samples is not None else (self.lr_decay_iters or train_iters),
+            "lr_decay_samples": self.lr_decay_samples or self.train_samples,
             "load": self.load or self.save,
         }
         if self.kv_channels is None:
@@ -164,6 +192,65 @@ class JMegatronConfig:
         self._check_values()
 
     # ------------------------------------------------------------------ checks
+    def _check_training_length(self):
+        """Iteration- vs sample-based fields, as Megatron's validate_args asserts them."""
+        if self.train_samples is None:
+            for name, unset in (("lr_warmup_samples", 0), ("lr_decay_samples", None),
+                                ("lr_wsd_decay_samples", None), ("rampup_batch_size", None)):
+                if getattr(self, name) != unset:
+                    why = ("Megatron ramps the batch size only in sample-based training"
+                           if name == "rampup_batch_size" else "it belongs to sample-based training")
+                    raise ConfigError(f"config.{name}={getattr(self, name)!r} needs config.train_samples "
+                                      f"({why}); set train_samples instead of train_iters, or drop {name}.")
+        else:
+            if self.train_samples <= 0:
+                raise ConfigError(f"config.train_samples={self.train_samples} must be > 0.")
+            for name, unset in (("lr_warmup_iters", 0), ("lr_decay_iters", None), ("lr_wsd_decay_iters", None)):
+                if getattr(self, name) != unset:
+                    raise ConfigError(
+                        f"config.{name}={getattr(self, name)!r} is iteration-based but config.train_samples="
+                        f"{self.train_samples} makes the run sample-based (Megatron allows one of the two); use "
+                        f"{name.replace('iters', 'samples')}.")
+            if self.global_batch_size is None:
+                raise ConfigError("config.train_samples needs config.global_batch_size (the number of "
+                                  "iterations is derived from it); set global_batch_size.")
+        if self.lr_warmup_fraction is not None:
+            if not 0.0 <= self.lr_warmup_fraction <= 1.0:
+                raise ConfigError(f"config.lr_warmup_fraction={self.lr_warmup_fraction} must be in [0, 1].")
+            if self.lr_warmup_iters or self.lr_warmup_samples:
+                raise ConfigError("config.lr_warmup_fraction is set together with lr_warmup_iters/"
+                                  "lr_warmup_samples; Megatron takes one of them: drop one.")
+        ratios = self.lr_decay_multi_step
+        if len(ratios) != 3 or any(isinstance(r, bool) or not isinstance(r, (int, float)) or r < 0 for r in ratios):
+            raise ConfigError(f"config.lr_decay_multi_step={ratios!r} must be three shares >= 0 "
+                              "(at lr, at lr/sqrt(10), at lr/10), e.g. (0.6, 0.3, 0.1).")
+        if abs(sum(ratios) - 1.0) >= 1e-6:  # ByteMLPerf's assert in get_lr
+            raise ConfigError(f"config.lr_decay_multi_step={ratios!r} sums to {sum(ratios):.6g}; the three "
+                              "shares of the decay must sum to 1.")
+        if self.variable_data and (self.seq_length_step is None or self.seq_length_step <= 0
+                                   or self.seq_length - 9 * self.seq_length_step < 1):
+            raise ConfigError(
+                f"config.variable_data=True needs config.seq_length_step > 0 with seq_length - 9 x "
+                f"seq_length_step >= 1 (samples have seq_length - k x step tokens, k in 1..9); got "
+                f"seq_length={self.seq_length}, seq_length_step={self.seq_length_step}.")
+
+    def _derived_train_iters(self) -> int:
+        """train_iters as Megatron's update_train_iters derives it from train_samples."""
+        if self.train_samples is None:
+            return 100 if self.train_iters is None else self.train_iters
+        from jmegatron.training.num_microbatches_calculator import (NumMicroBatchesCalculatorError,
+                                                                     update_train_iters)
+
+        try:
+            iters = update_train_iters(self.train_samples, self.global_batch_size, self.rampup_batch_size)
+        except NumMicroBatchesCalculatorError as e:
+            raise ConfigError(str(e)) from None
+        if self.train_iters is not None and self.train_iters != iters:
+            raise ConfigError(
+                f"config.train_iters={self.train_iters} and config.train_samples={self.train_samples} are both "
+                f"set (Megatron takes one): train_samples gives {iters} iterations; set train_iters=None.")
+        return iters
+
     def _check_choices(self):
         choices = {
             "position_embedding_type": POSITION_EMBEDDING_TYPES,
@@ -193,9 +280,10 @@ class JMegatronConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be > 0.")
         nonneg = ("train_iters", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad",
-                  "eval_interval", "adam_eps", "init_method_std", "lr_decay_iters")
+                  "eval_interval", "adam_eps", "init_method_std", "lr_decay_iters", "lr_warmup_samples",
+                  "lr_decay_samples", "lr_warmup_init")
         for name in nonneg:
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be >= 0.")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -215,12 +303,14 @@ class JMegatronConfig:
             raise ConfigError(
                 f"config.seq_length={self.seq_length} exceeds config.max_position_embeddings="
                 f"{self.max_position_embeddings}; raise max_position_embeddings.")
-        if self.lr_warmup_iters > self.lr_decay_iters and self.lr_decay_style != "constant":
-            raise ConfigError(
-                f"config.lr_warmup_iters={self.lr_warmup_iters} exceeds config.lr_decay_iters="
-                f"{self.lr_decay_iters}.")
-        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
-            raise ConfigError("config.lr_decay_style='WSD' needs config.lr_wsd_decay_iters (the annealing length).")
+        if self.lr_warmup_init > self.lr:
+            raise ConfigError(f"config.lr_warmup_init={self.lr_warmup_init} exceeds config.lr={self.lr}.")
+        unit = "iters" if self.train_samples is None else "samples"
+        warmup, decay = getattr(self, f"lr_warmup_{unit}"), getattr(self, f"lr_decay_{unit}")
+        if warmup > decay and self.lr_decay_style != "constant":
+            raise ConfigError(f"config.lr_warmup_{unit}={warmup} exceeds config.lr_decay_{unit}={decay}.")
+        if self.lr_decay_style == "WSD" and getattr(self, f"lr_wsd_decay_{unit}") is None:
+            raise ConfigError(f"config.lr_decay_style='WSD' needs config.lr_wsd_decay_{unit} (the annealing length).")
         if not self.mock_data and self.data_path is None:
             raise ConfigError("config.data_path is not set; give a preprocessed prefix "
                               "(python -m jmegatron.tools.preprocess_data) or set config.mock_data=True.")
@@ -323,8 +413,8 @@ class JMegatronConfig:
         """A copy with ``changes`` (validated); unknown names raise ConfigError.
 
         Derived fields already resolved in ``self`` (ffn_hidden_size, kv_channels, load,
-        lr_decay_iters, ...) keep their values: pass them too when changing what they
-        derive from."""
+        lr_decay_iters, train_iters, ...) keep their values: pass them too when changing what
+        they derive from (for a sample-based run, ``train_iters=None`` re-derives it)."""
         _check_names(changes)
         return dataclasses.replace(self, **changes)
 

@@ -22,13 +22,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jmegatron.config import JMegatronConfig
+from jmegatron.config import ConfigError, JMegatronConfig
 from jmegatron.data.loader import BatchLoader
 from jmegatron.models.gpt import GPTModel, ModelConfig
 from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing, flops, memory, optimizer, state as state_lib, step as step_lib
 from jmegatron.training.logging import MetricsLogger
+from jmegatron.training.num_microbatches_calculator import (NumMicroBatchesCalculatorError,
+                                                             build_num_microbatches_calculator)
 from jmegatron.training.peak import resolve_peak_for_config
 
 
@@ -57,6 +59,9 @@ class Run:
     # trainable modules stored beside the model's params (name -> (module, example input
     # shape)): distillation's kd_projection; recorded in the checkpoint meta as "aux_params"
     aux_modules: dict = dataclasses.field(default_factory=dict)
+    # jmegatron.training.num_microbatches_calculator: the global batch of each iteration
+    # (constant, or Megatron's ramp-up); global_batch_size / num_microbatches are the final ones
+    num_microbatches_calculator: Any = None
 
     def init_state(self) -> state_lib.TrainState:
         """A freshly initialised TrainState (seed ``cfg.seed``) in ``state_shardings``."""
@@ -93,10 +98,15 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     mesh = mesh or create_mesh(cfg)
     dp = mesh.shape["data"]
     num_micro = cfg.num_microbatches(dp)
+    gbs = num_micro * cfg.micro_batch_size * dp
+    try:
+        calculator = build_num_microbatches_calculator(gbs, cfg.micro_batch_size, dp, cfg.rampup_batch_size)
+    except NumMicroBatchesCalculatorError as e:
+        raise ConfigError(str(e)) from None
     padded = cfg.padded_vocab_size(vocab_size if vocab_size is not None else vocab_size_of(cfg))
     cfg.check_parallel_divisibility(padded, dp)
     model = GPTModel(ModelConfig.from_config(cfg, padded))
-    tx = optimizer.make_optimizer(cfg)
+    tx = optimizer.make_optimizer(cfg, gbs)
     rules = rules_lib.make_rules(cfg)
     teacher = loss_fn = extra_shardings = None
     aux = {}
@@ -112,47 +122,67 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
         extra_shardings = teacher.shardings
     abstract, shardings, grad_shardings = state_lib.state_shardings(
         model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer, aux)
-    step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg), mesh, shardings.params,
+    step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg, gbs), mesh, shardings.params,
                                        grad_shardings, rules, loss_fn, extra_shardings, cfg.log_num_zeros_in_grad)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, extra_shardings)
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules), mesh, shardings.params)
     return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
-               num_microbatches=num_micro, global_batch_size=num_micro * cfg.micro_batch_size * dp,
+               num_microbatches=num_micro, global_batch_size=gbs, num_microbatches_calculator=calculator,
                abstract_state=abstract, state_shardings=shardings, grad_shardings=grad_shardings,
                rules=rules, train_step=train_step, eval_step=eval_step,
                compute_grads=jax.jit(step_fn.compute_grads),
                extra_args=(teacher.params,) if teacher else (), teacher=teacher, aux_modules=aux)
 
 
+def get_train_valid_test_num_samples(cfg: JMegatronConfig, global_batch_size: int) -> tuple[int, int, int]:
+    """Samples per split, as Megatron's ``get_train_valid_test_num_samples``
+    (megatron/training/training.py): ``train_samples`` (or ``train_iters * gbs``);
+    ``(train_iters // eval_interval + 1) * eval_iters * gbs`` validation samples, enough for
+    every evaluation plus the one at the end, since the validation iterator continues from
+    one evaluation to the next; ``eval_iters * gbs`` test samples. With
+    ``eval_fixed_batches`` every evaluation reads the same first ``eval_iters`` batches, so
+    only those are built. ``eval_interval = 0`` (no evaluation during training) counts one
+    evaluation."""
+    train = cfg.train_samples if cfg.train_samples is not None else cfg.train_iters * global_batch_size
+    evaluations = 1 if cfg.eval_fixed_batches or not cfg.eval_interval else cfg.train_iters // cfg.eval_interval + 1
+    return train, evaluations * cfg.eval_iters * global_batch_size, cfg.eval_iters * global_batch_size
+
+
 def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
-    """(train, valid, test) datasets of ``train_iters * gbs``, ``eval_iters * gbs`` and
-    ``eval_iters * gbs`` samples. Megatron sizes the validation split for every
-    evaluation; jmegatron evaluates the same first batches each time, so only those are
-    built, and the validation samples do not depend on train_iters or eval_interval.
-    Raises ValueError (data_path, split) or FileNotFoundError for missing prefixes."""
+    """(train, valid, test) datasets sized by :func:`get_train_valid_test_num_samples`; with
+    ``cfg.variable_data`` each is wrapped in ByteMLPerf's
+    :class:`~jmegatron.data.gpt_variable_dataset.GPTVariableDataset` (ByteMLPerf uses it for
+    all three splits). Raises ValueError (data_path, split) or FileNotFoundError for
+    missing prefixes."""
     from jmegatron.data.blended_dataset import build_train_valid_test_datasets
 
-    num_samples = (cfg.train_iters * global_batch_size,
-                   cfg.eval_iters * global_batch_size,
-                   cfg.eval_iters * global_batch_size)
+    num_samples = get_train_valid_test_num_samples(cfg, global_batch_size)
     eod = None
     if cfg.tokenizer_model:
         from jmegatron.data.tokenizer import load_tokenizer
 
         eod = load_tokenizer(cfg.tokenizer_model).eod
     data_path = cfg.data_path.split() if cfg.data_path else []
-    return build_train_valid_test_datasets(
+    splits = build_train_valid_test_datasets(
         data_path=data_path, split=cfg.split, train_valid_test_num_samples=num_samples,
         seq_length=cfg.seq_length, seed=cfg.seed, eod_id=eod, mock=cfg.mock_data,
         vocab_size=vocab_size_of(cfg), eod_mask_loss=cfg.eod_mask_loss,
         reset_position_ids=cfg.reset_position_ids)
+    if not cfg.variable_data:
+        return splits
+    from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
+
+    return tuple(None if ds is None else GPTVariableDataset(ds, cfg.seq_length, cfg.seq_length_step, cfg.seed,
+                                                            0 if eod is None else eod, cfg.eod_mask_loss)
+                 for ds in splits)
 
 
-def evaluate(run: Run, params: Any, dataset: Any, num_iters: int) -> float:
-    """Mean per-token validation loss (nats) over the first ``num_iters`` global batches
-    of ``dataset`` (the same batches at every evaluation, so curves compare)."""
+def evaluate(run: Run, params: Any, dataset: Any, num_iters: int, consumed_samples: int = 0) -> float:
+    """Mean per-token validation loss (nats) over ``num_iters`` global batches (the run's
+    final global batch, as Megatron's ``evaluate``) of ``dataset`` starting at sample
+    ``consumed_samples`` (Megatron's ``consumed_valid_samples``; 0: the first batches)."""
     loader = BatchLoader(dataset, run.global_batch_size, run.num_microbatches)
-    sums = [run.eval_step(params, run.put_batch(loader.batch_at(i * run.global_batch_size)))
+    sums = [run.eval_step(params, run.put_batch(loader.batch_at(consumed_samples + i * run.global_batch_size)))
             for i in range(num_iters)]
     total, count = jax.device_get(jax.tree.map(lambda *x: sum(x), *sums))  # one host sync
     return float(total) / max(float(count), 1.0)
@@ -195,10 +225,10 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _meta(cfg: JMegatronConfig, run: Run, iteration: int, consumed: int) -> dict:
+def _meta(cfg: JMegatronConfig, run: Run, iteration: int, consumed: int, consumed_valid: int = 0) -> dict:
     if cfg.kd_finalize:  # a plain student checkpoint: nothing of the distillation remains
         cfg = cfg.replace(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, kd_teacher_bf16=False)
-    meta = {"iteration": iteration, "consumed_train_samples": consumed,
+    meta = {"iteration": iteration, "consumed_train_samples": consumed, "consumed_valid_samples": consumed_valid,
             "padded_vocab_size": run.padded_vocab_size, "config": cfg.to_dict()}
     if run.aux_modules and not cfg.kd_finalize:
         meta["aux_params"] = {name: aux_spec(module) for name, (module, _) in run.aux_modules.items()}
@@ -250,10 +280,13 @@ def restore_state(run: Run, ckpt: checkpointing.Checkpointer, iteration: Optiona
     return state_lib.prune_to(state, run.abstract_state, fill), meta
 
 
-def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[Any, int, int]:
-    """(state, iteration, consumed_train_samples): restored from the latest checkpoint
-    (resharded to this run's layout) or freshly initialised. A checkpoint in ``cfg.save``
-    wins over ``cfg.load`` (a rerun continues its own progress), except with kd_finalize.
+def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[Any, int, int, int]:
+    """(state, iteration, consumed_train_samples, consumed_valid_samples): restored from the
+    latest checkpoint (resharded to this run's layout) or freshly initialised. A checkpoint
+    in ``cfg.save`` wins over ``cfg.load`` (a rerun continues its own progress), except
+    with kd_finalize. The validation position resumes where it was saved, as Megatron's
+    ``consumed_valid_samples`` (a checkpoint without one gets Megatron's fallback
+    ``iteration // eval_interval * eval_iters * gbs``).
 
     Raises CheckpointError: ``cfg.load`` given but empty, an unreadable or corrupt
     checkpoint, or one of a different model (both values named)."""
@@ -269,10 +302,15 @@ def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[
                                        meta["padded_vocab_size"], loader_ckpt.directory)
         state, meta = restore_state(run, loader_ckpt)
         print(f"[jmegatron] resumed from {loader_ckpt.directory} at iteration {meta['iteration']}", flush=True)
-        return state, int(meta["iteration"]), int(meta["consumed_train_samples"])
+        iteration = int(meta["iteration"])
+        consumed_valid = meta.get("consumed_valid_samples")
+        if consumed_valid is None:  # Megatron's build_train_valid_test_data_loaders fallback
+            consumed_valid = (iteration // cfg.eval_interval * cfg.eval_iters * run.global_batch_size
+                              if cfg.eval_interval and cfg.train_samples is None else 0)
+        return state, iteration, int(meta["consumed_train_samples"]), int(consumed_valid)
     if cfg.load and os.path.abspath(cfg.load) != os.path.abspath(cfg.save or ""):
         raise checkpointing.CheckpointError(f"config.load={cfg.load!r} holds no checkpoint")
-    return run.init_state(), 0, 0
+    return run.init_state(), 0, 0, 0
 
 
 def _truncate_metrics(path: str, iteration: int) -> None:
@@ -310,11 +348,19 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
         if main_process:
             with open(os.path.join(cfg.save, "config.json"), "w") as f:
                 f.write(cfg.to_json())
-    state, iteration, consumed = load_or_init(run, ckpt)
+    state, iteration, consumed, consumed_valid = load_or_init(run, ckpt)
     if main_process and cfg.save:
         _truncate_metrics(os.path.join(cfg.save, "metrics.jsonl"), iteration)
     train_ds, valid_ds, _ = build_datasets(cfg, run.global_batch_size)
-    loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches, consumed)
+    loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches, consumed,
+                         run.num_microbatches_calculator)
+    if cfg.rampup_batch_size is not None:  # Megatron's calculator logs the same
+        start, inc, ramp = cfg.rampup_batch_size
+        print(f"[jmegatron] batch size ramp-up from {start} by {inc} to {run.global_batch_size} over {ramp} "
+              f"samples: {cfg.train_iters} iterations for {cfg.train_samples} samples", flush=True)
+    if cfg.variable_data and train_ds is not None:
+        print(f"[jmegatron] variable data: sample lengths {sorted(train_ds.lengths)} (padded to each batch's "
+              f"longest; one compilation per length)", flush=True)
     num_devices = run.mesh.devices.size
     flops_per_iter = flops.num_floating_point_operations(cfg, run.global_batch_size, run.padded_vocab_size)
     tb_dir = cfg.tensorboard_dir or (os.path.join(cfg.save, "tensorboard") if cfg.save else None)
@@ -341,7 +387,13 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
               flush=True)
     stop = _StopRequest(cfg.exit_signal_handler)
     summary = {"losses": {}, "val_loss": None, "interrupted": False}
-    pending: list[tuple[int, dict]] = []
+    pending: list[tuple[int, dict, int, float]] = []  # (iteration, metrics, global batch, FLOPs)
+
+    def iteration_flops(gbs: int, seq: int) -> float:
+        # Megatron's formula over the tokens actually computed (padded to the batch's longest)
+        return flops.num_floating_point_operations(cfg, gbs, run.padded_vocab_size, total_tokens=gbs * seq,
+                                                   seqlen_squared_sum=gbs * seq * seq)
+
     memory_reports = 0
     last_log = time.perf_counter()
     # Loaded from another directory (e.g. kd_finalize): the final save writes it to `save`.
@@ -352,33 +404,42 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
     def save(it: int):
         nonlocal saved_at
         if ckpt and saved_at != it:
-            ckpt.save(it, state, _meta(cfg, run, it, loader.consumed_samples))
+            ckpt.save(it, state, _meta(cfg, run, it, loader.consumed_samples, consumed_valid))
             saved_at = it
 
     def run_eval(it: int):
+        nonlocal consumed_valid
         if valid_ds is not None and len(valid_ds) and cfg.eval_iters:
-            val = evaluate(run, state.params, valid_ds, cfg.eval_iters)
+            # Megatron's valid iterator continues between evaluations (consumed_valid_samples)
+            start = 0 if cfg.eval_fixed_batches else consumed_valid
+            val = evaluate(run, state.params, valid_ds, cfg.eval_iters, start)
+            if not cfg.eval_fixed_batches:
+                consumed_valid += cfg.eval_iters * run.global_batch_size
             logger.log_eval(it, val)
             summary["val_loss"] = val
 
     try:
         while iteration < cfg.train_iters and not cfg.kd_finalize:  # finalize: convert, no training
-            batch = run.put_batch(next(loader))
+            host_batch = next(loader)
+            batch = run.put_batch(host_batch)
             state, metrics = run.train_step(state, batch, *run.extra_args)
             iteration += 1
-            pending.append((iteration, metrics))
+            # this iteration's global batch and (padded) length: both vary under ramp-up / variable data
+            num_micro, rows, seq = host_batch["tokens"].shape
+            pending.append((iteration, metrics, num_micro * rows, iteration_flops(num_micro * rows, seq)))
             signalled = stop.agreed(iteration, cfg.log_interval)
             stopping = signalled or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
             if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stopping:
-                host = jax.device_get([m for _, m in pending])
+                host = jax.device_get([m for _, m, _, _ in pending])
                 now = time.perf_counter()
                 report_memory = memory_reports == 0 or cfg.test_memory  # Megatron: first log; ByteMLPerf: all
-                logger.log_train(iteration, host, now - last_log, loader.consumed_samples, run.global_batch_size,
+                logger.log_train(iteration, host, now - last_log, loader.consumed_samples, pending[-1][2],
+                                 flops=sum(f for _, _, _, f in pending),
                                  memory_devices=jax.local_devices() if report_memory else None,
                                  memory_rank=jax.process_index(), compiled_memory=lambda: run.train_step.lower(
                                      state, batch, *run.extra_args).compile().memory_analysis())
                 memory_reports += report_memory
-                for (it, _), m in zip(pending, host):
+                for (it, _, _, _), m in zip(pending, host):
                     summary["losses"][it] = float(m.get("lm_loss", m["loss"]))
                     if not math.isfinite(float(m["loss"])):
                         raise FloatingPointError(f"loss is {m['loss']} at iteration {it}")
