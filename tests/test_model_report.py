@@ -120,9 +120,13 @@ def test_bytemlperf_345m_transcription_and_count():
     cfg = load_config_file(str(REPO / "configs" / "bytemlperf" / "gpt3_345m.py"))
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.seq_length,
             cfg.max_position_embeddings) == (12, 512, 8, 1024, 2048)
-    assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters,
+    assert (cfg.micro_batch_size, cfg.global_batch_size, cfg.lr, cfg.min_lr, cfg.lr_warmup_fraction,
             cfg.lr_decay_iters, cfg.init_method_std, cfg.adam_beta2, cfg.weight_decay) == \
-        (32, 512, 6e-5, 6e-6, 430, 430000, 0.006, 0.95, 0.1)
+        (32, 512, 6e-5, 6e-6, 0.001, 430000, 0.006, 0.95, 0.1)
+    from jmegatron.training.optimizer import lr_schedule
+
+    lr = lr_schedule(cfg, cfg.global_batch_size)  # --lr-warmup-fraction .001 x 430000: 430 iterations
+    assert float(lr(429)) < 6e-5 and float(lr(430)) == pytest.approx(6e-5)
     hh, P, VV = 512, 2048, 50304
     layer = 2 * 2 * hh + (3 * hh * hh + 3 * hh) + (hh * hh + hh) + (hh * 4 * hh + 4 * hh) + (4 * hh * hh + hh)
     assert flops.num_parameters(cfg, cfg.padded_vocab_size()) == VV * hh + P * hh + 12 * layer + 2 * hh \

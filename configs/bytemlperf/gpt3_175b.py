@@ -11,19 +11,16 @@ configs/bytemlperf/gpt3_175b.py``); jmegatron cannot run pipeline parallelism ye
 script's layout is in ``LAYOUT``, not in the config's parallel fields (validation refuses
 pipeline_model_parallel_size > 1).
 
-Script arguments with no jmegatron field yet:
+Script arguments not set here:
 
 * ``--rampup-batch-size 16 16 5859375`` (start 16, increment 16, over 5,859,375 samples):
-  the sched branch's field (issue 11, item 4); once merged:
-
-      # sched fields: c.rampup_batch_size = (16, 16, 5859375)
-
-  Note that Megatron's validate_args refuses it as the script is written:
+  ``RAMPUP_BATCH_SIZE`` below. jmegatron refuses it with ``train_iters``, as Megatron's
+  validate_args does with the script as written:
   iteration-based training (``--train-iters``) asserts ``rampup_batch_size is None``
   ("expected no batch-size rampup for iteration-based training",
   ``megatron/training/arguments.py`` in ByteMLPerf's fork and upstream); a run needs
-  ``--train-samples`` instead.
-* ``--lr-warmup-fraction .001``: ``lr_warmup_iters`` 430 (0.001 x 430000).
+  ``--train-samples`` instead (``--config.train_iters=None --config.train_samples=N
+  --config.rampup_batch_size="(16, 16, 5859375)"``).
 * No ``--deterministic-mode`` here, unlike the 345M/857M scripts; the rest as gpt3_345m.py.
 """
 
@@ -52,7 +49,7 @@ def get_config():
     # TRAINING_ARGS (weight decay, betas, init std, clip, bf16, lr schedule as gpt3_345m.py)
     c.micro_batch_size = 1
     c.global_batch_size = 1536
-    # sched fields: c.rampup_batch_size = (16, 16, 5859375)
+    # --rampup-batch-size: RAMPUP_BATCH_SIZE (needs train_samples; see the module docstring)
     c.train_iters = 500000
     # EVAL_AND_LOGGING_ARGS
     c.log_interval = 100

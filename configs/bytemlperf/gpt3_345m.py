@@ -14,8 +14,6 @@ jmegatron.tools.model_report --config configs/bytemlperf/gpt3_345m.py``), seq 10
 
 Script arguments with no jmegatron field, and what stands for them:
 
-* ``--lr-warmup-fraction .001``: Megatron sets ``lr_warmup_iters = 0.001 *
-  lr_decay_iters`` = 430 (``megatron/training/training.py``, get_optimizer_param_scheduler).
 * ``--vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt``: the GPT-2 BPE vocabulary,
   ``vocab_size`` 50257 (padded to 50304). ``--data-path``: the user's corpus, so
   ``mock_data`` is on here; pass ``--config.data_path=... --config.tokenizer_model=...``
@@ -69,7 +67,7 @@ def get_config():
     c.lr_decay_style = "cosine"
     c.min_lr = 6.0e-6
     c.lr_decay_iters = 430000
-    c.lr_warmup_iters = 430  # --lr-warmup-fraction .001 x --lr-decay-iters 430000
+    c.lr_warmup_fraction = 0.001  # Megatron: warm-up = 0.001 x lr_decay_iters = 430 iterations
     # MODEL_PARALLEL_ARGS: tp 1, pp 1 (LAYOUT above)
     c.tensor_model_parallel_size = 1
     c.pipeline_model_parallel_size = 1
