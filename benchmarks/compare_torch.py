@@ -22,7 +22,10 @@ Fairness (each side its best settings, the same work):
   ``--steps`` timed steps, in turn, after ``--settle`` seconds idle. Nothing runs untimed
   inside a round unless ``--round-warmup N`` is given, and then the figures with those N
   steps counted are printed too. At least 5 rounds.
-- Every process gets the same glibc malloc setting (``--allocator``).
+- Host allocators (``--allocators``, jmegatron.runtime: glibc's ``default``, ``mimalloc``,
+  ``tcmalloc``, ``jemalloc``, ``hugepages``): every framework runs under each one listed
+  (a process each), and each framework's row uses its fastest (by median); the other
+  allocators' medians are printed too.
 
 The table per dropout setting gives ms/step as min / median / max over rounds (each
 round's figure is the mean of its timed steps), tokens/s and TFLOP/s at the median
@@ -298,10 +301,9 @@ def main(argv=None) -> int:
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds of idle before each framework's turn (OpenMP worker threads "
                         "busy-wait for a while after a parallel region)")
-    p.add_argument("--allocator", choices=("hugepages", "default"), default="default",
-                   help="glibc malloc of every framework's process alike: 'hugepages' = "
-                        "glibc.malloc.hugetlb=1 (jmegatron.runtime, JMEGATRON_HOST_ALLOCATOR=hugepages), "
-                        "'default' = glibc's")
+    p.add_argument("--allocators", default="default,mimalloc",
+                   help="comma-separated host allocators (jmegatron.runtime.ALLOCATORS); every framework "
+                        "runs under each, and its row uses its fastest")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
     if args.rounds < 5:
@@ -316,28 +318,38 @@ def main(argv=None) -> int:
     cfg = bench_config(args.config)
     vocab = cfg.padded_vocab_size()
     frameworks = ["jmegatron", "pytorch_eager"] + ([] if args.no_compile else ["pytorch_compile"])
-    if args.allocator == "hugepages":
-        os.environ["JMEGATRON_HOST_ALLOCATOR"] = "hugepages"
-        if runtime.wanted():
-            os.environ.update(runtime.host_tunables_env())  # inherited by every worker below
-        else:
-            args.allocator = "default"
+    allocators = [a.strip() for a in args.allocators.split(",") if a.strip()]
+    envs = {}
+    for alloc in allocators:
+        try:
+            envs[alloc] = runtime.allocator_env(alloc)
+        except runtime.AllocatorUnavailable as e:
+            p.error(f"--allocators: {e}")
     ctx = mp.get_context("spawn")
     workers, infos = {}, {}
+    saved_env = dict(os.environ)
     for dropout in args.dropout:
-        for name in frameworks:  # built and warmed up one at a time, so compilations do not overlap
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(name, args.config, dropout, args.threads, args.warmup, child))
-            proc.start()
-            info, losses = parent.recv()
-            infos[(name, dropout)] = info
-            extra = ""
-            if "adamw" in info:
-                extra = f"; AdamW {info['adamw']} (ms/step: " + ", ".join(
-                    f"{k} {v:.0f}" for k, v in info["adamw_ms"].items()) + ")"
-            print(f"[warm-up] {name} dropout {dropout}: {args.warmup} steps in {info['warmup_s']:.1f}s, losses "
-                  + ", ".join(f"{x:.4f}" for x in losses) + extra, flush=True)
-            workers[(name, dropout)] = (proc, parent)
+        for alloc in allocators:
+            for name in frameworks:  # built and warmed up one at a time, so compilations do not overlap
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker, args=(name, args.config, dropout, args.threads, args.warmup,
+                                                         child))
+                os.environ.clear()
+                os.environ.update(envs[alloc])  # the spawned interpreter starts with this allocator
+                try:
+                    proc.start()
+                finally:
+                    os.environ.clear()
+                    os.environ.update(saved_env)
+                info, losses = parent.recv()
+                infos[(name, dropout, alloc)] = info
+                extra = ""
+                if "adamw" in info:
+                    extra = f"; AdamW {info['adamw']} (ms/step: " + ", ".join(
+                        f"{k} {v:.0f}" for k, v in info["adamw_ms"].items()) + ")"
+                print(f"[warm-up] {name} dropout {dropout} {alloc}: {args.warmup} steps in {info['warmup_s']:.1f}s, losses "
+                      + ", ".join(f"{x:.4f}" for x in losses) + extra, flush=True)
+                workers[(name, dropout, alloc)] = (proc, parent)
 
     times = {key: [] for key in workers}
     for r in range(args.rounds):
@@ -346,8 +358,8 @@ def main(argv=None) -> int:
             conn.send(args.round_warmup + args.steps)
             times[key].append(conn.recv())
         print(f"[round {r + 1}/{args.rounds}] " + ", ".join(
-            f"{n}@{d} {statistics.mean(ts[-1][args.round_warmup:]) * 1e3:.0f} ms/step"
-            for (n, d), ts in times.items()), flush=True)
+            f"{n}@{d}/{a} {statistics.mean(ts[-1][args.round_warmup:]) * 1e3:.0f} ms"
+            for (n, d, a), ts in times.items()), flush=True)
     for proc, conn in workers.values():
         conn.send(None)
         proc.join()
@@ -361,28 +373,35 @@ def main(argv=None) -> int:
         "padded_vocab_size": vocab, "peak_tflops": peak, "peak_source": choice.source,
         "theoretical_peak_tflops": theoretical, "theoretical_peak_source": choice.theoretical_source,
         "rounds": args.rounds, "steps_per_round": args.steps, "round_warmup": args.round_warmup,
-        "torch_threads": args.threads, "allocator": args.allocator, "by_dropout": {}}
+        "torch_threads": args.threads, "allocators": allocators, "by_dropout": {}}
     print(f"\n{args.config}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, "
           f"ffn {cfg.ffn_hidden_size}, vocab {vocab}, seq {cfg.seq_length}, batch {cfg.micro_batch_size}; "
           f"float32"
-          + f"; malloc {args.allocator}; {args.rounds} rounds x {args.steps} timed steps per framework"
+          + f"; allocators {', '.join(allocators)}; {args.rounds} rounds x {args.steps} timed steps per framework"
           + (f" after {args.round_warmup} left-out steps" if args.round_warmup else ""))
     for dropout in args.dropout:
-        sub = {name: times[(name, dropout)] for name in frameworks}
+        def median_ms(name, alloc):
+            return statistics.median(statistics.mean(r[args.round_warmup:]) for r in times[(name, dropout, alloc)])
+
+        best = {name: min(allocators, key=lambda a: median_ms(name, a)) for name in frameworks}
+        sub = {name: times[(name, dropout, best[name])] for name in frameworks}
         flop = flops.num_floating_point_operations(cfg, cfg.micro_batch_size, vocab)
         entry = {"frameworks": summarize(sub, args.round_warmup, tokens_per_step, flop, peak, theoretical)}
         for name in frameworks:
-            entry["frameworks"][name].update(infos[(name, dropout)])
+            entry["frameworks"][name].update(infos[(name, dropout, best[name])], allocator=best[name],
+                                            ms_per_step_by_allocator={a: median_ms(name, a) * 1e3
+                                                                      for a in allocators})
         if args.round_warmup:
             entry["frameworks_all_steps"] = summarize(sub, 0, tokens_per_step, flop, peak, theoretical)
         print(f"\ndropout {dropout}:\n| framework | ms/step min / median / max | tokens/s | TFLOP/s | MFU | "
-              f"MFU (theoretical) | AdamW |\n|---|---|---|---|---|---|---|")
+              f"MFU (theoretical) | AdamW | allocator (median ms/step under each) |\n|---|---|---|---|---|---|---|---|")
         for name, fw in entry["frameworks"].items():
             ms = fw["ms_per_step"]
             mfu = f"{100 * fw['mfu']:.1f}%" if fw["mfu"] else "n/a"
             mfu_t = f"{100 * fw['mfu_theoretical']:.1f}%" if fw["mfu_theoretical"] else "n/a"
             print(f"| {name} | {ms['min']:.1f} / {ms['median']:.1f} / {ms['max']:.1f} | {fw['tokens_per_s']:,.0f} | "
-                  f"{fw['tflops']:.4f} | {mfu} | {mfu_t} | {fw.get('adamw', 'optax adamw')} |")
+                  f"{fw['tflops']:.4f} | {mfu} | {mfu_t} | {fw.get('adamw', 'optax adamw')} | {fw['allocator']} ("
+                  + ", ".join(f"{a} {v:.1f}" for a, v in fw["ms_per_step_by_allocator"].items()) + ") |")
         labels = {"pytorch_eager": "", "pytorch_compile": " vs torch.compile"}
         for other in frameworks[1:]:
             rt = ratios(sub, args.round_warmup, other)

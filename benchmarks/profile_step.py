@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--hlo-out", default=None, help="also write the compiled HLO text here")
     p.add_argument("--explain", action="store_true", help="show each top op's HLO shape and source")
     args = p.parse_args(argv)
-    from jmegatron.runtime import reexec_with_host_tunables
-    reexec_with_host_tunables()  # JMEGATRON_HOST_ALLOCATOR=hugepages, as python -m jmegatron.train
+    from jmegatron.runtime import reexec_with_host_allocator
+    reexec_with_host_allocator()  # $JMEGATRON_HOST_ALLOCATOR, as python -m jmegatron.train
 
     import jax
     from jax.profiler import ProfileData

@@ -1,15 +1,15 @@
 """Page faults and system time per train step (why huge pages or a caching allocator help).
 
-    python benchmarks/step_faults.py --config configs/gpt_tiny.py [--allocator hugepages] \
+    python benchmarks/step_faults.py --config configs/gpt_tiny.py [--allocator mimalloc|tcmalloc|...] \
         [--steps 10] [--warmup 3] [--config.<field>=<value> ...]
 
 Trains ``--warmup`` untimed steps (compilation included), then ``--steps`` steps on mock
 data (the config's shapes; ``vocab_size`` 8192 unless given), each waited for, and prints
 one JSON line with the medians per step of: minor and major page faults
 (``getrusage(RUSAGE_SELF)``: ``ru_minflt``, ``ru_majflt``), system and user CPU seconds,
-and wall milliseconds, plus the malloc setting. ``--allocator hugepages`` restarts the
-process with glibc's huge-page tunable, as ``JMEGATRON_HOST_ALLOCATOR=hugepages`` does for
-the CLIs (:mod:`jmegatron.runtime`). Timings on a shared machine are noisy; fault counts
+and wall milliseconds, plus the allocator. ``--allocator NAME`` restarts the process with
+that host allocator, as ``JMEGATRON_HOST_ALLOCATOR=NAME`` does for the CLIs
+(:mod:`jmegatron.runtime`; default: the CLIs' default). Timings on a shared machine are noisy; fault counts
 much less so.
 """
 
@@ -29,16 +29,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--allocator", choices=("default", "hugepages"), default="default",
-                   help="glibc's default malloc, or huge pages (re-executes with GLIBC_TUNABLES)")
+    from jmegatron.runtime import ALLOCATORS, active, reexec_with_host_allocator, requested
+
+    p.add_argument("--allocator", choices=ALLOCATORS, default=requested(),
+                   help="host allocator (jmegatron.runtime; re-executes with its environment)")
     args, rest = p.parse_known_args(argv)
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1")
-    if args.allocator == "hugepages":
-        os.environ["JMEGATRON_HOST_ALLOCATOR"] = "hugepages"
-    from jmegatron.runtime import active, reexec_with_host_tunables
-
-    reexec_with_host_tunables()
+    os.environ["JMEGATRON_HOST_ALLOCATOR"] = args.allocator
+    reexec_with_host_allocator()
 
     import jax
 
@@ -69,7 +68,7 @@ def main(argv=None) -> int:
                          "wall_ms": 1e3 * (t1 - t0)})
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(json.dumps({"config": path, "overrides": {k: v for k, v in overrides.items()},
-                      "allocator": "hugepages" if active() else "default", "steps": args.steps,
+                      "allocator": active() or "default", "steps": args.steps,
                       "median_per_step": med, "per_step": rows}))
     return 0
 

@@ -29,8 +29,8 @@ def main(argv=None) -> int:
                    help="data-parallel CPU devices for the same global batch (set "
                         "--xla_force_host_platform_device_count in XLA_FLAGS)")
     args = p.parse_args(argv)
-    from jmegatron.runtime import reexec_with_host_tunables
-    reexec_with_host_tunables()  # JMEGATRON_HOST_ALLOCATOR=hugepages, as python -m jmegatron.train
+    from jmegatron.runtime import reexec_with_host_allocator
+    reexec_with_host_allocator()  # $JMEGATRON_HOST_ALLOCATOR, as python -m jmegatron.train
     if os.environ.get("JMEGATRON_SRC"):  # another checkout (xla_flags_sweep's src=DIR)
         sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
                             and "editable" not in getattr(f, "__name__", "").lower()]
