@@ -218,7 +218,7 @@ def pick_adamw(step, trials: int = 3, rounds: int = 2) -> tuple[str, dict]:
     return best, samples
 
 
-def _worker(name: str, config: str, dropout: float, threads: int, warmup: int, conn) -> None:
+def _worker(name: str, config: str, dropout: float, threads: int, warmup: int, conn, adamw_trials: int = 3) -> None:
     """One (framework, dropout) in its own process: build, warm up (PyTorch: also pick its
     fastest AdamW), then answer requests ``n`` with the seconds of each of ``n`` steps.
     Separate processes keep each framework's thread pools (XLA's, PyTorch's OpenMP and the
@@ -239,7 +239,7 @@ def _worker(name: str, config: str, dropout: float, threads: int, warmup: int, c
     losses = [step() for _ in range(warmup)]
     info["warmup_s"] = time.perf_counter() - t0
     if name != "jmegatron":
-        best, samples = pick_adamw(step)
+        best, samples = pick_adamw(step, trials=adamw_trials)
         info["adamw"] = best
         info["adamw_ms"] = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
     conn.send((info, losses))
@@ -293,6 +293,8 @@ def main(argv=None) -> int:
                    help="hidden and attention dropout settings, each a row of the table (0 first: the "
                         "headline, PyTorch's CPU flash attention path needs dropout 0)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--adamw-trials", type=int, default=3,
+                   help="timed steps per AdamW implementation per choosing round (2 rounds) at warm-up")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="PyTorch intra-op threads")
     p.add_argument("--round-warmup", type=int, default=0,
                    help="steps at the start of each framework's turn that the headline leaves out "
@@ -333,7 +335,7 @@ def main(argv=None) -> int:
             for name in frameworks:  # built and warmed up one at a time, so compilations do not overlap
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_worker, args=(name, args.config, dropout, args.threads, args.warmup,
-                                                         child))
+                                                         child, args.adamw_trials))
                 os.environ.clear()
                 os.environ.update(envs[alloc])  # the spawned interpreter starts with this allocator
                 try:
