@@ -116,11 +116,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run() -> None:
-    """The console entry point: with ``JMEGATRON_HOST_ALLOCATOR=hugepages`` restarts the
-    interpreter with huge pages for ``malloc`` first
-    (:func:`jmegatron.runtime.reexec_with_host_tunables`), then :func:`main`."""
-    from jmegatron.runtime import reexec_with_host_tunables
-    reexec_with_host_tunables()
+    """The console entry point: restarts the interpreter with the host allocator
+    (``$JMEGATRON_HOST_ALLOCATOR``, default mimalloc;
+    :func:`jmegatron.runtime.reexec_with_host_allocator`), then :func:`main`."""
+    from jmegatron.runtime import reexec_with_host_allocator
+    reexec_with_host_allocator()
     sys.exit(main())
 
 

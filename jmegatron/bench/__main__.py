@@ -85,6 +85,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from jmegatron.runtime import reexec_with_host_tunables
-    reexec_with_host_tunables()  # as python -m jmegatron.train (jmegatron.runtime)
+    from jmegatron.runtime import reexec_with_host_allocator
+    reexec_with_host_allocator()  # as python -m jmegatron.train (jmegatron.runtime)
     sys.exit(main())
