@@ -326,13 +326,6 @@ def _truncate_metrics(path: str, iteration: int) -> None:
         f.writelines(lines)
 
 
-def default_peak_tflops(cfg: JMegatronConfig) -> Optional[float]:
-    """The per-device peak (TFLOP/s) MFU divides by: ``config.peak_tflops``, else the
-    ``bench peak`` record stored for this machine, else the theoretical peak; None when none
-    is known (:func:`jmegatron.training.peak.resolve_peak_for_config`). Never times anything."""
-    return resolve_peak_for_config(cfg).tflops
-
-
 def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
     """Train ``cfg.train_iters`` iterations (resuming from ``cfg.load``), evaluating every
     ``eval_interval``, saving every ``save_interval`` and at the end. Returns a summary
