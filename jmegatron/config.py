@@ -33,6 +33,7 @@ RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
 # tensor parallelism, else XLA's ops ("xla"); resolved by jmegatron.models.gpt.ModelConfig.
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cpu")
 MATMUL_IMPLS = ("auto", "xla", "blas")
+PIPELINE_SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b")
 DROPOUT_IMPLS = ("hash", "threefry")  # jmegatron.models.dropout.DROPOUT_IMPLS
 
 
@@ -161,6 +162,12 @@ class JMegatronConfig:
     # --- parallelism (sizes; see jmegatron.parallel.mesh) ---
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Megatron's interleaved schedule: model chunks per pipeline stage (v), given directly
+    # or as layers per chunk (--num-layers-per-virtual-pipeline-stage); None: v = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    # "auto" (Megatron's choice: 1F1B, interleaved when v > 1), "gpipe", "1f1b", "interleaved_1f1b"
+    pipeline_schedule: str = "auto"
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False  # Megatron: --sequence-parallel (activations between blocks split on seq over tensor)
@@ -261,6 +268,7 @@ class JMegatronConfig:
             "attention_impl": ATTENTION_IMPLS,
             "matmul_impl": MATMUL_IMPLS,
             "dropout_impl": DROPOUT_IMPLS,
+            "pipeline_schedule": PIPELINE_SCHEDULES,
         }
         for name, allowed in choices.items():
             value = getattr(self, name)
@@ -330,7 +338,8 @@ class JMegatronConfig:
         if self.use_distributed_optimizer and self.use_megatron_fsdp:
             raise ConfigError("config.use_megatron_fsdp=True already shards the optimizer state; "
                               "set config.use_distributed_optimizer=False.")
-        for name in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+        self._check_pipeline()
+        for name in ("context_parallel_size", "expert_model_parallel_size"):
             if getattr(self, name) != 1:
                 raise ConfigError(f"config.{name}={getattr(self, name)}: this parallelism is not built yet "
                                   f"(pipeline, context and expert parallelism are later issues); set it to 1.")
@@ -380,6 +389,50 @@ class JMegatronConfig:
         if self.use_megatron_fsdp and self.hidden_size % data_parallel_size:
             raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by the data-parallel size "
                               f"{data_parallel_size} (use_megatron_fsdp shards parameters on hidden).")
+
+    def _check_pipeline(self):
+        pp, v = self.pipeline_model_parallel_size, self.virtual_pipeline_size()
+        if v > 1 and pp == 1:
+            raise ConfigError("config.virtual_pipeline_model_parallel_size > 1 needs "
+                              "pipeline_model_parallel_size > 1 (Megatron's interleaved schedule); unset it.")
+        if self.num_layers % (pp * v):
+            raise ConfigError(
+                f"config.num_layers={self.num_layers} is not divisible by pipeline_model_parallel_size={pp} x "
+                f"virtual_pipeline_model_parallel_size={v}; every model chunk holds the same number of layers "
+                f"(uneven first/last stages are not built yet).")
+        if self.pipeline_schedule == "interleaved_1f1b" and v == 1:
+            raise ConfigError("config.pipeline_schedule='interleaved_1f1b' needs "
+                              "virtual_pipeline_model_parallel_size > 1; set it or use '1f1b'.")
+        if self.pipeline_schedule in ("gpipe", "1f1b") and v > 1:
+            raise ConfigError(f"config.pipeline_schedule={self.pipeline_schedule!r} runs one model chunk per stage; "
+                              f"with virtual_pipeline_model_parallel_size={v} use 'interleaved_1f1b' or 'auto'.")
+
+    def virtual_pipeline_size(self) -> int:
+        """Model chunks per pipeline stage (v): ``virtual_pipeline_model_parallel_size``, or
+        ``num_layers / (pipeline_model_parallel_size * num_layers_per_virtual_pipeline_stage)``
+        (Megatron's two spellings), else 1. Raises ConfigError if both are set and disagree
+        or the layers do not divide."""
+        v, per = self.virtual_pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage
+        if per is not None:
+            pp = self.pipeline_model_parallel_size
+            if per <= 0 or self.num_layers % (pp * per):
+                raise ConfigError(f"config.num_layers_per_virtual_pipeline_stage={per} must be > 0 and divide "
+                                  f"num_layers / pipeline_model_parallel_size = {self.num_layers}/{pp}.")
+            derived = self.num_layers // (pp * per)
+            if v is not None and v != derived:
+                raise ConfigError(f"config.virtual_pipeline_model_parallel_size={v} disagrees with "
+                                  f"num_layers_per_virtual_pipeline_stage={per} (which gives {derived}); set one.")
+            return derived
+        if v is not None and v <= 0:
+            raise ConfigError(f"config.virtual_pipeline_model_parallel_size={v} must be > 0.")
+        return v or 1
+
+    def resolved_pipeline_schedule(self) -> str:
+        """``pipeline_schedule`` with "auto" resolved as Megatron does: "1f1b", or
+        "interleaved_1f1b" when there are several model chunks per stage."""
+        if self.pipeline_schedule != "auto":
+            return self.pipeline_schedule
+        return "interleaved_1f1b" if self.virtual_pipeline_size() > 1 else "1f1b"
 
     def data_parallel_size(self, num_devices: int) -> int:
         """Devices left for data parallelism after tensor/pipeline/context/expert sizes."""

@@ -95,6 +95,9 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
 
     Raises ConfigError when the parallel sizes or batch sizes do not fit the devices.
     """
+    if cfg.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"config.pipeline_model_parallel_size={cfg.pipeline_model_parallel_size}: the "
+                          f"pipeline schedules are not wired into the train step yet (issue 12); set it to 1.")
     mesh = mesh or create_mesh(cfg)
     dp = mesh.shape["data"]
     num_micro = cfg.num_microbatches(dp)
