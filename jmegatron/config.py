@@ -32,7 +32,7 @@ RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
 # "auto": the CPU kernels (jmegatron.kernels.cpu) on a CPU backend in float32 without
 # tensor parallelism, else XLA's ops ("xla"); resolved by jmegatron.models.gpt.ModelConfig.
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cpu")
-MATMUL_IMPLS = ("auto", "xla", "blas")
+MATMUL_IMPLS = ("auto", "xla", "blas", "hybrid")
 PIPELINE_SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b")
 DROPOUT_IMPLS = ("hash", "threefry")  # jmegatron.models.dropout.DROPOUT_IMPLS
 
@@ -79,7 +79,9 @@ class JMegatronConfig:
     # tensor parallelism, else "xla"
     attention_impl: str = "auto"
     # dense-layer matmuls: "auto" | "xla" | "blas" (jmegatron.kernels.cpu: OpenBLAS through an
-    # XLA FFI custom call, no transposing copies in the backward); "auto" as attention_impl
+    # XLA FFI custom call, no transposing copies in the backward) | "hybrid" (XLA's dot for the
+    # forward and input gradient, the BLAS kernel for the weight gradient); "auto" = "hybrid"
+    # where attention_impl's "auto" picks the CPU kernel, else "xla"
     matmul_impl: str = "auto"
     # dropout masks: "hash" (counter-based hash of the element index, jmegatron.models.dropout)
     # or "threefry" (jax.random.bernoulli, ~50x slower on CPU)
@@ -330,7 +332,7 @@ class JMegatronConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("config.sequence_parallel=True needs config.tensor_model_parallel_size > 1 "
                               "(Megatron disables it otherwise); set sequence_parallel=False.")
-        for name, kernel in (("matmul_impl", "blas"), ("attention_impl", "cpu")):
+        for name, kernel in (("matmul_impl", "blas"), ("matmul_impl", "hybrid"), ("attention_impl", "cpu")):
             if getattr(self, name) == kernel and self.tensor_model_parallel_size > 1:
                 raise ConfigError(
                     f"config.{name}={kernel!r} is a CPU custom call that GSPMD cannot partition, so it "

@@ -128,18 +128,20 @@ def test_cpu_attention_without_dropout_ignores_the_rng():
     np.testing.assert_allclose(np.asarray(a), np.asarray(xla_attention(q, k, v)), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(use_distributed_optimizer=True), dict(use_megatron_fsdp=True)])
-def test_train_step_with_kernels_matches_xla_on_8_devices(layout):
+@pytest.mark.parametrize("layout,matmul", [(dict(), "blas"), (dict(), "hybrid"),
+                                           (dict(use_distributed_optimizer=True), "blas"),
+                                           (dict(use_megatron_fsdp=True), "hybrid")])
+def test_train_step_with_kernels_matches_xla_on_8_devices(layout, matmul):
     """dp 8 (the kernels inside the data-parallel shard_map), ZeRO-1 and FSDP: 3 steps of
-    losses and gradients as with XLA's ops, dropout on."""
+    losses and gradients as with XLA's ops, dropout on; matmul_impl "blas" and "hybrid"."""
     def run(impl):
-        kernel = {"xla": ("xla", "xla"), "kernels": ("blas", "cpu")}[impl]
+        kernel = {"xla": ("xla", "xla"), "kernels": (matmul, "cpu")}[impl]
         cfg = tiny_cfg(micro_batch_size=1, matmul_impl=kernel[0], attention_impl=kernel[1],
                        hidden_dropout=0.1, attention_dropout=0.1, **layout)
         return trajectory(cfg, 8)
     ref_losses, ref_grads, ref_run = run("xla")
     losses, grads, run_k = run("kernels")
-    assert (run_k.model.cfg.matmul_impl, run_k.model.cfg.attention_impl) == ("blas", "cpu")
+    assert (run_k.model.cfg.matmul_impl, run_k.model.cfg.attention_impl) == (matmul, "cpu")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for g, r in zip(grads, ref_grads):
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
@@ -149,7 +151,7 @@ def test_train_step_with_kernels_matches_xla_on_8_devices(layout):
 def test_auto_resolution_and_refusals():
     cfg = tiny_cfg()
     m = ModelConfig.from_config(cfg, cfg.padded_vocab_size())
-    assert (m.matmul_impl, m.attention_impl) == ("blas", "cpu")
+    assert (m.matmul_impl, m.attention_impl) == ("hybrid", "cpu")
     tp = tiny_cfg(tensor_model_parallel_size=2)
     m = ModelConfig.from_config(tp, tp.padded_vocab_size())
     assert (m.matmul_impl, m.attention_impl) == ("xla", "xla")

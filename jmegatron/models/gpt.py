@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jmegatron.config import JMegatronConfig
 from jmegatron.models.attention import SelfAttention
 from jmegatron.models.dropout import Dropout
+from jmegatron.fusions import fused_gelu
 from jmegatron.models.layers import Embed, Linear, dense_dot_general_fn, make_norm
 
 Array = jax.Array
@@ -69,15 +70,15 @@ class ModelConfig:
 
     def dense_dot_general(self) -> Callable:
         """The dense layers' ``dot_general`` for ``matmul_impl``."""
-        if self.matmul_impl == "blas":
+        if self.matmul_impl in ("blas", "hybrid"):
             from jmegatron.kernels.cpu.ops import blas_dot_general
-            return blas_dot_general
+            return functools.partial(blas_dot_general, weight_grad_only=self.matmul_impl == "hybrid")
         return dense_dot_general_fn
 
 
 def resolve_impls(cfg: JMegatronConfig) -> dict[str, str]:
     """``{"attention_impl": ..., "matmul_impl": ...}`` with ``"auto"`` resolved: the CPU
-    kernels ("cpu" / "blas", :mod:`jmegatron.kernels.cpu`) when JAX's backend is the CPU,
+    kernels ("cpu" / "hybrid", :mod:`jmegatron.kernels.cpu`) when JAX's backend is the CPU,
     the compute dtype float32, tensor_model_parallel_size 1 and the kernels build; else
     "xla". Explicit choices are kept."""
     out = {"attention_impl": cfg.attention_impl, "matmul_impl": cfg.matmul_impl}
@@ -87,7 +88,7 @@ def resolve_impls(cfg: JMegatronConfig) -> dict[str, str]:
         if out["attention_impl"] == "auto":
             out["attention_impl"] = "cpu" if kernels else "xla"
         if out["matmul_impl"] == "auto":
-            out["matmul_impl"] = "blas" if kernels else "xla"
+            out["matmul_impl"] = "hybrid" if kernels else "xla"
     return out
 
 
@@ -113,7 +114,7 @@ class MLP(nn.Module):
         else:
             h = dense((c.ffn_hidden_size,), ("embed", "mlp"), kernel_init=init, tp_mode="column", tp_dim=1,
                       name="linear_fc1")(x)
-            h = nn.gelu(h, approximate=False)
+            h = fused_gelu.gelu(h)  # erf GELU, one pass each way (jmegatron.fusions)
         h = nn.with_logical_constraint(h, ("batch", "length", "activation_mlp"))
         return dense((c.hidden_size,), ("mlp", "embed"), kernel_init=out_init, tp_mode="row", tp_dim=0,
                      name="linear_fc2")(h)

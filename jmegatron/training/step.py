@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
 from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.distributed_optimizer import data_dim
 from jmegatron.training.state import TrainState
@@ -39,9 +40,11 @@ Batch = dict[str, jax.Array]
 def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array):
     """(sum of masked token losses, number of unmasked tokens), both float32 scalars.
 
-    logits ``[b, s, V]`` float32, labels ``[b, s]`` int32, loss_mask ``[b, s]``.
+    logits ``[b, s, V]`` float32, labels ``[b, s]`` int32, loss_mask ``[b, s]``. The
+    cross-entropy is :func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`
+    (its backward recomputes the softmax from the saved log-sum-exp).
     """
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    ce = softmax_cross_entropy(logits, labels)
     mask = loss_mask.astype(jnp.float32)
     return jnp.sum(ce * mask), jnp.sum(mask)
 

@@ -88,23 +88,31 @@ def _as_matrices(x, kernel, dims, trans_b):
     return x.reshape(tokens, k), k2, x.shape[:x.ndim - nc] + free
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _blas_dense(x, kernel, dims):
+def _matmul(a, b, trans_b, xla):
+    """``a @ op(b)`` for 2-D float32 ``a``, ``b``: the BLAS kernel, or XLA's dot (which
+    reads a transposed ``b`` in place too) when ``xla``."""
+    if xla:
+        return jax.lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())))
+    return sgemm(a, b, False, trans_b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _blas_dense(x, kernel, dims, weight_grad_only):
     trans_b = _kernel_form(x, kernel, dims)
     x2, k2, out_shape = _as_matrices(x, kernel, dims, trans_b)
-    return sgemm(x2, k2, False, trans_b).reshape(out_shape)
+    return _matmul(x2, k2, trans_b, weight_grad_only).reshape(out_shape)
 
 
-def _blas_dense_fwd(x, kernel, dims):
-    return _blas_dense(x, kernel, dims), (x, kernel)
+def _blas_dense_fwd(x, kernel, dims, weight_grad_only):
+    return _blas_dense(x, kernel, dims, weight_grad_only), (x, kernel)
 
 
-def _blas_dense_bwd(dims, res, g):
+def _blas_dense_bwd(dims, weight_grad_only, res, g):
     x, kernel = res
     trans_b = _kernel_form(x, kernel, dims)
     x2, k2, _ = _as_matrices(x, kernel, dims, trans_b)
     g2 = g.reshape(x2.shape[0], -1).astype(jnp.float32)
-    dx = sgemm(g2, k2, False, not trans_b).reshape(x.shape)
+    dx = _matmul(g2, k2, not trans_b, weight_grad_only).reshape(x.shape)
     dk = sgemm(g2, x2, True, False) if trans_b else sgemm(x2, g2, True, False)
     return dx, dk.reshape(kernel.shape)
 
@@ -112,7 +120,8 @@ def _blas_dense_bwd(dims, res, g):
 _blas_dense.defvjp(_blas_dense_fwd, _blas_dense_bwd)
 
 
-def blas_dot_general(x: Array, kernel: Array, dims, precision=None, preferred_element_type=None) -> Array:
+def blas_dot_general(x: Array, kernel: Array, dims, precision=None, preferred_element_type=None,
+                     weight_grad_only: bool = False) -> Array:
     """``jax.lax.dot_general(x, kernel, dims)`` through :func:`sgemm` (a drop-in
     ``dot_general`` for :class:`jmegatron.models.layers.Linear` and the models).
 
@@ -121,13 +130,18 @@ def blas_dot_general(x: Array, kernel: Array, dims, precision=None, preferred_el
     (``[N..., K...]``, the tied output layer) ones, in order; anything else goes to
     :func:`jmegatron.models.layers.dense_dot_general_fn`. Gradients: ``dx = g op(W)^T``
     and ``dW = x^T g`` (or ``g^T x``), each one BLAS call reading its operands in place.
+
+    ``weight_grad_only`` (``matmul_impl="hybrid"``): the forward and ``dx`` go to XLA's dot
+    (YNNPACK), which reads ``op(W)`` in place and was 5-10% faster than the BLAS kernel for
+    those shapes on the AMD machine of docs/PERFORMANCE.md (attempt 18); only ``dW``, where
+    XLA would transpose an operand first, uses the BLAS kernel.
     """
     from jmegatron.models.layers import dense_dot_general_fn
     if precision is not None or preferred_element_type not in (None, jnp.float32):
         return dense_dot_general_fn(x, kernel, dims, precision, preferred_element_type)
     if _kernel_form(x, kernel, dims) is None or x.size == 0 or kernel.size == 0:
         return dense_dot_general_fn(x, kernel, dims)
-    return _blas_dense(*_same_vma(x, kernel), dims)
+    return _blas_dense(*_same_vma(x, kernel), dims, bool(weight_grad_only))
 
 
 def _dropout_key(dropout_rng, sample_offset) -> Array:
