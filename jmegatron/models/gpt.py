@@ -66,6 +66,8 @@ class ModelConfig:
         ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolved by :func:`resolve_impls`."""
         names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype"}
         fields = dict({n: getattr(cfg, n) for n in names}, **resolve_impls(cfg))
+        if cfg.pipeline_model_parallel_size > 1:  # stages hold slices of the stacked layers
+            fields["scan_layers"] = True
         return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32, **fields)
 
     def dense_dot_general(self) -> Callable:
@@ -261,3 +263,66 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_length: int, dtype: Any = No
         stacked = jnp.zeros((cfg.num_layers,) + shape, dtype)
         return (stacked, stacked)
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+
+# ------------------------------------------------------------------ pipeline stages
+# Megatron builds a GPTModel per pipeline stage with ``pre_process`` (embedding) on the
+# first and ``post_process`` (final norm, output layer) on the last
+# (megatron/core/models/gpt/gpt_model.py). Here the parameters stay those of one
+# ``scan_layers`` GPTModel (stacked ``decoder_layers`` in the stage order of
+# jmegatron.parallel.pipeline_layout) and these functions apply its parts to them; the
+# schedules in jmegatron.parallel.schedules call them per micro-batch.
+
+def _embed_init(c: ModelConfig):
+    return nn.initializers.normal(c.init_method_std)
+
+
+def embed_tokens(c: ModelConfig, params: Any, tokens: Array, position_ids: Array, *, deterministic: bool,
+                 rng: Any, sample_offset: Any) -> Array:
+    """GPTModel's pre-process: word (+ learned position) embeddings and embedding dropout,
+    ``[b, s]`` int32 -> ``[b, s, h]`` in the compute dtype. ``rng``: the dropout key."""
+    word = Embed(c.vocab_size, c.hidden_size, ("vocab", "embed"), dtype=c.dtype, embedding_init=_embed_init(c))
+    x = word.apply({"params": params["word_embeddings"]}, tokens)
+    if c.position_embedding_type == "learned_absolute":
+        pos = Embed(c.max_position_embeddings, c.hidden_size, (None, "embed"), dtype=c.dtype,
+                    embedding_init=_embed_init(c))
+        x = x + pos.apply({"params": params["position_embeddings"]}, position_ids)
+    drop = Dropout(rate=c.hidden_dropout, deterministic=deterministic, impl=c.dropout_impl)
+    x = drop.apply({}, x, sample_offset=jnp.asarray(sample_offset, jnp.uint32),
+                   rngs=None if deterministic else {"dropout": rng})
+    return nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
+
+
+def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Array, *, first_layer: Any,
+                 deterministic: bool, rng: Any, sample_offset: Any, dot_general: Callable) -> Array:
+    """The decoder layers whose parameters are stacked ``[n, ...]`` in ``layer_params``
+    (a slice of ``decoder_layers``), in order, as one ``lax.scan``; layer ``k`` is model
+    layer ``first_layer + k`` (its dropout key ``fold_in(rng, first_layer + k)``).
+    ``recompute_granularity="full"`` recomputes each layer in the backward."""
+    layer = TransformerLayer(c, deterministic, dot_general)
+    offset = jnp.asarray(sample_offset, jnp.uint32)
+
+    def body(h, xs):
+        p, k = xs
+        rngs = None if deterministic else {"dropout": jax.random.fold_in(rng, first_layer + k)}
+        return layer.apply({"params": p}, h, position_ids, offset, rngs=rngs)[0], None
+
+    if c.recompute_granularity == "full":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    n = jax.tree.leaves(layer_params)[0].shape[0]
+    return jax.lax.scan(body, x, (layer_params, jnp.arange(n)))[0]
+
+
+def output_logits(c: ModelConfig, params: Any, x: Array, dot_general: Callable) -> Array:
+    """GPTModel's post-process: final norm and output layer (tied: the word embeddings'
+    ``attend``), ``[b, s, h]`` -> float32 ``[b, s, vocab]``."""
+    x = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm").apply(
+        {"params": params["final_layernorm"]}, x)
+    if c.untie_embeddings_and_output_weights:
+        logits = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, tp_mode="column", tp_dim=1,
+                        dot_general=dot_general).apply({"params": params["output_layer"]}, x)
+    else:
+        word = Embed(c.vocab_size, c.hidden_size, ("vocab", "embed"), dtype=c.dtype)
+        logits = word.apply({"params": params["word_embeddings"]}, x, dot_general, method=Embed.attend)
+    logits = nn.with_logical_constraint(logits, ("batch", "length", "activation_vocab"))
+    return logits.astype(jnp.float32)

@@ -83,9 +83,15 @@ def entry_axes(entry: MeshAxes) -> tuple[str, ...]:
     return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
-def spec_only(spec: PartitionSpec, axis: str) -> PartitionSpec:
-    """``spec`` keeping only ``axis`` (the in/out specs of a shard_map over that axis)."""
-    return PartitionSpec(*(axis if axis in entry_axes(e) else None for e in spec))
+def spec_only(spec: PartitionSpec, axis: str | tuple[str, ...]) -> PartitionSpec:
+    """``spec`` keeping only ``axis`` (a name or several: the in/out specs of a shard_map
+    over those axes)."""
+    keep = (axis,) if isinstance(axis, str) else tuple(axis)
+    out = []
+    for e in spec:
+        kept = tuple(a for a in entry_axes(e) if a in keep)
+        out.append(None if not kept else (kept[0] if len(kept) == 1 else kept))
+    return PartitionSpec(*out)
 
 
 def spec_without(spec: PartitionSpec, axis: str) -> PartitionSpec:
@@ -108,10 +114,14 @@ def make_rules(cfg) -> tuple[tuple[str, MeshAxes], ...]:
     * ``sequence_parallel``: the residual stream's ``activation_length`` split over
       "tensor" (Megatron-Core sequence parallelism, Korthikanti et al. 2022);
     * ``use_megatron_fsdp``: every parameter's ``embed`` axis split over "data"
-      (parameters, gradients and optimizer state sharded, ZeRO-3).
+      (parameters, gradients and optimizer state sharded, ZeRO-3);
+    * ``pipeline_model_parallel_size > 1``: the stacked decoder layers' ``layers`` axis split
+      over "pipeline" (jmegatron.parallel.pipeline_layout).
     """
     table = dict(DEFAULT_RULES)
     table["activation_length"] = "tensor" if cfg.sequence_parallel else None
+    if cfg.pipeline_model_parallel_size > 1:  # the stacked decoder layers, in stage order
+        table["layers"] = "pipeline"
     if cfg.use_megatron_fsdp:
         table["embed"] = "data"
     return tuple(table.items())

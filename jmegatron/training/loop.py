@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jmegatron.config import ConfigError, JMegatronConfig
 from jmegatron.data.loader import BatchLoader
 from jmegatron.models.gpt import GPTModel, ModelConfig
-from jmegatron.parallel import rules as rules_lib
+from jmegatron.parallel import pipeline_layout, rules as rules_lib
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing, flops, memory, optimizer, state as state_lib, step as step_lib
 from jmegatron.training.logging import MetricsLogger
@@ -64,9 +64,18 @@ class Run:
     num_microbatches_calculator: Any = None
 
     def init_state(self) -> state_lib.TrainState:
-        """A freshly initialised TrainState (seed ``cfg.seed``) in ``state_shardings``."""
-        return state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
-                                          self.state_shardings, self.aux_modules)
+        """A freshly initialised TrainState (seed ``cfg.seed``) in ``state_shardings``: the
+        same model for every layout (with interleaved pipeline stages the stacked layers are
+        then put in stage order, jmegatron.parallel.pipeline_layout)."""
+        state = state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
+                                           self.state_shardings, self.aux_modules)
+        order = pipeline_layout.stage_layer_order(self.cfg.num_layers, self.cfg.pipeline_model_parallel_size,
+                                                  self.cfg.virtual_pipeline_size())
+        if (order == np.arange(self.cfg.num_layers)).all():
+            return state
+        permute = jax.jit(lambda p: dict(p, decoder_layers=jax.tree.map(lambda a: a[order], p["decoder_layers"])),
+                          out_shardings=self.state_shardings.params)
+        return state.replace(params=permute(state.params))
 
     def abstract_with_shardings(self) -> Any:
         """ShapeDtypeStructs of the TrainState carrying its shardings (a restore target)."""
@@ -95,9 +104,15 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
 
     Raises ConfigError when the parallel sizes or batch sizes do not fit the devices.
     """
+    pipeline = None
     if cfg.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"config.pipeline_model_parallel_size={cfg.pipeline_model_parallel_size}: the "
-                          f"pipeline schedules are not wired into the train step yet (issue 12); set it to 1.")
+        if cfg.kd_teacher_load and not cfg.kd_finalize:
+            raise ConfigError("distillation (config.kd_teacher_load) under pipeline_model_parallel_size > 1 is not "
+                              "built yet; distill with pipeline_model_parallel_size=1.")
+        if cfg.use_megatron_fsdp:
+            raise ConfigError("config.use_megatron_fsdp=True with pipeline_model_parallel_size > 1 is not built; "
+                              "use use_distributed_optimizer=True (ZeRO-1) with the pipeline.")
+        pipeline = (cfg.resolved_pipeline_schedule(), cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_size())
     mesh = mesh or create_mesh(cfg)
     dp = mesh.shape["data"]
     num_micro = cfg.num_microbatches(dp)
@@ -126,9 +141,13 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     abstract, shardings, grad_shardings = state_lib.state_shardings(
         model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer, aux)
     step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg, gbs), mesh, shardings.params,
-                                       grad_shardings, rules, loss_fn, extra_shardings, cfg.log_num_zeros_in_grad)
+                                       grad_shardings, rules, loss_fn, extra_shardings, cfg.log_num_zeros_in_grad,
+                                       pipeline)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, extra_shardings)
-    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules), mesh, shardings.params)
+    # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
+    canonical = pipeline_layout.reorder(cfg.num_layers, (cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_size()),
+                                        (1, 1))
+    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules, canonical), mesh, shardings.params)
     return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
                num_microbatches=num_micro, global_batch_size=gbs, num_microbatches_calculator=calculator,
                abstract_state=abstract, state_shardings=shardings, grad_shardings=grad_shardings,

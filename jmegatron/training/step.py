@@ -26,12 +26,14 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
 from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.distributed_optimizer import data_dim
+from jmegatron.parallel.schedules import PIPELINE_AXIS, PipelineSchedule, build_schedule, run_schedule
 from jmegatron.training.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -67,6 +69,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                     mesh: Mesh, param_shardings: Any, grad_shardings: Any,
                     rules: Sequence = rules_lib.DEFAULT_RULES, loss_fn: Optional[Callable] = None,
                     extra_shardings: Any = None, log_num_zeros_in_grad: bool = False,
+                    pipeline: Optional[tuple[str, int, int]] = None,
                     ) -> Callable[..., tuple[TrainState, dict]]:
     """The un-jitted train step ``(state, batch[, extra]) -> (state, metrics)``.
 
@@ -90,6 +93,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     Default: :func:`lm_loss_fn`. ``extra`` (e.g. a frozen teacher's parameters, laid
     out by ``extra_shardings``) is passed through untouched and gets no gradient.
 
+    Pipeline parallelism (``pipeline`` = (schedule name, pipeline size p, chunks per stage
+    v), :func:`jmegatron.parallel.schedules.build_schedule` for the batch's number of
+    micro-batches): the shard_map makes the mesh's ``pipeline`` axis manual too and the
+    micro-batch loop is the schedule's program (:func:`_pipelined_grads`); the layers'
+    gradients stay on their stage, the parameters replicated over stages (embeddings,
+    final norm) get theirs summed over stages (Megatron's embedding-group all-reduce for
+    the tied word embeddings). The language-model loss only (``loss_fn`` must be None).
+
     metrics (float32 scalars): ``loss`` (what was optimised) and the report's entries
     (``lm_loss`` by default), each a mean over micro-batches; ``grad_norm`` (before
     clipping); ``lr`` (the rate this step applied); ``num_tokens`` (unmasked tokens of
@@ -97,14 +108,19 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     of the reduced gradients, before clipping: Megatron's ``count_zeros_fp32``).
     """
     axis = rules_lib.DATA_AXIS
-    inner_rules = rules_lib.rules_without(rules, axis)
+    manual = (axis,) if pipeline is None else (axis, PIPELINE_AXIS)
+    inner_rules = rules
+    for name in manual:
+        inner_rules = rules_lib.rules_without(inner_rules, name)
+    if pipeline is not None and loss_fn is not None:
+        raise ValueError("make_train_step: a custom loss_fn (distillation) under pipeline parallelism is not built")
     loss_fn = loss_fn or lm_loss_fn(model)
     param_dims = jax.tree.map(data_dim, param_shardings)
     grad_dims = jax.tree.map(data_dim, grad_shardings)
-    param_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, axis), param_shardings)
-    grad_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, axis), grad_shardings)
+    param_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, manual), param_shardings)
+    grad_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, manual), grad_shardings)
     extra_dims = jax.tree.map(data_dim, extra_shardings)
-    extra_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, axis), extra_shardings)
+    extra_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, manual), extra_shardings)
     batch_spec = PartitionSpec(None, axis, None)
     is_none = lambda x: x is None  # noqa: E731
 
@@ -151,12 +167,19 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, report_acc, report),
                     tokens_acc + tokens), None
 
-        zeros = jax.tree.map(jnp.zeros_like, varying)
-        first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
-        report_shape = jax.eval_shape(lambda: grad_fn(varying, first, rng, jnp.float32(1.0), extra)[0][1])
-        report0 = dict(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), report_shape), loss=jnp.float32(0.0))
-        (grads, report, tokens), _ = jax.lax.scan(
-            accumulate, (zeros, report0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
+        if pipeline is not None:
+            with nn.logical_axis_rules(inner_rules):
+                schedule = build_schedule(pipeline[0], pipeline[1], num_micro, pipeline[2])
+                grads, report, tokens = _pipelined_grads(model.cfg, schedule, varying, batch, rng, psum,
+                                                         mesh.shape[axis])
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, varying)
+            first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
+            report_shape = jax.eval_shape(lambda: grad_fn(varying, first, rng, jnp.float32(1.0), extra)[0][1])
+            report0 = dict(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), report_shape),
+                           loss=jnp.float32(0.0))
+            (grads, report, tokens), _ = jax.lax.scan(
+                accumulate, (zeros, report0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
 
         def reduce(g, pd, gd):
             if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose
@@ -171,9 +194,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
 
     zero1 = jax.tree.map(lambda pd, gd: pd is None and gd is not None, param_dims, grad_dims,
                          is_leaf=is_none)
-    out_grad_specs = jax.tree.map(lambda z, spec: PartitionSpec(axis) if z else spec, zero1, grad_specs)
+    # ZeRO-1 leaves leave the shard_map stacked [data, ...] (each rank's partial sum), their
+    # other axes laid out as the parameter over the pipeline axis (a stage's layers).
+    out_grad_specs = jax.tree.map(
+        lambda z, spec, ps: PartitionSpec(axis, *rules_lib.spec_only(ps.spec, PIPELINE_AXIS)) if z else spec,
+        zero1, grad_specs, param_shardings)
     sharded_grads = jax.shard_map(
-        local_grads, mesh=mesh, axis_names={axis}, check_vma=not single,
+        local_grads, mesh=mesh, axis_names=set(manual), check_vma=not single,
         in_specs=(param_specs, {k: batch_spec for k in ("tokens", "labels", "loss_mask", "position_ids")},
                   PartitionSpec(), extra_specs),
         out_specs=(out_grad_specs, PartitionSpec(), PartitionSpec()))
@@ -220,10 +247,61 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     return step
 
 
-def make_eval_step(model: nn.Module, rules: Sequence = rules_lib.DEFAULT_RULES):
-    """The un-jitted eval step ``(params, batch) -> (loss_sum, token_count)`` (float32)."""
+def _pipelined_grads(c, schedule: PipelineSchedule, params, batch: Batch, rng, data_sum: Callable, dp: int):
+    """One data-parallel rank's pipelined (grads, report, tokens) for the LM loss, as the
+    micro-batch loop of :func:`make_train_step` returns them (sums over micro-batches);
+    ``params`` as that loop sees them (data-replicated ones already varying over data)."""
+    from jmegatron.models.gpt import apply_layers, embed_tokens, output_logits
+
+    p, v = schedule.pipeline_size, schedule.virtual_size
+    per_chunk = c.num_layers // (p * v)
+    dot_general = c.dense_dot_general()
+    num_micro, local_rows, seq = batch["tokens"].shape
+    stage = jax.lax.axis_index(PIPELINE_AXIS)
+    data_rank = jax.lax.axis_index(rules_lib.DATA_AXIS)
+    # Parameters replicated over stages get per-stage partial gradients, summed below.
+    params = {k: (val if k == "decoder_layers" else
+                  jax.tree.map(lambda a: jax.lax.pcast(a, PIPELINE_AXIS, to="varying"), val))
+              for k, val in params.items()}
+    tokens = data_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32), axis=(1, 2)))  # [m]
+
+    def offset(micro):
+        return (micro["microbatch"] * dp + data_rank) * local_rows
+
+    def embed(prm, micro):
+        return embed_tokens(c, prm, micro["tokens"], micro["position_ids"], deterministic=False,
+                            rng=jax.random.fold_in(rng, c.num_layers), sample_offset=offset(micro))
+
+    def chunk(prm, x, micro, ci):
+        layers = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, ci * per_chunk, per_chunk),
+                              prm["decoder_layers"])
+        return apply_layers(c, layers, x, micro["position_ids"], first_layer=(ci * p + stage) * per_chunk,
+                            deterministic=False, rng=rng, sample_offset=offset(micro), dot_general=dot_general)
+
+    def head(prm, y, micro):
+        logits = output_logits(c, prm, y, dot_general)
+        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
+        loss = total / jnp.maximum(tokens[micro["microbatch"]], 1.0)
+        return loss, {"lm_loss": loss}
+
+    activation = jax.ShapeDtypeStruct((local_rows, seq, c.hidden_size), c.dtype)
+    grads, loss, report = run_schedule(schedule, params, batch, embed=embed, chunk=chunk, head=head,
+                                       activation=activation, report_zeros={"lm_loss": jnp.float32(0.0)})
+    grads = {k: (g if k == "decoder_layers" else jax.tree.map(lambda a: jax.lax.psum(a, PIPELINE_AXIS), g))
+             for k, g in grads.items()}
+    total = lambda x: jax.lax.psum(data_sum(x), PIPELINE_AXIS)  # noqa: E731
+    report = dict(jax.tree.map(total, report), loss=total(loss))
+    return grads, report, jnp.sum(tokens)
+
+
+def make_eval_step(model: nn.Module, rules: Sequence = rules_lib.DEFAULT_RULES, layer_order: Any = None):
+    """The un-jitted eval step ``(params, batch) -> (loss_sum, token_count)`` (float32).
+    ``layer_order`` (int ``[num_layers]``, optional): the stacked decoder layers are taken in
+    this order first (interleaved pipeline stages store them in stage order)."""
 
     def step(params, batch: Batch):
+        if layer_order is not None and not (np.asarray(layer_order) == np.arange(len(layer_order))).all():
+            params = dict(params, decoder_layers=jax.tree.map(lambda a: a[layer_order], params["decoder_layers"]))
         def body(carry, micro):
             with nn.logical_axis_rules(list(rules)):
                 logits = model.apply({"params": params}, micro["tokens"], micro["position_ids"],

@@ -1,0 +1,264 @@
+"""Pipeline-parallel schedules as explicit SPMD programs: GPipe, 1F1B and interleaved 1F1B.
+
+The role of Megatron's megatron/core/pipeline_parallel/schedules.py
+(``forward_backward_pipelining_without_interleaving``,
+``forward_backward_pipelining_with_interleaving``), written for one SPMD program: every
+pipeline stage runs the same ``lax.scan`` over *ticks* inside a ``shard_map`` whose
+``pipeline`` axis is manual. In each tick a stage does at most one forward of a
+(micro-batch, model chunk) and at most one backward (``jax.vjp`` residuals kept from its
+forward), each under ``lax.cond`` so an idle slot costs nothing; then activations move one
+stage on and their gradients one stage back with ``jax.lax.ppermute`` over a ring (stage
+``p - 1``'s output of chunk ``c`` feeds stage 0's chunk ``c + 1``).
+
+**Timing.** Forward *units* ``u = 0 .. m*v - 1`` are taken in Megatron's interleaved order
+(groups of ``p`` micro-batches, chunk by chunk inside a group: unit ``u`` is micro-batch
+``(u // (p v)) p + u % p`` of chunk ``(u % (p v)) // p``); stage ``s`` runs forward unit
+``u`` at tick ``u + s``, so the ring delivers each input exactly when it is needed.
+Backward units run the chunks in reverse; stage ``s`` runs backward unit ``u`` at tick
+``u + (p - 1 - s) + offset``:
+
+* 1F1B / interleaved 1F1B: ``offset = p v - 1``, the last stage runs the backward of its
+  last chunk in the same tick as the forward (forward first). Stage ``s`` then holds at
+  most ``p - s`` micro-batches' activations for v = 1 (Megatron's warm-up ``p - s - 1``
+  plus the one in flight), and ticks cost ``(m v + p - 1)`` chunk forward+backward
+  times: the bubble is Megatron's ``(p - 1) / (v m + p - 1)``.
+* GPipe: ``offset = m + p - 1``: every forward first, then every backward; ``m``
+  micro-batches of activations per stage, the same bubble as 1F1B.
+
+**Stage function.** ``run_schedule`` is generic over three functions of a micro-batch:
+``embed`` (the first stage's input), ``chunk`` (the layers of model chunk ``c`` on this
+stage) and ``head`` (the last stage's loss); :mod:`jmegatron.training.step` supplies the
+GPT ones. A forward keeps only its stage input ``[rows, seq, hidden]`` in one of
+``num_slots`` slots; the backward recomputes the chunk's forward under ``jax.vjp``
+(Megatron's full activation recomputation at stage granularity: one more chunk forward
+per backward). Keeping ``jax.vjp``'s residuals instead is the next step
+(docs/PIPELINE.md: their structure must be known before the ``lax.scan`` is traced, and
+the parameters among them must not be copied per slot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PIPELINE_AXIS = "pipeline"
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+# columns of PipelineSchedule.table
+F_MB, F_CHUNK, F_SLOT, B_MB, B_CHUNK, B_SLOT = range(6)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule:
+    """A static schedule: ``table[t, s]`` (int32 ``[num_ticks, p, 6]``) gives stage ``s``'s
+    forward (micro-batch, chunk, slot) and backward (micro-batch, chunk, slot) in tick
+    ``t``, -1 where the stage is idle in that half of the tick."""
+
+    name: str
+    pipeline_size: int  # p
+    num_microbatches: int  # m
+    virtual_size: int  # v
+    table: np.ndarray
+    num_slots: int
+
+    @property
+    def num_ticks(self) -> int:
+        return self.table.shape[0]
+
+    def busy_slots(self) -> int:
+        """Stage-slots doing work (a forward or backward of one chunk): ``2 m v p``."""
+        return int((self.table[:, :, F_MB] >= 0).sum() + (self.table[:, :, B_MB] >= 0).sum())
+
+    def time_slots(self) -> int:
+        """Length of the schedule in chunk-forward+backward-halves when every tick takes as long as its
+        busiest half: ticks with both a forward and a backward somewhere count 2, others 1."""
+        f_any = (self.table[:, :, F_MB] >= 0).any(axis=1)
+        b_any = (self.table[:, :, B_MB] >= 0).any(axis=1)
+        return int(f_any.sum() + b_any.sum())
+
+    def bubble_fraction(self) -> float:
+        """Idle stage-slots over all stage-slots, with a forward and a backward half-slot
+        each costing one unit (Megatron's assumption t_f = t_b is not needed: the halves
+        are counted separately)."""
+        total = self.time_slots() * self.pipeline_size
+        return 1.0 - self.busy_slots() / total
+
+    def megatron_bubble_fraction(self) -> float:
+        """Megatron's analytic bubble: ``(p - 1) / (v m + p - 1)`` (v = 1 for GPipe/1F1B)."""
+        p, m, v = self.pipeline_size, self.num_microbatches, self.virtual_size
+        return (p - 1) / (v * m + p - 1)
+
+    def peak_live_activations(self) -> list[int]:
+        """Per stage, the most (micro-batch, chunk) forwards whose backward has not run
+        yet at any point (after a tick's forward, before its backward)."""
+        out = []
+        for s in range(self.pipeline_size):
+            live = peak = 0
+            for t in range(self.num_ticks):
+                live += int(self.table[t, s, F_MB] >= 0)
+                peak = max(peak, live)
+                live -= int(self.table[t, s, B_MB] >= 0)
+            out.append(peak)
+        return out
+
+    def ppermutes_per_step(self) -> int:
+        """Collective permutes the program runs: one forward and one backward per tick."""
+        return 2 * self.num_ticks
+
+
+def _unit(u: int, p: int, v: int, backward: bool) -> tuple[int, int]:
+    group, w = divmod(u, p * v)
+    chunk = w // p
+    return group * p + w % p, (v - 1 - chunk if backward else chunk)
+
+
+def build_schedule(name: str, pipeline_size: int, num_microbatches: int, virtual_size: int = 1) -> PipelineSchedule:
+    """The tick table of schedule ``name`` ("gpipe", "1f1b", "interleaved_1f1b") for ``p``
+    stages, ``m`` micro-batches and ``v`` model chunks per stage.
+
+    Raises ValueError for an unknown name, v > 1 with a non-interleaved schedule, or (as
+    Megatron) interleaving with ``m`` not a multiple of ``p``."""
+    p, m, v = pipeline_size, num_microbatches, virtual_size
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={name!r} must be one of {SCHEDULES}")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"pipeline size {p}, micro-batches {m} and virtual size {v} must be >= 1")
+    if (v > 1) != (name == "interleaved_1f1b"):
+        raise ValueError(f"pipeline_schedule={name!r} with virtual_pipeline_model_parallel_size={v}: "
+                         f"interleaving needs v > 1 and v > 1 needs 'interleaved_1f1b'")
+    if v > 1 and m % p:
+        raise ValueError(f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple "
+                         f"of pipeline_model_parallel_size ({p}), as Megatron requires; change global_batch_size")
+    units = m * v
+    offset = (m + p - 1) if name == "gpipe" else (p * v - 1)
+    ticks = units + p - 1 + offset
+    table = np.full((ticks, p, 6), -1, np.int32)
+    for s in range(p):
+        for u in range(units):
+            mb, c = _unit(u, p, v, backward=False)
+            table[u + s, s, F_MB], table[u + s, s, F_CHUNK] = mb, c
+            mb, c = _unit(u, p, v, backward=True)
+            t = u + (p - 1 - s) + offset
+            table[t, s, B_MB], table[t, s, B_CHUNK] = mb, c
+    # residual slots: lowest free slot at each forward, freed by the matching backward
+    num_slots = 0
+    for s in range(p):
+        free, held = [], {}
+        for t in range(ticks):
+            if table[t, s, F_MB] >= 0:
+                key = (int(table[t, s, F_MB]), int(table[t, s, F_CHUNK]))
+                slot = min(free) if free else len(held) + len(free)
+                if free:
+                    free.remove(slot)
+                held[key] = slot
+                table[t, s, F_SLOT] = slot
+                num_slots = max(num_slots, slot + 1)
+            if table[t, s, B_MB] >= 0:
+                key = (int(table[t, s, B_MB]), int(table[t, s, B_CHUNK]))
+                if key not in held:
+                    raise AssertionError(f"schedule {name}: backward of {key} on stage {s} before its forward")
+                table[t, s, B_SLOT] = held.pop(key)
+                free.append(int(table[t, s, B_SLOT]))
+    return PipelineSchedule(name, p, m, v, table, num_slots)
+
+
+def _vma(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over (empty outside shard_map's type checking)."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def _varying(tree, axes: frozenset):
+    """``tree`` with every leaf varying over ``axes`` (shard_map's type check: both branches
+    of a ``lax.cond`` must agree)."""
+    def cast(x):
+        missing = tuple(sorted(axes - _vma(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(cast, tree)
+
+
+def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
+                 embed: Callable, chunk: Callable, head: Callable, activation: jax.ShapeDtypeStruct,
+                 report_zeros: dict) -> tuple[Any, jax.Array, dict]:
+    """Run ``schedule`` on this stage (inside a ``shard_map`` with :data:`PIPELINE_AXIS`
+    manual). Returns ``(grads, loss_sum, report_sums)``: the gradients of the summed
+    micro-batch losses with respect to ``params`` as this stage sees them (layer
+    parameters: its own; parameters replicated over stages: this stage's partial sum, to
+    be ``psum``-ed over the pipeline axis), and on the last stage the sums over
+    micro-batches of the loss and of each report entry (zeros elsewhere).
+
+    ``batch``: pytree of ``[m, ...]`` arrays (every stage gets all of it).
+    ``embed(params, micro) -> x`` (``activation``'s shape and dtype) for chunk 0 on stage 0;
+    ``chunk(params, x, micro, c) -> x`` the layers of this stage's chunk ``c`` (traced int);
+    ``head(params, x, micro) -> (loss, report)`` on the last chunk of the last stage, float32
+    scalars (``report_zeros`` gives the report's structure). ``micro`` is ``batch`` at one
+    micro-batch, plus ``"microbatch"`` (its int32 index).
+    """
+    p, v = schedule.pipeline_size, schedule.virtual_size
+    stage = jax.lax.axis_index(PIPELINE_AXIS)
+    table = jnp.asarray(schedule.table)
+    fwd_perm = [(i, (i + 1) % p) for i in range(p)]
+    bwd_perm = [(i, (i - 1) % p) for i in range(p)]
+    axes = frozenset().union(*(_vma(a) for a in jax.tree.leaves(params)))  # the manual axes in play
+    zeros_x = jnp.zeros(activation.shape, activation.dtype)
+
+    def micro_at(mb):
+        micro = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, mb, keepdims=False), batch)
+        return dict(micro, microbatch=mb)
+
+    def stage_fn(prm, x_in, mb, c):
+        micro = micro_at(mb)
+        first = (stage == 0) & (c == 0)
+        last = (stage == p - 1) & (c == v - 1)
+        x = jnp.where(first, embed(prm, micro).astype(x_in.dtype), x_in)
+        y = chunk(prm, x, micro, c)
+        loss, report = jax.lax.cond(last, lambda: _varying(head(prm, y, micro), axes),
+                                    lambda: _varying((jnp.float32(0.0), report_zeros), axes))
+        return (y, loss), report
+
+    # A forward keeps its stage input; the backward recomputes the stage's forward under
+    # jax.vjp (Megatron's full recomputation, at stage granularity): see the module docstring.
+    stash0 = jnp.zeros((schedule.num_slots,) + activation.shape, activation.dtype)
+
+    def tick(carry, t):
+        act_in, grad_in, stash, grads, loss_sum, report_sum = carry
+        row = table[t, stage]
+        f_mb, f_c, f_slot, b_mb, b_c, b_slot = (row[i] for i in range(6))
+
+        def do_forward(operands):
+            x_in, stash, prm = operands
+            (y, loss), report = stage_fn(prm, x_in, f_mb, f_c)
+            stash = jax.lax.dynamic_update_index_in_dim(stash, _varying(x_in, _vma(stash)), f_slot, 0)
+            return _varying((y, loss, report, stash), axes)
+
+        def skip_forward(operands):
+            return _varying((zeros_x, jnp.float32(0.0), report_zeros, operands[1]), axes)
+
+        y, loss, report, stash = jax.lax.cond(f_mb >= 0, do_forward, skip_forward, (act_in, stash, params))
+        loss_sum = loss_sum + loss
+        report_sum = jax.tree.map(jnp.add, report_sum, report)
+
+        def do_backward(operands):
+            g_in, stash, grads, prm = operands
+            x_in = jax.lax.dynamic_index_in_dim(stash, b_slot, keepdims=False)
+            _, vjp_fn, _ = jax.vjp(lambda a, b: stage_fn(a, b, b_mb, b_c), prm, x_in, has_aux=True)
+            last = (stage == p - 1) & (b_c == v - 1)
+            dy = jnp.where(last, jnp.zeros_like(g_in), g_in)
+            dparams, dx = vjp_fn((dy, _varying(jnp.where(last, 1.0, 0.0).astype(jnp.float32), axes)))
+            return _varying((dx.astype(g_in.dtype), jax.tree.map(jnp.add, grads, dparams)), axes)
+
+        def skip_backward(operands):
+            return _varying((zeros_x, operands[2]), axes)
+
+        dx, grads = jax.lax.cond(b_mb >= 0, do_backward, skip_backward, (grad_in, stash, grads, params))
+        act_next = jax.lax.ppermute(y, PIPELINE_AXIS, fwd_perm)
+        grad_next = jax.lax.ppermute(dx, PIPELINE_AXIS, bwd_perm)
+        return (act_next, grad_next, stash, grads, loss_sum, report_sum), None
+
+    grads0 = jax.tree.map(jnp.zeros_like, params)
+    carry = _varying((zeros_x, zeros_x, stash0, grads0, jnp.float32(0.0), report_zeros), axes)
+    (_, _, _, grads, loss_sum, report_sum), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
+    return grads, loss_sum, report_sum
