@@ -22,7 +22,8 @@ PER_LAYER, STACKED = LayerLayout(False), LayerLayout(True)
 
 def tiny(save, **kw):
     # no dropout: a scanned and a per-layer model then compute the same function
-    defaults = dict(num_layers=L, train_iters=3, lr_warmup_iters=1, eval_interval=0, hidden_dropout=0.0,
+    # vocab 512: no padding rows at tp 1 or 2, so every run has the same embedding shape
+    defaults = dict(num_layers=L, vocab_size=512, train_iters=3, lr_warmup_iters=1, eval_interval=0, hidden_dropout=0.0,
                     attention_dropout=0.0)
     return cfg_for(save, **{**defaults, **kw})
 
@@ -127,6 +128,26 @@ def test_resume_across_scan_layers_is_bit_exact(runs, tmp_path):
     assert d["losses"][3] == pytest.approx(full["losses"][3], rel=1e-6)
 
 
+def test_layout_of_config_and_of_saved_config_agree():
+    from jmegatron.config import base_config, from_configdict
+
+    c = base_config()
+    c.num_layers, c.vocab_size, c.mock_data = 8, 300, True
+    cfg = from_configdict(c)
+    pp2 = dict(pipeline_model_parallel_size=2)
+    cases = [({}, LayerLayout(False)), (dict(scan_layers=True), LayerLayout(True)), (pp2, LayerLayout(True, 2, 1)),
+             (dict(pp2, virtual_pipeline_model_parallel_size=2), LayerLayout(True, 2, 2)),
+             (dict(pp2, num_layers_per_virtual_pipeline_stage=1), LayerLayout(True, 2, 4))]
+    for changes, want in cases:
+        x = cfg.replace(**changes)
+        assert LayerLayout.of_config(x) == LayerLayout.of_config(x.to_dict()) == want, changes
+    old = {k: v for k, v in cfg.to_dict().items() if "pipeline" not in k}  # saved before the pipeline fields
+    assert LayerLayout.of_config(old) == LayerLayout(False)
+    assert LayerLayout(True, 2, 1).same_storage(LayerLayout(True), 8)
+    assert not LayerLayout(True, 2, 2).same_storage(LayerLayout(True), 8)
+    assert not LayerLayout(False).same_storage(LayerLayout(True), 8)
+
+
 def test_pipeline_stage_order_checkpoint_restores_and_exports(runs, tmp_path):
     """A checkpoint as a pp=2, v=2 run writes it (stacked in stage order, (p, v) in its
     config) restores into per-layer and scanned runs and exports like the per-layer one."""
@@ -146,6 +167,15 @@ def test_pipeline_stage_order_checkpoint_restores_and_exports(runs, tmp_path):
     ckpt.close()
     assert_bit_equal(saved_state(per_layer, tmp_path / "pp")[0], a)
     assert_bit_equal(saved_state(scanned, tmp_path / "pp")[0], convert_layers(a, PER_LAYER, STACKED, L))
+    # into tp2 + sequence parallel + ZeRO-1 (stacked): resharded, in the run's shardings
+    tp2 = build(tiny(tmp_path / "tp2", scan_layers=True, tensor_model_parallel_size=2, sequence_parallel=True,
+                     use_distributed_optimizer=True))
+    ckpt = checkpointing.Checkpointer(str(tmp_path / "pp"), create=False)
+    state, _ = restore_state(tp2, ckpt)
+    ckpt.close()
+    for x, want in zip(jax.tree.leaves(state), jax.tree.leaves(tp2.state_shardings)):
+        assert x.sharding.is_equivalent_to(want, x.ndim)
+    assert_bit_equal(jax.device_get(state), convert_layers(a, PER_LAYER, STACKED, L))
     # the same state as a scan_layers run saves it
     ckpt = checkpointing.Checkpointer(str(tmp_path / "scan"))
     ckpt.save(2, convert_layers(a, PER_LAYER, STACKED, L),

@@ -60,8 +60,11 @@ class LayerLayout:
         older than the pipeline fields read as p = v = 1."""
         get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
         p = int(get("pipeline_model_parallel_size", 1) or 1)
-        v = _virtual_size(int(get("num_layers")), p, get("virtual_pipeline_model_parallel_size", None),
-                          get("num_layers_per_virtual_pipeline_stage", None))
+        if hasattr(cfg, "virtual_pipeline_size"):
+            v = cfg.virtual_pipeline_size()
+        else:
+            v = _virtual_size(int(get("num_layers")), p, get("virtual_pipeline_model_parallel_size", None),
+                              get("num_layers_per_virtual_pipeline_stage", None))
         stacked = bool(get("scan_layers", False)) or p > 1
         return cls(stacked, p, v) if stacked else cls(False)
 
