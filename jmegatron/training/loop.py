@@ -27,7 +27,8 @@ from jmegatron.data.loader import BatchLoader
 from jmegatron.models.gpt import GPTModel, ModelConfig
 from jmegatron.parallel import pipeline_layout, rules as rules_lib
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpointing, flops, memory, optimizer, state as state_lib, step as step_lib
+from jmegatron.training import checkpoint_layout, checkpointing, flops, memory, optimizer, state as state_lib, \
+    step as step_lib
 from jmegatron.training.logging import MetricsLogger
 from jmegatron.training.num_microbatches_calculator import (NumMicroBatchesCalculatorError,
                                                              build_num_microbatches_calculator)
@@ -288,16 +289,18 @@ def restore_state(run: Run, ckpt: checkpointing.Checkpointer, iteration: Optiona
     train (read by kd_finalize, evaluation, export, a teacher load) is restored whole and
     pruned, giving a plain student state; a run training some the checkpoint lacks (a
     distillation started from a pretrained student) gets them, and their optimizer
-    moments, freshly initialised. Raises CheckpointError.
+    moments, freshly initialised. A checkpoint whose decoder layers are stored in another
+    layout (scan_layers, pipeline stage order) is converted
+    (:func:`jmegatron.training.checkpoint_layout.restore`). Raises CheckpointError.
     """
     meta = ckpt.read_meta(iteration)
     saved_aux = aux_from_meta(meta)
     if set(saved_aux) == set(run.aux_modules):
-        return ckpt.restore(run.abstract_with_shardings(), iteration)
+        return checkpoint_layout.restore(ckpt, run.abstract_with_shardings(), run.cfg, iteration)
     abstract, shardings, _ = state_lib.state_shardings(
         run.model, run.tx, run.cfg.seq_length, run.mesh, run.rules, run.cfg.use_distributed_optimizer, saved_aux)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    state, meta = ckpt.restore(target, iteration)
+    state, meta = checkpoint_layout.restore(ckpt, target, run.cfg, iteration)
     fill = run.init_state() if set(run.aux_modules) - set(saved_aux) else None
     return state_lib.prune_to(state, run.abstract_state, fill), meta
 
@@ -501,7 +504,8 @@ def restore_run(load_dir: str, mesh: Optional[Mesh] = None,
     saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
     if mesh is None:  # one device: Orbax gathers whatever layout the checkpoint was saved in
         saved.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                     expert_model_parallel_size=1, sequence_parallel=False)
+                     expert_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_model_parallel_size=None,
+                     num_layers_per_virtual_pipeline_stage=None, pipeline_schedule="auto")
     saved.update(overrides)
     cfg = from_configdict(saved)
     run = build(cfg, mesh or create_mesh(cfg, jax.devices()[:1]), vocab_size=_unpadded_vocab(cfg, meta))
