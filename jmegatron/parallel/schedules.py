@@ -181,7 +181,7 @@ def _varying(tree, axes: frozenset):
 
 
 def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
-                 embed: Callable, chunk: Callable, head: Callable, activation: jax.ShapeDtypeStruct,
+                 embed: Callable, chunk: Callable, head: Callable, activation: Any,
                  report_zeros: dict) -> tuple[Any, jax.Array, dict]:
     """Run ``schedule`` on this stage (inside a ``shard_map`` with :data:`PIPELINE_AXIS`
     manual). Returns ``(grads, loss_sum, report_sums)``: the gradients of the summed
@@ -191,11 +191,15 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
     micro-batches of the loss and of each report entry (zeros elsewhere).
 
     ``batch``: pytree of ``[m, ...]`` arrays (every stage gets all of it).
-    ``embed(params, micro) -> x`` (``activation``'s shape and dtype) for chunk 0 on stage 0;
-    ``chunk(params, x, micro, c) -> x`` the layers of this stage's chunk ``c`` (traced int);
-    ``head(params, x, micro) -> (loss, report)`` on the last chunk of the last stage, float32
-    scalars (``report_zeros`` gives the report's structure). ``micro`` is ``batch`` at one
-    micro-batch, plus ``"microbatch"`` (its int32 index).
+    ``activation``: a pytree of ShapeDtypeStructs, what one stage sends the next (for
+    distillation the student's and the teacher's hidden states).
+    ``embed(params, micro) -> x`` (``activation``'s structure) for chunk 0 on stage 0;
+    ``chunk(params, x, micro, c) -> (x, side)`` the layers of this stage's chunk ``c``
+    (traced int) and anything the head needs that is not sent on (e.g. intermediate
+    outputs; None if nothing); ``head(params, x, side, micro) -> (loss, report)`` on the
+    last chunk of the last stage, float32 scalars (``report_zeros`` gives the report's
+    structure). ``micro`` is ``batch`` at one micro-batch, plus ``"microbatch"`` (its int32
+    index).
     """
     p, v = schedule.pipeline_size, schedule.virtual_size
     stage = jax.lax.axis_index(PIPELINE_AXIS)
@@ -203,7 +207,7 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
     fwd_perm = [(i, (i + 1) % p) for i in range(p)]
     bwd_perm = [(i, (i - 1) % p) for i in range(p)]
     axes = frozenset().union(*(_vma(a) for a in jax.tree.leaves(params)))  # the manual axes in play
-    zeros_x = jnp.zeros(activation.shape, activation.dtype)
+    zeros_x = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), activation)
 
     def micro_at(mb):
         micro = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, mb, keepdims=False), batch)
@@ -213,15 +217,15 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
         micro = micro_at(mb)
         first = (stage == 0) & (c == 0)
         last = (stage == p - 1) & (c == v - 1)
-        x = jnp.where(first, embed(prm, micro).astype(x_in.dtype), x_in)
-        y = chunk(prm, x, micro, c)
-        loss, report = jax.lax.cond(last, lambda: _varying(head(prm, y, micro), axes),
+        x = jax.tree.map(lambda e, a: jnp.where(first, e.astype(a.dtype), a), embed(prm, micro), x_in)
+        y, side = chunk(prm, x, micro, c)
+        loss, report = jax.lax.cond(last, lambda: _varying(head(prm, y, side, micro), axes),
                                     lambda: _varying((jnp.float32(0.0), report_zeros), axes))
         return (y, loss), report
 
     # A forward keeps its stage input; the backward recomputes the stage's forward under
     # jax.vjp (Megatron's full recomputation, at stage granularity): see the module docstring.
-    stash0 = jnp.zeros((schedule.num_slots,) + activation.shape, activation.dtype)
+    stash0 = jax.tree.map(lambda a: jnp.zeros((schedule.num_slots,) + a.shape, a.dtype), activation)
 
     def tick(carry, t):
         act_in, grad_in, stash, grads, loss_sum, report_sum = carry
@@ -231,7 +235,8 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
         def do_forward(operands):
             x_in, stash, prm = operands
             (y, loss), report = stage_fn(prm, x_in, f_mb, f_c)
-            stash = jax.lax.dynamic_update_index_in_dim(stash, _varying(x_in, _vma(stash)), f_slot, 0)
+            stash = jax.tree.map(
+                lambda buf, a: jax.lax.dynamic_update_index_in_dim(buf, _varying(a, _vma(buf)), f_slot, 0), stash, x_in)
             return _varying((y, loss, report, stash), axes)
 
         def skip_forward(operands):
@@ -243,19 +248,20 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
 
         def do_backward(operands):
             g_in, stash, grads, prm = operands
-            x_in = jax.lax.dynamic_index_in_dim(stash, b_slot, keepdims=False)
+            x_in = jax.tree.map(lambda buf: jax.lax.dynamic_index_in_dim(buf, b_slot, keepdims=False), stash)
             _, vjp_fn, _ = jax.vjp(lambda a, b: stage_fn(a, b, b_mb, b_c), prm, x_in, has_aux=True)
             last = (stage == p - 1) & (b_c == v - 1)
-            dy = jnp.where(last, jnp.zeros_like(g_in), g_in)
+            dy = jax.tree.map(lambda g: jnp.where(last, jnp.zeros_like(g), g), g_in)
             dparams, dx = vjp_fn((dy, _varying(jnp.where(last, 1.0, 0.0).astype(jnp.float32), axes)))
-            return _varying((dx.astype(g_in.dtype), jax.tree.map(jnp.add, grads, dparams)), axes)
+            dx = jax.tree.map(lambda d, g: d.astype(g.dtype), dx, g_in)
+            return _varying((dx, jax.tree.map(jnp.add, grads, dparams)), axes)
 
         def skip_backward(operands):
             return _varying((zeros_x, operands[2]), axes)
 
         dx, grads = jax.lax.cond(b_mb >= 0, do_backward, skip_backward, (grad_in, stash, grads, params))
-        act_next = jax.lax.ppermute(y, PIPELINE_AXIS, fwd_perm)
-        grad_next = jax.lax.ppermute(dx, PIPELINE_AXIS, bwd_perm)
+        act_next = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE_AXIS, fwd_perm), y)
+        grad_next = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE_AXIS, bwd_perm), dx)
         return (act_next, grad_next, stash, grads, loss_sum, report_sum), None
 
     grads0 = jax.tree.map(jnp.zeros_like, params)

@@ -20,6 +20,7 @@ layout of the same global batch draws the same masks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
@@ -69,7 +70,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                     mesh: Mesh, param_shardings: Any, grad_shardings: Any,
                     rules: Sequence = rules_lib.DEFAULT_RULES, loss_fn: Optional[Callable] = None,
                     extra_shardings: Any = None, log_num_zeros_in_grad: bool = False,
-                    pipeline: Optional[tuple[str, int, int]] = None,
+                    pipeline: Optional[tuple[str, int, int]] = None, pipeline_stages: Optional[Callable] = None,
                     ) -> Callable[..., tuple[TrainState, dict]]:
     """The un-jitted train step ``(state, batch[, extra]) -> (state, metrics)``.
 
@@ -99,7 +100,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     micro-batch loop is the schedule's program (:func:`_pipelined_grads`); the layers'
     gradients stay on their stage, the parameters replicated over stages (embeddings,
     final norm) get theirs summed over stages (Megatron's embedding-group all-reduce for
-    the tied word embeddings). The language-model loss only (``loss_fn`` must be None).
+    the tied word embeddings). The stages come from ``pipeline_stages(ctx)``
+    (:class:`StageContext` -> embed / chunk / head, default :func:`lm_pipeline_stages`;
+    distillation gives its own), the pipelined counterpart of ``loss_fn``.
 
     metrics (float32 scalars): ``loss`` (what was optimised) and the report's entries
     (``lm_loss`` by default), each a mean over micro-batches; ``grad_norm`` (before
@@ -113,7 +116,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     for name in manual:
         inner_rules = rules_lib.rules_without(inner_rules, name)
     if pipeline is not None and loss_fn is not None:
-        raise ValueError("make_train_step: a custom loss_fn (distillation) under pipeline parallelism is not built")
+        raise ValueError("make_train_step: under pipeline parallelism the loss comes from pipeline_stages "
+                         "(a stage provider, see lm_pipeline_stages), not loss_fn")
     loss_fn = loss_fn or lm_loss_fn(model)
     param_dims = jax.tree.map(data_dim, param_shardings)
     grad_dims = jax.tree.map(data_dim, grad_shardings)
@@ -170,8 +174,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         if pipeline is not None:
             with nn.logical_axis_rules(inner_rules):
                 schedule = build_schedule(pipeline[0], pipeline[1], num_micro, pipeline[2])
-                grads, report, tokens = _pipelined_grads(model.cfg, schedule, varying, batch, rng, psum,
-                                                         mesh.shape[axis])
+                grads, report, tokens = _pipelined_grads(model.cfg, schedule, pipeline_stages or lm_pipeline_stages,
+                                                         varying, batch, rng, extra, psum, mesh.shape[axis])
         else:
             zeros = jax.tree.map(jnp.zeros_like, varying)
             first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
@@ -247,46 +251,84 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     return step
 
 
-def _pipelined_grads(c, schedule: PipelineSchedule, params, batch: Batch, rng, data_sum: Callable, dp: int):
-    """One data-parallel rank's pipelined (grads, report, tokens) for the LM loss, as the
-    micro-batch loop of :func:`make_train_step` returns them (sums over micro-batches);
-    ``params`` as that loop sees them (data-replicated ones already varying over data)."""
+@dataclasses.dataclass(frozen=True)
+class StageContext:
+    """What a pipeline stage provider gets (inside the train step's shard_map):
+    ``cfg`` (the student's ModelConfig), ``pipeline_size`` / ``virtual_size``, ``stage``
+    (traced int32: this device's pipeline rank), ``rng`` (the step's dropout key),
+    ``tokens`` (float32 ``[m]``: unmasked tokens of each micro-batch over all data ranks),
+    ``sample_offset(micro)`` (the global sample number of the micro-batch's first local
+    row), ``local_rows`` / ``seq_length`` (a micro-batch's shape on this rank) and
+    ``extra`` (``make_train_step``'s extra argument, e.g. the teacher's parameters)."""
+
+    cfg: Any
+    pipeline_size: int
+    virtual_size: int
+    stage: Any
+    rng: Any
+    tokens: Any
+    sample_offset: Callable
+    local_rows: int
+    seq_length: int
+    extra: Any = None
+
+    def chunk_layers(self, stacked: Any, chunk: Any, num_layers: int) -> tuple[Any, Any]:
+        """(this stage's chunk ``chunk`` of the stacked layers ``stacked`` (leaves ``[L_local,
+        ...]``), the model index of its first layer) for a model of ``num_layers`` layers."""
+        per_chunk = num_layers // (self.pipeline_size * self.virtual_size)
+        layers = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * per_chunk, per_chunk), stacked)
+        return layers, (chunk * self.pipeline_size + self.stage) * per_chunk
+
+
+def lm_pipeline_stages(ctx: StageContext) -> dict:
+    """The GPT language model's stages for :func:`jmegatron.parallel.schedules.run_schedule`
+    (Megatron's GPTModel pre_process / decoder chunk / post_process with pretrain_gpt's
+    ``loss_func``): ``{"embed", "chunk", "head", "activation", "report_zeros"}``. Each
+    micro-batch's loss is its masked token mean (``ctx.tokens``), as :func:`lm_loss_fn`."""
     from jmegatron.models.gpt import apply_layers, embed_tokens, output_logits
 
-    p, v = schedule.pipeline_size, schedule.virtual_size
-    per_chunk = c.num_layers // (p * v)
+    c = ctx.cfg
     dot_general = c.dense_dot_general()
+
+    def embed(prm, micro):
+        return embed_tokens(c, prm, micro["tokens"], micro["position_ids"], deterministic=False,
+                            rng=jax.random.fold_in(ctx.rng, c.num_layers), sample_offset=ctx.sample_offset(micro))
+
+    def chunk(prm, x, micro, ci):
+        layers, first = ctx.chunk_layers(prm["decoder_layers"], ci, c.num_layers)
+        return apply_layers(c, layers, x, micro["position_ids"], first_layer=first, deterministic=False,
+                            rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=dot_general), None
+
+    def head(prm, y, side, micro):
+        logits = output_logits(c, prm, y, dot_general)
+        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
+        loss = total / jnp.maximum(ctx.tokens[micro["microbatch"]], 1.0)
+        return loss, {"lm_loss": loss}
+
+    activation = jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, c.hidden_size), c.dtype)
+    return dict(embed=embed, chunk=chunk, head=head, activation=activation,
+                report_zeros={"lm_loss": jnp.float32(0.0)})
+
+
+def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params, batch: Batch, rng, extra,
+                     data_sum: Callable, dp: int):
+    """One data-parallel rank's pipelined (grads, report, tokens), as the micro-batch loop
+    of :func:`make_train_step` returns them (sums over micro-batches); ``params`` as that
+    loop sees them (data-replicated ones already varying over data); ``stages_fn(ctx)``
+    gives the stages (:func:`lm_pipeline_stages` or distillation's)."""
     num_micro, local_rows, seq = batch["tokens"].shape
-    stage = jax.lax.axis_index(PIPELINE_AXIS)
     data_rank = jax.lax.axis_index(rules_lib.DATA_AXIS)
     # Parameters replicated over stages get per-stage partial gradients, summed below.
     params = {k: (val if k == "decoder_layers" else
                   jax.tree.map(lambda a: jax.lax.pcast(a, PIPELINE_AXIS, to="varying"), val))
               for k, val in params.items()}
     tokens = data_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32), axis=(1, 2)))  # [m]
-
-    def offset(micro):
-        return (micro["microbatch"] * dp + data_rank) * local_rows
-
-    def embed(prm, micro):
-        return embed_tokens(c, prm, micro["tokens"], micro["position_ids"], deterministic=False,
-                            rng=jax.random.fold_in(rng, c.num_layers), sample_offset=offset(micro))
-
-    def chunk(prm, x, micro, ci):
-        layers = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, ci * per_chunk, per_chunk),
-                              prm["decoder_layers"])
-        return apply_layers(c, layers, x, micro["position_ids"], first_layer=(ci * p + stage) * per_chunk,
-                            deterministic=False, rng=rng, sample_offset=offset(micro), dot_general=dot_general)
-
-    def head(prm, y, micro):
-        logits = output_logits(c, prm, y, dot_general)
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
-        loss = total / jnp.maximum(tokens[micro["microbatch"]], 1.0)
-        return loss, {"lm_loss": loss}
-
-    activation = jax.ShapeDtypeStruct((local_rows, seq, c.hidden_size), c.dtype)
-    grads, loss, report = run_schedule(schedule, params, batch, embed=embed, chunk=chunk, head=head,
-                                       activation=activation, report_zeros={"lm_loss": jnp.float32(0.0)})
+    ctx = StageContext(cfg=c, pipeline_size=schedule.pipeline_size, virtual_size=schedule.virtual_size,
+                       stage=jax.lax.axis_index(PIPELINE_AXIS), rng=rng, tokens=tokens,
+                       sample_offset=lambda micro: (micro["microbatch"] * dp + data_rank) * local_rows,
+                       local_rows=local_rows, seq_length=seq, extra=extra)
+    stages = stages_fn(ctx)
+    grads, loss, report = run_schedule(schedule, params, batch, **stages)
     grads = {k: (g if k == "decoder_layers" else jax.tree.map(lambda a: jax.lax.psum(a, PIPELINE_AXIS), g))
              for k, g in grads.items()}
     total = lambda x: jax.lax.psum(data_sum(x), PIPELINE_AXIS)  # noqa: E731
