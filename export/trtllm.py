@@ -1,14 +1,14 @@
 """``python -m jmegatron.export trtllm``: TensorRT-LLM checkpoints (what ``trtllm-build`` reads).
 
     python -m jmegatron.export trtllm (--load CKPT | --quantized DIR [--quant-cfg NAME])
-        --tp N --dtype float16|bfloat16 --out DIR [--no-parallel-embedding] [--build-engine]
+        --tp T [--pp P] --dtype float16|bfloat16 --out DIR [--no-parallel-embedding] [--build-engine]
     python -m jmegatron.export check-trtllm DIR
 
 The format is TensorRT-LLM's checkpoint of TRT-LLM <= 1.2 (the one Megatron-LM's
 ``examples/export/ptq_and_trtllm_export`` targets; ``docs/source/architecture/checkpoint.md``):
 ``config.json`` (``PretrainedConfig`` / ``GPTConfig`` / ``LLaMAConfig`` fields of
-``tensorrt_llm/models``) and ``rank{r}.safetensors`` for ``r < tp``, each holding that tensor
-parallel rank's shards under TRT-LLM's names. The checker
+``tensorrt_llm/models``) and ``rank{r}.safetensors`` for ``r < tp * pp``, each holding that
+rank's shards under TRT-LLM's names. The checker
 (:mod:`jmegatron.export.trtllm_check`) validates the result after every export.
 
 Targets (chosen as for Hugging Face, :func:`jmegatron.export.hf.hf_architecture`):
@@ -42,6 +42,24 @@ position embeddings are zero-padded and split on rows too; ``--no-parallel-embed
 replicates them. ``lm_head.weight`` is always written (``share_embedding_table=false``), also
 for tied models, as TRT-LLM's converters do.
 
+Pipeline parallel layout (``--pp P``; ``tensorrt_llm/mapping.py`` ``Mapping`` and the
+converters' ``mapping.pp_layers`` loops): ``config.json``'s ``mapping`` is
+``{world_size: tp * pp, tp_size: tp, pp_size: pp}``; rank ``r`` is pipeline stage
+``r // tp`` and tensor parallel rank ``r % tp`` (a stage's tp ranks are consecutive). Stage
+``s`` holds the layers of :func:`jmegatron.export.trtllm_check.pp_layers` (TRT-LLM's
+``Mapping.pp_layers``: contiguous blocks, the first ``L % pp`` stages one layer more),
+renumbered ``transformer.layers.0 ..`` from 0 in its files (``l - layers_range[0]``, what
+``DecoderLayerList`` loads); the vocab and position embeddings are written on stage 0 only,
+``ln_f`` and ``lm_head`` on the last stage only (``is_first_pp_rank`` /
+``is_last_pp_rank``). Each tensor of a stage's rank is the same tensor as in the ``--pp 1``
+export at the same tp (tested). ``--pp`` must be at least 1 and at most ``num_layers``
+(TRT-LLM asserts ``pp size cannot be larger than num_hidden_layers``). An uneven split
+follows ``torch.tensor_split`` as current TRT-LLM does; releases whose ``pp_layers``
+floor-divides (``num_layers // pp_size`` per stage) cannot load it, so prefer a ``--pp``
+that divides ``num_layers``. The source checkpoint's own pipeline layout (any p, v) does
+not matter: it is converted at restore (:mod:`jmegatron.training.checkpoint_layout`).
+``--quantized`` supports ``--pp 1`` only.
+
 ``--quantized DIR`` takes a ``jmegatron.export quantize`` output: the fake-quantized model
 (:func:`jmegatron.export.quantize.load_quantized`) goes through ModelOpt's
 ``export_tensorrt_llm_checkpoint`` (``decoder_type`` "gpt"/"llama",
@@ -50,9 +68,10 @@ and scaling factors) are kept, and its ``config.json`` is corrected by
 :func:`fix_modelopt_config` (each fix documented there and printed).
 
 Bad input (an architecture TRT-LLM cannot represent, a tp that does not divide the heads,
-KV heads or ffn size, a non-empty ``--out``, ``--build-engine`` without TensorRT-LLM) raises
-:class:`ExportError` before anything is written. Output is written to a temporary sibling
-folder and renamed into place, so a failure never leaves a partial checkpoint.
+KV heads or ffn size, a pp outside ``[1, num_layers]``, a non-empty ``--out``,
+``--build-engine`` without TensorRT-LLM) raises :class:`ExportError` before anything is
+written. Output is written to a temporary sibling folder and renamed into place, so a
+failure never leaves a partial checkpoint.
 """
 
 from __future__ import annotations
@@ -69,8 +88,9 @@ from typing import Any, Optional
 import numpy as np
 
 from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint
+from jmegatron.export.trtllm_check import pp_layers
 
-__all__ = ["register", "run", "trtllm_architecture", "check_exportable", "trtllm_config", "rank_tensors",
+__all__ = ["register", "run", "trtllm_architecture", "check_exportable", "trtllm_config", "rank_tensors", "pp_layers",
            "write_trtllm_checkpoint", "export_checkpoint", "export_quantized_model", "export_quantized",
            "fix_modelopt_config", "build_engine", "GPT", "LLAMA", "DTYPES"]
 
@@ -97,10 +117,11 @@ def trtllm_architecture(cfg) -> str:
                           f"{e}") from e
 
 
-def check_exportable(cfg, tp: int, dtype: str) -> str:
+def check_exportable(cfg, tp: int, dtype: str, pp: int = 1) -> str:
     """Refuse what the TensorRT-LLM layout cannot hold, before any work; returns the architecture.
 
-    Raises ExportError for: ``dtype`` not float16/bfloat16; ``tp < 1``; an architecture with
+    Raises ExportError for: ``dtype`` not float16/bfloat16; ``tp < 1``; ``pp`` not in
+    ``[1, num_layers]`` (every pipeline stage needs a layer); an architecture with
     no target; ``num_attention_heads`` or ``ffn_hidden_size`` not divisible by ``tp``;
     ``num_query_groups`` neither divisible by ``tp`` nor dividing it (TRT-LLM splits KV heads
     or duplicates them when there are fewer than ``tp``). A vocabulary not divisible by
@@ -110,7 +131,11 @@ def check_exportable(cfg, tp: int, dtype: str) -> str:
         raise ExportError(f"--dtype {dtype!r}: TensorRT-LLM checkpoints are written in one of {DTYPES}")
     if not isinstance(tp, int) or tp < 1:
         raise ExportError(f"--tp {tp!r}: the tensor parallel size must be an integer >= 1")
+    _check_pp(pp)
     arch = trtllm_architecture(cfg)
+    if pp > cfg.num_layers:
+        raise ExportError(f"--pp {pp}: num_layers={cfg.num_layers} cannot fill {pp} pipeline stages (TensorRT-LLM's "
+                          f"Mapping.pp_layers needs pp_size <= num_hidden_layers); use --pp 1..{cfg.num_layers}")
     nq, nkv, ffn = cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size
     problems = []
     if nq % tp:
@@ -125,6 +150,11 @@ def check_exportable(cfg, tp: int, dtype: str) -> str:
         raise ExportError("--tp " + str(tp) + ": " + "; ".join(problems)
                           + f". Tensor parallel sizes that fit this model: {divisors}")
     return arch
+
+
+def _check_pp(pp) -> None:
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ExportError(f"--pp {pp!r}: the pipeline parallel size must be an integer >= 1")
 
 
 def _check_out(out: str, overwrite: bool) -> str:
@@ -147,7 +177,7 @@ def _check_build_engine_possible() -> None:
 
 
 # ----------------------------------------------------------------------------- config
-def trtllm_config(cfg, vocab_size: int, tp: int, dtype: str, *, use_parallel_embedding: bool = True,
+def trtllm_config(cfg, vocab_size: int, tp: int, dtype: str, *, pp: int = 1, use_parallel_embedding: bool = True,
                   producer: Optional[dict] = None) -> dict[str, Any]:
     """The ``config.json`` of the unquantized TensorRT-LLM checkpoint for ``cfg``.
 
@@ -155,14 +185,14 @@ def trtllm_config(cfg, vocab_size: int, tp: int, dtype: str, *, use_parallel_emb
     ``vocab_size`` (the true vocabulary), max_position_embeddings, hidden_size,
     num_hidden_layers, num_attention_heads, num_key_value_heads, head_size (kv_channels),
     intermediate_size, hidden_act, norm_epsilon, position_embedding_type, mapping
-    ``{world_size: tp, tp_size: tp, pp_size: 1}``, quantization ``{quant_algo: null,
+    ``{world_size: tp * pp, tp_size: tp, pp_size: pp}``, quantization ``{quant_algo: null,
     kv_cache_quant_algo: null}``, use_parallel_embedding, embedding_sharding_dim 0,
     share_embedding_table false) plus ``GPTConfig`` (bias, rotary_pct, rotary_base,
     q_scaling, apply_query_key_layer_scaling, gpt_variant) or ``LLaMAConfig`` (rotary_base,
     rotary_scaling, attn_bias, mlp_bias) fields, ``tie_word_embeddings`` and a ``producer``
     record. Raises ExportError as :func:`check_exportable`.
     """
-    arch = check_exportable(cfg, tp, dtype)
+    arch = check_exportable(cfg, tp, dtype, pp)
     c: dict[str, Any] = {
         "architecture": arch,
         "dtype": dtype,
@@ -176,7 +206,7 @@ def trtllm_config(cfg, vocab_size: int, tp: int, dtype: str, *, use_parallel_emb
         "head_size": int(cfg.kv_channels),
         "intermediate_size": int(cfg.ffn_hidden_size),
         "norm_epsilon": float(cfg.norm_epsilon),
-        "mapping": {"world_size": int(tp), "tp_size": int(tp), "pp_size": 1},
+        "mapping": {"world_size": int(tp * pp), "tp_size": int(tp), "pp_size": int(pp)},
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
         "use_parallel_embedding": bool(use_parallel_embedding),
         "embedding_sharding_dim": 0,
@@ -210,20 +240,27 @@ def _kv_heads_of_rank(nkv: int, tp: int, rank: int) -> list[int]:
     return [rank // (tp // nkv)]  # duplicated: ranks r*tp/nkv .. share KV head r
 
 
-def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *,
+def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: int = 1,
                  use_parallel_embedding: bool = True) -> dict[str, np.ndarray]:
-    """TensorRT-LLM tensors of tensor parallel ``rank`` (float32 numpy, C-contiguous).
+    """TensorRT-LLM tensors of ``rank`` (float32 numpy, C-contiguous), ``0 <= rank < tp * pp``.
 
-    ``params``: jmegatron parameters in the per-layer or scanned layout (see
-    :mod:`jmegatron.export.hf` for names and shapes); ``vocab_size``: the true vocabulary
+    ``rank`` is TRT-LLM's: pipeline stage ``rank // tp``, tensor parallel rank ``rank % tp``
+    (with ``pp = 1`` it is the tensor parallel rank). The stage's layers
+    (:func:`pp_layers`) are numbered from 0; embeddings only on stage 0, ``ln_f`` and
+    ``lm_head`` only on the last stage. ``params``: jmegatron parameters in the per-layer or
+    scanned layout (see :mod:`jmegatron.export.hf` for names and shapes); ``vocab_size``: the true vocabulary
     (rows beyond it, Megatron's padding, are dropped). Names and per-rank shapes are listed
     in :mod:`jmegatron.export.trtllm_check`; the splits are described in this module's
-    docstring. Raises ExportError as :func:`check_exportable` and ValueError when the params
-    do not match ``cfg``.
+    docstring. Raises ExportError as :func:`check_exportable`, ValueError for a ``rank``
+    outside ``[0, tp * pp)`` or params that do not match ``cfg``.
     """
     from jmegatron.export.hf import _check_shape, _get, _plain, unstack_layers
 
-    arch = check_exportable(cfg, tp, "float16")
+    arch = check_exportable(cfg, tp, "float16", pp)
+    if not isinstance(rank, int) or not 0 <= rank < tp * pp:
+        raise ValueError(f"rank={rank!r} must be in [0, tp * pp = {tp * pp})")
+    pp_rank, rank = divmod(rank, tp)  # from here on ``rank`` is the tensor parallel rank
+    first, last = pp_rank == 0, pp_rank == pp - 1
     p = _plain(params)
     if "decoder_layers" in p:
         p = unstack_layers(p, cfg.num_layers)
@@ -241,15 +278,16 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *,
     if not 0 < vocab_size <= wte.shape[0]:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {wte.shape[0]}] (the embedding's rows)")
     emb = wte[:vocab_size]
-    out["transformer.vocab_embedding.weight"] = _rows_split(emb, tp, rank) if use_parallel_embedding else emb
-    if arch == GPT:
+    if first:
+        out["transformer.vocab_embedding.weight"] = _rows_split(emb, tp, rank) if use_parallel_embedding else emb
+    if first and arch == GPT:
         pos = _check_shape("position_embeddings/embedding", g("position_embeddings/embedding"),
                            (cfg.max_position_embeddings, h))
         out["transformer.position_embedding.weight"] = _rows_split(pos, tp, rank) if use_parallel_embedding else pos
     norm_parts = (("weight", "scale"), ("bias", "bias")) if arch == GPT else (("weight", "scale"),)
 
-    for i in range(cfg.num_layers):
-        L, o = f"decoder_layers_{i}", f"transformer.layers.{i}"
+    for local, i in enumerate(pp_layers(cfg.num_layers, pp, pp_rank)):
+        L, o = f"decoder_layers_{i}", f"transformer.layers.{local}"
         for dst, src in (("input_layernorm", "input_layernorm"), ("post_layernorm", "pre_mlp_layernorm")):
             for tname, jname in norm_parts:
                 out[f"{o}.{dst}.{tname}"] = g(f"{L}/{src}/{jname}")
@@ -288,6 +326,8 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *,
         if bias:
             out[f"{o}.mlp.proj.bias"] = g(f"{L}/mlp/linear_fc2/bias")
 
+    if not last:
+        return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
     for tname, jname in norm_parts:
         out[f"transformer.ln_f.{tname}"] = g(f"final_layernorm/{jname}")
     if cfg.untie_embeddings_and_output_weights:
@@ -327,10 +367,10 @@ def _publish(staging: str, out: str) -> None:
     os.replace(staging, out)
 
 
-def write_trtllm_checkpoint(params: dict, cfg, vocab_size: int, out: str, *, tp: int = 1, dtype: str = "float16",
-                            use_parallel_embedding: bool = True, overwrite: bool = False,
+def write_trtllm_checkpoint(params: dict, cfg, vocab_size: int, out: str, *, tp: int = 1, pp: int = 1,
+                            dtype: str = "float16", use_parallel_embedding: bool = True, overwrite: bool = False,
                             producer: Optional[dict] = None) -> dict:
-    """Write ``config.json`` + ``rank{r}.safetensors`` (``r < tp``) for jmegatron ``params``.
+    """Write ``config.json`` + ``rank{r}.safetensors`` (``r < tp * pp``) for jmegatron ``params``.
 
     Tensors are cast from float32 to ``dtype`` (float16 / bfloat16) with torch. Everything
     is validated (:func:`check_exportable`, ``out`` empty or absent unless ``overwrite``)
@@ -338,13 +378,14 @@ def write_trtllm_checkpoint(params: dict, cfg, vocab_size: int, out: str, *, tp:
     ``out`` at the end. Returns the config dict. Raises ExportError for bad input and
     ValueError when ``params`` do not match ``cfg``.
     """
-    config = trtllm_config(cfg, vocab_size, tp, dtype, use_parallel_embedding=use_parallel_embedding,
+    config = trtllm_config(cfg, vocab_size, tp, dtype, pp=pp, use_parallel_embedding=use_parallel_embedding,
                            producer=producer)
     out = _check_out(out, overwrite)
     staging = _staging_dir(out)
     try:
-        for r in range(tp):
-            _save_rank(rank_tensors(params, cfg, vocab_size, tp, r, use_parallel_embedding=use_parallel_embedding),
+        for r in range(tp * pp):
+            _save_rank(rank_tensors(params, cfg, vocab_size, tp, r, pp=pp,
+                                    use_parallel_embedding=use_parallel_embedding),
                        os.path.join(staging, f"rank{r}.safetensors"), dtype)
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
@@ -355,19 +396,22 @@ def write_trtllm_checkpoint(params: dict, cfg, vocab_size: int, out: str, *, tp:
     return config
 
 
-def export_checkpoint(load: str, out: str, *, tp: int = 1, dtype: str = "float16", iteration: Optional[int] = None,
-                      use_parallel_embedding: bool = True, overwrite: bool = False) -> dict:
+def export_checkpoint(load: str, out: str, *, tp: int = 1, pp: int = 1, dtype: str = "float16",
+                      iteration: Optional[int] = None, use_parallel_embedding: bool = True,
+                      overwrite: bool = False) -> dict:
     """``trtllm --load``: a jmegatron checkpoint (any parallel layout) -> TensorRT-LLM checkpoint.
 
     The config is read first (no arrays) and checked (:func:`check_exportable`, ``out``);
     then the float32 params are restored (:func:`jmegatron.export.common.load_checkpoint`)
-    and written by :func:`write_trtllm_checkpoint`. Returns the config dict.
+    and written by :func:`write_trtllm_checkpoint` (``tp`` x ``pp`` ranks; the checkpoint's
+    own pipeline layout is converted by the restore). Returns the config dict.
     """
+    _check_pp(pp)
     cfg = checkpoint_config(load, iteration)
-    check_exportable(cfg, tp, dtype)
+    check_exportable(cfg, tp, dtype, pp)
     _check_out(out, overwrite)
     src = load_checkpoint(load, iteration)
-    return write_trtllm_checkpoint(src.params, src.cfg, src.vocab_size, out, tp=tp, dtype=dtype,
+    return write_trtllm_checkpoint(src.params, src.cfg, src.vocab_size, out, tp=tp, pp=pp, dtype=dtype,
                                    use_parallel_embedding=use_parallel_embedding, overwrite=overwrite,
                                    producer={"source": src.load_dir, "iteration": src.iteration})
 
@@ -528,6 +572,9 @@ def register(sub) -> None:
     p.add_argument("--iteration", type=int, default=None, help="with --load: default the latest")
     p.add_argument("--quant-cfg", default=None, help="with --quantized: which config of DIR (e.g. int8_sq)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size of the engine (rank files)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline parallel size of the engine: tp x pp rank files, layers split as TensorRT-LLM's "
+                        "Mapping.pp_layers (with --load only)")
     p.add_argument("--dtype", choices=DTYPES, default="float16")
     p.add_argument("--out", required=True, help="checkpoint folder to create (must be empty or absent)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -549,7 +596,11 @@ def run(args) -> int:
         raise ExportError("--quant-cfg goes with --quantized, not --load")
     if args.quantized and args.iteration is not None:
         raise ExportError("--iteration goes with --load (a --quantized folder records its source iteration)")
+    _check_pp(args.pp)
     if args.quantized:
+        if args.pp != 1:
+            raise ExportError(f"--pp {args.pp} is not available with --quantized (ModelOpt's export is used with "
+                              "--pp 1 only); export with --load for a pipeline-parallel checkpoint")
         if args.no_parallel_embedding:
             raise ExportError("--no-parallel-embedding is not available with --quantized (ModelOpt splits the "
                               "embeddings)")
@@ -558,7 +609,7 @@ def run(args) -> int:
         for fx in fixes:
             print(f"[jmegatron.export trtllm] config.json fix: {fx}")
     else:
-        export_checkpoint(args.load, args.out, tp=args.tp, dtype=args.dtype, iteration=args.iteration,
+        export_checkpoint(args.load, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, iteration=args.iteration,
                           use_parallel_embedding=not args.no_parallel_embedding, overwrite=args.overwrite)
     report = check_trtllm_checkpoint(args.out)
     print(report.format())

@@ -41,8 +41,14 @@ then optionally the float tensors for value checks. What is checked:
                                                 with share_embedding_table when the
                                                 embedding has the same per-rank shape
 
-  Layers are split evenly over ``pp_size`` with local indices; embeddings live on the first
-  pipeline stage, ``ln_f`` and ``lm_head`` on the last.
+  Pipeline parallel (``pp_size`` > 1, ``tensorrt_llm/mapping.py`` ``Mapping``): rank
+  ``r`` is pipeline stage ``r // tp_size`` and tensor parallel rank ``r % tp_size``; the
+  layers are split by :func:`pp_layers` (``Mapping.pp_layers``: contiguous blocks, the
+  first ``L % pp_size`` stages one layer more, ``pp_size <= L``); a stage's file numbers
+  its layers locally, ``transformer.layers.0 .. n_s - 1`` (the converters'
+  ``l - layers_range[0]``, loaded into ``DecoderLayerList``), so every layer is held by
+  exactly one stage. The embeddings live on the first stage only, ``ln_f`` and
+  ``lm_head`` on the last only (``is_first_pp_rank`` / ``is_last_pp_rank``).
 * dtypes: every tensor in ``dtype``, except the quantized linears' tensors below.
 * quantization (the tensor names of ``checkpoint.md``, as ModelOpt's
   ``export_tensorrt_llm_checkpoint`` writes them; scaling factors any float dtype,
@@ -94,7 +100,7 @@ import struct
 from typing import Any, Optional
 
 __all__ = ["TensorInfo", "RankFile", "CheckReport", "read_safetensors_header", "check_trtllm_checkpoint",
-           "ARCHITECTURES", "VALIDATED_QUANT_ALGOS"]
+           "pp_layers", "ARCHITECTURES", "VALIDATED_QUANT_ALGOS"]
 
 # safetensors dtype codes -> torch-style names, and their item sizes in bytes
 _SAFETENSORS_DTYPES = {
@@ -119,6 +125,24 @@ _DOC_QUANT_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W4A16_GPTQ", "FP
 VALIDATED_QUANT_ALGOS = ("FP8", "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ", "W4A8_AWQ", "W8A16")
 _KV_CACHE_ALGOS = ("FP8", "INT8")
 _LAYER_LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
+
+
+def pp_layers(num_layers: int, pp_size: int, pp_rank: int) -> list[int]:
+    """Global indices of the decoder layers pipeline stage ``pp_rank`` holds.
+
+    TensorRT-LLM's ``Mapping.pp_layers`` (``tensorrt_llm/mapping.py``, without a
+    ``pp_partition``): ``torch.tensor_split(arange(num_layers), pp_size)[pp_rank]``, i.e.
+    contiguous blocks of ``num_layers // pp_size`` layers, the first ``num_layers % pp_size``
+    stages holding one more. Raises ValueError unless ``1 <= pp_size <= num_layers`` (TRT-LLM
+    asserts ``pp size cannot be larger than num_hidden_layers``) and ``0 <= pp_rank < pp_size``.
+    """
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"pp_size {pp_size} must be in [1, num_layers = {num_layers}]")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} must be in [0, {pp_size})")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return list(range(start, start + base + (pp_rank < extra)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,10 +469,14 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
     if parallel and dim == 1 and h % tp:
         errors.append(f"config.json: hidden_size {h} is not divisible by tp_size {tp} (embedding_sharding_dim 1)")
         ok = False
-    if L % pp:
-        errors.append(f"config.json: num_hidden_layers {L} is not divisible by pp_size {pp} (uneven pipeline "
-                      "splits are not checked here)")
+    if pp > L:
+        errors.append(f"config.json: mapping.pp_size {pp} > num_hidden_layers {L}: TensorRT-LLM's "
+                      "Mapping.pp_layers needs at least one layer per pipeline stage")
         ok = False
+    elif pp > 1 and L % pp:
+        notes.append(f"uneven pipeline split: {L} layers over pp_size {pp} (Mapping.pp_layers gives the first "
+                     f"{L % pp} stage(s) one layer more; TensorRT-LLM releases whose pp_layers floor-divides "
+                     "would drop layers)")
     share = bool(c.get("share_embedding_table", False))
     if share and tp > 1 and not (parallel and dim == 0):
         errors.append("config.json: share_embedding_table with tp_size > 1 needs use_parallel_embedding=true "
@@ -558,7 +586,7 @@ def _emb_shape(m: _Model, rows: int) -> tuple:
 def _expected(m: _Model, rank: int, present: dict, errors: list, where: str) -> tuple[dict, dict]:
     """(required, optional) ``{name: _Spec}`` of one rank."""
     pp_rank = rank // m.tp
-    per_stage = m.layers // m.pp
+    per_stage = len(pp_layers(m.layers, m.pp, pp_rank))
     dt = (m.dtype,)
     req: dict[str, _Spec] = {}
     opt: dict[str, _Spec] = {}
@@ -647,7 +675,7 @@ def _check_values(m: _Model, report: CheckReport, specs: dict, files: dict) -> N
                                   "holds this tensor in full")
         # duplicated KV heads: K and V rows of the qkv weight/bias are equal within a group
         qrows = m.nq // m.tp * m.d
-        for i in range(m.layers // m.pp):
+        for i in range(len(pp_layers(m.layers, m.pp, stage))):
             for suffix in ("weight", "bias"):
                 name = f"transformer.layers.{i}.attention.qkv.{suffix}"
                 for group in _kv_groups(m):
@@ -664,6 +692,52 @@ def _check_values(m: _Model, report: CheckReport, specs: dict, files: dict) -> N
                                           f"but both hold duplicated KV head {group[0] * m.nkv // m.tp}")
     report.checks.append("values (finite, replicated tensors equal across TP ranks"
                          + (", duplicated KV heads equal" if _kv_groups(m) else "") + ")")
+
+
+# ----------------------------------------------------------------------------- pipeline mapping
+_LAYER_NAME = re.compile(r"^transformer\.layers\.(\d+)\.")
+
+
+def _stage_summary(m: _Model, stage: int) -> str:
+    layers = pp_layers(m.layers, m.pp, stage)
+    ranks = f"rank{stage * m.tp}" + (f"-{stage * m.tp + m.tp - 1}" if m.tp > 1 else "")
+    held = [f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"]
+    if stage == 0:
+        held.insert(0, "embeddings")
+    if stage == m.pp - 1:
+        held.append("ln_f, lm_head")
+    return f"stage {stage} ({ranks}): " + ", ".join(held)
+
+
+def _check_pipeline(m: _Model, headers: dict, errors: list) -> None:
+    """Every decoder layer held exactly once along each pipeline (the ranks with one tp
+    rank), under the stage's local indices. ``headers``: rank -> {name: TensorInfo}."""
+    for t in range(m.tp):
+        owners: dict[int, list[int]] = {g: [] for g in range(m.layers)}
+        for stage in range(m.pp):
+            r = stage * m.tp + t
+            if r not in headers:
+                continue
+            layers = pp_layers(m.layers, m.pp, stage)
+            local = sorted({int(mt[1]) for name in headers[r] if (mt := _LAYER_NAME.match(name))})
+            beyond = [i for i in local if i >= len(layers)]
+            if beyond:
+                hint = (" (they look like global indices)" if all(i in layers for i in beyond) else "")
+                errors.append(f"rank{r}.safetensors: transformer.layers.{{{','.join(map(str, beyond))}}} beyond the "
+                              f"{len(layers)} layer(s) of pipeline stage {stage} (global layers {layers[0]}-"
+                              f"{layers[-1]}): TensorRT-LLM numbers a stage's layers locally from 0{hint}")
+            for i in local:
+                if layers[0] + i < m.layers:
+                    owners[layers[0] + i].append(stage)
+        if len(headers) < m.tp * m.pp:
+            continue  # a missing rank file is reported already
+        for g, stages in owners.items():
+            if not stages:
+                errors.append(f"layer {g} (tp rank {t}) is held by no pipeline stage (Mapping.pp_layers puts it on "
+                              f"stage {next(s for s in range(m.pp) if g in pp_layers(m.layers, m.pp, s))})")
+            elif len(stages) > 1:
+                errors.append(f"layer {g} (tp rank {t}) is held by pipeline stages {stages}; each layer belongs to "
+                              "exactly one")
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -754,6 +828,14 @@ def check_trtllm_checkpoint(checkpoint_dir: str, check_values: bool = True) -> C
                 errors.append(f"{where}: {name} has dtype {info.dtype}, expected "
                               + (" or ".join(spec.dtypes)))
         rf.ok = len(errors) == n_before
+    if model.pp > 1:
+        n_before = len(errors)
+        _check_pipeline(model, {r: h for r, h in headers.items() if r < world}, errors)
+        for rf in report.ranks:
+            if any(e.startswith(f"rank{rf.rank}.safetensors") for e in errors[n_before:]):
+                rf.ok = False
+        report.checks.append("pipeline mapping (each layer on exactly one stage: "
+                             + "; ".join(_stage_summary(model, s) for s in range(model.pp)) + ")")
     report.checks.append(f"tensor names, shapes, dtypes per rank (tp {model.tp}, pp {model.pp}"
                          + (f", {model.quant_algo}" if model.quant_algo else "")
                          + (f", kv cache {model.kv_algo}" if model.kv_algo else "") + ")")

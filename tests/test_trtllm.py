@@ -1,16 +1,21 @@
 """TensorRT-LLM checkpoints: ``python -m jmegatron.export trtllm`` and ``check-trtllm``.
 
 The writer's output passes the checker at tp 1/2/4 (GPT and Llama-GQA with duplicated KV
-heads); the rank shards re-assembled by TensorRT-LLM's rules give back the Hugging Face
-weights exactly (in float16); the tensors equal ModelOpt's own exporter's; corrupted
-checkpoints fail with the tensor or field named; bad input stops before anything is
-written; quantized exports (int8_sq, int4_awq) pass the checker.
+heads) and with pipeline stages (pp 2, tp 2 x pp 2, even and uneven layer splits),
+whose layers put back together give the tp-only export's tensors (also from a checkpoint
+saved in a pipeline layout); pipeline mapping faults (global layer indices, a layer on no
+stage or on two, embeddings on the wrong stage) are named; the rank shards re-assembled by
+TensorRT-LLM's rules give back the Hugging Face weights exactly (in float16); the tensors
+equal ModelOpt's own exporter's; corrupted checkpoints fail with the tensor or field named;
+bad input stops before anything is written; quantized exports (int8_sq, int4_awq) pass the
+checker.
 """
 
 import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -29,9 +34,9 @@ from jmegatron.config import base_config, from_configdict
 from jmegatron.export import hf, quantize
 from jmegatron.export.__main__ import main
 from jmegatron.export.common import ExportError
-from jmegatron.export.trtllm import (check_exportable, export_quantized_model, fix_modelopt_config,
+from jmegatron.export.trtllm import (check_exportable, export_quantized_model, fix_modelopt_config, rank_tensors,
                                      write_trtllm_checkpoint)
-from jmegatron.export.trtllm_check import check_trtllm_checkpoint
+from jmegatron.export.trtllm_check import check_trtllm_checkpoint, pp_layers
 from jmegatron.models.gpt import GPTModel, ModelConfig
 
 VOCAB = 500  # config vocab (Megatron pads it to 512 rows)
@@ -352,6 +357,140 @@ def test_checker_pipeline_stages(tmp_path):
     assert any("rank0.safetensors: unexpected tensor lm_head.weight" in e for e in errors_of(out))
 
 
+# ----------------------------------------------------------------------------- pipeline parallel (--pp)
+def test_pp_layers_is_tensorrt_llms_split():
+    """Mapping.pp_layers = torch.tensor_split(arange(L), pp)[pp_rank]: the first L % pp stages
+    get one layer more."""
+    for L, pp in ((4, 2), (3, 2), (7, 3), (5, 5), (8, 1)):
+        want = [t.tolist() for t in torch.tensor_split(torch.arange(L), pp)]
+        assert [pp_layers(L, pp, s) for s in range(pp)] == want
+    assert pp_layers(7, 3, 0) == [0, 1, 2] and pp_layers(7, 3, 2) == [5, 6]
+    with pytest.raises(ValueError, match="pp_size 3 must be in"):
+        pp_layers(2, 3, 0)
+
+
+def merge_pipeline(out) -> dict:
+    """tp rank -> the tensors of its pp ranks put together, each stage's local layer
+    indices mapped back to global ones by pp_layers. Fails when two stages hold one name."""
+    c = config_of(out)
+    tp, pp, L = c["mapping"]["tp_size"], c["mapping"]["pp_size"], c["num_hidden_layers"]
+    merged = {t: {} for t in range(tp)}
+    for stage in range(pp):
+        layers = pp_layers(L, pp, stage)
+        for t in range(tp):
+            for name, v in load_file(os.path.join(out, f"rank{stage * tp + t}.safetensors")).items():
+                m = re.match(r"transformer\.layers\.(\d+)\.(.*)$", name)
+                if m:
+                    name = f"transformer.layers.{layers[int(m[1])]}.{m[2]}"
+                assert name not in merged[t], f"{name} is on two pipeline stages"
+                merged[t][name] = v
+    return merged
+
+
+@pytest.mark.parametrize("kind,tp,pp,layers", [
+    ("gpt", 1, 2, 4), ("gpt", 2, 2, 4), ("llama", 1, 2, 4), ("llama", 2, 2, 3),
+], ids=["gpt-pp2", "gpt-tp2xpp2", "llama-pp2", "llama-tp2xpp2-uneven"])
+def test_pipeline_export_passes_checker_and_merges_to_tp_export(kind, tp, pp, layers, tmp_path):
+    cfg = make_cfg(kind, num_layers=layers)
+    params = random_params(cfg, seed=layers + tp)
+    out, ref = tmp_path / "pp", tmp_path / "tp_only"
+    config = write_trtllm_checkpoint(params, cfg, TRUE_VOCAB, str(out), tp=tp, pp=pp)
+    write_trtllm_checkpoint(params, cfg, TRUE_VOCAB, str(ref), tp=tp)
+    assert config["mapping"] == {"world_size": tp * pp, "tp_size": tp, "pp_size": pp} == config_of(out)["mapping"]
+    assert sorted(os.listdir(out)) == ["config.json"] + [f"rank{r}.safetensors" for r in range(tp * pp)]
+    report = check_trtllm_checkpoint(str(out))
+    print(report.format())
+    assert report.ok, report.errors
+    assert any(c.startswith("pipeline mapping") for c in report.checks)
+    for r in range(tp * pp):
+        stage = r // tp
+        names = set(load_file(str(out / f"rank{r}.safetensors")))
+        assert ("transformer.vocab_embedding.weight" in names) == (stage == 0)
+        assert ("transformer.position_embedding.weight" in names) == (stage == 0 and kind == "gpt")
+        assert ("lm_head.weight" in names) == ("transformer.ln_f.weight" in names) == (stage == pp - 1)
+        local = {int(n.split(".")[2]) for n in names if n.startswith("transformer.layers.")}
+        assert local == set(range(len(pp_layers(layers, pp, stage))))  # local indices from 0
+    if layers % pp:
+        assert [len(pp_layers(layers, pp, s)) for s in range(pp)] == [2, 1]
+        assert any("uneven pipeline split" in n for n in report.notes)
+    merged = merge_pipeline(out)
+    for t in range(tp):
+        want = load_file(str(ref / f"rank{t}.safetensors"))
+        assert sorted(merged[t]) == sorted(want)
+        for name in want:
+            assert torch.equal(merged[t][name], want[name]), (t, name)
+
+
+@pytest.fixture(scope="module")
+def llama_pp2(tmp_path_factory):
+    cfg = make_cfg("llama", num_layers=4)
+    out = tmp_path_factory.mktemp("trt_pp") / "llama_pp2"
+    write_trtllm_checkpoint(random_params(cfg), cfg, TRUE_VOCAB, str(out), tp=1, pp=2)
+    return out
+
+
+def _renumber(t, mapping):
+    for name in [n for n in t if n.startswith("transformer.layers.")]:
+        i = int(name.split(".")[2])
+        if i in mapping:
+            t[name.replace(f"layers.{i}.", f"layers.{mapping[i]}.", 1)] = t.pop(name)
+
+
+def _drop_layer(t, i):
+    for name in [n for n in t if n.startswith(f"transformer.layers.{i}.")]:
+        t.pop(name)
+
+
+def _copy_layer(t, src, dst):
+    for name in [n for n in t if n.startswith(f"transformer.layers.{src}.")]:
+        t[name.replace(f"layers.{src}.", f"layers.{dst}.", 1)] = t[name].clone()
+
+
+PP_CORRUPTIONS = {
+    "global-indices": (lambda p: _edit_rank(p, 1, lambda t: _renumber(t, {1: 3, 0: 2})),
+                       "rank1.safetensors: transformer.layers.{2,3} beyond the 2 layer(s) of pipeline stage 1 (global "
+                       "layers 2-3): TensorRT-LLM numbers a stage's layers locally from 0 (they look like global "
+                       "indices)"),
+    "layer-missing": (lambda p: _edit_rank(p, 1, lambda t: _drop_layer(t, 1)),
+                      "layer 3 (tp rank 0) is held by no pipeline stage (Mapping.pp_layers puts it on stage 1)"),
+    "layer-twice": (lambda p: _edit_rank(p, 0, lambda t: _copy_layer(t, 1, 2)),
+                    "layer 2 (tp rank 0) is held by pipeline stages [0, 1]"),
+    "embedding-on-last-stage": (lambda p: _edit_rank(p, 1, lambda t: t.update(
+        {"transformer.vocab_embedding.weight": torch.zeros(TRUE_VOCAB, 64, dtype=torch.float16)})),
+        "rank1.safetensors: unexpected tensor transformer.vocab_embedding.weight"),
+    "embedding-missing": (lambda p: _edit_rank(p, 0, lambda t: t.pop("transformer.vocab_embedding.weight")),
+                          "rank0.safetensors: missing tensor transformer.vocab_embedding.weight"),
+    "lm-head-missing": (lambda p: _edit_rank(p, 1, lambda t: t.pop("lm_head.weight")),
+                        "rank1.safetensors: missing tensor lm_head.weight"),
+    "pp-larger-than-layers": (lambda p: _edit_config(p, lambda c: c["mapping"].update(world_size=5, pp_size=5)),
+                              "mapping.pp_size 5 > num_hidden_layers 4"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PP_CORRUPTIONS))
+def test_pipeline_mapping_errors_are_named(case, llama_pp2, tmp_path):
+    work = tmp_path / "c"
+    shutil.copytree(llama_pp2, work)
+    assert check_trtllm_checkpoint(str(work)).ok
+    corrupt, expected = PP_CORRUPTIONS[case]
+    corrupt(str(work))
+    errors = errors_of(work)
+    assert any(expected in e for e in errors), errors
+
+
+def test_bad_pp_fails_before_writing(tmp_path):
+    out = tmp_path / "never"
+    gpt = make_cfg("gpt")  # 2 layers
+    params = random_params(gpt)
+    for pp, message in ((0, r"--pp 0: the pipeline parallel size must be an integer >= 1"),
+                        (3, r"--pp 3: num_layers=2 cannot fill 3 pipeline stages .*use --pp 1\.\.2")):
+        with pytest.raises(ExportError, match=message):
+            write_trtllm_checkpoint(params, gpt, TRUE_VOCAB, str(out), tp=1, pp=pp)
+    with pytest.raises(ValueError, match=r"rank=4 must be in \[0, tp \* pp = 4\)"):
+        rank_tensors(params, gpt, TRUE_VOCAB, 2, 4, pp=2)
+    assert os.listdir(tmp_path) == []
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_bad_tp_and_architecture_fail_before_writing(tmp_path):
     out = tmp_path / "never"
@@ -401,12 +540,43 @@ def test_cli_export_and_check(trained, tmp_path, capsys):
     (["--tp", "3"], "error: --tp 3: num_attention_heads=4 is not divisible by --tp 3"),
     (["--tp", "0"], "error: --tp 0: the tensor parallel size must be an integer >= 1"),
     (["--quant-cfg", "int8_sq"], "error: --quant-cfg goes with --quantized"),
-], ids=["tp-3", "tp-0", "quant-cfg-without-quantized"])
+    (["--pp", "0"], "error: --pp 0: the pipeline parallel size must be an integer >= 1"),
+    (["--pp", "3"], "error: --pp 3: num_layers=2 cannot fill 3 pipeline stages"),
+], ids=["tp-3", "tp-0", "quant-cfg-without-quantized", "pp-0", "pp-3"])
 def test_cli_bad_input_exits_2_before_writing(args, message, trained, tmp_path, capsys):
     out = tmp_path / "never"
     assert main(["trtllm", "--load", trained, "--out", str(out), *args]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_cli_pipeline_export_from_any_layout(trained, tmp_path, capsys):
+    """`trtllm --tp 2 --pp 2` from a per-layer checkpoint and from the same state saved as a
+    pp=2 run saves it (stacked, pipeline config): the same rank files, which pass the checker.
+    --pp with --quantized is refused before anything is read."""
+    from jmegatron.training import checkpointing
+    from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
+    from jmegatron.training.loop import restore_run
+
+    run, state, meta = restore_run(trained)
+    pp_dir = tmp_path / "pp_ckpt"
+    pp_cfg = run.cfg.replace(pipeline_model_parallel_size=2, save=str(pp_dir))
+    ckpt = checkpointing.Checkpointer(str(pp_dir))
+    ckpt.save(int(meta["iteration"]), convert_layers(jax.device_get(state), LayerLayout(False), LayerLayout(True, 2, 1),
+                                                     run.cfg.num_layers), dict(meta, config=pp_cfg.to_dict()))
+    ckpt.close()
+    outs = {}
+    for name, load in (("per_layer", trained), ("pp_layout", str(pp_dir))):
+        outs[name] = str(tmp_path / name)
+        assert main(["trtllm", "--load", load, "--tp", "2", "--pp", "2", "--out", outs[name]]) == 0
+        printed = capsys.readouterr().out
+        assert "world_size 4 = tp 2 x pp 2" in printed and "OK: valid TensorRT-LLM checkpoint" in printed
+    assert config_of(outs["pp_layout"])["mapping"] == {"world_size": 4, "tp_size": 2, "pp_size": 2}
+    for r in range(4):
+        a, b = (load_file(os.path.join(outs[n], f"rank{r}.safetensors")) for n in ("per_layer", "pp_layout"))
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), r
+    assert main(["trtllm", "--quantized", str(tmp_path / "absent"), "--pp", "2", "--out", str(tmp_path / "q")]) == 2
+    assert "error: --pp 2 is not available with --quantized" in capsys.readouterr().err
 
 
 def test_cli_refuses_non_empty_out(trained, tmp_path, capsys):
