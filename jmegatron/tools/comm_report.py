@@ -78,7 +78,16 @@ def _iota(spec: str) -> np.ndarray:
 
 
 def replica_groups(line: str, num_devices: int) -> list[list[int]]:
-    """The device groups of a collective instruction (explicit, iota or mesh-axes format)."""
+    """The device groups of a collective instruction (explicit, iota or mesh-axes format;
+    for a collective-permute, the connected sets of its ``source_target_pairs``)."""
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    if m:
+        groups: dict[int, set] = {}
+        for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1)):
+            merged = groups.get(int(a), {int(a)}) | groups.get(int(b), {int(b)})
+            for d in merged:
+                groups[d] = merged
+        return [sorted(g) for g in {id(g): g for g in groups.values()}.values()] or [[0]]
     m = re.search(r"replica_groups=(\{\{[0-9,{} ]*\}\})", line)
     if m:
         return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9, ]*)\}", m.group(1)[1:-1])]
