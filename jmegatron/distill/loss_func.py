@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
-from jmegatron.distill.config import DistillConfig, DistillConfigError, check_layers, resolve_layer
+from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
 from jmegatron.distill.losses import ProjectionLayer, intermediate_loss_from_name, logits_kl_loss
 from jmegatron.training.step import masked_cross_entropy
 
@@ -104,3 +104,120 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
         return total, report
 
     return loss_fn
+
+
+def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Optional[dict] = None) -> Callable:
+    """The pipelined counterpart of :func:`distillation_loss_fn`: a stage provider for
+    :func:`jmegatron.training.step.make_train_step` (``pipeline_stages``).
+
+    The teacher is split into the same pipeline stages as the student and runs beside it
+    on every stage (forward only, deterministic): what a stage sends on is the pair
+    (student hidden ``[b, s, h_s]``, teacher hidden ``[b, s, h_t]``), Megatron's upstream
+    approach of widening the tensors between stages by the teacher's hidden size. The
+    logits loss, the LM loss and the balancer run on the last stage. Intermediate pairs
+    follow Megatron's post-training rule under pipeline parallelism: they are computed on
+    the last pipeline stage only, so both layers of a pair must live in the last model
+    chunk (or be ``decoder.final_layernorm``); any other pair raises DistillConfigError
+    naming the layers that do. The teacher's layer count must split into the student's
+    (pipeline_model_parallel_size x virtual size) chunks. One data-parallel rank only (the
+    balancer's normalisation needs the losses summed over data inside the last stage's
+    conditional: not built); :func:`jmegatron.training.loop.build` refuses more.
+    """
+    from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
+
+    s_cfg, t_cfg = student.cfg, teacher.cfg
+    check_layers(dcfg, s_cfg.num_layers, t_cfg.num_layers)
+    projection = (aux or {}).get(PROJECTION, (None,))[0]
+    need_lm = (not dcfg.skip_lm_loss) or dcfg.kd_loss_alpha is not None
+    balancer = LogitsAndIntermediatesLossBalancer(
+        kd_loss_scale=dcfg.kd_loss_scale, skip_original_loss=not need_lm, kd_loss_alpha=dcfg.kd_loss_alpha)
+    raw_pairs = [(resolve_layer(p.student, s_cfg.num_layers, "student"),
+                  resolve_layer(p.teacher, t_cfg.num_layers, "teacher"), intermediate_loss_from_name(p.loss), p)
+                 for p in dcfg.intermediate_layer_pairs]
+
+    def stages(ctx):
+        pv = ctx.pipeline_size * ctx.virtual_size
+        if t_cfg.num_layers % pv:
+            raise DistillConfigError(f"the teacher's {t_cfg.num_layers} layers do not split into the student's "
+                                     f"{ctx.pipeline_size} x {ctx.virtual_size} pipeline chunks")
+        s_last, t_last = s_cfg.num_layers - s_cfg.num_layers // pv, t_cfg.num_layers - t_cfg.num_layers // pv
+        pairs = []
+        for s_layer, t_layer, fn, p in raw_pairs:
+            ok_s = s_layer[0] is None or s_layer[0] >= s_last
+            ok_t = t_layer[0] is None or t_layer[0] >= t_last
+            if not (ok_s and ok_t) or OUTPUT_LAYER in (s_layer[1], t_layer[1]):
+                raise DistillConfigError(
+                    f"intermediate pair {p.student} -> {p.teacher}: under pipeline parallelism intermediate losses "
+                    f"are computed on the last pipeline stage only (Megatron's post-training rule), so both layers "
+                    f"must be in the last model chunk: student layers {s_last}..{s_cfg.num_layers - 1}, teacher "
+                    f"layers {t_last}..{t_cfg.num_layers - 1}, or decoder.final_layernorm")
+            if s_cfg.hidden_size != t_cfg.hidden_size and projection is None:
+                raise DistillConfigError(
+                    f"intermediate pair {p.student} -> {p.teacher}: student hidden {s_cfg.hidden_size} != teacher "
+                    f"hidden {t_cfg.hidden_size} needs the {PROJECTION} module (see projection_aux)")
+            pairs.append((s_layer, t_layer, fn))
+        s_sow = tuple(sorted({f"{name}_output" for (i, name), _, _ in pairs if i is not None}))
+        t_sow = tuple(sorted({f"{name}_output" for _, (i, name), _ in pairs if i is not None}))
+        s_dot, t_dot = s_cfg.dense_dot_general(), t_cfg.dense_dot_general()
+        teacher_params = ctx.extra
+
+        def embed(prm, micro):
+            xs = embed_tokens(s_cfg, prm, micro["tokens"], micro["position_ids"], deterministic=False,
+                              rng=jax.random.fold_in(ctx.rng, s_cfg.num_layers), sample_offset=ctx.sample_offset(micro))
+            xt = embed_tokens(t_cfg, teacher_params, micro["tokens"], micro["position_ids"], deterministic=True,
+                              rng=None, sample_offset=0)
+            return xs, jax.lax.stop_gradient(xt)
+
+        def chunk(prm, x, micro, ci):
+            xs, xt = x
+            layers, first = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers)
+            out_s = apply_layers(s_cfg, layers, xs, micro["position_ids"], first_layer=first, deterministic=False,
+                                 rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=s_dot, sow=s_sow)
+            t_layers, t_first = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers)
+            out_t = apply_layers(t_cfg, t_layers, jax.lax.stop_gradient(xt), micro["position_ids"], first_layer=t_first,
+                                 deterministic=True, rng=None, sample_offset=0, dot_general=t_dot, sow=t_sow)
+            (ys, side_s), (yt, side_t) = (out_s if s_sow else (out_s, {})), (out_t if t_sow else (out_t, {}))
+            return (ys, jax.lax.stop_gradient(yt)), (side_s, jax.lax.stop_gradient(side_t))
+
+        def pick(side, layer, num_layers, normed):
+            index, name = layer
+            if index is None:  # decoder.final_layernorm
+                return normed
+            per_chunk = num_layers // pv
+            return side[f"{name}_output"][index - (num_layers - per_chunk)]
+
+        def head(prm, y, side, micro):
+            ys, yt = y
+            normed_s, normed_t = final_layernorm(s_cfg, prm, ys), final_layernorm(t_cfg, teacher_params, yt)
+            logits_s = output_logits(s_cfg, prm, normed_s, s_dot, normed=True)
+            logits_t = jax.lax.stop_gradient(output_logits(t_cfg, teacher_params, normed_t, t_dot, normed=True))
+            mask = micro["loss_mask"].astype(jnp.float32)
+            num_tokens = ctx.tokens[micro["microbatch"]]
+
+            def masked_mean(per_token):
+                return jnp.sum(per_token * mask) / jnp.maximum(num_tokens, 1.0)
+
+            losses = {"logits_loss": masked_mean(logits_kl_loss(logits_s, logits_t, dcfg.logit_kl_temperature))}
+            for k, (s_layer, t_layer, fn) in enumerate(pairs):
+                hs = pick(side[0], s_layer, s_cfg.num_layers, normed_s)
+                if projection is not None:
+                    hs = projection.apply({"params": prm[PROJECTION]}, hs.astype(jnp.float32))
+                ht = jax.lax.stop_gradient(pick(side[1], t_layer, t_cfg.num_layers, normed_t))
+                losses[f"intermediate_{k}"] = masked_mean(fn(hs, ht.astype(jnp.float32)))
+            report = {}
+            if need_lm:
+                total, _ = masked_cross_entropy(logits_s, micro["labels"], mask)
+                losses["student_loss"] = report["lm_loss"] = total / jnp.maximum(num_tokens, 1.0)
+            total, rep = balancer(losses)
+            report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],
+                          intermediate_distillation_loss=rep["intermediate_loss"])
+            return total, report
+
+        activation = (jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, s_cfg.hidden_size), s_cfg.dtype),
+                      jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, t_cfg.hidden_size), t_cfg.dtype))
+        report_zeros = {k: jnp.float32(0.0) for k in
+                        (["lm_loss"] if need_lm else []) + ["kd_loss", "logits_distillation_loss",
+                                                             "intermediate_distillation_loss"]}
+        return dict(embed=embed, chunk=chunk, head=head, activation=activation, report_zeros=report_zeros)
+
+    return stages

@@ -294,30 +294,43 @@ def embed_tokens(c: ModelConfig, params: Any, tokens: Array, position_ids: Array
 
 
 def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Array, *, first_layer: Any,
-                 deterministic: bool, rng: Any, sample_offset: Any, dot_general: Callable) -> Array:
+                 deterministic: bool, rng: Any, sample_offset: Any, dot_general: Callable,
+                 sow: tuple[str, ...] = ()) -> Any:
     """The decoder layers whose parameters are stacked ``[n, ...]`` in ``layer_params``
     (a slice of ``decoder_layers``), in order, as one ``lax.scan``; layer ``k`` is model
     layer ``first_layer + k`` (its dropout key ``fold_in(rng, first_layer + k)``).
-    ``recompute_granularity="full"`` recomputes each layer in the backward."""
+    ``recompute_granularity="full"`` recomputes each layer in the backward. Returns the
+    output ``[b, s, h]``; with ``sow`` (names TransformerLayer sows, e.g.
+    ``"input_layernorm_output"``) ``(output, {name: [n, b, s, h]})``."""
     layer = TransformerLayer(c, deterministic, dot_general)
     offset = jnp.asarray(sample_offset, jnp.uint32)
 
     def body(h, xs):
         p, k = xs
         rngs = None if deterministic else {"dropout": jax.random.fold_in(rng, first_layer + k)}
-        return layer.apply({"params": p}, h, position_ids, offset, rngs=rngs)[0], None
+        if not sow:
+            return layer.apply({"params": p}, h, position_ids, offset, rngs=rngs)[0], None
+        (h, _), state = layer.apply({"params": p}, h, position_ids, offset, rngs=rngs, mutable=["intermediates"])
+        return h, {name: state["intermediates"][name][0] for name in sow}
 
     if c.recompute_granularity == "full":
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     n = jax.tree.leaves(layer_params)[0].shape[0]
-    return jax.lax.scan(body, x, (layer_params, jnp.arange(n)))[0]
+    out, sown = jax.lax.scan(body, x, (layer_params, jnp.arange(n)))
+    return (out, sown) if sow else out
 
 
-def output_logits(c: ModelConfig, params: Any, x: Array, dot_general: Callable) -> Array:
-    """GPTModel's post-process: final norm and output layer (tied: the word embeddings'
-    ``attend``), ``[b, s, h]`` -> float32 ``[b, s, vocab]``."""
-    x = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm").apply(
+def final_layernorm(c: ModelConfig, params: Any, x: Array) -> Array:
+    """GPTModel's final norm, ``[b, s, h]`` -> ``[b, s, h]``."""
+    return make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm").apply(
         {"params": params["final_layernorm"]}, x)
+
+
+def output_logits(c: ModelConfig, params: Any, x: Array, dot_general: Callable, normed: bool = False) -> Array:
+    """GPTModel's post-process: final norm (unless ``normed``) and output layer (tied: the
+    word embeddings' ``attend``), ``[b, s, h]`` -> float32 ``[b, s, vocab]``."""
+    if not normed:
+        x = final_layernorm(c, params, x)
     if c.untie_embeddings_and_output_weights:
         logits = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, tp_mode="column", tp_dim=1,
                         dot_general=dot_general).apply({"params": params["output_layer"]}, x)

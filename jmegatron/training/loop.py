@@ -107,9 +107,6 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     """
     pipeline = None
     if cfg.pipeline_model_parallel_size > 1:
-        if cfg.kd_teacher_load and not cfg.kd_finalize:
-            raise ConfigError("distillation (config.kd_teacher_load) under pipeline_model_parallel_size > 1 is not "
-                              "built yet; distill with pipeline_model_parallel_size=1.")
         if cfg.use_megatron_fsdp:
             raise ConfigError("config.use_megatron_fsdp=True with pipeline_model_parallel_size > 1 is not built; "
                               "use use_distributed_optimizer=True (ZeRO-1) with the pipeline.")
@@ -127,23 +124,30 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     model = GPTModel(ModelConfig.from_config(cfg, padded))
     tx = optimizer.make_optimizer(cfg, gbs)
     rules = rules_lib.make_rules(cfg)
-    teacher = loss_fn = extra_shardings = None
+    teacher = loss_fn = extra_shardings = pipeline_stages = None
     aux = {}
     if cfg.kd_teacher_load and not cfg.kd_finalize:
         from jmegatron.distill.config import load_distill_config
-        from jmegatron.distill.loss_func import distillation_loss_fn, projection_aux
+        from jmegatron.distill.loss_func import distillation_loss_fn, distillation_pipeline_stages, projection_aux
         from jmegatron.distill.teacher import load_teacher
 
+        if pipeline is not None and dp > 1:
+            raise ConfigError(f"distillation under pipeline parallelism runs with one data-parallel rank (the "
+                              f"balancer's data-parallel sums are not built there); this layout has {dp}: use "
+                              f"pipeline_model_parallel_size x tensor_model_parallel_size = the device count.")
         dcfg = load_distill_config(cfg.kd_cfg)
         teacher = load_teacher(cfg.kd_teacher_load, cfg, padded, mesh, cfg.kd_teacher_bf16)
         aux = projection_aux(cfg, teacher.cfg.hidden_size, dcfg)
-        loss_fn = distillation_loss_fn(model, teacher.model, dcfg, aux)
+        if pipeline is None:
+            loss_fn = distillation_loss_fn(model, teacher.model, dcfg, aux)
+        else:
+            pipeline_stages = distillation_pipeline_stages(model, teacher.model, dcfg, aux)
         extra_shardings = teacher.shardings
     abstract, shardings, grad_shardings = state_lib.state_shardings(
         model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer, aux)
     step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg, gbs), mesh, shardings.params,
                                        grad_shardings, rules, loss_fn, extra_shardings, cfg.log_num_zeros_in_grad,
-                                       pipeline)
+                                       pipeline, pipeline_stages)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, extra_shardings)
     # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
     canonical = pipeline_layout.reorder(cfg.num_layers, (cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_size()),

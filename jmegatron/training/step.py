@@ -259,7 +259,8 @@ class StageContext:
     ``tokens`` (float32 ``[m]``: unmasked tokens of each micro-batch over all data ranks),
     ``sample_offset(micro)`` (the global sample number of the micro-batch's first local
     row), ``local_rows`` / ``seq_length`` (a micro-batch's shape on this rank) and
-    ``extra`` (``make_train_step``'s extra argument, e.g. the teacher's parameters)."""
+    ``extra`` (``make_train_step``'s extra argument, e.g. the teacher's parameters);
+    ``data_sum`` (the psum over the data axis, identity with one data-parallel rank)."""
 
     cfg: Any
     pipeline_size: int
@@ -271,6 +272,7 @@ class StageContext:
     local_rows: int
     seq_length: int
     extra: Any = None
+    data_sum: Callable = None
 
     def chunk_layers(self, stacked: Any, chunk: Any, num_layers: int) -> tuple[Any, Any]:
         """(this stage's chunk ``chunk`` of the stacked layers ``stacked`` (leaves ``[L_local,
@@ -326,7 +328,7 @@ def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params,
     ctx = StageContext(cfg=c, pipeline_size=schedule.pipeline_size, virtual_size=schedule.virtual_size,
                        stage=jax.lax.axis_index(PIPELINE_AXIS), rng=rng, tokens=tokens,
                        sample_offset=lambda micro: (micro["microbatch"] * dp + data_rank) * local_rows,
-                       local_rows=local_rows, seq_length=seq, extra=extra)
+                       local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum)
     stages = stages_fn(ctx)
     grads, loss, report = run_schedule(schedule, params, batch, **stages)
     grads = {k: (g if k == "decoder_layers" else jax.tree.map(lambda a: jax.lax.psum(a, PIPELINE_AXIS), g))
