@@ -5,8 +5,8 @@ The role of Megatron's megatron/core/pipeline_parallel/schedules.py
 ``forward_backward_pipelining_with_interleaving``), written for one SPMD program: every
 pipeline stage runs the same ``lax.scan`` over *ticks* inside a ``shard_map`` whose
 ``pipeline`` axis is manual. In each tick a stage does at most one forward of a
-(micro-batch, model chunk) and at most one backward (``jax.vjp`` residuals kept from its
-forward), each under ``lax.cond`` so an idle slot costs nothing; then activations move one
+(micro-batch, model chunk) and at most one backward (the chunk's forward recomputed under
+``jax.vjp``), each under ``lax.cond`` so an idle slot costs nothing; then activations move one
 stage on and their gradients one stage back with ``jax.lax.ppermute`` over a ring (stage
 ``p - 1``'s output of chunk ``c`` feeds stage 0's chunk ``c + 1``).
 
@@ -18,10 +18,12 @@ Backward units run the chunks in reverse; stage ``s`` runs backward unit ``u`` a
 ``u + (p - 1 - s) + offset``:
 
 * 1F1B / interleaved 1F1B: ``offset = p v - 1``, the last stage runs the backward of its
-  last chunk in the same tick as the forward (forward first). Stage ``s`` then holds at
-  most ``p - s`` micro-batches' activations for v = 1 (Megatron's warm-up ``p - s - 1``
-  plus the one in flight), and ticks cost ``(m v + p - 1)`` chunk forward+backward
-  times: the bubble is Megatron's ``(p - 1) / (v m + p - 1)``.
+  last chunk in the same tick as the forward (forward first). Ticks cost ``(m v + p - 1)``
+  chunk forward+backward times: the bubble is Megatron's ``(p - 1) / (v m + p - 1)``.
+  Stage ``s`` holds at most ``2 (p - s) - 1`` micro-batches' stage inputs for v = 1,
+  independent of ``m`` (Megatron's 1F1B: ``p - s``; a forward and its backward are
+  ``2 (p - 1 - s)`` one-tick hops apart here, and the stage runs a forward every tick
+  meanwhile; docs/PIPELINE.md).
 * GPipe: ``offset = m + p - 1``: every forward first, then every backward; ``m``
   micro-batches of activations per stage, the same bubble as 1F1B.
 
