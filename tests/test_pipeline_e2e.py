@@ -4,7 +4,7 @@ bit-exactly (dropout on), evaluate, generate and export to Hugging Face; and a p
 resumes with pp=1, then pp=2 x tp=2, then pp=2 again, its losses continuing the uninterrupted
 pp=2 run's within float32 rounding (training/checkpoint_layout.py converts at restore).
 
-Kept short: gpt_tiny's 4 layers (2 per stage) with hidden 64, seq 64, a 512-token vocabulary,
+Kept short: gpt_tiny with 2 layers (1 per stage), hidden 64, seq 64, a 512-token vocabulary,
 global batch 8 (2 micro-batches x 1 x dp 4), 8 iterations."""
 
 import json
@@ -19,13 +19,14 @@ import pytest
 from jmegatron.config import load_config_file
 from jmegatron.evaluate import main as evaluate_main
 from jmegatron.generate import main as generate_main
+from jmegatron.train import main as train_main
 from jmegatron.training.loop import pretrain, restore_run
 
 from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-SMALL = dict(hidden_size=64, ffn_hidden_size=256, seq_length=64, max_position_embeddings=64, micro_batch_size=1,
+SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=256, seq_length=64, max_position_embeddings=64, micro_batch_size=1,
              global_batch_size=8, train_iters=8, lr_warmup_iters=2, log_interval=1, eval_interval=4,
              eval_iters=2, save_interval=4, peak_tflops=1.0)
 PP2 = dict(pipeline_model_parallel_size=2, pipeline_schedule="1f1b")
@@ -51,10 +52,10 @@ def data(tmp_path_factory, shakespeare_dir):
     return str(tok), out.strip().splitlines()[-1]
 
 
-def train_cli(data, save, **kw):
+def train_args(data, save):
     tok, prefix = data
-    args = dict(SMALL, **PP2, data_path=prefix, tokenizer_model=tok, save=str(save), **kw)
-    return cli(["jmegatron.train", "--config", "configs/gpt_tiny.py", *(f"--config.{k}={v}" for k, v in args.items())])
+    args = dict(SMALL, **PP2, data_path=prefix, tokenizer_model=tok, save=str(save))
+    return ["--config", str(REPO / "configs" / "gpt_tiny.py"), *(f"--config.{k}={v}" for k, v in args.items())]
 
 
 def metrics(save):
@@ -64,10 +65,11 @@ def metrics(save):
 
 
 def test_gpt_tiny_pp2_trains_resumes_evaluates_generates_exports(data, tmp_path, capsys):
-    # training through `python -m jmegatron.train` (8 simulated devices); evaluate, generate and
-    # export through their CLI entry points in this process (they restore onto one device)
+    # the first run through `python -m jmegatron.train` (8 simulated devices); the resumed run,
+    # evaluate, generate and export through their CLI entry points in this process (8 devices
+    # too; evaluate, generate and export restore onto one device)
     full = tmp_path / "full"
-    out = train_cli(data, full)  # dropout 0.1 (gpt_tiny's): the resume must reproduce the RNG
+    out = cli(["jmegatron.train", *train_args(data, full)])  # dropout 0.1 (gpt_tiny's): the resume must reproduce the RNG
     assert "mesh {'pipeline': 2, 'data': 4," in out and "2 micro-batches x 1 x dp 4" in out
     losses, vals = metrics(full)
     assert sorted(losses) == list(range(1, 9)) and sorted(vals) == [4, 8]
@@ -82,7 +84,8 @@ def test_gpt_tiny_pp2_trains_resumes_evaluates_generates_exports(data, tmp_path,
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ev["iteration"] == 4
     np.testing.assert_allclose(ev["loss"], vals[4], rtol=1e-5)
-    out = train_cli(data, resumed)
+    assert train_main(train_args(data, resumed)) == 0
+    out = capsys.readouterr().out
     assert "resumed from" in out and "at iteration 4" in out
     got, got_vals = metrics(resumed)
     assert sorted(got) == list(range(1, 9))
