@@ -111,3 +111,18 @@ def test_rerun_continues_from_save_and_metrics_are_not_duplicated(tmp_path):
     assert sorted(second["losses"]) == list(range(11, 16))
     its = [json.loads(l)["iteration"] for l in open(tmp_path / "ft" / "metrics.jsonl")]
     assert its == sorted(set(its)) == [10, 15]  # the stray 13 is gone
+
+
+def test_save_time_is_not_the_next_iterations(tmp_path, monkeypatch):
+    # Megatron's save_checkpoint_and_time stops the interval timer while it saves
+    slow_save = checkpointing.Checkpointer.save
+
+    def save(self, *a, **kw):
+        time.sleep(2.0)
+        return slow_save(self, *a, **kw)
+
+    monkeypatch.setattr(checkpointing.Checkpointer, "save", save)
+    pretrain(cfg_for(tmp_path, train_iters=2, lr_warmup_iters=1, log_interval=1, save_interval=1, eval_interval=0))
+    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[1]["step_time_s"] < 2.0, rows[1]["step_time_s"]  # iteration 2 after the save at 1

@@ -470,7 +470,12 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
                 run_eval(iteration)
                 last_log = time.perf_counter()
             if cfg.save_interval and iteration % cfg.save_interval == 0:
+                # Megatron's save_checkpoint_and_time stops 'interval-time' while saving: the save
+                # is not timed as part of the next logged iteration (the step itself still is)
+                jax.block_until_ready(state)
+                save_started = time.perf_counter()
                 save(iteration)
+                last_log += time.perf_counter() - save_started
             if signalled:
                 print(f"[jmegatron] received signal {stop.signum}: saving a checkpoint and exiting", flush=True)
                 summary["interrupted"] = True
