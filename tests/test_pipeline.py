@@ -14,8 +14,8 @@ from jmegatron.parallel.pipeline_layout import stage_layer_order
 from jmegatron.parallel.schedules import build_schedule
 from jmegatron.training.loop import build
 
-from test_parallel_equivalence import LLAMA
-from test_train_step import random_batches, tiny_cfg
+from test_parallel_equivalence import LLAMA, trajectory
+from test_train_step import tiny_cfg
 
 NUM_LAYERS = 8
 
@@ -54,19 +54,6 @@ def test_schedule_errors_name_the_fix():
         build(cfg, create_mesh(cfg, jax.devices()[:8]))
 
 
-def trajectory(cfg, num_devices, steps=2):
-    run = build(cfg, create_mesh(cfg, jax.devices()[:num_devices]))
-    state = run.init_state()
-    losses, grads = [], []
-    for b in random_batches(steps, run.global_batch_size, cfg.seq_length, 500):
-        b = run.put_batch({k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()})
-        g, _, _ = run.compute_grads(state, b)
-        grads.append(jax.device_get(g))
-        state, m = run.train_step(state, b)
-        losses.append(float(m["lm_loss"]))
-    return np.array(losses), grads, run
-
-
 _REFERENCES = {}
 
 
@@ -75,7 +62,7 @@ def reference(arch: str, m: int):
     if (arch, m) not in _REFERENCES:
         kw = LLAMA if arch == "llama" else {}
         _REFERENCES[arch, m] = trajectory(tiny_cfg(num_layers=NUM_LAYERS, scan_layers=True,
-                                                   micro_batch_size=16 // m, **kw), 1)
+                                                   micro_batch_size=16 // m, **kw), 1, steps=2)
     return _REFERENCES[arch, m]
 
 
@@ -107,7 +94,7 @@ def test_pipelined_training_matches_one_device(arch, schedule, pp, v, m, layout)
     kw = dict(LLAMA if arch == "llama" else {}, **layout)
     cfg = tiny_cfg(num_layers=NUM_LAYERS, micro_batch_size=16 // (m * dp), pipeline_model_parallel_size=pp,
                    virtual_pipeline_model_parallel_size=v if v > 1 else None, pipeline_schedule=schedule, **kw)
-    losses, grads, run = trajectory(cfg, pp * dp * tp)
+    losses, grads, run = trajectory(cfg, pp * dp * tp, steps=2)
     assert (run.mesh.shape["pipeline"], run.mesh.shape["data"], run.num_microbatches) == (pp, dp, m)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     order = stage_layer_order(NUM_LAYERS, pp, v)

@@ -219,7 +219,10 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
         micro = micro_at(mb)
         first = (stage == 0) & (c == 0)
         last = (stage == p - 1) & (c == v - 1)
-        x = jax.tree.map(lambda e, a: jnp.where(first, e.astype(a.dtype), a), embed(prm, micro), x_in)
+        # under cond: the other stages neither gather nor scatter-add into the embedding
+        x = jax.lax.cond(first,
+                         lambda: _varying(jax.tree.map(lambda e, a: e.astype(a.dtype), embed(prm, micro), x_in), axes),
+                         lambda: _varying(x_in, axes))
         y, side = chunk(prm, x, micro, c)
         loss, report = jax.lax.cond(last, lambda: _varying(head(prm, y, side, micro), axes),
                                     lambda: _varying((jnp.float32(0.0), report_zeros), axes))
