@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
     from compare_torch import bench_config
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training.loop import build
+    from jmegatron.training.run import build
 
     layouts = {"dp2": dict(), "pp2_1f1b": dict(pipeline_model_parallel_size=2, pipeline_schedule="1f1b")}
     runs = {}

@@ -12,7 +12,8 @@ import pytest
 from jmegatron.parallel.pipeline_layout import stage_layer_order
 from jmegatron.training import checkpointing
 from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
-from jmegatron.training.loop import build, pretrain, restore_state
+from jmegatron.training.loop import pretrain
+from jmegatron.training.run import build, restore_state
 
 from test_checkpoint_resume import cfg_for
 

@@ -10,7 +10,7 @@ import pytest
 from jmegatron.distill.config import DistillConfigError, load_distill_config, parse_distill_config
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
-from jmegatron.training.loop import build, pretrain
+from jmegatron.pretrain_gpt import build, pretrain
 
 from test_checkpoint_resume import cfg_for as _cfg_for
 
@@ -142,7 +142,7 @@ def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, 
     # student, saved in its checkpoints (the rerun resumes), and dropped by kd_finalize / export
     from jmegatron.distill.losses import ProjectionLayer
     from jmegatron.export.common import load_checkpoint
-    from jmegatron.training.loop import restore_run
+    from jmegatron.training.run import restore_run
 
     kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
                              "decoder.layers.2.pre_mlp_layernorm]\n  - [decoder.final_layernorm, "

@@ -12,7 +12,7 @@ from jmegatron.config import ConfigError
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.parallel.pipeline_layout import stage_layer_order
 from jmegatron.parallel.schedules import build_schedule
-from jmegatron.training.loop import build
+from jmegatron.training.run import build
 
 from test_parallel_equivalence import LLAMA, trajectory
 from test_train_step import tiny_cfg

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
 from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
 from jmegatron.distill.losses import ProjectionLayer, intermediate_loss_from_name, logits_kl_loss
-from jmegatron.training.step import masked_cross_entropy
+from jmegatron.training.forward_step import masked_cross_entropy
 
 
 def _pick(intermediates: dict, layer: tuple, scanned: bool) -> jax.Array:
@@ -121,7 +121,7 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
     naming the layers that do. The teacher's layer count must split into the student's
     (pipeline_model_parallel_size x virtual size) chunks. One data-parallel rank only (the
     balancer's normalisation needs the losses summed over data inside the last stage's
-    conditional: not built); :func:`jmegatron.training.loop.build` refuses more.
+    conditional: not built); :func:`jmegatron.distill.model_provider.distillation_forward_step` refuses more.
     """
     from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
 

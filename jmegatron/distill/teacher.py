@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jmegatron.config import JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.training import checkpointing
+from jmegatron.training.run import build, restore_state
 
 
 @dataclasses.dataclass
@@ -43,8 +44,6 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     both sizes. The student's parallel sizes are used for the teacher (one mesh).
     Raises CheckpointError for a missing or unreadable checkpoint.
     """
-    from jmegatron.training.loop import build, restore_state
-
     if not checkpointing.has_checkpoint(load_dir):
         raise checkpointing.CheckpointError(f"config.kd_teacher_load={load_dir!r} holds no checkpoint")
     ckpt = checkpointing.Checkpointer(load_dir, create=False)

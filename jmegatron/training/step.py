@@ -20,7 +20,6 @@ layout of the same global batch draws the same masks.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,39 +30,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
 from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.distributed_optimizer import data_dim
 from jmegatron.parallel.schedules import PIPELINE_AXIS, PipelineSchedule, build_schedule, run_schedule
+from jmegatron.training.forward_step import StageContext, lm_loss_fn, lm_pipeline_stages, masked_cross_entropy
 from jmegatron.training.state import TrainState
 
 Batch = dict[str, jax.Array]
-
-
-def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array):
-    """(sum of masked token losses, number of unmasked tokens), both float32 scalars.
-
-    logits ``[b, s, V]`` float32, labels ``[b, s]`` int32, loss_mask ``[b, s]``. The
-    cross-entropy is :func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`
-    (its backward recomputes the softmax from the saved log-sum-exp).
-    """
-    ce = softmax_cross_entropy(logits, labels)
-    mask = loss_mask.astype(jnp.float32)
-    return jnp.sum(ce * mask), jnp.sum(mask)
-
-
-def lm_loss_fn(model: nn.Module) -> Callable:
-    """The language-model loss: masked token mean of the cross-entropy (Megatron's
-    ``loss_func`` in pretrain_gpt.py). See :func:`make_train_step` for the interface."""
-
-    def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
-        logits = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
-                             deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"])
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
-        loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
-        return loss, {"lm_loss": loss}
-
-    return loss_fn
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
@@ -249,67 +222,6 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
 
     step.compute_grads = compute_grads  # (state, batch[, extra]) -> (grads, report, tokens)
     return step
-
-
-@dataclasses.dataclass(frozen=True)
-class StageContext:
-    """What a pipeline stage provider gets (inside the train step's shard_map):
-    ``cfg`` (the student's ModelConfig), ``pipeline_size`` / ``virtual_size``, ``stage``
-    (traced int32: this device's pipeline rank), ``rng`` (the step's dropout key),
-    ``tokens`` (float32 ``[m]``: unmasked tokens of each micro-batch over all data ranks),
-    ``sample_offset(micro)`` (the global sample number of the micro-batch's first local
-    row), ``local_rows`` / ``seq_length`` (a micro-batch's shape on this rank) and
-    ``extra`` (``make_train_step``'s extra argument, e.g. the teacher's parameters);
-    ``data_sum`` (the psum over the data axis, identity with one data-parallel rank)."""
-
-    cfg: Any
-    pipeline_size: int
-    virtual_size: int
-    stage: Any
-    rng: Any
-    tokens: Any
-    sample_offset: Callable
-    local_rows: int
-    seq_length: int
-    extra: Any = None
-    data_sum: Callable = None
-
-    def chunk_layers(self, stacked: Any, chunk: Any, num_layers: int) -> tuple[Any, Any]:
-        """(this stage's chunk ``chunk`` of the stacked layers ``stacked`` (leaves ``[L_local,
-        ...]``), the model index of its first layer) for a model of ``num_layers`` layers."""
-        per_chunk = num_layers // (self.pipeline_size * self.virtual_size)
-        layers = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * per_chunk, per_chunk), stacked)
-        return layers, (chunk * self.pipeline_size + self.stage) * per_chunk
-
-
-def lm_pipeline_stages(ctx: StageContext) -> dict:
-    """The GPT language model's stages for :func:`jmegatron.parallel.schedules.run_schedule`
-    (Megatron's GPTModel pre_process / decoder chunk / post_process with pretrain_gpt's
-    ``loss_func``): ``{"embed", "chunk", "head", "activation", "report_zeros"}``. Each
-    micro-batch's loss is its masked token mean (``ctx.tokens``), as :func:`lm_loss_fn`."""
-    from jmegatron.models.gpt import apply_layers, embed_tokens, output_logits
-
-    c = ctx.cfg
-    dot_general = c.dense_dot_general()
-
-    def embed(prm, micro):
-        return embed_tokens(c, prm, micro["tokens"], micro["position_ids"], deterministic=False,
-                            rng=jax.random.fold_in(ctx.rng, c.num_layers), sample_offset=ctx.sample_offset(micro))
-
-    def chunk(prm, x, micro, ci):
-        layers, first = ctx.chunk_layers(prm["decoder_layers"], ci, c.num_layers)
-        return apply_layers(c, layers, x, micro["position_ids"], first_layer=first, deterministic=False,
-                            rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=dot_general), None
-
-    def head(prm, y, side, micro):
-        logits = output_logits(c, prm, y, dot_general)
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
-        loss = total / jnp.maximum(ctx.tokens[micro["microbatch"]], 1.0)
-        return loss, {"lm_loss": loss}
-
-    activation = jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, c.hidden_size), c.dtype)
-    return dict(embed=embed, chunk=chunk, head=head, activation=activation,
-                report_zeros={"lm_loss": jnp.float32(0.0)})
 
 
 def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params, batch: Batch, rng, extra,
