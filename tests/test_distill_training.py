@@ -219,7 +219,7 @@ def test_distillation_lowers_the_kl_to_the_teacher(tmp_path, teacher_dir):
     kw = dict(train_iters=10, lr=3e-3, lr_warmup_iters=1, eval_interval=0)
     distilled = pretrain(cfg_for(tmp_path / "kd", kd_teacher_load=teacher_dir, **kw))
     plain = pretrain(cfg_for(tmp_path / "lm", **kw))
-    run, teacher = distilled["run"], distilled["run"].teacher
+    run, teacher = distilled["run"], distilled["run"].forward_step.owner
     params = {"init": run.init_state().params, "distilled": distilled["state"].params,
               "plain": plain["state"].params}
     kl = {name: heldout_kl(run.model, p, teacher, run.cfg) for name, p in params.items()}

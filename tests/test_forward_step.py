@@ -103,7 +103,7 @@ def test_the_plain_provider_refuses_a_distillation_config():
     from jmegatron.pretrain_gpt import forward_step_provider
 
     assert forward_step_provider(cfg).__name__ == "distillation_forward_step"
-    assert forward_step_provider(cfg.replace(kd_finalize=True)) is gpt_forward_step
+    assert forward_step_provider(cfg.replace(kd_finalize=True, load="/a", save="/b")) is gpt_forward_step
 
 
 def test_aux_modules_round_trip_through_the_checkpoint_meta():

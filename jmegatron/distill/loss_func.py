@@ -170,10 +170,10 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
 
         def chunk(prm, x, micro, ci):
             xs, xt = x
-            layers, first = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers)
+            layers, first, _ = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers)
             out_s = apply_layers(s_cfg, layers, xs, micro["position_ids"], first_layer=first, deterministic=False,
                                  rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=s_dot, sow=s_sow)
-            t_layers, t_first = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers)
+            t_layers, t_first, _ = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers)
             out_t = apply_layers(t_cfg, t_layers, jax.lax.stop_gradient(xt), micro["position_ids"], first_layer=t_first,
                                  deterministic=True, rng=None, sample_offset=0, dot_general=t_dot, sow=t_sow)
             (ys, side_s), (yt, side_t) = (out_s if s_sow else (out_s, {})), (out_t if t_sow else (out_t, {}))

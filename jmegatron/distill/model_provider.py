@@ -39,6 +39,9 @@ def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vo
         raise ConfigError(f"distillation under pipeline parallelism runs with one data-parallel rank (the "
                           f"balancer's data-parallel sums are not built there); this layout has {dp}: use "
                           f"pipeline_model_parallel_size x tensor_model_parallel_size = the device count.")
+    if cfg.decoder_first_pipeline_num_layers is not None or cfg.decoder_last_pipeline_num_layers is not None:
+        raise ConfigError("distillation with uneven pipeline stages (decoder_first/last_pipeline_num_layers) is "
+                          "not built (the teacher's layers would need their own uneven split); unset them.")
     dcfg = load_distill_config(cfg.kd_cfg)
     teacher = load_teacher(cfg.kd_teacher_load, cfg, padded_vocab_size, mesh, cfg.kd_teacher_bf16)
     aux = projection_aux(cfg, teacher.cfg.hidden_size, dcfg)

@@ -88,7 +88,9 @@ class StageContext:
     ``sample_offset(micro)`` (the global sample number of the micro-batch's first local
     row), ``local_rows`` / ``seq_length`` (a micro-batch's shape on this rank) and
     ``extra`` (``make_train_step``'s extra argument, e.g. the teacher's parameters);
-    ``data_sum`` (the psum over the data axis, identity with one data-parallel rank)."""
+    ``data_sum`` (the psum over the data axis, identity with one data-parallel rank);
+    ``layout`` (the student's :class:`~jmegatron.parallel.pipeline_layout.PipelineLayout`;
+    None: the even one)."""
 
     cfg: Any
     pipeline_size: int
@@ -101,13 +103,27 @@ class StageContext:
     seq_length: int
     extra: Any = None
     data_sum: Callable = None
+    layout: Any = None
 
-    def chunk_layers(self, stacked: Any, chunk: Any, num_layers: int) -> tuple[Any, Any]:
-        """(this stage's chunk ``chunk`` of the stacked layers ``stacked`` (leaves ``[L_local,
-        ...]``), the model index of its first layer) for a model of ``num_layers`` layers."""
-        per_chunk = num_layers // (self.pipeline_size * self.virtual_size)
-        layers = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * per_chunk, per_chunk), stacked)
-        return layers, (chunk * self.pipeline_size + self.stage) * per_chunk
+    def chunk_layers(self, stacked: Any, chunk: Any, num_layers: int,
+                     layout: Any = None) -> tuple[Any, Any, Optional[Any]]:
+        """(this stage's chunk ``chunk`` (traced int) of the stacked layers ``stacked`` (this
+        stage's slots, leaves ``[v * K, ...]``) as leaves ``[K, ...]``, the model index of its
+        first layer (traced int32), the number of its real layers (traced int32; None when
+        every chunk is full, no padding slots)) for a model of ``num_layers`` layers laid out
+        by ``layout`` (default: ``self.layout`` for the student's ``num_layers``, else the
+        even layout)."""
+        from jmegatron.parallel.pipeline_layout import PipelineLayout
+
+        if layout is None:
+            own = self.layout
+            layout = own if own is not None and own.num_layers == num_layers else \
+                PipelineLayout(num_layers, self.pipeline_size, self.virtual_size)
+        k = layout.slots_per_chunk
+        layers = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * k, k), stacked)
+        first = jnp.asarray(layout.chunk_first_layer(), jnp.int32)[self.stage, chunk]
+        count = jnp.asarray(layout.chunk_layers(), jnp.int32)[self.stage, chunk] if layout.uneven else None
+        return layers, first, count
 
 
 def lm_pipeline_stages(ctx: StageContext) -> dict:
@@ -125,8 +141,9 @@ def lm_pipeline_stages(ctx: StageContext) -> dict:
                             rng=jax.random.fold_in(ctx.rng, c.num_layers), sample_offset=ctx.sample_offset(micro))
 
     def chunk(prm, x, micro, ci):
-        layers, first = ctx.chunk_layers(prm["decoder_layers"], ci, c.num_layers)
-        return apply_layers(c, layers, x, micro["position_ids"], first_layer=first, deterministic=False,
+        layers, first, count = ctx.chunk_layers(prm["decoder_layers"], ci, c.num_layers)
+        return apply_layers(c, layers, x, micro["position_ids"], first_layer=first, num_valid=count,
+                            deterministic=False,
                             rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=dot_general), None
 
     def head(prm, y, side, micro):

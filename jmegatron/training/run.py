@@ -65,17 +65,11 @@ class Run:
 
     def init_state(self) -> state_lib.TrainState:
         """A freshly initialised TrainState (seed ``cfg.seed``) in ``state_shardings``: the
-        same model for every layout (with interleaved pipeline stages the stacked layers are
-        then put in stage order, jmegatron.parallel.pipeline_layout)."""
-        state = state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
-                                           self.state_shardings, self.aux_modules)
-        order = pipeline_layout.stage_layer_order(self.cfg.num_layers, self.cfg.pipeline_model_parallel_size,
-                                                  self.cfg.virtual_pipeline_size())
-        if (order == np.arange(self.cfg.num_layers)).all():
-            return state
-        permute = jax.jit(lambda p: dict(p, decoder_layers=jax.tree.map(lambda a: a[order], p["decoder_layers"])),
-                          out_shardings=self.state_shardings.params)
-        return state.replace(params=permute(state.params))
+        same model for every layout (under pipeline parallelism the stacked layers are
+        initialised in model order, then moved to their stage slots,
+        :mod:`jmegatron.parallel.pipeline_layout`)."""
+        return state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
+                                          self.state_shardings, self.aux_modules, stored_layer_index(self.cfg))
 
     def abstract_with_shardings(self) -> Any:
         """ShapeDtypeStructs of the TrainState carrying its shardings (a restore target)."""
@@ -88,6 +82,17 @@ class Run:
         shardings = step_lib.batch_shardings(self.mesh)
         return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
                 for k, v in batch.items()}
+
+
+def stored_layer_index(cfg: JMegatronConfig) -> Optional[np.ndarray]:
+    """The model layer at each stored slot of the stacked decoder layers (PAD for uneven
+    stages' padding), or None when they are stored in model order (no pipeline, or one
+    even chunk per stage)."""
+    if cfg.pipeline_model_parallel_size == 1:
+        return None
+    layout = cfg.pipeline_layout()
+    index = pipeline_layout.gather_index(pipeline_layout.PipelineLayout(cfg.num_layers), layout)
+    return None if np.array_equal(index, np.arange(cfg.num_layers)) else index
 
 
 def vocab_size_of(cfg: JMegatronConfig) -> int:
@@ -135,15 +140,16 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
                           f"step {getattr(forward_step_provider, '__name__', forward_step_provider)} has no "
                           f"pipeline stages; use pipeline_model_parallel_size=1")
     abstract, shardings, grad_shardings = state_lib.state_shardings(
-        model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer, fwd.aux_modules)
+        model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer, fwd.aux_modules,
+        stored_layer_index(cfg))
     step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg, gbs), mesh, shardings.params,
                                        grad_shardings, rules, None if pipeline else fwd.loss_fn,
                                        fwd.extra_shardings, cfg.log_num_zeros_in_grad, pipeline,
-                                       fwd.pipeline_stages if pipeline else None)
+                                       fwd.pipeline_stages if pipeline else None,
+                                       cfg.pipeline_layout() if pipeline else None)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings)
     # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
-    canonical = pipeline_layout.reorder(cfg.num_layers, (cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_size()),
-                                        (1, 1))
+    canonical = pipeline_layout.gather_index(cfg.pipeline_layout(), pipeline_layout.PipelineLayout(cfg.num_layers))
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules, canonical), mesh, shardings.params)
     return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
                num_microbatches=num_micro, global_batch_size=gbs, num_microbatches_calculator=calculator,
@@ -239,7 +245,8 @@ def restore_run(load_dir: str, mesh: Optional[Mesh] = None,
     if mesh is None:  # one device: Orbax gathers whatever layout the checkpoint was saved in
         saved.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
                      expert_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_model_parallel_size=None,
-                     num_layers_per_virtual_pipeline_stage=None, pipeline_schedule="auto")
+                     num_layers_per_virtual_pipeline_stage=None, pipeline_schedule="auto",
+                     decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
     saved.update(overrides)
     cfg = from_configdict(saved)
     run = build(cfg, mesh or create_mesh(cfg, jax.devices()[:1]), vocab_size=_unpadded_vocab(cfg, meta))

@@ -44,7 +44,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                     rules: Sequence = rules_lib.DEFAULT_RULES, loss_fn: Optional[Callable] = None,
                     extra_shardings: Any = None, log_num_zeros_in_grad: bool = False,
                     pipeline: Optional[tuple[str, int, int]] = None, pipeline_stages: Optional[Callable] = None,
-                    ) -> Callable[..., tuple[TrainState, dict]]:
+                    pipeline_layout: Any = None) -> Callable[..., tuple[TrainState, dict]]:
     """The un-jitted train step ``(state, batch[, extra]) -> (state, metrics)``.
 
     Data parallelism is explicit, as in Megatron's DDP: a ``shard_map`` makes the data
@@ -75,7 +75,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     final norm) get theirs summed over stages (Megatron's embedding-group all-reduce for
     the tied word embeddings). The stages come from ``pipeline_stages(ctx)``
     (:class:`StageContext` -> embed / chunk / head, default :func:`lm_pipeline_stages`;
-    distillation gives its own), the pipelined counterpart of ``loss_fn``.
+    distillation gives its own), the pipelined counterpart of ``loss_fn``; ``pipeline_layout``
+    (:class:`jmegatron.parallel.pipeline_layout.PipelineLayout`, default the even split)
+    places the layers on the stages.
 
     metrics (float32 scalars): ``loss`` (what was optimised) and the report's entries
     (``lm_loss`` by default), each a mean over micro-batches; ``grad_norm`` (before
@@ -148,7 +150,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             with nn.logical_axis_rules(inner_rules):
                 schedule = build_schedule(pipeline[0], pipeline[1], num_micro, pipeline[2])
                 grads, report, tokens = _pipelined_grads(model.cfg, schedule, pipeline_stages or lm_pipeline_stages,
-                                                         varying, batch, rng, extra, psum, mesh.shape[axis])
+                                                         varying, batch, rng, extra, psum, mesh.shape[axis],
+                                                         pipeline_layout)
         else:
             zeros = jax.tree.map(jnp.zeros_like, varying)
             first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
@@ -217,6 +220,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         if log_num_zeros_in_grad:  # int32 per tensor, float32 over tensors, as Megatron's float count
             metrics["num_zeros"] = sum(jnp.sum(g == 0, dtype=jnp.int32).astype(jnp.float32)
                                        for g in jax.tree.leaves(grads))
+            if pipeline_layout is not None and pipeline_layout.uneven:  # not the padding slots' zeros
+                pads = int((pipeline_layout.order() < 0).sum())
+                metrics["num_zeros"] -= float(sum(pads * np.prod(g.shape[1:])
+                                                  for g in jax.tree.leaves(grads["decoder_layers"])))
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
         return new_state, metrics
 
@@ -225,7 +232,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
 
 
 def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params, batch: Batch, rng, extra,
-                     data_sum: Callable, dp: int):
+                     data_sum: Callable, dp: int, layout: Any = None):
     """One data-parallel rank's pipelined (grads, report, tokens), as the micro-batch loop
     of :func:`make_train_step` returns them (sums over micro-batches); ``params`` as that
     loop sees them (data-replicated ones already varying over data); ``stages_fn(ctx)``
@@ -240,7 +247,7 @@ def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params,
     ctx = StageContext(cfg=c, pipeline_size=schedule.pipeline_size, virtual_size=schedule.virtual_size,
                        stage=jax.lax.axis_index(PIPELINE_AXIS), rng=rng, tokens=tokens,
                        sample_offset=lambda micro: (micro["microbatch"] * dp + data_rank) * local_rows,
-                       local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum)
+                       local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum, layout=layout)
     stages = stages_fn(ctx)
     grads, loss, report = run_schedule(schedule, params, batch, **stages)
     grads = {k: (g if k == "decoder_layers" else jax.tree.map(lambda a: jax.lax.psum(a, PIPELINE_AXIS), g))
@@ -256,7 +263,10 @@ def make_eval_step(model: nn.Module, rules: Sequence = rules_lib.DEFAULT_RULES, 
     this order first (interleaved pipeline stages store them in stage order)."""
 
     def step(params, batch: Batch):
-        if layer_order is not None and not (np.asarray(layer_order) == np.arange(len(layer_order))).all():
+        stored = jax.tree.leaves(params.get("decoder_layers", {}))
+        identity = layer_order is None or not stored or (
+            len(layer_order) == stored[0].shape[0] and (np.asarray(layer_order) == np.arange(len(layer_order))).all())
+        if not identity:
             params = dict(params, decoder_layers=jax.tree.map(lambda a: a[layer_order], params["decoder_layers"]))
         def body(carry, micro):
             with nn.logical_axis_rules(list(rules)):
