@@ -221,7 +221,7 @@ class JMegatronConfig:
             "lr_decay_iters": None if self.train_samples is not None else (self.lr_decay_iters or train_iters),
             "lr_decay_samples": self.lr_decay_samples or self.train_samples,
             "load": self.load or self.save,
-            "moe_ffn_hidden_size": (None if self.num_moe_experts is None
+            "moe_ffn_hidden_size": (self.moe_ffn_hidden_size if self.num_moe_experts is None
                                     else self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size),
             "expert_tensor_parallel_size": self.expert_tensor_parallel_size or self.tensor_model_parallel_size,
         }

@@ -49,6 +49,8 @@ REPORT_NAMES = {
     "logits_distillation_loss": "logits distillation loss",
     "intermediate_distillation_loss": "intermediate distillation loss",
     "load_balancing_loss": "load_balancing_loss",
+    "seq_load_balancing_loss": "seq_load_balancing_loss",
+    "z_loss": "z_loss",
 }
 MB = 1024.0 * 1024.0  # Megatron's report_memory "MB" (mega_bytes = 1024 * 1024)
 # The " | source: ..." suffix of the memory line: which figures it holds (log_memory's docstring).
