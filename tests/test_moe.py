@@ -442,3 +442,16 @@ def test_router_losses_reach_the_gradient_not_the_lm_loss():
     assert np.abs(router[0] - router[1]).max() > 1e-4
     experts = [np.asarray(g["decoder_layers_0"]["mlp"]["experts"]["linear_fc1"]["kernel"]) for g in grads]
     np.testing.assert_allclose(experts[0], experts[1], rtol=1e-5, atol=1e-9)  # the router losses see no expert
+
+
+def test_checkpoint_compatibility_knows_the_moe_fields():
+    from jmegatron.training.checkpointing import CheckpointError, check_compatible
+
+    dense = _cfg(num_moe_experts=None, moe_ffn_hidden_size=None)
+    old = {k: v for k, v in dense.to_dict().items() if not k.startswith(("moe_", "num_moe"))}  # saved before MoE
+    check_compatible(dense, old, 256, 256, "ckpt")
+    moe = _cfg(num_layers=4, moe_layer_freq=[0, 1, 1, 1])
+    saved = __import__("json").loads(moe.to_json())  # tuples come back as lists
+    check_compatible(moe, saved, 256, 256, "ckpt")
+    with pytest.raises(CheckpointError, match="num_moe_experts: checkpoint None vs config 4"):
+        check_compatible(moe, dict(old, num_layers=4), 256, 256, "ckpt")
