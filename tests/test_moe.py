@@ -447,3 +447,22 @@ def test_checkpoint_compatibility_knows_the_moe_fields():
     check_compatible(moe, saved, 256, 256, "ckpt")
     with pytest.raises(CheckpointError, match="num_moe_experts: checkpoint None vs config 4"):
         check_compatible(moe, dict(old, num_layers=4), 256, 256, "ckpt")
+
+
+def test_parameter_count_and_flops_of_moe_models():
+    from jmegatron.training import flops
+
+    cfg = _cfg(num_layers=4, moe_layer_freq=(0, 1, 1, 1), moe_shared_expert_intermediate_size=40,
+               untie_embeddings_and_output_weights=True)
+    mc = ModelConfig.from_config(cfg, 256)
+    shapes = jax.eval_shape(GPTModel(mc).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    count = sum(int(np.prod(a.value.shape if hasattr(a, "value") else a.shape))
+                for a in jax.tree.leaves(shapes, is_leaf=lambda a: hasattr(a, "value")))
+    assert flops.num_parameters(cfg, 256) == count
+    # by hand: per token and MoE layer, top-2 experts of 48 and the shared expert of 40,
+    # SwiGLU (3 GEMM widths), x 3 (fwd + bwd) x 2 (FMA); the dense layer's ffn is 4h = 128
+    h, s = 32, 16
+    dense = _cfg(num_layers=4, num_moe_experts=None, moe_ffn_hidden_size=None, untie_embeddings_and_output_weights=True)
+    mlp_dense, mlp_moe = 6 * h * 128 * 3, 6 * h * (2 * 48 + 40) * 3
+    assert (flops.num_floating_point_operations(cfg, 2, 256) - flops.num_floating_point_operations(dense, 2, 256)
+            == 2 * s * 3 * (mlp_moe - mlp_dense))
