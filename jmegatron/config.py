@@ -506,6 +506,9 @@ class JMegatronConfig:
             raise ConfigError("config.num_moe_experts with pipeline_model_parallel_size > 1 is not built yet "
                               "(the pipeline stages do not add the router losses); set "
                               "pipeline_model_parallel_size=1.")
+        if self.kd_teacher_load is not None and not self.kd_finalize:
+            raise ConfigError("config.num_moe_experts with config.kd_teacher_load: the distillation loss does not "
+                              "add the student's router losses yet (issue 13 item 7); distil a dense student.")
         if self.scan_layers and len(set(pattern)) > 1:
             raise ConfigError(f"config.scan_layers=True stacks identical layers, but config.moe_layer_freq="
                               f"{self.moe_layer_freq!r} mixes dense and MoE layers; set scan_layers=False or "
