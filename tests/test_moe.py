@@ -8,7 +8,6 @@ paths (ragged grouped GEMM, capacity buffer) with each other; and a tiny MoE GPT
 through the real train step with its router losses reported.
 """
 
-import dataclasses
 
 import flax.linen as nn
 import jax
@@ -253,23 +252,40 @@ def _naive_moe(params, x, mc: ModelConfig, chosen=None, routing_map=None, probs=
 
 
 def test_dropless_moe_layer_equals_per_token_loop():
-    mc = _model_cfg(_moe(moe_shared_expert_intermediate_size=20))
-    layer = MoELayer(mc)
+    """Outputs and gradients equal the per-token loop's; the router losses the layer sows
+    (in training) have gradients for the router and the input only, not the experts."""
+    mc = _model_cfg(_moe(moe_shared_expert_intermediate_size=20, moe_aux_loss_coeff=1e-1, moe_z_loss_coeff=1e-2))
+    layer = MoELayer(mc, training=True)
     x = jnp.asarray(np.random.RandomState(9).randn(2, 6, 16).astype(np.float32))
     params = nn.unbox(jax.jit(layer.init)(jax.random.key(1), x))
     chosen = _chosen_experts(params, x, 2)
-    naive = jax.jit(lambda prm, v: _naive_moe(prm, v, mc, chosen))
-    np.testing.assert_allclose(np.asarray(layer.apply(params, x)), np.asarray(naive(params, x)),
-                               rtol=1e-5, atol=1e-6)
 
-    def loss(f):
-        return jax.jit(jax.grad(lambda prm, v: jnp.sum(jnp.sin(f(prm, v))), argnums=(0, 1)))
+    def outputs_and_grads(f):  # the outputs, and the gradients of a nonlinear function of them
+        return jax.jit(lambda prm, v: (f(prm, v), jax.grad(lambda q, w: jnp.sum(jnp.sin(f(q, w))),
+                                                            argnums=(0, 1))(prm, v)))(params, x)
 
-    grads = loss(layer.apply)(params, x)
-    ref = loss(naive)(params, x)
+    def layer_out(prm, v):
+        out, sown = layer.apply(prm, v, mutable=[MOE_LOSSES, MOE_STATS])
+        return out, moe_loss_terms(sown, mc.moe, 1)
+
+    def router_losses_and_grads(prm, v):
+        (total, report), g = jax.value_and_grad(lambda q, w: layer_out(q, w)[1], argnums=(0, 1),
+                                                has_aux=True)(prm, v)
+        return total, report, g
+
+    grads = outputs_and_grads(lambda prm, v: layer_out(prm, v)[0])
+    ref = outputs_and_grads(lambda prm, v: _naive_moe(prm, v, mc, chosen))
     for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
-    assert float(jnp.abs(grads[0]["params"]["router"]["kernel"]).max()) > 0  # the router learns
+    assert float(jnp.abs(grads[1][0]["params"]["router"]["kernel"]).max()) > 0  # the router learns
+
+    total, report, (g, gx) = jax.jit(router_losses_and_grads)(params, x)
+    np.testing.assert_allclose(float(total), 1e-1 * float(report["load_balancing_loss"])
+                               + 1e-2 * float(report["z_loss"]), rtol=1e-6)
+    g = g["params"]
+    assert float(jnp.abs(g["router"]["kernel"]).max()) > 0 and float(jnp.abs(gx).max()) > 0
+    for name in ("experts", "shared_experts"):
+        assert all(float(jnp.abs(a).max()) == 0 for a in jax.tree.leaves(g[name]))
 
 
 def test_ragged_path_equals_capacity_path_without_drops():
@@ -278,11 +294,16 @@ def test_ragged_path_equals_capacity_path_without_drops():
     dropless = MoELayer(_model_cfg(_moe()))
     padded = MoELayer(_model_cfg(_moe(moe_expert_capacity_factor=E / 2)))
     params = nn.unbox(jax.jit(dropless.init)(jax.random.key(2), x))
-    out_a, sown = padded.apply(params, x, mutable=[MOE_STATS])
-    np.testing.assert_allclose(np.asarray(out_a), np.asarray(dropless.apply(params, x)), rtol=1e-5, atol=1e-6)
-    assert float(sown[MOE_STATS]["router"]["dropped_tokens"][0]) == 0
-    f = lambda layer: jax.jit(jax.grad(lambda p: jnp.sum(jnp.cos(layer.apply(p, x)))))(params)  # noqa: E731
-    for a, b in zip(jax.tree.leaves(f(padded)), jax.tree.leaves(f(dropless))):
+    def outputs_and_grads(layer):
+        def f(p):
+            out, sown = layer.apply(p, x, mutable=[MOE_STATS])
+            return out, sown[MOE_STATS]["router"]["dropped_tokens"][0]
+        return jax.jit(lambda p: (f(p), jax.grad(lambda q: jnp.sum(jnp.cos(f(q)[0])))(p)))(params)
+
+    (out_a, dropped), grads_a = outputs_and_grads(padded)
+    (out_b, _), grads_b = outputs_and_grads(dropless)
+    assert float(dropped) == 0
+    for a, b in zip(jax.tree.leaves((out_a, grads_a)), jax.tree.leaves((out_b, grads_b))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
@@ -402,8 +423,8 @@ def test_tiny_moe_gpt_trains_and_reports_router_losses():
             out.append(jax.device_get(m))
         return out
 
-    cfg = _cfg(moe_expert_capacity_factor=1.0)
-    metrics = run_steps(cfg, 6)
+    cfg = _cfg(moe_expert_capacity_factor=1.0, scan_layers=True)  # every layer MoE: one scanned layer body
+    metrics = run_steps(cfg, 4)
     lm = [float(m["lm_loss"]) for m in metrics]
     assert lm[-1] < lm[0] - 0.1, lm
     for m in metrics:  # loss = lm loss + coefficient x (mean over MoE layers) x MoE layers, per term
@@ -415,28 +436,6 @@ def test_tiny_moe_gpt_trains_and_reports_router_losses():
         # two micro-batches of 2 x 16 tokens, k = 2: each layer assigns 64 per micro-batch
         assert float(m["moe_tokens_per_expert"].sum()) <= 2 * 64
         assert 0.0 <= float(m["moe_dropped_token_fraction"]) < 0.5
-
-
-def test_router_losses_have_gradients_for_the_router_only():
-    """The sown router losses, as moe_loss_terms sums them for the loss function: their
-    gradient reaches the router's kernel and the layer's input, not the experts."""
-    mc = _model_cfg(_moe(moe_aux_loss_coeff=1e-1, moe_z_loss_coeff=1e-2, moe_shared_expert_intermediate_size=8))
-    layer = MoELayer(mc, training=True)
-    x = jnp.asarray(np.random.RandomState(13).randn(2, 6, 16).astype(np.float32))
-    params = nn.unbox(jax.jit(layer.init)(jax.random.key(4), x))
-
-    def aux(p, v):
-        _, sown = layer.apply(p, v, mutable=[MOE_LOSSES, MOE_STATS])
-        total, report = moe_loss_terms(sown, mc.moe, 1)
-        return total, report
-
-    (total, report), (g, gx) = jax.jit(jax.value_and_grad(aux, argnums=(0, 1), has_aux=True))(params, x)
-    np.testing.assert_allclose(float(total), 1e-1 * float(report["load_balancing_loss"])
-                               + 1e-2 * float(report["z_loss"]), rtol=1e-6)
-    g = g["params"]
-    assert float(jnp.abs(g["router"]["kernel"]).max()) > 0 and float(jnp.abs(gx).max()) > 0
-    for name in ("experts", "shared_experts"):
-        assert all(float(jnp.abs(a).max()) == 0 for a in jax.tree.leaves(g[name]))
 
 
 def test_checkpoint_compatibility_knows_the_moe_fields():
@@ -469,3 +468,4 @@ def test_parameter_count_and_flops_of_moe_models():
     mlp_dense, mlp_moe = 6 * h * 128 * 3, 6 * h * (2 * 48 + 40) * 3
     assert (flops.num_floating_point_operations(cfg, 2, 256) - flops.num_floating_point_operations(dense, 2, 256)
             == 2 * s * 3 * (mlp_moe - mlp_dense))
+
