@@ -56,6 +56,8 @@ def lm_loss_fn(model: nn.Module) -> Callable:
     """The language-model loss: masked token mean of the cross-entropy (Megatron's
     ``loss_func`` in pretrain_gpt.py). See :func:`make_train_step` for the interface."""
 
+    from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
+
     moe = getattr(getattr(model, "cfg", None), "moe", None)
 
     def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
@@ -71,31 +73,6 @@ def lm_loss_fn(model: nn.Module) -> Callable:
         return loss, report
 
     return loss_fn
-
-
-MOE_COLLECTIONS = ("moe_losses", "moe_stats")
-
-
-def add_moe_losses(cfg: Any, loss: jax.Array, report: dict, sown: Any, micro: Batch, data_sum: Callable):
-    """(loss + the router losses, report + MoE entries) for one micro-batch of an MoE model
-    (``cfg``: its ModelConfig; ``sown``: the ``moe_losses`` / ``moe_stats`` collections of
-    the forward pass). Each data-parallel rank's router losses are its own tokens' (Megatron
-    computes them per rank and averages gradients over data ranks), so they enter as the
-    mean over ranks, weighted by local tokens (equal on every rank); the LM loss in
-    ``report`` is unchanged. See :func:`jmegatron.models.moe.moe_layer.moe_loss_terms`."""
-    from jmegatron.models.moe.moe_layer import moe_loss_terms
-
-    aux, moe_report = moe_loss_terms(sown, cfg.moe, sum(cfg.moe_layers()))
-    local = jnp.sum(jnp.ones_like(micro["loss_mask"], jnp.float32))
-    tokens = data_sum(local)
-
-    def mean(x):
-        return data_sum(x * local) / tokens
-
-    report = dict(report)
-    for name, value in moe_report.items():
-        report[name] = data_sum(value) if name == "moe_tokens_per_expert" else mean(value)
-    return loss + mean(aux), report
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,

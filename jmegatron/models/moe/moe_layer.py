@@ -75,6 +75,9 @@ class MoELayer(nn.Module):
         return nn.with_logical_constraint(out, ("batch", "length", "activation_embed"))
 
 
+# The collections the loss function makes mutable to collect the MoE layers' sown values.
+MOE_COLLECTIONS = (MOE_LOSSES, MOE_STATS)
+
 # Report names of the sown losses (Megatron's tracker names) -> their coefficient's field.
 LOSS_COEFFS = {"load_balancing_loss": "moe_aux_loss_coeff", "seq_load_balancing_loss": "moe_aux_loss_coeff",
                "z_loss": "moe_z_loss_coeff"}
@@ -131,3 +134,29 @@ def moe_loss_terms(variables: Any, moe: Optional[moe_utils.MoEConfig], num_moe_l
         report["moe_dropped_token_fraction"] = (sum(jnp.sum(d) for d in dropped)
                                                 / jnp.maximum(sum(jnp.sum(r) for r in routed), 1.0))
     return total, report
+
+
+def add_moe_losses(cfg: Any, loss: Array, report: dict, sown: Any, micro: dict, data_sum: Callable
+                   ) -> tuple[Array, dict]:
+    """(loss + the router losses, report + the MoE entries) for one micro-batch of an MoE
+    model, inside the train step's loss function (:func:`jmegatron.training.step.lm_loss_fn`).
+
+    ``cfg``: the model's ModelConfig; ``sown``: the :data:`MOE_COLLECTIONS` of the forward
+    pass; ``micro``: the micro-batch (its ``loss_mask`` ``[b, s]`` gives this rank's token
+    count); ``data_sum``: the psum over data-parallel ranks. Each rank's router losses are
+    its own tokens' (Megatron computes them per rank and its DDP averages gradients over
+    data ranks), so they enter as the mean over ranks weighted by local tokens (equal on
+    every rank); ``report["lm_loss"]`` is left as it is. ``moe_tokens_per_expert`` is
+    summed over ranks, the other entries averaged (see :func:`moe_loss_terms`).
+    """
+    aux, moe_report = moe_loss_terms(sown, cfg.moe, sum(cfg.moe_layers()))
+    local = jnp.sum(jnp.ones_like(micro["loss_mask"], jnp.float32))
+    tokens = data_sum(local)
+
+    def mean(x):
+        return data_sum(x * local) / tokens
+
+    report = dict(report)
+    for name, value in moe_report.items():
+        report[name] = data_sum(value) if name == "moe_tokens_per_expert" else mean(value)
+    return loss + mean(aux), report
