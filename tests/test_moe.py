@@ -469,3 +469,25 @@ def test_parameter_count_and_flops_of_moe_models():
     assert (flops.num_floating_point_operations(cfg, 2, 256) - flops.num_floating_point_operations(dense, 2, 256)
             == 2 * s * 3 * (mlp_moe - mlp_dense))
 
+
+
+def test_logger_reports_router_losses_tokens_per_expert_and_drops(tmp_path):
+    import io
+    import json
+
+    from jmegatron.training.logging import MetricsLogger
+
+    stream = io.StringIO()
+    logger = MetricsLogger(str(tmp_path), str(tmp_path / "tb"), 1e9, 1, 1.0, 10, stream=stream)
+    step = {"lm_loss": 2.0, "loss": 2.1, "lr": 1e-3, "grad_norm": 1.0, "num_tokens": 64.0,
+            "load_balancing_loss": 1.25, "z_loss": 3.0, "moe_dropped_token_fraction": 0.25,
+            "moe_tokens_per_expert": np.array([[10.0, 20.0, 30.0, 4.0]], np.float32)}
+    logger.log_train(2, [step, dict(step, moe_dropped_token_fraction=0.75,
+                                    moe_tokens_per_expert=np.array([[20.0, 20.0, 10.0, 14.0]]))], 1.0)
+    logger.close()
+    line = stream.getvalue()
+    assert "| load_balancing_loss: 1.250000E+00 | z_loss: 3.000000E+00 |" in line and "dropped" not in line
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["moe_tokens_per_expert"] == [[15.0, 20.0, 20.0, 9.0]]
+    assert record["moe_dropped_token_fraction"] == 0.5 and record["z_loss"] == 3.0
+    assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
