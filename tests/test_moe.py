@@ -491,3 +491,4 @@ def test_logger_reports_router_losses_tokens_per_expert_and_drops(tmp_path):
     assert record["moe_tokens_per_expert"] == [[15.0, 20.0, 20.0, 9.0]]
     assert record["moe_dropped_token_fraction"] == 0.5 and record["z_loss"] == 3.0
     assert any(p.name.startswith("events") for p in (tmp_path / "tb").iterdir())
+
