@@ -8,7 +8,6 @@ paths (ragged grouped GEMM, capacity buffer) with each other; and a tiny MoE GPT
 through the real train step with its router losses reported.
 """
 
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -146,10 +145,12 @@ def _moe(**kw) -> MoEConfig:
     dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
     dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3),
     dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs", moe_aux_loss_coeff=1e-2),
+    dict(moe_router_load_balancing_type="sinkhorn"),
 ])
 def test_router_module_matches_megatron_in_its_token_order(kw):
     """TopKRouter on [b, s, h] vs Megatron's functions on the same logits in Megatron's
-    [s, b] token order (seq_aux_loss: Megatron's _apply_seq_aux_loss reshape)."""
+    [s, b] token order (seq_aux_loss: Megatron's _apply_seq_aux_loss reshape; sinkhorn:
+    its sinkhorn_load_balancing in training, top-k of the balanced logits, softmax weights)."""
     mu, torch = _megatron()
     b, s, h, k = 3, 16, 12, 2
     cfg = _moe(**kw)
@@ -159,15 +160,22 @@ def test_router_module_matches_megatron_in_its_token_order(kw):
     routing, sown = router.apply(params, x, training=True, mutable=[MOE_LOSSES, MOE_STATS])
     w = np.asarray(params["params"]["kernel"])
     logits = torch.einsum("sbh,he->sbe", _t(np.asarray(x).transpose(1, 0, 2)), _t(w)).reshape(s * b, E)
-    ref_probs, ref_map = mu.topk_routing_with_score_function(logits, k)
+    if cfg.moe_router_load_balancing_type == "sinkhorn":
+        indices = torch.topk(mu.sinkhorn(logits), k=k, dim=1)[1]
+        ref_map = torch.zeros_like(logits).int().scatter(1, indices, 1).bool()
+        ref_probs = torch.softmax(logits, dim=-1) * ref_map
+    else:
+        ref_probs, ref_map = mu.topk_routing_with_score_function(logits, k)
     if cfg.moe_expert_capacity_factor:
         ref_probs, ref_map = mu.apply_router_token_dropping(ref_probs, ref_map, k, 1.0, "probs", False)
     to_bs = lambda a: a.numpy().reshape(s, b, E).transpose(1, 0, 2).reshape(b * s, E)  # noqa: E731
     np.testing.assert_allclose(np.asarray(routing.probs), to_bs(ref_probs), rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(routing.routing_map), to_bs(ref_map))
     aux_map, scores = mu.compute_routing_scores_for_aux_loss(logits, k, "softmax")
-    losses = sown[MOE_LOSSES]
-    if kw.get("moe_router_load_balancing_type") == "seq_aux_loss":
+    losses = sown.get(MOE_LOSSES, {})
+    if cfg.moe_router_load_balancing_type == "sinkhorn":
+        assert not losses
+    elif cfg.moe_router_load_balancing_type == "seq_aux_loss":
         ref = mu.switch_load_balancing_loss_func(scores.reshape(s, -1), aux_map.reshape(s, -1).sum(0), s, k, E,
                                                  1e-3) / b
         np.testing.assert_allclose(float(losses["seq_load_balancing_loss"][0]), float(ref), rtol=1e-5)
