@@ -135,6 +135,12 @@ def test_expert_bias_update_matches_megatron(monkeypatch):
     assert (ours[1] == bias[1]).all() and (ours[0] != bias[0]).any()
 
 
+def _init_params(module, key, *inputs):
+    """``{"params": ...}`` of ``module.init`` (unboxed), without what init sowed (a later
+    mutable apply would append to it)."""
+    return {"params": nn.unbox(jax.jit(module.init)(key, *inputs)["params"])}
+
+
 # ------------------------------------------------------------------ the router module
 def _moe(**kw) -> MoEConfig:
     base = dict(num_moe_experts=E, moe_ffn_hidden_size=24, moe_router_topk=2)
@@ -156,8 +162,9 @@ def test_router_module_matches_megatron_in_its_token_order(kw):
     cfg = _moe(**kw)
     x = jnp.asarray(np.random.RandomState(7).randn(b, s, h).astype(np.float32))
     router = TopKRouter(cfg)
-    params = nn.unbox(router.init(jax.random.key(0), x))
+    params = {"params": nn.unbox(router.init(jax.random.key(0), x))["params"]}  # not init's sown values
     routing, sown = router.apply(params, x, training=True, mutable=[MOE_LOSSES, MOE_STATS])
+    assert len(sown[MOE_STATS]["tokens_per_expert"]) == 1
     w = np.asarray(params["params"]["kernel"])
     logits = torch.einsum("sbh,he->sbe", _t(np.asarray(x).transpose(1, 0, 2)), _t(w)).reshape(s * b, E)
     if cfg.moe_router_load_balancing_type == "sinkhorn":
@@ -265,7 +272,7 @@ def test_dropless_moe_layer_equals_per_token_loop():
     mc = _model_cfg(_moe(moe_shared_expert_intermediate_size=20, moe_aux_loss_coeff=1e-1, moe_z_loss_coeff=1e-2))
     layer = MoELayer(mc, training=True)
     x = jnp.asarray(np.random.RandomState(9).randn(2, 6, 16).astype(np.float32))
-    params = nn.unbox(jax.jit(layer.init)(jax.random.key(1), x))
+    params = _init_params(layer, jax.random.key(1), x)
     chosen = _chosen_experts(params, x, 2)
 
     def outputs_and_grads(f):  # the outputs, and the gradients of a nonlinear function of them
@@ -301,7 +308,7 @@ def test_ragged_path_equals_capacity_path_without_drops():
     x = jnp.asarray(np.random.RandomState(10).randn(2, 8, 16).astype(np.float32))
     dropless = MoELayer(_model_cfg(_moe()))
     padded = MoELayer(_model_cfg(_moe(moe_expert_capacity_factor=E / 2)))
-    params = nn.unbox(jax.jit(dropless.init)(jax.random.key(2), x))
+    params = _init_params(dropless, jax.random.key(2), x)
     def outputs_and_grads(layer):
         def f(p):
             out, sown = layer.apply(p, x, mutable=[MOE_STATS])
@@ -322,7 +329,7 @@ def test_capacity_layer_computes_the_kept_assignments(pad):
     mc = _model_cfg(_moe(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=pad), swiglu=False)
     layer = MoELayer(mc)
     x = jnp.asarray(np.random.RandomState(11).randn(2, 12, 16).astype(np.float32))
-    params = nn.unbox(jax.jit(layer.init)(jax.random.key(3), x))
+    params = _init_params(layer, jax.random.key(3), x)
     out, sown = layer.apply(params, x, mutable=[MOE_STATS])
     routing = TopKRouter(mc.moe).apply({"params": params["params"]["router"]}, x)
     assert float(sown[MOE_STATS]["router"]["dropped_tokens"][0]) > 0
