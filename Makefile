@@ -18,13 +18,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# Test files run in TEST_WORKERS processes (pytest-xdist; one file per worker, so module
+# fixtures are built once): most of a case's time is single-threaded XLA compilation.
+TEST_WORKERS ?= 2
+
 # The whole suite, slow cases included (CI runs exactly this).
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 # Everything but the cases marked slow.
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -m "not slow"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests -m "not slow"
 
 demo: $(STAMP)
 	$(PY) -m jmegatron.tools.demo --workdir $(DEMO_DIR)

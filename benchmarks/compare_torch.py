@@ -174,7 +174,7 @@ def jmegatron_stepper(cfg, tokens: np.ndarray, labels: np.ndarray, num_devices: 
     import jax
 
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training.loop import build
+    from jmegatron.training.run import build
 
     run = build(cfg, create_mesh(cfg, jax.devices()[:num_devices]))
     state = run.init_state()

@@ -9,7 +9,9 @@ Both runs get the same model, ``micro_batch_size`` and global batch ``m * micro_
 predicts pp/dp = m / (m + p - 1); the printed prediction also counts jmegatron's
 recomputation (each stage backward recomputes its chunk forward: with backward = 2 forward,
 3 units of work become 4) and says it does not count the stages' imbalance (the embedding
-and output layer sit on the first and last stage).
+and output layer sit on the first and last stage). ``--first N`` adds a third layout, pp=2
+with N layers on the first stage (Megatron's ``decoder_first_pipeline_num_layers``), which
+moves layers away from the stage that also runs the output layer.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="timed steps per layout per round")
     p.add_argument("--set", action="append", default=[], help="field=python_literal override")
+    p.add_argument("--first", type=int, default=None,
+                   help="also time pp=2 with this many layers on the first stage (uneven split)")
     args = p.parse_args(argv)
 
     import jax
@@ -38,9 +42,11 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
     from compare_torch import bench_config
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training.loop import build
+    from jmegatron.training.run import build
 
     layouts = {"dp2": dict(), "pp2_1f1b": dict(pipeline_model_parallel_size=2, pipeline_schedule="1f1b")}
+    if args.first is not None:
+        layouts[f"pp2_1f1b_first{args.first}"] = dict(layouts["pp2_1f1b"], decoder_first_pipeline_num_layers=args.first)
     runs = {}
     for name, kw in layouts.items():
         sets = list(args.set) + [f"{k}={v!r}" for k, v in kw.items()] + ["hidden_dropout=0.0", "attention_dropout=0.0"]
@@ -89,6 +95,12 @@ def main(argv=None) -> int:
           f"median {statistics.median(per_round):.3f} / max {max(per_round):.3f})")
     print(f"predicted by the bubble alone, m/(m+p-1): {bubble:.3f}; with the stage recomputation (x 3/4): "
           f"{bubble * 0.75:.3f} (not counted: the embedding and output layer on the end stages)")
+    for name in runs:
+        if name.startswith("pp2_1f1b_first"):
+            per_round = [e / u for e, u in zip(times["pp2_1f1b"], times[name])]
+            print(f"ratio {name}/pp2_1f1b tokens/s: {tps[name] / tps['pp2_1f1b']:.3f} (per round min "
+                  f"{min(per_round):.3f} / median {statistics.median(per_round):.3f} / max {max(per_round):.3f}); "
+                  f"{name}/dp2: {tps[name] / tps['dp2']:.3f}")
     return 0
 
 

@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     from jmegatron.data.loader import BatchLoader
     from jmegatron.export.hf import hf_architecture, to_hf_model
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training.loop import build, build_datasets
+    from jmegatron.training.run import build
+    from jmegatron.training.loop import build_datasets
     from jmegatron.training.optimizer import lr_schedule
 
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from jmegatron.config import base_config, from_configdict  # noqa: E402
 from jmegatron.data.gpt_dataset import MockGPTDataset  # noqa: E402
 from jmegatron.data.loader import BatchLoader  # noqa: E402
 from jmegatron.parallel.mesh import create_mesh  # noqa: E402
-from jmegatron.training.loop import build  # noqa: E402
+from jmegatron.training.run import build  # noqa: E402
 
 
 def main(iterations: int = 20) -> list[float]:

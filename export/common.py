@@ -82,7 +82,7 @@ def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSou
 
     from jmegatron.export.hf import _plain, unstack_layers
     from jmegatron.training.checkpointing import CheckpointError
-    from jmegatron.training.loop import restore_run
+    from jmegatron.training.run import restore_run
 
     if not load_dir:
         raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")

@@ -138,7 +138,7 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
     from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict
     from jmegatron.parallel.mesh import create_mesh
     from jmegatron.training import checkpointing
-    from jmegatron.training.loop import _meta, build
+    from jmegatron.training.run import build, checkpoint_meta
 
     conf_path = os.path.join(folder, "config.json")
     if not os.path.isfile(conf_path):
@@ -183,7 +183,7 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
     with open(os.path.join(out, "config.json"), "w") as f:
         f.write(cfg.to_json())
     ckpt = checkpointing.Checkpointer(out)
-    ckpt.save(0, state, _meta(cfg, run, 0, 0))
+    ckpt.save(0, state, checkpoint_meta(cfg, run, 0, 0))
     ckpt.wait()
     ckpt.close()
     print(f"[jmegatron.export import-hf] {hf_conf.get('architectures', ['?'])[0]} from {os.path.abspath(folder)} "

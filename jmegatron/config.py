@@ -170,6 +170,10 @@ class JMegatronConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     # "auto" (Megatron's choice: 1F1B, interleaved when v > 1), "gpipe", "1f1b", "interleaved_1f1b"
     pipeline_schedule: str = "auto"
+    # Megatron's uneven split (--decoder-first/last-pipeline-num-layers): layers on the first /
+    # last pipeline stage, the rest split evenly over the others; None: even
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     # Megatron: --expert-tensor-parallel-size; None: = tensor_model_parallel_size (the only
@@ -519,17 +523,34 @@ class JMegatronConfig:
         if v > 1 and pp == 1:
             raise ConfigError("config.virtual_pipeline_model_parallel_size > 1 needs "
                               "pipeline_model_parallel_size > 1 (Megatron's interleaved schedule); unset it.")
-        if self.num_layers % (pp * v):
+        uneven = self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+        if uneven and self.num_layers_per_virtual_pipeline_stage is not None:
+            raise ConfigError("config.num_layers_per_virtual_pipeline_stage assumes an even split; with "
+                              "decoder_first/last_pipeline_num_layers give virtual_pipeline_model_parallel_size.")
+        if not uneven and self.num_layers % (pp * v):
             raise ConfigError(
                 f"config.num_layers={self.num_layers} is not divisible by pipeline_model_parallel_size={pp} x "
                 f"virtual_pipeline_model_parallel_size={v}; every model chunk holds the same number of layers "
-                f"(uneven first/last stages are not built yet).")
+                f"unless decoder_first/last_pipeline_num_layers give the first/last stage's.")
+        try:
+            self.pipeline_layout()
+        except ValueError as e:
+            raise ConfigError(f"config.{e}") from None
         if self.pipeline_schedule == "interleaved_1f1b" and v == 1:
             raise ConfigError("config.pipeline_schedule='interleaved_1f1b' needs "
                               "virtual_pipeline_model_parallel_size > 1; set it or use '1f1b'.")
         if self.pipeline_schedule in ("gpipe", "1f1b") and v > 1:
             raise ConfigError(f"config.pipeline_schedule={self.pipeline_schedule!r} runs one model chunk per stage; "
                               f"with virtual_pipeline_model_parallel_size={v} use 'interleaved_1f1b' or 'auto'.")
+
+    def pipeline_layout(self):
+        """The decoder layers' placement on pipeline stages
+        (:class:`jmegatron.parallel.pipeline_layout.PipelineLayout`). Raises ValueError when
+        they do not split."""
+        from jmegatron.parallel.pipeline_layout import PipelineLayout
+
+        return PipelineLayout(self.num_layers, self.pipeline_model_parallel_size, self.virtual_pipeline_size(),
+                              self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
 
     def virtual_pipeline_size(self) -> int:
         """Model chunks per pipeline stage (v): ``virtual_pipeline_model_parallel_size``, or

@@ -21,7 +21,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
 
     from jmegatron.training.checkpointing import CheckpointError
-    from jmegatron.training.loop import build_datasets, evaluate, restore_run
+    from jmegatron.training.loop import build_datasets, evaluate
+    from jmegatron.training.run import restore_run
 
     try:
         run, state, meta = restore_run(args.load, hidden_dropout=0.0, attention_dropout=0.0)

@@ -99,7 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     from jmegatron.distributed import initialize_from_env
     from jmegatron.training.checkpointing import CheckpointError
-    from jmegatron.training.loop import pretrain
+    from jmegatron.pretrain_gpt import pretrain
 
     try:
         initialize_from_env()

@@ -12,7 +12,8 @@ import pytest
 from jmegatron.parallel.pipeline_layout import stage_layer_order
 from jmegatron.training import checkpointing
 from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
-from jmegatron.training.loop import build, pretrain, restore_state
+from jmegatron.training.loop import pretrain
+from jmegatron.training.run import build, restore_state
 
 from test_checkpoint_resume import cfg_for
 
@@ -96,7 +97,7 @@ def test_trees_in_neither_layout_are_refused(runs):
     with pytest.raises(ValueError, match=r"\.params holds per-layer .* source layout is stacked"):
         convert_layers(host, STACKED, PER_LAYER, L)
     stacked = convert_layers(host.params, PER_LAYER, STACKED, L)
-    with pytest.raises(ValueError, match=r"<root>\['decoder_layers'\]\[.* expected a leading axis of num_layers=8"):
+    with pytest.raises(ValueError, match=r"<root>\['decoder_layers'\]\[.* expected a leading axis of 8 slots \(num_layers=8\)"):
         convert_layers(stacked, STACKED, PER_LAYER, 8)
 
 
@@ -189,3 +190,41 @@ def test_pipeline_stage_order_checkpoint_restores_and_exports(runs, tmp_path):
         assert sorted(ref) == sorted(got)
         for k in ref:
             assert np.array_equal(ref[k], got[k]), (d, k)
+
+
+def test_uneven_stages_convert_with_zero_padding_and_back(runs):
+    per_layer, _ = runs
+    host = jax.device_get(per_layer.init_state())
+    # L = 4 on 2 stages: 1 layer first, 3 last -> 3 slots per stage, 2 of stage 0's padding
+    uneven = LayerLayout(True, 2, 1, 1, None)
+    assert list(uneven.order(L)) == [0, -1, -1, 1, 2, 3]
+    stacked = convert_layers(host, PER_LAYER, uneven, L)
+    kernel = stacked.params["decoder_layers"]["mlp"]["linear_fc1"]["kernel"]
+    assert kernel.shape[0] == 6 and not kernel[1:3].any()  # padding slots hold zeros
+    assert np.array_equal(kernel[3], host.params["decoder_layers_1"]["mlp"]["linear_fc1"]["kernel"])
+    assert not adam_mu(stacked)["decoder_layers"]["mlp"]["linear_fc1"]["kernel"][1:3].any()
+    # uneven -> even stage order -> uneven -> per-layer: the same arrays
+    even = convert_layers(stacked, uneven, LayerLayout(True, 2, 2), L)
+    again = convert_layers(even, LayerLayout(True, 2, 2), uneven, L)
+    assert_bit_equal(again, stacked)
+    assert_bit_equal(convert_layers(again, uneven, PER_LAYER, L), host)
+    with pytest.raises(ValueError, match="expected a leading axis of 6 slots"):
+        convert_layers(convert_layers(host, PER_LAYER, STACKED, L), uneven, STACKED, L)
+
+
+@pytest.mark.slow
+def test_uneven_pipeline_run_resumes_in_other_layouts(runs, tmp_path):
+    per_layer, _ = runs
+    uneven = dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)  # stages of 1 and 3 layers
+    full = pretrain(tiny(tmp_path / "full", **uneven))  # 3 iterations uninterrupted
+    pretrain(tiny(tmp_path / "u", exit_interval=2, **uneven))
+    own, _ = saved_state(build(tiny(tmp_path / "u", **uneven)), tmp_path / "u")
+    stack = own.params["decoder_layers"]["mlp"]["linear_fc1"]["kernel"]  # 2 stages x 3 slots
+    assert stack.shape[0] == 6 and not np.asarray(stack[1:3]).any() and np.asarray(stack[0]).any()
+    # a per-layer run continues from it: the uneven run's next loss
+    e = pretrain(tiny(tmp_path / "e", load=str(tmp_path / "u")))
+    assert sorted(e["losses"]) == [3] and e["losses"][3] == pytest.approx(full["losses"][3], rel=1e-5)
+    # and an even interleaved pp=2 run too
+    v2 = pretrain(tiny(tmp_path / "v2", load=str(tmp_path / "u"), pipeline_model_parallel_size=2,
+                       virtual_pipeline_model_parallel_size=2))
+    assert v2["losses"][3] == pytest.approx(full["losses"][3], rel=1e-5)

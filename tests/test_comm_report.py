@@ -9,7 +9,7 @@ import pytest
 
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.tools.comm_report import analyze, parse_collectives, replica_groups, summarize
-from jmegatron.training.loop import build
+from jmegatron.training.run import build
 
 from test_train_step import tiny_cfg
 

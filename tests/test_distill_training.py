@@ -10,7 +10,7 @@ import pytest
 from jmegatron.distill.config import DistillConfigError, load_distill_config, parse_distill_config
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
-from jmegatron.training.loop import build, pretrain
+from jmegatron.pretrain_gpt import build, pretrain
 
 from test_checkpoint_resume import cfg_for as _cfg_for
 
@@ -142,7 +142,7 @@ def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, 
     # student, saved in its checkpoints (the rerun resumes), and dropped by kd_finalize / export
     from jmegatron.distill.losses import ProjectionLayer
     from jmegatron.export.common import load_checkpoint
-    from jmegatron.training.loop import restore_run
+    from jmegatron.training.run import restore_run
 
     kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
                              "decoder.layers.2.pre_mlp_layernorm]\n  - [decoder.final_layernorm, "
@@ -219,7 +219,7 @@ def test_distillation_lowers_the_kl_to_the_teacher(tmp_path, teacher_dir):
     kw = dict(train_iters=10, lr=3e-3, lr_warmup_iters=1, eval_interval=0)
     distilled = pretrain(cfg_for(tmp_path / "kd", kd_teacher_load=teacher_dir, **kw))
     plain = pretrain(cfg_for(tmp_path / "lm", **kw))
-    run, teacher = distilled["run"], distilled["run"].teacher
+    run, teacher = distilled["run"], distilled["run"].forward_step.owner
     params = {"init": run.init_state().params, "distilled": distilled["state"].params,
               "plain": plain["state"].params}
     kl = {name: heldout_kl(run.model, p, teacher, run.cfg) for name, p in params.items()}

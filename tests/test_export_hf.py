@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 from jmegatron.export.common import load_checkpoint  # noqa: E402
 from jmegatron.export.convert import export_hf, import_hf  # noqa: E402
-from jmegatron.training.loop import pretrain, restore_run  # noqa: E402
+from jmegatron.training.loop import pretrain  # noqa: E402
+from jmegatron.training.run import restore_run  # noqa: E402
 
 from conftest import REPO  # noqa: E402
 from test_checkpoint_resume import cfg_for  # noqa: E402

@@ -295,7 +295,7 @@ def test_theoretical_memory_matches_state_shardings():
     import numpy as np
 
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training.loop import build
+    from jmegatron.training.run import build
 
     for name, layout in [("gpt_tiny.py", "tp2-dp4-zero1"), ("llama_tiny.py", "tp2-dp4"),
                          ("gpt_tiny.py", "tp4-dp2"), ("llama_tiny.py", "dp8-fsdp")]:

@@ -364,7 +364,7 @@ def test_num_zeros_in_grad_counts_the_reduced_gradients():
 
     from jmegatron.config import base_config, from_configdict
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training.loop import build
+    from jmegatron.training.run import build
 
     c = base_config()
     c.mock_data, c.vocab_size, c.num_layers, c.hidden_size, c.num_attention_heads = True, 128, 1, 16, 2

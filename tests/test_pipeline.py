@@ -12,7 +12,7 @@ from jmegatron.config import ConfigError
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.parallel.pipeline_layout import stage_layer_order
 from jmegatron.parallel.schedules import build_schedule
-from jmegatron.training.loop import build
+from jmegatron.training.run import build
 
 from test_parallel_equivalence import LLAMA, trajectory
 from test_train_step import tiny_cfg
@@ -103,5 +103,40 @@ def test_pipelined_training_matches_one_device(arch, schedule, pp, v, m, layout)
         flat_g, flat_r = jax.tree.leaves(g), jax.tree.leaves(r)
         assert len(flat_g) == len(flat_r)
         for a, b in zip(flat_g, flat_r):
+            scale = np.max(np.abs(b)) + 1e-12
+            np.testing.assert_allclose(a / scale, b / scale, rtol=1e-5, atol=1e-5)
+
+
+UNEVEN = [  # (arch, schedule, pp, v, m, first, last, other layout)
+    ("gpt", "1f1b", 2, 1, 4, 3, None, {}),
+    ("gpt", "interleaved_1f1b", 2, 2, 4, 2, 6, {}),
+    ("llama", "1f1b", 4, 1, 4, 1, 1, dict(data=2, use_distributed_optimizer=True)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,schedule,pp,v,m,first,last,layout", UNEVEN,
+                         ids=[f"{a}-{s}-pp{p}-v{v}-first{f}-last{l}" for a, s, p, v, m, f, l, _ in UNEVEN])
+def test_uneven_stages_match_one_device(arch, schedule, pp, v, m, first, last, layout):
+    from jmegatron.parallel.pipeline_layout import PAD, PipelineLayout
+
+    ref_losses, ref_grads, _ = reference(arch, m)
+    layout = dict(layout)
+    dp = layout.pop("data", 1)
+    cfg = tiny_cfg(num_layers=NUM_LAYERS, micro_batch_size=16 // (m * dp), pipeline_model_parallel_size=pp,
+                   virtual_pipeline_model_parallel_size=v if v > 1 else None, pipeline_schedule=schedule,
+                   decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last,
+                   **dict(LLAMA if arch == "llama" else {}, **layout))
+    losses, grads, run = trajectory(cfg, pp * dp, steps=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    order = PipelineLayout(NUM_LAYERS, pp, v, first, last).order()
+    assert (order == PAD).any()  # these cases have padding slots
+    for g, r in zip(grads, ref_grads):
+        pad = jax.tree.map(lambda a: a[order == PAD], g["decoder_layers"])
+        assert not any(np.any(a) for a in jax.tree.leaves(pad))  # padding gets no gradient
+        g = dict(g, decoder_layers=jax.tree.map(lambda a: a[order != PAD], g["decoder_layers"]))
+        real = order[order != PAD]
+        r = dict(r, decoder_layers=jax.tree.map(lambda a: a[real], r["decoder_layers"]))
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
             scale = np.max(np.abs(b)) + 1e-12
             np.testing.assert_allclose(a / scale, b / scale, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ from jmegatron.config import ConfigError
 from jmegatron.distill.config import DistillConfigError
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.parallel.pipeline_layout import stage_layer_order
-from jmegatron.training.loop import build, pretrain
+from jmegatron.pretrain_gpt import build, pretrain
 
 from test_checkpoint_resume import cfg_for as _cfg_for
 

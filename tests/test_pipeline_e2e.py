@@ -20,7 +20,8 @@ from jmegatron.config import load_config_file
 from jmegatron.evaluate import main as evaluate_main
 from jmegatron.generate import main as generate_main
 from jmegatron.train import main as train_main
-from jmegatron.training.loop import pretrain, restore_run
+from jmegatron.training.loop import pretrain
+from jmegatron.training.run import restore_run
 
 from conftest import REPO
 

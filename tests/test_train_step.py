@@ -7,7 +7,7 @@ import pytest
 
 from jmegatron.config import base_config, from_configdict
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training.loop import build
+from jmegatron.training.run import build
 
 
 def tiny_cfg(**kw):

@@ -556,7 +556,7 @@ def test_cli_pipeline_export_from_any_layout(trained, tmp_path, capsys):
     --pp with --quantized is refused before anything is read."""
     from jmegatron.training import checkpointing
     from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
-    from jmegatron.training.loop import restore_run
+    from jmegatron.training.run import restore_run
 
     run, state, meta = restore_run(trained)
     pp_dir = tmp_path / "pp_ckpt"

@@ -12,7 +12,8 @@ from jmegatron.data.gpt_dataset import MockGPTDataset, get_ltor_masks_and_positi
 from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
 from jmegatron.data.loader import BatchLoader, stack_samples
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training.loop import build, build_datasets, pretrain
+from jmegatron.training.loop import build_datasets, pretrain
+from jmegatron.training.run import build
 
 EOD = 0
 

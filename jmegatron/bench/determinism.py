@@ -42,7 +42,7 @@ def register(sub) -> None:
 def train_once(cfg) -> dict:
     """Run the trainer; returns ``losses`` ({iteration: loss}), ``params_sha256``,
     ``state_sha256``, ``seconds``."""
-    from jmegatron.training.loop import pretrain
+    from jmegatron.pretrain_gpt import pretrain
 
     t0 = time.perf_counter()
     summary = pretrain(cfg)

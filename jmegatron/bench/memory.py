@@ -185,7 +185,7 @@ def layout_report(cfg, layout, num_micro: int) -> dict:
 
     from jmegatron.parallel.mesh import create_mesh
     from jmegatron.training import memory as memory_lib
-    from jmegatron.training.loop import build
+    from jmegatron.pretrain_gpt import build
 
     if layout.num_devices > jax.device_count():
         raise common.BenchError(f"layout {layout.name} needs {layout.num_devices} devices, {jax.device_count()} "
@@ -227,7 +227,8 @@ def rss_phase(cfg, steps: int, warmup: int, window: int, threshold: float,
     import psutil
 
     from jmegatron.data.loader import BatchLoader
-    from jmegatron.training.loop import build, build_datasets
+    from jmegatron.pretrain_gpt import build
+    from jmegatron.training.loop import build_datasets
 
     run = build(cfg, _train_mesh(cfg, num_devices))
     state = run.init_state()
@@ -257,7 +258,8 @@ def varlen_phase(cfg, lengths: Sequence[int], min_bucket: int, num_devices: Opti
 
     from jmegatron.data.loader import BatchLoader
     from jmegatron.training import memory as memory_lib
-    from jmegatron.training.loop import build, build_datasets
+    from jmegatron.pretrain_gpt import build
+    from jmegatron.training.loop import build_datasets
     from jmegatron.training.memory import ParallelLayout
 
     run = build(cfg, _train_mesh(cfg, num_devices))

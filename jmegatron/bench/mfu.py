@@ -57,7 +57,8 @@ def run(args) -> int:
 
     from jmegatron.data.loader import BatchLoader
     from jmegatron.training import flops
-    from jmegatron.training.loop import build, build_datasets
+    from jmegatron.pretrain_gpt import build
+    from jmegatron.training.loop import build_datasets
 
     cfg = common.bench_config(cfg)
     run_ = build(cfg)

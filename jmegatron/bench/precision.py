@@ -150,7 +150,7 @@ def run(args) -> int:
 
     import jax
 
-    from jmegatron.training.loop import pretrain
+    from jmegatron.pretrain_gpt import pretrain
 
     dp = cfg.data_parallel_size(jax.device_count())
     reference_path = args.reference

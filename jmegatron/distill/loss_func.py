@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
 from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
 from jmegatron.distill.losses import ProjectionLayer, intermediate_loss_from_name, logits_kl_loss
-from jmegatron.training.step import masked_cross_entropy
+from jmegatron.training.forward_step import masked_cross_entropy
 
 
 def _pick(intermediates: dict, layer: tuple, scanned: bool) -> jax.Array:
@@ -121,7 +121,7 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
     naming the layers that do. The teacher's layer count must split into the student's
     (pipeline_model_parallel_size x virtual size) chunks. One data-parallel rank only (the
     balancer's normalisation needs the losses summed over data inside the last stage's
-    conditional: not built); :func:`jmegatron.training.loop.build` refuses more.
+    conditional: not built); :func:`jmegatron.distill.model_provider.distillation_forward_step` refuses more.
     """
     from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
 
@@ -170,10 +170,10 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
 
         def chunk(prm, x, micro, ci):
             xs, xt = x
-            layers, first = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers)
+            layers, first, _ = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers)
             out_s = apply_layers(s_cfg, layers, xs, micro["position_ids"], first_layer=first, deterministic=False,
                                  rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=s_dot, sow=s_sow)
-            t_layers, t_first = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers)
+            t_layers, t_first, _ = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers)
             out_t = apply_layers(t_cfg, t_layers, jax.lax.stop_gradient(xt), micro["position_ids"], first_layer=t_first,
                                  deterministic=True, rng=None, sample_offset=0, dot_general=t_dot, sow=t_sow)
             (ys, side_s), (yt, side_t) = (out_s if s_sow else (out_s, {})), (out_t if t_sow else (out_t, {}))

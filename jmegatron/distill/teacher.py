@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jmegatron.config import JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.training import checkpointing
+from jmegatron.training.run import build, restore_state
 
 
 @dataclasses.dataclass
@@ -43,8 +44,6 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     both sizes. The student's parallel sizes are used for the teacher (one mesh).
     Raises CheckpointError for a missing or unreadable checkpoint.
     """
-    from jmegatron.training.loop import build, restore_state
-
     if not checkpointing.has_checkpoint(load_dir):
         raise checkpointing.CheckpointError(f"config.kd_teacher_load={load_dir!r} holds no checkpoint")
     ckpt = checkpointing.Checkpointer(load_dir, create=False)
@@ -57,7 +56,8 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     # the same pipeline chunks per stage as the student (its stacked layers in that stage order)
     v = student_cfg.virtual_pipeline_size()
     saved.update(virtual_pipeline_model_parallel_size=v if v > 1 else None,
-                 num_layers_per_virtual_pipeline_stage=None, pipeline_schedule=student_cfg.pipeline_schedule)
+                 num_layers_per_virtual_pipeline_stage=None, pipeline_schedule=student_cfg.pipeline_schedule,
+                 decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
     saved.update(hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, use_distributed_optimizer=False,
                  kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
     tcfg = from_configdict(saved)

@@ -233,7 +233,7 @@ def generate_text(load_dir: str, prompts: Sequence[str], max_new_tokens: int, *,
     """The continuations (new text only, EOD included when generated) of text
     ``prompts`` from the checkpoint in ``load_dir``.
 
-    Restores the model with :func:`jmegatron.training.loop.restore_run` (one device),
+    Restores the model with :func:`jmegatron.training.run.restore_run` (one device),
     tokenizes with ``tokenizer_model`` or the checkpoint config's ``tokenizer_model``,
     generates with :func:`generate` (``sampling``: its keyword arguments; ``eod_id``
     defaults to the tokenizer's EOD) and detokenizes.
@@ -244,7 +244,7 @@ def generate_text(load_dir: str, prompts: Sequence[str], max_new_tokens: int, *,
         FileNotFoundError: the tokenizer file does not exist.
     """
     from jmegatron.data.tokenizer import load_tokenizer
-    from jmegatron.training.loop import restore_run
+    from jmegatron.training.run import restore_run
 
     run, state, _ = restore_run(load_dir)
     path = tokenizer_model or run.cfg.tokenizer_model

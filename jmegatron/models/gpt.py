@@ -313,13 +313,16 @@ def embed_tokens(c: ModelConfig, params: Any, tokens: Array, position_ids: Array
 
 def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Array, *, first_layer: Any,
                  deterministic: bool, rng: Any, sample_offset: Any, dot_general: Callable,
-                 sow: tuple[str, ...] = ()) -> Any:
+                 sow: tuple[str, ...] = (), num_valid: Any = None) -> Any:
     """The decoder layers whose parameters are stacked ``[n, ...]`` in ``layer_params``
     (a slice of ``decoder_layers``), in order, as one ``lax.scan``; layer ``k`` is model
     layer ``first_layer + k`` (its dropout key ``fold_in(rng, first_layer + k)``).
-    ``recompute_granularity="full"`` recomputes each layer in the backward. Returns the
-    output ``[b, s, h]``; with ``sow`` (names TransformerLayer sows, e.g.
-    ``"input_layernorm_output"``) ``(output, {name: [n, b, s, h]})``."""
+    ``num_valid`` (int, may be traced; None: all ``n``): only the first ``num_valid``
+    slots are layers, the rest padding (uneven pipeline stages) that passes ``x`` through
+    (``lax.cond``: not computed). ``recompute_granularity="full"`` recomputes each layer in
+    the backward. Returns the output ``[b, s, h]``; with ``sow`` (names TransformerLayer
+    sows, e.g. ``"input_layernorm_output"``) ``(output, {name: [n, b, s, h]})`` (zeros for
+    padding slots)."""
     layer = TransformerLayer(c, deterministic, dot_general)
     offset = jnp.asarray(sample_offset, jnp.uint32)
 
@@ -333,6 +336,15 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
 
     if c.recompute_granularity == "full":
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    if num_valid is not None:
+        layer_body = body
+
+        def body(h, xs):
+            def skip(h, xs):
+                out = jax.eval_shape(layer_body, h, xs)[1]
+                return h, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out)
+
+            return jax.lax.cond(xs[1] < num_valid, layer_body, skip, h, xs)
     n = jax.tree.leaves(layer_params)[0].shape[0]
     out, sown = jax.lax.scan(body, x, (layer_params, jnp.arange(n)))
     return (out, sown) if sow else out

@@ -282,7 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.devices}")
     from jmegatron.train import config_from_argv
-    from jmegatron.training.loop import build
+    from jmegatron.pretrain_gpt import build
 
     try:
         run = build(config_from_argv(rest))

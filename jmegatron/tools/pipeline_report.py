@@ -4,7 +4,7 @@
 The pipeline schedule report (issue 12 item 7). For the config's pipeline size ``p``, its
 virtual size ``v`` (or ``--virtual``), each number of micro-batches ``m`` and each
 applicable schedule (gpipe and 1f1b; interleaved_1f1b when ``v > 1``), it builds the run
-(:func:`jmegatron.training.loop.build`, mock data, ``global_batch_size = m x
+(:func:`jmegatron.training.run.build`, mock data, ``global_batch_size = m x
 micro_batch_size x dp``), compiles its train step and prints one markdown row:
 
 * **bubble**: idle stage-slots over all of the compiled schedule
@@ -75,7 +75,7 @@ def analyze(cfg, mesh, name: str, num_microbatches: int, virtual_size: int) -> d
 
     from jmegatron.parallel.schedules import build_schedule
     from jmegatron.tools.comm_report import parse_collectives
-    from jmegatron.training.loop import build
+    from jmegatron.pretrain_gpt import build
     from jmegatron.training.step import batch_shardings
 
     v = virtual_size if name == "interleaved_1f1b" else 1

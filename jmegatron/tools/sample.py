@@ -24,7 +24,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from jmegatron.data.tokenizer import load_tokenizer
     from jmegatron.inference.sample import sample
     from jmegatron.training.checkpointing import CheckpointError
-    from jmegatron.training.loop import restore_run
+    from jmegatron.training.run import restore_run
 
     try:
         run, state, _ = restore_run(args.load)

@@ -10,7 +10,8 @@ them) in one of three ways:
 * **stacked in stage order** (``pipeline_model_parallel_size`` p > 1, always stacked): the
   stack is split over the ``pipeline`` mesh axis in contiguous blocks and, with v > 1
   interleaved chunks per stage, stored in the stage order of
-  :func:`jmegatron.parallel.pipeline_layout.stage_layer_order` (the identity for v = 1).
+  :class:`jmegatron.parallel.pipeline_layout.PipelineLayout` (the identity for v = 1);
+  uneven stages (``decoder_first/last_pipeline_num_layers``) add zero padding slots.
 
 :func:`convert_layers` moves any pytree holding such parameter trees (params, optax's
 ``mu``/``nu`` inside chained or masked states, abstract ShapeDtypeStruct trees) between
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmegatron.parallel.pipeline_layout import stage_layer_order
+from jmegatron.parallel.pipeline_layout import PAD, PipelineLayout
 
 __all__ = ["LayerLayout", "convert_layers", "restore"]
 
@@ -44,13 +45,15 @@ _LAYER_RE = re.compile(r"^decoder_layers_(\d+)$")
 @dataclasses.dataclass(frozen=True)
 class LayerLayout:
     """How a state stores its decoder layers. ``stacked``: one ``decoder_layers`` subtree
-    with a leading ``[num_layers]`` axis (else ``decoder_layers_{i}``); ``pipeline_size``
-    (p) and ``virtual_size`` (v) give the stage order of the stack (only meaningful when
-    stacked)."""
+    with a leading slots axis (else ``decoder_layers_{i}``); ``pipeline_size`` (p),
+    ``virtual_size`` (v) and the uneven first/last stage sizes give the stage order of
+    the stack (only meaningful when stacked)."""
 
     stacked: bool
     pipeline_size: int = 1
     virtual_size: int = 1
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     @classmethod
     def of_config(cls, cfg: Any) -> "LayerLayout":
@@ -66,14 +69,20 @@ class LayerLayout:
             v = _virtual_size(int(get("num_layers")), p, get("virtual_pipeline_model_parallel_size", None),
                               get("num_layers_per_virtual_pipeline_stage", None))
         stacked = bool(get("scan_layers", False)) or p > 1
-        return cls(stacked, p, v) if stacked else cls(False)
+        first, last = get("decoder_first_pipeline_num_layers", None), get("decoder_last_pipeline_num_layers", None)
+        return cls(stacked, p, v, first, last) if stacked else cls(False)
+
+    def pipeline(self, num_layers: int) -> PipelineLayout:
+        return PipelineLayout(num_layers, self.pipeline_size, self.virtual_size, self.first_stage_layers,
+                              self.last_stage_layers)
 
     def order(self, num_layers: int) -> Optional[np.ndarray]:
-        """int64 ``[num_layers]``: the model layer at each stored position of the stack,
-        or None for the per-layer layout."""
+        """int64 ``[slots]``: the model layer at each stored slot of the stack
+        (:data:`~jmegatron.parallel.pipeline_layout.PAD` for padding), or None for the
+        per-layer layout."""
         if not self.stacked:
             return None
-        return stage_layer_order(num_layers, self.pipeline_size, self.virtual_size)
+        return self.pipeline(num_layers).order()
 
     def same_storage(self, other: "LayerLayout", num_layers: int) -> bool:
         """True when both layouts store identical trees (e.g. stacked with v = 1 for any p)."""
@@ -83,7 +92,10 @@ class LayerLayout:
     def describe(self) -> str:
         if not self.stacked:
             return "per-layer (decoder_layers_{i})"
-        return f"stacked (decoder_layers [L]) in the stage order of pp={self.pipeline_size}, v={self.virtual_size}"
+        uneven = (f", first/last stage {self.first_stage_layers}/{self.last_stage_layers} layers"
+                  if self.first_stage_layers is not None or self.last_stage_layers is not None else "")
+        return (f"stacked (decoder_layers [L]) in the stage order of pp={self.pipeline_size}, "
+                f"v={self.virtual_size}{uneven}")
 
 
 def _virtual_size(num_layers: int, p: int, v: Optional[int], per_stage: Optional[int]) -> int:
@@ -129,9 +141,25 @@ def _stack(leaves: Sequence):
 
 
 def _take(stack, index: np.ndarray):
+    """``stack[index]`` along the leading axis, zeros where ``index`` is PAD."""
     if _is_abstract(stack):
-        return stack
-    return stack[index] if _is_host(stack) else jnp.take(stack, jnp.asarray(index), axis=0)
+        if len(index) == stack.shape[0]:
+            return stack
+        # another slot count: the leading axis loses its sharding (it may not divide)
+        sharding = _stack_sharding(_stack_sharding(stack.sharding, add=False), add=True)
+        return jax.ShapeDtypeStruct((len(index),) + tuple(stack.shape[1:]), stack.dtype, sharding=sharding)
+    pad = index == PAD
+    safe = np.where(pad, 0, index)
+    if _is_host(stack):
+        out = stack[safe]
+        if pad.any():
+            out[pad] = 0
+        return out
+    out = jnp.take(stack, jnp.asarray(safe), axis=0)
+    if pad.any():
+        keep = jnp.asarray(~pad).reshape((-1,) + (1,) * (out.ndim - 1))
+        out = jnp.where(keep, out, jnp.zeros((), out.dtype))
+    return out
 
 
 def _layer(stack, i: int):
@@ -177,16 +205,17 @@ def _convert_container(node: Mapping, where: str, source: LayerLayout, target: L
     if source.stacked:
         stack = node[STACKED_KEY]
         for path, leaf in jax.tree_util.tree_leaves_with_path(stack):
-            if _leading(leaf) != num_layers:
+            if _leading(leaf) != len(src_order):
                 raise ValueError(f"{where}[{STACKED_KEY!r}]{jax.tree_util.keystr(path)} has shape "
                                  f"{tuple(np.shape(leaf) if not _is_abstract(leaf) else leaf.shape)}, "
-                                 f"expected a leading axis of num_layers={num_layers}")
+                                 f"expected a leading axis of {len(src_order)} slots (num_layers={num_layers})")
+        real = src_order != PAD
         position_of = np.empty(num_layers, np.int64)
-        position_of[src_order] = np.arange(num_layers)
+        position_of[src_order[real]] = np.nonzero(real)[0]
         if tgt_order is not None:
             if np.array_equal(src_order, tgt_order):
                 return node
-            index = position_of[tgt_order]
+            index = np.where(tgt_order != PAD, position_of[np.maximum(tgt_order, 0)], PAD)
             rest[STACKED_KEY] = jax.tree.map(lambda a: _take(a, index), stack)
         else:
             for i in range(num_layers):
@@ -195,11 +224,15 @@ def _convert_container(node: Mapping, where: str, source: LayerLayout, target: L
 
     if tgt_order is None:
         return node
-    layers = [node[f"decoder_layers_{int(i)}"] for i in tgt_order]
+    layers = [node[f"decoder_layers_{int(max(i, 0))}"] for i in tgt_order]
     try:
-        rest[STACKED_KEY] = jax.tree.map(lambda *ls: _stack(ls), *layers)
+        stacked = jax.tree.map(lambda *ls: _stack(ls), *layers)
     except ValueError as e:
         raise ValueError(f"{where}: the per-layer subtrees differ in structure, cannot stack them: {e}") from e
+    if (tgt_order == PAD).any():  # padding slots (uneven stages) hold zeros
+        identity = np.where(tgt_order == PAD, PAD, np.arange(len(tgt_order)))
+        stacked = jax.tree.map(lambda a: _take(a, identity), stacked)
+    rest[STACKED_KEY] = stacked
     return _rebuild(node, rest)
 
 

@@ -2,14 +2,15 @@
 and checkpoints (the role of Megatron's ``pretrain``/``train`` in
 megatron/training/training.py).
 
-Everything with side effects lives here; the step itself is pure (``step.py``).
-Importable pieces for research code: :func:`build` gives a :class:`Run` (mesh, model,
-optimizer, shardings, jitted steps) and :func:`pretrain` runs the whole job.
+Everything with side effects lives here; the step itself is pure (``step.py``), the
+static pieces are built by :func:`jmegatron.training.run.build` (a :class:`Run`: mesh,
+model, optimizer, shardings, jitted steps), and what a micro-batch computes comes from the
+forward step provider given to :func:`pretrain` (:mod:`jmegatron.training.forward_step`):
+the loop composes them and imports none of distillation, the pipeline schedule or the loss.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import signal
@@ -19,146 +20,14 @@ from typing import Any, Optional
 
 import jax
 import numpy as np
-import optax
 from jax.sharding import Mesh
 
-from jmegatron.config import ConfigError, JMegatronConfig
+from jmegatron.config import JMegatronConfig
 from jmegatron.data.loader import BatchLoader
-from jmegatron.models.gpt import GPTModel, ModelConfig
-from jmegatron.parallel import pipeline_layout, rules as rules_lib
-from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpoint_layout, checkpointing, flops, memory, optimizer, state as state_lib, \
-    step as step_lib
+from jmegatron.training import checkpointing, flops, memory
 from jmegatron.training.logging import MetricsLogger
-from jmegatron.training.num_microbatches_calculator import (NumMicroBatchesCalculatorError,
-                                                             build_num_microbatches_calculator)
 from jmegatron.training.peak import resolve_peak_for_config
-
-
-@dataclasses.dataclass
-class Run:
-    """Everything built once before the first step. ``train_step(state, batch)`` and
-    ``eval_step(params, batch)`` are jitted; ``state_shardings`` is a TrainState of
-    NamedShardings, ``abstract_state`` its ShapeDtypeStructs."""
-
-    cfg: JMegatronConfig
-    mesh: Mesh
-    model: GPTModel
-    tx: optax.GradientTransformation
-    padded_vocab_size: int
-    num_microbatches: int
-    global_batch_size: int
-    abstract_state: Any
-    state_shardings: Any
-    grad_shardings: Any
-    rules: Any
-    train_step: Any
-    eval_step: Any
-    compute_grads: Any = None  # jitted (state, batch, *extra_args) -> (grads, report, tokens)
-    extra_args: tuple = ()  # passed after the batch to train_step (the teacher's params when distilling)
-    teacher: Any = None  # jmegatron.distill.teacher.Teacher when distilling
-    # trainable modules stored beside the model's params (name -> (module, example input
-    # shape)): distillation's kd_projection; recorded in the checkpoint meta as "aux_params"
-    aux_modules: dict = dataclasses.field(default_factory=dict)
-    # jmegatron.training.num_microbatches_calculator: the global batch of each iteration
-    # (constant, or Megatron's ramp-up); global_batch_size / num_microbatches are the final ones
-    num_microbatches_calculator: Any = None
-
-    def init_state(self) -> state_lib.TrainState:
-        """A freshly initialised TrainState (seed ``cfg.seed``) in ``state_shardings``: the
-        same model for every layout (with interleaved pipeline stages the stacked layers are
-        then put in stage order, jmegatron.parallel.pipeline_layout)."""
-        state = state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
-                                           self.state_shardings, self.aux_modules)
-        order = pipeline_layout.stage_layer_order(self.cfg.num_layers, self.cfg.pipeline_model_parallel_size,
-                                                  self.cfg.virtual_pipeline_size())
-        if (order == np.arange(self.cfg.num_layers)).all():
-            return state
-        permute = jax.jit(lambda p: dict(p, decoder_layers=jax.tree.map(lambda a: a[order], p["decoder_layers"])),
-                          out_shardings=self.state_shardings.params)
-        return state.replace(params=permute(state.params))
-
-    def abstract_with_shardings(self) -> Any:
-        """ShapeDtypeStructs of the TrainState carrying its shardings (a restore target)."""
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            self.abstract_state, self.state_shardings)
-
-    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Place a host batch ``[num_micro, gbs / num_micro, seq]`` on the mesh. Every
-        process holds the same global batch and contributes its addressable shards."""
-        shardings = step_lib.batch_shardings(self.mesh)
-        return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
-                for k, v in batch.items()}
-
-
-def vocab_size_of(cfg: JMegatronConfig) -> int:
-    """The unpadded vocabulary: ``cfg.vocab_size`` or the tokenizer's."""
-    if cfg.vocab_size is not None:
-        return cfg.vocab_size
-    from jmegatron.data.tokenizer import load_tokenizer
-
-    return load_tokenizer(cfg.tokenizer_model).vocab_size
-
-
-def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optional[int] = None) -> Run:
-    """Build mesh, model, optimizer and the jitted steps for ``cfg`` (nothing allocated yet).
-
-    Raises ConfigError when the parallel sizes or batch sizes do not fit the devices.
-    """
-    pipeline = None
-    if cfg.pipeline_model_parallel_size > 1:
-        if cfg.use_megatron_fsdp:
-            raise ConfigError("config.use_megatron_fsdp=True with pipeline_model_parallel_size > 1 is not built; "
-                              "use use_distributed_optimizer=True (ZeRO-1) with the pipeline.")
-        pipeline = (cfg.resolved_pipeline_schedule(), cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_size())
-    mesh = mesh or create_mesh(cfg)
-    dp = mesh.shape["data"]
-    num_micro = cfg.num_microbatches(dp)
-    gbs = num_micro * cfg.micro_batch_size * dp
-    try:
-        calculator = build_num_microbatches_calculator(gbs, cfg.micro_batch_size, dp, cfg.rampup_batch_size)
-    except NumMicroBatchesCalculatorError as e:
-        raise ConfigError(str(e)) from None
-    padded = cfg.padded_vocab_size(vocab_size if vocab_size is not None else vocab_size_of(cfg))
-    cfg.check_parallel_divisibility(padded, dp)
-    model = GPTModel(ModelConfig.from_config(cfg, padded))
-    tx = optimizer.make_optimizer(cfg, gbs)
-    rules = rules_lib.make_rules(cfg)
-    teacher = loss_fn = extra_shardings = pipeline_stages = None
-    aux = {}
-    if cfg.kd_teacher_load and not cfg.kd_finalize:
-        from jmegatron.distill.config import load_distill_config
-        from jmegatron.distill.loss_func import distillation_loss_fn, distillation_pipeline_stages, projection_aux
-        from jmegatron.distill.teacher import load_teacher
-
-        if pipeline is not None and dp > 1:
-            raise ConfigError(f"distillation under pipeline parallelism runs with one data-parallel rank (the "
-                              f"balancer's data-parallel sums are not built there); this layout has {dp}: use "
-                              f"pipeline_model_parallel_size x tensor_model_parallel_size = the device count.")
-        dcfg = load_distill_config(cfg.kd_cfg)
-        teacher = load_teacher(cfg.kd_teacher_load, cfg, padded, mesh, cfg.kd_teacher_bf16)
-        aux = projection_aux(cfg, teacher.cfg.hidden_size, dcfg)
-        if pipeline is None:
-            loss_fn = distillation_loss_fn(model, teacher.model, dcfg, aux)
-        else:
-            pipeline_stages = distillation_pipeline_stages(model, teacher.model, dcfg, aux)
-        extra_shardings = teacher.shardings
-    abstract, shardings, grad_shardings = state_lib.state_shardings(
-        model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer, aux)
-    step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg, gbs), mesh, shardings.params,
-                                       grad_shardings, rules, loss_fn, extra_shardings, cfg.log_num_zeros_in_grad,
-                                       pipeline, pipeline_stages)
-    train_step = step_lib.jit_train_step(step_fn, mesh, shardings, extra_shardings)
-    # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
-    canonical = pipeline_layout.reorder(cfg.num_layers, (cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_size()),
-                                        (1, 1))
-    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules, canonical), mesh, shardings.params)
-    return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
-               num_microbatches=num_micro, global_batch_size=gbs, num_microbatches_calculator=calculator,
-               abstract_state=abstract, state_shardings=shardings, grad_shardings=grad_shardings,
-               rules=rules, train_step=train_step, eval_step=eval_step,
-               compute_grads=jax.jit(step_fn.compute_grads),
-               extra_args=(teacher.params,) if teacher else (), teacher=teacher, aux_modules=aux)
+from jmegatron.training.run import ForwardStepProvider, Run, build, checkpoint_meta, restore_state, vocab_size_of
 
 
 def get_train_valid_test_num_samples(cfg: JMegatronConfig, global_batch_size: int) -> tuple[int, int, int]:
@@ -252,63 +121,6 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _meta(cfg: JMegatronConfig, run: Run, iteration: int, consumed: int, consumed_valid: int = 0) -> dict:
-    if cfg.kd_finalize:  # a plain student checkpoint: nothing of the distillation remains
-        cfg = cfg.replace(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, kd_teacher_bf16=False)
-    meta = {"iteration": iteration, "consumed_train_samples": consumed, "consumed_valid_samples": consumed_valid,
-            "padded_vocab_size": run.padded_vocab_size, "config": cfg.to_dict()}
-    if run.aux_modules and not cfg.kd_finalize:
-        meta["aux_params"] = {name: aux_spec(module) for name, (module, _) in run.aux_modules.items()}
-    return meta
-
-
-def aux_spec(module) -> dict:
-    """JSON description of an auxiliary module (rebuilt by :func:`aux_from_meta`)."""
-    from jmegatron.distill.losses import ProjectionLayer
-
-    if isinstance(module, ProjectionLayer):
-        return {"type": "ProjectionLayer", "student_hidden_size": module.student_hidden_size,
-                "teacher_hidden_size": module.teacher_hidden_size}
-    raise TypeError(f"no checkpoint description for auxiliary module {type(module).__name__}")
-
-
-def aux_from_meta(meta: dict) -> dict:
-    """The auxiliary modules a checkpoint's params hold besides the model's (``aux_params``)."""
-    from jmegatron.distill.losses import ProjectionLayer
-
-    out = {}
-    for name, spec in (meta.get("aux_params") or {}).items():
-        if spec.get("type") != "ProjectionLayer":
-            raise checkpointing.CheckpointError(f"unknown auxiliary parameters {name!r}: {spec}")
-        out[name] = (ProjectionLayer(spec["student_hidden_size"], spec["teacher_hidden_size"]),
-                     (1, 1, spec["student_hidden_size"]))
-    return out
-
-
-def restore_state(run: Run, ckpt: checkpointing.Checkpointer, iteration: Optional[int] = None) -> tuple[Any, dict]:
-    """(state, meta) of ``ckpt`` in ``run``'s layout and structure.
-
-    Auxiliary params (``aux_params`` in the meta, e.g. a distillation run's
-    ``kd_projection``) are matched by name: a checkpoint holding some the run does not
-    train (read by kd_finalize, evaluation, export, a teacher load) is restored whole and
-    pruned, giving a plain student state; a run training some the checkpoint lacks (a
-    distillation started from a pretrained student) gets them, and their optimizer
-    moments, freshly initialised. A checkpoint whose decoder layers are stored in another
-    layout (scan_layers, pipeline stage order) is converted
-    (:func:`jmegatron.training.checkpoint_layout.restore`). Raises CheckpointError.
-    """
-    meta = ckpt.read_meta(iteration)
-    saved_aux = aux_from_meta(meta)
-    if set(saved_aux) == set(run.aux_modules):
-        return checkpoint_layout.restore(ckpt, run.abstract_with_shardings(), run.cfg, iteration)
-    abstract, shardings, _ = state_lib.state_shardings(
-        run.model, run.tx, run.cfg.seq_length, run.mesh, run.rules, run.cfg.use_distributed_optimizer, saved_aux)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    state, meta = checkpoint_layout.restore(ckpt, target, run.cfg, iteration)
-    fill = run.init_state() if set(run.aux_modules) - set(saved_aux) else None
-    return state_lib.prune_to(state, run.abstract_state, fill), meta
-
-
 def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[Any, int, int, int]:
     """(state, iteration, consumed_train_samples, consumed_valid_samples): restored from the
     latest checkpoint (resharded to this run's layout) or freshly initialised. A checkpoint
@@ -355,13 +167,17 @@ def _truncate_metrics(path: str, iteration: int) -> None:
         f.writelines(lines)
 
 
-def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
+def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
+             forward_step_provider: Optional[ForwardStepProvider] = None) -> dict:
     """Train ``cfg.train_iters`` iterations (resuming from ``cfg.load``), evaluating every
     ``eval_interval``, saving every ``save_interval`` and at the end. Returns a summary
     dict: ``iteration``, ``losses`` (iteration -> loss of this process's run),
-    ``val_loss``, ``interrupted``.
+    ``val_loss``, ``interrupted``. ``forward_step_provider``: what each micro-batch computes
+    (:class:`jmegatron.training.forward_step.ForwardStep`; default the language model;
+    :func:`jmegatron.pretrain_gpt.pretrain` picks distillation's for a ``kd_teacher_load``
+    config).
     """
-    run = build(cfg, mesh)
+    run = build(cfg, mesh, forward_step_provider=forward_step_provider)
     main_process = jax.process_index() == 0
     ckpt = None
     if cfg.save:
@@ -426,7 +242,7 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
     def save(it: int):
         nonlocal saved_at
         if ckpt and saved_at != it:
-            ckpt.save(it, state, _meta(cfg, run, it, loader.consumed_samples, consumed_valid))
+            ckpt.save(it, state, checkpoint_meta(cfg, run, it, loader.consumed_samples, consumed_valid))
             saved_at = it
 
     def run_eval(it: int):
@@ -495,34 +311,3 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None) -> dict:
     summary["state"] = state
     summary["run"] = run
     return summary
-
-
-def restore_run(load_dir: str, mesh: Optional[Mesh] = None,
-                iteration: Optional[int] = None, **overrides) -> tuple[Run, Any, dict]:
-    """(Run, TrainState, meta) rebuilt from a checkpoint's own resolved config, for
-    evaluation, sampling and export. ``overrides`` replace config fields (e.g. batch
-    sizes). Raises CheckpointError for a missing or corrupt checkpoint."""
-    from jmegatron.config import from_configdict
-
-    if not checkpointing.has_checkpoint(load_dir):
-        raise checkpointing.CheckpointError(f"no checkpoint found in {os.path.abspath(load_dir)}")
-    ckpt = checkpointing.Checkpointer(load_dir, create=False)
-    meta = ckpt.read_meta(iteration)
-    saved = dict(meta["config"])
-    # evaluation, sampling and export need the student only, never its teacher
-    saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
-    if mesh is None:  # one device: Orbax gathers whatever layout the checkpoint was saved in
-        saved.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                     expert_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_model_parallel_size=None,
-                     num_layers_per_virtual_pipeline_stage=None, pipeline_schedule="auto")
-    saved.update(overrides)
-    cfg = from_configdict(saved)
-    run = build(cfg, mesh or create_mesh(cfg, jax.devices()[:1]), vocab_size=_unpadded_vocab(cfg, meta))
-    state, meta = restore_state(run, ckpt, iteration)
-    ckpt.close()
-    return run, state, meta
-
-
-def _unpadded_vocab(cfg: JMegatronConfig, meta: dict) -> int:
-    # Any vocabulary size that pads to the saved one rebuilds the same model.
-    return cfg.vocab_size or meta["padded_vocab_size"]

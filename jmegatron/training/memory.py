@@ -143,6 +143,24 @@ class ParallelLayout:
 
 
 # ------------------------------------------------------------------ parameters
+def stage_layers(cfg: JMegatronConfig, pipeline_model_parallel_size: int) -> tuple[int, int]:
+    """(layers the first pipeline stage computes, layer slots every stage stores) for ``p``
+    stages: ``(L / p, L / p)`` for Megatron's even split; with ``cfg``'s own uneven split
+    (``decoder_first/last_pipeline_num_layers``, when ``p`` is cfg's
+    ``pipeline_model_parallel_size``) the first stage's count and the padded slots of
+    :class:`jmegatron.parallel.pipeline_layout.PipelineLayout` (every stage stores the
+    largest stage's layers). Raises ValueError when ``p`` does not divide an even split."""
+    p = pipeline_model_parallel_size
+    uneven = cfg.decoder_first_pipeline_num_layers is not None or cfg.decoder_last_pipeline_num_layers is not None
+    if p > 1 and uneven and p == cfg.pipeline_model_parallel_size:
+        layout = cfg.pipeline_layout()
+        return int(layout.stage_layers()[0]), layout.num_slots // p
+    if p < 1 or cfg.num_layers % p:
+        raise ValueError(f"pipeline_model_parallel_size={p} must be >= 1 and divide num_layers={cfg.num_layers} "
+                         f"(Megatron splits the layers evenly over the stages)")
+    return cfg.num_layers // p, cfg.num_layers // p
+
+
 def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_model_parallel_size: int = 1,
                       pipeline_stage: int = 0) -> dict[str, int]:
     """Parameter counts by how jmegatron's logical-axis rules lay them out:
@@ -158,13 +176,12 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     The four add up to :func:`flops.num_parameters`. With ``pipeline_model_parallel_size``
     = ``p`` > 1, the classes of pipeline stage ``pipeline_stage`` (0-based): ``L / p``
     layers, plus the embeddings on stage 0 and the final norm and output layer (``V h``,
-    tied or not) on stage ``p - 1``. Raises ValueError when ``p`` does not divide
-    ``num_layers`` (Megatron's even split) or the stage is out of range.
+    tied or not) on stage ``p - 1``; uneven stages store :func:`stage_layers`' slots each.
+    Raises ValueError when ``p`` does not divide ``num_layers`` (Megatron's even split) or
+    the stage is out of range.
     """
     p = pipeline_model_parallel_size
-    if p < 1 or cfg.num_layers % p:
-        raise ValueError(f"pipeline_model_parallel_size={p} must be >= 1 and divide num_layers={cfg.num_layers} "
-                         f"(Megatron splits the layers evenly over the stages)")
+    _, stored = stage_layers(cfg, p)
     if not 0 <= pipeline_stage < p:
         raise ValueError(f"pipeline_stage={pipeline_stage} is not in 0..{p - 1}")
     h = cfg.hidden_size
@@ -191,7 +208,7 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
         "tensor_sharded_fsdp_replicated": classes["tensor_sharded_fsdp_replicated"],
         "sharded": classes["sharded"] - word - output,
     }
-    stage = {k: v // p for k, v in layers.items()}
+    stage = {k: v // cfg.num_layers * stored for k, v in layers.items()}
     if pipeline_stage == 0:
         stage["tensor_replicated_fsdp_sharded"] += positions
         stage["sharded"] += word
@@ -404,10 +421,9 @@ def activation_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: Para
     p = layout.pipeline_model_parallel_size
     layers = per_layer * cfg.num_layers
     if p > 1:
-        if cfg.num_layers % p:
-            raise ValueError(f"pipeline_model_parallel_size={p} must divide num_layers={cfg.num_layers}")
+        first, _ = stage_layers(cfg, p)
         in_flight = p if num_microbatches is None else min(num_microbatches, p)
-        layers = per_layer * (cfg.num_layers // p) * in_flight
+        layers = per_layer * first * in_flight
         embedding *= in_flight
         output = 0.0
     return ActivationMemory(per_layer=per_layer, layers=layers, embedding=embedding,

@@ -13,6 +13,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -51,17 +52,40 @@ def _init_params(model: nn.Module, key: jax.Array, seq_length: int, aux: AuxModu
     return params
 
 
-def param_logical_specs(model: nn.Module, seq_length: int, aux: AuxModules = None) -> tuple[Any, Any]:
+def store_layers(params: dict, layer_index: Optional[np.ndarray]) -> dict:
+    """``params`` with the stacked ``decoder_layers`` (leading ``[num_layers]``) moved to
+    their stored slots: slot ``j`` holds model layer ``layer_index[j]``, zeros where it is
+    :data:`jmegatron.parallel.pipeline_layout.PAD` (uneven pipeline stages). Leaves may be
+    arrays or ShapeDtypeStructs; ``layer_index`` None: unchanged."""
+    if layer_index is None or "decoder_layers" not in params:
+        return params
+    index = np.asarray(layer_index)
+    pad = index < 0
+
+    def take(a):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((len(index),) + tuple(a.shape[1:]), a.dtype)
+        out = jnp.take(a, jnp.asarray(np.maximum(index, 0)), axis=0)
+        if pad.any():
+            out = jnp.where(jnp.asarray(~pad).reshape((-1,) + (1,) * (out.ndim - 1)), out, jnp.zeros((), out.dtype))
+        return out
+
+    return dict(params, decoder_layers=jax.tree.map(take, params["decoder_layers"]))
+
+
+def param_logical_specs(model: nn.Module, seq_length: int, aux: AuxModules = None,
+                        layer_index: Optional[np.ndarray] = None) -> tuple[Any, Any]:
     """(abstract float32 params, logical PartitionSpecs) without allocating anything.
     ``aux``: extra trainable modules stored beside the model's params (e.g. distillation's
-    ``kd_projection``), see :func:`_init_params`."""
+    ``kd_projection``), see :func:`_init_params`; ``layer_index``: the stored slots of the
+    stacked layers (:func:`store_layers`)."""
     boxed = jax.eval_shape(lambda k: _init_params(model, k, seq_length, aux), jax.random.key(0))
-    return nn.unbox(boxed), nn.get_partition_spec(boxed)
+    return store_layers(nn.unbox(boxed), layer_index), nn.get_partition_spec(boxed)
 
 
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_length: int, mesh: Mesh,
                     rules: Sequence = rules_lib.DEFAULT_RULES, distributed_optimizer: bool = False,
-                    aux: AuxModules = None):
+                    aux: AuxModules = None, layer_index: Optional[np.ndarray] = None):
     """(abstract TrainState, TrainState of NamedShardings, gradient shardings).
 
     Parameters are laid out by the logical-axis ``rules``. The optimizer's moments take
@@ -69,7 +93,7 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_leng
     (ZeRO-1, :mod:`jmegatron.parallel.distributed_optimizer`); gradients are produced in
     the optimizer's layout. Scalars are replicated.
     """
-    abstract_params, param_specs = param_logical_specs(model, seq_length, aux)
+    abstract_params, param_specs = param_logical_specs(model, seq_length, aux, layer_index)
     param_sh = rules_lib.logical_to_sharding(param_specs, mesh, rules)
     grad_sh = zero1_shardings(param_sh, abstract_params) if distributed_optimizer else param_sh
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
@@ -84,15 +108,17 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_leng
 
 
 def init_train_state(model: nn.Module, tx: optax.GradientTransformation, seed: int,
-                     seq_length: int, shardings: TrainState, aux: AuxModules = None) -> TrainState:
+                     seq_length: int, shardings: TrainState, aux: AuxModules = None,
+                     layer_index: Optional[np.ndarray] = None) -> TrainState:
     """Initialise params (Megatron's init: normal(init_method_std), output layers scaled
-    by 1/sqrt(2 num_layers)) and optimizer state directly in their shardings; ``aux`` as
-    in :func:`param_logical_specs`."""
+    by 1/sqrt(2 num_layers)) and optimizer state directly in their shardings; ``aux`` and
+    ``layer_index`` as in :func:`param_logical_specs` (the same model for every layout:
+    the layers are initialised in model order, then moved to their slots)."""
 
     def init(seed):
         key = jax.random.key(seed)
         params_key, rng = jax.random.split(key)
-        params = nn.unbox(_init_params(model, params_key, seq_length, aux))
+        params = store_layers(nn.unbox(_init_params(model, params_key, seq_length, aux)), layer_index)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                           rng=jax.random.key_data(rng))
 

@@ -20,7 +20,6 @@ layout of the same global batch draws the same masks.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,48 +30,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
 from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.distributed_optimizer import data_dim
 from jmegatron.parallel.schedules import PIPELINE_AXIS, PipelineSchedule, build_schedule, run_schedule
+from jmegatron.training.forward_step import StageContext, lm_loss_fn, lm_pipeline_stages, masked_cross_entropy
 from jmegatron.training.state import TrainState
 
 Batch = dict[str, jax.Array]
-
-
-def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array):
-    """(sum of masked token losses, number of unmasked tokens), both float32 scalars.
-
-    logits ``[b, s, V]`` float32, labels ``[b, s]`` int32, loss_mask ``[b, s]``. The
-    cross-entropy is :func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`
-    (its backward recomputes the softmax from the saved log-sum-exp).
-    """
-    ce = softmax_cross_entropy(logits, labels)
-    mask = loss_mask.astype(jnp.float32)
-    return jnp.sum(ce * mask), jnp.sum(mask)
-
-
-def lm_loss_fn(model: nn.Module) -> Callable:
-    """The language-model loss: masked token mean of the cross-entropy (Megatron's
-    ``loss_func`` in pretrain_gpt.py). See :func:`make_train_step` for the interface."""
-
-    from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
-
-    moe = getattr(getattr(model, "cfg", None), "moe", None)
-
-    def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
-        out = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
-                          deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"],
-                          mutable=list(MOE_COLLECTIONS) if moe is not None else False)
-        logits, sown = out if moe is not None else (out, {})
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
-        loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
-        report = {"lm_loss": loss}
-        if moe is not None:
-            loss, report = add_moe_losses(model.cfg, loss, report, sown, micro, data_sum)
-        return loss, report
-
-    return loss_fn
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
@@ -80,7 +44,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                     rules: Sequence = rules_lib.DEFAULT_RULES, loss_fn: Optional[Callable] = None,
                     extra_shardings: Any = None, log_num_zeros_in_grad: bool = False,
                     pipeline: Optional[tuple[str, int, int]] = None, pipeline_stages: Optional[Callable] = None,
-                    ) -> Callable[..., tuple[TrainState, dict]]:
+                    pipeline_layout: Any = None) -> Callable[..., tuple[TrainState, dict]]:
     """The un-jitted train step ``(state, batch[, extra]) -> (state, metrics)``.
 
     Data parallelism is explicit, as in Megatron's DDP: a ``shard_map`` makes the data
@@ -111,7 +75,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     final norm) get theirs summed over stages (Megatron's embedding-group all-reduce for
     the tied word embeddings). The stages come from ``pipeline_stages(ctx)``
     (:class:`StageContext` -> embed / chunk / head, default :func:`lm_pipeline_stages`;
-    distillation gives its own), the pipelined counterpart of ``loss_fn``.
+    distillation gives its own), the pipelined counterpart of ``loss_fn``; ``pipeline_layout``
+    (:class:`jmegatron.parallel.pipeline_layout.PipelineLayout`, default the even split)
+    places the layers on the stages.
 
     metrics (float32 scalars): ``loss`` (what was optimised) and the report's entries
     (``lm_loss`` by default), each a mean over micro-batches; ``grad_norm`` (before
@@ -184,7 +150,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             with nn.logical_axis_rules(inner_rules):
                 schedule = build_schedule(pipeline[0], pipeline[1], num_micro, pipeline[2])
                 grads, report, tokens = _pipelined_grads(model.cfg, schedule, pipeline_stages or lm_pipeline_stages,
-                                                         varying, batch, rng, extra, psum, mesh.shape[axis])
+                                                         varying, batch, rng, extra, psum, mesh.shape[axis],
+                                                         pipeline_layout)
         else:
             zeros = jax.tree.map(jnp.zeros_like, varying)
             first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
@@ -253,6 +220,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         if log_num_zeros_in_grad:  # int32 per tensor, float32 over tensors, as Megatron's float count
             metrics["num_zeros"] = sum(jnp.sum(g == 0, dtype=jnp.int32).astype(jnp.float32)
                                        for g in jax.tree.leaves(grads))
+            if pipeline_layout is not None and pipeline_layout.uneven:  # not the padding slots' zeros
+                pads = int((pipeline_layout.order() < 0).sum())
+                metrics["num_zeros"] -= float(sum(pads * np.prod(g.shape[1:])
+                                                  for g in jax.tree.leaves(grads["decoder_layers"])))
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
         return new_state, metrics
 
@@ -260,69 +231,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     return step
 
 
-@dataclasses.dataclass(frozen=True)
-class StageContext:
-    """What a pipeline stage provider gets (inside the train step's shard_map):
-    ``cfg`` (the student's ModelConfig), ``pipeline_size`` / ``virtual_size``, ``stage``
-    (traced int32: this device's pipeline rank), ``rng`` (the step's dropout key),
-    ``tokens`` (float32 ``[m]``: unmasked tokens of each micro-batch over all data ranks),
-    ``sample_offset(micro)`` (the global sample number of the micro-batch's first local
-    row), ``local_rows`` / ``seq_length`` (a micro-batch's shape on this rank) and
-    ``extra`` (``make_train_step``'s extra argument, e.g. the teacher's parameters);
-    ``data_sum`` (the psum over the data axis, identity with one data-parallel rank)."""
-
-    cfg: Any
-    pipeline_size: int
-    virtual_size: int
-    stage: Any
-    rng: Any
-    tokens: Any
-    sample_offset: Callable
-    local_rows: int
-    seq_length: int
-    extra: Any = None
-    data_sum: Callable = None
-
-    def chunk_layers(self, stacked: Any, chunk: Any, num_layers: int) -> tuple[Any, Any]:
-        """(this stage's chunk ``chunk`` of the stacked layers ``stacked`` (leaves ``[L_local,
-        ...]``), the model index of its first layer) for a model of ``num_layers`` layers."""
-        per_chunk = num_layers // (self.pipeline_size * self.virtual_size)
-        layers = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * per_chunk, per_chunk), stacked)
-        return layers, (chunk * self.pipeline_size + self.stage) * per_chunk
-
-
-def lm_pipeline_stages(ctx: StageContext) -> dict:
-    """The GPT language model's stages for :func:`jmegatron.parallel.schedules.run_schedule`
-    (Megatron's GPTModel pre_process / decoder chunk / post_process with pretrain_gpt's
-    ``loss_func``): ``{"embed", "chunk", "head", "activation", "report_zeros"}``. Each
-    micro-batch's loss is its masked token mean (``ctx.tokens``), as :func:`lm_loss_fn`."""
-    from jmegatron.models.gpt import apply_layers, embed_tokens, output_logits
-
-    c = ctx.cfg
-    dot_general = c.dense_dot_general()
-
-    def embed(prm, micro):
-        return embed_tokens(c, prm, micro["tokens"], micro["position_ids"], deterministic=False,
-                            rng=jax.random.fold_in(ctx.rng, c.num_layers), sample_offset=ctx.sample_offset(micro))
-
-    def chunk(prm, x, micro, ci):
-        layers, first = ctx.chunk_layers(prm["decoder_layers"], ci, c.num_layers)
-        return apply_layers(c, layers, x, micro["position_ids"], first_layer=first, deterministic=False,
-                            rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=dot_general), None
-
-    def head(prm, y, side, micro):
-        logits = output_logits(c, prm, y, dot_general)
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
-        loss = total / jnp.maximum(ctx.tokens[micro["microbatch"]], 1.0)
-        return loss, {"lm_loss": loss}
-
-    activation = jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, c.hidden_size), c.dtype)
-    return dict(embed=embed, chunk=chunk, head=head, activation=activation,
-                report_zeros={"lm_loss": jnp.float32(0.0)})
-
-
 def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params, batch: Batch, rng, extra,
-                     data_sum: Callable, dp: int):
+                     data_sum: Callable, dp: int, layout: Any = None):
     """One data-parallel rank's pipelined (grads, report, tokens), as the micro-batch loop
     of :func:`make_train_step` returns them (sums over micro-batches); ``params`` as that
     loop sees them (data-replicated ones already varying over data); ``stages_fn(ctx)``
@@ -337,7 +247,7 @@ def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params,
     ctx = StageContext(cfg=c, pipeline_size=schedule.pipeline_size, virtual_size=schedule.virtual_size,
                        stage=jax.lax.axis_index(PIPELINE_AXIS), rng=rng, tokens=tokens,
                        sample_offset=lambda micro: (micro["microbatch"] * dp + data_rank) * local_rows,
-                       local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum)
+                       local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum, layout=layout)
     stages = stages_fn(ctx)
     grads, loss, report = run_schedule(schedule, params, batch, **stages)
     grads = {k: (g if k == "decoder_layers" else jax.tree.map(lambda a: jax.lax.psum(a, PIPELINE_AXIS), g))
@@ -353,7 +263,10 @@ def make_eval_step(model: nn.Module, rules: Sequence = rules_lib.DEFAULT_RULES, 
     this order first (interleaved pipeline stages store them in stage order)."""
 
     def step(params, batch: Batch):
-        if layer_order is not None and not (np.asarray(layer_order) == np.arange(len(layer_order))).all():
+        stored = jax.tree.leaves(params.get("decoder_layers", {}))
+        identity = layer_order is None or not stored or (
+            len(layer_order) == stored[0].shape[0] and (np.asarray(layer_order) == np.arange(len(layer_order))).all())
+        if not identity:
             params = dict(params, decoder_layers=jax.tree.map(lambda a: a[layer_order], params["decoder_layers"]))
         def body(carry, micro):
             with nn.logical_axis_rules(list(rules)):

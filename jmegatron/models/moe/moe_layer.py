@@ -139,7 +139,7 @@ def moe_loss_terms(variables: Any, moe: Optional[moe_utils.MoEConfig], num_moe_l
 def add_moe_losses(cfg: Any, loss: Array, report: dict, sown: Any, micro: dict, data_sum: Callable
                    ) -> tuple[Array, dict]:
     """(loss + the router losses, report + the MoE entries) for one micro-batch of an MoE
-    model, inside the train step's loss function (:func:`jmegatron.training.step.lm_loss_fn`).
+    model, inside the train step's loss function (:func:`jmegatron.training.forward_step.lm_loss_fn`).
 
     ``cfg``: the model's ModelConfig; ``sown``: the :data:`MOE_COLLECTIONS` of the forward
     pass; ``micro``: the micro-batch (its ``loss_mask`` ``[b, s]`` gives this rank's token

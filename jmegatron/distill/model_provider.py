@@ -1,0 +1,52 @@
+"""Distillation's forward step provider: the teacher beside the student, and the KD loss.
+
+Megatron's ``megatron/post_training/model_provider.py`` builds the student, loads the
+teacher from ``--export-kd-teacher-load`` (``_teacher_provider``) and wraps both in
+ModelOpt's DistillationModel; ``megatron/post_training/loss_func.py`` then gives the
+balanced KD loss. Here :func:`distillation_forward_step` is the same seam for
+:func:`jmegatron.training.run.build`: it loads the teacher onto the student's mesh and
+returns the distillation loss (unpipelined, and as pipeline stages), the teacher's
+parameters as the step's extra argument, and the ``kd_projection`` module when the
+student's and teacher's hidden sizes differ.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+from jmegatron.config import ConfigError, JMegatronConfig
+from jmegatron.distill.config import load_distill_config
+from jmegatron.distill.loss_func import distillation_loss_fn, distillation_pipeline_stages, projection_aux
+from jmegatron.distill.teacher import load_teacher
+from jmegatron.training.forward_step import ForwardStep, gpt_forward_step
+
+
+def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size: int) -> ForwardStep:
+    """The ForwardStep of a distillation run (``cfg.kd_teacher_load``; ``cfg.kd_cfg`` the
+    YAML of :func:`jmegatron.distill.config.load_distill_config`). ``owner`` is the
+    :class:`~jmegatron.distill.teacher.Teacher`. A config without a teacher, or with
+    ``kd_finalize`` (conversion to a plain student, no training), gets the language model's.
+
+    Raises ConfigError under pipeline parallelism with more than one data-parallel rank,
+    DistillConfigError for a bad distillation YAML or a layer pair the layout cannot place,
+    CheckpointError for a missing teacher or one with another vocabulary.
+    """
+    if not cfg.kd_teacher_load or cfg.kd_finalize:
+        return gpt_forward_step(cfg, model, mesh, padded_vocab_size)
+    pipelined = cfg.pipeline_model_parallel_size > 1
+    dp = mesh.shape["data"]
+    if pipelined and dp > 1:
+        raise ConfigError(f"distillation under pipeline parallelism runs with one data-parallel rank (the "
+                          f"balancer's data-parallel sums are not built there); this layout has {dp}: use "
+                          f"pipeline_model_parallel_size x tensor_model_parallel_size = the device count.")
+    if cfg.decoder_first_pipeline_num_layers is not None or cfg.decoder_last_pipeline_num_layers is not None:
+        raise ConfigError("distillation with uneven pipeline stages (decoder_first/last_pipeline_num_layers) is "
+                          "not built (the teacher's layers would need their own uneven split); unset them.")
+    dcfg = load_distill_config(cfg.kd_cfg)
+    teacher = load_teacher(cfg.kd_teacher_load, cfg, padded_vocab_size, mesh, cfg.kd_teacher_bf16)
+    aux = projection_aux(cfg, teacher.cfg.hidden_size, dcfg)
+    return ForwardStep(loss_fn=distillation_loss_fn(model, teacher.model, dcfg, aux),
+                       pipeline_stages=distillation_pipeline_stages(model, teacher.model, dcfg, aux) if pipelined
+                       else None,
+                       extra_args=(teacher.params,), extra_shardings=teacher.shardings, aux_modules=aux,
+                       owner=teacher)

@@ -1,0 +1,185 @@
+"""Megatron's ``forward_step_func`` seam: what one micro-batch computes.
+
+Megatron's ``pretrain(train_valid_test_dataset_provider, model_provider, model_type,
+forward_step_func)`` (megatron/training/training.py) takes the model and its loss from the
+caller; the training loop never imports them (pretrain_gpt.py passes GPT's ``forward_step``
+and ``loss_func``, megatron/post_training its distillation model and loss). Here the same
+seam is a *forward step provider*: ``provider(cfg, model, mesh, padded_vocab_size) ->``
+:class:`ForwardStep`, called once by :func:`jmegatron.training.run.build`. A ForwardStep
+gives both forms of the per-micro-batch computation, the unpipelined ``loss_fn`` and the
+pipelined ``pipeline_stages``, plus the extra inputs (a frozen teacher's parameters) and
+trainable side modules (distillation's projection) they need.
+
+Providers: :func:`gpt_forward_step` (the language model, here), and
+:func:`jmegatron.distill.model_provider.distillation_forward_step`;
+:func:`jmegatron.pretrain_gpt.forward_step_provider` picks one for a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jmegatron.config import ConfigError, JMegatronConfig
+from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardStep:
+    """One kind of training's per-micro-batch computation (Megatron's ``forward_step_func``
+    with its ``loss_func``), for :func:`jmegatron.training.step.make_train_step`.
+
+    ``loss_fn(params, micro, rng, num_tokens, extra, data_sum) -> (loss, report)``: the
+    unpipelined micro-batch loss (interface in ``make_train_step``).
+    ``pipeline_stages(ctx: StageContext) -> {"embed", "chunk", "head", "activation",
+    "report_zeros"}``: the same computation cut into pipeline stages
+    (:func:`jmegatron.parallel.schedules.run_schedule`); None when the provider cannot
+    pipeline (``build`` then refuses pipeline_model_parallel_size > 1).
+    ``extra_args``: passed after the batch to the train step (untouched, no gradient), laid
+    out by ``extra_shardings``. ``aux_modules``: trainable Flax modules stored beside the
+    model's parameters (name -> (module, example input shape)), saved in checkpoints.
+    ``owner``: whatever the provider wants kept alive with the run (e.g. the teacher).
+    """
+
+    loss_fn: Callable
+    pipeline_stages: Optional[Callable] = None
+    extra_args: tuple = ()
+    extra_shardings: Any = None
+    aux_modules: dict = dataclasses.field(default_factory=dict)
+    owner: Any = None
+
+
+def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array):
+    """(sum of masked token losses, number of unmasked tokens), both float32 scalars.
+
+    logits ``[b, s, V]`` float32, labels ``[b, s]`` int32, loss_mask ``[b, s]``. The
+    cross-entropy is :func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`
+    (its backward recomputes the softmax from the saved log-sum-exp).
+    """
+    ce = softmax_cross_entropy(logits, labels)
+    mask = loss_mask.astype(jnp.float32)
+    return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def lm_loss_fn(model) -> Callable:
+    """The language-model loss: masked token mean of the cross-entropy (Megatron's
+    ``loss_func`` in pretrain_gpt.py). See :func:`make_train_step` for the interface.
+    An MoE model's router losses are added to it and reported beside ``lm_loss``
+    (:func:`jmegatron.models.moe.moe_layer.add_moe_losses`)."""
+    from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
+
+    moe = getattr(getattr(model, "cfg", None), "moe", None)
+
+    def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
+        out = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
+                          deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"],
+                          mutable=list(MOE_COLLECTIONS) if moe is not None else False)
+        logits, sown = out if moe is not None else (out, {})
+        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
+        loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
+        report = {"lm_loss": loss}
+        if moe is not None:
+            loss, report = add_moe_losses(model.cfg, loss, report, sown, micro, data_sum)
+        return loss, report
+
+    return loss_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class StageContext:
+    """What a pipeline stage provider gets (inside the train step's shard_map):
+    ``cfg`` (the student's ModelConfig), ``pipeline_size`` / ``virtual_size``, ``stage``
+    (traced int32: this device's pipeline rank), ``rng`` (the step's dropout key),
+    ``tokens`` (float32 ``[m]``: unmasked tokens of each micro-batch over all data ranks),
+    ``sample_offset(micro)`` (the global sample number of the micro-batch's first local
+    row), ``local_rows`` / ``seq_length`` (a micro-batch's shape on this rank) and
+    ``extra`` (``make_train_step``'s extra argument, e.g. the teacher's parameters);
+    ``data_sum`` (the psum over the data axis, identity with one data-parallel rank);
+    ``layout`` (the student's :class:`~jmegatron.parallel.pipeline_layout.PipelineLayout`;
+    None: the even one)."""
+
+    cfg: Any
+    pipeline_size: int
+    virtual_size: int
+    stage: Any
+    rng: Any
+    tokens: Any
+    sample_offset: Callable
+    local_rows: int
+    seq_length: int
+    extra: Any = None
+    data_sum: Callable = None
+    layout: Any = None
+
+    def chunk_layers(self, stacked: Any, chunk: Any, num_layers: int,
+                     layout: Any = None) -> tuple[Any, Any, Optional[Any]]:
+        """(this stage's chunk ``chunk`` (traced int) of the stacked layers ``stacked`` (this
+        stage's slots, leaves ``[v * K, ...]``) as leaves ``[K, ...]``, the model index of its
+        first layer (traced int32), the number of its real layers (traced int32; None when
+        every chunk is full, no padding slots)) for a model of ``num_layers`` layers laid out
+        by ``layout`` (default: ``self.layout`` for the student's ``num_layers``, else the
+        even layout)."""
+        from jmegatron.parallel.pipeline_layout import PipelineLayout
+
+        if layout is None:
+            own = self.layout
+            layout = own if own is not None and own.num_layers == num_layers else \
+                PipelineLayout(num_layers, self.pipeline_size, self.virtual_size)
+        k = layout.slots_per_chunk
+        layers = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * k, k), stacked)
+        first = jnp.asarray(layout.chunk_first_layer(), jnp.int32)[self.stage, chunk]
+        count = jnp.asarray(layout.chunk_layers(), jnp.int32)[self.stage, chunk] if layout.uneven else None
+        return layers, first, count
+
+
+def lm_pipeline_stages(ctx: StageContext) -> dict:
+    """The GPT language model's stages for :func:`jmegatron.parallel.schedules.run_schedule`
+    (Megatron's GPTModel pre_process / decoder chunk / post_process with pretrain_gpt's
+    ``loss_func``): ``{"embed", "chunk", "head", "activation", "report_zeros"}``. Each
+    micro-batch's loss is its masked token mean (``ctx.tokens``), as :func:`lm_loss_fn`."""
+    from jmegatron.models.gpt import apply_layers, embed_tokens, output_logits
+
+    c = ctx.cfg
+    dot_general = c.dense_dot_general()
+
+    def embed(prm, micro):
+        return embed_tokens(c, prm, micro["tokens"], micro["position_ids"], deterministic=False,
+                            rng=jax.random.fold_in(ctx.rng, c.num_layers), sample_offset=ctx.sample_offset(micro))
+
+    def chunk(prm, x, micro, ci):
+        layers, first, count = ctx.chunk_layers(prm["decoder_layers"], ci, c.num_layers)
+        return apply_layers(c, layers, x, micro["position_ids"], first_layer=first, num_valid=count,
+                            deterministic=False,
+                            rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=dot_general), None
+
+    def head(prm, y, side, micro):
+        logits = output_logits(c, prm, y, dot_general)
+        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
+        loss = total / jnp.maximum(ctx.tokens[micro["microbatch"]], 1.0)
+        return loss, {"lm_loss": loss}
+
+    activation = jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, c.hidden_size), c.dtype)
+    return dict(embed=embed, chunk=chunk, head=head, activation=activation,
+                report_zeros={"lm_loss": jnp.float32(0.0)})
+
+
+def gpt_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size: int) -> ForwardStep:
+    """The GPT language model's forward step (pretrain_gpt.py's ``forward_step`` and
+    ``loss_func``): :func:`lm_loss_fn` and :func:`lm_pipeline_stages`. The default provider
+    of :func:`jmegatron.training.run.build`.
+
+    Raises ConfigError for a distillation config (``kd_teacher_load`` without
+    ``kd_finalize``): that run needs the distillation provider, which
+    :func:`jmegatron.pretrain_gpt.pretrain` and ``python -m jmegatron.train`` choose.
+    """
+    del mesh, padded_vocab_size
+    if cfg.kd_teacher_load and not cfg.kd_finalize:
+        raise ConfigError(
+            "config.kd_teacher_load is set but this run was built with the plain language-model forward step: "
+            "train it with python -m jmegatron.train or jmegatron.pretrain_gpt.pretrain(cfg), or pass "
+            "forward_step_provider=jmegatron.distill.model_provider.distillation_forward_step")
+    return ForwardStep(loss_fn=lm_loss_fn(model), pipeline_stages=lm_pipeline_stages)

@@ -1,0 +1,260 @@
+"""A training run's static pieces: mesh, model, optimizer, shardings and the jitted steps
+(the role of Megatron's ``setup_model_and_optimizer`` in megatron/training/training.py),
+and restoring a checkpoint into them.
+
+:func:`build` composes; it does not know what a micro-batch computes: that comes from a
+forward step provider (:mod:`jmegatron.training.forward_step`; default the language model,
+distillation's from :mod:`jmegatron.distill.model_provider`). The training loop
+(:mod:`jmegatron.training.loop`), evaluation, export, generation and the distillation
+teacher all build through here; nothing here imports the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from jmegatron.config import ConfigError, JMegatronConfig, from_configdict
+from jmegatron.models.gpt import GPTModel, ModelConfig
+from jmegatron.parallel import pipeline_layout, rules as rules_lib
+from jmegatron.parallel.mesh import create_mesh
+from jmegatron.training import checkpoint_layout, checkpointing, optimizer, state as state_lib, step as step_lib
+from jmegatron.training.forward_step import ForwardStep, gpt_forward_step
+from jmegatron.training.num_microbatches_calculator import (NumMicroBatchesCalculatorError,
+                                                            build_num_microbatches_calculator)
+
+# (cfg, model, mesh, padded_vocab_size) -> ForwardStep
+ForwardStepProvider = Callable[[JMegatronConfig, GPTModel, Mesh, int], ForwardStep]
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built once before the first step. ``train_step(state, batch)`` and
+    ``eval_step(params, batch)`` are jitted; ``state_shardings`` is a TrainState of
+    NamedShardings, ``abstract_state`` its ShapeDtypeStructs."""
+
+    cfg: JMegatronConfig
+    mesh: Mesh
+    model: GPTModel
+    tx: optax.GradientTransformation
+    padded_vocab_size: int
+    num_microbatches: int
+    global_batch_size: int
+    abstract_state: Any
+    state_shardings: Any
+    grad_shardings: Any
+    rules: Any
+    train_step: Any
+    eval_step: Any
+    compute_grads: Any = None  # jitted (state, batch, *extra_args) -> (grads, report, tokens)
+    extra_args: tuple = ()  # passed after the batch to train_step (the teacher's params when distilling)
+    forward_step: Optional[ForwardStep] = None  # what the provider gave (its owner: e.g. the teacher)
+    # trainable modules stored beside the model's params (name -> (module, example input
+    # shape)): distillation's kd_projection; recorded in the checkpoint meta as "aux_params"
+    aux_modules: dict = dataclasses.field(default_factory=dict)
+    # jmegatron.training.num_microbatches_calculator: the global batch of each iteration
+    # (constant, or Megatron's ramp-up); global_batch_size / num_microbatches are the final ones
+    num_microbatches_calculator: Any = None
+
+    def init_state(self) -> state_lib.TrainState:
+        """A freshly initialised TrainState (seed ``cfg.seed``) in ``state_shardings``: the
+        same model for every layout (under pipeline parallelism the stacked layers are
+        initialised in model order, then moved to their stage slots,
+        :mod:`jmegatron.parallel.pipeline_layout`)."""
+        return state_lib.init_train_state(self.model, self.tx, self.cfg.seed, self.cfg.seq_length,
+                                          self.state_shardings, self.aux_modules, stored_layer_index(self.cfg))
+
+    def abstract_with_shardings(self) -> Any:
+        """ShapeDtypeStructs of the TrainState carrying its shardings (a restore target)."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self.abstract_state, self.state_shardings)
+
+    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Place a host batch ``[num_micro, gbs / num_micro, seq]`` on the mesh. Every
+        process holds the same global batch and contributes its addressable shards."""
+        shardings = step_lib.batch_shardings(self.mesh)
+        return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
+                for k, v in batch.items()}
+
+
+def stored_layer_index(cfg: JMegatronConfig) -> Optional[np.ndarray]:
+    """The model layer at each stored slot of the stacked decoder layers (PAD for uneven
+    stages' padding), or None when they are stored in model order (no pipeline, or one
+    even chunk per stage)."""
+    if cfg.pipeline_model_parallel_size == 1:
+        return None
+    layout = cfg.pipeline_layout()
+    index = pipeline_layout.gather_index(pipeline_layout.PipelineLayout(cfg.num_layers), layout)
+    return None if np.array_equal(index, np.arange(cfg.num_layers)) else index
+
+
+def vocab_size_of(cfg: JMegatronConfig) -> int:
+    """The unpadded vocabulary: ``cfg.vocab_size`` or the tokenizer's."""
+    if cfg.vocab_size is not None:
+        return cfg.vocab_size
+    from jmegatron.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(cfg.tokenizer_model).vocab_size
+
+
+def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optional[int] = None,
+          forward_step_provider: Optional[ForwardStepProvider] = None) -> Run:
+    """Build mesh, model, optimizer and the jitted steps for ``cfg`` (nothing allocated yet).
+
+    ``forward_step_provider(cfg, model, mesh, padded_vocab_size)`` gives what each
+    micro-batch computes (:class:`~jmegatron.training.forward_step.ForwardStep`; None:
+    :func:`~jmegatron.training.forward_step.gpt_forward_step`, the language model). Raises ConfigError when the parallel sizes or batch sizes do not
+    fit the devices, or when the provider cannot pipeline and
+    pipeline_model_parallel_size > 1.
+    """
+    pipeline = None
+    if cfg.pipeline_model_parallel_size > 1:
+        if cfg.use_megatron_fsdp:
+            raise ConfigError("config.use_megatron_fsdp=True with pipeline_model_parallel_size > 1 is not built; "
+                              "use use_distributed_optimizer=True (ZeRO-1) with the pipeline.")
+        pipeline = (cfg.resolved_pipeline_schedule(), cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_size())
+    mesh = mesh or create_mesh(cfg)
+    dp = mesh.shape["data"]
+    num_micro = cfg.num_microbatches(dp)
+    gbs = num_micro * cfg.micro_batch_size * dp
+    try:
+        calculator = build_num_microbatches_calculator(gbs, cfg.micro_batch_size, dp, cfg.rampup_batch_size)
+    except NumMicroBatchesCalculatorError as e:
+        raise ConfigError(str(e)) from None
+    padded = cfg.padded_vocab_size(vocab_size if vocab_size is not None else vocab_size_of(cfg))
+    cfg.check_parallel_divisibility(padded, dp)
+    model = GPTModel(ModelConfig.from_config(cfg, padded))
+    tx = optimizer.make_optimizer(cfg, gbs)
+    rules = rules_lib.make_rules(cfg)
+    forward_step_provider = forward_step_provider or gpt_forward_step
+    fwd = forward_step_provider(cfg, model, mesh, padded)
+    if pipeline is not None and fwd.pipeline_stages is None:
+        raise ConfigError(f"config.pipeline_model_parallel_size={cfg.pipeline_model_parallel_size}: the forward "
+                          f"step {getattr(forward_step_provider, '__name__', forward_step_provider)} has no "
+                          f"pipeline stages; use pipeline_model_parallel_size=1")
+    abstract, shardings, grad_shardings = state_lib.state_shardings(
+        model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer, fwd.aux_modules,
+        stored_layer_index(cfg))
+    step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg, gbs), mesh, shardings.params,
+                                       grad_shardings, rules, None if pipeline else fwd.loss_fn,
+                                       fwd.extra_shardings, cfg.log_num_zeros_in_grad, pipeline,
+                                       fwd.pipeline_stages if pipeline else None,
+                                       cfg.pipeline_layout() if pipeline else None)
+    train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings)
+    # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
+    canonical = pipeline_layout.gather_index(cfg.pipeline_layout(), pipeline_layout.PipelineLayout(cfg.num_layers))
+    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules, canonical), mesh, shardings.params)
+    return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
+               num_microbatches=num_micro, global_batch_size=gbs, num_microbatches_calculator=calculator,
+               abstract_state=abstract, state_shardings=shardings, grad_shardings=grad_shardings,
+               rules=rules, train_step=train_step, eval_step=eval_step,
+               compute_grads=jax.jit(step_fn.compute_grads), extra_args=tuple(fwd.extra_args),
+               forward_step=fwd, aux_modules=dict(fwd.aux_modules))
+
+
+# Auxiliary modules recorded before their meta named a Python module (earlier checkpoints).
+_LEGACY_AUX_MODULES = {"ProjectionLayer": "jmegatron.distill.losses"}
+
+
+def aux_spec(module, input_shape: tuple) -> dict:
+    """JSON description of an auxiliary Flax module (rebuilt by :func:`aux_from_meta`): its
+    class (Python module and name), example input shape and JSON-typed fields."""
+    fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+              if f.name not in ("parent", "name") and isinstance(getattr(module, f.name), (bool, int, float, str))}
+    return {"type": type(module).__name__, "module": type(module).__module__, "input_shape": list(input_shape),
+            **fields}
+
+
+def aux_from_meta(meta: dict) -> dict:
+    """The auxiliary modules a checkpoint's params hold besides the model's (``aux_params``):
+    name -> (module, example input shape). Raises CheckpointError for a class that is not
+    one of jmegatron's."""
+    out = {}
+    for name, spec in (meta.get("aux_params") or {}).items():
+        spec = dict(spec)
+        type_name = spec.pop("type", None)
+        module_path = spec.pop("module", _LEGACY_AUX_MODULES.get(type_name))
+        shape = spec.pop("input_shape", None)
+        cls = None
+        if module_path and module_path.startswith("jmegatron.") and type_name:
+            cls = getattr(importlib.import_module(module_path), type_name, None)
+        if cls is None:
+            raise checkpointing.CheckpointError(f"unknown auxiliary parameters {name!r}: {meta['aux_params'][name]}")
+        if shape is None:  # a legacy ProjectionLayer: its input is [..., student_hidden_size]
+            shape = (1, 1, spec["student_hidden_size"])
+        out[name] = (cls(**spec), tuple(shape))
+    return out
+
+
+def checkpoint_meta(cfg: JMegatronConfig, run: Run, iteration: int, consumed: int, consumed_valid: int = 0) -> dict:
+    """The JSON meta saved with a checkpoint: iteration, consumed train / valid samples, the
+    padded vocabulary, the resolved config (a kd_finalize run saves a plain student's) and
+    the auxiliary modules (``aux_params``, :func:`aux_spec`)."""
+    if cfg.kd_finalize:  # a plain student checkpoint: nothing of the distillation remains
+        cfg = cfg.replace(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, kd_teacher_bf16=False)
+    meta = {"iteration": iteration, "consumed_train_samples": consumed, "consumed_valid_samples": consumed_valid,
+            "padded_vocab_size": run.padded_vocab_size, "config": cfg.to_dict()}
+    if run.aux_modules and not cfg.kd_finalize:
+        meta["aux_params"] = {name: aux_spec(module, shape) for name, (module, shape) in run.aux_modules.items()}
+    return meta
+
+
+def restore_state(run: Run, ckpt: checkpointing.Checkpointer, iteration: Optional[int] = None) -> tuple[Any, dict]:
+    """(state, meta) of ``ckpt`` in ``run``'s layout and structure.
+
+    Auxiliary params (``aux_params`` in the meta, e.g. a distillation run's
+    ``kd_projection``) are matched by name: a checkpoint holding some the run does not
+    train (read by kd_finalize, evaluation, export, a teacher load) is restored whole and
+    pruned, giving a plain student state; a run training some the checkpoint lacks (a
+    distillation started from a pretrained student) gets them, and their optimizer
+    moments, freshly initialised. A checkpoint whose decoder layers are stored in another
+    layout (scan_layers, pipeline stage order) is converted
+    (:func:`jmegatron.training.checkpoint_layout.restore`). Raises CheckpointError.
+    """
+    meta = ckpt.read_meta(iteration)
+    saved_aux = aux_from_meta(meta)
+    if set(saved_aux) == set(run.aux_modules):
+        return checkpoint_layout.restore(ckpt, run.abstract_with_shardings(), run.cfg, iteration)
+    abstract, shardings, _ = state_lib.state_shardings(
+        run.model, run.tx, run.cfg.seq_length, run.mesh, run.rules, run.cfg.use_distributed_optimizer, saved_aux)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    state, meta = checkpoint_layout.restore(ckpt, target, run.cfg, iteration)
+    fill = run.init_state() if set(run.aux_modules) - set(saved_aux) else None
+    return state_lib.prune_to(state, run.abstract_state, fill), meta
+
+
+def restore_run(load_dir: str, mesh: Optional[Mesh] = None,
+                iteration: Optional[int] = None, **overrides) -> tuple[Run, Any, dict]:
+    """(Run, TrainState, meta) rebuilt from a checkpoint's own resolved config, for
+    evaluation, sampling and export. ``overrides`` replace config fields (e.g. batch
+    sizes). Raises CheckpointError for a missing or corrupt checkpoint."""
+    if not checkpointing.has_checkpoint(load_dir):
+        raise checkpointing.CheckpointError(f"no checkpoint found in {os.path.abspath(load_dir)}")
+    ckpt = checkpointing.Checkpointer(load_dir, create=False)
+    meta = ckpt.read_meta(iteration)
+    saved = dict(meta["config"])
+    # evaluation, sampling and export need the student only, never its teacher
+    saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
+    if mesh is None:  # one device: Orbax gathers whatever layout the checkpoint was saved in
+        saved.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                     expert_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_model_parallel_size=None,
+                     num_layers_per_virtual_pipeline_stage=None, pipeline_schedule="auto",
+                     decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
+    saved.update(overrides)
+    cfg = from_configdict(saved)
+    run = build(cfg, mesh or create_mesh(cfg, jax.devices()[:1]), vocab_size=_unpadded_vocab(cfg, meta))
+    state, meta = restore_state(run, ckpt, iteration)
+    ckpt.close()
+    return run, state, meta
+
+
+def _unpadded_vocab(cfg: JMegatronConfig, meta: dict) -> int:
+    # Any vocabulary size that pads to the saved one rebuilds the same model.
+    return cfg.vocab_size or meta["padded_vocab_size"]
