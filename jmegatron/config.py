@@ -176,12 +176,40 @@ class JMegatronConfig:
     decoder_last_pipeline_num_layers: Optional[int] = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    # Megatron: --expert-tensor-parallel-size; None: = tensor_model_parallel_size (the only
+    # value built: expert weights split over "tensor" like the dense MLP's)
+    expert_tensor_parallel_size: Optional[int] = None
+    # --- mixture of experts (megatron/training/arguments.py: _add_moe_args;
+    # megatron/core/transformer/transformer_config.py; jmegatron.models.moe, docs/MOE.md) ---
+    num_moe_experts: Optional[int] = None  # Megatron: --num-experts; None: dense MLPs
+    moe_ffn_hidden_size: Optional[int] = None  # None: = ffn_hidden_size (MoE models)
+    # which layers are MoE: int N -> layer i when i % N == 0; or one 0/1 per layer (Megatron's
+    # list form; DeepSeek's first-k-dense is [0]*k + [1]*(L-k)); the string "([0]*1+[1]*3)" too
+    moe_layer_freq: Any = 1
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_pre_softmax: bool = False  # softmax (sigmoid) over all experts before the top-k
+    moe_router_topk_scaling_factor: Optional[float] = None  # multiplies the top-k weights
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | sinkhorn | none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    # DeepSeek-V3's aux-loss-free balancing (sigmoid scores only); the train step does not yet
+    # carry the bias state, so True is refused at start-up (docs/MOE.md)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_dtype: Optional[str] = None  # None (the activations' dtype) | fp32 | fp64 (needs jax x64)
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"  # probs | position
+    moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall (the same on one expert rank)
+    moe_grouped_gemm: bool = False  # accepted; the experts always run as grouped/batched GEMMs
+    moe_shared_expert_intermediate_size: Optional[int] = None  # None: no shared expert
     sequence_parallel: bool = False  # Megatron: --sequence-parallel (activations between blocks split on seq over tensor)
     use_distributed_optimizer: bool = False  # Megatron: --use-distributed-optimizer (ZeRO-1 over data)
     use_megatron_fsdp: bool = False  # Megatron: --use-megatron-fsdp (params, grads, optimizer state over data)
 
     def __post_init__(self):
-        for name in ("rampup_batch_size", "lr_decay_multi_step"):  # JSON gives lists
+        for name in ("rampup_batch_size", "lr_decay_multi_step", "moe_layer_freq"):  # JSON gives lists
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         for f in dataclasses.fields(self):
@@ -197,6 +225,9 @@ class JMegatronConfig:
             "lr_decay_iters": None if self.train_samples is not None else (self.lr_decay_iters or train_iters),
             "lr_decay_samples": self.lr_decay_samples or self.train_samples,
             "load": self.load or self.save,
+            "moe_ffn_hidden_size": (self.moe_ffn_hidden_size if self.num_moe_experts is None
+                                    else self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size),
+            "expert_tensor_parallel_size": self.expert_tensor_parallel_size or self.tensor_model_parallel_size,
         }
         if self.kv_channels is None:
             derived["kv_channels"] = self.hidden_size // self.num_attention_heads
@@ -345,6 +376,7 @@ class JMegatronConfig:
             raise ConfigError("config.use_megatron_fsdp=True already shards the optimizer state; "
                               "set config.use_distributed_optimizer=False.")
         self._check_pipeline()
+        self._check_moe()
         for name in ("context_parallel_size", "expert_model_parallel_size"):
             if getattr(self, name) != 1:
                 raise ConfigError(f"config.{name}={getattr(self, name)}: this parallelism is not built yet "
@@ -395,6 +427,96 @@ class JMegatronConfig:
         if self.use_megatron_fsdp and self.hidden_size % data_parallel_size:
             raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by the data-parallel size "
                               f"{data_parallel_size} (use_megatron_fsdp shards parameters on hidden).")
+
+    def _check_moe(self):
+        """The MoE fields, as Megatron's TransformerConfig.__post_init__ and validate_args
+        check them, plus what jmegatron does not build yet."""
+        from jmegatron.models.moe import moe_utils
+
+        if self.num_moe_experts is None:
+            for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"config.{name}={getattr(self, name)} needs config.num_moe_experts (the "
+                                      f"model is dense without it); set num_moe_experts or unset {name}.")
+            return
+        e, k = self.num_moe_experts, self.moe_router_topk
+        for name, allowed in (("moe_router_score_function", moe_utils.SCORE_FUNCTIONS),
+                              ("moe_router_load_balancing_type", moe_utils.LOAD_BALANCING_TYPES),
+                              ("moe_token_drop_policy", moe_utils.TOKEN_DROP_POLICIES),
+                              ("moe_token_dispatcher_type", moe_utils.TOKEN_DISPATCHER_TYPES),
+                              ("moe_router_dtype", moe_utils.ROUTER_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"config.{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
+        for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.{name}={getattr(self, name)} must be > 0.")
+        if k > e:
+            raise ConfigError(f"config.moe_router_topk={k} exceeds config.num_moe_experts={e}; "
+                              f"a token cannot choose more experts than there are.")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"config.{name}={getattr(self, name)} must be >= 0.")
+        for name in ("moe_expert_capacity_factor", "moe_router_topk_scaling_factor",
+                     "moe_shared_expert_intermediate_size"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                unset = " (None: dropless)" if name == "moe_expert_capacity_factor" else ""
+                raise ConfigError(f"config.{name}={getattr(self, name)} must be > 0 or None{unset}.")
+        try:
+            pattern = moe_utils.moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+        except ValueError as err:
+            raise ConfigError(f"config.{err}.") from None
+        if isinstance(self.moe_layer_freq, (list, str)):  # canonical: an int or a tuple
+            object.__setattr__(self, "moe_layer_freq", moe_utils.parse_moe_layer_freq(self.moe_layer_freq))
+        balancing = self.moe_router_load_balancing_type
+        if self.moe_expert_capacity_factor is not None and balancing == "sinkhorn":
+            raise ConfigError("config.moe_expert_capacity_factor works with aux_loss, seq_aux_loss or none "
+                              "load balancing (Megatron's rule), not sinkhorn; unset the capacity factor.")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ConfigError("config.moe_pad_expert_input_to_capacity=True needs "
+                              "config.moe_expert_capacity_factor; set it or drop the padding.")
+        if balancing == "sinkhorn" and self.moe_aux_loss_coeff:
+            raise ConfigError("config.moe_router_load_balancing_type='sinkhorn' takes no auxiliary loss; "
+                              "set moe_aux_loss_coeff=0.")
+        if (k == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax
+                and balancing != "sinkhorn"):
+            raise ConfigError("config.moe_router_topk=1 with softmax scores needs "
+                              "config.moe_router_pre_softmax=True (a softmax over one logit has no gradient; "
+                              "Megatron's rule).")
+        if self.moe_router_enable_expert_bias:
+            if self.moe_router_score_function != "sigmoid":
+                raise ConfigError("config.moe_router_enable_expert_bias=True needs "
+                                  "config.moe_router_score_function='sigmoid' (Megatron's rule).")
+            raise ConfigError("config.moe_router_enable_expert_bias=True: the router supports it but the train "
+                              "step does not yet carry and update the bias state (docs/MOE.md); set it to False.")
+        if self.moe_router_dtype == "fp64":
+            import jax
+
+            if not jax.config.jax_enable_x64:
+                raise ConfigError("config.moe_router_dtype='fp64' needs 64-bit JAX (JAX_ENABLE_X64=1 in the "
+                                  "environment); use 'fp32' otherwise.")
+        if self.add_bias_linear:
+            raise ConfigError("config.add_bias_linear=True with config.num_moe_experts: expert and router "
+                              "biases are not built; set add_bias_linear=False (as Mixtral and DeepSeek, "
+                              "--disable-bias-linear).")
+        if self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
+            raise ConfigError(f"config.expert_tensor_parallel_size={self.expert_tensor_parallel_size} differs "
+                              f"from tensor_model_parallel_size={self.tensor_model_parallel_size}; only equal "
+                              f"sizes are built (unset it).")
+        if self.tensor_model_parallel_size > 1:
+            raise ConfigError("config.num_moe_experts with tensor_model_parallel_size > 1 is not built yet "
+                              "(expert/tensor parallelism for MoE is the next phase); set "
+                              "tensor_model_parallel_size=1.")
+        if self.pipeline_model_parallel_size > 1:
+            raise ConfigError("config.num_moe_experts with pipeline_model_parallel_size > 1 is not built yet "
+                              "(the pipeline stages do not add the router losses); set "
+                              "pipeline_model_parallel_size=1.")
+        if self.kd_teacher_load is not None and not self.kd_finalize:
+            raise ConfigError("config.num_moe_experts with config.kd_teacher_load: the distillation loss does not "
+                              "add the student's router losses yet (issue 13 item 7); distil a dense student.")
+        if self.scan_layers and len(set(pattern)) > 1:
+            raise ConfigError(f"config.scan_layers=True stacks identical layers, but config.moe_layer_freq="
+                              f"{self.moe_layer_freq!r} mixes dense and MoE layers; set scan_layers=False or "
+                              f"make every layer MoE (moe_layer_freq=1).")
 
     def _check_pipeline(self):
         pp, v = self.pipeline_model_parallel_size, self.virtual_pipeline_size()
@@ -502,6 +624,7 @@ MODEL_FIELDS = (
     "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
     "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
     "add_bias_linear", "add_qkv_bias",
+    "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
 )
 
 
@@ -511,6 +634,8 @@ def _field_types() -> dict[str, Any]:
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
+    if hint is Any:  # checked by the field's own validation
+        return
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin is typing.Union:  # Optional[X]
@@ -543,7 +668,9 @@ def base_config() -> ml_collections.ConfigDict:
     hints = _field_types()
     for f in dataclasses.fields(JMegatronConfig):
         hint = hints[f.name]
-        if typing.get_origin(hint) is typing.Union:
+        if hint is Any:  # e.g. moe_layer_freq: an int or a list
+            fields[f.name] = ml_collections.FieldReference(f.default, field_type=object)
+        elif typing.get_origin(hint) is typing.Union:
             inner = next(a for a in typing.get_args(hint) if a is not type(None))
             fields[f.name] = ml_collections.config_dict.placeholder(inner, f.default)
         else:

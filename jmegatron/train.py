@@ -34,6 +34,11 @@ def _parse_value(name: str, text: str) -> Any:
         raise ConfigError(f"config.{name}={text!r} is not a boolean (use True or False).")
     if hint is str:
         return text
+    if hint is Any:  # e.g. moe_layer_freq: a Python literal, else the text (validated by the config)
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):

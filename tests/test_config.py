@@ -61,7 +61,7 @@ def test_overrides_are_typed():
     assert ov == {"train_iters": 7, "lr": 1e-3, "save": "/tmp/x", "bf16": True, "global_batch_size": None}
 
 
-@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "gpt3_345m", "llama2_7b"])
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "mixtral_tiny", "gpt3_345m", "llama2_7b"])
 def test_shipped_configs_validate(name):
     cfg = load_config_file(str(REPO / "configs" / f"{name}.py"),
                            {"mock_data": True, "vocab_size": 32000} if "tiny" in name else {})

@@ -25,6 +25,8 @@ from jmegatron.models.attention import SelfAttention
 from jmegatron.models.dropout import Dropout
 from jmegatron.fusions import fused_gelu
 from jmegatron.models.layers import Embed, Linear, dense_dot_general_fn, make_norm
+from jmegatron.models.moe.moe_layer import MoELayer
+from jmegatron.models.moe.moe_utils import MoEConfig, moe_layer_pattern
 
 Array = jax.Array
 KVPair = tuple[Array, Array]  # one layer's (keys, values), each [b, max_length, num_query_groups, kv_channels]
@@ -59,16 +61,24 @@ class ModelConfig:
     matmul_impl: str = "xla"
     dropout_impl: str = "hash"
     dtype: Any = jnp.float32
+    moe: Optional[MoEConfig] = None  # mixture of experts (jmegatron.models.moe); None: dense
 
     @classmethod
     def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
         """The model fields of ``cfg``; compute dtype bfloat16 when ``cfg.bf16``;
         ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolved by :func:`resolve_impls`."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe"}
         fields = dict({n: getattr(cfg, n) for n in names}, **resolve_impls(cfg))
         if cfg.pipeline_model_parallel_size > 1:  # stages hold slices of the stacked layers
             fields["scan_layers"] = True
-        return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32, **fields)
+        return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32,
+                   moe=MoEConfig.from_config(cfg), **fields)
+
+    def moe_layers(self) -> tuple[int, ...]:
+        """1 for each decoder layer whose MLP is an MoE layer (``moe_layer_freq``), else 0."""
+        if self.moe is None:
+            return (0,) * self.num_layers
+        return moe_layer_pattern(self.moe.moe_layer_freq, self.num_layers)
 
     def dense_dot_general(self) -> Callable:
         """The dense layers' ``dot_general`` for ``matmul_impl``."""
@@ -131,6 +141,8 @@ class TransformerLayer(nn.Module):
     cfg: ModelConfig
     deterministic: bool = True
     dot_general: Callable = dense_dot_general_fn
+    # MoELayer instead of the MLP; None: when every layer of cfg is an MoE layer (stacked layers)
+    moe_layer: Optional[bool] = None
 
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, sample_offset: Array, kv_cache: Optional[KVPair] = None
@@ -161,7 +173,11 @@ class TransformerLayer(nn.Module):
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "pre_mlp_layernorm")(x)
         self.sow("intermediates", "pre_mlp_layernorm_output", h)
-        h = MLP(c, dot_general=self.dot_general, name="mlp")(h)
+        moe = self.moe_layer if self.moe_layer is not None else all(c.moe_layers())
+        if moe:
+            h = MoELayer(c, training=not self.deterministic, dot_general=self.dot_general, name="mlp")(h)
+        else:
+            h = MLP(c, dot_general=self.dot_general, name="mlp")(h)
         x = x + drop(h, sample_offset=sample_offset)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         return x, kv_cache
@@ -219,7 +235,8 @@ class GPTModel(nn.Module):
             # With a cache, the stacked (k, v) [num_layers, ...] is scanned along with the
             # stacked params and comes back as the scan's per-layer outputs.
             cached = () if kv_cache is None else (kv_cache,)
-            stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0},
+            stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0, "moe_losses": 0,
+                                                      "moe_stats": 0, "moe_state": 0},
                             split_rngs={"params": True, "dropout": True},
                             in_axes=(nn.broadcast, nn.broadcast) + (0,) * len(cached), length=c.num_layers,
                             metadata_params={nn.PARTITION_NAME: "layers"})
@@ -227,8 +244,9 @@ class GPTModel(nn.Module):
                 x, position_ids, sample_offset, *cached)
         else:
             new_cache = []
+            moe_layers = c.moe_layers()
             for i in range(c.num_layers):
-                layer = layer_cls(c, deterministic, dot_general, name=f"decoder_layers_{i}")
+                layer = layer_cls(c, deterministic, dot_general, bool(moe_layers[i]), name=f"decoder_layers_{i}")
                 if kv_cache is None:
                     x, _ = layer(x, position_ids, sample_offset)
                 else:

@@ -38,6 +38,10 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("vocab", "tensor"),
     ("norm", None),
     ("layers", None),
+    # mixture of experts: the stacked experts' axis of weights and of the capacity buffer
+    # (expert parallelism shards it; the expert mesh axis has size 1 until that is built)
+    ("exp", "expert"),
+    ("activation_exp", "expert"),
 )
 
 

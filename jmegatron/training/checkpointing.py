@@ -10,6 +10,8 @@ megatron/training/checkpointing.py (save_checkpoint / load_checkpoint, the
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from typing import Any, Optional
 
@@ -98,8 +100,14 @@ def has_checkpoint(directory: Optional[str]) -> bool:
 def check_compatible(cfg: JMegatronConfig, saved_config: dict, padded_vocab: int,
                      saved_padded_vocab: int, path: str) -> None:
     """Raise CheckpointError naming each architecture field whose value differs."""
-    diffs = [f"{k}: checkpoint {saved_config.get(k)!r} vs config {getattr(cfg, k)!r}"
-             for k in MODEL_FIELDS if saved_config.get(k) != getattr(cfg, k)]
+    defaults = {f.name: f.default for f in dataclasses.fields(JMegatronConfig)}
+
+    def saved(k):  # a field newer than the checkpoint has its default; JSON turned tuples into lists
+        value = saved_config.get(k, defaults[k])
+        return tuple(value) if isinstance(value, list) else value
+
+    diffs = [f"{k}: checkpoint {saved(k)!r} vs config {getattr(cfg, k)!r}"
+             for k in MODEL_FIELDS if saved(k) != getattr(cfg, k)]
     if saved_padded_vocab != padded_vocab:
         diffs.append(f"padded vocab size: checkpoint {saved_padded_vocab} vs config {padded_vocab} (it is a "
                      f"multiple of make_vocab_size_divisible_by x tensor_model_parallel_size; choose "

@@ -3,9 +3,11 @@
 FLOPs follow ``num_floating_point_operations`` / ``transformer_flops`` in Megatron-LM's
 ``megatron/training/training.py`` as of NVIDIA/Megatron-LM commit ``d98e8a64dd``
 (main, 2026-08; the same dense-model result as tags core_v0.12.0 through core_v0.19.0).
-Only the dense GPT/Llama terms are implemented; the MoE, multi-token-prediction,
-multi-latent-attention, attention-output-gate and linear-attention terms of that
-function are all zero for the models jmegatron builds and are left out.
+The dense GPT/Llama terms and the MoE MLP term (routed experts counted ``moe_router_topk``
+times, shared experts once, the router's gating GEMM not counted, as Megatron) are
+implemented; the multi-token-prediction, multi-latent-attention, attention-output-gate
+and linear-attention terms of that function are all zero for the models jmegatron
+builds and are left out.
 
 Units: every ``*flops*`` function here returns a count of floating-point operations
 (FLOPs), not a rate. Divide by seconds and 1e12 for TFLOP/s, as Megatron's
@@ -47,12 +49,27 @@ def _token_linear_flops(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     value_projection_size = cfg.kv_channels * cfg.num_query_groups
     # 3 GEMM-widths of ffn with SwiGLU (h -> 2*ffn, ffn -> h), 2 without (h -> ffn, ffn -> h).
     ffn_expansion_factor = 3 if cfg.swiglu else 2
-    mlp = h * cfg.ffn_hidden_size * ffn_expansion_factor
+    num_moe_layers = _num_moe_layers(cfg)
+    num_dense_layers = cfg.num_layers - num_moe_layers
+    mlp = h * cfg.ffn_hidden_size * ffn_expansion_factor * num_dense_layers
+    if num_moe_layers:  # each token through its top-k routed experts and the shared expert
+        moe_ffn = (cfg.moe_ffn_hidden_size * cfg.moe_router_topk
+                   + (cfg.moe_shared_expert_intermediate_size or 0))
+        mlp += h * moe_ffn * ffn_expansion_factor * num_moe_layers
     self_attn = (h * (query_projection_size + key_projection_size + value_projection_size)
                  + query_projection_size * h)
     logits = h * padded_vocab_size
     return (FORWARD_BACKWARD_EXPANSION_FACTOR * FMA_EXPANSION_FACTOR
-            * (cfg.num_layers * (mlp + self_attn) + logits))
+            * (mlp + cfg.num_layers * self_attn + logits))
+
+
+def _num_moe_layers(cfg: JMegatronConfig) -> int:
+    """Decoder layers whose MLP is an MoE layer (``moe_layer_freq``; 0 for a dense model)."""
+    if cfg.num_moe_experts is None:
+        return 0
+    from jmegatron.models.moe.moe_utils import moe_layer_pattern
+
+    return sum(moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers))
 
 
 def _core_attention_flops_per_squared_token(cfg: JMegatronConfig, causal: bool) -> int:
@@ -123,6 +140,9 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
       ``h*ffn`` (``h*2*ffn`` with SwiGLU) (+ ``ffn`` / ``2*ffn`` bias), ``linear_fc2``
       ``ffn*h`` (+ ``h`` bias).
     * ``final_layernorm``; ``output_layer`` ``h * V_padded`` (no bias) if untied.
+    * an MoE layer (``moe_layer_freq``) has, instead of the MLP, ``router`` ``h*E``,
+      ``E`` experts of ``moe_ffn_hidden_size`` (no biases) and the shared expert of
+      ``moe_shared_expert_intermediate_size`` (jmegatron.models.moe).
 
     Megatron's ``theoretical_memory_usage.compute_weight_and_optimizer_memory`` uses the
     same terms but drops biases and position embeddings; Llama-2-7B (no biases, rope)
@@ -138,12 +158,21 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
                  + nq * d * h + (h if cfg.add_bias_linear else 0))
     mlp = (h * fc1_width + ffn * h + (fc1_width + h if cfg.add_bias_linear else 0))
     layer = 2 * norm + attention + mlp
+    num_moe_layers = _num_moe_layers(cfg)
+    moe_layer = 0
+    if num_moe_layers:
+        def ffn_params(width):
+            return h * (2 * width if cfg.swiglu else width) + width * h
+
+        moe_layer = (2 * norm + attention + h * cfg.num_moe_experts
+                     + cfg.num_moe_experts * ffn_params(cfg.moe_ffn_hidden_size)
+                     + ffn_params(cfg.moe_shared_expert_intermediate_size or 0))
 
     embeddings = padded_vocab_size * h
     if cfg.position_embedding_type == "learned_absolute":
         embeddings += cfg.max_position_embeddings * h
     output = h * padded_vocab_size if cfg.untie_embeddings_and_output_weights else 0
-    return embeddings + cfg.num_layers * layer + norm + output
+    return embeddings + (cfg.num_layers - num_moe_layers) * layer + num_moe_layers * moe_layer + norm + output
 
 
 def tflops_per_device(flops: float, seconds: float, num_devices: int) -> float:

@@ -67,14 +67,24 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Ar
 
 def lm_loss_fn(model) -> Callable:
     """The language-model loss: masked token mean of the cross-entropy (Megatron's
-    ``loss_func`` in pretrain_gpt.py). See :func:`make_train_step` for the interface."""
+    ``loss_func`` in pretrain_gpt.py). See :func:`make_train_step` for the interface.
+    An MoE model's router losses are added to it and reported beside ``lm_loss``
+    (:func:`jmegatron.models.moe.moe_layer.add_moe_losses`)."""
+    from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
+
+    moe = getattr(getattr(model, "cfg", None), "moe", None)
 
     def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
-        logits = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
-                             deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"])
+        out = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
+                          deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"],
+                          mutable=list(MOE_COLLECTIONS) if moe is not None else False)
+        logits, sown = out if moe is not None else (out, {})
         total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
         loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
-        return loss, {"lm_loss": loss}
+        report = {"lm_loss": loss}
+        if moe is not None:
+            loss, report = add_moe_losses(model.cfg, loss, report, sown, micro, data_sum)
+        return loss, report
 
     return loss_fn
 

@@ -49,6 +49,8 @@ REPORT_NAMES = {
     "logits_distillation_loss": "logits distillation loss",
     "intermediate_distillation_loss": "intermediate distillation loss",
     "load_balancing_loss": "load_balancing_loss",
+    "seq_load_balancing_loss": "seq_load_balancing_loss",
+    "z_loss": "z_loss",
 }
 MB = 1024.0 * 1024.0  # Megatron's report_memory "MB" (mega_bytes = 1024 * 1024)
 # The " | source: ..." suffix of the memory line: which figures it holds (log_memory's docstring).
@@ -112,7 +114,9 @@ class MetricsLogger:
     ``metrics.jsonl`` gets one JSON object per logged iteration with ``iteration``,
     ``consumed_samples``, ``global_batch_size``, ``lm_loss``, ``lr``, ``grad_norm``,
     ``loss_scale``, ``skipped_iterations``, ``nan_iterations`` (``num_zeros`` with
-    ``log_num_zeros_in_grad``), ``tokens_per_sec``, ``tflops_per_device``, ``mfu``
+    ``log_num_zeros_in_grad``; for MoE models the router losses on the console line,
+    ``moe_tokens_per_expert`` ``[MoE layers][experts]`` and ``moe_dropped_token_fraction``,
+    and a TensorBoard histogram of tokens per expert for each MoE layer), ``tokens_per_sec``, ``tflops_per_device``, ``mfu``
     (fraction of ``peak_tflops``), ``mfu_theoretical`` (fraction of
     ``theoretical_peak_tflops``, NaN without one), plus ``val_loss`` and ``val_ppl`` at
     evaluations, and the distillation losses (``kd_loss``, ``logits_distillation_loss``,
@@ -188,6 +192,12 @@ class MetricsLogger:
         }
         if "num_zeros" in step_metrics[-1]:
             record["num_zeros"] = float(step_metrics[-1]["num_zeros"])
+        moe_tokens = None
+        if "moe_tokens_per_expert" in step_metrics[0]:  # [MoE layers, experts], per micro-batch
+            moe_tokens = np.mean([np.asarray(m["moe_tokens_per_expert"], np.float64) for m in step_metrics], axis=0)
+            record["moe_tokens_per_expert"] = moe_tokens.tolist()
+            record["moe_dropped_token_fraction"] = float(np.mean([float(m["moe_dropped_token_fraction"])
+                                                                  for m in step_metrics]))
         for key, name, peak in (("mfu", "peak", self.peak_tflops),
                                 ("mfu_theoretical", "theoretical peak", self.theoretical_peak_tflops)):
             if record[key] > 1.0 and not self._warned_mfu:  # NaN (no peak) compares False
@@ -202,10 +212,23 @@ class MetricsLogger:
             record["memory"] = self.log_memory(iteration, memory_devices, memory_rank, compiled_memory)
         scalars = [*reported, "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_device", "mfu",
                    "mfu_theoretical", "skipped_iterations", "nan_iterations", "num_zeros", "consumed_samples",
-                   "global_batch_size"]
+                   "global_batch_size", "moe_dropped_token_fraction"]
         self._write(record, {k: record[k] for k in scalars
                              if record.get(k) is not None and math.isfinite(record[k])}, iteration)
+        if moe_tokens is not None and self._tb:
+            self._expert_histograms(moe_tokens, iteration)
         return record
+
+    def _expert_histograms(self, tokens_per_expert: np.ndarray, iteration: int) -> None:
+        """One TensorBoard histogram per MoE layer, ``moe/tokens_per_expert/layer_{i}``: a
+        bucket per expert (bucket e spans (e - 0.5, e + 0.5]) holding its tokens."""
+        num_experts = tokens_per_expert.shape[-1]
+        experts = np.arange(num_experts, dtype=np.float64)
+        for i, counts in enumerate(tokens_per_expert):
+            self._tb.add_histogram_raw(
+                f"moe/tokens_per_expert/layer_{i}", min=0.0, max=float(num_experts - 1), num=float(counts.sum()),
+                sum=float((experts * counts).sum()), sum_squares=float((experts ** 2 * counts).sum()),
+                bucket_limits=(experts + 0.5).tolist(), bucket_counts=counts.tolist(), global_step=iteration)
 
     def _train_line(self, r: dict, reported: list) -> str:
         """The Megatron console line of a log_train record (module docstring)."""

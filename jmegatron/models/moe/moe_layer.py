@@ -1,0 +1,162 @@
+"""The MoE layer (megatron/core/transformer/moe/moe_layer.py ``MoELayer``): router ->
+token dispatcher -> experts -> combine, plus the shared expert; it takes the dense MLP's
+place (``mlp``) in the decoder layers that ``moe_layer_freq`` selects.
+
+Parameters under ``mlp``: ``router/kernel`` ``[h, E]``, ``experts/linear_fc1/kernel``
+``[E, h, (2,) moe_ffn]``, ``experts/linear_fc2/kernel`` ``[E, moe_ffn, h]``, and
+``shared_experts/linear_fc1|linear_fc2`` with a shared expert.
+
+Losses: Megatron attaches the router's losses to the activations with
+``MoEAuxLossAutoScaler`` (forward unchanged, backward adds ``d(aux) * scale``, the scale
+being ``1 / num_microbatches`` like the LM loss's). Here the router sows each loss with
+its coefficient into the ``moe_losses`` collection and :func:`moe_loss_terms` gives the
+sum the loss function adds to the micro-batch's loss; the train step averages
+micro-batches, so the gradient is Megatron's, and the LM loss is reported unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jmegatron.models.layers import dense_dot_general_fn
+from jmegatron.models.moe import moe_utils, token_dispatcher
+from jmegatron.models.moe.experts import GroupedMLP, output_init_std
+from jmegatron.models.moe.router import MOE_LOSSES, MOE_STATS, TopKRouter
+from jmegatron.models.moe.shared_experts import SharedExpertMLP
+
+Array = jax.Array
+
+
+class MoELayer(nn.Module):
+    """``[b, s, h]`` -> ``[b, s, h]`` in the compute dtype. ``cfg``: the model's
+    :class:`jmegatron.models.gpt.ModelConfig` (``cfg.moe`` set). ``training``: the router
+    computes and sows its losses (the train step's forward; eval and generation pass
+    False).
+
+    Dropless (``moe_expert_capacity_factor`` None): every token reaches its k experts, one
+    ragged grouped GEMM per linear. With a capacity factor: each expert computes
+    ``min(capacity, b * s)`` slots (``capacity = get_capacity(b*s*k, E, factor)``, over this
+    device's micro-batch, as Megatron's per-rank capacity) and tokens past it are dropped
+    by ``moe_token_drop_policy``.
+    """
+
+    cfg: Any
+    training: bool = False
+    dot_general: Callable = dense_dot_general_fn
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        c, moe = self.cfg, self.cfg.moe
+        b, s, h = x.shape
+        num_tokens = b * s
+        routing = TopKRouter(moe, init_std=c.init_method_std, name="router")(x, training=self.training)
+        experts = GroupedMLP(moe.num_moe_experts, h, moe.moe_ffn_hidden_size, c.swiglu, init_std=c.init_method_std,
+                             output_init_std=output_init_std(c.init_method_std, c.num_layers), dtype=c.dtype,
+                             name="experts")
+        flat = x.reshape(num_tokens, h)
+        if moe.moe_expert_capacity_factor is None:
+            d = token_dispatcher.dispatch_dropless(flat, routing.top_indices, routing.probs)
+            y = experts(d.tokens, d.probs, d.group_sizes)
+            out = token_dispatcher.combine_dropless(y, d, num_tokens)
+        else:
+            capacity = moe_utils.get_capacity(num_tokens * moe.moe_router_topk, moe.num_moe_experts,
+                                              moe.moe_expert_capacity_factor)
+            d = token_dispatcher.dispatch_capacity(flat, routing.routing_map, routing.probs,
+                                                   min(capacity, num_tokens))
+            y = experts(d.tokens, d.probs)
+            out = token_dispatcher.combine_capacity(y, d, num_tokens)
+        out = out.reshape(b, s, h).astype(c.dtype)
+        if moe.moe_shared_expert_intermediate_size is not None:
+            out = out + SharedExpertMLP(c, self.dot_general)(x)
+        return nn.with_logical_constraint(out, ("batch", "length", "activation_embed"))
+
+
+# The collections the loss function makes mutable to collect the MoE layers' sown values.
+MOE_COLLECTIONS = (MOE_LOSSES, MOE_STATS)
+
+# Report names of the sown losses (Megatron's tracker names) -> their coefficient's field.
+LOSS_COEFFS = {"load_balancing_loss": "moe_aux_loss_coeff", "seq_load_balancing_loss": "moe_aux_loss_coeff",
+               "z_loss": "moe_z_loss_coeff"}
+
+
+def _collect(tree: Any, name: str) -> list[Array]:
+    """Every leaf sown under ``name`` anywhere in ``tree`` (per layer; stacked ``[L]``
+    under scan_layers)."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, dict) or hasattr(node, "items"):
+            for k, v in node.items():
+                if k == name:
+                    found.extend(jax.tree.leaves(v))
+                else:
+                    visit(v)
+
+    visit(tree)
+    return found
+
+
+def moe_loss_terms(variables: Any, moe: Optional[moe_utils.MoEConfig], num_moe_layers: int,
+                   ) -> tuple[Array, dict[str, Array]]:
+    """(the sum to add to the micro-batch's loss, report) from the ``moe_losses`` and
+    ``moe_stats`` collections of one forward pass (``variables``: the mutable collections
+    ``model.apply`` returned).
+
+    The sum is every MoE layer's sown losses (coefficients applied), float32. The report
+    has Megatron's tracker values, each the mean over MoE layers of the loss divided by
+    its coefficient (``track_moe_metrics``): ``load_balancing_loss`` (aux_loss),
+    ``seq_load_balancing_loss``, ``z_loss``, only those that are on; plus
+    ``moe_dropped_token_fraction`` (routed (token, expert) assignments dropped by the
+    capacity, over all MoE layers) and ``moe_tokens_per_expert`` ``[num_moe_layers, E]``.
+    """
+    total = jnp.float32(0.0)
+    report: dict[str, Array] = {}
+    if moe is None:
+        return total, report
+    losses = variables.get(MOE_LOSSES, {})
+    for name, field in LOSS_COEFFS.items():
+        values = _collect(losses, name)
+        if not values:
+            continue
+        summed = sum(jnp.sum(v) for v in values)
+        total = total + summed
+        report[name] = summed / getattr(moe, field) / num_moe_layers
+    stats = variables.get(MOE_STATS, {})
+    tokens = _collect(stats, "tokens_per_expert")
+    dropped = _collect(stats, "dropped_tokens")
+    routed = _collect(stats, "routed_tokens")
+    if tokens:
+        report["moe_tokens_per_expert"] = jnp.concatenate([t.reshape(-1, moe.num_moe_experts) for t in tokens])
+        report["moe_dropped_token_fraction"] = (sum(jnp.sum(d) for d in dropped)
+                                                / jnp.maximum(sum(jnp.sum(r) for r in routed), 1.0))
+    return total, report
+
+
+def add_moe_losses(cfg: Any, loss: Array, report: dict, sown: Any, micro: dict, data_sum: Callable
+                   ) -> tuple[Array, dict]:
+    """(loss + the router losses, report + the MoE entries) for one micro-batch of an MoE
+    model, inside the train step's loss function (:func:`jmegatron.training.forward_step.lm_loss_fn`).
+
+    ``cfg``: the model's ModelConfig; ``sown``: the :data:`MOE_COLLECTIONS` of the forward
+    pass; ``micro``: the micro-batch (its ``loss_mask`` ``[b, s]`` gives this rank's token
+    count); ``data_sum``: the psum over data-parallel ranks. Each rank's router losses are
+    its own tokens' (Megatron computes them per rank and its DDP averages gradients over
+    data ranks), so they enter as the mean over ranks weighted by local tokens (equal on
+    every rank); ``report["lm_loss"]`` is left as it is. ``moe_tokens_per_expert`` is
+    summed over ranks, the other entries averaged (see :func:`moe_loss_terms`).
+    """
+    aux, moe_report = moe_loss_terms(sown, cfg.moe, sum(cfg.moe_layers()))
+    local = jnp.sum(jnp.ones_like(micro["loss_mask"], jnp.float32))
+    tokens = data_sum(local)
+
+    def mean(x):
+        return data_sum(x * local) / tokens
+
+    report = dict(report)
+    for name, value in moe_report.items():
+        report[name] = data_sum(value) if name == "moe_tokens_per_expert" else mean(value)
+    return loss + mean(aux), report
