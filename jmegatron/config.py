@@ -377,10 +377,24 @@ class JMegatronConfig:
                               "set config.use_distributed_optimizer=False.")
         self._check_pipeline()
         self._check_moe()
-        for name in ("context_parallel_size", "expert_model_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ConfigError(f"config.{name}={getattr(self, name)}: this parallelism is not built yet "
-                                  f"(pipeline, context and expert parallelism are later issues); set it to 1.")
+        if self.context_parallel_size != 1:
+            raise ConfigError(f"config.context_parallel_size={self.context_parallel_size}: context parallelism is "
+                              f"not built yet (a later issue); set it to 1.")
+        ep = self.expert_model_parallel_size
+        if ep > 1 and self.num_moe_experts is None:
+            raise ConfigError(f"config.expert_model_parallel_size={ep} splits the experts of MoE layers; this model "
+                              f"is dense (config.num_moe_experts is None): set num_moe_experts or use 1.")
+        if ep > 1 and self.num_moe_experts % ep:
+            raise ConfigError(f"config.num_moe_experts={self.num_moe_experts} is not divisible by "
+                              f"config.expert_model_parallel_size={ep}; every expert rank holds the same number "
+                              f"of experts.")
+        if ep > 1 and self.moe_expert_capacity_factor is not None and self.moe_token_dispatcher_type == "allgather":
+            raise ConfigError("config.moe_expert_capacity_factor with moe_token_dispatcher_type='allgather' under "
+                              "expert parallelism: the allgather dispatcher is dropless (Megatron takes a capacity "
+                              "with alltoall only); set moe_token_dispatcher_type='alltoall' or unset the factor.")
+        if ep > 1 and self.use_megatron_fsdp:
+            raise ConfigError("config.use_megatron_fsdp=True with expert_model_parallel_size > 1 is not built; use "
+                              "use_distributed_optimizer=True (ZeRO-1) with expert parallelism.")
         if self.reset_attention_mask:
             raise ConfigError("config.reset_attention_mask=True needs document-masked attention, which is not "
                               "built yet; set it to False.")
@@ -502,10 +516,6 @@ class JMegatronConfig:
             raise ConfigError(f"config.expert_tensor_parallel_size={self.expert_tensor_parallel_size} differs "
                               f"from tensor_model_parallel_size={self.tensor_model_parallel_size}; only equal "
                               f"sizes are built (unset it).")
-        if self.tensor_model_parallel_size > 1:
-            raise ConfigError("config.num_moe_experts with tensor_model_parallel_size > 1 is not built yet "
-                              "(expert/tensor parallelism for MoE is the next phase); set "
-                              "tensor_model_parallel_size=1.")
         if self.pipeline_model_parallel_size > 1:
             raise ConfigError("config.num_moe_experts with pipeline_model_parallel_size > 1 is not built yet "
                               "(the pipeline stages do not add the router losses); set "

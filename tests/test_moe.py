@@ -395,11 +395,10 @@ def _cfg(**kw):
     (dict(moe_layer_freq=2, scan_layers=True), "scan_layers"),
     (dict(add_bias_linear=True), "add_bias_linear"),
     (dict(num_moe_experts=None), "moe_ffn_hidden_size=48 needs config.num_moe_experts"),
-    (dict(expert_model_parallel_size=2), "expert_model_parallel_size"),
+    (dict(expert_model_parallel_size=3), "is not divisible by config.expert_model_parallel_size=3"),
     (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size"),
     (dict(moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff"),
     (dict(kd_teacher_load="/tmp/teacher"), "kd_teacher_load"),
-    (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size > 1 is not built"),
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size > 1 is not built"),
 ])
 def test_bad_moe_configs_fail_naming_the_field(kw, match):

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = Optional[str | tuple[str, ...]]
 DATA_AXIS = "data"
+EXPERT_AXIS = "expert"
 
 # Megatron-Core tensor parallelism: attention heads, FFN and vocabulary split over
 # "tensor" (column-parallel in, row-parallel out); the batch over "data".
@@ -120,7 +121,10 @@ def make_rules(cfg) -> tuple[tuple[str, MeshAxes], ...]:
     * ``use_megatron_fsdp``: every parameter's ``embed`` axis split over "data"
       (parameters, gradients and optimizer state sharded, ZeRO-3);
     * ``pipeline_model_parallel_size > 1``: the stacked decoder layers' ``layers`` axis split
-      over "pipeline" (jmegatron.parallel.pipeline_layout).
+      over "pipeline" (jmegatron.parallel.pipeline_layout);
+    * ``expert_model_parallel_size > 1``: the batch split over "data" and "expert" together
+      (Megatron carves expert parallelism out of data parallelism: the expert ranks are data
+      ranks for everything but the experts, whose ``exp`` axis is split over "expert").
     """
     table = dict(DEFAULT_RULES)
     table["activation_length"] = "tensor" if cfg.sequence_parallel else None
@@ -128,4 +132,17 @@ def make_rules(cfg) -> tuple[tuple[str, MeshAxes], ...]:
         table["layers"] = "pipeline"
     if cfg.use_megatron_fsdp:
         table["embed"] = "data"
+    if cfg.expert_model_parallel_size > 1:
+        table["batch"] = batch_axes(cfg.expert_model_parallel_size)
     return tuple(table.items())
+
+
+def batch_axes(expert_model_parallel_size: int) -> str | tuple[str, str]:
+    """The mesh axes the batch is split over: "data", and "expert" too under expert
+    parallelism (data-major: rank ``d * ep + e``)."""
+    return (DATA_AXIS, EXPERT_AXIS) if expert_model_parallel_size > 1 else DATA_AXIS
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """Megatron's data-parallel size: the ranks that split the batch ("data" x "expert")."""
+    return mesh.shape[DATA_AXIS] * mesh.shape.get(EXPERT_AXIS, 1)

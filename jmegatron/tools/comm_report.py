@@ -207,6 +207,32 @@ def analyze(run) -> dict:
         analytic["note"] = ("Megatron per layer and micro-batch: 2 forward + 2 backward all-reduces "
                             "(or all-gather + reduce-scatter pairs with SP), plus the vocab-parallel "
                             "embedding's forward and the output layer's input-gradient reduction")
+    ep = run.mesh.shape.get("expert", 1)
+    if ep > 1:
+        moe_layers = sum(run.model.cfg.moe_layers())
+        tokens = b * s  # one rank's tokens per micro-batch
+        e, k = cfg.num_moe_experts, cfg.moe_router_topk
+        if cfg.moe_token_dispatcher_type == "alltoall":
+            from jmegatron.models.moe.moe_utils import get_capacity
+
+            c = tokens if cfg.moe_expert_capacity_factor is None else min(
+                tokens, get_capacity(tokens * k, e, cfg.moe_expert_capacity_factor))
+            analytic["all-to-all over expert, per step"] = 6 * moe_layers * nm
+            analytic["all-to-all elements per rank (tokens [E, C, h], weights [E, C])"] = (e * c * h, e * c)
+            analytic["note (expert)"] = (
+                "Megatron's alltoall dispatcher per MoE layer and micro-batch: forward dispatch of the tokens "
+                "and of their routing weights, combine of the outputs (3), and the backward's 3 for their "
+                "gradients; C = capacity (T = b*s when dropless: every token fits). XLA:CPU compiles each "
+                "into ep per-peer all-to-alls of 1/ep of the elements")
+        else:
+            analytic["all-gather over expert, per step"] = 4 * moe_layers * nm
+            analytic["reduce-scatter over expert, per step"] = 3 * moe_layers * nm
+            analytic["all-gather elements per rank (tokens, top-k indices, weights)"] = (
+                tokens * ep * h, tokens * ep * k, tokens * ep * e)
+            analytic["note (expert)"] = (
+                "Megatron's allgather dispatcher per MoE layer and micro-batch: forward all-gathers of the "
+                "tokens, top-k indices and weights and a reduce-scatter of the outputs; backward: reduce-"
+                "scatters of the token and weight gradients, an all-gather of the output gradient")
     # Parameters held by one tensor rank: tensor-sharded ones split, the rest (norms,
     # row-parallel biases, position embeddings) whole, as in Megatron.
     from jax.sharding import NamedSharding

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from jmegatron.config import JMegatronConfig
 from jmegatron.data.loader import BatchLoader
+from jmegatron.parallel.rules import data_parallel_size
 from jmegatron.training import checkpointing, flops, memory
 from jmegatron.training.logging import MetricsLogger
 from jmegatron.training.peak import resolve_peak_for_config
@@ -212,12 +213,12 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     print(f"[jmegatron] process {jax.process_index()}/{jax.process_count()}, {num_devices} devices, mesh {dict(run.mesh.shape)}, "
           f"{flops.num_parameters(cfg, run.padded_vocab_size):,} parameters, global batch "
           f"{run.global_batch_size} = {run.num_microbatches} micro-batches x {cfg.micro_batch_size} x dp "
-          f"{run.mesh.shape['data']}", flush=True)
+          f"{data_parallel_size(run.mesh)}", flush=True)
     if main_process:
         print(f"[jmegatron] {peak_choice.describe()}", flush=True)
     if main_process:  # Megatron's report_theoretical_memory
         est = memory.theoretical_memory(cfg, run.padded_vocab_size,
-                                        memory.ParallelLayout.from_config(cfg, run.mesh.shape["data"]))
+                                        memory.ParallelLayout.from_config(cfg, data_parallel_size(run.mesh)))
         mib = 1024 ** 2
         print(f"[jmegatron] theoretical memory per device (MiB): weights {est.weights / mib:.1f}, gradients "
               f"{est.gradients / mib:.1f}, optimizer {est.optimizer_state / mib:.1f}, activations "

@@ -121,7 +121,7 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
                               "use use_distributed_optimizer=True (ZeRO-1) with the pipeline.")
         pipeline = (cfg.resolved_pipeline_schedule(), cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_size())
     mesh = mesh or create_mesh(cfg)
-    dp = mesh.shape["data"]
+    dp = rules_lib.data_parallel_size(mesh)  # data x expert: Megatron's data-parallel size
     num_micro = cfg.num_microbatches(dp)
     gbs = num_micro * cfg.micro_batch_size * dp
     try:

@@ -86,7 +86,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     of the reduced gradients, before clipping: Megatron's ``count_zeros_fp32``).
     """
     axis = rules_lib.DATA_AXIS
-    manual = (axis,) if pipeline is None else (axis, PIPELINE_AXIS)
+    expert = rules_lib.EXPERT_AXIS
+    ep = mesh.shape.get(expert, 1)
+    # Expert parallelism is carved out of data parallelism (Megatron): the batch splits over
+    # data x expert, dense gradients reduce over both, the experts' (split over expert)
+    # over data only: Megatron's expert-data-parallel group.
+    bax = rules_lib.batch_axes(ep)
+    dp = rules_lib.data_parallel_size(mesh)
+    manual = (axis,) + ((expert,) if ep > 1 else ()) + ((PIPELINE_AXIS,) if pipeline is not None else ())
     inner_rules = rules
     for name in manual:
         inner_rules = rules_lib.rules_without(inner_rules, name)
@@ -100,16 +107,24 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     grad_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, manual), grad_shardings)
     extra_dims = jax.tree.map(data_dim, extra_shardings)
     extra_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, manual), extra_shardings)
-    batch_spec = PartitionSpec(None, axis, None)
+    # the batch's axes of size > 1: a size-1 manual axis takes no collective (below), so no
+    # value may vary over it either
+    live = tuple(a for a in ((axis, expert) if ep > 1 else (axis,)) if mesh.shape[a] > 1)
+    batch_spec = PartitionSpec(None, (live if len(live) > 1 else live[0]) if live else axis, None)
     is_none = lambda x: x is None  # noqa: E731
+    is_expert = jax.tree.map(lambda s: expert in {a for e in s.spec for a in rules_lib.entry_axes(e)},
+                             param_shardings)
 
     # With one data-parallel rank every data collective is the identity. It is skipped,
     # not emitted: XLA's SPMD partitioner rejects an all-reduce over a size-1 manual axis
     # when other mesh axes (tensor) stay automatic.
-    single = mesh.shape[axis] == 1
+    single = dp == 1
 
-    def psum(x):
-        return x if single else jax.lax.psum(x, axis)
+    def psum(x):  # over every rank that splits the batch
+        return x if single else jax.lax.psum(x, live)
+
+    def psum_over(x, name):
+        return x if mesh.shape[name] == 1 else jax.lax.psum(x, name)
 
     def gather(p, d):
         return p if d is None or single else jax.lax.all_gather(p, axis, axis=d, tiled=True)
@@ -128,13 +143,16 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     def local_grads(local_params, batch, rng, extra):
         # Gradients w.r.t. data-replicated parameters are taken on a "varying" copy, so
         # autodiff leaves them as this rank's partial sums; the one reduction is below.
-        varying = jax.tree.map(lambda p, d: jax.lax.pcast(p, axis, to="varying") if d is None else p,
-                               local_params, param_dims, is_leaf=is_none)
+        def make_varying(p, d, ex):
+            over = tuple(a for a in live if not (ex and a == expert))
+            return p if d is not None or not over else jax.lax.pcast(p, over, to="varying")
+
+        varying = jax.tree.map(make_varying, local_params, param_dims, is_expert, is_leaf=is_none)
         num_micro, local_rows = batch["tokens"].shape[:2]
 
         def with_offset(micro, i):
             # Dropout draws from global sample numbers, never from the rank: see the docstring.
-            first = (i * mesh.shape[axis] + jax.lax.axis_index(axis)) * local_rows
+            first = (i * dp + jax.lax.axis_index(bax)) * local_rows
             return dict(micro, sample_offset=jnp.asarray(first, jnp.int32))
 
         def accumulate(carry, xs):
@@ -150,7 +168,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             with nn.logical_axis_rules(inner_rules):
                 schedule = build_schedule(pipeline[0], pipeline[1], num_micro, pipeline[2])
                 grads, report, tokens = _pipelined_grads(model.cfg, schedule, pipeline_stages or lm_pipeline_stages,
-                                                         varying, batch, rng, extra, psum, mesh.shape[axis],
+                                                         varying, batch, rng, extra, psum, dp,
                                                          pipeline_layout)
         else:
             zeros = jax.tree.map(jnp.zeros_like, varying)
@@ -161,14 +179,16 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             (grads, report, tokens), _ = jax.lax.scan(
                 accumulate, (zeros, report0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
 
-        def reduce(g, pd, gd):
+        def reduce(g, pd, gd, ex):
             if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose
                 return g
+            if not ex:  # dense: the expert ranks are data ranks too
+                g = psum_over(g, expert) if ep > 1 else g
             if gd is None:
-                return psum(g)
+                return psum_over(g, axis)
             return g[None]  # ZeRO-1: this rank's partial sum, reduce-scattered below
 
-        grads = jax.tree.map(reduce, grads, param_dims, grad_dims, is_leaf=is_none)
+        grads = jax.tree.map(reduce, grads, param_dims, grad_dims, is_expert, is_leaf=is_none)
         grads = jax.tree.map(lambda g: g / num_micro, grads)
         return grads, jax.tree.map(lambda r: r / num_micro, report), tokens
 
@@ -177,7 +197,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     # ZeRO-1 leaves leave the shard_map stacked [data, ...] (each rank's partial sum), their
     # other axes laid out as the parameter over the pipeline axis (a stage's layers).
     out_grad_specs = jax.tree.map(
-        lambda z, spec, ps: PartitionSpec(axis, *rules_lib.spec_only(ps.spec, PIPELINE_AXIS)) if z else spec,
+        lambda z, spec, ps: PartitionSpec(axis, *rules_lib.spec_only(ps.spec, (PIPELINE_AXIS, expert))) if z else spec,
         zero1, grad_specs, param_shardings)
     sharded_grads = jax.shard_map(
         local_grads, mesh=mesh, axis_names=set(manual), check_vma=not single,
@@ -188,7 +208,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     # The ZeRO-1 reduce-scatter runs with every mesh axis manual: inside the data-only
     # shard_map above, XLA replicates tensor-sharded operands of a psum_scatter first.
     def scatter(stacked, gd):
-        if single:
+        if mesh.shape[axis] == 1:
             return stacked[0]
         return jax.lax.psum_scatter(stacked[0], axis, scatter_dimension=gd, tiled=True)
 
@@ -282,8 +302,9 @@ def make_eval_step(model: nn.Module, rules: Sequence = rules_lib.DEFAULT_RULES, 
 
 
 def batch_shardings(mesh: Mesh) -> Batch:
-    """NamedShardings for a batch: ``[num_micro, batch, seq]`` with batch over data."""
-    spec = PartitionSpec(None, rules_lib.DATA_AXIS, None)
+    """NamedShardings for a batch: ``[num_micro, batch, seq]`` with batch over data (and
+    expert, under expert parallelism: :func:`jmegatron.parallel.rules.batch_axes`)."""
+    spec = PartitionSpec(None, rules_lib.batch_axes(mesh.shape.get(rules_lib.EXPERT_AXIS, 1)), None)
     s = NamedSharding(mesh, spec)
     return {"tokens": s, "labels": s, "loss_mask": s, "position_ids": s}
 

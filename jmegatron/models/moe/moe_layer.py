@@ -27,6 +27,7 @@ from jmegatron.models.moe import moe_utils, token_dispatcher
 from jmegatron.models.moe.experts import GroupedMLP, output_init_std
 from jmegatron.models.moe.router import MOE_LOSSES, MOE_STATS, TopKRouter
 from jmegatron.models.moe.shared_experts import SharedExpertMLP
+from jmegatron.parallel.rules import EXPERT_AXIS
 
 Array = jax.Array
 
@@ -42,6 +43,12 @@ class MoELayer(nn.Module):
     ``min(capacity, b * s)`` slots (``capacity = get_capacity(b*s*k, E, factor)``, over this
     device's micro-batch, as Megatron's per-rank capacity) and tokens past it are dropped
     by ``moe_token_drop_policy``.
+
+    Expert parallelism (inside the train step's shard_map over the ``expert`` mesh axis,
+    ``expert_model_parallel_size`` ranks): this rank holds ``E / ep`` experts' weights
+    and its own tokens; ``moe_token_dispatcher_type`` "allgather" (dropless) or "alltoall"
+    (the capacity buffer through ``all_to_all``; dropless buffers of ``T`` slots without a
+    capacity factor), see :mod:`jmegatron.models.moe.token_dispatcher`.
     """
 
     cfg: Any
@@ -54,11 +61,24 @@ class MoELayer(nn.Module):
         b, s, h = x.shape
         num_tokens = b * s
         routing = TopKRouter(moe, init_std=c.init_method_std, name="router")(x, training=self.training)
-        experts = GroupedMLP(moe.num_moe_experts, h, moe.moe_ffn_hidden_size, c.swiglu, init_std=c.init_method_std,
+        ep = token_dispatcher.expert_parallel_size(EXPERT_AXIS)
+        experts = GroupedMLP(moe.num_moe_experts // ep, h, moe.moe_ffn_hidden_size, c.swiglu,
+                             init_std=c.init_method_std,
                              output_init_std=output_init_std(c.init_method_std, c.num_layers), dtype=c.dtype,
                              name="experts")
         flat = x.reshape(num_tokens, h)
-        if moe.moe_expert_capacity_factor is None:
+        if ep > 1 and moe.moe_token_dispatcher_type == "allgather":
+            d = token_dispatcher.dispatch_allgather(flat, routing.top_indices, routing.probs, EXPERT_AXIS, ep)
+            y = experts(d.tokens, d.probs, d.group_sizes)
+            out = token_dispatcher.combine_allgather(y, d, EXPERT_AXIS)
+        elif ep > 1:  # alltoall: the capacity buffer to the experts' ranks and back
+            capacity = num_tokens if moe.moe_expert_capacity_factor is None else min(num_tokens, moe_utils.get_capacity(
+                num_tokens * moe.moe_router_topk, moe.num_moe_experts, moe.moe_expert_capacity_factor))
+            d = token_dispatcher.dispatch_capacity(flat, routing.routing_map, routing.probs, capacity)
+            y = experts(token_dispatcher.alltoall_to_experts(d.tokens, EXPERT_AXIS),
+                        token_dispatcher.alltoall_to_experts(d.probs, EXPERT_AXIS))
+            out = token_dispatcher.combine_capacity(token_dispatcher.alltoall_to_tokens(y, EXPERT_AXIS), d, num_tokens)
+        elif moe.moe_expert_capacity_factor is None:
             d = token_dispatcher.dispatch_dropless(flat, routing.top_indices, routing.probs)
             y = experts(d.tokens, d.probs, d.group_sizes)
             out = token_dispatcher.combine_dropless(y, d, num_tokens)
