@@ -393,6 +393,9 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
     Llama: ``q_proj.weight [nq*d, h]``, ``k_proj``/``v_proj.weight [nkv*d, h]``,
     ``o_proj.weight [h, nq*d]``, ``gate_proj``/``up_proj.weight [ffn, h]`` (fc1 index 0/1),
     ``down_proj.weight [h, ffn]``, ``input_layernorm``/``post_attention_layernorm``/``norm``.
+    Mixtral / Qwen2-MoE: Llama's keys, the MoE layers' MLPs in the checkpoint (Hub) names of
+    :mod:`jmegatron.export.hf_moe` (``block_sparse_moe.experts.{e}.w1`` ...), Q/K/V biases
+    with ``add_qkv_bias``.
 
     Raises ValueError when ``cfg`` has no HF target (:func:`hf_architecture`) or the params
     do not match ``cfg`` (a missing entry or a wrong shape).
@@ -544,6 +547,9 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     The embedding (and untied output layer) is zero-padded to ``padded_vocab_size`` rows
     (default ``cfg.padded_vocab_size(<HF vocab rows>)``, Megatron's padding rule).
 
+    MoE models: checkpoint (Hub) keys, or a transformers-5 model's ``state_dict()`` with
+    fused experts (:func:`jmegatron.export.hf_moe.from_module_layout`); a Qwen2-MoE
+    ``shared_expert_gate`` must be zero (ValueError otherwise: jmegatron has no such gate).
     GPT-2 keys may lack the ``transformer.`` prefix (``GPT2Model`` checkpoints); the legacy
     ``attn.bias``/``attn.masked_bias`` mask buffers are ignored. ``lm_head.weight`` is
     ignored for a tied config and required for an untied one. Raises ValueError when
@@ -653,8 +659,10 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
 # ------------------------------------------------------------------------ transformers model
 def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
                 bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None):
-    """A float32 ``transformers`` model (``GPT2LMHeadModel`` / ``LlamaForCausalLM``, eval mode)
-    holding ``params`` (per-layer or scanned), loaded with ``load_state_dict(strict=True)``.
+    """A float32 ``transformers`` model (``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
+    ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``, eval mode) holding ``params``
+    (per-layer or scanned), loaded with ``load_state_dict(strict=True)`` (MoE experts fused
+    first where the installed transformers holds them fused).
 
     ``vocab_size`` as in :func:`to_hf_state_dict` (default: the embedding's rows). Imports
     torch and transformers here (ImportError if missing). Raises ValueError as
