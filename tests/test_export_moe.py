@@ -31,7 +31,13 @@ SHARED = dict(MOE, moe_shared_expert_intermediate_size=40)
     (dict(SHARED, moe_layer_freq=(0, 1), add_qkv_bias=True), "Qwen2MoeForCausalLM"),
     # top-k of a softmax over all experts, not renormalised (norm_topk_prob=False)
     (dict(SHARED, moe_router_pre_softmax=True), "Qwen2MoeForCausalLM"),
-], ids=["mixtral", "mixtral-scan", "qwen2moe-dense0-qkvbias", "qwen2moe-presoftmax"])
+    # head_dim != hidden / heads, tied embeddings, top-3
+    (dict(SHARED, kv_channels=16, untie_embeddings_and_output_weights=False, moe_router_topk=3),
+     "Qwen2MoeForCausalLM"),
+    # a capacity factor large enough that nothing drops: HF's dropless logits
+    (dict(MOE, moe_expert_capacity_factor=4.0), "MixtralForCausalLM"),
+], ids=["mixtral", "mixtral-scan", "qwen2moe-dense0-qkvbias", "qwen2moe-presoftmax", "qwen2moe-tied-kv16-top3",
+        "mixtral-capacity-nodrop"])
 def test_moe_golden_logits(changes, arch):
     cfg = make_cfg("llama", **changes)
     assert hf.hf_architecture(cfg) == arch
