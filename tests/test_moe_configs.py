@@ -209,3 +209,19 @@ def test_model_report_mixtral(tmp_path, capsys):
     assert "--ep 3 does not divide config.num_moe_experts=8" in capsys.readouterr().err
     assert model_report.main(["--config", str(REPO / "configs" / "llama2_7b.py"), "--ep", "2"]) == 2
     assert "config.num_moe_experts is None" in capsys.readouterr().err
+
+
+def test_parameter_classes_with_experts():
+    # The five classes add up to the model's count; the experts are their own class (split
+    # over ep); with mixed dense/MoE layers under pipeline stages every stored slot counts
+    # as an MoE layer (the documented upper bound), i.e. as an all-MoE model's stage.
+    c = load_config_file(str(REPO / "configs" / "mixtral_tiny.py"), {"mock_data": True, "vocab_size": 1000,
+                                                                    "moe_layer_freq": 2})
+    classes = memory.parameter_classes(c, 1024)
+    assert sum(classes.values()) == flops.num_parameters(c, 1024)
+    h, E, F = 256, 8, 344
+    assert classes["expert"] == 2 * E * 3 * h * F  # layers 0 and 2, SwiGLU experts
+    all_moe = c.replace(moe_layer_freq=1)
+    assert memory.parameter_classes(c, 1024, 2, 0) == memory.parameter_classes(all_moe, 1024, 2, 0)
+    ep2 = ParallelLayout(1, 1, expert_model_parallel_size=2)
+    assert memory.parameters_per_device(c, 1024, ep2) == flops.num_parameters(c, 1024) - classes["expert"] / 2
