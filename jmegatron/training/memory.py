@@ -59,7 +59,7 @@ dense state over the whole data-parallel group. In jmegatron's mesh the ``data``
 expert-data-parallel size, and Megatron's data-parallel size is ``dp * ep`` (the expert
 ranks hold the same dense weights and take their own micro-batches). So: expert state
 ``/ dp``, dense state ``/ (dp * ep)``. Activations of an MoE layer
-(:func:`moe_activation_memory_per_layer`) count the routed copies of each token (``k`` per
+(:func:`activation_memory_per_layer` with ``moe=True``) count the routed copies of each token (``k`` per
 token, dropless; ``E * min(capacity, tokens)`` slots with a capacity factor), assuming
 balanced routing so that expert parallelism moves but does not change the per-device count.
 Megatron's own ``theoretical_memory_usage.py`` counts MoE layers' parameters the same way
@@ -472,10 +472,12 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
     kernel (``attention_impl`` resolving to "cpu", :mod:`jmegatron.kernels.cpu`) the ``s^2``
     terms are replaced by its float32 log-sum-exp, ``4 a s b`` (its output is the
     linear_proj input already counted), as FlashAttention. Raises ValueError for another
-    ``recompute``.
+    ``recompute``, or ``moe=True`` with a dense ``cfg`` (``num_moe_experts`` None).
     """
     if recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE_CHOICES}")
+    if moe and cfg.num_moe_experts is None:
+        raise ValueError("moe=True needs an MoE config: config.num_moe_experts is None")
     e = activation_bytes_per_element(cfg) if bytes_per_element is None else bytes_per_element
     t = layout.tensor_model_parallel_size
     sp_div = t if layout.sequence_parallel else 1
