@@ -74,6 +74,7 @@ def report(cfg, layout, num_microbatches: int) -> dict:
         "layout": layout.name, "num_devices": layout.num_devices,
         "micro_batch_size": cfg.micro_batch_size, "num_microbatches": num_microbatches,
         "global_batch_size": global_batch, "seq_length": cfg.seq_length, "padded_vocab_size": padded,
+        "megatron_data_parallel_size": layout.megatron_data_parallel_size,
         "num_parameters": flops.num_parameters(cfg, padded),
         "num_active_parameters": flops.num_active_parameters(cfg, padded),
         "parameters_per_device": est.parameters_per_device,
@@ -96,7 +97,7 @@ def format_report(r: dict, config_path: str, bf16: bool, recompute: str) -> str:
     lines = [
         f"model_report: {config_path}",
         f"layout {r['layout']} ({r['num_devices']} devices); micro-batch {r['micro_batch_size']} x "
-        f"{r['num_microbatches']} micro-batches x dp -> global batch {r['global_batch_size']} x "
+        f"{r['num_microbatches']} micro-batches x {r['megatron_data_parallel_size']} (dp x ep) -> global batch {r['global_batch_size']} x "
         f"{r['seq_length']} tokens; padded vocab {r['padded_vocab_size']}",
         "",
         f"parameters:            {r['num_parameters']:,} (jmegatron's model, exact)",
