@@ -4,7 +4,7 @@ with the router in fp32 and the load-balancing loss at 1e-3, plus a shared exper
 2048; seq 4096, global batch 512 ramped up from 64; expert parallel 16 over 16 GPUs.
 
 Source: bytedance/ByteMLPerf ``byte_train_perf/Megatron-LM/examples/ds_like/
-train_ds_like_2node.sh`` (commit a49963b65f75), run by ``examples/ds_like/run2script.sh``
+train_ds_like_2node.sh`` (commit a49963b65f75, unchanged at a30b4f97b174), run by ``examples/ds_like/run2script.sh``
 (commit a30b4f97b174), which sets ``MAX_TRAIN_SAMPLES=5120000`` and, when unset,
 ``ATTN_DROPOUT=0.1 HID_DROPOUT=0.1``; the script derives ``BATCH_WARMUP_SAMPLES =
 MAX_TRAIN_SAMPLES / 31``, ``DECAY_SAMPLES = MAX_TRAIN_SAMPLES / 2`` and

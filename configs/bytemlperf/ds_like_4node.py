@@ -4,7 +4,7 @@ lr 1e-4, and pipeline parallel 2 (interleaved, one layer per virtual stage) x ex
 parallel 16 over 32 GPUs.
 
 Source: bytedance/ByteMLPerf ``byte_train_perf/Megatron-LM/examples/ds_like/
-train_ds_like_4node.sh`` (commit a49963b65f75), run by ``examples/ds_like/run4script.sh``
+train_ds_like_4node.sh`` (commit a49963b65f75, unchanged at a30b4f97b174), run by ``examples/ds_like/run4script.sh``
 (commit 65eb4cd95983: ``MAX_TRAIN_SAMPLES=15360000``, dropout 0.1 when unset); derived in
 the script: ramp-up samples ``15360000 / 31`` = 495483, decay samples 7680000, warm-up
 samples ``2000 * 1536`` = 3072000.

@@ -4,7 +4,7 @@ load-balancing loss at 1e-2, grouped GEMM and the alltoall dispatcher; seq 1024,
 1, global batch 256, on 8 GPUs.
 
 Source: bytedance/ByteMLPerf ``byte_train_perf/Megatron-LM/examples/mixtral/train_moe.sh``
-(commit cb805174393f, the version ``run_moe.sh`` calls with ``MAX_TRAIN_STEPS=500000`` and
+(commit cb805174393f, 2025-05-17, unchanged at a30b4f97b174 of 2025-08-18; the version ``run_moe.sh`` calls with ``MAX_TRAIN_STEPS=500000`` and
 compares with ``loss_chart.py -s 50 -t 0.002``; its reference log prints
 ``load_balancing_loss`` beside ``lm loss``).
 
