@@ -18,7 +18,7 @@ from typing import Any, Optional
 import numpy as np
 
 __all__ = ["ExportError", "ExportSource", "checkpoint_config", "load_checkpoint", "hf_model",
-           "load_source_tokenizer"]
+           "load_source_tokenizer", "refuse_moe"]
 
 
 class ExportError(ValueError):
@@ -70,6 +70,20 @@ def checkpoint_config(load_dir: str, iteration: Optional[int] = None):
         return from_configdict(saved)
     except (checkpointing.CheckpointError, ConfigError, KeyError) as e:
         raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {e}") from e
+
+
+def refuse_moe(cfg, command: str, missing: str) -> None:
+    """Raise ExportError when ``cfg`` is a mixture-of-experts model (``num_moe_experts``
+    set) and ``command`` (e.g. ``"trtllm"``) handles dense models only; ``missing`` names
+    what is not built. Called before any array is restored, so a dense-only exporter never
+    fails later on a missing ``mlp/linear_fc1`` key."""
+    if cfg.num_moe_experts is None:
+        return
+    raise ExportError(
+        f"{command}: this checkpoint is a mixture-of-experts model (num_moe_experts={cfg.num_moe_experts}, "
+        f"moe_router_topk={cfg.moe_router_topk}), and {missing} is not built yet (issue 13 item 6); "
+        f"`python -m jmegatron.export hf` exports it to Hugging Face (MixtralForCausalLM, or "
+        f"Qwen2MoeForCausalLM with a shared expert)")
 
 
 def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSource:

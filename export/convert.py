@@ -3,7 +3,9 @@
 ``hf --load CKPT --out DIR [--dtype float32|bfloat16|float16]`` writes what
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads: ``config.json``,
 ``generation_config.json``, ``model.safetensors`` (``GPT2LMHeadModel`` for the GPT variant,
-``LlamaForCausalLM`` for the Llama variant; the weight mapping is :mod:`jmegatron.export.hf`,
+``LlamaForCausalLM`` for the Llama variant, ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``
+for mixture-of-experts models; the weight mapping is :mod:`jmegatron.export.hf` and
+:mod:`jmegatron.export.hf_moe`,
 held to 1e-4 logits by the golden tests), the tokenizer (``tokenizer.json`` +
 ``tokenizer_config.json`` via ``PreTrainedTokenizerFast``, end-of-document as bos/eos) and
 ``jmegatron_export.json`` (source checkpoint, iteration, vocabulary sizes). Any parallel
@@ -34,7 +36,8 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
 def register(sub) -> None:
     """Add the ``hf`` and ``import-hf`` subcommands to an argparse subparsers object."""
-    p = sub.add_parser("hf", help="write a Hugging Face folder (GPT2LMHeadModel / LlamaForCausalLM)")
+    p = sub.add_parser("hf", help="write a Hugging Face folder (GPT2LMHeadModel / LlamaForCausalLM / "
+                                  "MixtralForCausalLM / Qwen2MoeForCausalLM)")
     p.add_argument("--load", required=True, help="jmegatron checkpoint directory")
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")

@@ -1,11 +1,14 @@
 """Hugging Face ``transformers`` export and import of jmegatron parameters.
 
-Two targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatronConfig`:
+Targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatronConfig`:
 
 * ``GPT2LMHeadModel`` (transformers ``models/gpt2/modeling_gpt2.py``): learned absolute
   positions, LayerNorm, exact GELU MLP, multi-head attention with biases.
 * ``LlamaForCausalLM`` (transformers ``models/llama/modeling_llama.py``): rotary positions
   (rotate-half), RMSNorm, SwiGLU MLP, grouped-query attention.
+* ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` for mixture-of-experts configs
+  (``num_moe_experts`` set): Llama's attention with the MoE MLPs of
+  :mod:`jmegatron.export.hf_moe` (Mixtral without a shared expert, Qwen2-MoE with one).
 
 Anything else raises ``ValueError`` naming the config fields the target cannot represent
 (see :func:`hf_architecture`).
@@ -47,6 +50,9 @@ import re
 from typing import Any, Mapping, Optional
 
 import numpy as np
+
+from jmegatron.export import hf_moe
+from jmegatron.export.hf_moe import MIXTRAL, MOE_ARCHITECTURES, QWEN2_MOE
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
@@ -98,9 +104,17 @@ def hf_architecture(cfg) -> str:
     ``attention_bias``/``mlp_bias``). Tied and untied output layers are both representable
     (``tie_word_embeddings``).
 
+    MoE configs (``num_moe_experts`` set): ``"MixtralForCausalLM"``, or
+    ``"Qwen2MoeForCausalLM"`` with a shared expert (:func:`jmegatron.export.hf_moe.moe_architecture`).
+
     Raises ValueError naming every config field the target cannot represent
     (``position_embedding_type="none"`` has no target).
     """
+    if cfg.num_moe_experts is not None:
+        arch, problems = hf_moe.moe_architecture(cfg, [p for p in _llama_problems(cfg) if "add_qkv_bias" not in p])
+        if problems:
+            raise ValueError(f"this MoE config cannot be exported as Hugging Face {arch}: " + "; ".join(problems) + ".")
+        return arch
     if cfg.position_embedding_type == "learned_absolute":
         arch, problems = GPT2, _gpt2_problems(cfg)
     elif cfg.position_embedding_type == "rope":
@@ -160,7 +174,7 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
         }
-    return {
+    llama = {
         "model_type": "llama",
         **common,
         "hidden_size": cfg.hidden_size,
@@ -179,6 +193,9 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
         "mlp_bias": bool(cfg.add_bias_linear),
         "pretraining_tp": 1,
     }
+    if arch in MOE_ARCHITECTURES:
+        return hf_moe.moe_config_dict(cfg, arch, llama)
+    return llama
 
 
 def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
@@ -210,7 +227,7 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             max_position_embeddings=int(conf["n_positions"]), position_embedding_type="learned_absolute",
             normalization="LayerNorm", norm_epsilon=float(conf.get("layer_norm_epsilon", 1e-5)), swiglu=False,
             add_bias_linear=True, add_qkv_bias=False)
-    elif model_type == "llama":
+    elif model_type in ("llama",) + tuple(hf_moe.MODEL_TYPES):
         h, heads = int(conf["hidden_size"]), int(conf["num_attention_heads"])
         rope = dict(conf.get("rope_parameters") or {})
         rope_type = rope.get("rope_type", (conf.get("rope_scaling") or {}).get("rope_type", "default"))
@@ -234,9 +251,12 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             rotary_base=int(theta),
             normalization="RMSNorm", norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)), swiglu=True,
             add_bias_linear=attn_bias and mlp_bias, add_qkv_bias=False)
+        if model_type in hf_moe.MODEL_TYPES:
+            fields.update(hf_moe.moe_config_fields(conf, problems))
     else:
         raise ValueError(f"Hugging Face model_type={model_type!r} has no jmegatron import: "
-                         f"supported are 'gpt2' ({GPT2}) and 'llama' ({LLAMA})")
+                         f"supported are 'gpt2' ({GPT2}), 'llama' ({LLAMA}), 'mixtral' ({MIXTRAL}) and "
+                         f"'qwen2_moe' ({QWEN2_MOE})")
     if problems:
         raise ValueError(f"this Hugging Face {model_type} config cannot be imported: " + "; ".join(problems))
     fields["untie_embeddings_and_output_weights"] = not bool(conf.get("tie_word_embeddings", True))
@@ -373,6 +393,9 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
     Llama: ``q_proj.weight [nq*d, h]``, ``k_proj``/``v_proj.weight [nkv*d, h]``,
     ``o_proj.weight [h, nq*d]``, ``gate_proj``/``up_proj.weight [ffn, h]`` (fc1 index 0/1),
     ``down_proj.weight [h, ffn]``, ``input_layernorm``/``post_attention_layernorm``/``norm``.
+    Mixtral / Qwen2-MoE: Llama's keys, the MoE layers' MLPs in the checkpoint (Hub) names of
+    :mod:`jmegatron.export.hf_moe` (``block_sparse_moe.experts.{e}.w1`` ...), Q/K/V biases
+    with ``add_qkv_bias``.
 
     Raises ValueError when ``cfg`` has no HF target (:func:`hf_architecture`) or the params
     do not match ``cfg`` (a missing entry or a wrong shape).
@@ -429,6 +452,7 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
         sd["transformer.ln_f.bias"] = c(g("final_layernorm/bias"))
     else:
         sd["model.embed_tokens.weight"] = c(wte[:v])
+        moe_layers = _moe_layers(cfg)
         for i in range(cfg.num_layers):
             L, o = f"decoder_layers_{i}", f"model.layers.{i}"
             A = f"{L}/self_attention"
@@ -436,13 +460,16 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
             for n, heads in (("q", nq), ("k", nkv), ("v", nkv)):
                 k = _check_shape(f"{A}/linear_{n}/kernel", g(f"{A}/linear_{n}/kernel"), (h, heads, d))
                 sd[f"{o}.self_attn.{n}_proj.weight"] = c(k.reshape(h, heads * d).T)
-                if bias:
+                if bias or cfg.add_qkv_bias:
                     sd[f"{o}.self_attn.{n}_proj.bias"] = c(g(f"{A}/linear_{n}/bias").reshape(heads * d))
             k = _check_shape(f"{A}/linear_proj/kernel", g(f"{A}/linear_proj/kernel"), (nq, d, h))
             sd[f"{o}.self_attn.o_proj.weight"] = c(k.reshape(nq * d, h).T)
             if bias:
                 sd[f"{o}.self_attn.o_proj.bias"] = c(g(f"{A}/linear_proj/bias"))
             sd[f"{o}.post_attention_layernorm.weight"] = c(g(f"{L}/pre_mlp_layernorm/scale"))
+            if moe_layers[i]:
+                sd.update(hf_moe.mlp_to_hf(g(f"{L}/mlp"), cfg, arch, i, _check_shape))
+                continue
             fc1 = _check_shape(f"{L}/mlp/linear_fc1/kernel", g(f"{L}/mlp/linear_fc1/kernel"), (h, 2, ffn))
             sd[f"{o}.mlp.gate_proj.weight"] = c(fc1[:, 0, :].T)
             sd[f"{o}.mlp.up_proj.weight"] = c(fc1[:, 1, :].T)
@@ -458,6 +485,13 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
         out = _check_shape("output_layer/kernel", g("output_layer/kernel"), (h, rows))
         sd["lm_head.weight"] = c(out[:, :v].T)
     return sd
+
+
+def _moe_layers(cfg) -> tuple[int, ...]:
+    """1 for each MoE decoder layer of ``cfg`` (all 0 for a dense model)."""
+    if cfg.num_moe_experts is None:
+        return (0,) * cfg.num_layers
+    return hf_moe._pattern(cfg)
 
 
 def _split_fused_qkv(p: dict, cfg) -> dict:
@@ -513,12 +547,17 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     The embedding (and untied output layer) is zero-padded to ``padded_vocab_size`` rows
     (default ``cfg.padded_vocab_size(<HF vocab rows>)``, Megatron's padding rule).
 
+    MoE models: checkpoint (Hub) keys, or a transformers-5 model's ``state_dict()`` with
+    fused experts (:func:`jmegatron.export.hf_moe.from_module_layout`); a Qwen2-MoE
+    ``shared_expert_gate`` must be zero (ValueError otherwise: jmegatron has no such gate).
     GPT-2 keys may lack the ``transformer.`` prefix (``GPT2Model`` checkpoints); the legacy
     ``attn.bias``/``attn.masked_bias`` mask buffers are ignored. ``lm_head.weight`` is
     ignored for a tied config and required for an untied one. Raises ValueError when
     ``cfg`` has no HF target, a tensor is missing, has the wrong shape, or is left unused.
     """
     arch = hf_architecture(cfg)
+    if arch in MOE_ARCHITECTURES:
+        state_dict = hf_moe.from_module_layout(state_dict, arch, _to_numpy)
     sd: dict[str, np.ndarray] = {}
     for key, value in state_dict.items():
         if arch == GPT2:
@@ -572,14 +611,23 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
             }
         p["final_layernorm"] = {"scale": t("transformer.ln_f.weight", (h,)), "bias": t("transformer.ln_f.bias", (h,))}
     else:
+        moe_layers = _moe_layers(cfg)
         for i in range(cfg.num_layers):
             o = f"model.layers.{i}"
             attn = {}
             for n, heads in (("q", nq), ("k", nkv), ("v", nkv)):
                 attn[f"linear_{n}"] = {"kernel": t(f"{o}.self_attn.{n}_proj.weight", (heads * d, h)).T.reshape(h, heads, d)}
-                if bias:
+                if bias or cfg.add_qkv_bias:
                     attn[f"linear_{n}"]["bias"] = t(f"{o}.self_attn.{n}_proj.bias", (heads * d,)).reshape(heads, d)
             attn["linear_proj"] = {"kernel": t(f"{o}.self_attn.o_proj.weight", (h, nq * d)).T.reshape(nq, d, h)}
+            if moe_layers[i]:
+                p[f"decoder_layers_{i}"] = {
+                    "input_layernorm": {"scale": t(f"{o}.input_layernorm.weight", (h,))},
+                    "self_attention": attn,
+                    "pre_mlp_layernorm": {"scale": t(f"{o}.post_attention_layernorm.weight", (h,))},
+                    "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i),
+                }
+                continue
             fc1 = {"kernel": np.stack([t(f"{o}.mlp.gate_proj.weight", (ffn, h)).T,
                                        t(f"{o}.mlp.up_proj.weight", (ffn, h)).T], axis=1)}
             fc2 = {"kernel": t(f"{o}.mlp.down_proj.weight", (h, ffn)).T}
@@ -611,8 +659,10 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
 # ------------------------------------------------------------------------ transformers model
 def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
                 bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None):
-    """A float32 ``transformers`` model (``GPT2LMHeadModel`` / ``LlamaForCausalLM``, eval mode)
-    holding ``params`` (per-layer or scanned), loaded with ``load_state_dict(strict=True)``.
+    """A float32 ``transformers`` model (``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
+    ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``, eval mode) holding ``params``
+    (per-layer or scanned), loaded with ``load_state_dict(strict=True)`` (MoE experts fused
+    first where the installed transformers holds them fused).
 
     ``vocab_size`` as in :func:`to_hf_state_dict` (default: the embedding's rows). Imports
     torch and transformers here (ImportError if missing). Raises ValueError as
@@ -626,9 +676,12 @@ def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
     v = sd[emb_key].shape[0]
     conf = hf_config_dict(cfg, v, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     arch = conf["architectures"][0]
-    config_cls = transformers.GPT2Config if arch == GPT2 else transformers.LlamaConfig
+    config_cls = {GPT2: transformers.GPT2Config, LLAMA: transformers.LlamaConfig,
+                  MIXTRAL: transformers.MixtralConfig, QWEN2_MOE: transformers.Qwen2MoeConfig}[arch]
     config = config_cls.from_dict(conf)
     model = getattr(transformers, arch)(config).to(torch.float32)
+    if arch in MOE_ARCHITECTURES:  # transformers 5 holds the experts fused in memory
+        sd = hf_moe.to_module_layout(sd, arch, set(model.state_dict()))
     tensors = {k: torch.from_numpy(np.array(a, dtype=np.float32, order="C", copy=True))
                for k, a in sd.items()}
     if not cfg.untie_embeddings_and_output_weights:

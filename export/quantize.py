@@ -574,8 +574,11 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
     calib_prefix = _check_prefix(calib_data, "--calib-data")
     eval_prefix = _check_prefix(eval_data or calib_data, "--eval-data" if eval_data else "--calib-data")
     cfg = checkpoint_config(load, iteration)
+    from jmegatron.export.common import refuse_moe
     from jmegatron.export.hf import hf_architecture
 
+    refuse_moe(cfg, "quantize", "ModelOpt PTQ of the MoE model (router left unquantized, experts' "
+                                "quantizers, the MoE unified-checkpoint export)")
     try:
         arch = hf_architecture(cfg)
     except ValueError as e:

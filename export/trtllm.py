@@ -106,10 +106,14 @@ def trtllm_architecture(cfg) -> str:
 
     Same rules as :func:`jmegatron.export.hf.hf_architecture` (GPT-2: learned_absolute +
     LayerNorm + GELU + MHA + biases; Llama: rope + RMSNorm + SwiGLU). Raises ExportError
-    naming every config field the target cannot represent.
+    naming every config field the target cannot represent, and for a mixture-of-experts
+    config (:func:`jmegatron.export.common.refuse_moe`: the MoE checkpoint is not built).
     """
+    from jmegatron.export.common import refuse_moe
     from jmegatron.export.hf import GPT2, hf_architecture
 
+    refuse_moe(cfg, "trtllm", "the TensorRT-LLM MoE checkpoint (MixtralForCausalLM's router and stacked "
+                              "experts, split over tp and ep)")
     try:
         return GPT if hf_architecture(cfg) == GPT2 else LLAMA
     except ValueError as e:

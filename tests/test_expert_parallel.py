@@ -58,6 +58,13 @@ def test_expert_parallel_matches_one_device(ep, dispatcher, devices, extra):
     # the experts' weights are split over the expert axis
     kernel = run.state_shardings.params["decoder_layers_0"]["mlp"]["experts"]["linear_fc2"]["kernel"]
     assert kernel.spec[0] == "expert"
+    if extra.get("use_distributed_optimizer"):  # ZeRO-1 over each leaf's data-parallel group
+        from jmegatron.parallel.rules import entry_axes
+
+        axes = lambda s: {a for e in s.spec for a in entry_axes(e)}  # noqa: E731
+        grad_sh = run.grad_shardings
+        assert {"data", "expert"} <= axes(grad_sh["word_embeddings"]["embedding"])  # dense: data x expert
+        assert axes(grad_sh["decoder_layers_0"]["mlp"]["experts"]["linear_fc2"]["kernel"]) >= {"data", "expert"}
     one_device = ("use_distributed_optimizer", "tensor_model_parallel_size", "sequence_parallel")
     ref_cfg = tiny_cfg(**MOE, **{k: v for k, v in extra.items() if k not in one_device},
                        moe_token_dispatcher_type=dispatcher, micro_batch_size=16 // run.num_microbatches,

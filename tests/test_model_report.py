@@ -149,7 +149,7 @@ def test_cli_on_every_bytemlperf_config(path, tmp_path, capsys):
     cfg = load_config_file(str(path))
     layout = model_report.config_layout(str(path))
     assert r["num_devices"] == layout["tensor_model_parallel_size"] * layout["pipeline_model_parallel_size"] \
-        * layout["data_parallel_size"]
+        * layout["data_parallel_size"] * layout.get("expert_model_parallel_size", 1)
     assert r["global_batch_size"] == cfg.global_batch_size
     assert f"parameters:            {r['num_parameters']:,}" in out
     assert f"FLOPs per iteration:   {r['flops_per_iteration']:.6g}" in out

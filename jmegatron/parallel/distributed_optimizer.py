@@ -7,6 +7,11 @@ optimizer-state leaf takes its parameter's sharding plus the data axis on one mo
 dimension (the largest one that the data-parallel size divides and that no other mesh
 axis uses); the gradients are reduce-scattered to that same layout inside the step and
 the parameters gathered back by the step's output sharding.
+
+Under expert parallelism the data-parallel group of a dense parameter is ``data`` x
+``expert`` (Megatron's data-parallel group), that of an expert's weight ``data`` alone
+(its expert-data-parallel group): the state is sharded over the group, as Megatron's
+DistributedOptimizer with its expert-data-parallel buffers.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmegatron.parallel.rules import entry_axes
+from jmegatron.parallel.rules import EXPERT_AXIS, entry_axes
 
 DATA = "data"
 
@@ -28,20 +33,24 @@ def add_data_axis(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShard
     (e.g. ``("tensor", "data")``); unchanged if already data-sharded or nothing divides
     (that leaf's gradient is then all-reduced and its state replicated)."""
     mesh = sharding.mesh
-    dp = mesh.shape[DATA]
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    if dp == 1 or any(DATA in entry_axes(e) for e in spec):
+    used = {a for e in spec for a in entry_axes(e)}
+    # the leaf's data-parallel group: data, and expert too for a dense leaf (see above)
+    group = (DATA,) if EXPERT_AXIS in used or mesh.shape.get(EXPERT_AXIS, 1) == 1 else (DATA, EXPERT_AXIS)
+    dp = math.prod(mesh.shape[a] for a in group)
+    if dp == 1 or DATA in used:
         return sharding
+    entry = group[0] if len(group) == 1 else group
     candidates = [d for d in range(len(shape)) if spec[d] is None and shape[d] % dp == 0]
     if candidates:
         d = max(candidates, key=lambda i: shape[i])
-        spec[d] = DATA
+        spec[d] = entry
         return NamedSharding(mesh, PartitionSpec(*spec))
     # No free dimension: split an already-sharded one further (data minor), if it divides.
     for d in sorted(range(len(shape)), key=lambda i: -shape[i]):
         axes = entry_axes(spec[d])
         if axes and shape[d] % (math.prod(mesh.shape[a] for a in axes) * dp) == 0:
-            spec[d] = axes + (DATA,)
+            spec[d] = axes + group
             return NamedSharding(mesh, PartitionSpec(*spec))
     return sharding
 

@@ -1,12 +1,14 @@
 """``python -m jmegatron.tools.model_report --config C [--config.<field>=<value> ...]
-[--tp N] [--pp N] [--dp N] [--zero1] [--sp] [--fsdp] [--json PATH]``
+[--tp N] [--pp N] [--ep N] [--dp N] [--zero1] [--sp] [--fsdp] [--json PATH]``
 
 Parameters, FLOPs per iteration and theoretical memory per device of any config in any
 layout, without building the model or touching a device (so it works for configs and
 layouts jmegatron cannot train, e.g. ByteMLPerf's GPT-3 175B at tp 8 x pp 16):
 
-* parameters: :func:`jmegatron.training.flops.num_parameters` (exact, jmegatron's model)
-  and Megatron's count on the most loaded shard
+* parameters: :func:`jmegatron.training.flops.num_parameters` (exact, jmegatron's model),
+  for MoE models also the active ones (:func:`jmegatron.training.flops.num_active_parameters`:
+  the top-k routed experts a token reaches, not all of them) and the routed experts' share
+  per device, and Megatron's count on the most loaded shard
   (:func:`jmegatron.training.memory.megatron_num_parameters_on_most_loaded_shard`);
 * FLOPs per iteration: Megatron's ``num_floating_point_operations`` for one global batch
   (:func:`jmegatron.training.flops.num_floating_point_operations`), per token, per device;
@@ -16,10 +18,13 @@ layouts jmegatron cannot train, e.g. ByteMLPerf's GPT-3 175B at tp 8 x pp 16):
   and activation formulas (:func:`~jmegatron.training.memory.megatron_weight_and_optimizer_memory`,
   :func:`~jmegatron.training.memory.megatron_activation_memory`).
 
-The layout: ``--tp/--pp/--dp/--zero1/--sp/--fsdp``, else the config file's module constant
-``LAYOUT`` (a dict of ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-``data_parallel_size``: the layout of the script a config transcribes, e.g.
-configs/bytemlperf/gpt3_175b.py), else the config's own parallel fields with dp 1.
+The layout: ``--tp/--pp/--ep/--dp/--zero1/--sp/--fsdp``, else the config file's module
+constant ``LAYOUT`` (a dict of ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+``data_parallel_size``, optionally ``expert_model_parallel_size``: the layout of the script a
+config transcribes, e.g. configs/bytemlperf/gpt3_175b.py, ds_like_2node.py), else the
+config's own parallel fields with dp 1. ``dp`` is jmegatron's ``data`` mesh axis, which
+excludes the expert axis: devices = tp x pp x ep x dp, and the global batch splits over
+Megatron's data-parallel size dp x ep (:class:`jmegatron.training.memory.ParallelLayout`).
 ``--config.<field>`` overrides as :mod:`jmegatron.train`. Bad input exits 2 with the
 field or flag named.
 """
@@ -46,7 +51,8 @@ def config_layout(path: str) -> dict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     layout = dict(getattr(module, "LAYOUT", {}) or {})
-    allowed = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"}
+    allowed = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+               "expert_model_parallel_size"}
     if set(layout) - allowed:
         raise ValueError(f"{path}: LAYOUT has unknown keys {sorted(set(layout) - allowed)}; allowed: {sorted(allowed)}")
     return layout
@@ -59,7 +65,7 @@ def report(cfg, layout, num_microbatches: int) -> dict:
     from jmegatron.training import flops, memory
 
     padded = cfg.padded_vocab_size()
-    global_batch = num_microbatches * cfg.micro_batch_size * layout.data_parallel_size
+    global_batch = num_microbatches * cfg.micro_batch_size * layout.megatron_data_parallel_size
     flops_iter = flops.num_floating_point_operations(cfg, global_batch, padded)
     est = memory.theoretical_memory(cfg, padded, layout, num_microbatches=num_microbatches)
     megatron_state = memory.megatron_weight_and_optimizer_memory(cfg, padded, layout)
@@ -68,8 +74,11 @@ def report(cfg, layout, num_microbatches: int) -> dict:
         "layout": layout.name, "num_devices": layout.num_devices,
         "micro_batch_size": cfg.micro_batch_size, "num_microbatches": num_microbatches,
         "global_batch_size": global_batch, "seq_length": cfg.seq_length, "padded_vocab_size": padded,
+        "megatron_data_parallel_size": layout.megatron_data_parallel_size,
         "num_parameters": flops.num_parameters(cfg, padded),
+        "num_active_parameters": flops.num_active_parameters(cfg, padded),
         "parameters_per_device": est.parameters_per_device,
+        "expert_parameters_per_device": memory.expert_parameters_per_device(cfg, padded, layout),
         "megatron_parameters_on_most_loaded_shard": memory.megatron_num_parameters_on_most_loaded_shard(
             cfg, padded, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size),
         "flops_per_iteration": flops_iter,
@@ -88,13 +97,23 @@ def format_report(r: dict, config_path: str, bf16: bool, recompute: str) -> str:
     lines = [
         f"model_report: {config_path}",
         f"layout {r['layout']} ({r['num_devices']} devices); micro-batch {r['micro_batch_size']} x "
-        f"{r['num_microbatches']} micro-batches x dp -> global batch {r['global_batch_size']} x "
+        f"{r['num_microbatches']} micro-batches x {r['megatron_data_parallel_size']} (dp x ep) -> global batch {r['global_batch_size']} x "
         f"{r['seq_length']} tokens; padded vocab {r['padded_vocab_size']}",
         "",
         f"parameters:            {r['num_parameters']:,} (jmegatron's model, exact)",
+    ]
+    if r["num_active_parameters"] != r["num_parameters"]:
+        lines.append(f"  active per token:    {r['num_active_parameters']:,} (top-k routed experts, "
+                     "shared expert, router, attention, embeddings)")
+    lines += [
         f"  per device:          {r['parameters_per_device']:,.0f} (most loaded pipeline stage)",
+    ]
+    if r["expert_parameters_per_device"]:
+        lines.append(f"    routed experts:    {r['expert_parameters_per_device']:,.0f} (split over ep)")
+    lines += [
         f"  Megatron's count:    {r['megatron_parameters_on_most_loaded_shard']:,.0f} on the most loaded shard "
-        "(no biases, no position embeddings)",
+        "(no biases, no position embeddings" + (", no router, experts not split over ep)"
+                                                 if r["expert_parameters_per_device"] else ")"),
         f"FLOPs per iteration:   {r['flops_per_iteration']:.6g} (Megatron's num_floating_point_operations, "
         "one global batch, fwd + bwd)",
         f"  per token:           {r['flops_per_token']:.6g}",
@@ -126,7 +145,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=None, help="tensor_model_parallel_size")
     p.add_argument("--pp", type=int, default=None, help="pipeline_model_parallel_size (theory only)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size")
+    p.add_argument("--ep", type=int, default=None, help="expert_model_parallel_size (theory only: MoE models)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (the data mesh axis, without ep)")
     p.add_argument("--cp", type=int, default=1, help="context_parallel_size (only 1: not in the memory theory)")
     p.add_argument("--zero1", action="store_true", default=None, help="use_distributed_optimizer")
     p.add_argument("--sp", action="store_true", default=None, help="sequence_parallel")
@@ -148,19 +168,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tp = args.tp or file_layout.get("tensor_model_parallel_size", cfg.tensor_model_parallel_size)
         pp = args.pp or file_layout.get("pipeline_model_parallel_size", cfg.pipeline_model_parallel_size)
         dp = args.dp or file_layout.get("data_parallel_size", 1)
+        ep = args.ep or file_layout.get("expert_model_parallel_size", cfg.expert_model_parallel_size)
         zero1 = cfg.use_distributed_optimizer if args.zero1 is None else args.zero1
         sp = cfg.sequence_parallel if args.sp is None else args.sp
         fsdp = cfg.use_megatron_fsdp if args.fsdp is None else args.fsdp
-        for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
+        for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--dp", dp)):
             if value < 1:
                 raise ValueError(f"{flag} {value}: parallel sizes must be >= 1")
+        if ep > 1 and cfg.num_moe_experts is None:
+            raise ValueError(f"--ep {ep}: the config has no experts (config.num_moe_experts is None); use --ep 1")
+        if ep > 1 and cfg.num_moe_experts % ep:
+            raise ValueError(f"--ep {ep} does not divide config.num_moe_experts={cfg.num_moe_experts} "
+                             f"(each expert rank holds the same number of experts)")
         # The tensor size pads the vocabulary; pipeline stages stay out of the config
         # (validation refuses them: the trainer has none), in the layout only.
         cfg = cfg.replace(tensor_model_parallel_size=tp, sequence_parallel=sp, use_distributed_optimizer=zero1,
                           use_megatron_fsdp=fsdp)
         cfg.check_parallel_divisibility(cfg.padded_vocab_size(), dp)
-        layout = ParallelLayout(tp, dp, zero1, sp, fsdp, pp)
-        num_micro = cfg.num_microbatches(dp)
+        layout = ParallelLayout(tp, dp, zero1, sp, fsdp, pp, ep)
+        num_micro = cfg.num_microbatches(layout.megatron_data_parallel_size)
         r = report(cfg, layout, num_micro)
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)

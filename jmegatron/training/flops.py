@@ -175,6 +175,23 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     return embeddings + (cfg.num_layers - num_moe_layers) * layer + num_moe_layers * moe_layer + norm + output
 
 
+def num_active_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
+    """Parameters one token passes through: :func:`num_parameters` less, in every MoE
+    layer, the ``num_moe_experts - moe_router_topk`` routed experts it is not sent to
+    (``moe_ffn_hidden_size`` each: ``h * ffn`` (``h * 2ffn`` with SwiGLU) + ``ffn * h``). The
+    router, the shared expert, attention, norms and embeddings count whole; the word
+    embedding table counts whole too (as Mixtral's "12.9B active of 46.7B"), though a token
+    reads one row. Equal to :func:`num_parameters` for a dense model. This is the count
+    that ``6 * active parameters`` per token approximates Megatron's MoE FLOPs with."""
+    total = num_parameters(cfg, padded_vocab_size)
+    num_moe_layers = _num_moe_layers(cfg)
+    if not num_moe_layers:
+        return total
+    h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size
+    expert = h * (2 * f if cfg.swiglu else f) + f * h
+    return total - num_moe_layers * (cfg.num_moe_experts - cfg.moe_router_topk) * expert
+
+
 def tflops_per_device(flops: float, seconds: float, num_devices: int) -> float:
     """Achieved model TFLOP/s per device: ``flops / (seconds * 1e12 * num_devices)``, as
     Megatron's ``throughput per GPU (TFLOP/s/GPU)`` in ``training_log``."""

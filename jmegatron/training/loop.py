@@ -218,7 +218,7 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
         print(f"[jmegatron] {peak_choice.describe()}", flush=True)
     if main_process:  # Megatron's report_theoretical_memory
         est = memory.theoretical_memory(cfg, run.padded_vocab_size,
-                                        memory.ParallelLayout.from_config(cfg, data_parallel_size(run.mesh)))
+                                        memory.ParallelLayout.from_config(cfg, run.mesh.shape["data"]))
         mib = 1024 ** 2
         print(f"[jmegatron] theoretical memory per device (MiB): weights {est.weights / mib:.1f}, gradients "
               f"{est.gradients / mib:.1f}, optimizer {est.optimizer_state / mib:.1f}, activations "

@@ -48,6 +48,25 @@ embeddings, as Megatron); the larger of the two. Activations: the first stage un
 1F1B schedule, which holds ``min(num_microbatches, p)`` micro-batches of its ``L / p``
 layers in flight (Megatron: ``num_layers`` layers' worth, times ``min(1, m / p)``), the
 embedding input and dropout mask of as many micro-batches, and no output layer.
+
+Mixture-of-experts layers (``num_moe_experts``, the layers ``moe_layer_freq`` picks): the
+parameters are :func:`flops.num_parameters`' (router ``h x E``, ``E`` experts of
+``moe_ffn_hidden_size``, the shared expert). The stacked experts are split over
+``expert_model_parallel_size`` = ``ep`` (and tensor parallel, as the dense MLP); with ZeRO-1
+Megatron shards the expert optimizer state over the expert-data-parallel group and the
+dense state over the whole data-parallel group. In jmegatron's mesh the ``data`` axis
+(:attr:`ParallelLayout.data_parallel_size`) excludes ``expert``: it *is* Megatron's
+expert-data-parallel size, and Megatron's data-parallel size is ``dp * ep`` (the expert
+ranks hold the same dense weights and take their own micro-batches). So: expert state
+``/ dp``, dense state ``/ (dp * ep)``. Activations of an MoE layer
+(:func:`activation_memory_per_layer` with ``moe=True``) count the routed copies of each token (``k`` per
+token, dropless; ``E * min(capacity, tokens)`` slots with a capacity factor), assuming
+balanced routing so that expert parallelism moves but does not change the per-device count.
+Megatron's own ``theoretical_memory_usage.py`` counts MoE layers' parameters the same way
+but without dividing by ``ep`` (no expert-parallel term) and without the router, and keeps
+the dense ``ffn_hidden_size`` in its activation formula:
+:func:`megatron_num_parameters_on_most_loaded_shard` / :func:`megatron_activation_memory`
+reproduce that.
 """
 
 from __future__ import annotations
@@ -77,6 +96,10 @@ class ParallelLayout:
     shards parameters, gradients and optimizer state over data.
     ``pipeline_model_parallel_size`` > 1 exists for the theory only (see the module
     docstring): the trainer and ``bench memory`` (:meth:`parse`) do not take it.
+    ``expert_model_parallel_size`` splits the stacked experts; ``data_parallel_size`` is
+    jmegatron's ``data`` mesh axis, which excludes the expert axis (Megatron's
+    expert-data-parallel size; Megatron's data-parallel size is ``data_parallel_size *
+    expert_model_parallel_size``).
     """
 
     tensor_model_parallel_size: int = 1
@@ -85,11 +108,14 @@ class ParallelLayout:
     sequence_parallel: bool = False
     use_megatron_fsdp: bool = False
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
 
     def __post_init__(self):
-        if min(self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size) < 1:
+        if min(self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size,
+               self.expert_model_parallel_size) < 1:
             raise ValueError(f"parallel sizes must be >= 1 (tp={self.tensor_model_parallel_size}, "
-                             f"dp={self.data_parallel_size}, pp={self.pipeline_model_parallel_size})")
+                             f"dp={self.data_parallel_size}, pp={self.pipeline_model_parallel_size}, "
+                             f"ep={self.expert_model_parallel_size})")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
         if self.use_distributed_optimizer and self.use_megatron_fsdp:
@@ -99,7 +125,8 @@ class ParallelLayout:
     def from_config(cls, cfg: JMegatronConfig, data_parallel_size: int) -> "ParallelLayout":
         """The layout ``cfg`` asks for with ``data_parallel_size`` data-parallel ranks."""
         return cls(cfg.tensor_model_parallel_size, data_parallel_size, cfg.use_distributed_optimizer,
-                   cfg.sequence_parallel, cfg.use_megatron_fsdp, cfg.pipeline_model_parallel_size)
+                   cfg.sequence_parallel, cfg.use_megatron_fsdp, cfg.pipeline_model_parallel_size,
+                   cfg.expert_model_parallel_size)
 
     @classmethod
     def parse(cls, text: str) -> "ParallelLayout":
@@ -130,6 +157,8 @@ class ParallelLayout:
         parts = [f"tp{self.tensor_model_parallel_size}"] + (["sp"] if self.sequence_parallel else [])
         if self.pipeline_model_parallel_size > 1:
             parts.append(f"pp{self.pipeline_model_parallel_size}")
+        if self.expert_model_parallel_size > 1:
+            parts.append(f"ep{self.expert_model_parallel_size}")
         parts.append(f"dp{self.data_parallel_size}")
         if self.use_distributed_optimizer:
             parts.append("zero1")
@@ -139,7 +168,14 @@ class ParallelLayout:
 
     @property
     def num_devices(self) -> int:
-        return self.tensor_model_parallel_size * self.data_parallel_size * self.pipeline_model_parallel_size
+        return (self.tensor_model_parallel_size * self.data_parallel_size * self.pipeline_model_parallel_size
+                * self.expert_model_parallel_size)
+
+    @property
+    def megatron_data_parallel_size(self) -> int:
+        """Megatron's data-parallel size: ``data_parallel_size * expert_model_parallel_size``
+        (the ranks over which the dense weights are replicated and the batch is split)."""
+        return self.data_parallel_size * self.expert_model_parallel_size
 
 
 # ------------------------------------------------------------------ parameters
@@ -171,9 +207,13 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     * ``replicated``: neither: the norms;
     * ``tensor_sharded_fsdp_replicated``: a tensor axis but no hidden axis: the
       ``linear_qkv`` and ``linear_fc1`` biases;
-    * ``sharded``: both (every kernel, the word embeddings, the untied output layer).
+    * ``sharded``: both (every kernel, the word embeddings, the untied output layer, the
+      shared expert);
+    * ``expert``: the stacked routed experts' kernels ``[E, h, (2,) ffn]`` and ``[E, ffn, h]``
+      of the MoE layers: split over the expert axis as well as tensor (and data under
+      FSDP). An MoE layer's router ``[h, E]`` is ``tensor_replicated_fsdp_sharded``.
 
-    The four add up to :func:`flops.num_parameters`. With ``pipeline_model_parallel_size``
+    The five add up to :func:`flops.num_parameters`. With ``pipeline_model_parallel_size``
     = ``p`` > 1, the classes of pipeline stage ``pipeline_stage`` (0-based): ``L / p``
     layers, plus the embeddings on stage 0 and the final norm and output layer (``V h``,
     tied or not) on stage ``p - 1``; uneven stages store :func:`stage_layers`' slots each.
@@ -191,10 +231,17 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
         if (bias or cfg.add_qkv_bias) else 0
     fc1_bias = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size if bias else 0
     positions = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
+    num_moe_layers = flops._num_moe_layers(cfg)
+    router, experts = 0, 0
+    if num_moe_layers:  # (MoE layers have no biases: validation refuses add_bias_linear)
+        f = cfg.moe_ffn_hidden_size
+        router = num_moe_layers * h * cfg.num_moe_experts
+        experts = num_moe_layers * cfg.num_moe_experts * (h * (2 * f if cfg.swiglu else f) + f * h)
     classes = {
-        "tensor_replicated_fsdp_sharded": cfg.num_layers * (2 * h if bias else 0) + positions,
+        "tensor_replicated_fsdp_sharded": cfg.num_layers * (2 * h if bias else 0) + positions + router,
         "replicated": cfg.num_layers * 2 * norm + norm,
         "tensor_sharded_fsdp_replicated": cfg.num_layers * (qkv_bias + fc1_bias),
+        "expert": experts,
     }
     classes["sharded"] = flops.num_parameters(cfg, padded_vocab_size) - sum(classes.values())
     if p == 1:
@@ -207,7 +254,14 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
         "replicated": classes["replicated"] - norm,
         "tensor_sharded_fsdp_replicated": classes["tensor_sharded_fsdp_replicated"],
         "sharded": classes["sharded"] - word - output,
+        "expert": classes["expert"],
     }
+    if 0 < num_moe_layers < cfg.num_layers:
+        # Mixed dense and MoE layers: count every stored slot as an MoE layer (an upper
+        # bound: the most loaded stage holds as many MoE layers as it can).
+        all_moe = parameter_classes(cfg.replace(moe_layer_freq=1), padded_vocab_size)
+        layers = {k: all_moe[k] - {"tensor_replicated_fsdp_sharded": positions, "replicated": norm,
+                                   "sharded": word + output}.get(k, 0) for k in all_moe}
     stage = {k: v // cfg.num_layers * stored for k, v in layers.items()}
     if pipeline_stage == 0:
         stage["tensor_replicated_fsdp_sharded"] += positions
@@ -220,15 +274,30 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
 
 def parameters_per_device(cfg: JMegatronConfig, padded_vocab_size: int, layout: ParallelLayout) -> float:
     """Parameters held by one device (:func:`parameter_classes`): tensor-sharded classes
-    divided by tp, and under FSDP the classes with a hidden axis divided by dp; with
-    pipeline stages, those of the most loaded stage (the first or the last)."""
+    divided by tp, the routed experts also by ep, and under FSDP the classes with a hidden
+    axis divided by dp; with pipeline stages, those of the most loaded stage (the first or
+    the last). :func:`expert_parameters_per_device` is the experts' part of it."""
+    return _dense_and_expert_per_device(cfg, padded_vocab_size, layout)[0]
+
+
+def expert_parameters_per_device(cfg: JMegatronConfig, padded_vocab_size: int, layout: ParallelLayout) -> float:
+    """The routed experts' share of :func:`parameters_per_device` (0 for a dense model):
+    ``num_moe_layers * E * (3 h ffn with SwiGLU, else 2 h ffn) / (tp * ep)`` (``/ dp`` too
+    under FSDP), of the same most loaded pipeline stage."""
+    return _dense_and_expert_per_device(cfg, padded_vocab_size, layout)[1]
+
+
+def _dense_and_expert_per_device(cfg, padded_vocab_size, layout) -> tuple[float, float]:
+    """(all parameters, routed-expert parameters) on one device of the most loaded stage."""
     p = layout.pipeline_model_parallel_size
     t = layout.tensor_model_parallel_size
     d = layout.data_parallel_size if layout.use_megatron_fsdp else 1
+    ep = layout.expert_model_parallel_size
 
     def per_device(c):
+        experts = c["expert"] / (t * ep * d)
         return (c["sharded"] / (t * d) + c["tensor_sharded_fsdp_replicated"] / t
-                + c["tensor_replicated_fsdp_sharded"] / d + c["replicated"])
+                + c["tensor_replicated_fsdp_sharded"] / d + c["replicated"] + experts, experts)
 
     return max(per_device(parameter_classes(cfg, padded_vocab_size, p, stage)) for stage in {0, p - 1})
 
@@ -252,30 +321,44 @@ def weight_and_optimizer_memory(cfg: JMegatronConfig, padded_vocab_size: int,
     gradient accumulator (4 B/param; the micro-batch loop accumulates full local
     gradients before the one reduction, as Megatron's grad buffer), AdamW moments
     (8 B/param, divided by dp with the distributed optimizer). FSDP divides all three by
-    dp for the parameters it shards (gradients reduce-scattered per micro-batch)."""
-    n = parameters_per_device(cfg, padded_vocab_size, layout)  # FSDP's / dp included
+    dp for the parameters it shards (gradients reduce-scattered per micro-batch).
+
+    With expert parallelism the distributed optimizer divides the routed experts' moments
+    by ``dp`` (their expert-data-parallel group, jmegatron's ``data`` axis) and the rest by
+    Megatron's data-parallel size ``dp * ep`` (Megatron's ``DistributedOptimizer`` with
+    its expert-data-parallel buffers)."""
+    n, experts = _dense_and_expert_per_device(cfg, padded_vocab_size, layout)  # FSDP's / dp included
     optimizer = ADAM_STATE_BYTES * n
     if layout.use_distributed_optimizer:
-        optimizer /= layout.data_parallel_size
+        optimizer = ADAM_STATE_BYTES * ((n - experts) / layout.megatron_data_parallel_size
+                                        + experts / layout.data_parallel_size)
     return StateMemory(weights=PARAM_BYTES * n, gradients=GRAD_BYTES * n, optimizer_state=optimizer)
 
 
 def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vocab_size: int,
                                                  tensor_model_parallel_size: int = 1,
                                                  pipeline_model_parallel_size: int = 1) -> float:
-    """Megatron's ``num_parameters_on_most_loaded_model_shard`` (dense):
-    ``(T / p + V h (x2 if untied and p == 1)) / tp`` with the transformer's ``T = L * (2h
-    (ffn * g + norm) + 2h^2 (1 + groups/heads) q/h) + norm h``, ``g = 3/2`` for SwiGLU,
-    ``norm = 2`` for LayerNorm (1 for RMSNorm); no biases and no position embeddings, as
-    Megatron counts (its final norm is split over the stages with the layers)."""
+    """Megatron's ``num_parameters_on_most_loaded_model_shard``:
+    ``(T / p + V h (x2 if untied and p == 1)) / tp`` with the transformer's ``T = L_dense *
+    (2h (ffn * g + norm) + A) + L_moe * (2h ((E * moe_ffn + shared) * g + norm) + A) + norm
+    h``, ``A = 2h^2 (1 + groups/heads) q/h``, ``g = 3/2`` for SwiGLU, ``norm = 2`` for
+    LayerNorm (1 for RMSNorm); no biases, no position embeddings and no router, and the
+    experts not divided by expert parallelism, as Megatron counts (its final norm is split
+    over the stages with the layers)."""
     h = cfg.hidden_size
     norm_size = 1 if cfg.normalization == "RMSNorm" else 2
     gated = 1.5 if cfg.swiglu else 1.0
     q_ratio = cfg.kv_channels * cfg.num_attention_heads / h
     self_attn = 2 * h * h * ((1 + cfg.num_query_groups / cfg.num_attention_heads) * q_ratio)
     layer = 2 * h * (cfg.ffn_hidden_size * gated + norm_size) + self_attn
+    num_moe_layers = flops._num_moe_layers(cfg)
+    moe_layer = 0.0
+    if num_moe_layers:
+        moe_mlp = cfg.moe_ffn_hidden_size * cfg.num_moe_experts + (cfg.moe_shared_expert_intermediate_size or 0)
+        moe_layer = 2 * h * (moe_mlp * gated + norm_size) + self_attn
     embedding = h * padded_vocab_size
-    shard = (cfg.num_layers * layer + norm_size * h) / pipeline_model_parallel_size + embedding
+    block = (cfg.num_layers - num_moe_layers) * layer + num_moe_layers * moe_layer + norm_size * h
+    shard = block / pipeline_model_parallel_size + embedding
     if cfg.untie_embeddings_and_output_weights and pipeline_model_parallel_size == 1:
         shard += embedding
     return shard / tensor_model_parallel_size
@@ -284,8 +367,10 @@ def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vo
 def megatron_weight_and_optimizer_memory(cfg: JMegatronConfig, padded_vocab_size: int,
                                          layout: ParallelLayout) -> float:
     """Megatron's ``compute_weight_and_optimizer_memory`` (bytes): 18 bytes per parameter
-    of the most loaded shard, ``6 + 12 / dp`` with the distributed optimizer."""
-    per_param = 6 + 12 / layout.data_parallel_size if layout.use_distributed_optimizer else 18
+    of the most loaded shard, ``6 + 12 / dp`` with the distributed optimizer, ``dp`` being
+    Megatron's data-parallel size (``data_parallel_size * expert_model_parallel_size``)."""
+    dp = layout.megatron_data_parallel_size
+    per_param = 6 + 12 / dp if layout.use_distributed_optimizer else 18
     return per_param * megatron_num_parameters_on_most_loaded_shard(
         cfg, padded_vocab_size, layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size)
 
@@ -315,8 +400,41 @@ def activation_bytes_per_element(cfg: JMegatronConfig) -> int:
     return 2 if cfg.bf16 else 4
 
 
+def moe_routed_tokens(cfg: JMegatronConfig, num_tokens: int) -> int:
+    """Token copies the routed experts compute per device for ``num_tokens`` tokens of a
+    micro-batch: ``num_tokens * moe_router_topk`` dropless (each token goes to k experts;
+    with expert parallelism the all-to-all moves them, and with balanced routing every
+    device computes as many as it sent), or with ``moe_expert_capacity_factor`` the static
+    buffer ``E * min(capacity, num_tokens)``, ``capacity = get_capacity(num_tokens * k, E,
+    factor)`` (:func:`jmegatron.models.moe.moe_utils.get_capacity`, every slot computed)."""
+    k, e_ = cfg.moe_router_topk, cfg.num_moe_experts
+    if cfg.moe_expert_capacity_factor is None:
+        return num_tokens * k
+    from jmegatron.models.moe.moe_utils import get_capacity
+
+    return e_ * min(get_capacity(num_tokens * k, e_, cfg.moe_expert_capacity_factor), num_tokens)
+
+
+def _moe_mlp_bytes(cfg: JMegatronConfig, n: int, e: int, t: int) -> float:
+    """Bytes per device the MoE MLP keeps for ``n`` tokens (see
+    :func:`activation_memory_per_layer`, ``moe=True``)."""
+    h, num_experts = cfg.hidden_size, cfg.num_moe_experts
+    router_bytes = {"fp32": 4, "fp64": 8}.get(cfg.moe_router_dtype, e)
+    f = cfg.moe_ffn_hidden_size
+    f1 = 2 * f if cfg.swiglu else f
+    r = moe_routed_tokens(cfg, n)
+    routed = r * (e * h + e * f1 + 2 * e * f + 2 * FLOAT32_BYTES) / t
+    router = 2 * router_bytes * n * num_experts
+    shared = 0.0
+    if cfg.moe_shared_expert_intermediate_size:
+        fs = cfg.moe_shared_expert_intermediate_size
+        shared = n * e * ((2 * fs if cfg.swiglu else fs) + fs) / t
+    return routed + router + shared
+
+
 def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, layout: ParallelLayout,
-                                recompute: str = "none", bytes_per_element: Optional[int] = None) -> float:
+                                recompute: str = "none", bytes_per_element: Optional[int] = None,
+                                moe: bool = False) -> float:
     """Bytes one transformer layer keeps for its backward pass, per device, for one
     micro-batch of ``micro_batch_size`` sequences of ``cfg.seq_length`` tokens.
 
@@ -336,15 +454,30 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
           e n q        linear_proj input
           e n F_1      activation input (fc1 output, F_1 = F or 2F);  e n F  linear_fc2 input
 
+    ``moe=True`` (an MoE layer of ``cfg``): the dense ``e n F_1 + e n F`` are replaced by,
+    with ``r`` = :func:`moe_routed_tokens` token copies, ``F`` = moe_ffn_hidden_size,
+    ``e_r`` = 4 bytes with ``moe_router_dtype`` fp32 (8 fp64, else ``e``)::
+
+        e r h        the dispatched (permuted) tokens, linear_fc1's input
+        e r F_1      linear_fc1's output (the activation's input)
+        2 e r F      the activation's output and the routing-weighted linear_fc2 input
+        8 r          float32 routing weights and int32 permutation, per copy
+        2 e_r n E    router logits and scores
+        e n F_s1 + e n F_s   the shared expert (as a dense MLP of its width)
+
+    (the routed and shared terms split over t like the dense MLP's, the router's not).
+
     ``recompute="selective"`` drops the ``s^2`` terms (core attention recomputed);
     ``"full"`` keeps only the layer input, ``e n h`` (/ t with SP). With the CPU attention
     kernel (``attention_impl`` resolving to "cpu", :mod:`jmegatron.kernels.cpu`) the ``s^2``
     terms are replaced by its float32 log-sum-exp, ``4 a s b`` (its output is the
     linear_proj input already counted), as FlashAttention. Raises ValueError for another
-    ``recompute``.
+    ``recompute``, or ``moe=True`` with a dense ``cfg`` (``num_moe_experts`` None).
     """
     if recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTE_CHOICES}")
+    if moe and cfg.num_moe_experts is None:
+        raise ValueError("moe=True needs an MoE config: config.num_moe_experts is None")
     e = activation_bytes_per_element(cfg) if bytes_per_element is None else bytes_per_element
     t = layout.tensor_model_parallel_size
     sp_div = t if layout.sequence_parallel else 1
@@ -360,6 +493,12 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
     fc1_width = 2 * ffn if cfg.swiglu else ffn
     replicated = n * h * (2 * e + e + e + 2 * m)
     split = n * (e * (q + kv) + e * kv + e * q + e * fc1_width + e * ffn)
+    moe_mlp = 0.0
+    if moe:
+        # The MoE MLP replaces the dense one's fc1/fc2 terms (its input, the layernorm
+        # output, stays in `replicated` as the router's and the dispatcher's input).
+        split -= n * (e * fc1_width + e * ffn)
+        moe_mlp = _moe_mlp_bytes(cfg, n, e, t)
     from jmegatron.models.gpt import resolve_impls
     if resolve_impls(cfg)["attention_impl"] == "cpu":
         scores = FLOAT32_BYTES * cfg.num_attention_heads * s * b
@@ -367,7 +506,7 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
         scores = 0
     else:
         scores = cfg.num_attention_heads * s * s * b * (e + (m_a + e if m_a else 0))
-    return replicated / sp_div + (split + scores) / t
+    return replicated / sp_div + (split + scores) / t + moe_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +515,9 @@ class ActivationMemory:
     (x ``num_layers`` = ``layers``), ``embedding`` (token ids and the embedding dropout
     mask), ``output`` (final layernorm input and output-layer input, float32 logits for
     the cross-entropy), ``recompute_working_set`` (full recomputation: one layer's
-    activations rebuilt during its backward pass), ``recompute``."""
+    activations rebuilt during its backward pass), ``recompute``; ``per_moe_layer``: an MoE
+    layer's bytes (0 for a dense model), which replace ``per_layer`` in ``layers`` for the
+    MoE layers."""
 
     per_layer: float
     layers: float
@@ -384,6 +525,7 @@ class ActivationMemory:
     output: float
     recompute_working_set: float
     recompute: str
+    per_moe_layer: float = 0.0
 
     @property
     def total(self) -> float:
@@ -406,6 +548,10 @@ def activation_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: Para
     for int64), and the embedding dropout mask ``m s b h``; the final layernorm input and
     the output layer input ``2 e s b h`` (/ t with SP) and the float32 logits ``4 s b V / t``
     (Megatron's ``4 sbh (1 + V/h)`` counts the same logits plus one ``[s, b, h]``).
+
+    MoE layers count ``activation_memory_per_layer(..., moe=True)`` each; the first pipeline
+    stage is taken to hold the first layers of ``moe_layer_freq``'s pattern (Megatron's
+    even split).
     """
     recompute = cfg.recompute_granularity if recompute is None else recompute
     b = cfg.micro_batch_size if micro_batch_size is None else micro_batch_size
@@ -417,17 +563,29 @@ def activation_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: Para
     m = MASK_BYTES if cfg.hidden_dropout > 0 else 0
     embedding = FLOAT32_BYTES * n + m * n * cfg.hidden_size / sp_div
     output = 2 * e * n * cfg.hidden_size / sp_div + FLOAT32_BYTES * n * padded_vocab_size / t
-    working = activation_memory_per_layer(cfg, b, layout, "none", e) if recompute == "full" else 0.0
+    pattern = (0,) * cfg.num_layers
+    per_moe_layer = 0.0
+    if cfg.num_moe_experts is not None:
+        from jmegatron.models.moe.moe_utils import moe_layer_pattern
+
+        pattern = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
+        per_moe_layer = activation_memory_per_layer(cfg, b, layout, recompute, e, moe=True)
+    working = 0.0
+    if recompute == "full":
+        working = activation_memory_per_layer(cfg, b, layout, "none", e, moe=any(pattern))
     p = layout.pipeline_model_parallel_size
-    layers = per_layer * cfg.num_layers
+    held = pattern
+    in_flight = 1
     if p > 1:
         first, _ = stage_layers(cfg, p)
         in_flight = p if num_microbatches is None else min(num_microbatches, p)
-        layers = per_layer * first * in_flight
+        held = pattern[:first]
         embedding *= in_flight
         output = 0.0
+    layers = in_flight * (per_layer * (len(held) - sum(held)) + per_moe_layer * sum(held))
     return ActivationMemory(per_layer=per_layer, layers=layers, embedding=embedding,
-                            output=output, recompute_working_set=working, recompute=recompute)
+                            output=output, recompute_working_set=working, recompute=recompute,
+                            per_moe_layer=per_moe_layer)
 
 
 # ------------------------------------------------------------------ everything

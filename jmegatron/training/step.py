@@ -114,6 +114,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     is_none = lambda x: x is None  # noqa: E731
     is_expert = jax.tree.map(lambda s: expert in {a for e in s.spec for a in rules_lib.entry_axes(e)},
                              param_shardings)
+    # ZeRO-1: the manual axes of size > 1 a gradient is reduce-scattered over (data, and
+    # expert for dense leaves under expert parallelism: parallel/distributed_optimizer.py)
+    def zero_group(s):  # the data / expert axes of the dimension ZeRO-1 added
+        d = data_dim(s)
+        on = set() if d is None else set(rules_lib.entry_axes(s.spec[d]))
+        return tuple(a for a in (axis, expert) if a in on and mesh.shape.get(a, 1) > 1)
+
+    zero_axes = jax.tree.map(zero_group, grad_shardings)
 
     # With one data-parallel rank every data collective is the identity. It is skipped,
     # not emitted: XLA's SPMD partitioner rejects an all-reduce over a size-1 manual axis
@@ -179,16 +187,16 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             (grads, report, tokens), _ = jax.lax.scan(
                 accumulate, (zeros, report0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
 
-        def reduce(g, pd, gd, ex):
+        def reduce(g, pd, gd, ex, zax):
             if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose
                 return g
-            if not ex:  # dense: the expert ranks are data ranks too
-                g = psum_over(g, expert) if ep > 1 else g
+            if not ex and ep > 1 and expert not in zax:  # dense: the expert ranks are data ranks too
+                g = psum_over(g, expert)
             if gd is None:
                 return psum_over(g, axis)
             return g[None]  # ZeRO-1: this rank's partial sum, reduce-scattered below
 
-        grads = jax.tree.map(reduce, grads, param_dims, grad_dims, is_expert, is_leaf=is_none)
+        grads = jax.tree.map(reduce, grads, param_dims, grad_dims, is_expert, zero_axes, is_leaf=is_none)
         grads = jax.tree.map(lambda g: g / num_micro, grads)
         return grads, jax.tree.map(lambda r: r / num_micro, report), tokens
 
@@ -196,9 +204,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                          is_leaf=is_none)
     # ZeRO-1 leaves leave the shard_map stacked [data, ...] (each rank's partial sum), their
     # other axes laid out as the parameter over the pipeline axis (a stage's layers).
+    def stacked_entry(zax):
+        return (zax[0] if len(zax) == 1 else zax) if zax else axis
+
     out_grad_specs = jax.tree.map(
-        lambda z, spec, ps: PartitionSpec(axis, *rules_lib.spec_only(ps.spec, (PIPELINE_AXIS, expert))) if z else spec,
-        zero1, grad_specs, param_shardings)
+        lambda z, spec, ps, zax: PartitionSpec(stacked_entry(zax), *rules_lib.spec_only(ps.spec, (PIPELINE_AXIS, expert)))
+        if z else spec, zero1, grad_specs, param_shardings, zero_axes, is_leaf=lambda x: isinstance(x, tuple))
     sharded_grads = jax.shard_map(
         local_grads, mesh=mesh, axis_names=set(manual), check_vma=not single,
         in_specs=(param_specs, {k: batch_spec for k in ("tokens", "labels", "loss_mask", "position_ids")},
@@ -207,20 +218,21 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
 
     # The ZeRO-1 reduce-scatter runs with every mesh axis manual: inside the data-only
     # shard_map above, XLA replicates tensor-sharded operands of a psum_scatter first.
-    def scatter(stacked, gd):
-        if mesh.shape[axis] == 1:
+    def scatter(stacked, gd, zax):
+        if not zax:
             return stacked[0]
-        return jax.lax.psum_scatter(stacked[0], axis, scatter_dimension=gd, tiled=True)
+        return jax.lax.psum_scatter(stacked[0], zax, scatter_dimension=gd, tiled=True)
 
     def reduce_scatter_zero1(grads):
         leaves, treedef = jax.tree.flatten(grads)
         flags, dims = jax.tree.leaves(zero1), jax.tree.leaves(grad_dims, is_leaf=is_none)
         p_sh, g_sh = jax.tree.leaves(param_shardings), jax.tree.leaves(grad_shardings)
+        zaxes = jax.tree.leaves(zero_axes, is_leaf=lambda x: isinstance(x, tuple))
         out = []
-        for leaf, z, gd, ps, gs in zip(leaves, flags, dims, p_sh, g_sh):
+        for leaf, z, gd, ps, gs, zax in zip(leaves, flags, dims, p_sh, g_sh, zaxes):
             if z:
-                leaf = jax.shard_map(functools.partial(scatter, gd=gd), mesh=mesh,
-                                     in_specs=PartitionSpec(axis, *ps.spec), out_specs=gs.spec)(leaf)
+                leaf = jax.shard_map(functools.partial(scatter, gd=gd, zax=zax), mesh=mesh,
+                                     in_specs=PartitionSpec(stacked_entry(zax), *ps.spec), out_specs=gs.spec)(leaf)
             out.append(leaf)
         return jax.tree.unflatten(treedef, out)
 

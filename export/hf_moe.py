@@ -1,0 +1,275 @@
+"""Hugging Face mapping of jmegatron's mixture-of-experts models (the MoE half of
+:mod:`jmegatron.export.hf`, which calls into this module; numpy only).
+
+Two targets, both with Llama's attention, RMSNorm and RoPE (:mod:`jmegatron.export.hf`'s
+Llama mapping is reused for everything but the MLP):
+
+* ``MixtralForCausalLM`` (transformers ``models/mixtral/modeling_mixtral.py``): every layer
+  an MoE layer, SwiGLU experts, softmax over the top-k router logits (Megatron's default
+  ``moe_router_pre_softmax=False``: softmax over all experts then renormalising the top-k,
+  as Mixtral, is the same number), no shared expert.
+* ``Qwen2MoeForCausalLM`` (``models/qwen2_moe/modeling_qwen2_moe.py``): for models with a
+  shared expert; dense layers (``mlp_only_layers``) allowed; ``norm_topk_prob`` is ``not
+  moe_router_pre_softmax``; ``qkv_bias`` is ``add_qkv_bias``. Qwen2-MoE multiplies the
+  shared expert's output by a learned gate ``sigmoid(x W_g)``, ``W_g [1, h]``, which
+  jmegatron (as Megatron-Core without ``moe_shared_expert_gate``) does not have. The export
+  writes ``W_g = 0`` and the shared ``down_proj`` times 2: ``sigmoid(0) * 2 = 1`` exactly
+  (powers of two), so the HF model computes jmegatron's sum. Import accepts only a zero
+  gate (raises ValueError naming the tensor otherwise) and halves ``down_proj`` back.
+
+Checkpoint keys (what ``save_pretrained`` writes and the Hub holds; ``o`` =
+``model.layers.{i}``, ``W^T`` = the jmegatron kernel transposed to ``nn.Linear``'s
+``[out, in]``)::
+
+    Mixtral   o.block_sparse_moe.gate.weight            [E, h]   router/kernel^T
+              o.block_sparse_moe.experts.{e}.w1.weight  [F, h]   experts/linear_fc1/kernel[e, :, 0]^T (gate)
+              o.block_sparse_moe.experts.{e}.w3.weight  [F, h]   experts/linear_fc1/kernel[e, :, 1]^T (up)
+              o.block_sparse_moe.experts.{e}.w2.weight  [h, F]   experts/linear_fc2/kernel[e]^T
+    Qwen2MoE  o.mlp.gate.weight                         [E, h]
+              o.mlp.experts.{e}.{gate,up,down}_proj.weight       (as w1, w3, w2)
+              o.mlp.shared_expert.{gate,up}_proj.weight [Fs, h]  shared_experts/linear_fc1/kernel[:, 0|1]^T
+              o.mlp.shared_expert.down_proj.weight      [h, Fs]  2 x shared_experts/linear_fc2/kernel^T
+              o.mlp.shared_expert_gate.weight           [1, h]   zeros
+              (dense layers: o.mlp.{gate,up,down}_proj.weight as Llama)
+
+transformers 5 keeps experts fused in memory (``o.mlp.experts.gate_up_proj [E, 2F, h]``,
+gate rows first, ``o.mlp.experts.down_proj [E, h, F]``, and Mixtral's router as
+``o.mlp.gate.weight``) and converts at load / save; :func:`to_module_layout` and
+:func:`from_module_layout` convert between the two so both layouts load.
+
+The capacity factor (``moe_expert_capacity_factor``) is a training-time dropping rule: the
+HF models are dropless, so their logits equal jmegatron's when no token drops (as
+Megatron's own HF converters export such models).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+MIXTRAL = "MixtralForCausalLM"
+QWEN2_MOE = "Qwen2MoeForCausalLM"
+MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE)
+MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
+
+_FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _pattern(cfg) -> tuple[int, ...]:
+    from jmegatron.models.moe.moe_utils import moe_layer_pattern
+
+    return moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
+
+
+# ----------------------------------------------------------------------------- config
+def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
+    """(the HF class for an MoE ``cfg``, the config fields it cannot represent).
+    ``llama_problems``: the attention/norm problems of the Llama mapping."""
+    shared = cfg.moe_shared_expert_intermediate_size is not None
+    arch = QWEN2_MOE if shared else MIXTRAL
+    problems = list(llama_problems)
+    if cfg.position_embedding_type != "rope":
+        problems.append(f"config.position_embedding_type={cfg.position_embedding_type!r} ({arch} uses rope)")
+    if cfg.moe_router_score_function != "softmax":
+        problems.append(f"config.moe_router_score_function={cfg.moe_router_score_function!r} ({arch} routes "
+                        f"with a softmax)")
+    if cfg.moe_router_topk_scaling_factor is not None:
+        problems.append(f"config.moe_router_topk_scaling_factor={cfg.moe_router_topk_scaling_factor} "
+                        f"({arch} has no scaling of the top-k weights)")
+    if cfg.moe_router_load_balancing_type == "sinkhorn":
+        problems.append("config.moe_router_load_balancing_type='sinkhorn' (Sinkhorn routing is not a "
+                        f"top-k softmax; {arch} has no such router)")
+    if cfg.moe_router_enable_expert_bias:
+        problems.append(f"config.moe_router_enable_expert_bias=True ({arch} has no expert bias)")
+    if arch == MIXTRAL:
+        if not all(_pattern(cfg)):
+            problems.append(f"config.moe_layer_freq={cfg.moe_layer_freq!r} has dense layers (every Mixtral "
+                            f"layer is an MoE layer; a shared expert would select {QWEN2_MOE}, which has "
+                            f"mlp_only_layers)")
+        if cfg.moe_router_pre_softmax:
+            problems.append("config.moe_router_pre_softmax=True (Mixtral renormalises the top-k "
+                            "probabilities; pre-softmax without renormalising is Qwen2-MoE's "
+                            "norm_topk_prob=False, which needs a shared expert here)")
+        if cfg.add_qkv_bias:
+            problems.append("config.add_qkv_bias=True (Mixtral's attention has no biases)")
+    return arch, problems
+
+
+def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
+    """The transformers ``config.json`` of an MoE ``cfg``, built on the Llama dict
+    ``llama`` (:func:`jmegatron.export.hf.hf_config_dict`'s, which has the attention, RoPE,
+    norm and vocabulary entries)."""
+    keep = ("architectures", "vocab_size", "initializer_range", "tie_word_embeddings", "bos_token_id",
+            "eos_token_id", "pad_token_id", "use_cache", "dtype", "hidden_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+            "rms_norm_eps", "rope_parameters", "rope_theta", "attention_dropout")
+    conf = {k: llama[k] for k in keep}
+    conf["architectures"] = [arch]
+    conf.update(num_experts_per_tok=int(cfg.moe_router_topk), router_aux_loss_coef=float(cfg.moe_aux_loss_coeff),
+                output_router_logits=False)
+    if arch == MIXTRAL:
+        return {"model_type": "mixtral", **conf, "intermediate_size": int(cfg.moe_ffn_hidden_size),
+                "num_local_experts": int(cfg.num_moe_experts), "router_jitter_noise": 0.0,
+                "sliding_window": None}
+    dense = [i for i, moe in enumerate(_pattern(cfg)) if not moe]
+    return {"model_type": "qwen2_moe", **conf, "intermediate_size": int(cfg.ffn_hidden_size),
+            "moe_intermediate_size": int(cfg.moe_ffn_hidden_size),
+            "shared_expert_intermediate_size": int(cfg.moe_shared_expert_intermediate_size),
+            "num_experts": int(cfg.num_moe_experts), "norm_topk_prob": not cfg.moe_router_pre_softmax,
+            "decoder_sparse_step": 1, "mlp_only_layers": dense, "qkv_bias": bool(cfg.add_qkv_bias),
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": int(cfg.num_layers),
+            "layer_types": ["full_attention"] * int(cfg.num_layers)}
+
+
+def moe_config_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """jmegatron fields of a ``mixtral`` / ``qwen2_moe`` ``config.json`` (the attention,
+    RoPE and norm fields are the caller's, read as Llama's); appends what jmegatron cannot
+    represent to ``problems``."""
+    model_type = conf["model_type"]
+    layers = int(conf["num_hidden_layers"])
+    fields: dict[str, Any] = dict(moe_router_topk=int(conf["num_experts_per_tok"]),
+                                  moe_router_load_balancing_type="aux_loss",
+                                  moe_aux_loss_coeff=float(conf.get("router_aux_loss_coef", 0.0)),
+                                  moe_router_score_function="softmax", add_bias_linear=False)
+    if model_type == "mixtral":
+        if conf.get("sliding_window") is not None:
+            problems.append(f"sliding_window={conf['sliding_window']} (jmegatron's attention is full causal)")
+        ffn = int(conf["intermediate_size"])
+        fields.update(num_moe_experts=int(conf["num_local_experts"]), ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn,
+                      moe_layer_freq=1, moe_router_pre_softmax=False, add_qkv_bias=False)
+        return fields
+    if conf.get("use_sliding_window"):
+        problems.append("use_sliding_window=True (jmegatron's attention is full causal)")
+    experts = int(conf.get("num_experts", 0))
+    shared = int(conf.get("shared_expert_intermediate_size") or 0)
+    if experts <= 0:
+        problems.append(f"num_experts={experts} (a dense Qwen2-MoE; import it as a Llama-style model instead)")
+    if shared <= 0:
+        problems.append(f"shared_expert_intermediate_size={shared} (a Qwen2-MoE layer always adds its shared "
+                        f"expert; jmegatron's MoE layers without one map to Mixtral)")
+    step, dense = int(conf.get("decoder_sparse_step", 1)), set(conf.get("mlp_only_layers") or [])
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    fields.update(num_moe_experts=experts, ffn_hidden_size=int(conf["intermediate_size"]),
+                  moe_ffn_hidden_size=int(conf["moe_intermediate_size"]), moe_shared_expert_intermediate_size=shared,
+                  moe_layer_freq=1 if all(pattern) else tuple(pattern),
+                  moe_router_pre_softmax=not bool(conf.get("norm_topk_prob", False)),
+                  add_qkv_bias=bool(conf.get("qkv_bias", True)))
+    return fields
+
+
+# ------------------------------------------------------------------------ state dicts
+def _moe_prefix(arch: str, i: int) -> str:
+    return f"model.layers.{i}." + ("block_sparse_moe" if arch == MIXTRAL else "mlp")
+
+
+def _expert_names(arch: str) -> tuple[str, str, str]:
+    return ("w1", "w3", "w2") if arch == MIXTRAL else ("gate_proj", "up_proj", "down_proj")
+
+
+def mlp_to_hf(mlp: Mapping, cfg, arch: str, i: int, check: Callable) -> dict[str, np.ndarray]:
+    """HF tensors of layer ``i``'s MoE MLP (``mlp``: the layer's ``mlp`` params subtree);
+    ``check(name, array, shape)`` raises ValueError for a wrong shape."""
+    h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
+    L, o = f"decoder_layers_{i}/mlp", _moe_prefix(arch, i)
+    try:
+        router = check(f"{L}/router/kernel", mlp["router"]["kernel"], (h, e))
+        fc1 = check(f"{L}/experts/linear_fc1/kernel", mlp["experts"]["linear_fc1"]["kernel"], (e, h, 2, f))
+        fc2 = check(f"{L}/experts/linear_fc2/kernel", mlp["experts"]["linear_fc2"]["kernel"], (e, f, h))
+    except KeyError as err:
+        raise ValueError(f"params have no {L}/{err.args[0]}...: layer {i} is not an MoE layer of this config "
+                         f"(num_moe_experts={e}, moe_layer_freq={cfg.moe_layer_freq!r})") from None
+    gate, up, down = _expert_names(arch)
+    sd = {f"{o}.gate.weight": router.T}
+    for x in range(e):
+        sd[f"{o}.experts.{x}.{gate}.weight"] = fc1[x, :, 0, :].T
+        sd[f"{o}.experts.{x}.{up}.weight"] = fc1[x, :, 1, :].T
+        sd[f"{o}.experts.{x}.{down}.weight"] = fc2[x].T
+    if arch == QWEN2_MOE:
+        fs = cfg.moe_shared_expert_intermediate_size
+        s1 = check(f"{L}/shared_experts/linear_fc1/kernel", mlp["shared_experts"]["linear_fc1"]["kernel"], (h, 2, fs))
+        s2 = check(f"{L}/shared_experts/linear_fc2/kernel", mlp["shared_experts"]["linear_fc2"]["kernel"], (fs, h))
+        sd[f"{o}.shared_expert.gate_proj.weight"] = s1[:, 0, :].T
+        sd[f"{o}.shared_expert.up_proj.weight"] = s1[:, 1, :].T
+        sd[f"{o}.shared_expert.down_proj.weight"] = 2 * s2.T  # x sigmoid(0) = 1/2 in Qwen2-MoE
+        sd[f"{o}.shared_expert_gate.weight"] = np.zeros((1, h), s2.dtype)
+    return {k: np.array(v, order="C", copy=True) for k, v in sd.items()}
+
+
+def mlp_from_hf(t: Callable, cfg, arch: str, i: int) -> dict:
+    """jmegatron ``mlp`` subtree of MoE layer ``i`` from HF tensors; ``t(key, shape)``
+    returns the float32 tensor (raising ValueError if missing or misshapen). Raises
+    ValueError for a non-zero Qwen2-MoE ``shared_expert_gate``."""
+    h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
+    o = _moe_prefix(arch, i)
+    gate, up, down = _expert_names(arch)
+    fc1 = np.stack([np.stack([t(f"{o}.experts.{x}.{gate}.weight", (f, h)).T,
+                              t(f"{o}.experts.{x}.{up}.weight", (f, h)).T], axis=1) for x in range(e)])
+    fc2 = np.stack([t(f"{o}.experts.{x}.{down}.weight", (h, f)).T for x in range(e)])
+    mlp = {"router": {"kernel": t(f"{o}.gate.weight", (e, h)).T},
+           "experts": {"linear_fc1": {"kernel": fc1}, "linear_fc2": {"kernel": fc2}}}
+    if arch == QWEN2_MOE:
+        fs = cfg.moe_shared_expert_intermediate_size
+        g = t(f"{o}.shared_expert_gate.weight", (1, h))
+        if np.any(g):
+            raise ValueError(
+                f"{o}.shared_expert_gate.weight is not zero: Qwen2-MoE scales the shared expert by "
+                f"sigmoid(x W_g), a gate jmegatron's MoE layer (Megatron-Core's SharedExpertMLP without "
+                f"moe_shared_expert_gate) does not have; only checkpoints whose gate is zero (as jmegatron "
+                f"exports them) import")
+        mlp["shared_experts"] = {
+            "linear_fc1": {"kernel": np.stack([t(f"{o}.shared_expert.gate_proj.weight", (fs, h)).T,
+                                               t(f"{o}.shared_expert.up_proj.weight", (fs, h)).T], axis=1)},
+            "linear_fc2": {"kernel": t(f"{o}.shared_expert.down_proj.weight", (h, fs)).T / 2}}
+    return mlp
+
+
+def from_module_layout(sd: Mapping[str, Any], arch: str, to_numpy: Callable) -> dict:
+    """A transformers-5 in-memory state dict (fused ``experts.gate_up_proj`` /
+    ``experts.down_proj``, Mixtral's router under ``mlp.gate``) -> checkpoint keys; other
+    keys pass through. Checkpoint-layout input comes back unchanged."""
+    out: dict[str, Any] = {}
+    gate, up, down = _expert_names(arch)
+    for key, value in sd.items():
+        m = _FUSED.match(key)
+        if m is None:
+            if arch == MIXTRAL and re.match(r"^model\.layers\.\d+\.mlp\.gate\.weight$", key):
+                key = key.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+            out[key] = value
+            continue
+        layer, name = m.groups()
+        o = layer + (".block_sparse_moe" if arch == MIXTRAL else ".mlp")
+        a = to_numpy(value)
+        for x in range(a.shape[0]):
+            if name == "gate_up_proj":
+                f = a.shape[1] // 2
+                out[f"{o}.experts.{x}.{gate}.weight"] = a[x, :f]
+                out[f"{o}.experts.{x}.{up}.weight"] = a[x, f:]
+            else:
+                out[f"{o}.experts.{x}.{down}.weight"] = a[x]
+    return out
+
+
+def to_module_layout(sd: Mapping[str, np.ndarray], arch: str, module_keys: set) -> dict:
+    """Checkpoint keys -> the keys of a transformers model whose ``state_dict()`` has
+    ``module_keys`` (transformers 5 fuses the experts; 4.x keeps them per expert, in which
+    case ``sd`` is returned unchanged)."""
+    if not any(_FUSED.match(k) for k in module_keys):
+        return dict(sd)
+    gate, up, down = _expert_names(arch)
+    out, experts = {}, {}
+    pat = re.compile(r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+    for key, value in sd.items():
+        m = pat.match(key)
+        if m is None:
+            out[key.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = value
+            continue
+        layer, x, name = m.group(1), int(m.group(2)), m.group(3)
+        experts.setdefault(layer, {}).setdefault(x, {})[name] = value
+    for layer, by_expert in experts.items():
+        order = sorted(by_expert)
+        out[f"{layer}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([by_expert[x][gate], by_expert[x][up]], axis=0) for x in order])
+        out[f"{layer}.mlp.experts.down_proj"] = np.stack([by_expert[x][down] for x in order])
+    return out
