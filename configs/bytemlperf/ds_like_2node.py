@@ -10,11 +10,7 @@ train_ds_like_2node.sh`` (commit a49963b65f75, unchanged at a30b4f97b174), run b
 MAX_TRAIN_SAMPLES / 31``, ``DECAY_SAMPLES = MAX_TRAIN_SAMPLES / 2`` and
 ``LR_WARMUP_SAMPLES = 2000 * 512`` (shell integer arithmetic, so 165161, 2560000, 1024000).
 
-Expert parallelism is not built yet (the lead's work in progress): validation refuses
-``expert_model_parallel_size > 1``, so the config keeps 1 and the script's 16 is in
-``LAYOUT`` (model_report's memory counts the experts split over 16).
-FLIP: when expert parallelism lands, set ``c.expert_model_parallel_size = 16`` below and
-turn tests/test_moe_configs.py's refusal check into a load check.
+The script's expert parallel size 16 is set (and in ``LAYOUT`` for model_report).
 
 Script arguments with no jmegatron field, and what stands for them:
 
@@ -98,9 +94,9 @@ def get_config():
     c.adam_eps = 1e-8
     c.clip_grad = 1.0
     c.bf16 = True
-    # MODEL_PARALLEL_ARGS: tp 1, expert parallel 16 (LAYOUT; see FLIP in the docstring)
+    # MODEL_PARALLEL_ARGS: tp 1, expert parallel 16
     c.tensor_model_parallel_size = 1
-    c.expert_model_parallel_size = 1
+    c.expert_model_parallel_size = 16
     # DATA_ARGS
     c.split = "99990,8,2"
     c.mock_data = True

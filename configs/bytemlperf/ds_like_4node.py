@@ -13,10 +13,11 @@ Not trainable on this build: MoE under pipeline parallelism and expert paralleli
 refused by validation, so the config keeps pp 1 / ep 1 and the script's pp 2 x ep 16 is in
 ``LAYOUT`` (for model_report), with ``VIRTUAL_PIPELINE`` for
 ``--num-layers-per-virtual-pipeline-stage 1``.
-FLIP: when expert parallelism and MoE pipelines land, set
-``c.pipeline_model_parallel_size = 2``, ``c.num_layers_per_virtual_pipeline_stage = 1``
-and ``c.expert_model_parallel_size = 16`` below, and turn tests/test_moe_configs.py's
-refusal check into a load check.
+The script's expert parallel size 16 is set; its pipeline (pp 2, one layer per virtual
+stage) is not: MoE under pipeline parallelism is refused on this build.
+FLIP: when MoE pipelines land, set ``c.pipeline_model_parallel_size = 2`` and
+``c.num_layers_per_virtual_pipeline_stage = 1`` below, and turn tests/test_moe_configs.py's
+remaining refusal check into a load check.
 
 Other script arguments as ds_like_2node.py (``--use-cpu-initialization`` is commented out
 here).
@@ -53,5 +54,5 @@ def get_config():
     c.lr_warmup_init = 1.0e-7
     # MODEL_PARALLEL_ARGS: tp 1, pp 2 (vpp: 1 layer per chunk), ep 16: LAYOUT (see FLIP)
     c.pipeline_model_parallel_size = 1
-    c.expert_model_parallel_size = 1
+    c.expert_model_parallel_size = 16
     return c
