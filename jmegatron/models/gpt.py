@@ -87,6 +87,15 @@ class ModelConfig:
             return functools.partial(blas_dot_general, weight_grad_only=self.matmul_impl == "hybrid")
         return dense_dot_general_fn
 
+    def grouped_matmul(self) -> Callable:
+        """The MoE experts' grouped GEMM ``(x [N, K], w [E, K, P], group_sizes [E]) -> [N, P]``
+        for ``matmul_impl``: the CPU kernel (:func:`jmegatron.kernels.cpu.ops.grouped_matmul`)
+        with the CPU matmul kernels, else ``jax.lax.ragged_dot``."""
+        if self.matmul_impl in ("blas", "hybrid"):
+            from jmegatron.kernels.cpu.ops import grouped_matmul
+            return grouped_matmul
+        return jax.lax.ragged_dot
+
 
 def resolve_impls(cfg: JMegatronConfig) -> dict[str, str]:
     """``{"attention_impl": ..., "matmul_impl": ...}`` with ``"auto"`` resolved: the CPU

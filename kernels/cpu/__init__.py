@@ -8,6 +8,9 @@ the CPU counterpart of the cuBLAS / cuDNN custom calls JAX uses on a GPU:
 
 * ``jmegatron_sgemm`` (``gemm.cc``): ``op(A) @ op(B)`` in float32 through OpenBLAS with
   the transposes as BLAS flags, on XLA's intra-op thread pool.
+* ``jmegatron_grouped_sgemm`` / ``_wgrad`` (``grouped_gemm.cc``): the grouped GEMM of an
+  MoE layer's experts (rows sorted by expert, one OpenBLAS call per group), where
+  ``jax.lax.ragged_dot`` on XLA:CPU computes about every group's product over all rows.
 * ``jmegatron_attention_fwd`` / ``_bwd`` (``attention.cc``): causal softmax attention
   with the hash dropout of :mod:`jmegatron.models.dropout`, one (batch, head) pair per
   task, in the manner of FlashAttention's recomputation (Dao et al. 2022): only the
@@ -34,10 +37,12 @@ import tempfile
 from typing import Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("gemm.cc", "attention.cc")
+SOURCES = ("gemm.cc", "grouped_gemm.cc", "attention.cc")
 HEADERS = ("parallel.h",)
 TARGETS = {
     "jmegatron_sgemm": "JmegatronSgemm",
+    "jmegatron_grouped_sgemm": "JmegatronGroupedSgemm",
+    "jmegatron_grouped_sgemm_wgrad": "JmegatronGroupedSgemmWgrad",
     "jmegatron_attention_fwd": "JmegatronAttentionFwd",
     "jmegatron_attention_bwd": "JmegatronAttentionBwd",
 }

@@ -5,6 +5,8 @@
   against a kernel ``[K..., N...]`` or ``[N..., K...]``) whose forward, input gradient and
   weight gradient are each one :func:`sgemm` with no transposing copies; other forms and
   dtypes fall back to :func:`jmegatron.models.layers.dense_dot_general`.
+* :func:`grouped_matmul` -- ``jax.lax.ragged_dot(x, w, group_sizes)`` (an MoE layer's
+  experts), forward, input gradient and weight gradient each one grouped BLAS call.
 * :func:`cpu_attention` -- the causal core attention of
   :func:`jmegatron.models.attention.xla_attention` (same signature, same dropout masks).
 """
@@ -210,3 +212,47 @@ def cpu_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
         raise ValueError(f"dropout rate {rate} must be in [0, 1)")
     key = _dropout_key(dropout_rng, sample_offset) if rate > 0.0 else jnp.zeros((3,), jnp.uint32)
     return _attention(*_same_vma(q, k, v, key), rate, ATTENTION_BLOCK)
+
+
+def grouped_matmul(x: Array, w: Array, group_sizes: Array) -> Array:
+    """``jax.lax.ragged_dot(x, w, group_sizes)`` through ``jmegatron_grouped_sgemm``: ``x``
+    ``[N, K]`` float32 with its rows sorted by group, ``w`` ``[E, K, P]`` float32,
+    ``group_sizes`` ``[E]`` int32 (summing to at most N; rows past the groups give zeros)
+    -> ``[N, P]`` float32. Gradients: ``dx`` = the grouped product with each ``w[e]``
+    transposed (a BLAS flag), ``dw[e] = x_e^T g_e`` (``jmegatron_grouped_sgemm_wgrad``); no
+    gradient for ``group_sizes``. Megatron-Core's GroupedMLP uses the grouped_gemm library
+    on GPUs for the same product. Other shapes or dtypes go to ``jax.lax.ragged_dot``, the
+    XLA reference path."""
+    if x.ndim != 2 or w.ndim != 3 or x.dtype != jnp.float32 or w.dtype != jnp.float32 or x.shape[1] != w.shape[1]:
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    return _grouped(*_same_vma(x, w), group_sizes.astype(jnp.int32))
+
+
+def _grouped_call(x, w, sizes, trans_b: bool) -> Array:
+    _lib.load()
+    out = w.shape[1] if trans_b else w.shape[2]
+    return jax.ffi.ffi_call("jmegatron_grouped_sgemm", _result((x.shape[0], out), x))(
+        x, w, _same_vma(sizes, x)[0], trans_b=bool(trans_b))
+
+
+@jax.custom_vjp
+def _grouped(x, w, sizes):
+    return _grouped_call(x, w, sizes, False)
+
+
+def _grouped_fwd(x, w, sizes):
+    return _grouped_call(x, w, sizes, False), (x, w, sizes)
+
+
+def _grouped_bwd(res, g):
+    x, w, sizes = res
+    g = g.astype(jnp.float32)
+    dx = _grouped_call(g, w, sizes, True)
+    _lib.load()
+    dw = jax.ffi.ffi_call("jmegatron_grouped_sgemm_wgrad", _result(w.shape, w))(x, *_same_vma(g, x)[:1],
+                                                                                 _same_vma(sizes, x)[0])
+    return dx, dw, np.zeros(sizes.shape, jax.dtypes.float0)
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+

@@ -11,7 +11,7 @@ assignment's routing weight multiplies the activation before linear_fc2, in floa
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -32,7 +32,8 @@ class GroupedMLP(nn.Module):
 
     ``probs`` (``[N]`` or ``[E, C]``, float32) weights each row. Returns ``x``'s shape,
     in ``dtype``. ``init_std`` / ``output_init_std``: normal initialisation of fc1 / fc2
-    (Megatron's init_method / output_layer_init_method).
+    (Megatron's init_method / output_layer_init_method). ``grouped_matmul``: the dropless
+    path's grouped GEMM (``jax.lax.ragged_dot`` or the CPU kernel, ModelConfig.grouped_matmul).
     """
 
     num_experts: int
@@ -42,6 +43,7 @@ class GroupedMLP(nn.Module):
     init_std: float = 0.02
     output_init_std: float = 0.02
     dtype: Any = jnp.float32
+    grouped_matmul: Callable = jax.lax.ragged_dot
 
     @nn.compact
     def __call__(self, x: Array, probs: Array, group_sizes: Optional[Array] = None) -> Array:
@@ -54,7 +56,7 @@ class GroupedMLP(nn.Module):
         fc2 = fc2.astype(self.dtype)
         x = x.astype(self.dtype)
         if group_sizes is not None:
-            hidden = jax.lax.ragged_dot(x, fc1, group_sizes)  # [N, (2)f]
+            hidden = self.grouped_matmul(x, fc1, group_sizes)  # [N, (2)f]
             hidden = nn.with_logical_constraint(hidden, (None, "activation_mlp"))
         else:
             hidden = jnp.einsum("ech,ehf->ecf", x, fc1)
@@ -66,7 +68,7 @@ class GroupedMLP(nn.Module):
             hidden = fused_gelu.gelu(hidden)
         hidden = (hidden.astype(jnp.float32) * probs[..., None].astype(jnp.float32)).astype(self.dtype)
         if group_sizes is not None:
-            return jax.lax.ragged_dot(hidden, fc2, group_sizes)
+            return self.grouped_matmul(hidden, fc2, group_sizes)
         return jnp.einsum("ecf,efh->ech", hidden, fc2)
 
 

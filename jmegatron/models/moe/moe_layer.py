@@ -65,7 +65,7 @@ class MoELayer(nn.Module):
         experts = GroupedMLP(moe.num_moe_experts // ep, h, moe.moe_ffn_hidden_size, c.swiglu,
                              init_std=c.init_method_std,
                              output_init_std=output_init_std(c.init_method_std, c.num_layers), dtype=c.dtype,
-                             name="experts")
+                             grouped_matmul=c.grouped_matmul(), name="experts")
         flat = x.reshape(num_tokens, h)
         if ep > 1 and moe.moe_token_dispatcher_type == "allgather":
             d = token_dispatcher.dispatch_allgather(flat, routing.top_indices, routing.probs, EXPERT_AXIS, ep)
