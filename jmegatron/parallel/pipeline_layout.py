@@ -132,6 +132,27 @@ class PipelineLayout:
         return tuple(self.order())
 
 
+def take_slots(stack, index: np.ndarray):
+    """``stack[index]`` along the leading axis with zeros where ``index`` is :data:`PAD`:
+    a stack moved between layouts (:func:`gather_index`). ``stack``: a numpy array (result
+    numpy) or a jax array / tracer (result jax)."""
+    index = np.asarray(index)
+    pad = index == PAD
+    safe = np.where(pad, 0, index)
+    if isinstance(stack, (np.ndarray, np.generic)):
+        out = stack[safe]
+        if pad.any():
+            out[pad] = 0
+        return out
+    import jax.numpy as jnp
+
+    out = jnp.take(stack, jnp.asarray(safe), axis=0)
+    if pad.any():
+        keep = jnp.asarray(~pad).reshape((-1,) + (1,) * (out.ndim - 1))
+        out = jnp.where(keep, out, jnp.zeros((), out.dtype))
+    return out
+
+
 def stage_layer_order(num_layers: int, pipeline_size: int, virtual_size: int = 1) -> np.ndarray:
     """int64 ``[num_layers]``: the model layer at each stored position of an even layout's
     stack (identity when ``virtual_size`` is 1). Raises ValueError unless

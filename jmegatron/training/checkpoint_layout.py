@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmegatron.parallel.pipeline_layout import PAD, PipelineLayout
+from jmegatron.parallel.pipeline_layout import PAD, PipelineLayout, take_slots
 
 __all__ = ["LayerLayout", "convert_layers", "restore"]
 
@@ -148,18 +148,7 @@ def _take(stack, index: np.ndarray):
         # another slot count: the leading axis loses its sharding (it may not divide)
         sharding = _stack_sharding(_stack_sharding(stack.sharding, add=False), add=True)
         return jax.ShapeDtypeStruct((len(index),) + tuple(stack.shape[1:]), stack.dtype, sharding=sharding)
-    pad = index == PAD
-    safe = np.where(pad, 0, index)
-    if _is_host(stack):
-        out = stack[safe]
-        if pad.any():
-            out[pad] = 0
-        return out
-    out = jnp.take(stack, jnp.asarray(safe), axis=0)
-    if pad.any():
-        keep = jnp.asarray(~pad).reshape((-1,) + (1,) * (out.ndim - 1))
-        out = jnp.where(keep, out, jnp.zeros((), out.dtype))
-    return out
+    return take_slots(stack, index)
 
 
 def _layer(stack, i: int):

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.distributed_optimizer import zero1_shardings
+from jmegatron.parallel.pipeline_layout import take_slots
 
 
 @flax.struct.dataclass
@@ -60,15 +61,11 @@ def store_layers(params: dict, layer_index: Optional[np.ndarray]) -> dict:
     if layer_index is None or "decoder_layers" not in params:
         return params
     index = np.asarray(layer_index)
-    pad = index < 0
 
     def take(a):
         if isinstance(a, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((len(index),) + tuple(a.shape[1:]), a.dtype)
-        out = jnp.take(a, jnp.asarray(np.maximum(index, 0)), axis=0)
-        if pad.any():
-            out = jnp.where(jnp.asarray(~pad).reshape((-1,) + (1,) * (out.ndim - 1)), out, jnp.zeros((), out.dtype))
-        return out
+        return take_slots(a, index)
 
     return dict(params, decoder_layers=jax.tree.map(take, params["decoder_layers"]))
 
