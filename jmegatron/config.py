@@ -500,8 +500,6 @@ class JMegatronConfig:
             if self.moe_router_score_function != "sigmoid":
                 raise ConfigError("config.moe_router_enable_expert_bias=True needs "
                                   "config.moe_router_score_function='sigmoid' (Megatron's rule).")
-            raise ConfigError("config.moe_router_enable_expert_bias=True: the router supports it but the train "
-                              "step does not yet carry and update the bias state (docs/MOE.md); set it to False.")
         if self.moe_router_dtype == "fp64":
             import jax
 

@@ -19,7 +19,7 @@ from jmegatron.models.gpt import GPTModel, ModelConfig
 from jmegatron.models.moe import moe_utils, token_dispatcher
 from jmegatron.models.moe.moe_layer import MoELayer, moe_loss_terms
 from jmegatron.models.moe.moe_utils import MoEConfig
-from jmegatron.models.moe.router import MOE_LOSSES, MOE_STATE, MOE_STATS, TopKRouter
+from jmegatron.models.moe.router import MOE_LOSSES, MOE_STATS, TopKRouter
 
 T, E = 48, 8
 
@@ -198,18 +198,21 @@ def test_router_module_matches_megatron_in_its_token_order(kw):
     assert not sown_eval
 
 
-def test_router_reads_expert_bias_from_moe_state():
+def test_router_expert_bias_steers_the_choice_and_gets_no_gradient():
     cfg = _moe(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     x = jnp.asarray(np.random.RandomState(8).randn(2, 8, 12).astype(np.float32))
     router = TopKRouter(cfg)
     variables = nn.unbox(router.init(jax.random.key(0), x))
-    assert variables[MOE_STATE]["expert_bias"].shape == (E,)
+    assert variables["params"]["expert_bias"].shape == (E,)
+    np.testing.assert_array_equal(np.asarray(variables["params"]["expert_bias"]), np.zeros(E))
     plain = router.apply(variables, x)
-    biased = dict(variables, **{MOE_STATE: {"expert_bias": jnp.full((E,), -1.0).at[3].set(1.0)}})
+    biased = {"params": dict(variables["params"], expert_bias=jnp.full((E,), -1.0).at[3].set(1.0))}
     routed = router.apply(biased, x)
     assert bool(jnp.all(routed.routing_map[:, 3])) and not bool(jnp.all(plain.routing_map[:, 3]))
-    with pytest.raises(ValueError, match="moe_state"):
-        router.apply({"params": variables["params"]}, x)
+    # the bias picks experts but does not weight them, and takes no gradient
+    grads = jax.grad(lambda p: jnp.sum(router.apply({"params": p}, x).probs ** 2))(biased["params"])
+    np.testing.assert_array_equal(np.asarray(grads["expert_bias"]), np.zeros(E))
+    assert float(jnp.abs(grads["kernel"]).sum()) > 0
 
 
 # ------------------------------------------------------------------ the MoE layer
@@ -389,7 +392,6 @@ def _cfg(**kw):
     (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn.*moe_aux_loss_coeff=0"),
     (dict(moe_router_topk=1), "moe_router_pre_softmax"),
     (dict(moe_router_enable_expert_bias=True), "moe_router_score_function='sigmoid'"),
-    (dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"), "bias state"),
     (dict(moe_layer_freq=(1, 0, 1)), "moe_layer_freq"),
     (dict(moe_layer_freq=0), "moe_layer_freq"),
     (dict(moe_layer_freq=2, scan_layers=True), "scan_layers"),

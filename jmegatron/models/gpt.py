@@ -245,7 +245,7 @@ class GPTModel(nn.Module):
             # stacked params and comes back as the scan's per-layer outputs.
             cached = () if kv_cache is None else (kv_cache,)
             stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0, "moe_losses": 0,
-                                                      "moe_stats": 0, "moe_state": 0},
+                                                      "moe_stats": 0},
                             split_rngs={"params": True, "dropout": True},
                             in_axes=(nn.broadcast, nn.broadcast) + (0,) * len(cached), length=c.num_layers,
                             metadata_params={nn.PARTITION_NAME: "layers"})

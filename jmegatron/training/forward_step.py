@@ -43,6 +43,8 @@ class ForwardStep:
     out by ``extra_shardings``. ``aux_modules``: trainable Flax modules stored beside the
     model's parameters (name -> (module, example input shape)), saved in checkpoints.
     ``owner``: whatever the provider wants kept alive with the run (e.g. the teacher).
+    ``buffers``: the model's :class:`ModelBuffers` (None: it has none), see
+    :func:`model_buffers`.
     """
 
     loss_fn: Callable
@@ -51,6 +53,22 @@ class ForwardStep:
     extra_shardings: Any = None
     aux_modules: dict = dataclasses.field(default_factory=dict)
     owner: Any = None
+    buffers: Optional["ModelBuffers"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBuffers:
+    """Non-trainable values stored among the parameters (Megatron's module buffers, e.g. the
+    routers' ``expert_bias``): the model reads them behind ``stop_gradient``, so their
+    gradients are exactly zero, and the train step replaces them after each optimizer step.
+
+    ``is_buffer(path) -> bool`` (a ``jax.tree_util`` key path into the parameters) marks
+    them (left out of ``num_zeros``); ``update(params, metrics) -> params`` gives the new
+    parameters from the updated ones and the step's metrics (Megatron does this in
+    ``finalize_model_grads``)."""
+
+    is_buffer: Callable[[tuple], bool]
+    update: Callable[[Any, dict], Any]
 
 
 def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array):
@@ -167,6 +185,26 @@ def lm_pipeline_stages(ctx: StageContext) -> dict:
                 report_zeros={"lm_loss": jnp.float32(0.0)})
 
 
+def model_buffers(cfg: JMegatronConfig, model) -> Optional[ModelBuffers]:
+    """The GPT model's buffers, for a provider's :attr:`ForwardStep.buffers`: with
+    ``moe_router_enable_expert_bias`` every router's ``expert_bias`` ``[E]`` (stacked
+    ``[slots, E]`` under ``scan_layers``), advanced after each optimizer step from the step's
+    ``moe_tokens_per_expert`` (:func:`jmegatron.models.moe.moe_layer.update_expert_bias`);
+    None for a model without buffers."""
+    if not cfg.moe_router_enable_expert_bias:
+        return None
+    from jmegatron.models.moe.moe_layer import update_expert_bias
+    from jmegatron.models.moe.router import EXPERT_BIAS
+    from jmegatron.training.run import stored_layer_index  # here: run imports this module
+
+    index, pattern, rate = stored_layer_index(cfg), model.cfg.moe_layers(), cfg.moe_router_bias_update_rate
+
+    def update(params, metrics):
+        return update_expert_bias(params, metrics["moe_tokens_per_expert"], rate, pattern, index)
+
+    return ModelBuffers(is_buffer=lambda path: getattr(path[-1], "key", None) == EXPERT_BIAS, update=update)
+
+
 def gpt_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size: int) -> ForwardStep:
     """The GPT language model's forward step (pretrain_gpt.py's ``forward_step`` and
     ``loss_func``): :func:`lm_loss_fn` and :func:`lm_pipeline_stages`. The default provider
@@ -182,4 +220,5 @@ def gpt_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size:
             "config.kd_teacher_load is set but this run was built with the plain language-model forward step: "
             "train it with python -m jmegatron.train or jmegatron.pretrain_gpt.pretrain(cfg), or pass "
             "forward_step_provider=jmegatron.distill.model_provider.distillation_forward_step")
-    return ForwardStep(loss_fn=lm_loss_fn(model), pipeline_stages=lm_pipeline_stages)
+    return ForwardStep(loss_fn=lm_loss_fn(model), pipeline_stages=lm_pipeline_stages,
+                       buffers=model_buffers(cfg, model))

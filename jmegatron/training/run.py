@@ -146,7 +146,7 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
                                        grad_shardings, rules, None if pipeline else fwd.loss_fn,
                                        fwd.extra_shardings, cfg.log_num_zeros_in_grad, pipeline,
                                        fwd.pipeline_stages if pipeline else None,
-                                       cfg.pipeline_layout() if pipeline else None)
+                                       cfg.pipeline_layout() if pipeline else None, fwd.buffers)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings)
     # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
     canonical = pipeline_layout.gather_index(cfg.pipeline_layout(), pipeline_layout.PipelineLayout(cfg.num_layers))

@@ -44,7 +44,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                     rules: Sequence = rules_lib.DEFAULT_RULES, loss_fn: Optional[Callable] = None,
                     extra_shardings: Any = None, log_num_zeros_in_grad: bool = False,
                     pipeline: Optional[tuple[str, int, int]] = None, pipeline_stages: Optional[Callable] = None,
-                    pipeline_layout: Any = None) -> Callable[..., tuple[TrainState, dict]]:
+                    pipeline_layout: Any = None, buffers: Any = None) -> Callable[..., tuple[TrainState, dict]]:
     """The un-jitted train step ``(state, batch[, extra]) -> (state, metrics)``.
 
     Data parallelism is explicit, as in Megatron's DDP: a ``shard_map`` makes the data
@@ -78,6 +78,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     distillation gives its own), the pipelined counterpart of ``loss_fn``; ``pipeline_layout``
     (:class:`jmegatron.parallel.pipeline_layout.PipelineLayout`, default the even split)
     places the layers on the stages.
+
+    ``buffers`` (:class:`jmegatron.training.forward_step.ModelBuffers`, optional): parameters
+    that are not trained (the routers' ``expert_bias``); after the optimizer's update they are
+    replaced by ``buffers.update(params, metrics)`` and ``num_zeros`` leaves them out.
 
     metrics (float32 scalars): ``loss`` (what was optimised) and the report's entries
     (``lm_loss`` by default), each a mean over micro-batches; ``grad_norm`` (before
@@ -251,11 +255,15 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                        lr=jnp.asarray(schedule(state.step), jnp.float32), num_tokens=tokens)
         if log_num_zeros_in_grad:  # int32 per tensor, float32 over tensors, as Megatron's float count
             metrics["num_zeros"] = sum(jnp.sum(g == 0, dtype=jnp.int32).astype(jnp.float32)
-                                       for g in jax.tree.leaves(grads))
+                                       for path, g in jax.tree_util.tree_leaves_with_path(grads)
+                                       if buffers is None or not buffers.is_buffer(path))
             if pipeline_layout is not None and pipeline_layout.uneven:  # not the padding slots' zeros
                 pads = int((pipeline_layout.order() < 0).sum())
-                metrics["num_zeros"] -= float(sum(pads * np.prod(g.shape[1:])
-                                                  for g in jax.tree.leaves(grads["decoder_layers"])))
+                metrics["num_zeros"] -= float(sum(pads * np.prod(g.shape[1:]) for path, g in
+                                                  jax.tree_util.tree_leaves_with_path(grads["decoder_layers"])
+                                                  if buffers is None or not buffers.is_buffer(path)))
+        if buffers is not None:
+            new_params = buffers.update(new_params, metrics)
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
         return new_state, metrics
 

@@ -180,3 +180,47 @@ def add_moe_losses(cfg: Any, loss: Array, report: dict, sown: Any, micro: dict, 
     for name, value in moe_report.items():
         report[name] = data_sum(value) if name == "moe_tokens_per_expert" else mean(value)
     return loss + mean(aux), report
+
+
+def update_expert_bias(params: Any, tokens_per_expert: Array, update_rate: float, moe_pattern: Any,
+                       layer_index: Optional[Any] = None) -> Any:
+    """``params`` with every router's ``expert_bias`` advanced one step of DeepSeek-V3's
+    aux-loss-free balancing (:func:`moe_utils.get_updated_expert_bias`: ``bias +
+    sign(mean_e(t) - t_e) * update_rate``), as Megatron's ``_update_router_expert_bias``
+    (megatron/core/distributed/finalize_model_grads.py) does once per global batch.
+
+    ``tokens_per_expert`` float32 ``[num_moe_layers, E]``: the tokens each expert received
+    in the step, over every micro-batch and rank (the train step's ``moe_tokens_per_expert``
+    report, in MoE-layer order; any positive scale, the update takes its sign).
+    ``moe_pattern``: one 0/1 per model layer (``ModelConfig.moe_layers()``). Per-layer
+    parameters (``decoder_layers_{i}``) take the row of their MoE layer; stacked ones
+    (``decoder_layers``, leaves ``[slots, E]``) the row of the model layer at each slot,
+    ``layer_index`` (int ``[slots]``, :func:`jmegatron.training.run.stored_layer_index`;
+    None: model order), slots marked PAD (-1, uneven pipeline stages) left as they are.
+    Other parameters are returned unchanged. Raises ValueError for an ``expert_bias`` under
+    any other top-level name.
+    """
+    import numpy as np
+
+    from jmegatron.models.moe.router import EXPERT_BIAS
+
+    pattern = np.asarray(moe_pattern, np.int64)
+    moe_row = np.cumsum(pattern) - 1  # model layer -> its row among the MoE layers
+
+    def update(path, leaf):
+        if getattr(path[-1], "key", None) != EXPERT_BIAS:
+            return leaf
+        top = str(getattr(path[0], "key", ""))
+        if top == "decoder_layers":
+            slots = leaf.shape[0]
+            index = np.arange(slots) if layer_index is None else np.asarray(layer_index)
+            rows = tokens_per_expert[moe_row[np.maximum(index, 0)]]
+            new = moe_utils.get_updated_expert_bias(rows, leaf, update_rate)
+            return jnp.where(jnp.asarray(index >= 0)[:, None], new, leaf)
+        if top.startswith("decoder_layers_"):
+            return moe_utils.get_updated_expert_bias(tokens_per_expert[moe_row[int(top.rsplit("_", 1)[1])]],
+                                                     leaf, update_rate)
+        raise ValueError(f"update_expert_bias: an expert_bias under {top!r}: expected decoder_layers or "
+                         f"decoder_layers_<i>")
+
+    return jax.tree_util.tree_map_with_path(update, params)

@@ -11,7 +11,6 @@ collection and the language model's loss function adds them
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -24,7 +23,7 @@ Array = jax.Array
 
 MOE_LOSSES = "moe_losses"  # sown: load_balancing_loss / seq_load_balancing_loss / z_loss (coefficients applied)
 MOE_STATS = "moe_stats"  # sown: tokens_per_expert [E], routed_tokens / dropped_tokens (assignments)
-MOE_STATE = "moe_state"  # variables: expert_bias [E] float32 (moe_router_enable_expert_bias)
+EXPERT_BIAS = "expert_bias"  # the router's parameter [E] float32 (moe_router_enable_expert_bias), no gradient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +48,11 @@ class TopKRouter(nn.Module):
 
     ``training``: compute and sow the z-loss and the load-balancing loss (Megatron computes
     them only in training with gradients enabled). With ``moe_router_enable_expert_bias``
-    the routing reads ``expert_bias [E]`` (float32) from the ``moe_state`` collection;
-    applying without that collection raises ValueError.
+    the top-k choice adds ``expert_bias [E]`` (float32, DeepSeek-V3's aux-loss-free
+    balancing). Megatron keeps it as a buffer; here it is a parameter under the router
+    (so every layout, checkpoint, evaluation and export carries it with the layer) behind
+    ``stop_gradient``: its gradient is exactly zero and the train step overwrites it after
+    each optimizer step (:func:`jmegatron.models.moe.moe_layer.update_expert_bias`).
     Tokens are routed in Megatron's sequence-major order (see
     :mod:`jmegatron.models.moe.moe_utils`); the result is in ``[b, s]`` order.
     """
@@ -74,10 +76,11 @@ class TopKRouter(nn.Module):
 
         expert_bias = None
         if c.moe_router_enable_expert_bias:
-            if not self.is_initializing() and not self.has_variable(MOE_STATE, "expert_bias"):
-                raise ValueError("moe_router_enable_expert_bias=True: apply the model with its 'moe_state' "
-                                 "collection (expert_bias [num_moe_experts], float32, from model.init)")
-            expert_bias = self.variable(MOE_STATE, "expert_bias", jnp.zeros, (num_experts,), jnp.float32).value
+            # A parameter the gradient never reaches: the train step replaces it after each
+            # optimizer step (moe_layer.update_expert_bias), as MaxText keeps its routed bias.
+            expert_bias = jax.lax.stop_gradient(self.param(
+                EXPERT_BIAS, nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (num_experts,),
+                jnp.float32))
 
         if c.moe_router_load_balancing_type == "sinkhorn":
             probs, routing_map, top_indices = self._sinkhorn(logits, training)
