@@ -253,8 +253,10 @@ def test_console_is_megatrons(jmegatron_log):
     keys = [seg.split(":")[0].strip() for seg in lines[2].split("] ", 1)[1].split("|")[1:-1]]
     assert keys == ["consumed samples", "elapsed time per iteration (ms)", "learning rate", "global batch size",
                     "lm loss", "loss scale", "grad norm", "num zeros", "number of skipped iterations",
-                    "number of nan iterations", "tokens/s", "TFLOP/s/device", "MFU",
-                    "MFU (theoretical peak)"]
+                    "number of nan iterations", "tokens/s", "TFLOP/s/device", "MFU"] + (
+                        # only beside a stated theoretical peak (none for a hypervisor's nominal
+                        # clock before bench peak measured this machine: jmegatron.training.peak)
+                        [] if "theoretical peak: unknown" in text else ["MFU (theoretical peak)"])
     assert re.match(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration        3/       8 \| consumed samples: "
                     r"          12 \|", lines[2])
     assert " global batch size:     4 | lm loss: " in lines[2] and " loss scale: 1.0 |" in lines[2]

@@ -293,7 +293,28 @@ def test_resolve_peak_uses_the_stored_clock_of_this_machine_only(tmp_path, monke
     assert f"{lifted:.3f} GHz" in r.theoretical_source
     peak.save_peak(dict(record, key="cpu|Other CPU|2 cores|flags-sha256:0"), path)
     r = peak.resolve_peak("float32", None, path, num_local_devices=1, platform_name="cpu", device_kind="cpu")
-    assert r.theoretical_tflops == pytest.approx(peak.theoretical_cpu_peak(cpu).tflops["float32"])
+    if "hypervisor" in cpu.flags:  # a guest's nominal clock states no peak (MFU above 100% otherwise)
+        assert r.theoretical_tflops is None and r.tflops is None
+        assert "bench peak" in r.theoretical_source and "bench peak" in r.describe()
+    else:
+        assert r.theoretical_tflops == pytest.approx(peak.theoretical_cpu_peak(cpu).tflops["float32"])
+
+
+def test_a_hypervisors_nominal_clock_is_not_a_stated_peak():
+    """Under a hypervisor /proc/cpuinfo's cpu MHz is the nominal clock (this VM: 2.596 GHz,
+    cores at 3.675): resolve_peak's theoretical peak refuses it until bench peak measured
+    the clock; bare metal, cpufreq's maximum or a measured clock are used."""
+    guest = peak.cpu_info(fake_cpuinfo("AuthenticAMD", 25, 17, X86 + ["avx512f", "hypervisor"], cores=2,
+                                       mhz=2596.0), sysfs_root="/nonexistent", affinity=[0, 1])
+    with pytest.raises(peak.PeakUnavailable, match="nominal.*python -m jmegatron.bench peak"):
+        peak.theoretical_cpu_peak(guest, trust_nominal_clock=False)
+    assert peak.theoretical_cpu_peak(guest).tflops["float32"] == pytest.approx(2 * 2.596e9 * 32 / 1e12)
+    measured = peak.theoretical_cpu_peak(guest, measured_clock_ghz=3.675, trust_nominal_clock=False)
+    assert measured.tflops["float32"] == pytest.approx(2 * 3.675e9 * 32 / 1e12)
+    metal = peak.cpu_info(fake_cpuinfo("AuthenticAMD", 25, 17, X86 + ["avx512f"], cores=2, mhz=2596.0),
+                          sysfs_root="/nonexistent", affinity=[0, 1])
+    assert peak.theoretical_cpu_peak(metal, trust_nominal_clock=False).tflops["float32"] == \
+        pytest.approx(2 * 2.596e9 * 32 / 1e12)
 
 
 def test_core_clock_is_measured():

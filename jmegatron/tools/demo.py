@@ -113,6 +113,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--train-iters", type=int, default=None, help="default: the config's")
     p.add_argument("--prompt", default="ROMEO:")
+    p.add_argument("--no-peak", action="store_true",
+                   help="do not run bench peak first when this machine has no stored peak (MFU then has no "
+                        "stated peak under a hypervisor)")
     args = p.parse_args(argv)
 
     work = pathlib.Path(args.workdir)
@@ -130,6 +133,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _run([py, "-m", "jmegatron.tools.preprocess_data", "--input", *files,
               "--output-prefix", str(work / "shakespeare"), "--tokenizer-model", str(tokenizer),
               "--append-eod", "--workers", "2"])
+    if not args.no_peak:
+        from jmegatron.training import peak as peak_lib
+
+        if peak_lib.stored_peak("float32") is None:  # MFU against a measured peak, never a guessed clock
+            _run([py, "-m", "jmegatron.bench", "peak", "--dtypes", "float32", "--sizes", "512,1024,2048"])
     ckpt = work / "checkpoints"
     train = [py, "-m", "jmegatron.train", "--config", args.config,
              f"--config.data_path={prefix}", f"--config.tokenizer_model={tokenizer}",

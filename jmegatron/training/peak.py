@@ -26,8 +26,11 @@ CPU theoretical peak = physical cores usable by this process x clock x FLOP/cycl
   usually the nominal one); ``$JMEGATRON_CPU_CLOCK_GHZ`` overrides both. A ``cpu MHz``
   clock is replaced by the core clock ``bench peak`` measured and stored for this machine
   when that is higher (:mod:`jmegatron.training.core_clock`: this VM reports 2.596 GHz and
-  its cores run at 3.675). No clock at all raises :class:`PeakUnavailable` (the trainer
-  then uses no peak and says so).
+  its cores run at 3.675). Under a hypervisor (``hypervisor`` in the flags) a ``cpu MHz``
+  clock with no measured one is not trusted: :func:`resolve_peak` then states no
+  theoretical peak and names ``bench peak`` (on this VM the nominal clock gave MFUs of
+  98-104%). No clock at all raises :class:`PeakUnavailable` (the trainer then uses no
+  peak and says so).
 * float32 FLOP/cycle = FMA pipes x (vector width / 32 bits) x 2 (a multiply and an add).
   The vector width is the narrower of the widest ISA in the flags (``avx512f`` 512,
   ``avx2``/``fma``/``avx`` 256, ``sse2``/``asimd`` 128) and the pipes' own width. The number
@@ -355,13 +358,15 @@ class TheoreticalPeak:
 
 
 def theoretical_cpu_peak(cpu: Optional[CpuInfo] = None, fp32_flop_per_cycle: Optional[int] = None,
-                         measured_clock_ghz: Optional[float] = None) -> TheoreticalPeak:
+                         measured_clock_ghz: Optional[float] = None,
+                         trust_nominal_clock: bool = True) -> TheoreticalPeak:
     """cores x clock x FLOP/cycle of ``cpu`` (default :func:`cpu_info`) for float32 and
     bfloat16, for the whole host. ``measured_clock_ghz`` (the core clock ``bench peak``
     measured, :mod:`jmegatron.training.core_clock`) replaces a clock read from
     ``/proc/cpuinfo``'s ``cpu MHz`` when it is higher (a hypervisor shows the nominal clock
     while the core boosts); a clock from ``$JMEGATRON_CPU_CLOCK_GHZ`` or cpufreq's maximum
-    is kept. Raises PeakUnavailable when no clock is known."""
+    is kept. Raises PeakUnavailable when no clock is known, and (``trust_nominal_clock``
+    False) when the clock is a hypervisor guest's ``cpu MHz`` with no measured one."""
     cpu = cpu or cpu_info()
     clock, clock_source = cpu.clock_ghz, cpu.clock_source
     if measured_clock_ghz and (clock is None or ("cpu MHz" in clock_source and measured_clock_ghz > clock)):
@@ -372,6 +377,12 @@ def theoretical_cpu_peak(cpu: Optional[CpuInfo] = None, fp32_flop_per_cycle: Opt
     if clock is None:
         raise PeakUnavailable(f"the CPU's theoretical peak needs its clock: {cpu.clock_source} "
                               "(or set config.peak_tflops)")
+    if not trust_nominal_clock and "cpu MHz" in clock_source and "hypervisor" in cpu.flags:
+        raise PeakUnavailable(
+            f"not stated: /proc/cpuinfo's cpu MHz ({clock:.3f} GHz) under a hypervisor is usually the nominal "
+            f"clock, below the core's boost clock (a peak from it can give an MFU above 100%); run "
+            f"python -m jmegatron.bench peak on this machine to measure the clock and the best GEMM, or set "
+            f"${CLOCK_ENV} / config.peak_tflops")
     fpc = flop_per_cycle(cpu, fp32_flop_per_cycle)
     tflops = {d: cpu.cores * clock * 1e9 * fpc[d] / 1e12 for d in DTYPES}
     summary = (f"{cpu.cores} cores x {clock:.3f} GHz x {fpc['float32']} float32 / {fpc['bfloat16']} "
@@ -381,7 +392,7 @@ def theoretical_cpu_peak(cpu: Optional[CpuInfo] = None, fp32_flop_per_cycle: Opt
 
 
 def theoretical_peak(platform_name: Optional[str] = None, device_kind: Optional[str] = None,
-                     measured_clock_ghz: Optional[float] = None) -> TheoreticalPeak:
+                     measured_clock_ghz: Optional[float] = None, trust_nominal_clock: bool = True) -> TheoreticalPeak:
     """The theoretical peak of this process's first device (or of ``platform_name`` /
     ``device_kind`` given): the CPU's from its ISA (``measured_clock_ghz`` as in
     :func:`theoretical_cpu_peak`), an accelerator's from the spec-sheet table. Raises
@@ -392,7 +403,7 @@ def theoretical_peak(platform_name: Optional[str] = None, device_kind: Optional[
         dev = jax.local_devices()[0]
         platform_name, device_kind = dev.platform, dev.device_kind
     if platform_name == "cpu":
-        return theoretical_cpu_peak(measured_clock_ghz=measured_clock_ghz)
+        return theoretical_cpu_peak(measured_clock_ghz=measured_clock_ghz, trust_nominal_clock=trust_nominal_clock)
     name, peaks, ref = _accelerator_entry(device_kind)
     tflops = {d: peaks[d] for d in DTYPES if d in peaks}
     summary = f"{name} dense spec-sheet peak" + (", float32 as TF32" if "float32_simt" in peaks else "")
@@ -522,7 +533,7 @@ def resolve_peak(dtype: str = "float32", config_peak_tflops: Optional[float] = N
     key = machine_key(platform_name, device_kind)
     try:
         clock = stored_clock_ghz(path, key) if platform_name == "cpu" else None
-        theo = theoretical_peak(platform_name, device_kind, clock)
+        theo = theoretical_peak(platform_name, device_kind, clock, trust_nominal_clock=False)
         if dtype not in theo.tflops:
             raise PeakUnavailable(f"no {dtype} figure for {device_kind!r} in jmegatron's table")
         theo_tflops, theo_source = theo.tflops[dtype] / share, theo.summary + per
