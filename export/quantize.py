@@ -14,6 +14,16 @@ layer rule, export dtype bf16 if the run trained in bf16 else fp16) and ModelOpt
 ``examples/llm_ptq/hf_ptq.py`` (KV-cache config merge, greedy sample before/after PTQ, unified
 Hugging Face export).
 
+Mixture-of-experts checkpoints become ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``
+(:mod:`jmegatron.export.hf_moe`); ModelOpt quantizes each expert (``_QuantFusedExperts``:
+one weight quantizer per expert and projection) and the attention, and the routers stay
+unquantized: ModelOpt's default ``*block_sparse_moe.gate*`` / ``*mlp.gate.*`` /
+``*router*`` rules (``modelopt_recipes/configs/ptq/units/default_disabled_quantizers.yaml``)
+disable Linear routers, and transformers 5's ``MixtralTopKRouter`` is not wrapped at all;
+the command raises if a router (:func:`moe_router_modules`) has an enabled quantizer. Weight
+blocks (int4_awq, w4a8_awq) must fit ``moe_ffn_hidden_size`` too (:func:`check_block_sizes`).
+Tested on Mixtral (tests/test_trtllm_moe.py).
+
 Data. Calibration and evaluation use the project's own tokenized MMIDIDX data
 (``PREFIX.bin``/``PREFIX.idx``), never a hub dataset, cut with the checkpoint config's ``split``
 exactly as training cut it (``jmegatron.data.blended_dataset``: contiguous sequence ranges

@@ -96,7 +96,9 @@ follows ``torch.tensor_split`` as current TRT-LLM does; releases whose ``pp_laye
 floor-divides (``num_layers // pp_size`` per stage) cannot load it, so prefer a ``--pp``
 that divides ``num_layers``. The source checkpoint's own pipeline layout (any p, v) does
 not matter: it is converted at restore (:mod:`jmegatron.training.checkpoint_layout`).
-``--quantized`` supports ``--pp 1`` only.
+``--quantized`` supports ``--pp 1`` only, and dense models only: for an MoE source it is
+refused by name (ModelOpt 0.47's TensorRT-LLM exporter cannot read transformers 5's Mixtral;
+the quantize command's unified Hugging Face checkpoint is the quantized MoE deliverable).
 
 ``--quantized DIR`` takes a ``jmegatron.export quantize`` output: the fake-quantized model
 (:func:`jmegatron.export.quantize.load_quantized`) goes through ModelOpt's
@@ -232,12 +234,12 @@ def check_exportable(cfg, tp: int, dtype: str, pp: int = 1, *, moe_tp: Optional[
     if nkv % tp and tp % nkv:
         problems.append(f"num_query_groups={nkv}: --tp {tp} must divide it, or be a multiple of it (KV heads are "
                         "split, or duplicated when fewer than tp)")
-    if arch == MIXTRAL:
-        ffn = tp  # every layer is an MoE layer: no dense MLP to split over tp (the experts: below)
-    if ffn % tp:
+    dense_mlp = arch != MIXTRAL  # Mixtral: every layer is an MoE layer (its experts are checked below)
+    if dense_mlp and ffn % tp:
         problems.append(f"ffn_hidden_size={ffn} is not divisible by --tp {tp}")
     if problems:
-        divisors = [t for t in range(1, nq + 1) if not nq % t and not ffn % t and (not nkv % t or not t % nkv)]
+        divisors = [t for t in range(1, nq + 1)
+                    if not nq % t and not (dense_mlp and ffn % t) and (not nkv % t or not t % nkv)]
         raise ExportError("--tp " + str(tp) + ": " + "; ".join(problems)
                           + f". Tensor parallel sizes that fit this model: {divisors}")
     if arch == MIXTRAL:

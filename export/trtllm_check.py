@@ -968,6 +968,8 @@ def check_trtllm_checkpoint(checkpoint_dir: str, check_values: bool = True) -> C
         report.checks.append("pipeline mapping (each layer on exactly one stage: "
                              + "; ".join(_stage_summary(model, s) for s in range(model.pp)) + ")")
     report.checks.append(f"tensor names, shapes, dtypes per rank (tp {model.tp}, pp {model.pp}"
+                         + (f", {model.experts} experts over moe_tp {model.moe_tp} x moe_ep {model.moe_ep}"
+                            if model.experts else "")
                          + (f", {model.quant_algo}" if model.quant_algo else "")
                          + (f", kv cache {model.kv_algo}" if model.kv_algo else "") + ")")
     if check_values and all_specs:
