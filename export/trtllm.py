@@ -59,6 +59,8 @@ columns ``moe_tp_rank * F/moe_tp ..`` of each. Per layer ``o = transformer.layer
                                              index 1) then the gate rows (w1, index 0):
                                              convert.py's ``concat([w3, w1], dim=-2)``; the
                                              activation applies to the second half
+                                             (``MoeOOTB.load_weights``: rows [:F] -> the
+                                             GatedMLP's gate, rows [F:] -> its fc)
     o.mlp.proj.weight    [E/ep, h, F/mtp]    HF w2 columns of this MoE tp rank
 
 Note the order is the reverse of the dense ``GatedMLP``'s (there ``mlp.fc`` is the gate).

@@ -5,7 +5,10 @@ an MoE checkpoint with the router left unquantized.
 The writer's output passes the checker at (moe_tp, moe_ep) in {(1,1), (2,1), (1,2), (2,2)}
 (tp = moe_tp x moe_ep, TensorRT-LLM's Mapping), the rank shards put back together by
 TensorRT-LLM's rules (``Mapping.ep_experts`` / ``moe_tp_rank``, ``concat([w3, w1])``) give
-the Hugging Face Mixtral export's tensors exactly (the router in float32), a shard with its
+the Hugging Face Mixtral export's tensors exactly (the router in float32), TensorRT-LLM's
+MoE computation (``MoeOOTB``: RENORMALIZE routing, ``mlp.fc``'s first half the up projection,
+second half the silu input, summed over ranks) on the rank files equals the Hugging Face
+``MixtralSparseMoeBlock`` (7.7e-6 at a max output of 22.8), a shard with its
 experts swapped or a config with bad MoE fields fails naming the tensor or field, and bad
 ``--moe-ep`` / ``--moe-tp`` / architectures stop before anything is written.
 
@@ -20,6 +23,7 @@ experts' FFN and the quantized TensorRT-LLM export of an MoE model are refused b
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 import modelopt.torch.quantization as mtq
@@ -162,6 +166,58 @@ def test_reassembled_shards_equal_hf_weights(moe_tp, moe_ep, moe_model, tmp_path
             assert torch.equal(got[name], want[name].to(torch.float16).float()), name
     # the control: up and gate are told apart (swapping them changes the tensors)
     assert not torch.equal(want["transformer.layers.0.mlp.up"], want["transformer.layers.0.mlp.gate"])
+
+
+def trtllm_moe_layer(ranks: list, layer: int, x: np.ndarray, top_k: int, ep: int, swap: bool = False) -> np.ndarray:
+    """TensorRT-LLM's MoE layer on tokens ``x [T, h]`` (float64 numpy), computed from the rank
+    files as its ``MoeOOTB`` does (``tensorrt_llm/layers/moe.py``): RENORMALIZE routing (top-k
+    of the float32 router logits, softmax over those k), each rank's experts
+    (``Mapping.ep_experts``) as ``GatedMLP``s whose ``gate`` (up projection) is the first half
+    of ``mlp.fc`` rows and whose ``fc`` (the silu input) is the second half
+    (``MoeOOTB.load_weights``), ``proj(silu(fc(x)) * gate(x))`` on the rank's FFN columns,
+    then the sum over ranks (the allreduce). ``swap``: read the halves the other way round."""
+    o = f"transformer.layers.{layer}.mlp"
+    router = ranks[0][f"{o}.router.weight"].double().numpy()
+    logits = x @ router.T
+    top = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
+    vals = np.take_along_axis(logits, top, -1)
+    w = np.exp(vals - vals.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    for t, R in enumerate(ranks):
+        fc, proj = R[f"{o}.fc.weight"].double().numpy(), R[f"{o}.proj.weight"].double().numpy()
+        local = fc.shape[0]
+        half = fc.shape[1] // 2
+        for j in range(local):
+            e = t % ep * local + j
+            up, act_in = (fc[j, :half], fc[j, half:]) if not swap else (fc[j, half:], fc[j, :half])
+            for tok in range(x.shape[0]):
+                hit = np.nonzero(top[tok] == e)[0]
+                if hit.size:
+                    a = act_in @ x[tok]
+                    out[tok] += w[tok, hit[0]] * (proj[j] @ ((a / (1 + np.exp(-a))) * (up @ x[tok])))
+    return out
+
+
+@pytest.mark.parametrize("moe_tp,moe_ep", [(1, 1), (2, 2)])
+def test_tensorrt_llm_moe_semantics_equal_hf_mixtral_block(moe_tp, moe_ep, tmp_path):
+    # Weights exactly representable in float16, so the checkpoint holds them exactly: the
+    # TensorRT-LLM computation over the ranks equals the Hugging Face MixtralSparseMoeBlock
+    # (itself golden-tested against jmegatron); reading fc's halves the other way does not.
+    cfg = moe_cfg()
+    params = jax.tree.map(lambda a: a.astype(np.float16).astype(np.float32) * 0.5, random_params(cfg, seed=7))
+    write_trtllm_checkpoint(params, cfg, TRUE_VOCAB, str(tmp_path / "c"), tp=moe_tp * moe_ep, moe_ep=moe_ep)
+    ranks = [load_file(str(tmp_path / "c" / f"rank{r}.safetensors")) for r in range(moe_tp * moe_ep)]
+    block = hf.to_hf_model(params, cfg, TRUE_VOCAB).model.layers[1].mlp
+    x = np.random.default_rng(0).standard_normal((6, 64)) * 0.5
+    with torch.no_grad():
+        want = block(torch.from_numpy(x).float()[None])[0].double().numpy()
+    got = trtllm_moe_layer(ranks, 1, x, cfg.moe_router_topk, moe_ep)
+    scale = np.abs(want).max()
+    print(f"max |TRT-LLM - HF| = {np.abs(got - want).max():.3g} (max |HF| {scale:.3g})")
+    assert scale > 0.1 and np.abs(got - want).max() <= 1e-4 * scale, np.abs(got - want).max()
+    swapped = trtllm_moe_layer(ranks, 1, x, cfg.moe_router_topk, moe_ep, swap=True)
+    assert np.abs(swapped - want).max() > 1e-2 * scale
 
 
 def test_pipeline_stages_hold_the_same_moe_tensors(moe_model, tmp_path):
