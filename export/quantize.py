@@ -22,7 +22,8 @@ unquantized: ModelOpt's default ``*block_sparse_moe.gate*`` / ``*mlp.gate.*`` /
 disable Linear routers, and transformers 5's ``MixtralTopKRouter`` is not wrapped at all;
 the command raises if a router (:func:`moe_router_modules`) has an enabled quantizer. Weight
 blocks (int4_awq, w4a8_awq) must fit ``moe_ffn_hidden_size`` too (:func:`check_block_sizes`).
-Tested on Mixtral (tests/test_trtllm_moe.py).
+Tested (tests/test_trtllm_moe.py): Mixtral end to end; Qwen2-MoE's router and
+shared-expert gate stay unquantized.
 
 Data. Calibration and evaluation use the project's own tokenized MMIDIDX data
 (``PREFIX.bin``/``PREFIX.idx``), never a hub dataset, cut with the checkpoint config's ``split``

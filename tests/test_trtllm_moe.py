@@ -13,7 +13,8 @@ experts swapped or a config with bad MoE fields fails naming the tensor or field
 ``--moe-ep`` / ``--moe-tp`` / architectures stop before anything is written.
 
 ``python -m jmegatron.export quantize`` (FP8) on a Mixtral checkpoint quantizes the experts
-and the attention and leaves the routers unquantized (ModelOpt's default rules
+and the attention and leaves the routers unquantized (also Qwen2-MoE's router and
+shared-expert gate; ModelOpt's default rules
 ``*block_sparse_moe.gate*`` / ``*mlp.gate.*``, also checked on Linear routers against a
 control without them), writes the unified Hugging Face checkpoint with FP8 experts and the
 routers excluded, and reports perplexity; configs whose weight blocks do not fit the
@@ -457,6 +458,24 @@ def test_fp8_quantizes_experts_and_leaves_routers_unquantized(fp8):
         assert "model.layers.0.block_sparse_moe.experts.2.w1.weight_scale" in f.keys()
     quality = (out / "quality.md").read_text()
     assert "| fp8 | FP8_DEFAULT_CFG | FP8 |" in quality
+
+
+def test_qwen2_moe_router_and_shared_expert_gate_stay_unquantized():
+    # Qwen2-MoE (shared expert with its sigmoid gate, a dense first layer): FP8 quantizes the
+    # routed and shared experts and leaves the router and the shared-expert gate alone
+    from jmegatron.export.quantize import quantize_model
+
+    cfg = moe_cfg(moe_shared_expert_intermediate_size=32, moe_layer_freq=(0, 1))
+    model = hf.to_hf_model(random_params(cfg, seed=1), cfg, TRUE_VOCAB)
+    tokens = np.random.default_rng(0).integers(0, TRUE_VOCAB, (2, 16))
+    batch = {"tokens": tokens, "position_ids": np.tile(np.arange(16), (2, 1))}
+    model = quantize_model(model, "fp8", "none", [batch])
+    assert moe_router_modules(model) == ["model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate"]
+    for r in moe_router_modules(model):
+        assert enabled_quantizers(model, r) == [], r
+    assert enabled_quantizers(model, "model.layers.1.mlp.experts")
+    assert enabled_quantizers(model, "model.layers.1.mlp.shared_expert.down_proj")
+    assert enabled_quantizers(model, "model.layers.0.mlp.up_proj")  # the dense layer
 
 
 class _Block(torch.nn.Module):
