@@ -72,18 +72,19 @@ def checkpoint_config(load_dir: str, iteration: Optional[int] = None):
         raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {e}") from e
 
 
-def refuse_moe(cfg, command: str, missing: str) -> None:
+def refuse_moe(cfg, command: str, missing: str, instead: Optional[str] = None) -> None:
     """Raise ExportError when ``cfg`` is a mixture-of-experts model (``num_moe_experts``
-    set) and ``command`` (e.g. ``"trtllm"``) handles dense models only; ``missing`` names
-    what is not built. Called before any array is restored, so a dense-only exporter never
-    fails later on a missing ``mlp/linear_fc1`` key."""
+    set) and ``command`` (e.g. ``"trtllm --quantized"``) handles dense models only;
+    ``missing`` names what is not built, ``instead`` what to use (default: ``export hf``).
+    Called before any array is restored, so a dense-only path never fails later on a
+    missing ``mlp/linear_fc1`` key."""
     if cfg.num_moe_experts is None:
         return
+    instead = instead or ("`python -m jmegatron.export hf` exports it to Hugging Face (MixtralForCausalLM, or "
+                          "Qwen2MoeForCausalLM with a shared expert)")
     raise ExportError(
         f"{command}: this checkpoint is a mixture-of-experts model (num_moe_experts={cfg.num_moe_experts}, "
-        f"moe_router_topk={cfg.moe_router_topk}), and {missing} is not built yet (issue 13 item 6); "
-        f"`python -m jmegatron.export hf` exports it to Hugging Face (MixtralForCausalLM, or "
-        f"Qwen2MoeForCausalLM with a shared expert)")
+        f"moe_router_topk={cfg.moe_router_topk}), and {missing} is not built yet; {instead}")
 
 
 def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSource:

@@ -14,6 +14,17 @@ layer rule, export dtype bf16 if the run trained in bf16 else fp16) and ModelOpt
 ``examples/llm_ptq/hf_ptq.py`` (KV-cache config merge, greedy sample before/after PTQ, unified
 Hugging Face export).
 
+Mixture-of-experts checkpoints become ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``
+(:mod:`jmegatron.export.hf_moe`); ModelOpt quantizes each expert (``_QuantFusedExperts``:
+one weight quantizer per expert and projection) and the attention, and the routers stay
+unquantized: ModelOpt's default ``*block_sparse_moe.gate*`` / ``*mlp.gate.*`` /
+``*router*`` rules (``modelopt_recipes/configs/ptq/units/default_disabled_quantizers.yaml``)
+disable Linear routers, and transformers 5's ``MixtralTopKRouter`` is not wrapped at all;
+the command raises if a router (:func:`moe_router_modules`) has an enabled quantizer. Weight
+blocks (int4_awq, w4a8_awq) must fit ``moe_ffn_hidden_size`` too (:func:`check_block_sizes`).
+Tested (tests/test_trtllm_moe.py): Mixtral end to end; Qwen2-MoE's router and
+shared-expert gate stay unquantized.
+
 Data. Calibration and evaluation use the project's own tokenized MMIDIDX data
 (``PREFIX.bin``/``PREFIX.idx``), never a hub dataset, cut with the checkpoint config's ``split``
 exactly as training cut it (``jmegatron.data.blended_dataset``: contiguous sequence ranges
@@ -75,7 +86,8 @@ __all__ = [
     "QUANT_CFG_CHOICES", "KV_CACHE_QUANT_CHOICES", "MODELOPT_STATE", "UNIFIED_HF_DIR", "INFO_FILE",
     "MANIFEST", "register", "run", "quantize", "load_quantized", "parse_quant_cfgs",
     "build_quant_config", "portion_dataset", "make_batches", "perplexity", "quantize_model",
-    "enabled_quantizers", "greedy_continuation", "save_quantized", "weight_block_size", "check_block_sizes",
+    "enabled_quantizers", "moe_router_modules", "greedy_continuation", "save_quantized", "weight_block_size",
+    "check_block_sizes", "quantized_source_config",
 ]
 
 # --quant-cfg name -> ModelOpt config (names as Megatron-LM's text_generation_ptq.py / hf_ptq.py)
@@ -224,13 +236,25 @@ def check_block_sizes(name: str, cfg) -> None:
     if not block:
         return
     inputs = {"hidden_size (linear_qkv / linear_fc1 input)": cfg.hidden_size,
-              "num_attention_heads * kv_channels (linear_proj input)": cfg.num_attention_heads * cfg.kv_channels,
-              "ffn_hidden_size (linear_fc2 input)": cfg.ffn_hidden_size}
+              "num_attention_heads * kv_channels (linear_proj input)": cfg.num_attention_heads * cfg.kv_channels}
+    if cfg.num_moe_experts is None or not all(_moe_pattern(cfg)):
+        inputs["ffn_hidden_size (linear_fc2 input)"] = cfg.ffn_hidden_size
+    if cfg.num_moe_experts is not None:
+        inputs["moe_ffn_hidden_size (the experts' linear_fc2 input)"] = cfg.moe_ffn_hidden_size
+        if cfg.moe_shared_expert_intermediate_size is not None:
+            inputs["moe_shared_expert_intermediate_size (shared linear_fc2 input)"] = \
+                cfg.moe_shared_expert_intermediate_size
     bad = [f"{k} = {v}" for k, v in inputs.items() if v % block]
     if bad:
         raise ExportError(f"--quant-cfg {name}: ModelOpt packs the weights in blocks of {block} input features and "
                           f"cannot export partial blocks, but {'; '.join(bad)} is not a multiple of {block}; "
                           "leave this config out (int8_sq, int8_wo and fp8 have no blocks)")
+
+
+def _moe_pattern(cfg) -> tuple:
+    from jmegatron.models.moe.moe_utils import moe_layer_pattern
+
+    return moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
 
 
 # ----------------------------------------------------------------------------- data
@@ -381,6 +405,20 @@ def enabled_quantizers(model, prefix: str) -> list[str]:
             if (n == prefix or n.startswith(prefix + ".")) and isinstance(m, TensorQuantizer) and m.is_enabled]
 
 
+def moe_router_modules(model) -> list[str]:
+    """Names of the MoE routers of a ``transformers`` model: the ``gate`` (and Qwen2-MoE's
+    ``shared_expert_gate``) of every sparse MoE block (a module with ``experts`` and ``gate``
+    children: ``model.layers.{i}.mlp`` in transformers 5, ``block_sparse_moe`` in 4.x).
+    [] for a dense model."""
+    names = []
+    for name, module in model.named_modules():
+        if hasattr(module, "experts") and hasattr(module, "gate"):
+            names.append(f"{name}.gate")
+            if hasattr(module, "shared_expert_gate"):
+                names.append(f"{name}.shared_expert_gate")
+    return names
+
+
 def greedy_continuation(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_id: Optional[int],
                         device="cpu") -> list[int]:
     """Greedy ``model.generate`` continuation (new token ids only) of ``prompt_ids``."""
@@ -434,6 +472,19 @@ def _resolve_cfg_dir(quantized_dir: str, cfg_name: Optional[str]) -> str:
     if cfg_name not in names:
         raise ExportError(f"{quantized_dir} has no config {cfg_name!r}; it holds {names}")
     return os.path.join(quantized_dir, cfg_name)
+
+
+def quantized_source_config(quantized_dir: str, cfg_name: Optional[str] = None):
+    """The resolved config of the checkpoint a ``quantize`` output came from, read from its
+    metadata without restoring any array (:func:`jmegatron.export.common.checkpoint_config`),
+    so a command can refuse bad input before work. Raises ExportError as
+    :func:`load_quantized`."""
+    cfg_dir = _resolve_cfg_dir(quantized_dir, cfg_name)
+    with open(os.path.join(cfg_dir, INFO_FILE)) as f:
+        source = json.load(f)["source"]
+    if not os.path.isdir(source["load_dir"]):
+        raise ExportError(f"{cfg_dir}: its source checkpoint {source['load_dir']} is gone")
+    return checkpoint_config(source["load_dir"], source["iteration"])
 
 
 def load_quantized(quantized_dir: str, cfg_name: Optional[str] = None):
@@ -574,11 +625,8 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
     calib_prefix = _check_prefix(calib_data, "--calib-data")
     eval_prefix = _check_prefix(eval_data or calib_data, "--eval-data" if eval_data else "--calib-data")
     cfg = checkpoint_config(load, iteration)
-    from jmegatron.export.common import refuse_moe
     from jmegatron.export.hf import hf_architecture
 
-    refuse_moe(cfg, "quantize", "ModelOpt PTQ of the MoE model (router left unquantized, experts' "
-                                "quantizers, the MoE unified-checkpoint export)")
     try:
         arch = hf_architecture(cfg)
     except ValueError as e:
@@ -749,6 +797,12 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
         left_on = enabled_quantizers(model, OUTPUT_LAYER)
         if left_on:
             raise RuntimeError(f"{name}: the output layer has enabled quantizers {left_on} (it must stay unquantized)")
+        routers = moe_router_modules(model)
+        left_on = [q for r in routers for q in enabled_quantizers(model, r)]
+        if left_on:  # ModelOpt's default rules ('*block_sparse_moe.gate*', '*mlp.gate.*', '*router*') keep them off
+            raise RuntimeError(f"{name}: MoE routers have enabled quantizers {left_on} (they must stay unquantized)")
+        if routers:
+            _log(f"{name}: {len(routers)} MoE routers left unquantized ({routers[0]}, ...)")
         t0 = time.time()
         q = perplexity(model, eval_batches, device)
         eval_seconds = time.time() - t0

@@ -1,7 +1,8 @@
 """``python -m jmegatron.export trtllm``: TensorRT-LLM checkpoints (what ``trtllm-build`` reads).
 
     python -m jmegatron.export trtllm (--load CKPT | --quantized DIR [--quant-cfg NAME])
-        --tp T [--pp P] --dtype float16|bfloat16 --out DIR [--no-parallel-embedding] [--build-engine]
+        --tp T [--pp P] [--moe-ep E] [--moe-tp T/E] --dtype float16|bfloat16 --out DIR
+        [--no-parallel-embedding] [--build-engine]
     python -m jmegatron.export check-trtllm DIR
 
 The format is TensorRT-LLM's checkpoint of TRT-LLM <= 1.2 (the one Megatron-LM's
@@ -26,6 +27,45 @@ Targets (chosen as for Hugging Face, :func:`jmegatron.export.hf.hf_architecture`
   ``add_bias_linear``. TRT-LLM's ``GatedMLP`` computes ``proj(act(fc(x)) * gate(x))``, so
   ``mlp.fc`` is the SwiGLU gate (jmegatron fc1 index 0, HF ``gate_proj``) and ``mlp.gate`` is
   the up projection (fc1 index 1, HF ``up_proj``), as ``tensorrt_llm/models/llama/convert.py``.
+
+* ``MixtralForCausalLM`` for mixture-of-experts models without a shared expert (every layer
+  an MoE layer, Llama's attention; the Hugging Face target of
+  :func:`jmegatron.export.hf_moe.moe_architecture`). TensorRT-LLM's ``MODEL_MAP`` maps the
+  name to its ``LLaMAForCausalLM`` with ``MixtureOfExperts`` MLPs; the config is what
+  ``LLaMAConfig.from_hugging_face`` writes for ``model_type == "mixtral"``:
+  ``hidden_act="swiglu"`` (the gated activation made explicit), ``intermediate_size`` =
+  ``moe_ffn_hidden_size`` and ``moe = {num_experts, top_k, normalization_mode: 1}``
+  (``MoeConfig.ExpertScaleNormalizationMode.RENORMALIZE``: softmax over the top-k router
+  logits, which equals Megatron's softmax over all experts renormalised over the top-k,
+  ``moe_router_pre_softmax=False``; the three fields ModelOpt's
+  ``tensorrt_llm_utils.convert_to_tensorrt_llm_config`` writes, which every MoeConfig
+  release accepts). Shared experts (Qwen2-MoE), dense layers among MoE layers, sigmoid
+  scores / expert bias / top-k scaling (DeepSeek-V3) have no ``MixtralForCausalLM`` form
+  and are refused, naming the field.
+
+MoE layer layout (``tensorrt_llm/layers/moe.py`` ``MixtureOfExperts`` / ``MOEWeightWrapper``,
+the ``moe_config.has_moe()`` branch of ``tensorrt_llm/models/llama/convert.py``
+``convert_hf_llama``, ``tensorrt_llm/mapping.py``): the MoE ranks are the tp ranks of a
+stage, ``moe_tp_size * moe_ep_size == tp_size`` (``Mapping`` raises otherwise; with neither
+given ``moe_tp_size = tp``, ``moe_ep_size = 1``; with one given the other is ``tp`` divided by
+it). Tensor parallel rank ``t`` is expert-parallel rank ``t % moe_ep_size`` and MoE tensor
+parallel rank ``t // moe_ep_size`` (``Mapping.moe_ep_rank`` / ``moe_tp_rank``), and holds
+experts ``ep_rank * E/ep .. (ep_rank + 1) * E/ep - 1`` (``Mapping.ep_experts``) with the FFN
+columns ``moe_tp_rank * F/moe_tp ..`` of each. Per layer ``o = transformer.layers.{i}``::
+
+    o.mlp.router.weight  [E, h]              float32 on every rank (the router is a float32
+                                             RowLinear, never split or quantized)
+    o.mlp.fc.weight      [E/ep, 2 F/mtp, h]  per expert: the up rows (HF w3, jmegatron fc1
+                                             index 1) then the gate rows (w1, index 0):
+                                             convert.py's ``concat([w3, w1], dim=-2)``; the
+                                             activation applies to the second half
+                                             (``MoeOOTB.load_weights``: rows [:F] -> the
+                                             GatedMLP's gate, rows [F:] -> its fc)
+    o.mlp.proj.weight    [E/ep, h, F/mtp]    HF w2 columns of this MoE tp rank
+
+Note the order is the reverse of the dense ``GatedMLP``'s (there ``mlp.fc`` is the gate).
+Attention, norms, embeddings and ``lm_head`` are split over ``tp`` as for Llama, and
+``--pp`` works as for dense models.
 
 Tensor parallel layout (``tensorrt_llm/models/gpt/convert.py``, ``llama/convert.py``):
 ``attention.qkv.weight`` of rank ``r`` is ``[(nq/tp + 2 kv_r) * d, h]``: the rows of query
@@ -58,7 +98,9 @@ follows ``torch.tensor_split`` as current TRT-LLM does; releases whose ``pp_laye
 floor-divides (``num_layers // pp_size`` per stage) cannot load it, so prefer a ``--pp``
 that divides ``num_layers``. The source checkpoint's own pipeline layout (any p, v) does
 not matter: it is converted at restore (:mod:`jmegatron.training.checkpoint_layout`).
-``--quantized`` supports ``--pp 1`` only.
+``--quantized`` supports ``--pp 1`` only, and dense models only: for an MoE source it is
+refused by name (ModelOpt 0.47's TensorRT-LLM exporter cannot read transformers 5's Mixtral;
+the quantize command's unified Hugging Face checkpoint is the quantized MoE deliverable).
 
 ``--quantized DIR`` takes a ``jmegatron.export quantize`` output: the fake-quantized model
 (:func:`jmegatron.export.quantize.load_quantized`) goes through ModelOpt's
@@ -68,7 +110,8 @@ and scaling factors) are kept, and its ``config.json`` is corrected by
 :func:`fix_modelopt_config` (each fix documented there and printed).
 
 Bad input (an architecture TRT-LLM cannot represent, a tp that does not divide the heads,
-KV heads or ffn size, a pp outside ``[1, num_layers]``, a non-empty ``--out``,
+KV heads or ffn size, a pp outside ``[1, num_layers]``, ``--moe-ep`` / ``--moe-tp`` whose
+product is not ``--tp`` or that do not divide the experts / the expert FFN, a non-empty ``--out``,
 ``--build-engine`` without TensorRT-LLM) raises :class:`ExportError` before anything is
 written. Output is written to a temporary sibling folder and renamed into place, so a
 failure never leaves a partial checkpoint.
@@ -87,41 +130,81 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint
+from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint, refuse_moe
 from jmegatron.export.trtllm_check import pp_layers
 
 __all__ = ["register", "run", "trtllm_architecture", "check_exportable", "trtllm_config", "rank_tensors", "pp_layers",
            "write_trtllm_checkpoint", "export_checkpoint", "export_quantized_model", "export_quantized",
-           "fix_modelopt_config", "build_engine", "GPT", "LLAMA", "DTYPES"]
+           "fix_modelopt_config", "build_engine", "moe_parallel_sizes", "moe_rank_tensors", "GPT", "LLAMA",
+           "MIXTRAL", "DTYPES", "FLOAT32_TENSORS"]
 
 GPT = "GPTForCausalLM"
 LLAMA = "LlamaForCausalLM"
+MIXTRAL = "MixtralForCausalLM"
 DTYPES = ("float16", "bfloat16")
 GELU_TANH_MAX_ABS_DIFF = 4.7e-4  # max |gelu_erf(x) - gelu_tanh(x)| over the reals, at |x| ~= 2.70
+# written in float32 whatever --dtype (TRT-LLM's MixtureOfExperts router is a float32 RowLinear
+# with strict_dtype; llama/convert.py passes the HF gate weight as torch.float32)
+FLOAT32_TENSORS = (".mlp.router.weight",)
 
 
 # ----------------------------------------------------------------------------- checks
 def trtllm_architecture(cfg) -> str:
-    """``"GPTForCausalLM"`` or ``"LlamaForCausalLM"`` for ``cfg`` (a JMegatronConfig).
+    """``"GPTForCausalLM"``, ``"LlamaForCausalLM"`` or ``"MixtralForCausalLM"`` for ``cfg``
+    (a JMegatronConfig).
 
     Same rules as :func:`jmegatron.export.hf.hf_architecture` (GPT-2: learned_absolute +
-    LayerNorm + GELU + MHA + biases; Llama: rope + RMSNorm + SwiGLU). Raises ExportError
-    naming every config field the target cannot represent, and for a mixture-of-experts
-    config (:func:`jmegatron.export.common.refuse_moe`: the MoE checkpoint is not built).
+    LayerNorm + GELU + MHA + biases; Llama: rope + RMSNorm + SwiGLU; MoE: Mixtral, every
+    layer MoE with a renormalised softmax top-k). Raises ExportError naming every config
+    field the target cannot represent, and for an MoE config with a shared expert
+    (``moe_shared_expert_intermediate_size``: Qwen2-MoE / DeepSeek layouts are not written).
     """
-    from jmegatron.export.common import refuse_moe
     from jmegatron.export.hf import GPT2, hf_architecture
+    from jmegatron.export.hf_moe import MIXTRAL as HF_MIXTRAL
 
-    refuse_moe(cfg, "trtllm", "the TensorRT-LLM MoE checkpoint (MixtralForCausalLM's router and stacked "
-                              "experts, split over tp and ep)")
+    if cfg.num_moe_experts is not None and cfg.moe_shared_expert_intermediate_size is not None:
+        raise ExportError(
+            f"trtllm: config.moe_shared_expert_intermediate_size={cfg.moe_shared_expert_intermediate_size}: "
+            f"the TensorRT-LLM MoE checkpoint written here is {MIXTRAL} (router + routed experts only); "
+            "shared experts (Qwen2-MoE's gated shared expert, DeepSeek's) are not written. "
+            "`python -m jmegatron.export hf` exports this model as Qwen2MoeForCausalLM")
     try:
-        return GPT if hf_architecture(cfg) == GPT2 else LLAMA
+        hf_arch = hf_architecture(cfg)
     except ValueError as e:
-        raise ExportError(f"no TensorRT-LLM target (GPTForCausalLM / LlamaForCausalLM) for this checkpoint: "
-                          f"{e}") from e
+        targets = MIXTRAL if cfg.num_moe_experts is not None else "GPTForCausalLM / LlamaForCausalLM"
+        raise ExportError(f"no TensorRT-LLM target ({targets}) for this checkpoint: {e}") from e
+    if hf_arch == HF_MIXTRAL:
+        return MIXTRAL
+    return GPT if hf_arch == GPT2 else LLAMA
 
 
-def check_exportable(cfg, tp: int, dtype: str, pp: int = 1) -> str:
+def moe_parallel_sizes(tp: int, moe_tp: Optional[int] = None, moe_ep: Optional[int] = None) -> tuple[int, int]:
+    """``(moe_tp_size, moe_ep_size)`` as TensorRT-LLM's ``Mapping`` resolves them for ``tp``:
+    neither given -> ``(tp, 1)``; one given -> the other is ``tp`` divided by it; both must
+    multiply to ``tp`` (the MoE ranks are the tensor parallel ranks). Raises ExportError
+    naming ``--moe-tp`` / ``--moe-ep`` otherwise."""
+    for v, flag in ((moe_tp, "--moe-tp"), (moe_ep, "--moe-ep")):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ExportError(f"{flag} {v!r}: must be an integer >= 1")
+    if moe_tp is None and moe_ep is None:
+        return tp, 1
+    if moe_tp is None:
+        if tp % moe_ep:
+            raise ExportError(f"--moe-ep {moe_ep} does not divide --tp {tp}: TensorRT-LLM's MoE ranks are the tp "
+                              f"ranks (moe_tp_size x moe_ep_size = tp_size); use --tp {moe_ep} (or a multiple)")
+        return tp // moe_ep, moe_ep
+    if moe_ep is None:
+        if tp % moe_tp:
+            raise ExportError(f"--moe-tp {moe_tp} does not divide --tp {tp} (moe_tp_size x moe_ep_size = tp_size)")
+        return moe_tp, tp // moe_tp
+    if moe_tp * moe_ep != tp:
+        raise ExportError(f"--moe-tp {moe_tp} x --moe-ep {moe_ep} = {moe_tp * moe_ep} != --tp {tp}: TensorRT-LLM's "
+                          "Mapping needs moe_tp_size x moe_ep_size = tp_size (the MoE ranks are the tp ranks)")
+    return moe_tp, moe_ep
+
+
+def check_exportable(cfg, tp: int, dtype: str, pp: int = 1, *, moe_tp: Optional[int] = None,
+                     moe_ep: Optional[int] = None) -> str:
     """Refuse what the TensorRT-LLM layout cannot hold, before any work; returns the architecture.
 
     Raises ExportError for: ``dtype`` not float16/bfloat16; ``tp < 1``; ``pp`` not in
@@ -129,7 +212,10 @@ def check_exportable(cfg, tp: int, dtype: str, pp: int = 1) -> str:
     no target; ``num_attention_heads`` or ``ffn_hidden_size`` not divisible by ``tp``;
     ``num_query_groups`` neither divisible by ``tp`` nor dividing it (TRT-LLM splits KV heads
     or duplicates them when there are fewer than ``tp``). A vocabulary not divisible by
-    ``tp`` is fine: it is padded, as TRT-LLM's ``pad_vocab_size``.
+    ``tp`` is fine: it is padded, as TRT-LLM's ``pad_vocab_size``. MoE (``MixtralForCausalLM``):
+    ``moe_tp`` / ``moe_ep`` resolved by :func:`moe_parallel_sizes`, ``num_moe_experts``
+    divisible by ``moe_ep`` and ``moe_ffn_hidden_size`` by ``moe_tp`` (``MixtureOfExperts``
+    raises otherwise); ``moe_tp`` / ``moe_ep`` other than None / 1 for a dense model.
     """
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: TensorRT-LLM checkpoints are written in one of {DTYPES}")
@@ -137,6 +223,9 @@ def check_exportable(cfg, tp: int, dtype: str, pp: int = 1) -> str:
         raise ExportError(f"--tp {tp!r}: the tensor parallel size must be an integer >= 1")
     _check_pp(pp)
     arch = trtllm_architecture(cfg)
+    if arch != MIXTRAL and (moe_tp or 1) * (moe_ep or 1) != 1:
+        raise ExportError(f"--moe-tp / --moe-ep are for mixture-of-experts checkpoints; this one is a dense {arch} "
+                          "(num_moe_experts unset): leave them out")
     if pp > cfg.num_layers:
         raise ExportError(f"--pp {pp}: num_layers={cfg.num_layers} cannot fill {pp} pipeline stages (TensorRT-LLM's "
                           f"Mapping.pp_layers needs pp_size <= num_hidden_layers); use --pp 1..{cfg.num_layers}")
@@ -147,12 +236,23 @@ def check_exportable(cfg, tp: int, dtype: str, pp: int = 1) -> str:
     if nkv % tp and tp % nkv:
         problems.append(f"num_query_groups={nkv}: --tp {tp} must divide it, or be a multiple of it (KV heads are "
                         "split, or duplicated when fewer than tp)")
-    if ffn % tp:
+    dense_mlp = arch != MIXTRAL  # Mixtral: every layer is an MoE layer (its experts are checked below)
+    if dense_mlp and ffn % tp:
         problems.append(f"ffn_hidden_size={ffn} is not divisible by --tp {tp}")
     if problems:
-        divisors = [t for t in range(1, nq + 1) if not nq % t and not ffn % t and (not nkv % t or not t % nkv)]
+        divisors = [t for t in range(1, nq + 1)
+                    if not nq % t and not (dense_mlp and ffn % t) and (not nkv % t or not t % nkv)]
         raise ExportError("--tp " + str(tp) + ": " + "; ".join(problems)
                           + f". Tensor parallel sizes that fit this model: {divisors}")
+    if arch == MIXTRAL:
+        mtp, mep = moe_parallel_sizes(tp, moe_tp, moe_ep)
+        E, F = cfg.num_moe_experts, cfg.moe_ffn_hidden_size
+        if E % mep:
+            raise ExportError(f"--moe-ep {mep}: num_moe_experts={E} is not divisible by it (each expert-parallel rank "
+                              f"holds E/ep whole experts); use one of {[e for e in range(1, E + 1) if not E % e]}")
+        if F % mtp:
+            raise ExportError(f"--moe-tp {mtp}: moe_ffn_hidden_size={F} is not divisible by it (each MoE tp rank "
+                              f"holds F/moe_tp columns of every expert); raise --moe-ep to lower --moe-tp")
     return arch
 
 
@@ -182,7 +282,8 @@ def _check_build_engine_possible() -> None:
 
 # ----------------------------------------------------------------------------- config
 def trtllm_config(cfg, vocab_size: int, tp: int, dtype: str, *, pp: int = 1, use_parallel_embedding: bool = True,
-                  producer: Optional[dict] = None) -> dict[str, Any]:
+                  producer: Optional[dict] = None, moe_tp: Optional[int] = None,
+                  moe_ep: Optional[int] = None) -> dict[str, Any]:
     """The ``config.json`` of the unquantized TensorRT-LLM checkpoint for ``cfg``.
 
     ``PretrainedConfig`` fields (architecture, dtype, logits_dtype float32, vocab_size =
@@ -194,9 +295,12 @@ def trtllm_config(cfg, vocab_size: int, tp: int, dtype: str, *, pp: int = 1, use
     share_embedding_table false) plus ``GPTConfig`` (bias, rotary_pct, rotary_base,
     q_scaling, apply_query_key_layer_scaling, gpt_variant) or ``LLaMAConfig`` (rotary_base,
     rotary_scaling, attn_bias, mlp_bias) fields, ``tie_word_embeddings`` and a ``producer``
-    record. Raises ExportError as :func:`check_exportable`.
+    record. ``MixtralForCausalLM`` (module docstring): Llama's fields with ``hidden_act``
+    "swiglu", ``intermediate_size`` = ``moe_ffn_hidden_size``, ``moe`` ``{num_experts,
+    top_k, normalization_mode: 1}`` and ``mapping.moe_tp_size`` / ``moe_ep_size``.
+    Raises ExportError as :func:`check_exportable`.
     """
-    arch = check_exportable(cfg, tp, dtype, pp)
+    arch = check_exportable(cfg, tp, dtype, pp, moe_tp=moe_tp, moe_ep=moe_ep)
     c: dict[str, Any] = {
         "architecture": arch,
         "dtype": dtype,
@@ -224,6 +328,13 @@ def trtllm_config(cfg, vocab_size: int, tp: int, dtype: str, *, pp: int = 1, use
     else:
         c.update(position_embedding_type="rope_gpt_neox", hidden_act="silu", rotary_base=float(cfg.rotary_base),
                  rotary_scaling=None, attn_bias=bool(cfg.add_bias_linear), mlp_bias=bool(cfg.add_bias_linear))
+    if arch == MIXTRAL:
+        mtp, mep = moe_parallel_sizes(tp, moe_tp, moe_ep)
+        c["hidden_act"] = "swiglu"
+        c["intermediate_size"] = int(cfg.moe_ffn_hidden_size)
+        c["mapping"].update(moe_tp_size=int(mtp), moe_ep_size=int(mep))
+        c["moe"] = {"num_experts": int(cfg.num_moe_experts), "top_k": int(cfg.moe_router_topk),
+                    "normalization_mode": 1}  # MoeConfig.ExpertScaleNormalizationMode.RENORMALIZE
     c["producer"] = dict(producer or {}, name="jmegatron.export trtllm")
     return c
 
@@ -245,7 +356,8 @@ def _kv_heads_of_rank(nkv: int, tp: int, rank: int) -> list[int]:
 
 
 def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: int = 1,
-                 use_parallel_embedding: bool = True) -> dict[str, np.ndarray]:
+                 use_parallel_embedding: bool = True, moe_tp: Optional[int] = None,
+                 moe_ep: Optional[int] = None) -> dict[str, np.ndarray]:
     """TensorRT-LLM tensors of ``rank`` (float32 numpy, C-contiguous), ``0 <= rank < tp * pp``.
 
     ``rank`` is TRT-LLM's: pipeline stage ``rank // tp``, tensor parallel rank ``rank % tp``
@@ -255,12 +367,14 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
     scanned layout (see :mod:`jmegatron.export.hf` for names and shapes); ``vocab_size``: the true vocabulary
     (rows beyond it, Megatron's padding, are dropped). Names and per-rank shapes are listed
     in :mod:`jmegatron.export.trtllm_check`; the splits are described in this module's
-    docstring. Raises ExportError as :func:`check_exportable`, ValueError for a ``rank``
-    outside ``[0, tp * pp)`` or params that do not match ``cfg``.
+    docstring (MoE layers: ``mlp.router.weight [E, h]``, ``mlp.fc.weight [E/ep, 2F/moe_tp, h]``,
+    ``mlp.proj.weight [E/ep, h, F/moe_tp]`` of this rank's experts, :func:`moe_rank_tensors`).
+    Raises ExportError as :func:`check_exportable`, ValueError for a ``rank`` outside
+    ``[0, tp * pp)`` or params that do not match ``cfg``.
     """
     from jmegatron.export.hf import _check_shape, _get, _plain, unstack_layers
 
-    arch = check_exportable(cfg, tp, "float16", pp)
+    arch = check_exportable(cfg, tp, "float16", pp, moe_tp=moe_tp, moe_ep=moe_ep)
     if not isinstance(rank, int) or not 0 <= rank < tp * pp:
         raise ValueError(f"rank={rank!r} must be in [0, tp * pp = {tp * pp})")
     pp_rank, rank = divmod(rank, tp)  # from here on ``rank`` is the tensor parallel rank
@@ -312,6 +426,9 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
         out[f"{o}.attention.dense.weight"] = proj[qh].reshape(-1, h).T
         if bias:
             out[f"{o}.attention.dense.bias"] = g(f"{L}/self_attention/linear_proj/bias")
+        if arch == MIXTRAL:
+            out.update(moe_rank_tensors(p[L]["mlp"], cfg, i, local, tp, rank, moe_tp=moe_tp, moe_ep=moe_ep))
+            continue
         fc1 = g(f"{L}/mlp/linear_fc1/kernel")
         if arch == GPT:
             _check_shape(f"{L}/mlp/linear_fc1/kernel", fc1, (h, ffn))
@@ -342,12 +459,60 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
+def moe_rank_tensors(mlp: dict, cfg, layer: int, local: int, tp: int, rank: int, *, moe_tp: Optional[int] = None,
+                     moe_ep: Optional[int] = None) -> dict[str, np.ndarray]:
+    """TensorRT-LLM tensors of MoE layer ``layer`` (numbered ``local`` in its stage's file) on
+    tensor parallel rank ``rank`` (float32 numpy).
+
+    ``mlp``: the layer's jmegatron ``mlp`` params (``router/kernel [h, E]``,
+    ``experts/linear_fc1/kernel [E, h, 2, F]`` gate then up, ``experts/linear_fc2/kernel
+    [E, F, h]``). With ``(mtp, ep) = moe_parallel_sizes(tp, moe_tp, moe_ep)``, the rank is
+    expert-parallel rank ``rank % ep`` and MoE tp rank ``rank // ep`` (TensorRT-LLM's
+    ``Mapping.moe_ep_rank`` / ``moe_tp_rank``) and holds experts ``Mapping.ep_experts``
+    (a contiguous block of ``E/ep``) and FFN columns ``[moe_tp_rank * F/mtp, +F/mtp)``::
+
+        transformer.layers.{local}.mlp.router.weight  [E, h]            (router/kernel^T, full)
+        transformer.layers.{local}.mlp.fc.weight      [E/ep, 2F/mtp, h] (up rows, then gate rows)
+        transformer.layers.{local}.mlp.proj.weight    [E/ep, h, F/mtp]
+
+    as ``tensorrt_llm/models/llama/convert.py`` (``split(w3|w1, moe_tp_size, moe_tp_rank,
+    dim=1)``, ``split(w2, ..., dim=2)``, ``concat([w3, w1], dim=-2)``). Raises ValueError for
+    a missing or misshapen tensor (naming it).
+    """
+    from jmegatron.export.hf import _check_shape
+
+    h, E, F = cfg.hidden_size, cfg.num_moe_experts, cfg.moe_ffn_hidden_size
+    mtp, mep = moe_parallel_sizes(tp, moe_tp, moe_ep)
+    ep_rank, mtp_rank = rank % mep, rank // mep
+    experts = slice(ep_rank * (E // mep), (ep_rank + 1) * (E // mep))
+    cols = slice(mtp_rank * (F // mtp), (mtp_rank + 1) * (F // mtp))
+    L = f"decoder_layers_{layer}/mlp"
+    try:
+        router = np.asarray(mlp["router"]["kernel"], np.float32)
+        fc1 = np.asarray(mlp["experts"]["linear_fc1"]["kernel"], np.float32)
+        fc2 = np.asarray(mlp["experts"]["linear_fc2"]["kernel"], np.float32)
+    except KeyError as err:
+        raise ValueError(f"params have no {L}/{err.args[0]}...: layer {layer} is not an MoE layer of this config "
+                         f"(num_moe_experts={E})") from None
+    _check_shape(f"{L}/router/kernel", router, (h, E))
+    _check_shape(f"{L}/experts/linear_fc1/kernel", fc1, (E, h, 2, F))
+    _check_shape(f"{L}/experts/linear_fc2/kernel", fc2, (E, F, h))
+    fc1 = fc1[experts, :, :, cols]  # [E/ep, h, 2, F/mtp]
+    o = f"transformer.layers.{local}.mlp"
+    return {f"{o}.router.weight": router.T,
+            # MixtureOfExperts: "the left matrix is a linear projection (no activation), the right
+            # the gating value (activation applied)": up (w3) rows first, gate (w1) rows second
+            f"{o}.fc.weight": np.concatenate([fc1[:, :, 1].transpose(0, 2, 1), fc1[:, :, 0].transpose(0, 2, 1)], 1),
+            f"{o}.proj.weight": fc2[experts, cols].transpose(0, 2, 1)}
+
+
 def _save_rank(tensors: dict[str, np.ndarray], path: str, dtype: str) -> None:
     import torch
     from safetensors.torch import save_file
 
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    save_file({k: torch.from_numpy(np.require(v, requirements=["C", "W"])).to(tdt) for k, v in tensors.items()},
+    save_file({k: torch.from_numpy(np.require(v, requirements=["C", "W"])).to(
+        torch.float32 if k.endswith(FLOAT32_TENSORS) else tdt) for k, v in tensors.items()},
               path, metadata={"format": "pt"})
 
 
@@ -373,23 +538,26 @@ def _publish(staging: str, out: str) -> None:
 
 def write_trtllm_checkpoint(params: dict, cfg, vocab_size: int, out: str, *, tp: int = 1, pp: int = 1,
                             dtype: str = "float16", use_parallel_embedding: bool = True, overwrite: bool = False,
-                            producer: Optional[dict] = None) -> dict:
+                            producer: Optional[dict] = None, moe_tp: Optional[int] = None,
+                            moe_ep: Optional[int] = None) -> dict:
     """Write ``config.json`` + ``rank{r}.safetensors`` (``r < tp * pp``) for jmegatron ``params``.
 
-    Tensors are cast from float32 to ``dtype`` (float16 / bfloat16) with torch. Everything
+    Tensors are cast from float32 to ``dtype`` (float16 / bfloat16) with torch, except
+    :data:`FLOAT32_TENSORS` (the MoE router), kept in float32. ``moe_tp`` / ``moe_ep``: the
+    MoE split of an MoE checkpoint (:func:`moe_parallel_sizes`). Everything
     is validated (:func:`check_exportable`, ``out`` empty or absent unless ``overwrite``)
     before any file is written, and written in a temporary sibling folder renamed to
     ``out`` at the end. Returns the config dict. Raises ExportError for bad input and
     ValueError when ``params`` do not match ``cfg``.
     """
     config = trtllm_config(cfg, vocab_size, tp, dtype, pp=pp, use_parallel_embedding=use_parallel_embedding,
-                           producer=producer)
+                           producer=producer, moe_tp=moe_tp, moe_ep=moe_ep)
     out = _check_out(out, overwrite)
     staging = _staging_dir(out)
     try:
         for r in range(tp * pp):
             _save_rank(rank_tensors(params, cfg, vocab_size, tp, r, pp=pp,
-                                    use_parallel_embedding=use_parallel_embedding),
+                                    use_parallel_embedding=use_parallel_embedding, moe_tp=moe_tp, moe_ep=moe_ep),
                        os.path.join(staging, f"rank{r}.safetensors"), dtype)
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
@@ -402,22 +570,24 @@ def write_trtllm_checkpoint(params: dict, cfg, vocab_size: int, out: str, *, tp:
 
 def export_checkpoint(load: str, out: str, *, tp: int = 1, pp: int = 1, dtype: str = "float16",
                       iteration: Optional[int] = None, use_parallel_embedding: bool = True,
-                      overwrite: bool = False) -> dict:
+                      overwrite: bool = False, moe_tp: Optional[int] = None, moe_ep: Optional[int] = None) -> dict:
     """``trtllm --load``: a jmegatron checkpoint (any parallel layout) -> TensorRT-LLM checkpoint.
 
     The config is read first (no arrays) and checked (:func:`check_exportable`, ``out``);
     then the float32 params are restored (:func:`jmegatron.export.common.load_checkpoint`)
     and written by :func:`write_trtllm_checkpoint` (``tp`` x ``pp`` ranks; the checkpoint's
-    own pipeline layout is converted by the restore). Returns the config dict.
+    own pipeline layout is converted by the restore, its expert-parallel layout too). ``moe_tp``
+    / ``moe_ep``: the MoE split (:func:`moe_parallel_sizes`). Returns the config dict.
     """
     _check_pp(pp)
     cfg = checkpoint_config(load, iteration)
-    check_exportable(cfg, tp, dtype, pp)
+    check_exportable(cfg, tp, dtype, pp, moe_tp=moe_tp, moe_ep=moe_ep)
     _check_out(out, overwrite)
     src = load_checkpoint(load, iteration)
     return write_trtllm_checkpoint(src.params, src.cfg, src.vocab_size, out, tp=tp, pp=pp, dtype=dtype,
                                    use_parallel_embedding=use_parallel_embedding, overwrite=overwrite,
-                                   producer={"source": src.load_dir, "iteration": src.iteration})
+                                   producer={"source": src.load_dir, "iteration": src.iteration},
+                                   moe_tp=moe_tp, moe_ep=moe_ep)
 
 
 # ----------------------------------------------------------------------------- quantized (ModelOpt)
@@ -537,9 +707,14 @@ def export_quantized(quantized_dir: str, out: str, *, tp: int = 1, dtype: str = 
         raise ExportError(f"--tp {tp!r}: the tensor parallel size must be an integer >= 1")
     _check_out(out, overwrite)
     try:
-        from jmegatron.export.quantize import load_quantized
+        from jmegatron.export.quantize import load_quantized, quantized_source_config
     except ImportError as e:
         raise ExportError(f"--quantized needs jmegatron.export.quantize.load_quantized ({e})") from e
+    refuse_moe(quantized_source_config(quantized_dir, quant_cfg), "trtllm --quantized",
+               "the TensorRT-LLM export of a quantized MoE model (ModelOpt's MixtralForCausalLM checkpoint with "
+               "MOEWeightWrapper's scaling factors, and its check)",
+               "the quantize output's unified_hf folder (FP8 experts, router unquantized) is what TensorRT-LLM's "
+               "LLM(model=...) reads; `trtllm --load` writes the unquantized MoE checkpoint")
     model, src, info = load_quantized(quantized_dir, quant_cfg)
     check_exportable(src.cfg, tp, dtype)
     producer = {"source": src.load_dir, "iteration": src.iteration, "quantized_dir": os.path.abspath(quantized_dir),
@@ -579,6 +754,13 @@ def register(sub) -> None:
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline parallel size of the engine: tp x pp rank files, layers split as TensorRT-LLM's "
                         "Mapping.pp_layers (with --load only)")
+    p.add_argument("--moe-ep", type=int, default=None,
+                   help="MoE checkpoints: expert parallel size (TensorRT-LLM's moe_ep_size; each rank holds "
+                        "num_experts/E experts); --moe-tp x --moe-ep must equal --tp (default: --moe-tp = --tp, "
+                        "--moe-ep 1)")
+    p.add_argument("--moe-tp", type=int, default=None,
+                   help="MoE checkpoints: tensor parallel size of the experts' FFN (TensorRT-LLM's moe_tp_size; "
+                        "default --tp / --moe-ep)")
     p.add_argument("--dtype", choices=DTYPES, default="float16")
     p.add_argument("--out", required=True, help="checkpoint folder to create (must be empty or absent)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -602,6 +784,9 @@ def run(args) -> int:
         raise ExportError("--iteration goes with --load (a --quantized folder records its source iteration)")
     _check_pp(args.pp)
     if args.quantized:
+        if args.moe_tp is not None or args.moe_ep is not None:
+            raise ExportError("--moe-tp / --moe-ep are not available with --quantized (ModelOpt's TensorRT-LLM export "
+                              "writes moe_ep_size 1); export with --load for an expert-parallel checkpoint")
         if args.pp != 1:
             raise ExportError(f"--pp {args.pp} is not available with --quantized (ModelOpt's export is used with "
                               "--pp 1 only); export with --load for a pipeline-parallel checkpoint")
@@ -614,7 +799,8 @@ def run(args) -> int:
             print(f"[jmegatron.export trtllm] config.json fix: {fx}")
     else:
         export_checkpoint(args.load, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, iteration=args.iteration,
-                          use_parallel_embedding=not args.no_parallel_embedding, overwrite=args.overwrite)
+                          use_parallel_embedding=not args.no_parallel_embedding, overwrite=args.overwrite,
+                          moe_tp=args.moe_tp, moe_ep=args.moe_ep)
     report = check_trtllm_checkpoint(args.out)
     print(report.format())
     if not report.ok:

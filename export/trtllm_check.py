@@ -14,7 +14,26 @@ then optionally the float tensors for value checks. What is checked:
   ``intermediate_size`` divisible by ``tp_size``; KV heads divisible by ``tp_size`` or
   ``tp_size`` a multiple of them, as ``tensorrt_llm/models/llama/convert.py`` duplicates).
 * architecture: ``GPTForCausalLM`` (also ``GPT2LMHeadModel``, the same model class in
-  ``tensorrt_llm.models.MODEL_MAP``) and ``LlamaForCausalLM``.
+  ``tensorrt_llm.models.MODEL_MAP``), ``LlamaForCausalLM`` and ``MixtralForCausalLM``
+  (``MODEL_MAP`` maps it to the Llama model; an MoE checkpoint needs ``moe.num_experts >
+  1``, and a Llama with ``moe.num_experts > 1`` is checked with the same MoE layout).
+* MoE (``moe`` block, ``tensorrt_llm/layers/moe.py`` ``MoeConfig``; ``tensorrt_llm/mapping.py``
+  ``Mapping``): ``num_experts`` and ``top_k`` ints with ``1 <= top_k <= num_experts``,
+  ``normalization_mode`` one of ``ExpertScaleNormalizationMode`` (0 NONE, 1 RENORMALIZE, 2
+  SPARSE_MIXER, 3/4 DEVICE_LIMITED(_RENORM)), no field outside the MoeConfig dataclass
+  (``MoeConfig.from_dict`` is ``cls(**config)``); ``mapping.moe_tp_size x moe_ep_size ==
+  tp_size`` (absent: resolved as ``Mapping`` does), ``num_experts`` divisible by
+  ``moe_ep_size`` and ``intermediate_size`` by ``moe_tp_size``. Per rank (tp rank ``t``:
+  expert-parallel rank ``t % ep``, MoE tp rank ``t // ep``; ``g`` = 2 for a gated
+  ``hidden_act`` such as swiglu, else 1)::
+
+      transformer.layers.{i}.mlp.router.weight  [E, h]  float32, the same on every tp rank
+      transformer.layers.{i}.mlp.fc.weight      [E/ep, g * f/moe_tp, h]
+      transformer.layers.{i}.mlp.proj.weight    [E/ep, h, f/moe_tp]
+      (mlp_bias: mlp.fc.bias [E/ep, g * f/moe_tp], mlp.proj.bias [E/ep, h])
+
+  No ``mlp.gate``: the experts' gate rows are fused into ``mlp.fc`` (``MOEWeightWrapper``).
+  Quantized MoE layouts are not validated (reported as an error).
 * per rank (``rank = pp_rank * tp_size + tp_rank``): the exact tensor names (nothing missing,
   nothing unexpected), shapes and dtypes, following ``tensorrt_llm/models/gpt/convert.py``
   and ``llama/convert.py`` (``h`` hidden, ``nq`` heads, ``nkv`` KV heads, ``d`` head_size,
@@ -112,7 +131,15 @@ _SAFETENSORS_DTYPES = {
 _FLOATS = ("float32", "float16", "bfloat16")
 
 # tensorrt_llm.models.MODEL_MAP entries for the two model classes checked here
-ARCHITECTURES = {"GPTForCausalLM": "gpt", "GPT2LMHeadModel": "gpt", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"GPTForCausalLM": "gpt", "GPT2LMHeadModel": "gpt", "LlamaForCausalLM": "llama",
+                 "MixtralForCausalLM": "llama"}
+# tensorrt_llm/layers/moe.py MoeConfig: ExpertScaleNormalizationMode values, and the dataclass's
+# fields across releases (from_dict is cls(**config): any other key fails to load)
+_MOE_NORMALIZATION_MODES = {0: "NONE", 1: "RENORMALIZE", 2: "SPARSE_MIXER", 3: "DEVICE_LIMITED",
+                            4: "DEVICE_LIMITED_RENORM"}
+_MOE_FIELDS = ("num_experts", "top_k", "normalization_mode", "sparse_mixer_epsilon", "tp_mode",
+               "shared_expert_intermediate_size", "device_limited_n_group", "device_limited_topk_group",
+               "device_limited_routed_scaling_factor")
 # tensorrt_llm.functional.ACT2FN and its gated subset (GATED_ACT_2_ACT)
 _ACT2FN = ("relu", "tanh", "gelu", "gelu_new", "gelu_fast", "geglu", "silu", "softplus", "squared-relu",
            "swiglu", "fast-swiglu")
@@ -234,8 +261,12 @@ def _config_summary(c: dict) -> str:
     return (f"{g('architecture')} {g('dtype')}, {g('num_hidden_layers')} layers, hidden {g('hidden_size')}, "
             f"heads {g('num_attention_heads')} (kv {g('num_key_value_heads', g('num_attention_heads'))}, "
             f"head_size {g('head_size')}), intermediate {g('intermediate_size')}, vocab {g('vocab_size')}, "
-            f"{g('position_embedding_type')}, {g('hidden_act')}\n"
-            f"  mapping: world_size {m.get('world_size')} = tp {m.get('tp_size', 1)} x pp {m.get('pp_size', 1)}; "
+            f"{g('position_embedding_type')}, {g('hidden_act')}"
+            + (f", moe {g('moe').get('num_experts')} experts top-{g('moe').get('top_k')}"
+               if isinstance(g("moe"), dict) and (g("moe").get("num_experts") or 0) > 1 else "") + "\n"
+            f"  mapping: world_size {m.get('world_size')} = tp {m.get('tp_size', 1)} x pp {m.get('pp_size', 1)}"
+            + (f" (moe_tp {m.get('moe_tp_size')} x moe_ep {m.get('moe_ep_size')})" if "moe_ep_size" in m else "")
+            + "; "
             f"quantization: {quant}; embedding: {emb}; share_embedding_table: {bool(g('share_embedding_table'))}")
 
 
@@ -338,6 +369,10 @@ class _Model:
     kv_algo: Optional[str]
     group_size: int
     exclude: list
+    experts: int = 0  # MoE: moe.num_experts (0: dense MLPs)
+    top_k: int = 0
+    moe_tp: int = 1
+    moe_ep: int = 1
 
 
 def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
@@ -387,16 +422,27 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
     if family == "llama" and not str(pos).startswith("rope"):
         errors.append(f"config.json: position_embedding_type {pos!r}: LlamaForCausalLM has no position "
                       "embedding table, it needs a rope type (rope_gpt_neox for rotate-half RoPE)")
-    if family == "llama" and act in _GATED_ACTS:
+    moe = c.get("moe")
+    experts, top_k = 0, 0
+    if moe is not None:
+        experts, top_k = _check_moe(moe, c, family, errors)
+        if experts < 0:
+            bad = True
+            experts = 0
+    if arch == "MixtralForCausalLM" and experts <= 1 and not bad:
+        errors.append("config.json: architecture 'MixtralForCausalLM' needs a moe block with num_experts > 1 "
+                      "(MoeConfig.has_moe)")
+        bad = True
+    if family == "llama" and act in _GATED_ACTS and not experts:
         errors.append(f"config.json: hidden_act {act!r}: LlamaForCausalLM's GatedMLP takes the plain "
                       "activation (silu); gated names are for MoE")
     if family == "gpt" and pos == "learned_absolute" and c.get("max_position_embeddings") is None:
         errors.append("config.json: max_position_embeddings is required with learned_absolute positions "
                       "(rows of transformer.position_embedding.weight)")
         bad = True
-    moe = c.get("moe")
-    if isinstance(moe, dict) and (moe.get("num_experts") or 0) > 0:
-        errors.append("config.json: moe.num_experts > 0: mixture-of-experts layouts are not checked here")
+    if experts and family != "llama":
+        errors.append(f"config.json: moe.num_experts = {experts} with architecture {arch!r}: mixture-of-experts "
+                      "layouts are checked for MixtralForCausalLM / LlamaForCausalLM only")
         bad = True
 
     m = c.get("mapping") or {}
@@ -413,6 +459,9 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
         return None
     if ws != tp * pp:
         errors.append(f"config.json: mapping.world_size = {ws} != tp_size {tp} x pp_size {pp}")
+        return None
+    moe_tp, moe_ep = _moe_mapping(m, tp, errors)
+    if moe_tp is None:
         return None
 
     q = c.get("quantization") or {}
@@ -463,7 +512,20 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
         errors.append(f"config.json: num_key_value_heads {nkv} and mapping.tp_size {tp}: one must divide the "
                       "other (KV heads are split, or duplicated when fewer than tp)")
         ok = False
-    if ffn % tp:
+    if experts:
+        if experts % moe_ep:
+            errors.append(f"config.json: moe.num_experts {experts} is not divisible by mapping.moe_ep_size {moe_ep} "
+                          "(MixtureOfExperts: each expert-parallel rank holds num_experts / moe_ep_size experts)")
+            ok = False
+        if ffn % moe_tp:
+            errors.append(f"config.json: intermediate_size {ffn} (the experts' FFN) is not divisible by "
+                          f"mapping.moe_tp_size {moe_tp}")
+            ok = False
+        if qa is not None:
+            errors.append(f"config.json: quantization.quant_algo {qa!r} with moe.num_experts = {experts}: quantized "
+                          "MoE layouts (MOEWeightWrapper's scaling factors) are not validated by this checker")
+            ok = False
+    elif ffn % tp:
         errors.append(f"config.json: intermediate_size {ffn} is not divisible by mapping.tp_size {tp}")
         ok = False
     if parallel and dim == 1 and h % tp:
@@ -489,7 +551,7 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
         attn_bias = mlp_bias = bool(c.get("bias", True))
         norm_bias = True
     else:
-        gated = True
+        gated = act in _GATED_ACTS if experts else True  # MoE: fc holds 2F rows for a gated activation only
         attn_bias, mlp_bias = bool(c.get("attn_bias", False)), bool(c.get("mlp_bias", False))
         norm_bias = False
     return _Model(family=family, dtype=c["dtype"], layers=L, h=h, nq=nq, nkv=nkv, d=d, ffn=ffn,
@@ -497,7 +559,58 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
                   learned_pos=(family == "gpt" and pos == "learned_absolute"), gated=gated,
                   attn_bias=attn_bias, mlp_bias=mlp_bias, norm_bias=norm_bias, tp=tp, pp=pp,
                   parallel_emb=parallel, emb_dim=dim, share_emb=share, quant_algo=qa, kv_algo=kva,
-                  group_size=group or 128, exclude=list(exclude))
+                  group_size=group or 128, exclude=list(exclude), experts=experts, top_k=top_k, moe_tp=moe_tp,
+                  moe_ep=moe_ep)
+
+
+def _check_moe(moe: Any, c: dict, family: Optional[str], errors: list) -> tuple[int, int]:
+    """(num_experts, top_k) of a ``moe`` block; num_experts -1 when the block is unusable."""
+    if not isinstance(moe, dict):
+        errors.append(f"config.json: moe = {moe!r} must be an object (MoeConfig fields)")
+        return -1, 0
+    unknown = sorted(set(moe) - set(_MOE_FIELDS))
+    if unknown:
+        errors.append(f"config.json: moe has unknown field(s) {unknown}: MoeConfig.from_dict passes every key to "
+                      f"the dataclass (fields: {', '.join(_MOE_FIELDS)})")
+    n, k = moe.get("num_experts", 0), moe.get("top_k", 0)
+    if not _is_int(n) or not _is_int(k) or n < 0 or k < 0:
+        errors.append(f"config.json: moe.num_experts = {n!r} and moe.top_k = {k!r} must be ints >= 0")
+        return -1, 0
+    if (n == 0) != (k == 0):
+        errors.append(f"config.json: moe.num_experts = {n}, moe.top_k = {k}: both or neither must be 0 "
+                      "(MoeConfig.validate)")
+        return -1, 0
+    if k > n:
+        errors.append(f"config.json: moe.top_k = {k} > moe.num_experts = {n}")
+        return -1, 0
+    mode = moe.get("normalization_mode", 1)
+    if not _is_int(mode) or mode not in _MOE_NORMALIZATION_MODES:
+        errors.append(f"config.json: moe.normalization_mode = {mode!r} is not an ExpertScaleNormalizationMode "
+                      f"({', '.join(f'{v} {k_}' for v, k_ in _MOE_NORMALIZATION_MODES.items())})")
+    if n == 1:
+        return 0, 0  # MoeConfig.has_moe() is num_experts > 1: a plain MLP layout
+    return n, k
+
+
+def _moe_mapping(m: dict, tp: int, errors: list) -> tuple[Optional[int], Optional[int]]:
+    """(moe_tp_size, moe_ep_size) resolved as TensorRT-LLM's ``Mapping`` does (absent or -1:
+    derived from ``tp_size``); (None, None) with an error when they do not multiply to tp."""
+    mtp, mep = m.get("moe_tp_size", -1), m.get("moe_ep_size", -1)
+    for k, v in (("moe_tp_size", mtp), ("moe_ep_size", mep)):
+        if not _is_int(v) or (v < 1 and v != -1):
+            errors.append(f"config.json: mapping.{k} = {v!r} must be a positive int (or -1 / absent)")
+            return None, None
+    if mtp == -1 and mep == -1:
+        return tp, 1
+    if mtp == -1:
+        mtp = tp // mep
+    elif mep == -1:
+        mep = tp // mtp
+    if mtp * mep != tp:
+        errors.append(f"config.json: mapping.moe_tp_size {mtp} x moe_ep_size {mep} != tp_size {tp} (TensorRT-LLM's "
+                      "Mapping: the MoE ranks are the tensor parallel ranks)")
+        return None, None
+    return mtp, mep
 
 
 # ----------------------------------------------------------------------------- expected layout
@@ -517,8 +630,10 @@ def _linear_shapes(m: _Model) -> dict:
     """Per-rank ``(out, in, bias_replicated)`` of each layer linear."""
     t = m.tp
     qkv_out = (m.nq // t + 2 * _kv_heads_per_rank(m)) * m.d
-    shapes = {"attention.qkv": (qkv_out, m.h, False), "attention.dense": (m.h, m.nq // t * m.d, True),
-              "mlp.fc": (m.ffn // t, m.h, False), "mlp.proj": (m.h, m.ffn // t, True)}
+    shapes = {"attention.qkv": (qkv_out, m.h, False), "attention.dense": (m.h, m.nq // t * m.d, True)}
+    if m.experts:
+        return shapes  # the MoE MLP: _moe_specs
+    shapes.update({"mlp.fc": (m.ffn // t, m.h, False), "mlp.proj": (m.h, m.ffn // t, True)})
     if m.gated:
         shapes["mlp.gate"] = (m.ffn // t, m.h, False)
     return shapes
@@ -577,6 +692,20 @@ def _linear_specs(m: _Model, module: str, out: int, inp: int, bias: bool, bias_r
     return specs
 
 
+def _moe_specs(m: _Model, p: str) -> dict:
+    """Expected MoE tensors of layer prefix ``p`` on any tp rank (``MOEWeightWrapper`` shapes)."""
+    local, f = m.experts // m.moe_ep, m.ffn // m.moe_tp
+    fc_rows = (2 if m.gated else 1) * f
+    dt = (m.dtype,)
+    specs = {f"{p}.mlp.router.weight": _Spec((m.experts, m.h), ("float32",), replicated=True),
+             f"{p}.mlp.fc.weight": _Spec((local, fc_rows, m.h), dt),
+             f"{p}.mlp.proj.weight": _Spec((local, m.h, f), dt)}
+    if m.mlp_bias:
+        specs[f"{p}.mlp.fc.bias"] = _Spec((local, fc_rows), dt)
+        specs[f"{p}.mlp.proj.bias"] = _Spec((local, m.h), dt)
+    return specs
+
+
 def _emb_shape(m: _Model, rows: int) -> tuple:
     if not m.parallel_emb or m.tp == 1:
         return (rows, m.h)
@@ -605,6 +734,8 @@ def _expected(m: _Model, rank: int, present: dict, errors: list, where: str) -> 
         for mod, (out, inp, bias_rep) in _linear_shapes(m).items():
             bias = m.attn_bias if mod.startswith("attention") else m.mlp_bias
             req.update(_linear_specs(m, f"{p}.{mod}", out, inp, bias, bias_rep, present, errors, where))
+        if m.experts:
+            req.update(_moe_specs(m, p))
         if m.kv_algo is not None:
             # one KV scale, or K and V scales apart (ModelOpt; TRT-LLM's preprocess_weights
             # merges them into kv_cache_scaling_factor = max(k, v))
@@ -837,6 +968,8 @@ def check_trtllm_checkpoint(checkpoint_dir: str, check_values: bool = True) -> C
         report.checks.append("pipeline mapping (each layer on exactly one stage: "
                              + "; ".join(_stage_summary(model, s) for s in range(model.pp)) + ")")
     report.checks.append(f"tensor names, shapes, dtypes per rank (tp {model.tp}, pp {model.pp}"
+                         + (f", {model.experts} experts over moe_tp {model.moe_tp} x moe_ep {model.moe_ep}"
+                            if model.experts else "")
                          + (f", {model.quant_algo}" if model.quant_algo else "")
                          + (f", kv cache {model.kv_algo}" if model.kv_algo else "") + ")")
     if check_values and all_specs:

@@ -2,7 +2,8 @@
 transformers' MixtralForCausalLM (no shared expert) and Qwen2MoeForCausalLM (shared expert),
 golden logits in float32 (<= 1e-4) both ways on tiny random models built here (no
 downloads), exact round trips, `import-hf` / `export hf` of MoE folders and checkpoints,
-and the dense-only exporters (TensorRT-LLM, quantize) refusing MoE checkpoints by name."""
+and TensorRT-LLM's export refusing a shared expert by name (its Mixtral checkpoint and
+ModelOpt PTQ of MoE models: tests/test_trtllm_moe.py)."""
 
 import json
 
@@ -148,18 +149,20 @@ def test_config_round_trip_and_refusals():
 
 
 def test_dense_only_exporters_refuse_moe():
+    # TensorRT-LLM takes Mixtral (tests/test_trtllm_moe.py) but not a shared expert: refused
+    # by name before any work
     from jmegatron.export.trtllm import check_exportable
 
-    cfg = make_cfg("llama", **MOE)
-    with pytest.raises(ExportError, match="trtllm: this checkpoint is a mixture-of-experts model .*TensorRT-LLM MoE"):
-        check_exportable(cfg, 1, "float16")
+    assert check_exportable(make_cfg("llama", **MOE), 1, "float16") == "MixtralForCausalLM"
+    with pytest.raises(ExportError, match="trtllm: config.moe_shared_expert_intermediate_size=40"):
+        check_exportable(make_cfg("llama", **SHARED), 1, "float16")
 
 
 @pytest.mark.slow
 def test_import_hf_and_export_hf_folders(tmp_path):
     # A Mixtral folder written by transformers -> `import-hf` -> a jmegatron checkpoint ->
     # `export hf` -> a folder with the same tensors; the checkpoint and both folders give
-    # the same logits; quantize refuses the MoE checkpoint by name, before any work.
+    # the same logits; quantize refuses a block config that does not fit the experts, before any work.
     from safetensors.numpy import load_file
 
     from jmegatron.data.indexed_dataset import IndexedDatasetBuilder
@@ -191,6 +194,8 @@ def test_import_hf_and_export_hf_folders(tmp_path):
     builder.add_item(np.arange(100) % VOCAB)
     builder.end_document()
     builder.finalize(str(data) + ".idx")
-    with pytest.raises(ExportError, match="quantize: this checkpoint is a mixture-of-experts model"):
-        quantize(str(tmp_path / "ckpt"), "fp8", str(data), str(tmp_path / "q"))
+    # quantize takes MoE checkpoints (tests/test_trtllm_moe.py); a block config that does not fit
+    # the experts' FFN is refused by name before any work
+    with pytest.raises(ExportError, match=r"moe_ffn_hidden_size \(the experts' linear_fc2 input\) = 48"):
+        quantize(str(tmp_path / "ckpt"), "int4_awq", str(data), str(tmp_path / "q"))
     assert not (tmp_path / "q").exists()
