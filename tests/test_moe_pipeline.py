@@ -76,6 +76,7 @@ def test_moe_pipeline_matches_unpipelined(schedule, v, m, uneven, devices, extra
     # The reference: no pipeline, stacked layers, the same micro-batches and data split, on
     # the same parameters (the stage slots put back in model order; no second init).
     layout = PipelineLayout(MOE["num_layers"], pp, v, first, last)
+    assert (layout.order() == PAD).any() == bool(uneven)  # the uneven case has padding slots
     ref = {k: val for k, val in extra.items() if k != "use_distributed_optimizer"}
     ref_cfg = tiny_cfg(**MOE, **ref, micro_batch_size=16 // (m * ranks), scan_layers=True)
     ref_run = build(ref_cfg, create_mesh(ref_cfg, jax.devices()[:ranks]))
@@ -95,3 +96,17 @@ def test_moe_pipeline_matches_unpipelined(schedule, v, m, uneven, devices, extra
 def test_moe_pipeline_refusals_name_the_field():
     with pytest.raises(ConfigError, match="moe_layer_freq=2 mixes dense and MoE layers"):
         tiny_cfg(**MOE, moe_layer_freq=2, pipeline_model_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_pipeline_report_runs_moe_with_expert_parallelism():
+    # m micro-batches over Megatron's data-parallel size (data x expert), and the compiled
+    # step's ppermutes over the pipeline are the schedule's 2 per tick (the all-to-alls over
+    # expert are not among them)
+    from jmegatron.tools import pipeline_report
+
+    cfg = tiny_cfg(**MOE, micro_batch_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                   moe_token_dispatcher_type="alltoall")
+    row = pipeline_report.analyze(cfg, create_mesh(cfg, jax.devices()[:4]), "1f1b", 4, 1)
+    assert (row["m"], row["data_parallel_size"]) == (4, 2)
+    assert row["ppermutes_hlo"] == row["ppermutes_analytic"] == 2 * row["ticks"]
