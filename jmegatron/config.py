@@ -514,10 +514,15 @@ class JMegatronConfig:
             raise ConfigError(f"config.expert_tensor_parallel_size={self.expert_tensor_parallel_size} differs "
                               f"from tensor_model_parallel_size={self.tensor_model_parallel_size}; only equal "
                               f"sizes are built (unset it).")
-        if self.pipeline_model_parallel_size > 1:
-            raise ConfigError("config.num_moe_experts with pipeline_model_parallel_size > 1 is not built yet "
-                              "(the pipeline stages do not add the router losses); set "
-                              "pipeline_model_parallel_size=1.")
+        if self.pipeline_model_parallel_size > 1 and len(set(pattern)) > 1:
+            raise ConfigError(f"config.moe_layer_freq={self.moe_layer_freq!r} mixes dense and MoE layers, but "
+                              f"pipeline_model_parallel_size={self.pipeline_model_parallel_size} stacks identical "
+                              f"layers (each stage holds a slice of one stacked decoder); make every layer MoE "
+                              f"(moe_layer_freq=1) or set pipeline_model_parallel_size=1.")
+        if self.pipeline_model_parallel_size > 1 and self.moe_router_enable_expert_bias:
+            raise ConfigError("config.moe_router_enable_expert_bias=True with pipeline_model_parallel_size > 1: "
+                              "the pipeline stages do not carry the router's expert_bias state (moe_state); "
+                              "set pipeline_model_parallel_size=1 or moe_router_enable_expert_bias=False.")
         if self.kd_teacher_load is not None and not self.kd_finalize:
             raise ConfigError("config.num_moe_experts with config.kd_teacher_load: the distillation loss does not "
                               "add the student's router losses yet (issue 13 item 7); distil a dense student.")

@@ -401,7 +401,8 @@ def _cfg(**kw):
     (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size"),
     (dict(moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff"),
     (dict(kd_teacher_load="/tmp/teacher"), "kd_teacher_load"),
-    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size > 1 is not built"),
+    (dict(moe_layer_freq=2, pipeline_model_parallel_size=2), "mixes dense and MoE layers, but "
+     "pipeline_model_parallel_size=2"),
 ])
 def test_bad_moe_configs_fail_naming_the_field(kw, match):
     with pytest.raises(ConfigError, match=match):

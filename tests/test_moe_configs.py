@@ -6,9 +6,7 @@ equal the counts worked out by hand below (issue 13 item 5)."""
 import json
 import pathlib
 
-import pytest
-
-from jmegatron.config import ConfigError, load_config_file
+from jmegatron.config import load_config_file
 from jmegatron.tools import model_report
 from jmegatron.training import flops, memory
 from jmegatron.training.memory import ParallelLayout
@@ -76,11 +74,11 @@ def test_scripts_expert_parallel_sizes_load():
     assert load_config_file(MIXTRAL, {"expert_model_parallel_size": 8}).expert_model_parallel_size == 8
 
 
-# FLIP: the 4-node script's pipeline, refused on this build (MoE under pipeline
-# parallelism); when it lands this must load and ds_like_4node.py set it (its FLIP).
-def test_scripts_moe_pipeline_refused_for_now():
-    with pytest.raises(ConfigError, match="pipeline_model_parallel_size"):
-        load_config_file(DS4, {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1})
+def test_scripts_moe_pipeline_loads():
+    # the 4-node script's pp 2 (one layer per virtual stage) x ep 16 (MoE under pipeline parallelism)
+    c = load_config_file(DS4)
+    assert (c.pipeline_model_parallel_size, c.virtual_pipeline_size(), c.expert_model_parallel_size) == (2, 8, 16)
+    assert c.moe_expert_capacity_factor == 1.2 and c.moe_token_dispatcher_type == "alltoall"
 
 
 def test_mixtral_8x7b_parameters_and_flops_by_hand():

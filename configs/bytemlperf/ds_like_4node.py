@@ -9,15 +9,9 @@ train_ds_like_4node.sh`` (commit a49963b65f75, unchanged at a30b4f97b174), run b
 the script: ramp-up samples ``15360000 / 31`` = 495483, decay samples 7680000, warm-up
 samples ``2000 * 1536`` = 3072000.
 
-Not trainable on this build: MoE under pipeline parallelism and expert parallelism are
-refused by validation, so the config keeps pp 1 / ep 1 and the script's pp 2 x ep 16 is in
-``LAYOUT`` (for model_report), with ``VIRTUAL_PIPELINE`` for
-``--num-layers-per-virtual-pipeline-stage 1``.
-The script's expert parallel size 16 is set; its pipeline (pp 2, one layer per virtual
-stage) is not: MoE under pipeline parallelism is refused on this build.
-FLIP: when MoE pipelines land, set ``c.pipeline_model_parallel_size = 2`` and
-``c.num_layers_per_virtual_pipeline_stage = 1`` below, and turn tests/test_moe_configs.py's
-remaining refusal check into a load check.
+The script's layout is set: pipeline 2 (interleaved, one layer per virtual stage: 8
+chunks per stage) x expert 16; ``LAYOUT`` repeats it for model_report, with
+``VIRTUAL_PIPELINE`` for ``--num-layers-per-virtual-pipeline-stage 1``.
 
 Other script arguments as ds_like_2node.py (``--use-cpu-initialization`` is commented out
 here).
@@ -52,7 +46,8 @@ def get_config():
     c.lr_warmup_samples = 2000 * 1536
     c.min_lr = 1e-5
     c.lr_warmup_init = 1.0e-7
-    # MODEL_PARALLEL_ARGS: tp 1, pp 2 (vpp: 1 layer per chunk), ep 16: LAYOUT (see FLIP)
-    c.pipeline_model_parallel_size = 1
+    # MODEL_PARALLEL_ARGS: tp 1, pp 2 (vpp: 1 layer per chunk), ep 16 (LAYOUT)
+    c.pipeline_model_parallel_size = 2
+    c.num_layers_per_virtual_pipeline_stage = 1
     c.expert_model_parallel_size = 16
     return c

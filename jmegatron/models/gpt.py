@@ -25,7 +25,7 @@ from jmegatron.models.attention import SelfAttention
 from jmegatron.models.dropout import Dropout
 from jmegatron.fusions import fused_gelu
 from jmegatron.models.layers import Embed, Linear, dense_dot_general_fn, make_norm
-from jmegatron.models.moe.moe_layer import MoELayer
+from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, MoELayer
 from jmegatron.models.moe.moe_utils import MoEConfig, moe_layer_pattern
 
 Array = jax.Array
@@ -322,7 +322,7 @@ def embed_tokens(c: ModelConfig, params: Any, tokens: Array, position_ids: Array
 
 def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Array, *, first_layer: Any,
                  deterministic: bool, rng: Any, sample_offset: Any, dot_general: Callable,
-                 sow: tuple[str, ...] = (), num_valid: Any = None) -> Any:
+                 sow: tuple[str, ...] = (), num_valid: Any = None, moe_sown: bool = False) -> Any:
     """The decoder layers whose parameters are stacked ``[n, ...]`` in ``layer_params``
     (a slice of ``decoder_layers``), in order, as one ``lax.scan``; layer ``k`` is model
     layer ``first_layer + k`` (its dropout key ``fold_in(rng, first_layer + k)``).
@@ -331,17 +331,23 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
     (``lax.cond``: not computed). ``recompute_granularity="full"`` recomputes each layer in
     the backward. Returns the output ``[b, s, h]``; with ``sow`` (names TransformerLayer
     sows, e.g. ``"input_layernorm_output"``) ``(output, {name: [n, b, s, h]})`` (zeros for
-    padding slots)."""
+    padding slots). ``moe_sown``: the MoE layers' sown collections
+    (:data:`jmegatron.models.moe.moe_layer.MOE_COLLECTIONS`) are mutable too and come back in
+    that dict under their collection names, each leaf stacked ``[n, ...]`` (zeros for padding
+    slots); :func:`jmegatron.models.moe.moe_layer.chunk_moe_losses` reads them."""
     layer = TransformerLayer(c, deterministic, dot_general)
     offset = jnp.asarray(sample_offset, jnp.uint32)
 
     def body(h, xs):
         p, k = xs
         rngs = None if deterministic else {"dropout": jax.random.fold_in(rng, first_layer + k)}
-        if not sow:
+        if not sow and not moe_sown:
             return layer.apply({"params": p}, h, position_ids, offset, rngs=rngs)[0], None
-        (h, _), state = layer.apply({"params": p}, h, position_ids, offset, rngs=rngs, mutable=["intermediates"])
-        return h, {name: state["intermediates"][name][0] for name in sow}
+        mutable = (["intermediates"] if sow else []) + (list(MOE_COLLECTIONS) if moe_sown else [])
+        (h, _), state = layer.apply({"params": p}, h, position_ids, offset, rngs=rngs, mutable=mutable)
+        out = {name: state["intermediates"][name][0] for name in sow}
+        out.update({name: state[name] for name in MOE_COLLECTIONS if moe_sown and name in state})
+        return h, out
 
     if c.recompute_granularity == "full":
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
@@ -356,7 +362,7 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
             return jax.lax.cond(xs[1] < num_valid, layer_body, skip, h, xs)
     n = jax.tree.leaves(layer_params)[0].shape[0]
     out, sown = jax.lax.scan(body, x, (layer_params, jnp.arange(n)))
-    return (out, sown) if sow else out
+    return (out, sown) if sow or moe_sown else out
 
 
 def final_layernorm(c: ModelConfig, params: Any, x: Array) -> Array:

@@ -189,8 +189,9 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
     manual). Returns ``(grads, loss_sum, report_sums)``: the gradients of the summed
     micro-batch losses with respect to ``params`` as this stage sees them (layer
     parameters: its own; parameters replicated over stages: this stage's partial sum, to
-    be ``psum``-ed over the pipeline axis), and on the last stage the sums over
-    micro-batches of the loss and of each report entry (zeros elsewhere).
+    be ``psum``-ed over the pipeline axis), and this stage's sums over micro-batches of
+    the loss and of each report entry (the head's on the last stage, chunk losses wherever
+    they arise, zeros elsewhere; the caller ``psum``-s them over the pipeline axis).
 
     ``batch``: pytree of ``[m, ...]`` arrays (every stage gets all of it).
     ``activation``: a pytree of ShapeDtypeStructs, what one stage sends the next (for
@@ -198,8 +199,11 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
     ``embed(params, micro) -> x`` (``activation``'s structure) for chunk 0 on stage 0;
     ``chunk(params, x, micro, c) -> (x, side)`` the layers of this stage's chunk ``c``
     (traced int) and anything the head needs that is not sent on (e.g. intermediate
-    outputs; None if nothing); ``head(params, x, side, micro) -> (loss, report)`` on the
-    last chunk of the last stage, float32 scalars (``report_zeros`` gives the report's
+    outputs; None if nothing); a chunk whose layers add to the loss (an MoE model's router
+    losses) returns ``(x, side, (loss, report))`` instead: a float32 scalar added to the
+    micro-batch's loss on every stage and chunk, and entries added to the report's (a
+    subset of ``report_zeros``' keys). ``head(params, x, side, micro) -> (loss, report)`` on
+    the last chunk of the last stage, float32 (``report_zeros`` gives the report's
     structure). ``micro`` is ``batch`` at one micro-batch, plus ``"microbatch"`` (its int32
     index).
     """
@@ -223,9 +227,14 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
         x = jax.lax.cond(first,
                          lambda: _varying(jax.tree.map(lambda e, a: e.astype(a.dtype), embed(prm, micro), x_in), axes),
                          lambda: _varying(x_in, axes))
-        y, side = chunk(prm, x, micro, c)
+        out = chunk(prm, x, micro, c)
+        y, side = out[:2]
         loss, report = jax.lax.cond(last, lambda: _varying(head(prm, y, side, micro), axes),
                                     lambda: _varying((jnp.float32(0.0), report_zeros), axes))
+        if len(out) == 3:  # the chunk's own loss terms (every stage)
+            chunk_loss, chunk_report = out[2]
+            loss = loss + chunk_loss
+            report = {k: (r + chunk_report[k] if k in chunk_report else r) for k, r in report.items()}
         return (y, loss), report
 
     # A forward keeps its stage input; the backward recomputes the stage's forward under
@@ -257,7 +266,9 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
             _, vjp_fn, _ = jax.vjp(lambda a, b: stage_fn(a, b, b_mb, b_c), prm, x_in, has_aux=True)
             last = (stage == p - 1) & (b_c == v - 1)
             dy = jax.tree.map(lambda g: jnp.where(last, jnp.zeros_like(g), g), g_in)
-            dparams, dx = vjp_fn((dy, _varying(jnp.where(last, 1.0, 0.0).astype(jnp.float32), axes)))
+            # d loss = 1 on every stage: chunk losses (router losses) count wherever they arise;
+            # elsewhere than the last chunk the head's loss is the constant 0 of its cond
+            dparams, dx = vjp_fn((dy, _varying(jnp.float32(1.0), axes)))
             dx = jax.tree.map(lambda d, g: d.astype(g.dtype), dx, g_in)
             return _varying((dx, jax.tree.map(jnp.add, grads, dparams)), axes)
 

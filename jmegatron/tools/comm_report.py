@@ -209,7 +209,8 @@ def analyze(run) -> dict:
                             "embedding's forward and the output layer's input-gradient reduction")
     ep = run.mesh.shape.get("expert", 1)
     if ep > 1:
-        moe_layers = sum(run.model.cfg.moe_layers())
+        pp = run.mesh.shape.get("pipeline", 1)
+        moe_layers = sum(run.model.cfg.moe_layers()) // pp  # one pipeline rank's (every layer is MoE under pp)
         tokens = b * s  # one rank's tokens per micro-batch
         e, k = cfg.num_moe_experts, cfg.moe_router_topk
         if cfg.moe_token_dispatcher_type == "alltoall":
@@ -233,6 +234,12 @@ def analyze(run) -> dict:
                 "Megatron's allgather dispatcher per MoE layer and micro-batch: forward all-gathers of the "
                 "tokens, top-k indices and weights and a reduce-scatter of the outputs; backward: reduce-"
                 "scatters of the token and weight gradients, an all-gather of the output gradient")
+        if pp > 1:
+            analytic["note (expert, pipeline)"] = (
+                f"counts for one pipeline rank's {moe_layers} MoE layers. The compiled pipeline counts more: "
+                "each tick's forward and backward sit in lax.cond branches that the HLO count takes every tick "
+                "(idle ticks too), and the backward recomputes the chunk's forward (docs/PIPELINE.md): per "
+                "layer of a chunk and tick, the forward's dispatches, the recomputed forward's and the backward's")
     # Parameters held by one tensor rank: tensor-sharded ones split, the rest (norms,
     # row-parallel biases, position embeddings) whole, as in Megatron.
     from jax.sharding import NamedSharding

@@ -73,13 +73,14 @@ def analyze(cfg, mesh, name: str, num_microbatches: int, virtual_size: int) -> d
     import jax.numpy as jnp
     import numpy as np
 
+    from jmegatron.parallel.rules import data_parallel_size
     from jmegatron.parallel.schedules import build_schedule
     from jmegatron.tools.comm_report import parse_collectives
     from jmegatron.pretrain_gpt import build
     from jmegatron.training.step import batch_shardings
 
     v = virtual_size if name == "interleaved_1f1b" else 1
-    dp = cfg.data_parallel_size(mesh.devices.size)
+    dp = data_parallel_size(mesh)  # Megatron's: the ranks that split the batch (data x expert)
     c = cfg.replace(pipeline_schedule=name, virtual_pipeline_model_parallel_size=v if v > 1 else None,
                     num_layers_per_virtual_pipeline_stage=None,
                     global_batch_size=num_microbatches * cfg.micro_batch_size * dp)

@@ -118,7 +118,8 @@ class StageContext:
     ``extra`` (``make_train_step``'s extra argument, e.g. the teacher's parameters);
     ``data_sum`` (the psum over the data axis, identity with one data-parallel rank);
     ``layout`` (the student's :class:`~jmegatron.parallel.pipeline_layout.PipelineLayout`;
-    None: the even one)."""
+    None: the even one); ``data_parallel_size`` (the ranks that split the batch, data x
+    expert: a rank's share of a mean over ranks is its value over this)."""
 
     cfg: Any
     pipeline_size: int
@@ -132,6 +133,7 @@ class StageContext:
     extra: Any = None
     data_sum: Callable = None
     layout: Any = None
+    data_parallel_size: int = 1
 
     def chunk_layers(self, stacked: Any, chunk: Any, num_layers: int,
                      layout: Any = None) -> tuple[Any, Any, Optional[Any]]:
@@ -158,11 +160,21 @@ def lm_pipeline_stages(ctx: StageContext) -> dict:
     """The GPT language model's stages for :func:`jmegatron.parallel.schedules.run_schedule`
     (Megatron's GPTModel pre_process / decoder chunk / post_process with pretrain_gpt's
     ``loss_func``): ``{"embed", "chunk", "head", "activation", "report_zeros"}``. Each
-    micro-batch's loss is its masked token mean (``ctx.tokens``), as :func:`lm_loss_fn`."""
+    micro-batch's loss is its masked token mean (``ctx.tokens``), as :func:`lm_loss_fn`.
+
+    An MoE model's chunks run their layers with the router's sown collections mutable and
+    add those layers' router losses to the stage's loss
+    (:func:`jmegatron.models.moe.moe_layer.chunk_moe_losses`: each data rank's share, padding
+    slots left out), Megatron's ``MoEAuxLossAutoScaler`` on every pipeline rank; the report
+    gets the same MoE entries as :func:`lm_loss_fn`'s, assembled by the step's psum over
+    the data and pipeline axes."""
     from jmegatron.models.gpt import apply_layers, embed_tokens, output_logits
+    from jmegatron.models.moe.moe_layer import chunk_moe_losses, chunk_report_zeros
 
     c = ctx.cfg
     dot_general = c.dense_dot_general()
+    moe = c.moe is not None
+    report_zeros = dict({"lm_loss": jnp.float32(0.0)}, **(chunk_report_zeros(c) if moe else {}))
 
     def embed(prm, micro):
         return embed_tokens(c, prm, micro["tokens"], micro["position_ids"], deterministic=False,
@@ -170,19 +182,22 @@ def lm_pipeline_stages(ctx: StageContext) -> dict:
 
     def chunk(prm, x, micro, ci):
         layers, first, count = ctx.chunk_layers(prm["decoder_layers"], ci, c.num_layers)
-        return apply_layers(c, layers, x, micro["position_ids"], first_layer=first, num_valid=count,
-                            deterministic=False,
-                            rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=dot_general), None
+        out = apply_layers(c, layers, x, micro["position_ids"], first_layer=first, num_valid=count,
+                           deterministic=False, rng=ctx.rng, sample_offset=ctx.sample_offset(micro),
+                           dot_general=dot_general, moe_sown=moe)
+        if not moe:
+            return out, None
+        y, sown = out
+        return y, None, chunk_moe_losses(c, sown, first, count, 1.0 / ctx.data_parallel_size)
 
     def head(prm, y, side, micro):
         logits = output_logits(c, prm, y, dot_general)
         total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
         loss = total / jnp.maximum(ctx.tokens[micro["microbatch"]], 1.0)
-        return loss, {"lm_loss": loss}
+        return loss, dict(report_zeros, lm_loss=loss)
 
     activation = jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, c.hidden_size), c.dtype)
-    return dict(embed=embed, chunk=chunk, head=head, activation=activation,
-                report_zeros={"lm_loss": jnp.float32(0.0)})
+    return dict(embed=embed, chunk=chunk, head=head, activation=activation, report_zeros=report_zeros)
 
 
 def model_buffers(cfg: JMegatronConfig, model) -> Optional[ModelBuffers]:

@@ -287,7 +287,8 @@ def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params,
     ctx = StageContext(cfg=c, pipeline_size=schedule.pipeline_size, virtual_size=schedule.virtual_size,
                        stage=jax.lax.axis_index(PIPELINE_AXIS), rng=rng, tokens=tokens,
                        sample_offset=lambda micro: (micro["microbatch"] * dp + data_rank) * local_rows,
-                       local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum, layout=layout)
+                       local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum, layout=layout,
+                       data_parallel_size=dp)
     stages = stages_fn(ctx)
     grads, loss, report = run_schedule(schedule, params, batch, **stages)
     grads = {k: (g if k == "decoder_layers" else jax.tree.map(lambda a: jax.lax.psum(a, PIPELINE_AXIS), g))

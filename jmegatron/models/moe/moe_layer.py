@@ -224,3 +224,86 @@ def update_expert_bias(params: Any, tokens_per_expert: Array, update_rate: float
                          f"decoder_layers_<i>")
 
     return jax.tree_util.tree_map_with_path(update, params)
+
+
+def sown_loss_names(moe: moe_utils.MoEConfig) -> tuple[str, ...]:
+    """The report names of the losses :class:`TopKRouter` sows in training for ``moe`` (its
+    rule: the aux / seq-aux loss with a nonzero ``moe_aux_loss_coeff``, the z-loss with a
+    nonzero ``moe_z_loss_coeff``), in :data:`LOSS_COEFFS` order."""
+    balancing = moe.moe_router_load_balancing_type
+    on = {"load_balancing_loss": bool(moe.moe_aux_loss_coeff) and balancing == "aux_loss",
+          "seq_load_balancing_loss": bool(moe.moe_aux_loss_coeff) and balancing == "seq_aux_loss",
+          "z_loss": bool(moe.moe_z_loss_coeff)}
+    return tuple(name for name in LOSS_COEFFS if on[name])
+
+
+def chunk_report_zeros(cfg: Any) -> dict[str, Array]:
+    """The MoE entries of a pipelined report (:func:`chunk_moe_losses`), zeros: float32
+    scalars for :func:`sown_loss_names` and ``moe_dropped_token_fraction``,
+    ``moe_tokens_per_expert`` ``[num_moe_layers, E]``. ``cfg``: the model's ModelConfig."""
+    zeros = {name: jnp.float32(0.0) for name in sown_loss_names(cfg.moe)}
+    zeros["moe_tokens_per_expert"] = jnp.zeros((sum(cfg.moe_layers()), cfg.moe.num_moe_experts), jnp.float32)
+    zeros["moe_dropped_token_fraction"] = jnp.float32(0.0)
+    return zeros
+
+
+def chunk_moe_losses(cfg: Any, sown: Any, first_layer: Any, num_valid: Any, share: float
+                     ) -> tuple[Array, dict[str, Array]]:
+    """(loss, report) of one pipeline model chunk's MoE layers for one micro-batch on one
+    data-parallel rank, such that summing over the chunks of every stage and over data
+    ranks (the train step's psums) gives :func:`add_moe_losses`' unpipelined values.
+
+    ``cfg``: the model's ModelConfig, every decoder layer an MoE layer (a pipeline stacks
+    identical layers; validation refuses mixed ``moe_layer_freq`` under pp). ``sown``: the
+    chunk's :data:`MOE_COLLECTIONS`, leaves stacked ``[K, ...]`` over its slots
+    (:func:`jmegatron.models.gpt.apply_layers` with ``moe_sown``). ``first_layer`` (int32,
+    may be traced): the model layer of slot 0; ``num_valid`` (traced int32 or None: all K):
+    the chunk's real layers, the rest padding slots whose values are left out. ``share``:
+    this rank's weight in the mean over data-parallel ranks (1 / data-parallel size, every
+    rank holding as many tokens).
+
+    loss (float32): ``share`` x the chunk's sown losses (coefficients applied). report, with
+    :func:`chunk_report_zeros`' structure: each loss of :func:`sown_loss_names` divided by its
+    coefficient and by the number of MoE layers (Megatron's ``track_moe_metrics`` mean over
+    layers, summed over pipeline ranks) times ``share``; ``moe_tokens_per_expert``
+    ``[num_moe_layers, E]`` with this chunk's layers in their rows and zeros elsewhere (the
+    data/pipeline psum assembles the table); ``moe_dropped_token_fraction``: the chunk's
+    dropped assignments over all layers' routed ones times ``share``, exact because every
+    layer routes the same number (each token to ``moe_router_topk`` experts).
+
+    Raises ValueError when not every layer is an MoE layer, or when ``sown`` lacks a value
+    the router sows in training (the layers were applied without ``moe_sown``).
+    """
+    moe = cfg.moe
+    num_layers = sum(cfg.moe_layers())
+    if num_layers != cfg.num_layers:
+        raise ValueError(f"chunk_moe_losses: {num_layers} of {cfg.num_layers} layers are MoE layers; pipeline "
+                         f"stages stack identical layers (moe_layer_freq=1)")
+
+    def found(name, collection):
+        values = _collect(sown.get(collection, {}), name)
+        if not values:
+            raise ValueError(f"chunk_moe_losses: no {name!r} sown in {collection!r}: apply the layers in training "
+                             f"with moe_sown=True")
+        return values
+
+    tokens = found("tokens_per_expert", MOE_STATS)[0].reshape(-1, moe.num_moe_experts)
+    slots = tokens.shape[0]
+    valid = jnp.ones((slots,), bool) if num_valid is None else jnp.arange(slots) < num_valid
+
+    def chunk_sum(name, collection):  # over the chunk's real layers
+        return sum(jnp.sum(jnp.where(valid, v.reshape(slots), 0.0)) for v in found(name, collection))
+
+    total = jnp.float32(0.0)
+    report = chunk_report_zeros(cfg)
+    for name in sown_loss_names(moe):
+        summed = chunk_sum(name, MOE_LOSSES)
+        total = total + summed
+        report[name] = summed / getattr(moe, LOSS_COEFFS[name]) / num_layers * share
+    rows = jnp.where(valid, first_layer + jnp.arange(slots), num_layers)  # padding: out of range, dropped
+    report["moe_tokens_per_expert"] = report["moe_tokens_per_expert"].at[rows].add(
+        jnp.where(valid[:, None], tokens, 0.0), mode="drop")
+    routed_per_layer = jnp.max(jnp.where(valid, found("routed_tokens", MOE_STATS)[0].reshape(slots), 0.0))
+    report["moe_dropped_token_fraction"] = (chunk_sum("dropped_tokens", MOE_STATS)
+                                            / jnp.maximum(routed_per_layer * num_layers, 1.0) * share)
+    return total * share, report
