@@ -467,6 +467,11 @@ class JMegatronConfig:
         if k > e:
             raise ConfigError(f"config.moe_router_topk={k} exceeds config.num_moe_experts={e}; "
                               f"a token cannot choose more experts than there are.")
+        if self.kd_teacher_load is not None and not self.kd_finalize and self.pipeline_model_parallel_size > 1:
+            raise ConfigError("config.num_moe_experts with config.kd_teacher_load and "
+                              "pipeline_model_parallel_size > 1: the pipelined distillation stages do not add the "
+                              "student's router losses yet; distil an MoE student with "
+                              "pipeline_model_parallel_size=1 (data, tensor and expert parallelism work).")
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be >= 0.")
@@ -520,9 +525,6 @@ class JMegatronConfig:
             raise ConfigError("config.num_moe_experts with pipeline_model_parallel_size > 1 is not built yet "
                               "(the pipeline stages do not add the router losses); set "
                               "pipeline_model_parallel_size=1.")
-        if self.kd_teacher_load is not None and not self.kd_finalize:
-            raise ConfigError("config.num_moe_experts with config.kd_teacher_load: the distillation loss does not "
-                              "add the student's router losses yet (issue 13 item 7); distil a dense student.")
         if self.scan_layers and len(set(pattern)) > 1:
             raise ConfigError(f"config.scan_layers=True stacks identical layers, but config.moe_layer_freq="
                               f"{self.moe_layer_freq!r} mixes dense and MoE layers; set scan_layers=False or "
