@@ -215,3 +215,10 @@ def test_pipeline_and_bad_teacher_layouts_are_refused(tmp_path, moe_teacher_dir)
     with pytest.raises(ConfigError, match="num_moe_experts=4, not divisible by the student's "
                                           "expert_model_parallel_size=8"):
         load_teacher(moe_teacher_dir, ep8, 512, create_mesh(ep8))
+    # the pipelined stages themselves refuse MoE models too (should the config checks be lifted)
+    from jmegatron.distill.config import DistillConfig
+    from jmegatron.distill.loss_func import distillation_pipeline_stages
+
+    moe_model = build(cfg_for(tmp_path / "e", **MOE)).model
+    with pytest.raises(ConfigError, match="pipeline parallelism with an MoE student"):
+        distillation_pipeline_stages(moe_model, moe_model, DistillConfig())
