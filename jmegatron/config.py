@@ -467,6 +467,11 @@ class JMegatronConfig:
         if k > e:
             raise ConfigError(f"config.moe_router_topk={k} exceeds config.num_moe_experts={e}; "
                               f"a token cannot choose more experts than there are.")
+        if self.kd_teacher_load is not None and not self.kd_finalize and self.pipeline_model_parallel_size > 1:
+            raise ConfigError("config.num_moe_experts with config.kd_teacher_load and "
+                              "pipeline_model_parallel_size > 1: the pipelined distillation stages do not add the "
+                              "student's router losses yet; distil an MoE student with "
+                              "pipeline_model_parallel_size=1 (data, tensor and expert parallelism work).")
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be >= 0.")
@@ -519,13 +524,6 @@ class JMegatronConfig:
                               f"pipeline_model_parallel_size={self.pipeline_model_parallel_size} stacks identical "
                               f"layers (each stage holds a slice of one stacked decoder); make every layer MoE "
                               f"(moe_layer_freq=1) or set pipeline_model_parallel_size=1.")
-        if self.pipeline_model_parallel_size > 1 and self.moe_router_enable_expert_bias:
-            raise ConfigError("config.moe_router_enable_expert_bias=True with pipeline_model_parallel_size > 1: "
-                              "the pipeline stages do not carry the router's expert_bias state (moe_state); "
-                              "set pipeline_model_parallel_size=1 or moe_router_enable_expert_bias=False.")
-        if self.kd_teacher_load is not None and not self.kd_finalize:
-            raise ConfigError("config.num_moe_experts with config.kd_teacher_load: the distillation loss does not "
-                              "add the student's router losses yet (issue 13 item 7); distil a dense student.")
         if self.scan_layers and len(set(pattern)) > 1:
             raise ConfigError(f"config.scan_layers=True stacks identical layers, but config.moe_layer_freq="
                               f"{self.moe_layer_freq!r} mixes dense and MoE layers; set scan_layers=False or "

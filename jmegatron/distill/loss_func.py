@@ -8,6 +8,21 @@ masked mean over the micro-batch's tokens (0 when no token counts), combined by
 forward only, deterministic, under ``stop_gradient``; intermediate outputs come from the
 models' ``intermediates`` collection (``sow``), resolved by
 :mod:`jmegatron.distill.config`.
+
+MoE student: its router losses (load-balancing / z-loss, coefficients applied) are added
+to the balanced total after the balancer, exactly as the LM loss adds them
+(:func:`jmegatron.models.moe.moe_layer.add_moe_losses`), and reported beside the KD
+losses as ``load_balancing_loss`` / ``seq_load_balancing_loss`` / ``z_loss`` (plus
+``moe_tokens_per_expert`` and ``moe_dropped_token_fraction``). This follows Megatron:
+there the router losses reach the gradient through ``MoEAuxLossAutoScaler`` on the
+student's activations, whatever loss ``loss_func`` returns, so they are added with
+``skip_lm_loss`` too, and they are not part of the student loss ``O`` that the
+balancer's ``O / kd`` ratio uses (megatron/post_training/loss_func.py passes the
+cross-entropy alone as ``student_loss``). ``kd_loss`` stays the balancer's total, as
+upstream's "total loss" report; the step's ``loss`` is what was optimised (``kd_loss``
+plus the router losses). MoE teacher: applied with ``deterministic=True``, so its router
+sows nothing (ModelOpt runs the teacher under ``torch.no_grad()`` in ``eval()``, where
+Megatron-Core's router computes no aux loss).
 """
 
 from __future__ import annotations
@@ -17,9 +32,11 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from jmegatron.config import ConfigError
 from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
 from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
 from jmegatron.distill.losses import ProjectionLayer, intermediate_loss_from_name, logits_kl_loss
+from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
 from jmegatron.training.forward_step import masked_cross_entropy
 
 
@@ -56,6 +73,8 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
     ``aux`` is :func:`projection_aux`'s result: with a ``kd_projection`` the student's
     intermediate outputs ``[b, s, student_hidden]`` are projected to ``[b, s,
     teacher_hidden]`` by ``params["kd_projection"]`` before the intermediate losses.
+    Either model may be an MoE model (module doc): an MoE student's router losses are
+    added to the returned float32 scalar loss and its report gains the MoE entries.
     Raises DistillConfigError for unknown layer names, or for intermediate pairs between
     different hidden sizes without a projection in ``aux``.
     """
@@ -73,14 +92,18 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
     need_lm = (not dcfg.skip_lm_loss) or dcfg.kd_loss_alpha is not None
     balancer = LogitsAndIntermediatesLossBalancer(
         kd_loss_scale=dcfg.kd_loss_scale, skip_original_loss=not need_lm, kd_loss_alpha=dcfg.kd_loss_alpha)
-    mutable = ["intermediates"] if pairs else False
+    moe_student = s_cfg.moe is not None
+    # the teacher is deterministic: an MoE teacher's router sows nothing, so it needs no MoE collection
+    mutable_s = (["intermediates"] if pairs else []) + (list(MOE_COLLECTIONS) if moe_student else [])
+    mutable_t = ["intermediates"] if pairs else False
 
     def loss_fn(params, micro, rng, num_tokens, teacher_params, data_sum):
         args = (micro["tokens"], micro["position_ids"])
         out_s = student.apply({"params": params}, *args, deterministic=False, rngs={"dropout": rng},
-                              sample_offset=micro["sample_offset"], mutable=mutable)
-        out_t = teacher.apply({"params": teacher_params}, *args, deterministic=True, mutable=mutable)
-        (logits_s, inter_s), (logits_t, inter_t) = (out_s, out_t) if pairs else ((out_s, {}), (out_t, {}))
+                              sample_offset=micro["sample_offset"], mutable=mutable_s or False)
+        out_t = teacher.apply({"params": teacher_params}, *args, deterministic=True, mutable=mutable_t)
+        logits_s, inter_s = out_s if mutable_s else (out_s, {})
+        logits_t, inter_t = out_t if pairs else (out_t, {})
         logits_t = jax.lax.stop_gradient(logits_t.astype(jnp.float32))
         mask = micro["loss_mask"].astype(jnp.float32)
 
@@ -101,6 +124,8 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
         total, rep = balancer(losses)
         report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],
                       intermediate_distillation_loss=rep["intermediate_loss"])
+        if moe_student:  # outside the balancer, as Megatron's MoEAuxLossAutoScaler (module doc)
+            total, report = add_moe_losses(s_cfg, total, report, inter_s, micro, data_sum)
         return total, report
 
     return loss_fn
@@ -122,10 +147,18 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
     (pipeline_model_parallel_size x virtual size) chunks. One data-parallel rank only (the
     balancer's normalisation needs the losses summed over data inside the last stage's
     conditional: not built); :func:`jmegatron.distill.model_provider.distillation_forward_step` refuses more.
+    Dense models only: raises ConfigError when the student or the teacher is an MoE model
+    (the stages do not collect the router losses; the config and the teacher loader refuse
+    it first).
     """
     from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
 
     s_cfg, t_cfg = student.cfg, teacher.cfg
+    for role, c in (("student", s_cfg), ("teacher", t_cfg)):
+        if c.moe is not None:
+            raise ConfigError(f"distillation under pipeline parallelism with an MoE {role} is not built (the "
+                              f"pipelined stages do not collect the router losses); set "
+                              f"pipeline_model_parallel_size=1.")
     check_layers(dcfg, s_cfg.num_layers, t_cfg.num_layers)
     projection = (aux or {}).get(PROJECTION, (None,))[0]
     need_lm = (not dcfg.skip_lm_loss) or dcfg.kd_loss_alpha is not None

@@ -27,9 +27,14 @@ def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vo
     :class:`~jmegatron.distill.teacher.Teacher`. A config without a teacher, or with
     ``kd_finalize`` (conversion to a plain student, no training), gets the language model's.
 
-    Raises ConfigError under pipeline parallelism with more than one data-parallel rank,
-    DistillConfigError for a bad distillation YAML or a layer pair the layout cannot place,
-    CheckpointError for a missing teacher or one with another vocabulary.
+    Student and teacher may each be dense or MoE (an MoE student's router losses join the
+    loss: :mod:`jmegatron.distill.loss_func`; an MoE teacher's experts split over the
+    student's ``expert`` axis: :mod:`jmegatron.distill.teacher`).
+
+    Raises ConfigError under pipeline parallelism with more than one data-parallel rank or
+    an MoE teacher, or for a teacher the student's layout cannot run, DistillConfigError
+    for a bad distillation YAML or a layer pair the layout cannot place, CheckpointError
+    for a missing teacher or one with another vocabulary.
     """
     if not cfg.kd_teacher_load or cfg.kd_finalize:
         return gpt_forward_step(cfg, model, mesh, padded_vocab_size)

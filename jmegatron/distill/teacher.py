@@ -6,6 +6,15 @@ here the checkpoint's resolved config builds the teacher model, and its paramete
 restored straight into their own shardings on the student's mesh (the same logical
 rules, so e.g. a tensor-parallel student gets a tensor-parallel teacher). The teacher
 is not in the optimizer and not in the student's checkpoints; it only runs forward.
+
+An MoE teacher (``num_moe_experts`` in its checkpoint's config) runs in evaluation mode
+(``deterministic=True``: no dropout, its router computes and sows no losses, as
+Megatron-Core's router under ModelOpt's ``torch.no_grad()`` + ``eval()`` teacher forward);
+its own capacity factor still applies. Under the student's expert parallelism its experts
+are split over the ``expert`` mesh axis like the student's (``E_teacher / ep`` per rank):
+inside the train step's shard_map the MoE layer dispatches by the size of the manual
+``expert`` axis, so a replicated teacher would be taken for a local slice. A dense
+teacher is replicated over ``expert`` (its config keeps expert_model_parallel_size=1).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jmegatron.config import JMegatronConfig, from_configdict
+from jmegatron.config import ConfigError, JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.training import checkpointing
 from jmegatron.training.run import build, restore_state
@@ -39,10 +48,16 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
                  bf16: bool = False) -> Teacher:
     """Load the teacher of ``load_dir`` onto ``mesh``.
 
-    The teacher may differ from the student in depth, width, heads and FFN size but must
-    share the vocabulary: a different padded vocabulary raises CheckpointError naming
-    both sizes. The student's parallel sizes are used for the teacher (one mesh).
-    Raises CheckpointError for a missing or unreadable checkpoint.
+    The teacher may differ from the student in depth, width, heads and FFN size, and be
+    dense or MoE whatever the student is, but must share the vocabulary: a different
+    padded vocabulary raises CheckpointError naming both sizes. The student's parallel
+    sizes are used for the teacher (one mesh); an MoE teacher's experts split over the
+    student's expert_model_parallel_size (module doc), a dense teacher keeps 1.
+
+    Raises CheckpointError for a missing or unreadable checkpoint; ConfigError (naming the
+    teacher's field) for an MoE teacher under pipeline parallelism (not built), an MoE
+    teacher whose expert count the student's expert_model_parallel_size does not divide,
+    or any other teacher setting the student's layout cannot run.
     """
     if not checkpointing.has_checkpoint(load_dir):
         raise checkpointing.CheckpointError(f"config.kd_teacher_load={load_dir!r} holds no checkpoint")
@@ -50,9 +65,24 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     meta = ckpt.read_meta()
     saved = dict(meta["config"])
     parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                "expert_model_parallel_size", "sequence_parallel", "use_megatron_fsdp",
-                "micro_batch_size", "global_batch_size")
+                "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+                "use_megatron_fsdp", "micro_batch_size", "global_batch_size")
     saved.update({k: getattr(student_cfg, k) for k in parallel})
+    experts = saved.get("num_moe_experts")
+    ep = student_cfg.expert_model_parallel_size
+    if experts is None:  # dense: replicated over the expert axis
+        saved.update(expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    elif student_cfg.pipeline_model_parallel_size > 1:
+        ckpt.close()
+        raise ConfigError(f"teacher {load_dir} is an MoE model (num_moe_experts={experts}) and the student runs with "
+                          f"pipeline_model_parallel_size={student_cfg.pipeline_model_parallel_size}: the pipelined "
+                          f"distillation stages do not run MoE layers yet; set pipeline_model_parallel_size=1 or "
+                          f"distil from a dense teacher (config.kd_teacher_load).")
+    elif experts % ep:
+        ckpt.close()
+        raise ConfigError(f"teacher {load_dir} has num_moe_experts={experts}, not divisible by the student's "
+                          f"expert_model_parallel_size={ep} (the teacher's experts split over the same expert "
+                          f"ranks); choose an expert_model_parallel_size that divides both expert counts.")
     # the same pipeline chunks per stage as the student (its stacked layers in that stage order)
     v = student_cfg.virtual_pipeline_size()
     saved.update(virtual_pipeline_model_parallel_size=v if v > 1 else None,
@@ -60,7 +90,12 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
                  decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
     saved.update(hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, use_distributed_optimizer=False,
                  kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
-    tcfg = from_configdict(saved)
+    try:
+        tcfg = from_configdict(saved)
+    except ConfigError as e:
+        ckpt.close()
+        raise ConfigError(f"teacher {load_dir} (config.kd_teacher_load) under the student's parallel layout: "
+                          f"{e}") from None
     if meta["padded_vocab_size"] != padded_vocab_size:
         raise checkpointing.CheckpointError(
             f"teacher {ckpt.directory} has a padded vocabulary of {meta['padded_vocab_size']} but the student "
