@@ -84,3 +84,25 @@ def test_expert_parallel_biases_equal_one_device():
         np.testing.assert_allclose(m["lm_loss"], m1["lm_loss"], rtol=1e-5)
         for name in after1:
             np.testing.assert_array_equal(after[name], after1[name])
+
+
+@pytest.mark.slow
+def test_pipeline_biases_equal_one_device():
+    """pp2 (1F1B, uneven stages: 3 + 1 layers, so a padding slot): each bias rides with its
+    layer's pipeline slot and the stages' tokens per expert assemble over the pipeline, so
+    the biases and losses after each step equal one device's (stacked layers)."""
+    kw = dict(MOE, num_layers=4, scan_layers=True, global_batch_size=8, micro_batch_size=2)
+    pp = train(tiny_cfg(**kw, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3), 2)
+    one = train(tiny_cfg(**kw), 1)
+    for (_, m, after, params), (_, m1, after1, params1) in zip(pp, one):
+        np.testing.assert_array_equal(m["moe_tokens_per_expert"], m1["moe_tokens_per_expert"])
+        np.testing.assert_allclose(m["lm_loss"], m1["lm_loss"], rtol=1e-5)
+        (name,) = after1
+        stored = after[name]  # [slots, E] in stage order, the padding slot zero
+        from jmegatron.training.run import stored_layer_index
+
+        index = stored_layer_index(tiny_cfg(**kw, pipeline_model_parallel_size=2,
+                                            decoder_first_pipeline_num_layers=3))
+        for slot, layer in enumerate(index):
+            want = after1[name][layer] if layer >= 0 else np.zeros(4)
+            np.testing.assert_array_equal(stored[slot], want)

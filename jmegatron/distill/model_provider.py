@@ -18,7 +18,7 @@ from jmegatron.config import ConfigError, JMegatronConfig
 from jmegatron.distill.config import load_distill_config
 from jmegatron.distill.loss_func import distillation_loss_fn, distillation_pipeline_stages, projection_aux
 from jmegatron.distill.teacher import load_teacher
-from jmegatron.training.forward_step import ForwardStep, gpt_forward_step
+from jmegatron.training.forward_step import ForwardStep, gpt_forward_step, model_buffers
 
 
 def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size: int) -> ForwardStep:
@@ -54,4 +54,4 @@ def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vo
                        pipeline_stages=distillation_pipeline_stages(model, teacher.model, dcfg, aux) if pipelined
                        else None,
                        extra_args=(teacher.params,), extra_shardings=teacher.shardings, aux_modules=aux,
-                       owner=teacher)
+                       owner=teacher, buffers=model_buffers(cfg, model))  # the student's expert bias
