@@ -1,0 +1,137 @@
+"""Context parallelism: the sequence split over the ``context`` mesh axis, and ring attention.
+
+Megatron splits each sequence over ``context_parallel_size`` ranks with load balancing
+(megatron/training/utils.py ``get_batch_on_this_cp_rank``): the sequence is cut into
+``2 * cp`` chunks and rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, so every rank has
+the same causal attention work. Attention then runs as a ring (Transformer Engine's
+``AttnFuncWithCPAndKVP2P``, the ``p2p`` ``cp_comm_type``; Liu et al. 2023, "Ring Attention
+with Blockwise Transformers"): each rank keeps its queries, and the key/value blocks travel
+around the ring (``cp - 1`` hops, K and V each: ``2 (cp - 1)`` block sends per layer
+forward), each partial result merged with its log-sum-exp.
+
+Here, as a pure-JAX layout:
+
+* :func:`load_balance_index` gives the permutation of sequence positions that puts rank
+  ``r``'s two chunks at ``[r * 2c, (r + 1) * 2c)`` (``c = s / (2 cp)``), so sharding the
+  permuted sequence evenly over ``context`` is Megatron's split. Tokens, labels, loss mask
+  and position ids are permuted together (the token mean of the loss does not depend on
+  the order); attention masks use the position ids, never the storage order.
+* :func:`attention_block` is the block kernel: softmax attention of a query block over a
+  key/value block with an optional causal mask by positions, returning the float32 output
+  and its log-sum-exp; :func:`merge_blocks` combines two partial results.
+* :func:`ring_attention` runs inside ``shard_map`` with ``context`` manual. Which blocks a
+  step computes follows Transformer Engine's load-balanced schedule: step 0 is the local
+  causal block; a block from an earlier rank is seen whole by both local chunks but only
+  its first chunk is visible (``[2c] x [c]``); a block from a later rank is visible whole
+  to the second local chunk only (``[c] x [2c]``): every step costs the same on every rank.
+  Gradients come from JAX's autodiff through ``ppermute`` (its transpose is the reverse
+  ring, carrying dK/dV back to their owners).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def load_balance_index(seq_length: int, context_parallel_size: int) -> np.ndarray:
+    """int64 ``[seq_length]``: the original position stored at each slot of the
+    load-balanced layout (Megatron's ``get_batch_on_this_cp_rank``). Slots
+    ``[r * 2c, (r + 1) * 2c)`` hold chunks ``r`` then ``2 cp - 1 - r`` (``c = seq_length /
+    (2 cp)``). Identity for cp = 1. Raises ValueError when ``seq_length`` is not divisible
+    by ``2 * context_parallel_size``."""
+    cp = context_parallel_size
+    if cp < 1:
+        raise ValueError(f"context_parallel_size={cp} must be >= 1")
+    if cp == 1:
+        return np.arange(seq_length)
+    if seq_length % (2 * cp):
+        raise ValueError(f"seq_length={seq_length} must be divisible by 2 x context_parallel_size={2 * cp} "
+                         f"(Megatron's load-balanced split)")
+    c = seq_length // (2 * cp)
+    chunks = np.arange(seq_length).reshape(2 * cp, c)
+    order = [i for r in range(cp) for i in (r, 2 * cp - 1 - r)]
+    return chunks[order].reshape(-1)
+
+
+def attention_block(q: Array, k: Array, v: Array, q_positions: Optional[Array] = None,
+                    k_positions: Optional[Array] = None) -> tuple[Array, Array]:
+    """Softmax attention of a query block over a key/value block, unnormalised across blocks.
+
+    q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]`` (GQA: query head ``i`` uses group
+    ``i // (nq // nkv)``); ``q_positions`` int ``[b, sq]`` and ``k_positions`` int ``[b, sk]``:
+    when given, query at position p sees keys at positions <= p (causal); None: no mask.
+    Returns (out float32 ``[b, sq, nq, d]``, normalised within the block; lse float32
+    ``[b, sq, nq]``, the log-sum-exp of its scaled scores, -inf for a query that sees no
+    key here, whose output is 0). Scores and softmax in float32, scale ``1/sqrt(d)``.
+    """
+    b, sq, nq, d = q.shape
+    nkv = k.shape[2]
+    qg = q.reshape(b, sq, nkv, nq // nkv, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
+    if q_positions is not None:
+        visible = q_positions[:, :, None] >= k_positions[:, None, :]  # [b, sq, sk]
+        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    p = jnp.exp(scores - safe)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(total > 0, total, 1.0), v.astype(jnp.float32))
+    lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + safe, -jnp.inf)  # [b, h, g, q, 1]
+    lse = jnp.moveaxis(lse[..., 0], 3, 1).reshape(b, sq, nq)
+    return out.reshape(b, sq, nq, d), lse
+
+
+def merge_blocks(out1: Array, lse1: Array, out2: Array, lse2: Array) -> tuple[Array, Array]:
+    """Combine two partial attention results over disjoint key sets: (out ``[b, s, nq, d]``,
+    lse ``[b, s, nq]``), both float32; a side with lse -inf contributes nothing."""
+    lse = jnp.logaddexp(lse1, lse2)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w1 = jnp.where(jnp.isfinite(lse1), jnp.exp(lse1 - safe), 0.0)[..., None]
+    w2 = jnp.where(jnp.isfinite(lse2), jnp.exp(lse2 - safe), 0.0)[..., None]
+    return w1 * out1 + w2 * out2, lse
+
+
+def ring_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int) -> Array:
+    """Causal attention of this rank's load-balanced sequence shard against the whole
+    sequence, inside ``shard_map`` with ``axis_name`` (the ``context`` axis, size
+    ``axis_size``) manual (``cp_comm_type="p2p"``).
+
+    q ``[b, 2c, nq, d]``, k/v ``[b, 2c, nkv, d]``: this rank's slots of the
+    :func:`load_balance_index` layout (chunk ``r`` then chunk ``2 cp - 1 - r``);
+    ``positions`` int ``[b, 2c]``: their position ids (for the local causal mask).
+    Returns ``[b, 2c, nq, d]`` in q's dtype. The K/V (and positions) blocks hop
+    ``axis_size - 1`` times around the ring by ``ppermute`` (rank ``r`` sends to ``r + 1``).
+    """
+    cp = axis_size
+    if cp == 1:
+        out, _ = attention_block(q, k, v, positions, positions)
+        return out.astype(q.dtype)
+    rank = jax.lax.axis_index(axis_name)
+    c = q.shape[1] // 2
+    ring = [(i, (i + 1) % cp) for i in range(cp)]
+    out, lse = attention_block(q, k, v, positions, positions)  # step 0: the local causal block
+    kv = (k, v)
+    for step in range(1, cp):
+        kv = jax.lax.ppermute(kv, axis_name, ring)
+        source = (rank - step) % cp  # the rank this block belongs to
+        bk, bv = kv
+
+        def earlier(bk=bk, bv=bv):  # both local chunks see the block's first chunk only
+            return attention_block(q, bk[:, :c], bv[:, :c])
+
+        def later(bk=bk, bv=bv):  # only the second local chunk sees it, whole
+            o, l = attention_block(q[:, c:], bk, bv)
+            zero_o = jnp.zeros_like(o)
+            return (jnp.concatenate([zero_o, o], axis=1),
+                    jnp.concatenate([jnp.full_like(l, -jnp.inf), l], axis=1))
+
+        o, l = jax.lax.cond(source < rank, earlier, later)
+        out, lse = merge_blocks(out, lse, o, l)
+    return out.astype(q.dtype)

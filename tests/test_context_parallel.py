@@ -1,0 +1,89 @@
+"""Context parallelism's building blocks (issue 14 items 1-2): Megatron's load-balanced
+sequence split against megatron-core's own ``get_batch_on_this_cp_rank``, and ring
+attention (``cp_comm_type="p2p"``) over the ``context`` axis of 8 simulated devices equal
+to one-device causal attention in values and gradients (float32, GQA)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jmegatron.models.attention import xla_attention
+from jmegatron.parallel import context_parallel as cpl
+
+
+def _megatron_split(seq, cp, rank, monkeypatch):
+    import torch
+    from megatron.core import parallel_state, utils
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
+    batch = {"tokens": torch.arange(seq).reshape(1, seq), "attention_mask": None}
+    return utils.get_batch_on_this_cp_rank(batch)["tokens"][0].numpy()
+
+
+@pytest.mark.parametrize("seq,cp", [(16, 2), (32, 4), (24, 3), (8, 1)])
+def test_load_balance_index_is_megatrons_split(seq, cp, monkeypatch):
+    index = cpl.load_balance_index(seq, cp)
+    assert sorted(index) == list(range(seq))
+    shard = seq // cp
+    for r in range(cp):
+        np.testing.assert_array_equal(index[r * shard:(r + 1) * shard], _megatron_split(seq, cp, r, monkeypatch))
+
+
+def test_load_balance_index_refuses_uneven_chunks():
+    with pytest.raises(ValueError, match="seq_length=30 must be divisible by 2 x context_parallel_size=8"):
+        cpl.load_balance_index(30, 4)
+
+
+def test_block_merge_equals_whole_attention():
+    """Two key halves, merged by log-sum-exp, equal attention over all keys; a query that
+    sees no key of a block gets lse -inf there and is unaffected."""
+    rs = np.random.RandomState(0)
+    b, s, nq, nkv, d = 2, 12, 4, 2, 8
+    q, k, v = (jnp.asarray(rs.randn(b, s, n, d).astype(np.float32)) for n in (nq, nkv, nkv))
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    whole = xla_attention(q, k, v)
+    o1, l1 = cpl.attention_block(q, k[:, :5], v[:, :5], pos, pos[:, :5])
+    o2, l2 = cpl.attention_block(q, k[:, 5:], v[:, 5:], pos, pos[:, 5:])
+    assert np.all(np.isneginf(np.asarray(l2[:, :5])))
+    out, _ = cpl.merge_blocks(o1, l1, o2, l2)
+    np.testing.assert_allclose(out, whole, rtol=1e-5, atol=1e-6)
+
+
+def _ring(cp, q, k, v):
+    """Ring attention over a cp-device context mesh of the load-balanced layout, returned in
+    the original order."""
+    b, s = q.shape[:2]
+    index = cpl.load_balance_index(s, cp)
+    inverse = np.argsort(index)
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("context",))
+    pos = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b, s))
+    spec = P(None, "context")
+    fn = jax.shard_map(functools.partial(cpl.ring_attention, axis_name="context", axis_size=cp), mesh=mesh,
+                       in_specs=(spec, spec, spec, spec), out_specs=spec)
+    return fn(q[:, index], k[:, index], v[:, index], pos)[:, inverse]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_equals_one_device(cp):
+    rs = np.random.RandomState(cp)
+    b, s, nq, nkv, d = 2, 32, 4, 2, 8
+    q, k, v = (jnp.asarray(rs.randn(b, s, n, d).astype(np.float32)) for n in (nq, nkv, nkv))
+    w = jnp.asarray(rs.randn(b, s, nq, d).astype(np.float32))
+
+    def loss(f, q, k, v):
+        return jnp.sum(f(q, k, v) * w)
+
+    ring = jax.jit(jax.value_and_grad(functools.partial(loss, functools.partial(_ring, cp)), argnums=(0, 1, 2)))
+    ref = jax.value_and_grad(functools.partial(loss, xla_attention), argnums=(0, 1, 2))
+    (got, got_g), (want, want_g) = ring(q, k, v), ref(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(_ring(cp, q, k, v), xla_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    for a, e in zip(got_g, want_g):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+    hlo = jax.jit(functools.partial(_ring, cp)).lower(q, k, v).as_text()
+    assert hlo.count("collective_permute") + hlo.count("collective-permute") >= 1
