@@ -24,12 +24,13 @@ Here, as a pure-JAX layout:
   causal block; a block from an earlier rank is seen whole by both local chunks but only
   its first chunk is visible (``[2c] x [c]``); a block from a later rank is visible whole
   to the second local chunk only (``[c] x [2c]``): every step costs the same on every rank.
-  Gradients come from JAX's autodiff through ``ppermute`` (its transpose is the reverse
-  ring, carrying dK/dV back to their owners).
+  Its backward is a custom VJP that circulates K/V again with their dK/dV (Transformer
+  Engine's scheme), keeping one block in memory instead of autodiff's every received block.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -98,6 +99,66 @@ def merge_blocks(out1: Array, lse1: Array, out2: Array, lse2: Array) -> tuple[Ar
     return w1 * out1 + w2 * out2, lse
 
 
+def _block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: Array,
+                 q_positions: Optional[Array] = None, k_positions: Optional[Array] = None
+                 ) -> tuple[Array, Array, Array]:
+    """FlashAttention's backward for one block (Dao et al. 2022, Algorithm 4) given the
+    *final* log-sum-exp ``lse [b, sq, nq]`` and ``delta = sum(dout * out, -1) [b, sq, nq]``:
+    (dq ``[b, sq, nq, d]``, dk ``[b, sk, nkv, d]``, dv ``[b, sk, nkv, d]``), float32, this
+    block's contributions. Shapes and masks as :func:`attention_block`."""
+    b, sq, nq, d = q.shape
+    nkv = k.shape[2]
+    g = nq // nkv
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    qg = q.astype(jnp.float32).reshape(b, sq, nkv, g, d)
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k32) * scale
+
+    def per_head(x):  # [b, sq, nq] -> [b, nkv, g, sq, 1]
+        return jnp.moveaxis(x.reshape(b, sq, nkv, g), 1, 3)[..., None]
+
+    finite = jnp.isfinite(lse)
+    p = jnp.exp(scores - per_head(jnp.where(finite, lse, 0.0)))
+    keep = per_head(finite)
+    if q_positions is not None:
+        keep = keep & (q_positions[:, :, None] >= k_positions[:, None, :])[:, None, None]
+    p = jnp.where(keep, p, 0.0)
+    dout_g = dout.astype(jnp.float32).reshape(b, sq, nkv, g, d)
+    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dout_g)
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dout_g, v32)
+    ds = p * (dp - per_head(delta)) * scale
+    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k32).reshape(b, sq, nq, d)
+    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg)
+    return dq, dk, dv
+
+
+def _ring_forward(q, k, v, positions, axis_name, cp):
+    """(out float32, lse) of the forward ring (see :func:`ring_attention`)."""
+    out, lse = attention_block(q, k, v, positions, positions)  # step 0: the local causal block
+    if cp == 1:
+        return out, lse
+    rank = jax.lax.axis_index(axis_name)
+    c = q.shape[1] // 2
+    ring = [(i, (i + 1) % cp) for i in range(cp)]
+    kv = (k, v)
+    for step in range(1, cp):
+        kv = jax.lax.ppermute(kv, axis_name, ring)
+        bk, bv = kv
+
+        def earlier(bk=bk, bv=bv):  # both local chunks see the block's first chunk only
+            return attention_block(q, bk[:, :c], bv[:, :c])
+
+        def later(bk=bk, bv=bv):  # only the second local chunk sees it, whole
+            o, l = attention_block(q[:, c:], bk, bv)
+            return (jnp.concatenate([jnp.zeros_like(o), o], axis=1),
+                    jnp.concatenate([jnp.full_like(l, -jnp.inf), l], axis=1))
+
+        o, l = jax.lax.cond((rank - step) % cp < rank, earlier, later)
+        out, lse = merge_blocks(out, lse, o, l)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def ring_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int) -> Array:
     """Causal attention of this rank's load-balanced sequence shard against the whole
     sequence, inside ``shard_map`` with ``axis_name`` (the ``context`` axis, size
@@ -106,32 +167,51 @@ def ring_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: st
     q ``[b, 2c, nq, d]``, k/v ``[b, 2c, nkv, d]``: this rank's slots of the
     :func:`load_balance_index` layout (chunk ``r`` then chunk ``2 cp - 1 - r``);
     ``positions`` int ``[b, 2c]``: their position ids (for the local causal mask).
-    Returns ``[b, 2c, nq, d]`` in q's dtype. The K/V (and positions) blocks hop
-    ``axis_size - 1`` times around the ring by ``ppermute`` (rank ``r`` sends to ``r + 1``).
+    Returns ``[b, 2c, nq, d]`` in q's dtype.
+
+    Forward: the K/V blocks hop ``axis_size - 1`` times around the ring by ``ppermute``
+    (rank ``r`` sends to ``r + 1``). Backward (custom VJP, Transformer Engine's scheme): only
+    q, k, v, the output and its log-sum-exp are saved; K/V circulate again with their dK/dV
+    accumulating beside them, each block's probabilities recomputed from the saved
+    log-sum-exp, and one last hop brings dK/dV home: memory stays at one block, not the
+    whole sequence's K/V that autodiff through the ring would keep.
     """
-    cp = axis_size
-    if cp == 1:
-        out, _ = attention_block(q, k, v, positions, positions)
-        return out.astype(q.dtype)
-    rank = jax.lax.axis_index(axis_name)
-    c = q.shape[1] // 2
-    ring = [(i, (i + 1) % cp) for i in range(cp)]
-    out, lse = attention_block(q, k, v, positions, positions)  # step 0: the local causal block
-    kv = (k, v)
-    for step in range(1, cp):
-        kv = jax.lax.ppermute(kv, axis_name, ring)
-        source = (rank - step) % cp  # the rank this block belongs to
-        bk, bv = kv
-
-        def earlier(bk=bk, bv=bv):  # both local chunks see the block's first chunk only
-            return attention_block(q, bk[:, :c], bv[:, :c])
-
-        def later(bk=bk, bv=bv):  # only the second local chunk sees it, whole
-            o, l = attention_block(q[:, c:], bk, bv)
-            zero_o = jnp.zeros_like(o)
-            return (jnp.concatenate([zero_o, o], axis=1),
-                    jnp.concatenate([jnp.full_like(l, -jnp.inf), l], axis=1))
-
-        o, l = jax.lax.cond(source < rank, earlier, later)
-        out, lse = merge_blocks(out, lse, o, l)
+    out, _ = _ring_forward(q, k, v, positions, axis_name, axis_size)
     return out.astype(q.dtype)
+
+
+def _ring_fwd(q, k, v, positions, axis_name, axis_size):
+    out, lse = _ring_forward(q, k, v, positions, axis_name, axis_size)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, positions, out, lse)
+
+
+def _ring_bwd(axis_name, cp, res, dout):
+    q, k, v, positions, out, lse = res
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    dq, dk, dv = _block_grads(q, k, v, dout, lse, delta, positions, positions)
+    if cp > 1:
+        rank = jax.lax.axis_index(axis_name)
+        c = q.shape[1] // 2
+        ring = [(i, (i + 1) % cp) for i in range(cp)]
+        carry = (k, v, dk, dv)  # a block and the gradients gathered for it so far
+        for step in range(1, cp):
+            bk, bv, bdk, bdv = jax.lax.ppermute(carry, axis_name, ring)
+
+            def earlier(bk=bk, bv=bv):
+                gq, gk, gv = _block_grads(q, bk[:, :c], bv[:, :c], dout, lse, delta)
+                pad = jnp.zeros_like(gk)
+                return gq, jnp.concatenate([gk, pad], axis=1), jnp.concatenate([gv, pad], axis=1)
+
+            def later(bk=bk, bv=bv):
+                gq, gk, gv = _block_grads(q[:, c:], bk, bv, dout[:, c:], lse[:, c:], delta[:, c:])
+                return jnp.concatenate([jnp.zeros_like(gq), gq], axis=1), gk, gv
+
+            gq, gk, gv = jax.lax.cond((rank - step) % cp < rank, earlier, later)
+            dq = dq + gq
+            carry = (bk, bv, bdk + gk, bdv + gv)
+        dk, dv = jax.lax.ppermute(carry[2:], axis_name, ring)  # home: the block came from r + 1
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
