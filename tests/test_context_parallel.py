@@ -106,3 +106,78 @@ def test_custom_backward_keeps_one_block_not_the_whole_sequence():
     custom = temp_bytes(functools.partial(cpl.ring_attention, axis_name="context", axis_size=cp))
     autodiff = temp_bytes(lambda q, k, v, p: cpl._ring_forward(q, k, v, p, "context", cp)[0])
     assert custom < 0.7 * autodiff, (custom, autodiff)
+
+
+# ------------------------------------------------------------------ in the train step
+from jmegatron.config import ConfigError  # noqa: E402
+from jmegatron.parallel.mesh import create_mesh  # noqa: E402
+from jmegatron.training.run import build  # noqa: E402
+
+from test_expert_parallel import assert_close  # noqa: E402
+from test_train_step import random_batches, tiny_cfg  # noqa: E402
+
+LLAMA = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope", num_query_groups=2,
+             add_bias_linear=False)
+
+
+def grads_of(cfg, num_devices):
+    run = build(cfg, create_mesh(cfg, jax.devices()[:num_devices]))
+    state = run.init_state()
+    b = random_batches(1, run.global_batch_size, cfg.seq_length, 500, seed=5)[0]
+    b = run.put_batch({k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()})
+    g, report, tokens = run.compute_grads(state, b)
+    return jax.device_get(g), jax.device_get(report), float(tokens), run
+
+
+CP_CASES = [  # (context_parallel_size, devices, model, other fields)
+    (2, 2, {}, {}),
+    (4, 4, LLAMA, {}),
+    (2, 4, LLAMA, dict(use_distributed_optimizer=True)),  # cp2 x dp2 + ZeRO-1
+    (2, 4, {}, dict(tensor_model_parallel_size=2, sequence_parallel=True)),  # cp2 x tp2 + SP
+    (4, 8, {}, dict(scan_layers=True)),  # cp4 x dp2, scanned layers
+]
+
+
+@pytest.mark.parametrize("cp,devices,model,extra", CP_CASES,
+                         ids=[f"cp{c}-dev{n}-{'llama' if m else 'gpt'}-" + "_".join(sorted(x))
+                              for c, n, m, x in CP_CASES])
+def test_context_parallel_matches_one_device(cp, devices, model, extra):
+    cfg = tiny_cfg(**model, **extra, context_parallel_size=cp, micro_batch_size=2, global_batch_size=8)
+    g, report, tokens, run = grads_of(cfg, devices)
+    assert dict(run.mesh.shape)["context"] == cp
+    one_device = ("use_distributed_optimizer", "tensor_model_parallel_size", "sequence_parallel")
+    ref = tiny_cfg(**model, **{k: v for k, v in extra.items() if k not in one_device},
+                   micro_batch_size=8 // run.num_microbatches, global_batch_size=8)
+    g1, report1, tokens1, _ = grads_of(ref, 1)
+    assert tokens == tokens1
+    np.testing.assert_allclose(report["lm_loss"], report1["lm_loss"], rtol=1e-5)
+    assert_close(g, g1)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(seq_length=36), "seq_length=36 must be divisible by 2 x context_parallel_size=8"),
+    (dict(hidden_dropout=0.1), "hidden_dropout=0.1 with context_parallel_size=4"),
+    (dict(cp_comm_type="a2a"), "cp_comm_type='a2a' is not built yet"),
+    (dict(cp_comm_type="ring"), "cp_comm_type='ring': choose"),
+    (dict(attention_impl="cpu"), "attention_impl='cpu' with context_parallel_size=4"),
+    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2 with context_parallel_size=4"),
+])
+def test_bad_context_parallel_configs_name_the_field(fields, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tiny_cfg(context_parallel_size=4, **fields)
+
+
+def test_context_parallel_training_steps_match_one_device():
+    """Three optimizer steps (cp2 x dp2 + ZeRO-1, Llama/GQA) give the one-device losses, and the
+    compiled step passes K/V around the ring."""
+    from test_train_step import train
+
+    kw = dict(LLAMA, micro_batch_size=2, global_batch_size=8)
+    losses, norms, _, run = train(tiny_cfg(**kw, context_parallel_size=2, use_distributed_optimizer=True), 4)
+    losses1, norms1, _, _ = train(tiny_cfg(**dict(kw, micro_batch_size=4)), 1)
+    np.testing.assert_allclose(losses, losses1, rtol=1e-5)
+    np.testing.assert_allclose(norms, norms1, rtol=1e-4)
+    b = random_batches(1, 8, 32, 500)[0]
+    batch = run.put_batch({k: v.reshape(run.num_microbatches, -1, 32) for k, v in b.items()})
+    hlo = run.compute_grads.lower(run.init_state(), batch).compile().as_text()
+    assert "collective-permute" in hlo
