@@ -175,8 +175,9 @@ class JMegatronConfig:
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     context_parallel_size: int = 1
-    # Megatron's --cp-comm-type: how attention reaches the other context ranks' keys/values;
-    # "p2p" (ring attention, jmegatron.parallel.context_parallel) is built
+    # Megatron's --cp-comm-type: how attention reaches the other context ranks' keys/values:
+    # "p2p" (ring attention), "all_gather" (K/V gathered), "a2a" (Ulysses all-to-all heads <->
+    # sequence); jmegatron.parallel.context_parallel
     cp_comm_type: str = "p2p"
     expert_model_parallel_size: int = 1
     # Megatron: --expert-tensor-parallel-size; None: = tensor_model_parallel_size (the only
@@ -455,9 +456,14 @@ class JMegatronConfig:
                               f"(Megatron's --cp-comm-type).")
         if cp == 1:
             return
-        if self.cp_comm_type != "p2p":
-            raise ConfigError(f"config.cp_comm_type={self.cp_comm_type!r} is not built yet; use 'p2p' (ring "
-                              f"attention).")
+        tp = self.tensor_model_parallel_size
+        if self.cp_comm_type == "a2a":
+            for name in ("num_attention_heads", "num_query_groups"):
+                heads = getattr(self, name) or self.num_attention_heads
+                if heads % (tp * cp):
+                    raise ConfigError(f"config.{name}={heads} is not divisible by tensor_model_parallel_size x "
+                                      f"context_parallel_size = {tp * cp}: cp_comm_type='a2a' (Ulysses) splits "
+                                      f"each tensor rank's heads over the context ranks; use cp_comm_type='p2p'.")
         if self.seq_length % (2 * cp):
             raise ConfigError(f"config.seq_length={self.seq_length} must be divisible by 2 x "
                               f"context_parallel_size={2 * cp} (Megatron's load-balanced split: 2 cp chunks).")

@@ -54,22 +54,22 @@ def test_block_merge_equals_whole_attention():
     np.testing.assert_allclose(out, whole, rtol=1e-5, atol=1e-6)
 
 
-def _ring(cp, q, k, v):
-    """Ring attention over a cp-device context mesh of the load-balanced layout, returned in
-    the original order."""
+def _ring(cp, q, k, v, kind="p2p"):
+    """Context-parallel attention (``kind``: a cp_comm_type) over a cp-device context mesh of
+    the load-balanced layout, returned in the original order."""
     b, s = q.shape[:2]
     index = cpl.load_balance_index(s, cp)
     inverse = np.argsort(index)
     mesh = Mesh(np.array(jax.devices()[:cp]), ("context",))
     pos = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b, s))
     spec = P(None, "context")
-    fn = jax.shard_map(functools.partial(cpl.ring_attention, axis_name="context", axis_size=cp), mesh=mesh,
+    fn = jax.shard_map(functools.partial(cpl.CP_ATTENTIONS[kind], axis_name="context", axis_size=cp), mesh=mesh,
                        in_specs=(spec, spec, spec, spec), out_specs=spec)
     return fn(q[:, index], k[:, index], v[:, index], pos)[:, inverse]
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_equals_one_device(cp):
+@pytest.mark.parametrize("cp,kind", [(2, "p2p"), (4, "p2p"), (4, "all_gather"), (2, "a2a")])
+def test_context_parallel_attention_equals_one_device(cp, kind):
     rs = np.random.RandomState(cp)
     b, s, nq, nkv, d = 2, 32, 4, 2, 8
     q, k, v = (jnp.asarray(rs.randn(b, s, n, d).astype(np.float32)) for n in (nq, nkv, nkv))
@@ -78,15 +78,17 @@ def test_ring_attention_equals_one_device(cp):
     def loss(f, q, k, v):
         return jnp.sum(f(q, k, v) * w)
 
-    ring = jax.jit(jax.value_and_grad(functools.partial(loss, functools.partial(_ring, cp)), argnums=(0, 1, 2)))
+    ring = jax.jit(jax.value_and_grad(functools.partial(loss, functools.partial(_ring, cp, kind=kind)),
+                                      argnums=(0, 1, 2)))
     ref = jax.value_and_grad(functools.partial(loss, xla_attention), argnums=(0, 1, 2))
     (got, got_g), (want, want_g) = ring(q, k, v), ref(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    np.testing.assert_allclose(_ring(cp, q, k, v), xla_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_ring(cp, q, k, v, kind), xla_attention(q, k, v), rtol=1e-5, atol=1e-6)
     for a, e in zip(got_g, want_g):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
-    hlo = jax.jit(functools.partial(_ring, cp)).lower(q, k, v).as_text()
-    assert hlo.count("collective_permute") + hlo.count("collective-permute") >= 1
+    hlo = jax.jit(functools.partial(_ring, cp, kind=kind)).lower(q, k, v).as_text()
+    op = {"p2p": "collective_permute", "all_gather": "all_gather", "a2a": "all_to_all"}[kind]
+    assert op in hlo
 
 
 def test_custom_backward_keeps_one_block_not_the_whole_sequence():
@@ -131,6 +133,8 @@ def grads_of(cfg, num_devices):
 
 CP_CASES = [  # (context_parallel_size, devices, model, other fields)
     (2, 2, {}, {}),
+    (4, 4, LLAMA, dict(cp_comm_type="all_gather")),
+    (2, 4, dict(LLAMA, num_query_groups=4), dict(cp_comm_type="a2a", use_distributed_optimizer=True)),
     (4, 4, LLAMA, {}),
     (2, 4, LLAMA, dict(use_distributed_optimizer=True)),  # cp2 x dp2 + ZeRO-1
     (2, 4, {}, dict(tensor_model_parallel_size=2, sequence_parallel=True)),  # cp2 x tp2 + SP
@@ -157,7 +161,8 @@ def test_context_parallel_matches_one_device(cp, devices, model, extra):
 @pytest.mark.parametrize("fields,message", [
     (dict(seq_length=36), "seq_length=36 must be divisible by 2 x context_parallel_size=8"),
     (dict(hidden_dropout=0.1), "hidden_dropout=0.1 with context_parallel_size=4"),
-    (dict(cp_comm_type="a2a"), "cp_comm_type='a2a' is not built yet"),
+    (dict(cp_comm_type="a2a", num_query_groups=2), "num_query_groups=2 is not divisible by "
+                                                    "tensor_model_parallel_size x context_parallel_size = 4"),
     (dict(cp_comm_type="ring"), "cp_comm_type='ring': choose"),
     (dict(attention_impl="cpu"), "attention_impl='cpu' with context_parallel_size=4"),
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2 with context_parallel_size=4"),

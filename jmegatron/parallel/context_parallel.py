@@ -215,3 +215,43 @@ def _ring_bwd(axis_name, cp, res, dout):
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+def all_gather_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int) -> Array:
+    """``cp_comm_type="all_gather"`` (Megatron-Core's ``all_gather`` CP: K/V all-gathered,
+    queries local), inside ``shard_map`` with ``axis_name`` manual. Shapes as
+    :func:`ring_attention`; the causal mask comes from the gathered position ids, so the
+    load-balanced order needs nothing else. The backward reduce-scatters dK/dV (the
+    all-gather's transpose). Every rank holds the whole sequence's K/V."""
+    if axis_size > 1:
+        k, v, k_positions = (jax.lax.all_gather(a, axis_name, axis=1, tiled=True) for a in (k, v, positions))
+    else:
+        k_positions = positions
+    out, _ = attention_block(q, k, v, positions, k_positions)
+    return out.astype(q.dtype)
+
+
+def a2a_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int) -> Array:
+    """``cp_comm_type="a2a"`` (DeepSpeed-Ulysses, Jacobs et al. 2023; Megatron-Core's
+    ``a2a``): an all-to-all turns the sequence split into a head split (``[b, 2c, n, d]`` ->
+    ``[b, s, n / cp, d]``), each rank attends its heads over the whole sequence (causal by
+    position ids), and a second all-to-all turns the result back. Shapes as
+    :func:`ring_attention`; ``nq`` and ``nkv`` (per tensor rank) must be divisible by
+    ``axis_size`` (ValueError otherwise)."""
+    if axis_size == 1:
+        out, _ = attention_block(q, k, v, positions, positions)
+        return out.astype(q.dtype)
+    if q.shape[2] % axis_size or k.shape[2] % axis_size:
+        raise ValueError(f"cp_comm_type='a2a' splits heads over {axis_size} context ranks: {q.shape[2]} query "
+                         f"and {k.shape[2]} key/value heads per rank must be divisible by it")
+
+    def to_heads(x):  # [b, 2c, n, d] -> [b, s, n / cp, d] (the sequence in rank order)
+        return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+    full = jax.lax.all_gather(positions, axis_name, axis=1, tiled=True)
+    out, _ = attention_block(to_heads(q), to_heads(k), to_heads(v), full, full)
+    out = jax.lax.all_to_all(out.astype(q.dtype), axis_name, split_axis=1, concat_axis=2, tiled=True)
+    return out
+
+
+CP_ATTENTIONS = {"p2p": ring_attention, "all_gather": all_gather_attention, "a2a": a2a_attention}
