@@ -194,9 +194,16 @@ def _ring_bwd(axis_name, cp, res, dout):
         rank = jax.lax.axis_index(axis_name)
         c = q.shape[1] // 2
         ring = [(i, (i + 1) % cp) for i in range(cp)]
-        carry = (k, v, dk, dv)  # a block and the gradients gathered for it so far
+        # A block travels as one [K | V] message beside one [dK | dV] (the gradients gathered
+        # for it so far). Packed, the backward's hops are not the forward's ppermutes of K and V,
+        # which XLA would otherwise merge with them (CSE; an optimization barrier does not
+        # survive XLA:CPU's pipeline), keeping every received block alive from the forward to
+        # the backward: the whole sequence's K/V per layer instead of one block.
+        d = k.shape[-1]
+        kv, dkv = jnp.concatenate([k, v], axis=-1), jnp.concatenate([dk, dv], axis=-1)
         for step in range(1, cp):
-            bk, bv, bdk, bdv = jax.lax.ppermute(carry, axis_name, ring)
+            kv, dkv = jax.lax.ppermute((kv, dkv), axis_name, ring)
+            bk, bv = kv[..., :d], kv[..., d:]
 
             def earlier(bk=bk, bv=bv):
                 gq, gk, gv = _block_grads(q, bk[:, :c], bv[:, :c], dout, lse, delta)
@@ -209,8 +216,9 @@ def _ring_bwd(axis_name, cp, res, dout):
 
             gq, gk, gv = jax.lax.cond((rank - step) % cp < rank, earlier, later)
             dq = dq + gq
-            carry = (bk, bv, bdk + gk, bdv + gv)
-        dk, dv = jax.lax.ppermute(carry[2:], axis_name, ring)  # home: the block came from r + 1
+            dkv = dkv + jnp.concatenate([gk, gv], axis=-1)
+        dkv = jax.lax.ppermute(dkv, axis_name, ring)  # home: the block came from r + 1
+        dk, dv = dkv[..., :d], dkv[..., d:]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
