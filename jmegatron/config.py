@@ -175,6 +175,10 @@ class JMegatronConfig:
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     context_parallel_size: int = 1
+    # Megatron's --cp-comm-type: how attention reaches the other context ranks' keys/values:
+    # "p2p" (ring attention), "all_gather" (K/V gathered), "a2a" (Ulysses all-to-all heads <->
+    # sequence); jmegatron.parallel.context_parallel
+    cp_comm_type: str = "p2p"
     expert_model_parallel_size: int = 1
     # Megatron: --expert-tensor-parallel-size; None: = tensor_model_parallel_size (the only
     # value built: expert weights split over "tensor" like the dense MLP's)
@@ -377,9 +381,7 @@ class JMegatronConfig:
                               "set config.use_distributed_optimizer=False.")
         self._check_pipeline()
         self._check_moe()
-        if self.context_parallel_size != 1:
-            raise ConfigError(f"config.context_parallel_size={self.context_parallel_size}: context parallelism is "
-                              f"not built yet (a later issue); set it to 1.")
+        self._check_context_parallel()
         ep = self.expert_model_parallel_size
         if ep > 1 and self.num_moe_experts is None:
             raise ConfigError(f"config.expert_model_parallel_size={ep} splits the experts of MoE layers; this model "
@@ -441,6 +443,42 @@ class JMegatronConfig:
         if self.use_megatron_fsdp and self.hidden_size % data_parallel_size:
             raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by the data-parallel size "
                               f"{data_parallel_size} (use_megatron_fsdp shards parameters on hidden).")
+
+    def _check_context_parallel(self):
+        """Context parallelism (jmegatron.parallel.context_parallel, docs/CONTEXT_PARALLEL.md):
+        Megatron's load-balanced split needs ``seq_length`` divisible by ``2 cp``; what is not
+        built yet is refused naming the field."""
+        cp = self.context_parallel_size
+        if cp < 1:
+            raise ConfigError(f"config.context_parallel_size={cp} must be >= 1.")
+        if self.cp_comm_type not in ("p2p", "all_gather", "a2a"):
+            raise ConfigError(f"config.cp_comm_type={self.cp_comm_type!r}: choose 'p2p', 'all_gather' or 'a2a' "
+                              f"(Megatron's --cp-comm-type).")
+        if cp == 1:
+            return
+        tp = self.tensor_model_parallel_size
+        if self.cp_comm_type == "a2a":
+            for name in ("num_attention_heads", "num_query_groups"):
+                heads = getattr(self, name) or self.num_attention_heads
+                if heads % (tp * cp):
+                    raise ConfigError(f"config.{name}={heads} is not divisible by tensor_model_parallel_size x "
+                                      f"context_parallel_size = {tp * cp}: cp_comm_type='a2a' (Ulysses) splits "
+                                      f"each tensor rank's heads over the context ranks; use cp_comm_type='p2p'.")
+        if self.seq_length % (2 * cp):
+            raise ConfigError(f"config.seq_length={self.seq_length} must be divisible by 2 x "
+                              f"context_parallel_size={2 * cp} (Megatron's load-balanced split: 2 cp chunks).")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if getattr(self, name):
+                raise ConfigError(f"config.{name}={getattr(self, name)} with context_parallel_size={cp}: dropout "
+                                  f"masks under context parallelism are not built yet; set {name}=0.0.")
+        unbuilt = (("pipeline_model_parallel_size", self.pipeline_model_parallel_size > 1, "1"),
+                   ("num_moe_experts", self.num_moe_experts is not None, "None"),
+                   ("use_megatron_fsdp", self.use_megatron_fsdp, "False"),
+                   ("attention_impl", self.attention_impl == "cpu", "'auto' (the ring's XLA block kernel)"))
+        for name, on, fix in unbuilt:
+            if on:
+                raise ConfigError(f"config.{name}={getattr(self, name)!r} with context_parallel_size={cp} is not "
+                                  f"built yet; set {name}={fix}.")
 
     def _check_moe(self):
         """The MoE fields, as Megatron's TransformerConfig.__post_init__ and validate_args

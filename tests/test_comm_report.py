@@ -104,3 +104,19 @@ def test_replica_group_formats():
     assert replica_groups("x replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}, y", 4) == [[0, 2], [1, 3]]
     assert replica_groups("x replica_groups=mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_1'}, y",
                           4) == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_permutes_match_the_analytic_count(cp):
+    """cp_comm_type='p2p': the compiled step's collective-permutes over context are the
+    ring's messages: forward 2 (cp-1) single K or V blocks (Megatron's count), backward
+    (cp-1) [K|V] + [dK|dV] hops and one [dK|dV] hop home; nothing else travels the ring."""
+    rep = report(context_parallel_size=cp)
+    nm = rep["num_microbatches"]
+    messages = rep["analytic"]["collective-permute over context, per step"]
+    blocks = rep["analytic"]["K/V blocks sent over context, per step"]
+    assert (messages, blocks) == ((4 * (cp - 1) + 1) * L * nm, (6 * (cp - 1) + 2) * L * nm)
+    block = rep["analytic"]["collective-permute elements (one K or V block, b*(s/cp)*kv_heads*d)"]
+    assert block == B * (S // cp) * H
+    assert by(rep, "collective-permute", ("context",), block)[0] == 2 * (cp - 1) * L * nm  # the forward's
+    assert by(rep, "collective-permute", ("context",)) == (messages, blocks * block)

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jmegatron.models.dropout import keep_mask
 
 from jmegatron.models.layers import Linear, dense_dot_general_fn
+from jmegatron.parallel.context_parallel import CP_ATTENTIONS
+from jmegatron.parallel.rules import CONTEXT_AXIS
 
 Array = jax.Array
 
@@ -84,6 +86,15 @@ CORE_ATTENTIONS: dict[str, CoreAttention] = {
     "dot_product": dot_product_attention,
     "cpu": cpu_attention,
 }
+
+
+def _manual_axis_size(axis: str) -> int:
+    """The size of mesh axis ``axis`` when it is manual here (inside the train step's
+    ``shard_map``), else 1 (evaluation and generation run the whole sequence, GSPMD)."""
+    try:
+        return jax.lax.axis_size(axis)
+    except NameError:
+        return 1
 
 
 def update_kv_cache(cache: Array, new: Array, start: Array) -> Array:
@@ -154,6 +165,7 @@ class SelfAttention(nn.Module):
     init_std: float
     output_init_std: float
     core_attention: str = "xla"
+    cp_comm_type: str = "p2p"  # under context parallelism: jmegatron.parallel.context_parallel.CP_ATTENTIONS
     recompute_core_attention: bool = False
     dtype: Any = jnp.float32
     dropout_impl: str = "hash"  # jmegatron.models.dropout.DROPOUT_IMPLS
@@ -194,6 +206,9 @@ class SelfAttention(nn.Module):
             start = position_ids[:, 0]
             new_cache = (update_kv_cache(kv_cache[0], k, start), update_kv_cache(kv_cache[1], v, start))
             out = cached_attention(q, new_cache[0], new_cache[1], position_ids)
+        elif _manual_axis_size(CONTEXT_AXIS) > 1:  # context parallelism: inside the train step
+            out = CP_ATTENTIONS[self.cp_comm_type](q, k, v, position_ids, CONTEXT_AXIS,
+                                                   _manual_axis_size(CONTEXT_AXIS))
         else:
             out = self._core(q, k, v, deterministic, sample_offset)
         out = nn.with_logical_constraint(out, ("batch", "length", "activation_heads", "activation_kv"))

@@ -60,6 +60,7 @@ class ModelConfig:
     attention_impl: str = "xla"
     matmul_impl: str = "xla"
     dropout_impl: str = "hash"
+    cp_comm_type: str = "p2p"  # context-parallel attention (jmegatron.parallel.context_parallel)
     dtype: Any = jnp.float32
     moe: Optional[MoEConfig] = None  # mixture of experts (jmegatron.models.moe); None: dense
 
@@ -170,7 +171,7 @@ class TransformerLayer(nn.Module):
             rotary_base=c.rotary_base, attention_dropout=c.attention_dropout, dropout_impl=c.dropout_impl,
             init_std=c.init_method_std,
             output_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
-            core_attention=c.attention_impl,
+            core_attention=c.attention_impl, cp_comm_type=c.cp_comm_type,
             recompute_core_attention=c.recompute_granularity == "selective",
             dtype=c.dtype, dot_general=self.dot_general, name="self_attention",
         )

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MeshAxes = Optional[str | tuple[str, ...]]
 DATA_AXIS = "data"
 EXPERT_AXIS = "expert"
+CONTEXT_AXIS = "context"
 
 # Megatron-Core tensor parallelism: attention heads, FFN and vocabulary split over
 # "tensor" (column-parallel in, row-parallel out); the batch over "data".

@@ -240,6 +240,25 @@ def analyze(run) -> dict:
                 "each tick's forward and backward sit in lax.cond branches that the HLO count takes every tick "
                 "(idle ticks too), and the backward recomputes the chunk's forward (docs/PIPELINE.md): per "
                 "layer of a chunk and tick, the forward's dispatches, the recomputed forward's and the backward's")
+    cp = run.mesh.shape.get("context", 1)
+    if cp > 1:
+        block = b * (s // cp) * (cfg.num_query_groups or cfg.num_attention_heads) // tp * cfg.kv_channels
+        if cfg.cp_comm_type == "p2p":
+            analytic["collective-permute over context, per step"] = (4 * (cp - 1) + 1) * L * nm
+            analytic["K/V blocks sent over context, per step"] = (6 * (cp - 1) + 2) * L * nm
+            analytic["collective-permute elements (one K or V block, b*(s/cp)*kv_heads*d)"] = block
+            analytic["note (context)"] = (
+                "ring attention per layer and micro-batch: forward 2 (cp-1) K/V block sends (Megatron / "
+                "Transformer Engine's p2p count, one message each); backward (custom VJP, TE's scheme) (cp-1) "
+                "hops of a [K|V] and a [dK|dV] message (4 blocks) and a last [dK|dV] hop home: 2 (cp-1) + 1 "
+                "messages, 4 (cp-1) + 2 blocks. Full recomputation repeats the forward's")
+        elif cfg.cp_comm_type == "all_gather":
+            analytic["all-gather over context of K/V, per step"] = 2 * L * nm
+            analytic["reduce-scatter over context of dK/dV, per step"] = 2 * L * nm
+        else:
+            analytic["all-to-all over context, per step"] = 8 * L * nm
+            analytic["note (context)"] = ("Ulysses per layer and micro-batch: q, k, v to heads and the output "
+                                          "back (4), and their gradients (4)")
     # Parameters held by one tensor rank: tensor-sharded ones split, the rest (norms,
     # row-parallel biases, position embeddings) whole, as in Megatron.
     from jax.sharding import NamedSharding

@@ -79,7 +79,8 @@ def evaluate(run: Run, params: Any, dataset: Any, num_iters: int, consumed_sampl
     final global batch, as Megatron's ``evaluate``) of ``dataset`` starting at sample
     ``consumed_samples`` (Megatron's ``consumed_valid_samples``; 0: the first batches)."""
     loader = BatchLoader(dataset, run.global_batch_size, run.num_microbatches)
-    sums = [run.eval_step(params, run.put_batch(loader.batch_at(consumed_samples + i * run.global_batch_size)))
+    sums = [run.eval_step(params, run.put_batch(loader.batch_at(consumed_samples + i * run.global_batch_size),
+                                                    train=False))
             for i in range(num_iters)]
     total, count = jax.device_get(jax.tree.map(lambda *x: sum(x), *sums))  # one host sync
     return float(total) / max(float(count), 1.0)

@@ -76,9 +76,19 @@ class Run:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.abstract_state, self.state_shardings)
 
-    def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def put_batch(self, batch: dict[str, np.ndarray], train: bool = True) -> dict[str, jax.Array]:
         """Place a host batch ``[num_micro, gbs / num_micro, seq]`` on the mesh. Every
-        process holds the same global batch and contributes its addressable shards."""
+        process holds the same global batch and contributes its addressable shards.
+        Under context parallelism a training batch (``train``) is first put in Megatron's
+        load-balanced sequence order (:func:`jmegatron.parallel.context_parallel.load_balance_index`:
+        tokens, labels, loss mask and position ids together); the eval step takes the
+        sequence in its own order (``train=False``)."""
+        cp = self.mesh.shape.get(rules_lib.CONTEXT_AXIS, 1)
+        if train and cp > 1:
+            from jmegatron.parallel.context_parallel import load_balance_index
+
+            index = load_balance_index(next(iter(batch.values())).shape[-1], cp)
+            batch = {k: np.asarray(v)[..., index] for k, v in batch.items()}
         shardings = step_lib.batch_shardings(self.mesh)
         return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
                 for k, v in batch.items()}

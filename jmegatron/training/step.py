@@ -91,13 +91,16 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     """
     axis = rules_lib.DATA_AXIS
     expert = rules_lib.EXPERT_AXIS
+    context = rules_lib.CONTEXT_AXIS
     ep = mesh.shape.get(expert, 1)
+    cp = mesh.shape.get(context, 1)
     # Expert parallelism is carved out of data parallelism (Megatron): the batch splits over
     # data x expert, dense gradients reduce over both, the experts' (split over expert)
     # over data only: Megatron's expert-data-parallel group.
     bax = rules_lib.batch_axes(ep)
     dp = rules_lib.data_parallel_size(mesh)
-    manual = (axis,) + ((expert,) if ep > 1 else ()) + ((PIPELINE_AXIS,) if pipeline is not None else ())
+    manual = ((axis,) + ((expert,) if ep > 1 else ()) + ((context,) if cp > 1 else ())
+              + ((PIPELINE_AXIS,) if pipeline is not None else ()))
     inner_rules = rules
     for name in manual:
         inner_rules = rules_lib.rules_without(inner_rules, name)
@@ -113,8 +116,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     extra_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, manual), extra_shardings)
     # the batch's axes of size > 1: a size-1 manual axis takes no collective (below), so no
     # value may vary over it either
-    live = tuple(a for a in ((axis, expert) if ep > 1 else (axis,)) if mesh.shape[a] > 1)
-    batch_spec = PartitionSpec(None, (live if len(live) > 1 else live[0]) if live else axis, None)
+    # Context parallelism splits each sequence (already in Megatron's load-balanced order,
+    # Run.put_batch) over "context": token sums and parameter gradients add over it too.
+    split = tuple(a for a in ((axis, expert) if ep > 1 else (axis,)) if mesh.shape[a] > 1)
+    live = split + ((context,) if cp > 1 else ())
+    batch_spec = PartitionSpec(None, (split if len(split) > 1 else split[0]) if split else
+                               (None if cp > 1 else axis), context if cp > 1 else None)
     is_none = lambda x: x is None  # noqa: E731
     is_expert = jax.tree.map(lambda s: expert in {a for e in s.spec for a in rules_lib.entry_axes(e)},
                              param_shardings)
@@ -130,7 +137,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     # With one data-parallel rank every data collective is the identity. It is skipped,
     # not emitted: XLA's SPMD partitioner rejects an all-reduce over a size-1 manual axis
     # when other mesh axes (tensor) stay automatic.
-    single = dp == 1
+    single = dp * cp == 1
 
     def psum(x):  # over every rank that splits the batch
         return x if single else jax.lax.psum(x, live)
@@ -192,6 +199,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                 accumulate, (zeros, report0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
 
         def reduce(g, pd, gd, ex, zax):
+            if cp > 1:  # every parameter is replicated over the context ranks
+                g = jax.lax.psum(g, context)
             if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose
                 return g
             if not ex and ep > 1 and expert not in zax:  # dense: the expert ranks are data ranks too
@@ -324,8 +333,11 @@ def make_eval_step(model: nn.Module, rules: Sequence = rules_lib.DEFAULT_RULES, 
 
 def batch_shardings(mesh: Mesh) -> Batch:
     """NamedShardings for a batch: ``[num_micro, batch, seq]`` with batch over data (and
-    expert, under expert parallelism: :func:`jmegatron.parallel.rules.batch_axes`)."""
-    spec = PartitionSpec(None, rules_lib.batch_axes(mesh.shape.get(rules_lib.EXPERT_AXIS, 1)), None)
+    expert, under expert parallelism: :func:`jmegatron.parallel.rules.batch_axes`), the
+    sequence over context under context parallelism."""
+    cp = mesh.shape.get(rules_lib.CONTEXT_AXIS, 1)
+    spec = PartitionSpec(None, rules_lib.batch_axes(mesh.shape.get(rules_lib.EXPERT_AXIS, 1)),
+                         rules_lib.CONTEXT_AXIS if cp > 1 else None)
     s = NamedSharding(mesh, spec)
     return {"tokens": s, "labels": s, "loss_mask": s, "position_ids": s}
 

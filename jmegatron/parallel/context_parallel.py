@@ -1,0 +1,265 @@
+"""Context parallelism: the sequence split over the ``context`` mesh axis, and ring attention.
+
+Megatron splits each sequence over ``context_parallel_size`` ranks with load balancing
+(megatron/training/utils.py ``get_batch_on_this_cp_rank``): the sequence is cut into
+``2 * cp`` chunks and rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, so every rank has
+the same causal attention work. Attention then runs as a ring (Transformer Engine's
+``AttnFuncWithCPAndKVP2P``, the ``p2p`` ``cp_comm_type``; Liu et al. 2023, "Ring Attention
+with Blockwise Transformers"): each rank keeps its queries, and the key/value blocks travel
+around the ring (``cp - 1`` hops, K and V each: ``2 (cp - 1)`` block sends per layer
+forward), each partial result merged with its log-sum-exp.
+
+Here, as a pure-JAX layout:
+
+* :func:`load_balance_index` gives the permutation of sequence positions that puts rank
+  ``r``'s two chunks at ``[r * 2c, (r + 1) * 2c)`` (``c = s / (2 cp)``), so sharding the
+  permuted sequence evenly over ``context`` is Megatron's split. Tokens, labels, loss mask
+  and position ids are permuted together (the token mean of the loss does not depend on
+  the order); attention masks use the position ids, never the storage order.
+* :func:`attention_block` is the block kernel: softmax attention of a query block over a
+  key/value block with an optional causal mask by positions, returning the float32 output
+  and its log-sum-exp; :func:`merge_blocks` combines two partial results.
+* :func:`ring_attention` runs inside ``shard_map`` with ``context`` manual. Which blocks a
+  step computes follows Transformer Engine's load-balanced schedule: step 0 is the local
+  causal block; a block from an earlier rank is seen whole by both local chunks but only
+  its first chunk is visible (``[2c] x [c]``); a block from a later rank is visible whole
+  to the second local chunk only (``[c] x [2c]``): every step costs the same on every rank.
+  Its backward is a custom VJP that circulates K/V again with their dK/dV (Transformer
+  Engine's scheme), keeping one block in memory instead of autodiff's every received block.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def load_balance_index(seq_length: int, context_parallel_size: int) -> np.ndarray:
+    """int64 ``[seq_length]``: the original position stored at each slot of the
+    load-balanced layout (Megatron's ``get_batch_on_this_cp_rank``). Slots
+    ``[r * 2c, (r + 1) * 2c)`` hold chunks ``r`` then ``2 cp - 1 - r`` (``c = seq_length /
+    (2 cp)``). Identity for cp = 1. Raises ValueError when ``seq_length`` is not divisible
+    by ``2 * context_parallel_size``."""
+    cp = context_parallel_size
+    if cp < 1:
+        raise ValueError(f"context_parallel_size={cp} must be >= 1")
+    if cp == 1:
+        return np.arange(seq_length)
+    if seq_length % (2 * cp):
+        raise ValueError(f"seq_length={seq_length} must be divisible by 2 x context_parallel_size={2 * cp} "
+                         f"(Megatron's load-balanced split)")
+    c = seq_length // (2 * cp)
+    chunks = np.arange(seq_length).reshape(2 * cp, c)
+    order = [i for r in range(cp) for i in (r, 2 * cp - 1 - r)]
+    return chunks[order].reshape(-1)
+
+
+def attention_block(q: Array, k: Array, v: Array, q_positions: Optional[Array] = None,
+                    k_positions: Optional[Array] = None) -> tuple[Array, Array]:
+    """Softmax attention of a query block over a key/value block, unnormalised across blocks.
+
+    q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]`` (GQA: query head ``i`` uses group
+    ``i // (nq // nkv)``); ``q_positions`` int ``[b, sq]`` and ``k_positions`` int ``[b, sk]``:
+    when given, query at position p sees keys at positions <= p (causal); None: no mask.
+    Returns (out float32 ``[b, sq, nq, d]``, normalised within the block; lse float32
+    ``[b, sq, nq]``, the log-sum-exp of its scaled scores, -inf for a query that sees no
+    key here, whose output is 0). Scores and softmax in float32, scale ``1/sqrt(d)``.
+    """
+    b, sq, nq, d = q.shape
+    nkv = k.shape[2]
+    qg = q.reshape(b, sq, nkv, nq // nkv, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
+    if q_positions is not None:
+        visible = q_positions[:, :, None] >= k_positions[:, None, :]  # [b, sq, sk]
+        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    p = jnp.exp(scores - safe)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(total > 0, total, 1.0), v.astype(jnp.float32))
+    lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + safe, -jnp.inf)  # [b, h, g, q, 1]
+    lse = jnp.moveaxis(lse[..., 0], 3, 1).reshape(b, sq, nq)
+    return out.reshape(b, sq, nq, d), lse
+
+
+def merge_blocks(out1: Array, lse1: Array, out2: Array, lse2: Array) -> tuple[Array, Array]:
+    """Combine two partial attention results over disjoint key sets: (out ``[b, s, nq, d]``,
+    lse ``[b, s, nq]``), both float32; a side with lse -inf contributes nothing."""
+    lse = jnp.logaddexp(lse1, lse2)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w1 = jnp.where(jnp.isfinite(lse1), jnp.exp(lse1 - safe), 0.0)[..., None]
+    w2 = jnp.where(jnp.isfinite(lse2), jnp.exp(lse2 - safe), 0.0)[..., None]
+    return w1 * out1 + w2 * out2, lse
+
+
+def _block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: Array,
+                 q_positions: Optional[Array] = None, k_positions: Optional[Array] = None
+                 ) -> tuple[Array, Array, Array]:
+    """FlashAttention's backward for one block (Dao et al. 2022, Algorithm 4) given the
+    *final* log-sum-exp ``lse [b, sq, nq]`` and ``delta = sum(dout * out, -1) [b, sq, nq]``:
+    (dq ``[b, sq, nq, d]``, dk ``[b, sk, nkv, d]``, dv ``[b, sk, nkv, d]``), float32, this
+    block's contributions. Shapes and masks as :func:`attention_block`."""
+    b, sq, nq, d = q.shape
+    nkv = k.shape[2]
+    g = nq // nkv
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    qg = q.astype(jnp.float32).reshape(b, sq, nkv, g, d)
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k32) * scale
+
+    def per_head(x):  # [b, sq, nq] -> [b, nkv, g, sq, 1]
+        return jnp.moveaxis(x.reshape(b, sq, nkv, g), 1, 3)[..., None]
+
+    finite = jnp.isfinite(lse)
+    p = jnp.exp(scores - per_head(jnp.where(finite, lse, 0.0)))
+    keep = per_head(finite)
+    if q_positions is not None:
+        keep = keep & (q_positions[:, :, None] >= k_positions[:, None, :])[:, None, None]
+    p = jnp.where(keep, p, 0.0)
+    dout_g = dout.astype(jnp.float32).reshape(b, sq, nkv, g, d)
+    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dout_g)
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dout_g, v32)
+    ds = p * (dp - per_head(delta)) * scale
+    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k32).reshape(b, sq, nq, d)
+    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg)
+    return dq, dk, dv
+
+
+def _ring_forward(q, k, v, positions, axis_name, cp):
+    """(out float32, lse) of the forward ring (see :func:`ring_attention`)."""
+    out, lse = attention_block(q, k, v, positions, positions)  # step 0: the local causal block
+    if cp == 1:
+        return out, lse
+    rank = jax.lax.axis_index(axis_name)
+    c = q.shape[1] // 2
+    ring = [(i, (i + 1) % cp) for i in range(cp)]
+    kv = (k, v)
+    for step in range(1, cp):
+        kv = jax.lax.ppermute(kv, axis_name, ring)
+        bk, bv = kv
+
+        def earlier(bk=bk, bv=bv):  # both local chunks see the block's first chunk only
+            return attention_block(q, bk[:, :c], bv[:, :c])
+
+        def later(bk=bk, bv=bv):  # only the second local chunk sees it, whole
+            o, l = attention_block(q[:, c:], bk, bv)
+            return (jnp.concatenate([jnp.zeros_like(o), o], axis=1),
+                    jnp.concatenate([jnp.full_like(l, -jnp.inf), l], axis=1))
+
+        o, l = jax.lax.cond((rank - step) % cp < rank, earlier, later)
+        out, lse = merge_blocks(out, lse, o, l)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def ring_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int) -> Array:
+    """Causal attention of this rank's load-balanced sequence shard against the whole
+    sequence, inside ``shard_map`` with ``axis_name`` (the ``context`` axis, size
+    ``axis_size``) manual (``cp_comm_type="p2p"``).
+
+    q ``[b, 2c, nq, d]``, k/v ``[b, 2c, nkv, d]``: this rank's slots of the
+    :func:`load_balance_index` layout (chunk ``r`` then chunk ``2 cp - 1 - r``);
+    ``positions`` int ``[b, 2c]``: their position ids (for the local causal mask).
+    Returns ``[b, 2c, nq, d]`` in q's dtype.
+
+    Forward: the K/V blocks hop ``axis_size - 1`` times around the ring by ``ppermute``
+    (rank ``r`` sends to ``r + 1``). Backward (custom VJP, Transformer Engine's scheme): only
+    q, k, v, the output and its log-sum-exp are saved; K/V circulate again with their dK/dV
+    accumulating beside them, each block's probabilities recomputed from the saved
+    log-sum-exp, and one last hop brings dK/dV home: memory stays at one block, not the
+    whole sequence's K/V that autodiff through the ring would keep.
+    """
+    out, _ = _ring_forward(q, k, v, positions, axis_name, axis_size)
+    return out.astype(q.dtype)
+
+
+def _ring_fwd(q, k, v, positions, axis_name, axis_size):
+    out, lse = _ring_forward(q, k, v, positions, axis_name, axis_size)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, positions, out, lse)
+
+
+def _ring_bwd(axis_name, cp, res, dout):
+    q, k, v, positions, out, lse = res
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    dq, dk, dv = _block_grads(q, k, v, dout, lse, delta, positions, positions)
+    if cp > 1:
+        rank = jax.lax.axis_index(axis_name)
+        c = q.shape[1] // 2
+        ring = [(i, (i + 1) % cp) for i in range(cp)]
+        # A block travels as one [K | V] message beside one [dK | dV] (the gradients gathered
+        # for it so far). Packed, the backward's hops are not the forward's ppermutes of K and V,
+        # which XLA would otherwise merge with them (CSE; an optimization barrier does not
+        # survive XLA:CPU's pipeline), keeping every received block alive from the forward to
+        # the backward: the whole sequence's K/V per layer instead of one block.
+        d = k.shape[-1]
+        kv, dkv = jnp.concatenate([k, v], axis=-1), jnp.concatenate([dk, dv], axis=-1)
+        for step in range(1, cp):
+            kv, dkv = jax.lax.ppermute((kv, dkv), axis_name, ring)
+            bk, bv = kv[..., :d], kv[..., d:]
+
+            def earlier(bk=bk, bv=bv):
+                gq, gk, gv = _block_grads(q, bk[:, :c], bv[:, :c], dout, lse, delta)
+                pad = jnp.zeros_like(gk)
+                return gq, jnp.concatenate([gk, pad], axis=1), jnp.concatenate([gv, pad], axis=1)
+
+            def later(bk=bk, bv=bv):
+                gq, gk, gv = _block_grads(q[:, c:], bk, bv, dout[:, c:], lse[:, c:], delta[:, c:])
+                return jnp.concatenate([jnp.zeros_like(gq), gq], axis=1), gk, gv
+
+            gq, gk, gv = jax.lax.cond((rank - step) % cp < rank, earlier, later)
+            dq = dq + gq
+            dkv = dkv + jnp.concatenate([gk, gv], axis=-1)
+        dkv = jax.lax.ppermute(dkv, axis_name, ring)  # home: the block came from r + 1
+        dk, dv = dkv[..., :d], dkv[..., d:]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+def all_gather_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int) -> Array:
+    """``cp_comm_type="all_gather"`` (Megatron-Core's ``all_gather`` CP: K/V all-gathered,
+    queries local), inside ``shard_map`` with ``axis_name`` manual. Shapes as
+    :func:`ring_attention`; the causal mask comes from the gathered position ids, so the
+    load-balanced order needs nothing else. The backward reduce-scatters dK/dV (the
+    all-gather's transpose). Every rank holds the whole sequence's K/V."""
+    if axis_size > 1:
+        k, v, k_positions = (jax.lax.all_gather(a, axis_name, axis=1, tiled=True) for a in (k, v, positions))
+    else:
+        k_positions = positions
+    out, _ = attention_block(q, k, v, positions, k_positions)
+    return out.astype(q.dtype)
+
+
+def a2a_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int) -> Array:
+    """``cp_comm_type="a2a"`` (DeepSpeed-Ulysses, Jacobs et al. 2023; Megatron-Core's
+    ``a2a``): an all-to-all turns the sequence split into a head split (``[b, 2c, n, d]`` ->
+    ``[b, s, n / cp, d]``), each rank attends its heads over the whole sequence (causal by
+    position ids), and a second all-to-all turns the result back. Shapes as
+    :func:`ring_attention`; ``nq`` and ``nkv`` (per tensor rank) must be divisible by
+    ``axis_size`` (ValueError otherwise)."""
+    if axis_size == 1:
+        out, _ = attention_block(q, k, v, positions, positions)
+        return out.astype(q.dtype)
+    if q.shape[2] % axis_size or k.shape[2] % axis_size:
+        raise ValueError(f"cp_comm_type='a2a' splits heads over {axis_size} context ranks: {q.shape[2]} query "
+                         f"and {k.shape[2]} key/value heads per rank must be divisible by it")
+
+    def to_heads(x):  # [b, 2c, n, d] -> [b, s, n / cp, d] (the sequence in rank order)
+        return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+    full = jax.lax.all_gather(positions, axis_name, axis=1, tiled=True)
+    out, _ = attention_block(to_heads(q), to_heads(k), to_heads(v), full, full)
+    out = jax.lax.all_to_all(out.astype(q.dtype), axis_name, split_axis=1, concat_axis=2, tiled=True)
+    return out
+
+
+CP_ATTENTIONS = {"p2p": ring_attention, "all_gather": all_gather_attention, "a2a": a2a_attention}

@@ -1,0 +1,188 @@
+"""Context parallelism's building blocks (issue 14 items 1-2): Megatron's load-balanced
+sequence split against megatron-core's own ``get_batch_on_this_cp_rank``, and ring
+attention (``cp_comm_type="p2p"``) over the ``context`` axis of 8 simulated devices equal
+to one-device causal attention in values and gradients (float32, GQA)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jmegatron.models.attention import xla_attention
+from jmegatron.parallel import context_parallel as cpl
+
+
+def _megatron_split(seq, cp, rank, monkeypatch):
+    import torch
+    from megatron.core import parallel_state, utils
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
+    batch = {"tokens": torch.arange(seq).reshape(1, seq), "attention_mask": None}
+    return utils.get_batch_on_this_cp_rank(batch)["tokens"][0].numpy()
+
+
+@pytest.mark.parametrize("seq,cp", [(16, 2), (32, 4), (24, 3), (8, 1)])
+def test_load_balance_index_is_megatrons_split(seq, cp, monkeypatch):
+    index = cpl.load_balance_index(seq, cp)
+    assert sorted(index) == list(range(seq))
+    shard = seq // cp
+    for r in range(cp):
+        np.testing.assert_array_equal(index[r * shard:(r + 1) * shard], _megatron_split(seq, cp, r, monkeypatch))
+
+
+def test_load_balance_index_refuses_uneven_chunks():
+    with pytest.raises(ValueError, match="seq_length=30 must be divisible by 2 x context_parallel_size=8"):
+        cpl.load_balance_index(30, 4)
+
+
+def test_block_merge_equals_whole_attention():
+    """Two key halves, merged by log-sum-exp, equal attention over all keys; a query that
+    sees no key of a block gets lse -inf there and is unaffected."""
+    rs = np.random.RandomState(0)
+    b, s, nq, nkv, d = 2, 12, 4, 2, 8
+    q, k, v = (jnp.asarray(rs.randn(b, s, n, d).astype(np.float32)) for n in (nq, nkv, nkv))
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    whole = xla_attention(q, k, v)
+    o1, l1 = cpl.attention_block(q, k[:, :5], v[:, :5], pos, pos[:, :5])
+    o2, l2 = cpl.attention_block(q, k[:, 5:], v[:, 5:], pos, pos[:, 5:])
+    assert np.all(np.isneginf(np.asarray(l2[:, :5])))
+    out, _ = cpl.merge_blocks(o1, l1, o2, l2)
+    np.testing.assert_allclose(out, whole, rtol=1e-5, atol=1e-6)
+
+
+def _ring(cp, q, k, v, kind="p2p"):
+    """Context-parallel attention (``kind``: a cp_comm_type) over a cp-device context mesh of
+    the load-balanced layout, returned in the original order."""
+    b, s = q.shape[:2]
+    index = cpl.load_balance_index(s, cp)
+    inverse = np.argsort(index)
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("context",))
+    pos = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b, s))
+    spec = P(None, "context")
+    fn = jax.shard_map(functools.partial(cpl.CP_ATTENTIONS[kind], axis_name="context", axis_size=cp), mesh=mesh,
+                       in_specs=(spec, spec, spec, spec), out_specs=spec)
+    return fn(q[:, index], k[:, index], v[:, index], pos)[:, inverse]
+
+
+@pytest.mark.parametrize("cp,kind", [(2, "p2p"), (4, "p2p"), (4, "all_gather"), (2, "a2a")])
+def test_context_parallel_attention_equals_one_device(cp, kind):
+    rs = np.random.RandomState(cp)
+    b, s, nq, nkv, d = 2, 32, 4, 2, 8
+    q, k, v = (jnp.asarray(rs.randn(b, s, n, d).astype(np.float32)) for n in (nq, nkv, nkv))
+    w = jnp.asarray(rs.randn(b, s, nq, d).astype(np.float32))
+
+    def loss(f, q, k, v):
+        return jnp.sum(f(q, k, v) * w)
+
+    ring = jax.jit(jax.value_and_grad(functools.partial(loss, functools.partial(_ring, cp, kind=kind)),
+                                      argnums=(0, 1, 2)))
+    ref = jax.value_and_grad(functools.partial(loss, xla_attention), argnums=(0, 1, 2))
+    (got, got_g), (want, want_g) = ring(q, k, v), ref(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(_ring(cp, q, k, v, kind), xla_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    for a, e in zip(got_g, want_g):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+    hlo = jax.jit(functools.partial(_ring, cp, kind=kind)).lower(q, k, v).as_text()
+    op = {"p2p": "collective_permute", "all_gather": "all_gather", "a2a": "all_to_all"}[kind]
+    assert op in hlo
+
+
+def test_custom_backward_keeps_one_block_not_the_whole_sequence():
+    """The custom VJP saves q, k, v, out and lse only; autodiff through the unrolled ring
+    would keep every received K/V block (and each block's probabilities) as residuals."""
+    cp, b, s, h, d = 4, 1, 512, 4, 32
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("context",))
+    spec = P(None, "context")
+
+    def temp_bytes(f):
+        fn = jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+        grad = jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(fn(q, k, v, p) ** 2), argnums=(0, 1, 2)))
+        x = jnp.ones((b, s, h, d))
+        pos = jnp.broadcast_to(jnp.asarray(cpl.load_balance_index(s, cp), jnp.int32), (b, s))
+        return grad.lower(x, x, x, pos).compile().memory_analysis().temp_size_in_bytes
+
+    custom = temp_bytes(functools.partial(cpl.ring_attention, axis_name="context", axis_size=cp))
+    autodiff = temp_bytes(lambda q, k, v, p: cpl._ring_forward(q, k, v, p, "context", cp)[0])
+    assert custom < 0.7 * autodiff, (custom, autodiff)
+
+
+# ------------------------------------------------------------------ in the train step
+from jmegatron.config import ConfigError  # noqa: E402
+from jmegatron.parallel.mesh import create_mesh  # noqa: E402
+from jmegatron.training.run import build  # noqa: E402
+
+from test_expert_parallel import assert_close  # noqa: E402
+from test_train_step import random_batches, tiny_cfg  # noqa: E402
+
+LLAMA = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope", num_query_groups=2,
+             add_bias_linear=False)
+
+
+def grads_of(cfg, num_devices):
+    run = build(cfg, create_mesh(cfg, jax.devices()[:num_devices]))
+    state = run.init_state()
+    b = random_batches(1, run.global_batch_size, cfg.seq_length, 500, seed=5)[0]
+    b = run.put_batch({k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()})
+    g, report, tokens = run.compute_grads(state, b)
+    return jax.device_get(g), jax.device_get(report), float(tokens), run
+
+
+CP_CASES = [  # (context_parallel_size, devices, model, other fields)
+    (2, 2, {}, {}),
+    (4, 4, LLAMA, dict(cp_comm_type="all_gather")),
+    (2, 4, dict(LLAMA, num_query_groups=4), dict(cp_comm_type="a2a", use_distributed_optimizer=True)),
+    (4, 4, LLAMA, {}),
+    (2, 4, LLAMA, dict(use_distributed_optimizer=True)),  # cp2 x dp2 + ZeRO-1
+    (2, 4, {}, dict(tensor_model_parallel_size=2, sequence_parallel=True)),  # cp2 x tp2 + SP
+    (4, 8, {}, dict(scan_layers=True)),  # cp4 x dp2, scanned layers
+]
+
+
+@pytest.mark.parametrize("cp,devices,model,extra", CP_CASES,
+                         ids=[f"cp{c}-dev{n}-{'llama' if m else 'gpt'}-" + "_".join(sorted(x))
+                              for c, n, m, x in CP_CASES])
+def test_context_parallel_matches_one_device(cp, devices, model, extra):
+    cfg = tiny_cfg(**model, **extra, context_parallel_size=cp, micro_batch_size=2, global_batch_size=8)
+    g, report, tokens, run = grads_of(cfg, devices)
+    assert dict(run.mesh.shape)["context"] == cp
+    one_device = ("use_distributed_optimizer", "tensor_model_parallel_size", "sequence_parallel")
+    ref = tiny_cfg(**model, **{k: v for k, v in extra.items() if k not in one_device},
+                   micro_batch_size=8 // run.num_microbatches, global_batch_size=8)
+    g1, report1, tokens1, _ = grads_of(ref, 1)
+    assert tokens == tokens1
+    np.testing.assert_allclose(report["lm_loss"], report1["lm_loss"], rtol=1e-5)
+    assert_close(g, g1)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(seq_length=36), "seq_length=36 must be divisible by 2 x context_parallel_size=8"),
+    (dict(hidden_dropout=0.1), "hidden_dropout=0.1 with context_parallel_size=4"),
+    (dict(cp_comm_type="a2a", num_query_groups=2), "num_query_groups=2 is not divisible by "
+                                                    "tensor_model_parallel_size x context_parallel_size = 4"),
+    (dict(cp_comm_type="ring"), "cp_comm_type='ring': choose"),
+    (dict(attention_impl="cpu"), "attention_impl='cpu' with context_parallel_size=4"),
+    (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2 with context_parallel_size=4"),
+])
+def test_bad_context_parallel_configs_name_the_field(fields, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tiny_cfg(context_parallel_size=4, **fields)
+
+
+def test_context_parallel_training_steps_match_one_device():
+    """Three optimizer steps (cp2 x dp2 + ZeRO-1, Llama/GQA) give the one-device losses, and the
+    compiled step passes K/V around the ring."""
+    from test_train_step import train
+
+    kw = dict(LLAMA, micro_batch_size=2, global_batch_size=8)
+    losses, norms, _, run = train(tiny_cfg(**kw, context_parallel_size=2, use_distributed_optimizer=True), 4)
+    losses1, norms1, _, _ = train(tiny_cfg(**dict(kw, micro_batch_size=4)), 1)
+    np.testing.assert_allclose(losses, losses1, rtol=1e-5)
+    np.testing.assert_allclose(norms, norms1, rtol=1e-4)
+    b = random_batches(1, 8, 32, 500)[0]
+    batch = run.put_batch({k: v.reshape(run.num_microbatches, -1, 32) for k, v in b.items()})
+    hlo = run.compute_grads.lower(run.init_state(), batch).compile().as_text()
+    assert "collective-permute" in hlo
