@@ -1,7 +1,9 @@
 """issue 13 "Must show": configs/mixtral_tiny.py with expert_model_parallel_size=2 on 8
 simulated devices (data 4 x expert 2, the alltoall dispatcher), end to end on Shakespeare:
 trains with the CLI (the router's load-balancing loss on the console line), resumes
-bit-exactly, evaluates and generates (restored onto one device, the experts unsplit).
+bit-exactly, evaluates and generates (restored onto one device, the experts unsplit), and
+exports to Hugging Face (MixtralForCausalLM, logits equal to jmegatron's) and TensorRT-LLM
+(tp 2 = moe_tp 1 x moe_ep 2, checked).
 
 Kept short: 2 layers, hidden 64, 4 experts of FFN 64, seq 64, a 512-token vocabulary,
 global batch 8 (1 micro-batch x 1 x dp 8), 6 iterations."""
@@ -60,3 +62,32 @@ def test_mixtral_tiny_ep2_trains_resumes_evaluates_generates(data, tmp_path, cap
     assert ev["iteration"] == 6 and np.isfinite(ev["loss"])
     assert generate_main(["--load", str(full), "--prompt", "ROMEO:", "--max-new-tokens", "8", "--seed", "1"]) == 0
     assert "ROMEO:" in capsys.readouterr().out
+
+    # exports: Hugging Face, with the same logits as the checkpoint's model
+    import torch
+    import transformers
+
+    from jmegatron.export.__main__ import main as export_main
+    from jmegatron.export.common import load_checkpoint
+    from jmegatron.models.gpt import GPTModel, ModelConfig
+
+    hf = tmp_path / "hf"
+    assert export_main(["hf", "--load", str(full), "--out", str(hf)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    assert type(model).__name__ == "MixtralForCausalLM"
+    src = load_checkpoint(str(full))
+    tokens = np.random.RandomState(0).randint(0, src.vocab_size, size=(2, 24)).astype(np.int32)
+    ours = np.asarray(GPTModel(ModelConfig.from_config(src.cfg, src.padded_vocab_size)).apply(
+        {"params": src.params}, tokens, deterministic=True))[..., :src.vocab_size]
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+    # TensorRT-LLM: tensor parallel 2 as two expert ranks, checked after writing
+    capsys.readouterr()
+    trt = tmp_path / "trtllm"
+    assert export_main(["trtllm", "--load", str(full), "--tp", "2", "--moe-ep", "2", "--dtype", "bfloat16",
+                        "--out", str(trt)]) == 0
+    out = capsys.readouterr().out
+    assert "MixtralForCausalLM" in out and "OK: valid TensorRT-LLM checkpoint" in out
+    config = json.loads((trt / "config.json").read_text())
+    assert config["mapping"]["moe_ep_size"] == 2 and config["moe"]["num_experts"] == 4
