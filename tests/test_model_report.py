@@ -170,12 +170,48 @@ def test_175b_layout_from_config_and_flags(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--pp", "3"], "pipeline_model_parallel_size=3 must be >= 1 and divide num_layers=2"),
-    (["--cp", "2"], "--cp 2: context parallelism is not in the memory theory"),
+    (["--cp", "0"], "--cp 0: parallel sizes must be >= 1"),
     (["--tp", "3"], "is not divisible by tensor_model_parallel_size=3"),
     (["--config.hidden_sise=4"], "hidden_sise"),
     (["--dp", "3"], "global_batch_size=8 is not divisible"),
-], ids=["pp-3", "cp-2", "tp-3", "typo", "dp-3"])
+], ids=["pp-3", "cp-0", "tp-3", "typo", "dp-3"])
 def test_bad_input_exits_2(argv, message, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     code, out, err = _run(capsys, *SMALL, *argv)
     assert code == 2 and message in err, err
+
+
+def test_context_parallel_memory_theory_by_hand(capsys):
+    """ByteMLPerf's 32k memory workload at cp 1, 2, 4, 8: each device holds s b / cp tokens;
+    the ring (p2p) keeps q, k, v, out and a float32 log-sum-exp per head and token instead of
+    the [a, s, s] scores; the per-layer bytes equal the hand count, and model_report prints
+    them per cp."""
+    from jmegatron.config import load_config_file
+    from jmegatron.training import memory
+
+    cfg = load_config_file(str(REPO / "configs" / "bytemlperf" / "gpt3_345m_memory.py"),
+                           {"mock_data": True, "vocab_size": 50257})
+    s, b, h, a, F = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size, cfg.num_attention_heads, \
+        cfg.ffn_hidden_size
+    e = memory.activation_bytes_per_element(cfg)
+    m = 1 if cfg.hidden_dropout else 0
+    per_layer = {}
+    for cp in (1, 2, 4, 8):
+        lay = ParallelLayout(1, 8 // cp, context_parallel_size=cp)
+        n = s * b / cp
+        tokens_terms = n * h * (4 * e + 2 * m) + n * (e * 2 * h + e * h + e * h + e * F + e * F)
+        if cp == 1:
+            m_a = 1 if cfg.attention_dropout else 0
+            want = tokens_terms + a * s * s * b * (e + (m_a + e if m_a else 0))  # XLA attention's scores
+        else:
+            want = tokens_terms + 4 * a * n  # the ring: a float32 log-sum-exp per head and token
+        per_layer[cp] = memory.activation_memory_per_layer(cfg.replace(attention_impl="xla"), b, lay)
+        assert per_layer[cp] == pytest.approx(want)
+        assert lay.num_devices == 8 and (f"cp{cp}" in lay.name) == (cp > 1)
+    assert per_layer[2] < per_layer[1] / 20  # the s^2 scores are gone
+    assert per_layer[8] == pytest.approx(per_layer[2] / 4)  # then linear in the tokens held
+    assert ParallelLayout.parse("cp4-dp2") == ParallelLayout(1, 2, context_parallel_size=4)
+    code, out, err = _run(capsys, "--config", str(REPO / "configs" / "bytemlperf" / "gpt3_345m_memory.py"),
+                          "--config.mock_data=True", "--config.vocab_size=50257", "--cp", "4", "--dp", "2")
+    assert code == 0, err
+    assert "layout tp1-cp4-dp2 (8 devices)" in out and "no context-parallel term" in out

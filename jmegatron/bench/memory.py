@@ -195,6 +195,7 @@ def layout_report(cfg, layout, num_micro: int) -> dict:
                         sequence_parallel=layout.sequence_parallel,
                         use_distributed_optimizer=layout.use_distributed_optimizer,
                         use_megatron_fsdp=layout.use_megatron_fsdp,
+                        context_parallel_size=layout.context_parallel_size,
                         global_batch_size=num_micro * cfg.micro_batch_size * dp)
     run = build(cfg_l, create_mesh(cfg_l, jax.devices()[:layout.num_devices]))
     t0 = time.perf_counter()

@@ -72,6 +72,7 @@ def report(cfg, layout, num_microbatches: int) -> dict:
     megatron_act = memory.megatron_activation_memory(cfg, padded, layout, num_microbatches)
     return {
         "layout": layout.name, "num_devices": layout.num_devices,
+        "context_parallel_size": layout.context_parallel_size,
         "micro_batch_size": cfg.micro_batch_size, "num_microbatches": num_microbatches,
         "global_batch_size": global_batch, "seq_length": cfg.seq_length, "padded_vocab_size": padded,
         "megatron_data_parallel_size": layout.megatron_data_parallel_size,
@@ -130,7 +131,8 @@ def format_report(r: dict, config_path: str, bf16: bool, recompute: str) -> str:
         lines.append(f"  FSDP gathered        {m['fsdp_gathered'] / GIB:10.3f} GiB")
     lines += [
         f"  total                {m['total'] / GIB:10.3f} GiB",
-        "Megatron's theoretical_memory_usage.py (18 B/param or 6 + 12/dp; activations with SP + selective):",
+        "Megatron's theoretical_memory_usage.py (18 B/param or 6 + 12/dp; activations with SP + selective"
+        + ("; it has no context-parallel term" if r.get("context_parallel_size", 1) > 1 else "") + "):",
         f"  weight and optimizer {mm['weight_and_optimizer'] / GIB:10.3f} GiB ({mm['weight_and_optimizer'] / MIB:.2f} MB)",
         f"  activations          {mm['activations'] / GIB:10.3f} GiB ({mm['activations'] / MIB:.2f} MB)",
         f"  total                {mm['total'] / GIB:10.3f} GiB ({mm['total'] / MIB:.2f} MB)",
@@ -147,7 +149,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--pp", type=int, default=None, help="pipeline_model_parallel_size (theory only)")
     p.add_argument("--ep", type=int, default=None, help="expert_model_parallel_size (theory only: MoE models)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (the data mesh axis, without ep)")
-    p.add_argument("--cp", type=int, default=1, help="context_parallel_size (only 1: not in the memory theory)")
+    p.add_argument("--cp", type=int, default=None, help="context_parallel_size (default: the config's); the "
+                                                         "config's cp_comm_type picks the attention's memory")
     p.add_argument("--zero1", action="store_true", default=None, help="use_distributed_optimizer")
     p.add_argument("--sp", action="store_true", default=None, help="sequence_parallel")
     p.add_argument("--fsdp", action="store_true", default=None, help="use_megatron_fsdp")
@@ -159,9 +162,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from jmegatron.training.memory import ParallelLayout
 
     try:
-        if args.cp != 1:
-            raise ValueError(f"--cp {args.cp}: context parallelism is not in the memory theory (nor in Megatron's "
-                             "theoretical_memory_usage.py); use --cp 1")
         path, overrides = parse_args(rest)
         file_layout = config_layout(path)
         cfg = load_config_file(path, overrides)
@@ -172,7 +172,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         zero1 = cfg.use_distributed_optimizer if args.zero1 is None else args.zero1
         sp = cfg.sequence_parallel if args.sp is None else args.sp
         fsdp = cfg.use_megatron_fsdp if args.fsdp is None else args.fsdp
-        for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--dp", dp)):
+        cp = cfg.context_parallel_size if args.cp is None else args.cp
+        for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--dp", dp), ("--cp", cp)):
             if value < 1:
                 raise ValueError(f"{flag} {value}: parallel sizes must be >= 1")
         if ep > 1 and cfg.num_moe_experts is None:
@@ -185,7 +186,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = cfg.replace(tensor_model_parallel_size=tp, sequence_parallel=sp, use_distributed_optimizer=zero1,
                           use_megatron_fsdp=fsdp)
         cfg.check_parallel_divisibility(cfg.padded_vocab_size(), dp)
-        layout = ParallelLayout(tp, dp, zero1, sp, fsdp, pp, ep)
+        if cp > 1 and cfg.seq_length % (2 * cp):
+            raise ValueError(f"--cp {cp}: seq_length={cfg.seq_length} must be divisible by 2 x {cp} (Megatron's "
+                             f"load-balanced split)")
+        layout = ParallelLayout(tp, dp, zero1, sp, fsdp, pp, ep, cp)
         num_micro = cfg.num_microbatches(layout.megatron_data_parallel_size)
         r = report(cfg, layout, num_micro)
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError

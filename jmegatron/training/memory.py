@@ -109,13 +109,14 @@ class ParallelLayout:
     use_megatron_fsdp: bool = False
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    context_parallel_size: int = 1
 
     def __post_init__(self):
         if min(self.tensor_model_parallel_size, self.data_parallel_size, self.pipeline_model_parallel_size,
-               self.expert_model_parallel_size) < 1:
+               self.expert_model_parallel_size, self.context_parallel_size) < 1:
             raise ValueError(f"parallel sizes must be >= 1 (tp={self.tensor_model_parallel_size}, "
                              f"dp={self.data_parallel_size}, pp={self.pipeline_model_parallel_size}, "
-                             f"ep={self.expert_model_parallel_size})")
+                             f"ep={self.expert_model_parallel_size}, cp={self.context_parallel_size})")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
         if self.use_distributed_optimizer and self.use_megatron_fsdp:
@@ -126,18 +127,20 @@ class ParallelLayout:
         """The layout ``cfg`` asks for with ``data_parallel_size`` data-parallel ranks."""
         return cls(cfg.tensor_model_parallel_size, data_parallel_size, cfg.use_distributed_optimizer,
                    cfg.sequence_parallel, cfg.use_megatron_fsdp, cfg.pipeline_model_parallel_size,
-                   cfg.expert_model_parallel_size)
+                   cfg.expert_model_parallel_size, cfg.context_parallel_size)
 
     @classmethod
     def parse(cls, text: str) -> "ParallelLayout":
-        """``"tp2-dp4"``, ``"tp2-dp4-zero1"``, ``"tp4-sp-dp2"``, ``"dp8-fsdp"`` (parts in any
-        order, missing sizes are 1). Raises ValueError naming the bad part."""
-        tp, dp, zero1, sp, fsdp = 1, 1, False, False, False
+        """``"tp2-dp4"``, ``"tp2-dp4-zero1"``, ``"tp4-sp-dp2"``, ``"dp8-fsdp"``, ``"cp4-dp2"``
+        (parts in any order, missing sizes are 1). Raises ValueError naming the bad part."""
+        tp, dp, cp, zero1, sp, fsdp = 1, 1, 1, False, False, False
         for part in text.lower().split("-"):
-            m = re.fullmatch(r"(tp|dp)(\d+)", part)
+            m = re.fullmatch(r"(tp|dp|cp)(\d+)", part)
             if m:
                 if m[1] == "tp":
                     tp = int(m[2])
+                elif m[1] == "cp":
+                    cp = int(m[2])
                 else:
                     dp = int(m[2])
             elif part == "zero1":
@@ -147,9 +150,9 @@ class ParallelLayout:
             elif part == "fsdp":
                 fsdp = True
             else:
-                raise ValueError(f"layout {text!r}: unknown part {part!r} (use tpN, dpN, zero1, sp, fsdp, "
+                raise ValueError(f"layout {text!r}: unknown part {part!r} (use tpN, dpN, cpN, zero1, sp, fsdp, "
                                  f"joined by '-', e.g. tp2-dp4-zero1)")
-        return cls(tp, dp, zero1, sp, fsdp)
+        return cls(tp, dp, zero1, sp, fsdp, context_parallel_size=cp)
 
     @property
     def name(self) -> str:
@@ -159,6 +162,8 @@ class ParallelLayout:
             parts.append(f"pp{self.pipeline_model_parallel_size}")
         if self.expert_model_parallel_size > 1:
             parts.append(f"ep{self.expert_model_parallel_size}")
+        if self.context_parallel_size > 1:
+            parts.append(f"cp{self.context_parallel_size}")
         parts.append(f"dp{self.data_parallel_size}")
         if self.use_distributed_optimizer:
             parts.append("zero1")
@@ -169,7 +174,7 @@ class ParallelLayout:
     @property
     def num_devices(self) -> int:
         return (self.tensor_model_parallel_size * self.data_parallel_size * self.pipeline_model_parallel_size
-                * self.expert_model_parallel_size)
+                * self.expert_model_parallel_size * self.context_parallel_size)
 
     @property
     def megatron_data_parallel_size(self) -> int:
@@ -471,7 +476,16 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
     ``"full"`` keeps only the layer input, ``e n h`` (/ t with SP). With the CPU attention
     kernel (``attention_impl`` resolving to "cpu", :mod:`jmegatron.kernels.cpu`) the ``s^2``
     terms are replaced by its float32 log-sum-exp, ``4 a s b`` (its output is the
-    linear_proj input already counted), as FlashAttention. Raises ValueError for another
+    linear_proj input already counted), as FlashAttention.
+
+    Context parallelism (``layout.context_parallel_size`` = ``c`` > 1,
+    :mod:`jmegatron.parallel.context_parallel`): each device holds ``n = s b / c`` tokens,
+    and the ``s^2`` terms become the context-parallel attention's (float32, whatever
+    ``attention_impl`` says; ``recompute="selective"`` does not apply to it):
+    ``cp_comm_type="p2p"`` (the ring's custom VJP keeps q, k, v, the output and the
+    log-sum-exp) ``4 a n``; ``"all_gather"`` the gathered K and V ``2 e s b kv`` and the
+    probabilities ``4 a n s``; ``"a2a"`` the head-split q, k, v ``e s b (q + 2 kv) / c`` and
+    the probabilities ``4 (a / c) s^2 b`` (all / t). Raises ValueError for another
     ``recompute``, or ``moe=True`` with a dense ``cfg`` (``num_moe_experts`` None).
     """
     if recompute not in RECOMPUTE_CHOICES:
@@ -482,7 +496,8 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
     t = layout.tensor_model_parallel_size
     sp_div = t if layout.sequence_parallel else 1
     s, b, h = cfg.seq_length, micro_batch_size, cfg.hidden_size
-    n = s * b
+    c = layout.context_parallel_size
+    n = s * b / c
     if recompute == "full":
         return e * n * h / sp_div
     m = MASK_BYTES if cfg.hidden_dropout > 0 else 0
@@ -500,7 +515,14 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
         split -= n * (e * fc1_width + e * ffn)
         moe_mlp = _moe_mlp_bytes(cfg, n, e, t)
     from jmegatron.models.gpt import resolve_impls
-    if resolve_impls(cfg)["attention_impl"] == "cpu":
+    a = cfg.num_attention_heads
+    if c > 1 and cfg.cp_comm_type == "all_gather":
+        scores = 2 * e * s * b * kv + FLOAT32_BYTES * a * n * s
+    elif c > 1 and cfg.cp_comm_type == "a2a":
+        scores = e * s * b * (q + 2 * kv) / c + FLOAT32_BYTES * a / c * s * s * b
+    elif c > 1:  # p2p
+        scores = FLOAT32_BYTES * a * n
+    elif resolve_impls(cfg)["attention_impl"] == "cpu":
         scores = FLOAT32_BYTES * cfg.num_attention_heads * s * b
     elif recompute == "selective":
         scores = 0
@@ -558,7 +580,7 @@ def activation_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: Para
     e = activation_bytes_per_element(cfg) if bytes_per_element is None else bytes_per_element
     t = layout.tensor_model_parallel_size
     sp_div = t if layout.sequence_parallel else 1
-    n = cfg.seq_length * b
+    n = cfg.seq_length * b / layout.context_parallel_size
     per_layer = activation_memory_per_layer(cfg, b, layout, recompute, e)
     m = MASK_BYTES if cfg.hidden_dropout > 0 else 0
     embedding = FLOAT32_BYTES * n + m * n * cfg.hidden_size / sp_div
