@@ -474,9 +474,10 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
 
     ``recompute="selective"`` drops the ``s^2`` terms (core attention recomputed);
     ``"full"`` keeps only the layer input, ``e n h`` (/ t with SP). With the CPU attention
-    kernel (``attention_impl`` resolving to "cpu", :mod:`jmegatron.kernels.cpu`) the ``s^2``
-    terms are replaced by its float32 log-sum-exp, ``4 a s b`` (its output is the
-    linear_proj input already counted), as FlashAttention.
+    kernel (``attention_impl`` resolving to "cpu", :mod:`jmegatron.kernels.cpu`; float32
+    compute only: with ``bf16`` it falls back to XLA's attention) the ``s^2`` terms are
+    replaced by its float32 log-sum-exp, ``4 a s b`` (its output is the linear_proj input
+    already counted), as FlashAttention.
 
     Context parallelism (``layout.context_parallel_size`` = ``c`` > 1,
     :mod:`jmegatron.parallel.context_parallel`): each device holds ``n = s b / c`` tokens,
@@ -522,7 +523,7 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
         scores = e * s * b * (q + 2 * kv) / c + FLOAT32_BYTES * a / c * s * s * b
     elif c > 1:  # p2p
         scores = FLOAT32_BYTES * a * n
-    elif resolve_impls(cfg)["attention_impl"] == "cpu":
+    elif resolve_impls(cfg)["attention_impl"] == "cpu" and not cfg.bf16:  # bf16 falls back to XLA's
         scores = FLOAT32_BYTES * cfg.num_attention_heads * s * b
     elif recompute == "selective":
         scores = 0
