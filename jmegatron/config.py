@@ -467,10 +467,13 @@ class JMegatronConfig:
         if self.seq_length % (2 * cp):
             raise ConfigError(f"config.seq_length={self.seq_length} must be divisible by 2 x "
                               f"context_parallel_size={2 * cp} (Megatron's load-balanced split: 2 cp chunks).")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if getattr(self, name):
-                raise ConfigError(f"config.{name}={getattr(self, name)} with context_parallel_size={cp}: dropout "
-                                  f"masks under context parallelism are not built yet; set {name}=0.0.")
+        if self.attention_dropout:
+            raise ConfigError(f"config.attention_dropout={self.attention_dropout} with context_parallel_size={cp}: "
+                              f"the context-parallel attention has no dropout yet; set attention_dropout=0.0.")
+        if self.hidden_dropout and self.dropout_impl != "hash":
+            raise ConfigError(f"config.dropout_impl={self.dropout_impl!r} with hidden_dropout and "
+                              f"context_parallel_size={cp}: only the 'hash' masks follow the load-balanced "
+                              f"sequence slots; set dropout_impl='hash'.")
         unbuilt = (("pipeline_model_parallel_size", self.pipeline_model_parallel_size > 1, "1"),
                    ("num_moe_experts", self.num_moe_experts is not None, "None"),
                    ("use_megatron_fsdp", self.use_megatron_fsdp, "False"),

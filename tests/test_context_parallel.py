@@ -139,6 +139,7 @@ CP_CASES = [  # (context_parallel_size, devices, model, other fields)
     (2, 4, LLAMA, dict(use_distributed_optimizer=True)),  # cp2 x dp2 + ZeRO-1
     (2, 4, {}, dict(tensor_model_parallel_size=2, sequence_parallel=True)),  # cp2 x tp2 + SP
     (4, 8, {}, dict(scan_layers=True)),  # cp4 x dp2, scanned layers
+    (2, 4, LLAMA, dict(hidden_dropout=0.1)),  # cp2 x dp2: the one-device dropout masks
 ]
 
 
@@ -160,7 +161,8 @@ def test_context_parallel_matches_one_device(cp, devices, model, extra):
 
 @pytest.mark.parametrize("fields,message", [
     (dict(seq_length=36), "seq_length=36 must be divisible by 2 x context_parallel_size=8"),
-    (dict(hidden_dropout=0.1), "hidden_dropout=0.1 with context_parallel_size=4"),
+    (dict(attention_dropout=0.1), "attention_dropout=0.1 with context_parallel_size=4"),
+    (dict(hidden_dropout=0.1, dropout_impl="threefry"), "dropout_impl='threefry' with hidden_dropout"),
     (dict(cp_comm_type="a2a", num_query_groups=2), "num_query_groups=2 is not divisible by "
                                                     "tensor_model_parallel_size x context_parallel_size = 4"),
     (dict(cp_comm_type="ring"), "cp_comm_type='ring': choose"),

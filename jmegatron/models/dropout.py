@@ -76,13 +76,17 @@ def _samples(sample_offset, n: int) -> jax.Array:
     return jnp.asarray(sample_offset).astype(_U) + jnp.arange(n, dtype=_U)
 
 
-def hash_bits(key: jax.Array, shape: Sequence[int], sample_offset=0) -> jax.Array:
+def hash_bits(key: jax.Array, shape: Sequence[int], sample_offset=0,
+              positions: Optional[jax.Array] = None) -> jax.Array:
     """uint32 ``shape`` of hashed global element indices under ``key`` (a JAX PRNG key or
     its raw uint32 data). Pure and elementwise: XLA fuses it into the consumer.
 
     ``sample_offset`` (int or integer scalar array, may be traced): the global sample
     number of index 0 on the leading axis; the leading index hashed is ``sample_offset
-    + i``. ``shape == ()`` hashes the single sample ``sample_offset``.
+    + i``. ``shape == ()`` hashes the single sample ``sample_offset``. ``positions``
+    (integer ``[shape[1]]``, optional): the global index of each slot of axis 1 (the
+    sequence slots a context-parallel rank holds, :func:`context_positions`) used in place
+    of ``0 .. shape[1] - 1``; the other axes' strides are unchanged.
     """
     shape = tuple(int(d) for d in shape)
     k0, k1 = _key_words(key)
@@ -93,24 +97,51 @@ def hash_bits(key: jax.Array, shape: Sequence[int], sample_offset=0) -> jax.Arra
     rest = jnp.zeros(shape, _U)
     stride = 1
     for dim in range(len(shape) - 1, 0, -1):
-        rest = rest + jax.lax.broadcasted_iota(_U, shape, dim) * _U(stride % 2**32)
+        if dim == 1 and positions is not None:
+            index = jnp.broadcast_to(jnp.asarray(positions).astype(_U).reshape((1, -1) + (1,) * (len(shape) - 2)),
+                                     shape)
+        else:
+            index = jax.lax.broadcasted_iota(_U, shape, dim)
+        rest = rest + index * _U(stride % 2**32)
         stride *= shape[dim]
     return _triple32(_triple32(lead ^ k0) ^ rest ^ k1)
 
 
+def context_positions(seq_local: int) -> Optional[jax.Array]:
+    """int32 ``[seq_local]``: the global sequence positions of this context-parallel rank's
+    slots (Megatron's load-balanced split, :func:`jmegatron.parallel.context_parallel.load_balance_index`)
+    when the ``context`` mesh axis is manual here (inside the train step), else None. With
+    them a ``[b, s, ...]`` activation's masks are the one-device run's."""
+    from jmegatron.parallel.context_parallel import load_balance_index
+    from jmegatron.parallel.rules import CONTEXT_AXIS
+
+    try:
+        cp = jax.lax.axis_size(CONTEXT_AXIS)
+    except NameError:
+        return None
+    if cp == 1:
+        return None
+    index = jnp.asarray(load_balance_index(seq_local * cp, cp), jnp.int32)
+    return jax.lax.dynamic_slice_in_dim(index, jax.lax.axis_index(CONTEXT_AXIS) * seq_local, seq_local)
+
+
 def keep_mask(key: jax.Array, rate: float, shape: Sequence[int], impl: str = "hash",
-              sample_offset=0) -> jax.Array:
+              sample_offset=0, positions: Optional[jax.Array] = None) -> jax.Array:
     """bool ``shape``: True with probability ``1 - rate`` per element (to 2^-32).
 
     ``impl`` "hash" (:func:`hash_bits`) or "threefry" (``jax.random.bernoulli`` of
     ``shape[1:]`` under ``fold_in(key, sample)`` for each global sample number
-    ``sample_offset + i`` of the leading axis). Raises ValueError for an unknown ``impl``
-    or ``rate`` outside [0, 1).
+    ``sample_offset + i`` of the leading axis). ``positions``: axis 1's global indices
+    (:func:`hash_bits`; "hash" only). Raises ValueError for an unknown ``impl``, ``rate``
+    outside [0, 1), or ``positions`` with "threefry".
     """
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate {rate} must be in [0, 1)")
     shape = tuple(int(d) for d in shape)
     if impl == "threefry":
+        if positions is not None:
+            raise ValueError("dropout_impl='threefry' draws a sample's mask whole; context-parallel slots "
+                             "(positions) need dropout_impl='hash'")
         if not shape:
             return jax.random.bernoulli(jax.random.fold_in(key, _samples(sample_offset, 1)[0]), 1.0 - rate)
         return jax.vmap(lambda n: jax.random.bernoulli(jax.random.fold_in(key, n), 1.0 - rate, shape[1:]))(
@@ -118,17 +149,18 @@ def keep_mask(key: jax.Array, rate: float, shape: Sequence[int], impl: str = "ha
     if impl != "hash":
         raise ValueError(f"dropout impl {impl!r} is not one of {DROPOUT_IMPLS}")
     threshold = min(int(math.floor(rate * 2.0**32)), 2**32 - 1)
-    return hash_bits(key, shape, sample_offset) >= _U(threshold)
+    return hash_bits(key, shape, sample_offset, positions) >= _U(threshold)
 
 
 def dropout(x: jax.Array, rate: float, key: Optional[jax.Array], impl: str = "hash",
-            sample_offset=0) -> jax.Array:
+            sample_offset=0, positions: Optional[jax.Array] = None) -> jax.Array:
     """Inverted dropout of ``x`` (any shape and float dtype; the leading axis is the
-    batch, its row 0 the global sample ``sample_offset``): zero with probability
-    ``rate``, else scaled by ``1 / (1 - rate)``; ``x`` itself when ``rate == 0``."""
+    batch, its row 0 the global sample ``sample_offset``; ``positions``: axis 1's global
+    indices, see :func:`hash_bits`): zero with probability ``rate``, else scaled by
+    ``1 / (1 - rate)``; ``x`` itself when ``rate == 0``."""
     if rate == 0.0:
         return x
-    keep = keep_mask(key, rate, x.shape, impl, sample_offset)
+    keep = keep_mask(key, rate, x.shape, impl, sample_offset, positions)
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
@@ -148,4 +180,5 @@ class Dropout(nn.Module):
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
         if deterministic or self.rate == 0.0:
             return x
-        return dropout(x, self.rate, self.make_rng("dropout"), self.impl, sample_offset)
+        positions = context_positions(x.shape[1]) if x.ndim >= 2 else None  # x: [b, s, ...]
+        return dropout(x, self.rate, self.make_rng("dropout"), self.impl, sample_offset, positions)
