@@ -97,7 +97,6 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     # Expert parallelism is carved out of data parallelism (Megatron): the batch splits over
     # data x expert, dense gradients reduce over both, the experts' (split over expert)
     # over data only: Megatron's expert-data-parallel group.
-    bax = rules_lib.batch_axes(ep)
     dp = rules_lib.data_parallel_size(mesh)
     manual = ((axis,) + ((expert,) if ep > 1 else ()) + ((context,) if cp > 1 else ())
               + ((PIPELINE_AXIS,) if pipeline is not None else ()))
@@ -171,7 +170,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
 
         def with_offset(micro, i):
             # Dropout draws from global sample numbers, never from the rank: see the docstring.
-            first = (i * dp + jax.lax.axis_index(bax)) * local_rows
+            # (the rank over the batch's axes of size > 1: a size-1 axis adds 0 to the index,
+            # and its axis_index would make the offset vary over an axis no value varies on)
+            rank = (jax.lax.axis_index(split) if len(split) > 1 else jax.lax.axis_index(split[0])) if split else 0
+            first = (i * dp + rank) * local_rows
             return dict(micro, sample_offset=jnp.asarray(first, jnp.int32))
 
         def accumulate(carry, xs):
