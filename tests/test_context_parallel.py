@@ -222,3 +222,30 @@ def test_cli_trains_resumes_and_evaluates_at_cp2(tmp_path):
     for it in (4, 5, 6):
         assert got[it] == losses[it], it
     assert got_vals[6] == vals[6]
+
+
+def test_backward_recompute_is_not_hoisted_into_the_forward():
+    """Each further ring-attention layer adds about its residuals (q, k, v, out, lse) to the
+    gradient's compiled temporaries, not the [a, 2c, 2c] score blocks XLA's scheduler kept
+    alive when the backward's recompute did not depend on the output gradient."""
+    cp, b, s, h, d = 2, 1, 1024, 4, 32
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("context",))
+    spec = P(None, "context")
+
+    def temp_bytes(layers):
+        def f(q, k, v, p):
+            x = q
+            for i in range(layers):
+                x = cpl.ring_attention(x * 1.01, k * (1 + i), v, p, "context", cp)
+            return jax.lax.psum(jnp.sum(x ** 2), "context")
+
+        fn = jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 4, out_specs=P())
+        x = jax.ShapeDtypeStruct((b, s, h, d), jnp.float32)
+        pos = jax.ShapeDtypeStruct((b, s), jnp.int32)
+        grad = jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
+        return grad.lower(x, x, x, pos).compile().memory_analysis().temp_size_in_bytes
+
+    per_layer = (temp_bytes(4) - temp_bytes(2)) / 2
+    block = h * (s // cp) ** 2 * 4  # one [a, 2c, 2c] float32 score block
+    residuals = 4 * b * (s // cp) * h * d * 4  # q, k, v, out
+    assert per_layer < residuals + block / 2, (per_layer, residuals, block)
