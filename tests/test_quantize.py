@@ -19,15 +19,7 @@ pytest.importorskip("modelopt.torch.quantization")
 VOCAB = 512
 SEQ = 64
 EXPECTED_ALGO = {"int8_sq": "W8A8_SQ_PER_CHANNEL", "int4_awq": "W4A16_AWQ"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """torch's OpenMP threads spin-wait on a shared 2-core machine: one thread is ~20x faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,7 @@ load_file, save_file = safetensors_torch.load_file, safetensors_torch.save_file
 E, F = 4, 48
 MOE = dict(num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=F)
 GRID = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (moe_tp, moe_ep); tp = moe_tp * moe_ep
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def moe_cfg(**changes):
@@ -409,13 +410,6 @@ def test_cli_bad_moe_split_exits_2_before_writing(args, message, moe_checkpoint,
 
 
 # ----------------------------------------------------------------------------- ModelOpt PTQ
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """torch's OpenMP threads spin-wait on a shared CPU: one thread is much faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
