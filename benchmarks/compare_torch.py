@@ -202,6 +202,22 @@ def step_times(step, n: int) -> list[float]:
     return out
 
 
+def alternating_rounds(steps: dict, rounds: int, steps_per_round: int) -> dict[str, list[float]]:
+    """Seconds per step of each ``name -> step()`` in ``steps``, timed in turn: every round
+    runs ``steps_per_round`` steps of each, so slow drifts of a shared machine hit all alike.
+    Returns ``name -> [mean seconds per step of each round]`` and prints each round."""
+    times = {name: [] for name in steps}
+    for r in range(rounds):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(steps_per_round):
+                step()
+            times[name].append((time.perf_counter() - t0) / steps_per_round)
+        print(f"[round {r + 1}/{rounds}] " + ", ".join(f"{n} {ts[-1] * 1e3:.0f} ms" for n, ts in times.items()),
+              flush=True)
+    return times
+
+
 def pick_adamw(step, trials: int = 3, rounds: int = 2) -> tuple[str, dict]:
     """The fastest of PyTorch's AdamW implementations for ``step`` (a :func:`torch_stepper`):
     ``rounds`` alternating rounds of ``trials`` whole train steps per implementation (one

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from compare_torch import bench_config
+    from compare_torch import alternating_rounds, bench_config
     from jmegatron.parallel.mesh import create_mesh
     from jmegatron.training import flops
     from jmegatron.training.peak import resolve_peak_for_config
@@ -65,15 +65,7 @@ def main(argv=None) -> int:
               flush=True)
         runs[name] = (step, gbs * s, fl, resolve_peak_for_config(cfg, num_local_devices=1))
 
-    times = {name: [] for name in runs}
-    for r in range(args.rounds):
-        for name, (step, *_rest) in runs.items():
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            times[name].append((time.perf_counter() - t0) / args.steps)
-        print(f"[round {r + 1}/{args.rounds}] " + ", ".join(f"{n} {ts[-1] * 1e3:.0f} ms" for n, ts in times.items()),
-              flush=True)
+    times = alternating_rounds({name: run[0] for name, run in runs.items()}, args.rounds, args.steps)
 
     peak = runs["dense"][3]
     print(f"\n{args.dense} vs {args.moe}, 1 device, {args.rounds} rounds x {args.steps} steps; "

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
-    from compare_torch import bench_config
+    from compare_torch import alternating_rounds, bench_config
     from jmegatron.parallel.mesh import create_mesh
     from jmegatron.training.run import build
 
@@ -72,15 +72,7 @@ def main(argv=None) -> int:
               f"losses {losses[0]:.4f} {losses[1]:.4f}", flush=True)
         runs[name] = (step, gbs * s)
 
-    times = {name: [] for name in runs}
-    for r in range(args.rounds):
-        for name, (step, _) in runs.items():
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            times[name].append((time.perf_counter() - t0) / args.steps)
-        print(f"[round {r + 1}/{args.rounds}] " + ", ".join(f"{n} {ts[-1] * 1e3:.0f} ms" for n, ts in times.items()),
-              flush=True)
+    times = alternating_rounds({name: run[0] for name, run in runs.items()}, args.rounds, args.steps)
 
     print(f"\n{args.config}, m = {args.m}, 2 simulated CPU devices, {args.rounds} rounds x {args.steps} steps\n")
     print("| layout | ms/step min / median / max | tokens/s (median) |")
