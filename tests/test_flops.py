@@ -314,3 +314,66 @@ def test_theoretical_memory_matches_state_shardings():
         assert device_bytes(run.abstract_state.params, run.state_shardings.params) == st.weights, layout
         assert device_bytes(run.abstract_state.opt_state, run.state_shardings.opt_state) == \
             pytest.approx(st.optimizer_state, rel=1e-3), layout
+
+
+# ------------------------------------------------- executed core attention
+def _compiled_attention_flops(name: str, cp: int, b: int, s: int, nq: int, nkv: int, d: int) -> float:
+    """XLA's cost analysis of one attention's forward + backward (a random cotangent, so
+    nothing folds), summed over the ``cp`` devices of a ``context`` mesh."""
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from jmegatron.models.attention import xla_attention
+    from jmegatron.parallel.context_parallel import CP_ATTENTIONS, load_balance_index
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (b, s, nq, d))
+    k, v = (jax.random.normal(kk, (b, s, nkv, d)) for kk in keys[1:3])
+    dout = jax.random.normal(keys[3], (b, s, nq, d))
+    if cp == 1:
+        def attn(q, k, v):
+            return xla_attention(q, k, v)
+    else:
+        mesh = Mesh(np.array(jax.devices()[:cp]), ("context",))
+        pos = jnp.broadcast_to(jnp.asarray(load_balance_index(s, cp), jnp.int32), (b, s))
+        spec = P(None, "context")
+
+        def attn(q, k, v):
+            return jax.shard_map(lambda q, k, v, p: CP_ATTENTIONS[name](q, k, v, p, "context", cp), mesh=mesh,
+                                 in_specs=(spec,) * 4, out_specs=spec)(q, k, v, pos)
+
+    def fwd_bwd(q, k, v, dout):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(dout)
+
+    cost = jax.jit(fwd_bwd).lower(q, k, v, dout).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["flops"] * cp  # per device under shard_map
+
+
+@pytest.mark.parametrize("name,cp", [("xla", 1), ("p2p", 2), ("p2p", 4), ("all_gather", 2), ("a2a", 2)])
+def test_executed_attention_fraction_matches_compiled_flops(name, cp):
+    """The hardware/model ratio of core attention is what XLA compiles: the whole masked
+    square for XLA, all_gather and a2a (2x Megatron's causal count), (cp + 1) / cp of it with
+    the flash-style recompute for the ring. Matmuls dominate at d = 64; the softmax's and
+    merges' elementwise work stays within 6%."""
+    b, s, nq, nkv, d = 1, 512, 4, 2, 64
+    cfg = _load("gpt_tiny.py", mock_data=True, vocab_size=512, seq_length=s, max_position_embeddings=s, num_attention_heads=nq,
+                kv_channels=d, num_query_groups=nkv, bf16=False)
+    megatron = flops.core_attention_flops(cfg, b) / cfg.num_layers
+    assert megatron == 6 * nq * d * s * s * b  # 3 passes x 2 FLOPs x (QK^T + PV) x causal half
+    predicted = flops.core_attention_executed_fraction(cfg, "xla", cp, "p2p" if name == "xla" else name)
+    measured = _compiled_attention_flops(name, cp, b, s, nq, nkv, d) / megatron
+    assert measured == pytest.approx(predicted, rel=0.06), (name, cp, measured, predicted)
+
+
+def test_executed_attention_fraction_by_path():
+    cfg = _load("gpt_tiny.py", mock_data=True, vocab_size=512, seq_length=1024, max_position_embeddings=1024, bf16=False)
+    assert flops.core_attention_executed_fraction(cfg, "cpu") == pytest.approx((1 + 64 / 1024) * 7 / 6)
+    assert flops.core_attention_executed_fraction(cfg.replace(bf16=True), "cpu") == 2.0  # the kernel is float32
+    assert flops.core_attention_executed_fraction(cfg.replace(recompute_granularity="selective"), "xla") == 2 * 8 / 6
+    assert flops.core_attention_executed_fraction(cfg, "xla", 8, "p2p") == pytest.approx(9 / 8 * 7 / 6)
+    with pytest.raises(ValueError, match="attention_impl='auto'"):
+        flops.core_attention_executed_fraction(cfg, "auto")
+    with pytest.raises(ValueError, match="cp_comm_type"):
+        flops.core_attention_executed_fraction(cfg, "xla", 2, "ring")

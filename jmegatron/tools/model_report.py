@@ -12,6 +12,8 @@ layouts jmegatron cannot train, e.g. ByteMLPerf's GPT-3 175B at tp 8 x pp 16):
   (:func:`jmegatron.training.memory.megatron_num_parameters_on_most_loaded_shard`);
 * FLOPs per iteration: Megatron's ``num_floating_point_operations`` for one global batch
   (:func:`jmegatron.training.flops.num_floating_point_operations`), per token, per device;
+  its core-attention share and what the attention path that runs executes of it (masked
+  work, flash-style recompute: :func:`jmegatron.training.flops.core_attention_executed_fraction`);
 * memory per device: :func:`jmegatron.training.memory.theoretical_memory` (float32 master
   weights, gradients, AdamW moments, activations with each recomputation choice; pipeline
   stages as Megatron's ``theoretical_memory_usage.py``) and Megatron's own weight+optimizer
@@ -70,6 +72,12 @@ def report(cfg, layout, num_microbatches: int) -> dict:
     est = memory.theoretical_memory(cfg, padded, layout, num_microbatches=num_microbatches)
     megatron_state = memory.megatron_weight_and_optimizer_memory(cfg, padded, layout)
     megatron_act = memory.megatron_activation_memory(cfg, padded, layout, num_microbatches)
+    from jmegatron.models.gpt import resolve_impls
+    impl = resolve_impls(cfg)["attention_impl"]
+    cp = layout.context_parallel_size
+    attention_path = (f"cp {cp} {cfg.cp_comm_type}" if cp > 1 else
+                      "cpu kernel" if impl == "cpu" and not cfg.bf16 else "xla")
+    attention_flops = flops.core_attention_flops(cfg, global_batch)
     return {
         "layout": layout.name, "num_devices": layout.num_devices,
         "context_parallel_size": layout.context_parallel_size,
@@ -85,6 +93,9 @@ def report(cfg, layout, num_microbatches: int) -> dict:
         "flops_per_iteration": flops_iter,
         "flops_per_token": flops_iter / (global_batch * cfg.seq_length),
         "flops_per_iteration_per_device": flops_iter / layout.num_devices,
+        "core_attention_flops": attention_flops, "attention_path": attention_path,
+        "core_attention_executed_flops": attention_flops * flops.core_attention_executed_fraction(
+            cfg, impl, cp, cfg.cp_comm_type),
         "memory": est.to_dict(),
         "megatron_memory": {"weight_and_optimizer": megatron_state, "activations": megatron_act,
                             "total": megatron_state + megatron_act},
@@ -119,6 +130,10 @@ def format_report(r: dict, config_path: str, bf16: bool, recompute: str) -> str:
         "one global batch, fwd + bwd)",
         f"  per token:           {r['flops_per_token']:.6g}",
         f"  per device:          {r['flops_per_iteration_per_device']:.6g}",
+        f"  core attention:      {r['core_attention_flops']:.6g} of them (causal); executed by the "
+        f"{r['attention_path']} attention: {r['core_attention_executed_flops']:.6g} "
+        f"({r['core_attention_executed_flops'] / r['core_attention_flops']:.3f}x, masked work and recompute; "
+        "flops.core_attention_executed_fraction)",
         f"theoretical memory per device (jmegatron, {'bf16 compute' if bf16 else 'float32'}, "
         f"fp32 state, recompute {recompute}):",
         f"  weights              {m['weights'] / GIB:10.3f} GiB",

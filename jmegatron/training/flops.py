@@ -119,6 +119,57 @@ def num_floating_point_operations(cfg: JMegatronConfig, batch_size: int, padded_
     return float(total)
 
 
+def core_attention_executed_fraction(cfg: JMegatronConfig, attention_impl: str,
+                                     context_parallel_size: int = 1, cp_comm_type: str = "p2p",
+                                     kernel_block: int = 64) -> float:
+    """Hardware FLOPs of core attention (``QK^T`` and ``PV``, forward + backward, all
+    devices together) over Megatron's causal model count (the ``seqlen_squared_sum`` term
+    of :func:`num_floating_point_operations`), for the attention path that runs.
+
+    The product of two factors:
+
+    * the share of the ``s x s`` score square computed, over the causal half ``s^2 / 2``:
+      XLA's attention (``attention_impl`` "xla" / "dot_product"), ``all_gather`` and ``a2a``
+      context parallelism compute the whole masked square: 2. The CPU kernel
+      (:mod:`jmegatron.kernels.cpu`, float32) takes queries in blocks of ``kernel_block``
+      rows, each against the keys it can see: ``1 + kernel_block / s``. The ring
+      (``cp_comm_type="p2p"``, :func:`jmegatron.parallel.context_parallel.ring_attention`)
+      computes on each of the ``cp`` ranks its local ``[2c, 2c]`` causal block whole and
+      ``cp - 1`` unmasked ``2c x c`` blocks (``c = s / 2 cp``; Transformer Engine's
+      load-balanced schedule): ``(cp + 1) / cp``.
+    * the backward's recomputation, over Megatron's 3 GEMM passes (forward, and two in the
+      backward): flash-style backwards (the CPU kernel, the ring) recompute ``QK^T``
+      (7/6); ``recompute_granularity="selective"`` reruns the XLA forward (8/6); else 1.
+
+    Megatron counts neither (its formula is model FLOPs; MFU stays comparable across
+    paths). ``attention_impl`` must be resolved ("xla", "dot_product" or "cpu";
+    :func:`jmegatron.models.gpt.resolve_impls`); the CPU kernel runs float32 only, so
+    ``cfg.bf16`` with "cpu" counts XLA's attention. Raises ValueError for another
+    ``attention_impl`` or ``cp_comm_type``, or ``context_parallel_size < 1``.
+    Checked against XLA's compiled cost analysis in tests/test_flops.py.
+    """
+    if context_parallel_size < 1:
+        raise ValueError(f"context_parallel_size={context_parallel_size} must be >= 1")
+    if attention_impl not in ("xla", "dot_product", "cpu"):
+        raise ValueError(f"attention_impl={attention_impl!r}: pass a resolved one, 'xla', 'dot_product' or 'cpu'")
+    if cp_comm_type not in ("p2p", "all_gather", "a2a"):
+        raise ValueError(f"cp_comm_type={cp_comm_type!r}: choose 'p2p', 'all_gather' or 'a2a'")
+    cp = context_parallel_size
+    if cp > 1 and cp_comm_type == "p2p":
+        return (cp + 1) / cp * 7 / 6
+    if cp > 1:
+        return 2.0
+    if attention_impl == "cpu" and not cfg.bf16:
+        return (1 + min(kernel_block, cfg.seq_length) / cfg.seq_length) * 7 / 6
+    return 2.0 * (8 / 6 if cfg.recompute_granularity == "selective" else 1.0)
+
+
+def core_attention_flops(cfg: JMegatronConfig, batch_size: int, *, causal: bool = True) -> float:
+    """Megatron's core-attention term alone (``QK^T`` and ``PV``, forward + backward) of
+    :func:`num_floating_point_operations` over ``batch_size`` full sequences: a count."""
+    return float(batch_size * cfg.seq_length ** 2 * _core_attention_flops_per_squared_token(cfg, causal))
+
+
 def flops_per_token(cfg: JMegatronConfig, padded_vocab_size: int, *, causal: bool = True) -> float:
     """Training FLOPs (forward + backward) per token of a full ``cfg.seq_length`` sequence:
     :func:`num_floating_point_operations` for one sequence divided by ``cfg.seq_length``.
