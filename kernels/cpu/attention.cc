@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -452,8 +453,9 @@ void Backward(ffi::ThreadPool& pool, const Problem& p, const float* out, const f
   // would add into the same dK and dV rows, so each task accumulates into its own [sk, d]
   // slice of `parts` and a second pass sums each group's slices.
   const bool grouped = sh.group > 1;
-  std::vector<float> parts(grouped ? 2 * sh.b * sh.nq * sh.sk * d : 0);
-  float* dk_parts = parts.data();
+  // (each task zeroes its slice: no value-initialising pass over all of them here)
+  std::unique_ptr<float[]> parts(grouped ? new float[2 * sh.b * sh.nq * sh.sk * d] : nullptr);
+  float* dk_parts = parts.get();
   float* dv_parts = grouped ? dk_parts + sh.b * sh.nq * sh.sk * d : nullptr;
   auto task = [&](int64_t t) {
     const int64_t bi = t / sh.nq, h = t % sh.nq, hk = h / sh.group;
