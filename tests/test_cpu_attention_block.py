@@ -344,3 +344,23 @@ def test_the_kernel_checks_every_buffer_by_name(bad, message):
     segs = (qp, kp) if bad == "segments_placeholder" else (none, none)
     with pytest.raises(Exception, match="jmegatron_attention_block_fwd: " + message):
         jax.block_until_ready(_raw_block_fwd(q, k, v, qp, kp, *segs, **kw))
+
+
+def test_the_whole_sequence_and_backward_kernels_check_their_new_buffers_by_name():
+    cpu.load()
+    q = rand(2, 64, 4, 8)
+    attrs = dict(scale=np.float32(1.0), dropout_rate=np.float32(0.0), keep_scale=np.float32(1.0),
+                 threshold=np.int64(0), block=np.int64(64), segments=True)
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((2, 4, 64), jnp.float32))
+    bad_segments = jnp.zeros((2, 65), jnp.int32)
+    with pytest.raises(Exception, match=r"jmegatron_attention_fwd: segment_ids must be int32\[2, 64\], got int32\[2, 65\]"):
+        jax.block_until_ready(jax.ffi.ffi_call("jmegatron_attention_fwd", shapes)(
+            q, q, q, bad_segments, jnp.zeros((3,), jnp.uint32), **attrs))
+    k = rand(2, 32, 2, 8)
+    none = jnp.zeros((0,), jnp.int32)
+    grads = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, jnp.float32),
+             jax.ShapeDtypeStruct((2, 32, 2, 9), jnp.float32))
+    with pytest.raises(Exception, match=r"jmegatron_attention_block_bwd: dv must be float32\[2, 32, 2, 8\]"):
+        jax.block_until_ready(jax.ffi.ffi_call("jmegatron_attention_block_bwd", grads)(
+            q, k, k, q, jnp.zeros((2, 64, 4)), jnp.zeros((2, 64, 4)), none, none, none, none,
+            scale=np.float32(1.0), causal=False, segments=False, block=np.int64(64)))

@@ -420,8 +420,8 @@ void Forward(ffi::ThreadPool& pool, const Problem& p, float* out, float* lse) {
       }
       return;
     }
-    std::vector<float> scratch(rows * cols);
-    float* S = scratch.data();
+    std::unique_ptr<float[]> scratch(new float[rows * cols]);  // every element is written by the sgemm
+    float* S = scratch.get();
     for (const Span& run : plan.runs) {
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, run.len, d, p.scale, Q, ldq,
                         K + run.key * ldk, ldk, 0.0f, S + run.col, cols);
