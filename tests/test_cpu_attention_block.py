@@ -160,7 +160,8 @@ DOCS = [0, 37, 90, 100, 200, 256]  # five packed documents over positions 0..255
 SEGMENT_CASES = {
     # name: (q shape, k shape, q_positions, k_positions, q_segments, k_segments); None: that mask off
     "segments_only_gqa_sq_ne_sk": ((2, 100, 4, 16), (2, 70, 2, 16), None, None,
-                                   [np.arange(100) // 30, np.arange(100) // 7], [np.arange(70) // 30, np.arange(70) // 5]),
+                                   [np.arange(100) // 30, np.arange(100) // 7],
+                                   [np.arange(70) // 30, np.arange(70) // 5]),
     "segments_causal_local_block": ((1, 128, 4, 16), (1, 128, 2, 16), [LB[0]], [LB[0]],
                                     [_documents(LB[0], DOCS)], [_documents(LB[0], DOCS)]),
     "segments_causal_earlier_block": ((1, 128, 2, 16), (1, 64, 2, 16), [LB[1]], [LB[0][:64]],
@@ -246,7 +247,8 @@ def document_attention(q, k, v, segment_ids, dropout_rate=0.0, dropout_rng=None,
     b, s, nq, d = q.shape
     nkv = k.shape[2]
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q.reshape(b, s, nkv, nq // nkv, d), k) * (1.0 / jnp.sqrt(jnp.float32(d)))
-    visible = jnp.tril(jnp.ones((s, s), jnp.bool_)) & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+    same_document = segment_ids[:, :, None] == segment_ids[:, None, :]
+    visible = jnp.tril(jnp.ones((s, s), jnp.bool_)) & same_document[:, None, None]
     probs = jax.nn.softmax(jnp.where(visible, scores, jnp.finfo(jnp.float32).min), axis=-1)
     if dropout_rate > 0.0:
         keep = keep_mask(dropout_rng, dropout_rate, probs.shape, "hash", sample_offset)
@@ -306,7 +308,8 @@ def test_python_wrappers_name_the_bad_argument():
         cpu_attention_block(q, k, v, q_segments=qp.astype(jnp.float32), k_segments=kp)
     with pytest.raises(ValueError, match=r"delta must be float32 \[2, 64, 4\]"):
         cpu_block_grads(q, k, v, q, jnp.zeros((2, 64, 4)), jnp.zeros((2, 64, 1)))
-    with pytest.raises(ValueError, match="segment_ids must be integer"):
+    with pytest.raises(ValueError, match=r"cpu_attention: segment_ids must be integer \[b, s\] = \[2, 64\], "
+                                         r"got int32\[2, 63\]"):
         cpu_attention(q, q, q, segment_ids=jnp.zeros((2, 63), jnp.int32))
     with pytest.raises(ValueError, match="q's sequence length 64"):
         cpu_attention(q, k, v)
@@ -353,7 +356,8 @@ def test_the_whole_sequence_and_backward_kernels_check_their_new_buffers_by_name
                  threshold=np.int64(0), block=np.int64(64), segments=True)
     shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((2, 4, 64), jnp.float32))
     bad_segments = jnp.zeros((2, 65), jnp.int32)
-    with pytest.raises(Exception, match=r"jmegatron_attention_fwd: segment_ids must be int32\[2, 64\], got int32\[2, 65\]"):
+    with pytest.raises(Exception, match=r"jmegatron_attention_fwd: segment_ids must be int32\[2, 64\], "
+                                        r"got int32\[2, 65\]"):
         jax.block_until_ready(jax.ffi.ffi_call("jmegatron_attention_fwd", shapes)(
             q, q, q, bad_segments, jnp.zeros((3,), jnp.uint32), **attrs))
     k = rand(2, 32, 2, 8)

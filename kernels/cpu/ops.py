@@ -172,7 +172,7 @@ def _segments_operand(segment_ids, b: int, s: int) -> Array:
     """int32 ``[b, s]`` document ids, or the kernel's int32 ``[0]`` placeholder for None."""
     if segment_ids is None:
         return jnp.zeros((0,), jnp.int32)
-    return _ids("segment_ids", segment_ids, (b, s), "[b, s] like q's batch and sequence")
+    return _ids("cpu_attention: segment_ids", segment_ids, (b, s), "[b, s]")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
