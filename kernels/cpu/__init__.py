@@ -14,7 +14,12 @@ the CPU counterpart of the cuBLAS / cuDNN custom calls JAX uses on a GPU:
 * ``jmegatron_attention_fwd`` / ``_bwd`` (``attention.cc``): causal softmax attention
   with the hash dropout of :mod:`jmegatron.models.dropout`, one (batch, head) pair per
   task, in the manner of FlashAttention's recomputation (Dao et al. 2022): only the
-  log-sum-exp is saved, the probabilities are recomputed in the backward.
+  log-sum-exp is saved, the probabilities are recomputed in the backward; optionally
+  within documents (segment ids).
+* ``jmegatron_attention_block_fwd`` / ``_bwd`` (``attention.cc``): one block of ring
+  attention (a query block against a key/value block: no mask, causal by position ids,
+  and/or same document), the log-sum-exp out of the forward and the final one into the
+  backward.
 
 Each has an XLA reference path (``matmul_impl="xla"``, ``attention_impl="xla"``) that
 the tests compare against. The C++ is compiled on first use (g++, the XLA FFI headers
@@ -45,6 +50,8 @@ TARGETS = {
     "jmegatron_grouped_sgemm_wgrad": "JmegatronGroupedSgemmWgrad",
     "jmegatron_attention_fwd": "JmegatronAttentionFwd",
     "jmegatron_attention_bwd": "JmegatronAttentionBwd",
+    "jmegatron_attention_block_fwd": "JmegatronAttentionBlockFwd",
+    "jmegatron_attention_block_bwd": "JmegatronAttentionBlockBwd",
 }
 
 # g++ flags (part of the library's cache key). -fopenmp-simd: the `#pragma omp simd` row

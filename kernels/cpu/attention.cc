@@ -1,27 +1,41 @@
-// Causal softmax attention for XLA's CPU backend as XLA FFI custom calls
-// (jmegatron_attention_fwd / jmegatron_attention_bwd).
+// Softmax attention for XLA's CPU backend as XLA FFI custom calls, float32:
 //
-// out = dropout(softmax(scale * q k^T, causal)) v per (batch, query head), float32,
-// with grouped-query heads (query head h reads key/value head h / group). The
-// reference is jmegatron.models.attention.xla_attention; the dropout mask is the same
-// counter hash as jmegatron.models.dropout.hash_bits over the probabilities' shape
-// [b, nkv, group, s, s], so both paths drop exactly the same elements.
+// * jmegatron_attention_fwd / _bwd: causal self-attention over a whole sequence, optionally
+//   within documents (segment ids: Megatron's reset_attention_mask, a block-diagonal causal
+//   mask), with attention dropout. The reference is jmegatron.models.attention.xla_attention;
+//   the dropout mask is the same counter hash as jmegatron.models.dropout.hash_bits over the
+//   probabilities' shape [b, nkv, group, s, s], so both paths drop exactly the same elements.
+// * jmegatron_attention_block_fwd / _bwd: one block of ring attention (a query block against
+//   a key/value block, sq != sk allowed), no mask, causal by position ids (an offset
+//   block of the load-balanced layout) and/or segment ids; the forward returns the block's
+//   log-sum-exp, the backward takes the final one (Transformer Engine's
+//   AttnFuncWithCPAndKVP2P). The reference is jmegatron.parallel.context_parallel's
+//   attention_block and _block_grads.
 //
 // The work follows FlashAttention (Dao et al. 2022, "FlashAttention: Fast and
-// Memory-Efficient Exact Attention with IO-Awareness"): queries in blocks of `block`
-// rows, each block only against the keys it can see (causal), softmax in registers of
-// a [block, keys] scratch, and only the log-sum-exp saved for the backward, which
-// recomputes the probabilities. The matmuls are single-threaded OpenBLAS calls with
-// the head strides as leading dimensions (no copies); the (batch, head) tasks run on
-// XLA's intra-op thread pool (parallel.h).
+// Memory-Efficient Exact Attention with IO-Awareness", Algorithms 1 and 4): queries in tiles
+// of `block` rows, each tile only against the key tiles it can see (a key tile is skipped
+// when its position / segment id ranges rule out every pair; one that every pair sees needs
+// no element mask), softmax in a [block, visible keys] scratch, and only the log-sum-exp
+// saved for the backward, which recomputes the probabilities. The visible key tiles of a
+// query tile are packed side by side into the scratch's columns; each contiguous run of them
+// is one single-threaded OpenBLAS call with the head strides as leading dimensions (no
+// copies). The tasks run on XLA's intra-op thread pool (parallel.h): (batch, head, query
+// tile) in the forward, (batch, head) in the backward.
 //
-// Layouts (row-major): q [b, s, nq, d], k and v [b, s, nkv, d], out [b, s, nq, d],
-// lse [b, nq, s]; key uint32 [3] = the hash's two key words (k0, k1) and the global
-// sample number of batch row 0 (jmegatron.models.dropout's sample_offset).
+// Layouts (row-major): q [b, sq, nq, d], k and v [b, sk, nkv, d], out [b, sq, nq, d];
+// the whole-sequence kernel's lse is [b, nq, s], the block kernel's lse and delta
+// (= sum(dout * out, -1)) are [b, sq, nq]; positions and segment ids int32 [b, sq] / [b, sk],
+// or the int32 [0] placeholder when their attribute (causal, segments) is false; key uint32
+// [3] = the hash's two key words (k0, k1) and the global sample number of batch row 0
+// (jmegatron.models.dropout's sample_offset).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "cblas.h"
@@ -31,6 +45,9 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();  // OpenBLAS's (32-bit) int
 
 #pragma omp declare simd
 inline uint32_t Triple32(uint32_t x) {
@@ -66,24 +83,183 @@ inline float ExpNeg(float x_in) {
   return x_in < -87.0f ? 0.0f : __builtin_bit_cast(float, bits);
 }
 
-struct Shape {
-  int64_t b, s, nq, nkv, d, group;
+// ---------------------------------------------------------------------------------------
+// Operand checks: a wrong buffer is an InvalidArgument error naming it, never a crash.
+
+const char* DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::PRED: return "bool";
+    default: return "another dtype";
+  }
+}
+
+std::string Describe(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
+  std::string s = std::string(DtypeName(dtype)) + "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+ffi::Error Mismatch(const char* op, const char* name, const std::string& want, const ffi::AnyBuffer& buf) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must be " + want + ", got " +
+                                     Describe(buf.element_type(), buf.dimensions()));
+}
+
+// Success when `buf` is `dtype` with dimensions `want`, else an error naming `name`.
+ffi::Error Expect(const char* op, const char* name, const ffi::AnyBuffer& buf, ffi::DataType dtype,
+                  std::vector<int64_t> want) {
+  auto dims = buf.dimensions();
+  bool ok = buf.element_type() == dtype && dims.size() == want.size();
+  for (size_t i = 0; ok && i < want.size(); ++i) ok = dims[i] == want[i];
+  if (ok) return ffi::Error::Success();
+  return Mismatch(op, name, Describe(dtype, ffi::Span<const int64_t>(want.data(), want.size())), buf);
+}
+
+// Position or segment ids: int32 [b, n] when `on`, else the int32 [0] placeholder.
+ffi::Error ExpectIds(const char* op, const char* name, const ffi::AnyBuffer& buf, bool on, int64_t b, int64_t n) {
+  if (on) return Expect(op, name, buf, ffi::DataType::S32, {b, n});
+  if (buf.element_type() == ffi::DataType::S32 && buf.element_count() == 0) return ffi::Error::Success();
+  return Mismatch(op, name, "the empty int32[0] placeholder (its attribute is false)", buf);
+}
+
+struct Dims {
+  int64_t b, sq, sk, nq, nkv, d, group;
 };
 
-ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
-                       const ffi::Buffer<ffi::F32>& v, Shape* out) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
-    return ffi::Error::InvalidArgument("jmegatron_attention: q, k, v must be [b, s, heads, d]");
+// q [b, sq, nq, d], k and v [b, sk, nkv, d], float32, nq a multiple of nkv; every size a
+// BLAS call sees fits OpenBLAS's int.
+ffi::Error CheckQKV(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                    Dims* out) {
+  if (q.element_type() != ffi::DataType::F32 || q.dimensions().size() != 4) {
+    return Mismatch(op, "q", "float32[b, sq, nq, d]", q);
   }
-  Shape sh{qd[0], qd[1], qd[2], kd[2], qd[3], 0};
-  if (kd[0] != sh.b || kd[1] != sh.s || kd[3] != sh.d || vd[0] != sh.b || vd[1] != sh.s ||
-      vd[2] != sh.nkv || vd[3] != sh.d || sh.nkv == 0 || sh.nq % sh.nkv != 0) {
-    return ffi::Error::InvalidArgument("jmegatron_attention: k/v shapes do not match q");
+  auto qd = q.dimensions();
+  Dims sh{qd[0], qd[1], 0, qd[2], 0, qd[3], 0};
+  auto kd = k.dimensions();
+  if (k.element_type() != ffi::DataType::F32 || kd.size() != 4 || kd[0] != sh.b || kd[3] != sh.d ||
+      kd[2] == 0 || sh.nq % kd[2] != 0) {
+    return Mismatch(op, "k", "float32[b=" + std::to_string(sh.b) + ", sk, nkv, d=" + std::to_string(sh.d) +
+                                 "] with nkv dividing q's " + std::to_string(sh.nq) + " heads",
+                    k);
   }
+  sh.sk = kd[1];
+  sh.nkv = kd[2];
   sh.group = sh.nq / sh.nkv;
+  if (auto err = Expect(op, "v", v, ffi::DataType::F32, {sh.b, sh.sk, sh.nkv, sh.d}); err.failure()) return err;
+  if (std::max({sh.sq, sh.sk, sh.nq * sh.d}) > kIntMax) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": sequence lengths and heads x head_dim must be below 2^31 "
+                                       "(OpenBLAS's int); split the batch or the sequence");
+  }
   *out = sh;
   return ffi::Error::Success();
+}
+
+ffi::Error CheckBlock(const char* op, int64_t block) {
+  if (block >= 1 && block <= kIntMax) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(op) + ": block must be in [1, 2^31), got " + std::to_string(block));
+}
+
+// ---------------------------------------------------------------------------------------
+// Masks: query i sees key j iff (no positions or q_pos[i] >= k_pos[j]) and (no segments or
+// q_seg[i] == k_seg[j]); a null pointer turns its test off.
+
+struct MaskRow {  // one batch row's ids
+  const int32_t* q_pos;
+  const int32_t* k_pos;
+  const int32_t* q_seg;
+  const int32_t* k_seg;
+};
+
+struct MaskIds {  // the whole batch's: row bi starts at bi * stride (0: shared by all rows)
+  const int32_t* q_pos = nullptr;
+  const int32_t* k_pos = nullptr;
+  const int32_t* q_seg = nullptr;
+  const int32_t* k_seg = nullptr;
+  int64_t q_pos_stride = 0, k_pos_stride = 0, q_seg_stride = 0, k_seg_stride = 0;
+  MaskRow Row(int64_t bi) const {
+    return {q_pos ? q_pos + bi * q_pos_stride : nullptr, k_pos ? k_pos + bi * k_pos_stride : nullptr,
+            q_seg ? q_seg + bi * q_seg_stride : nullptr, k_seg ? k_seg + bi * k_seg_stride : nullptr};
+  }
+};
+
+struct IdRange {  // the smallest and largest position and segment id of a tile
+  int32_t pos_lo, pos_hi, seg_lo, seg_hi;
+};
+
+IdRange RangeOf(const int32_t* pos, const int32_t* seg, int64_t start, int64_t n) {
+  IdRange r{std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min(),
+            std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min()};
+  for (int64_t i = start; i < start + n; ++i) {
+    if (pos) r.pos_lo = std::min(r.pos_lo, pos[i]), r.pos_hi = std::max(r.pos_hi, pos[i]);
+    if (seg) r.seg_lo = std::min(r.seg_lo, seg[i]), r.seg_hi = std::max(r.seg_hi, seg[i]);
+  }
+  return r;
+}
+
+struct Span {  // keys [key, key + len) stored in scratch columns [col, col + len)
+  int64_t key, len, col;
+};
+
+// The key tiles a query tile computes with: `runs`, contiguous visible key ranges packed
+// into `cols` scratch columns; `masked`, the visible tiles some of whose pairs are masked.
+struct Plan {
+  std::vector<Span> runs, masked;
+  int64_t cols = 0;
+};
+
+void PlanKeys(const MaskRow& m, const IdRange& qr, const IdRange* key_tiles, int64_t sk, int64_t tile, Plan* plan) {
+  plan->runs.clear();
+  plan->masked.clear();
+  plan->cols = 0;
+  const bool causal = m.q_pos != nullptr, segments = m.q_seg != nullptr;
+  for (int64_t t = 0, key = 0; key < sk; ++t, key += tile) {
+    const IdRange& kr = key_tiles[t];
+    if (causal && kr.pos_lo > qr.pos_hi) continue;                                  // every key is later
+    if (segments && (kr.seg_lo > qr.seg_hi || kr.seg_hi < qr.seg_lo)) continue;     // no shared segment
+    const int64_t len = std::min(tile, sk - key);
+    const bool whole = (!causal || kr.pos_hi <= qr.pos_lo) &&
+                       (!segments || (kr.seg_lo == kr.seg_hi && qr.seg_lo == qr.seg_hi && kr.seg_lo == qr.seg_lo));
+    if (!whole) plan->masked.push_back({key, len, plan->cols});
+    if (!plan->runs.empty() && plan->runs.back().key + plan->runs.back().len == key) {
+      plan->runs.back().len += len;
+    } else {
+      plan->runs.push_back({key, len, plan->cols});
+    }
+    plan->cols += len;
+  }
+}
+
+// Row kernels over one query row's packed scores; the loops vectorise (#pragma omp simd,
+// -fopenmp-simd: reductions without -ffast-math's other licences).
+
+// Scores of the keys query `qi` does not see <- -inf.
+inline void MaskScores(float* __restrict row, const Plan& plan, const MaskRow& m, int64_t qi) {
+  for (const Span& t : plan.masked) {
+    float* __restrict r = row + t.col;
+    if (m.q_pos && m.q_seg) {
+      const int32_t qp = m.q_pos[qi], qs = m.q_seg[qi];
+      const int32_t* kp = m.k_pos + t.key;
+      const int32_t* ks = m.k_seg + t.key;
+#pragma omp simd
+      for (int64_t j = 0; j < t.len; ++j) r[j] = ((qp >= kp[j]) & (qs == ks[j])) ? r[j] : kNegInf;
+    } else if (m.q_pos) {
+      const int32_t qp = m.q_pos[qi];
+      const int32_t* kp = m.k_pos + t.key;
+#pragma omp simd
+      for (int64_t j = 0; j < t.len; ++j) r[j] = qp >= kp[j] ? r[j] : kNegInf;
+    } else {
+      const int32_t qs = m.q_seg[qi];
+      const int32_t* ks = m.k_seg + t.key;
+#pragma omp simd
+      for (int64_t j = 0; j < t.len; ++j) r[j] = qs == ks[j] ? r[j] : kNegInf;
+    }
+  }
 }
 
 struct Dropout {
@@ -92,23 +268,43 @@ struct Dropout {
   uint32_t k0, k1, sample_offset;
   float keep_scale;  // float32(1 - rate), from Python; applied as a division, as the XLA path
   bool on() const { return rate > 0.0f; }
-  // The mask bit of element j of a row is Triple32(lead ^ (rest + j) ^ k1) >= threshold,
+  // The mask bit of key j of a row is Triple32(lead ^ (rest + j) ^ k1) >= threshold,
   // lead = Triple32((sample_offset + batch) ^ k0) (the global sample number, mod 2^32) and
-  // rest = (h * s + qi) * s mod 2^32, the row-major index over [nkv, group, s, s]
+  // rest = (h * sq + qi) * sk mod 2^32, the row-major index over [nkv, group, sq, sk]
   // (jmegatron.models.dropout.hash_bits).
   uint32_t Lead(int64_t batch) const { return Triple32((sample_offset + static_cast<uint32_t>(batch)) ^ k0); }
 };
 
-// Row kernels over the n <= cols visible keys of one query row; the loops vectorise
-// (#pragma omp simd, -fopenmp-simd: reductions without -ffast-math's other licences).
+const Dropout kNoDropout{0.0f, 0, 0, 0, 0, 1.0f};
 
-// row[0:n) <- softmax(row[0:n)) with the dropout of row `rest`, row[n:cols) <- 0; returns
-// the log-sum-exp.
-inline float SoftmaxDropoutRow(float* __restrict row, int64_t n, int64_t cols, const Dropout& drop,
-                               uint32_t lead, uint32_t rest) {
-  float m = row[0];
+// x[j] <- keep(j) ? p(j) / keep_scale : 0 for the keys of `runs`, p(j) = x[j] * inv or x[j].
+inline void DropRow(float* out, const float* probs, const Plan& plan, const Dropout& drop,
+                    uint32_t lead, uint32_t rest) {
+  const uint32_t k1 = drop.k1, threshold = drop.threshold;
+  const float ks = drop.keep_scale;
+  for (const Span& r : plan.runs) {
+    const uint32_t base = rest + static_cast<uint32_t>(r.key);
+    float* o = out + r.col;  // may be probs itself (in place)
+    const float* p = probs + r.col;
+#pragma omp simd
+    for (int64_t j = 0; j < r.len; ++j) {
+      const bool keep = Triple32(lead ^ (base + static_cast<uint32_t>(j)) ^ k1) >= threshold;
+      o[j] = keep ? p[j] / ks : 0.0f;
+    }
+  }
+}
+
+// row <- softmax(row) (masked keys -inf -> 0), then the dropout of row `rest`; returns the
+// log-sum-exp, -inf (and a zero row) when the row sees no key.
+inline float SoftmaxRow(float* __restrict row, const Plan& plan, const Dropout& drop, uint32_t lead, uint32_t rest) {
+  const int64_t n = plan.cols;
+  float m = kNegInf;
 #pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < n; ++j) m = row[j] > m ? row[j] : m;
+  if (m == kNegInf) {
+    std::fill(row, row + n, 0.0f);
+    return kNegInf;
+  }
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
@@ -116,54 +312,47 @@ inline float SoftmaxDropoutRow(float* __restrict row, int64_t n, int64_t cols, c
     row[j] = e;
     sum += e;
   }
-  if (drop.on()) {
-    const uint32_t k1 = drop.k1, threshold = drop.threshold;
-    const float ks = drop.keep_scale;
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = row[j] / sum;
-      const bool keep = Triple32(lead ^ (rest + static_cast<uint32_t>(j)) ^ k1) >= threshold;
-      row[j] = keep ? p / ks : 0.0f;
-    }
-  } else {
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) row[j] = row[j] / sum;
-  }
-  for (int64_t j = n; j < cols; ++j) row[j] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) row[j] = row[j] / sum;
+  if (drop.on()) DropRow(row, row, plan, drop, lead, rest);
   return m + std::log(sum);
 }
 
-// Backward, first half: row <- P = exp(row - lse) (0 past n); dropped <- P with dropout.
-inline void ProbsRow(float* __restrict row, float* __restrict dropped, int64_t n, int64_t cols, float lse,
+// Backward, first half: row <- P = exp(row - lse) (0 for masked keys, and the whole row
+// when lse = -inf: the query sees no key at all); dropped <- P with dropout.
+inline void ProbsRow(float* __restrict row, float* __restrict dropped, const Plan& plan, float lse,
                      const Dropout& drop, uint32_t lead, uint32_t rest) {
+  const int64_t n = plan.cols;
+  if (lse == kNegInf) {
+    std::fill(row, row + n, 0.0f);
+    if (drop.on()) std::fill(dropped, dropped + n, 0.0f);
+    return;
+  }
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) row[j] = ExpNeg(row[j] - lse);
-  for (int64_t j = n; j < cols; ++j) row[j] = 0.0f;
-  if (!drop.on()) return;
-  const uint32_t k1 = drop.k1, threshold = drop.threshold;
-  const float ks = drop.keep_scale;
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const bool keep = Triple32(lead ^ (rest + static_cast<uint32_t>(j)) ^ k1) >= threshold;
-    dropped[j] = keep ? row[j] / ks : 0.0f;
-  }
-  for (int64_t j = n; j < cols; ++j) dropped[j] = 0.0f;
+  if (drop.on()) DropRow(dropped, row, plan, drop, lead, rest);
 }
 
 // Backward, second half: row <- dS = P * (dP - D), dP the gradient of the undropped
 // probabilities (grad of the dropped ones through the mask).
-inline void SoftmaxGradRow(float* __restrict row, const float* __restrict grad, int64_t n, float dr,
+inline void SoftmaxGradRow(float* __restrict row, const float* __restrict grad, const Plan& plan, float dr,
                            const Dropout& drop, uint32_t lead, uint32_t rest) {
   if (drop.on()) {
     const uint32_t k1 = drop.k1, threshold = drop.threshold;
     const float ks = drop.keep_scale;
+    for (const Span& r : plan.runs) {
+      const uint32_t base = rest + static_cast<uint32_t>(r.key);
+      float* __restrict x = row + r.col;
+      const float* __restrict g = grad + r.col;
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      const bool keep = Triple32(lead ^ (rest + static_cast<uint32_t>(j)) ^ k1) >= threshold;
-      const float gp = keep ? grad[j] / ks : 0.0f;
-      row[j] = row[j] * (gp - dr);
+      for (int64_t j = 0; j < r.len; ++j) {
+        const bool keep = Triple32(lead ^ (base + static_cast<uint32_t>(j)) ^ k1) >= threshold;
+        const float gp = keep ? g[j] / ks : 0.0f;
+        x[j] = x[j] * (gp - dr);
+      }
     }
   } else {
+    const int64_t n = plan.cols;
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) row[j] = row[j] * (grad[j] - dr);
   }
@@ -176,133 +365,162 @@ inline float Dot(const float* __restrict a, const float* __restrict b, int64_t d
   return acc;
 }
 
-ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::U32> key,
-                        ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
-                        float scale, float dropout_rate, float keep_scale, int64_t threshold, int64_t block) {
-  Shape sh;
-  if (auto err = CheckShapes(q, k, v, &sh); err.failure()) return err;
-  if (key.element_count() != 3) {
-    return ffi::Error::InvalidArgument("jmegatron_attention: key must be uint32[3] (k0, k1, sample_offset)");
-  }
-  const uint32_t* kw = key.typed_data();
-  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], kw[2], keep_scale};
-  const float* pq = q.typed_data();
-  const float* pk = k.typed_data();
-  const float* pv = v.typed_data();
-  float* po = out->typed_data();
-  float* pl = lse->typed_data();
-  const int64_t s = sh.s, d = sh.d, ldq = sh.nq * d, ldk = sh.nkv * d;
-  const int64_t bq = std::max<int64_t>(1, std::min(block, s));
+// ---------------------------------------------------------------------------------------
+// The tiled forward and backward shared by both kernels.
 
-  auto task = [&](int64_t t) {
-    const int64_t bi = t / sh.nq, h = t % sh.nq, hk = h / sh.group;
-    const float* Q = pq + bi * s * ldq + h * d;
-    const float* K = pk + bi * s * ldk + hk * d;
-    const float* V = pv + bi * s * ldk + hk * d;
-    float* O = po + bi * s * ldq + h * d;
-    float* L = pl + (bi * sh.nq + h) * s;
-    const uint32_t lead = drop.Lead(bi);
-    std::vector<float> scratch(bq * s);
-    float* S = scratch.data();
-    for (int64_t q0 = 0; q0 < s; q0 += bq) {
-      const int64_t rows = std::min(bq, s - q0), cols = q0 + rows;
-      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, d, scale, Q + q0 * ldq, ldq, K,
-                        ldk, 0.0f, S, cols);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t qi = q0 + r;
-        L[qi] = SoftmaxDropoutRow(S + r * cols, qi + 1, cols, drop, lead, static_cast<uint32_t>((h * s + qi) * s));
-      }
-      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, cols, 1.0f, S, cols, V, ldk, 0.0f,
-                        O + q0 * ldq, ldq);
+struct Problem {
+  Dims dims;
+  const float* q;
+  const float* k;
+  const float* v;
+  MaskIds mask;
+  float scale;
+  Dropout drop;
+  int64_t tile;
+  // element (batch, head, query) of lse (and the block kernel's delta) is at
+  // batch * lse_batch + head * lse_head + query * lse_row
+  int64_t lse_batch, lse_head, lse_row;
+  uint32_t DropRow(int64_t h, int64_t qi) const { return static_cast<uint32_t>((h * dims.sq + qi) * dims.sk); }
+};
+
+// [b, ceil(sk / tile)]: the id ranges of every key tile.
+std::vector<IdRange> KeyTiles(const Problem& p) {
+  const int64_t n = (p.dims.sk + p.tile - 1) / p.tile;
+  std::vector<IdRange> out(p.dims.b * n);
+  for (int64_t bi = 0; bi < p.dims.b; ++bi) {
+    const MaskRow m = p.mask.Row(bi);
+    for (int64_t t = 0; t < n; ++t) {
+      out[bi * n + t] = RangeOf(m.k_pos, m.k_seg, t * p.tile, std::min(p.tile, p.dims.sk - t * p.tile));
     }
-  };
-  jmegatron::ParallelFor(pool, sh.b * sh.nq, task);
-  return ffi::Error::Success();
+  }
+  return out;
 }
 
-ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> dout,
-                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::U32> key,
-                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                        ffi::ResultBuffer<ffi::F32> dv, float scale, float dropout_rate, float keep_scale,
-                        int64_t threshold, int64_t block) {
-  Shape sh;
-  if (auto err = CheckShapes(q, k, v, &sh); err.failure()) return err;
-  if (key.element_count() != 3) {
-    return ffi::Error::InvalidArgument("jmegatron_attention: key must be uint32[3] (k0, k1, sample_offset)");
-  }
-  const uint32_t* kw = key.typed_data();
-  const Dropout drop{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], kw[2], keep_scale};
-  const float* pq = q.typed_data();
-  const float* pk = k.typed_data();
-  const float* pv = v.typed_data();
-  const float* po = out.typed_data();
-  const float* pdo = dout.typed_data();
-  const float* pl = lse.typed_data();
-  float* pdq = dq->typed_data();
-  float* pdk = dk->typed_data();
-  float* pdv = dv->typed_data();
-  const int64_t s = sh.s, d = sh.d, ldq = sh.nq * d, ldk = sh.nkv * d;
-  const int64_t bq = std::max<int64_t>(1, std::min(block, s));
+void Forward(ffi::ThreadPool& pool, const Problem& p, float* out, float* lse) {
+  const Dims& sh = p.dims;
+  const int64_t d = sh.d, ldq = sh.nq * d, ldk = sh.nkv * d, tile = p.tile;
+  const int64_t q_tiles = (sh.sq + tile - 1) / tile, k_tiles = (sh.sk + tile - 1) / tile;
+  const std::vector<IdRange> key_tiles = KeyTiles(p);
+  auto task = [&](int64_t t) {
+    const int64_t qt = t % q_tiles, bi = t / q_tiles / sh.nq, h = t / q_tiles % sh.nq, hk = h / sh.group;
+    const int64_t q0 = qt * tile, rows = std::min(tile, sh.sq - q0);
+    const MaskRow m = p.mask.Row(bi);
+    Plan plan;
+    PlanKeys(m, RangeOf(m.q_pos, m.q_seg, q0, rows), key_tiles.data() + bi * k_tiles, sh.sk, tile, &plan);
+    const float* Q = p.q + (bi * sh.sq + q0) * ldq + h * d;
+    const float* K = p.k + bi * sh.sk * ldk + hk * d;
+    const float* V = p.v + bi * sh.sk * ldk + hk * d;
+    float* O = out + (bi * sh.sq + q0) * ldq + h * d;
+    float* L = lse + bi * p.lse_batch + h * p.lse_head + q0 * p.lse_row;
+    const int64_t cols = plan.cols;
+    if (cols == 0) {  // no key of this block is visible to any query of the tile
+      for (int64_t r = 0; r < rows; ++r) {
+        std::fill(O + r * ldq, O + r * ldq + d, 0.0f);
+        L[r * p.lse_row] = kNegInf;
+      }
+      return;
+    }
+    std::unique_ptr<float[]> scratch(new float[rows * cols]);  // every element is written by the sgemm
+    float* S = scratch.get();
+    for (const Span& run : plan.runs) {
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, run.len, d, p.scale, Q, ldq,
+                        K + run.key * ldk, ldk, 0.0f, S + run.col, cols);
+    }
+    const uint32_t lead = p.drop.on() ? p.drop.Lead(bi) : 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      MaskScores(S + r * cols, plan, m, q0 + r);
+      L[r * p.lse_row] = SoftmaxRow(S + r * cols, plan, p.drop, lead, p.DropRow(h, q0 + r));
+    }
+    float beta = 0.0f;
+    for (const Span& run : plan.runs) {
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, run.len, 1.0f, S + run.col, cols,
+                        V + run.key * ldk, ldk, beta, O, ldq);
+      beta = 1.0f;
+    }
+  };
+  jmegatron::ParallelFor(pool, sh.b * sh.nq * q_tiles, task);
+}
 
-  // One task per (batch, query head), as the forward. With grouped-query heads the query
-  // heads of a group would add into the same dK and dV rows, so each task accumulates into
-  // its own [s, d] slice of `parts` and a second pass sums each group's slices.
+// Gradients of one problem. D = rowsum(dO * O) comes from `delta` (lse's layout) when given,
+// else from `out`.
+void Backward(ffi::ThreadPool& pool, const Problem& p, const float* out, const float* dout, const float* lse,
+              const float* delta, float* dq, float* dk, float* dv) {
+  const Dims& sh = p.dims;
+  const int64_t d = sh.d, ldq = sh.nq * d, ldk = sh.nkv * d, tile = p.tile;
+  const int64_t q_tiles = (sh.sq + tile - 1) / tile, k_tiles = (sh.sk + tile - 1) / tile;
+  const std::vector<IdRange> key_tiles = KeyTiles(p);
+  // One task per (batch, query head). With grouped-query heads the query heads of a group
+  // would add into the same dK and dV rows, so each task accumulates into its own [sk, d]
+  // slice of `parts` and a second pass sums each group's slices.
   const bool grouped = sh.group > 1;
-  std::vector<float> parts(grouped ? 2 * sh.b * sh.nq * s * d : 0);
-  float* dk_parts = parts.data();
-  float* dv_parts = grouped ? dk_parts + sh.b * sh.nq * s * d : nullptr;
+  // (each task zeroes its slice: no value-initialising pass over all of them here)
+  std::unique_ptr<float[]> parts(grouped ? new float[2 * sh.b * sh.nq * sh.sk * d] : nullptr);
+  float* dk_parts = parts.get();
+  float* dv_parts = grouped ? dk_parts + sh.b * sh.nq * sh.sk * d : nullptr;
   auto task = [&](int64_t t) {
     const int64_t bi = t / sh.nq, h = t % sh.nq, hk = h / sh.group;
-    const float* K = pk + bi * s * ldk + hk * d;
-    const float* V = pv + bi * s * ldk + hk * d;
+    const float* K = p.k + bi * sh.sk * ldk + hk * d;
+    const float* V = p.v + bi * sh.sk * ldk + hk * d;
     const int64_t ldacc = grouped ? d : ldk;
-    float* dK = grouped ? dk_parts + t * s * d : pdk + bi * s * ldk + hk * d;
-    float* dV = grouped ? dv_parts + t * s * d : pdv + bi * s * ldk + hk * d;
-    for (int64_t i = 0; i < s; ++i) {
+    float* dK = grouped ? dk_parts + t * sh.sk * d : dk + bi * sh.sk * ldk + hk * d;
+    float* dV = grouped ? dv_parts + t * sh.sk * d : dv + bi * sh.sk * ldk + hk * d;
+    for (int64_t i = 0; i < sh.sk; ++i) {
       std::fill(dK + i * ldacc, dK + i * ldacc + d, 0.0f);
       std::fill(dV + i * ldacc, dV + i * ldacc + d, 0.0f);
     }
-    const uint32_t lead = drop.Lead(bi);
-    std::vector<float> scratch(3 * bq * s + bq);
-    float* P = scratch.data();          // probabilities, then dS
-    float* Pd = P + bq * s;             // dropped probabilities
-    float* dP = Pd + bq * s;            // gradient of the dropped probabilities
-    float* D = dP + bq * s;             // rowsum(dO * O)
-    {
-      const float* Q = pq + bi * s * ldq + h * d;
-      const float* O = po + bi * s * ldq + h * d;
-      const float* dO = pdo + bi * s * ldq + h * d;
-      float* dQ = pdq + bi * s * ldq + h * d;
-      const float* L = pl + (bi * sh.nq + h) * s;
-      for (int64_t q0 = 0; q0 < s; q0 += bq) {
-        const int64_t rows = std::min(bq, s - q0), cols = q0 + rows;
-        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, d, scale, Q + q0 * ldq, ldq, K,
-                          ldk, 0.0f, P, cols);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t qi = q0 + r;
-          ProbsRow(P + r * cols, Pd + r * cols, qi + 1, cols, L[qi], drop, lead,
-                   static_cast<uint32_t>((h * s + qi) * s));
-          D[r] = Dot(O + qi * ldq, dO + qi * ldq, d);
-        }
-        const float* probs = drop.on() ? Pd : P;
-        // dV[:cols] += Pd^T dO_blk
-        scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, d, rows, 1.0f, probs, cols,
-                          dO + q0 * ldq, ldq, 1.0f, dV, ldacc);
-        // dPd = dO_blk V[:cols]^T
-        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, d, 1.0f, dO + q0 * ldq, ldq, V,
-                          ldk, 0.0f, dP, cols);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t qi = q0 + r;
-          SoftmaxGradRow(P + r * cols, dP + r * cols, qi + 1, D[r], drop, lead,
-                         static_cast<uint32_t>((h * s + qi) * s));
-        }
-        // dQ_blk = scale dS K[:cols];  dK[:cols] += scale dS^T Q_blk
-        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, cols, scale, P, cols, K, ldk, 0.0f,
-                          dQ + q0 * ldq, ldq);
-        scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, d, rows, scale, P, cols, Q + q0 * ldq,
-                          ldq, 1.0f, dK, ldacc);
+    const MaskRow m = p.mask.Row(bi);
+    const uint32_t lead = p.drop.on() ? p.drop.Lead(bi) : 0;
+    const int64_t width = std::min(tile, sh.sq) * sh.sk;
+    std::vector<float> scratch((p.drop.on() ? 3 : 2) * width + tile);
+    Plan plan;
+    for (int64_t qt = 0; qt < q_tiles; ++qt) {
+      const int64_t q0 = qt * tile, rows = std::min(tile, sh.sq - q0);
+      PlanKeys(m, RangeOf(m.q_pos, m.q_seg, q0, rows), key_tiles.data() + bi * k_tiles, sh.sk, tile, &plan);
+      const int64_t cols = plan.cols;
+      const int64_t row0 = (bi * sh.sq + q0) * ldq + h * d;
+      const float* Q = p.q + row0;
+      const float* dO = dout + row0;
+      float* dQ = dq + row0;
+      if (cols == 0) {
+        for (int64_t r = 0; r < rows; ++r) std::fill(dQ + r * ldq, dQ + r * ldq + d, 0.0f);
+        continue;
+      }
+      float* P = scratch.data();                    // probabilities, then dS
+      float* dP = P + rows * cols;                  // gradient of the (dropped) probabilities
+      float* D = dP + rows * cols;                  // rowsum(dO * O)
+      float* Pd = p.drop.on() ? D + tile : nullptr;  // dropped probabilities
+      const float* L = lse + bi * p.lse_batch + h * p.lse_head + q0 * p.lse_row;
+      for (const Span& run : plan.runs) {
+        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, run.len, d, p.scale, Q, ldq,
+                          K + run.key * ldk, ldk, 0.0f, P + run.col, cols);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t qi = q0 + r;
+        MaskScores(P + r * cols, plan, m, qi);
+        ProbsRow(P + r * cols, Pd ? Pd + r * cols : nullptr, plan, L[r * p.lse_row], p.drop, lead,
+                 p.DropRow(h, qi));
+        D[r] = delta ? delta[bi * p.lse_batch + h * p.lse_head + qi * p.lse_row]
+                     : Dot(out + row0 + r * ldq, dO + r * ldq, d);
+      }
+      const float* probs = Pd ? Pd : P;
+      for (const Span& run : plan.runs) {
+        // dV[run] += Pd[:, run]^T dO_tile;  dP[:, run] = dO_tile V[run]^T
+        scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, run.len, d, rows, 1.0f, probs + run.col, cols,
+                          dO, ldq, 1.0f, dV + run.key * ldacc, ldacc);
+        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, run.len, d, 1.0f, dO, ldq,
+                          V + run.key * ldk, ldk, 0.0f, dP + run.col, cols);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        SoftmaxGradRow(P + r * cols, dP + r * cols, plan, D[r], p.drop, lead, p.DropRow(h, q0 + r));
+      }
+      float beta = 0.0f;
+      for (const Span& run : plan.runs) {
+        // dQ_tile = scale sum_runs dS[:, run] K[run];  dK[run] += scale dS[:, run]^T Q_tile
+        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, run.len, p.scale, P + run.col, cols,
+                          K + run.key * ldk, ldk, beta, dQ, ldq);
+        scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, run.len, d, rows, p.scale, P + run.col, cols, Q,
+                          ldq, 1.0f, dK + run.key * ldacc, ldacc);
+        beta = 1.0f;
       }
     }
   };
@@ -311,14 +529,14 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     auto reduce = [&](int64_t t) {
       const int64_t bi = t / sh.nkv, hk = t % sh.nkv;
       const int64_t first = bi * sh.nq + hk * sh.group;
-      for (int64_t i = 0; i < s; ++i) {
-        float* dk_row = pdk + (bi * s + i) * ldk + hk * d;
-        float* dv_row = pdv + (bi * s + i) * ldk + hk * d;
+      for (int64_t i = 0; i < sh.sk; ++i) {
+        float* dk_row = dk + (bi * sh.sk + i) * ldk + hk * d;
+        float* dv_row = dv + (bi * sh.sk + i) * ldk + hk * d;
         std::fill(dk_row, dk_row + d, 0.0f);
         std::fill(dv_row, dv_row + d, 0.0f);
         for (int64_t g = 0; g < sh.group; ++g) {
-          const float* pk_row = dk_parts + ((first + g) * s + i) * d;
-          const float* pv_row = dv_parts + ((first + g) * s + i) * d;
+          const float* pk_row = dk_parts + ((first + g) * sh.sk + i) * d;
+          const float* pv_row = dv_parts + ((first + g) * sh.sk + i) * d;
 #pragma omp simd
           for (int64_t c = 0; c < d; ++c) {
             dk_row[c] += pk_row[c];
@@ -329,6 +547,182 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     };
     jmegatron::ParallelFor(pool, sh.b * sh.nkv, reduce);
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// jmegatron_attention_fwd / _bwd: causal (and optionally same-document) self-attention.
+
+constexpr char kFwd[] = "jmegatron_attention_fwd";
+constexpr char kBwd[] = "jmegatron_attention_bwd";
+
+// Checks the whole-sequence kernel's q, k, v, segment ids and dropout key; fills `p` (its
+// causal mask reads `iota`, the positions 0..s-1 shared by all rows).
+ffi::Error SequenceProblem(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                           const ffi::AnyBuffer& v, const ffi::AnyBuffer& segment_ids, const ffi::AnyBuffer& key,
+                           bool segments, float scale, float dropout_rate, float keep_scale, int64_t threshold,
+                           int64_t block, std::vector<int32_t>* iota, Problem* p) {
+  if (auto err = CheckQKV(op, q, k, v, &p->dims); err.failure()) return err;
+  const Dims& sh = p->dims;
+  if (sh.sk != sh.sq) {
+    return Mismatch(op, "k", "float32[b, s=" + std::to_string(sh.sq) + ", nkv, d] (q's sequence length)", k);
+  }
+  if (auto err = ExpectIds(op, "segment_ids", segment_ids, segments, sh.b, sh.sq); err.failure()) return err;
+  if (auto err = Expect(op, "key", key, ffi::DataType::U32, {3}); err.failure()) return err;
+  if (auto err = CheckBlock(op, block); err.failure()) return err;
+  iota->resize(sh.sq);
+  for (int64_t i = 0; i < sh.sq; ++i) (*iota)[i] = static_cast<int32_t>(i);
+  p->q = q.typed_data<float>();
+  p->k = k.typed_data<float>();
+  p->v = v.typed_data<float>();
+  p->mask.q_pos = p->mask.k_pos = iota->data();
+  if (segments) {
+    p->mask.q_seg = p->mask.k_seg = segment_ids.typed_data<int32_t>();
+    p->mask.q_seg_stride = p->mask.k_seg_stride = sh.sq;
+  }
+  const uint32_t* kw = key.typed_data<uint32_t>();
+  p->scale = scale;
+  p->drop = Dropout{dropout_rate, static_cast<uint32_t>(threshold), kw[0], kw[1], kw[2], keep_scale};
+  p->tile = block;
+  p->lse_batch = sh.nq * sh.sq;  // lse [b, nq, s]
+  p->lse_head = sh.sq;
+  p->lse_row = 1;
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer segment_ids, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> lse, float scale, float dropout_rate, float keep_scale,
+                        int64_t threshold, int64_t block, bool segments) {
+  Problem p;
+  std::vector<int32_t> iota;
+  if (auto err = SequenceProblem(kFwd, q, k, v, segment_ids, key, segments, scale, dropout_rate, keep_scale,
+                                 threshold, block, &iota, &p);
+      err.failure()) {
+    return err;
+  }
+  const Dims& sh = p.dims;
+  if (auto err = Expect(kFwd, "out", *out, ffi::DataType::F32, {sh.b, sh.sq, sh.nq, sh.d}); err.failure()) return err;
+  if (auto err = Expect(kFwd, "lse", *lse, ffi::DataType::F32, {sh.b, sh.nq, sh.sq}); err.failure()) return err;
+  Forward(pool, p, out->typed_data<float>(), lse->typed_data<float>());
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer segment_ids,
+                        ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, float scale, float dropout_rate, float keep_scale,
+                        int64_t threshold, int64_t block, bool segments) {
+  Problem p;
+  std::vector<int32_t> iota;
+  if (auto err = SequenceProblem(kBwd, q, k, v, segment_ids, key, segments, scale, dropout_rate, keep_scale,
+                                 threshold, block, &iota, &p);
+      err.failure()) {
+    return err;
+  }
+  const Dims& sh = p.dims;
+  const std::vector<int64_t> q_shape{sh.b, sh.sq, sh.nq, sh.d}, k_shape{sh.b, sh.sk, sh.nkv, sh.d};
+  const std::pair<const char*, const ffi::AnyBuffer*> checks[] = {{"out", &out}, {"dout", &dout}, {"dq", &*dq}};
+  for (const auto& [name, buf] : checks) {
+    if (auto err = Expect(kBwd, name, *buf, ffi::DataType::F32, q_shape); err.failure()) return err;
+  }
+  if (auto err = Expect(kBwd, "lse", lse, ffi::DataType::F32, {sh.b, sh.nq, sh.sq}); err.failure()) return err;
+  if (auto err = Expect(kBwd, "dk", *dk, ffi::DataType::F32, k_shape); err.failure()) return err;
+  if (auto err = Expect(kBwd, "dv", *dv, ffi::DataType::F32, k_shape); err.failure()) return err;
+  Backward(pool, p, out.typed_data<float>(), dout.typed_data<float>(), lse.typed_data<float>(), nullptr,
+           dq->typed_data<float>(), dk->typed_data<float>(), dv->typed_data<float>());
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------
+// jmegatron_attention_block_fwd / _bwd: one ring-attention block.
+
+constexpr char kBlockFwd[] = "jmegatron_attention_block_fwd";
+constexpr char kBlockBwd[] = "jmegatron_attention_block_bwd";
+
+ffi::Error BlockProblem(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                        const ffi::AnyBuffer& q_positions, const ffi::AnyBuffer& k_positions,
+                        const ffi::AnyBuffer& q_segments, const ffi::AnyBuffer& k_segments, bool causal,
+                        bool segments, float scale, int64_t block, Problem* p) {
+  if (auto err = CheckQKV(op, q, k, v, &p->dims); err.failure()) return err;
+  const Dims& sh = p->dims;
+  const std::pair<const char*, const ffi::AnyBuffer*> q_ids[] = {{"q_positions", &q_positions},
+                                                                  {"q_segments", &q_segments}};
+  const std::pair<const char*, const ffi::AnyBuffer*> k_ids[] = {{"k_positions", &k_positions},
+                                                                  {"k_segments", &k_segments}};
+  for (int i = 0; i < 2; ++i) {
+    const bool on = i == 0 ? causal : segments;
+    if (auto err = ExpectIds(op, q_ids[i].first, *q_ids[i].second, on, sh.b, sh.sq); err.failure()) return err;
+    if (auto err = ExpectIds(op, k_ids[i].first, *k_ids[i].second, on, sh.b, sh.sk); err.failure()) return err;
+  }
+  if (auto err = CheckBlock(op, block); err.failure()) return err;
+  p->q = q.typed_data<float>();
+  p->k = k.typed_data<float>();
+  p->v = v.typed_data<float>();
+  if (causal) {
+    p->mask.q_pos = q_positions.typed_data<int32_t>();
+    p->mask.k_pos = k_positions.typed_data<int32_t>();
+    p->mask.q_pos_stride = sh.sq;
+    p->mask.k_pos_stride = sh.sk;
+  }
+  if (segments) {
+    p->mask.q_seg = q_segments.typed_data<int32_t>();
+    p->mask.k_seg = k_segments.typed_data<int32_t>();
+    p->mask.q_seg_stride = sh.sq;
+    p->mask.k_seg_stride = sh.sk;
+  }
+  p->scale = scale;
+  p->drop = kNoDropout;
+  p->tile = block;
+  p->lse_batch = sh.sq * sh.nq;  // lse and delta [b, sq, nq]
+  p->lse_head = 1;
+  p->lse_row = sh.nq;
+  return ffi::Error::Success();
+}
+
+ffi::Error BlockFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer q_positions, ffi::AnyBuffer k_positions, ffi::AnyBuffer q_segments,
+                    ffi::AnyBuffer k_segments, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                    float scale, bool causal, bool segments, int64_t block) {
+  Problem p;
+  if (auto err = BlockProblem(kBlockFwd, q, k, v, q_positions, k_positions, q_segments, k_segments, causal,
+                              segments, scale, block, &p);
+      err.failure()) {
+    return err;
+  }
+  const Dims& sh = p.dims;
+  if (auto err = Expect(kBlockFwd, "out", *out, ffi::DataType::F32, {sh.b, sh.sq, sh.nq, sh.d}); err.failure()) {
+    return err;
+  }
+  if (auto err = Expect(kBlockFwd, "lse", *lse, ffi::DataType::F32, {sh.b, sh.sq, sh.nq}); err.failure()) return err;
+  Forward(pool, p, out->typed_data<float>(), lse->typed_data<float>());
+  return ffi::Error::Success();
+}
+
+ffi::Error BlockBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
+                    ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer q_positions, ffi::AnyBuffer k_positions,
+                    ffi::AnyBuffer q_segments, ffi::AnyBuffer k_segments, ffi::Result<ffi::AnyBuffer> dq,
+                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale, bool causal,
+                    bool segments, int64_t block) {
+  Problem p;
+  if (auto err = BlockProblem(kBlockBwd, q, k, v, q_positions, k_positions, q_segments, k_segments, causal,
+                              segments, scale, block, &p);
+      err.failure()) {
+    return err;
+  }
+  const Dims& sh = p.dims;
+  const std::vector<int64_t> q_shape{sh.b, sh.sq, sh.nq, sh.d}, k_shape{sh.b, sh.sk, sh.nkv, sh.d},
+      row_shape{sh.b, sh.sq, sh.nq};
+  const std::pair<const char*, const ffi::AnyBuffer*> checks[] = {
+      {"dout", &dout}, {"lse", &lse}, {"delta", &delta}, {"dq", &*dq}, {"dk", &*dk}, {"dv", &*dv}};
+  const std::vector<int64_t>* shapes[] = {&q_shape, &row_shape, &row_shape, &q_shape, &k_shape, &k_shape};
+  for (int i = 0; i < 6; ++i) {
+    if (auto err = Expect(kBlockBwd, checks[i].first, *checks[i].second, ffi::DataType::F32, *shapes[i]);
+        err.failure()) {
+      return err;
+    }
+  }
+  Backward(pool, p, nullptr, dout.typed_data<float>(), lse.typed_data<float>(), delta.typed_data<float>(),
+           dq->typed_data<float>(), dk->typed_data<float>(), dv->typed_data<float>());
   return ffi::Error::Success();
 }
 
@@ -337,33 +731,75 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionFwd, AttentionFwd,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::U32>>()  // key
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // segment_ids
+                                  .Arg<ffi::AnyBuffer>()  // key
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // lse
                                   .Attr<float>("scale")
                                   .Attr<float>("dropout_rate")
                                   .Attr<float>("keep_scale")
                                   .Attr<int64_t>("threshold")
-                                  .Attr<int64_t>("block"));
+                                  .Attr<int64_t>("block")
+                                  .Attr<bool>("segments"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBwd, AttentionBwd,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // out
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // dout
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
-                                  .Arg<ffi::Buffer<ffi::U32>>()  // key
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dq
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dk
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // dv
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // segment_ids
+                                  .Arg<ffi::AnyBuffer>()  // key
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
                                   .Attr<float>("scale")
                                   .Attr<float>("dropout_rate")
                                   .Attr<float>("keep_scale")
                                   .Attr<int64_t>("threshold")
+                                  .Attr<int64_t>("block")
+                                  .Attr<bool>("segments"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBlockFwd, BlockFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // q_positions
+                                  .Arg<ffi::AnyBuffer>()  // k_positions
+                                  .Arg<ffi::AnyBuffer>()  // q_segments
+                                  .Arg<ffi::AnyBuffer>()  // k_segments
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // lse
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("segments")
+                                  .Attr<int64_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBlockBwd, BlockBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // delta
+                                  .Arg<ffi::AnyBuffer>()  // q_positions
+                                  .Arg<ffi::AnyBuffer>()  // k_positions
+                                  .Arg<ffi::AnyBuffer>()  // q_segments
+                                  .Arg<ffi::AnyBuffer>()  // k_segments
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("segments")
                                   .Attr<int64_t>("block"));

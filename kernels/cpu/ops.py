@@ -8,7 +8,12 @@
 * :func:`grouped_matmul` -- ``jax.lax.ragged_dot(x, w, group_sizes)`` (an MoE layer's
   experts), forward, input gradient and weight gradient each one grouped BLAS call.
 * :func:`cpu_attention` -- the causal core attention of
-  :func:`jmegatron.models.attention.xla_attention` (same signature, same dropout masks).
+  :func:`jmegatron.models.attention.xla_attention` (same signature, same dropout masks),
+  optionally within documents (``segment_ids``).
+* :func:`cpu_attention_block` / :func:`cpu_block_grads` -- one block of ring attention,
+  forward (output and log-sum-exp) and backward given the final log-sum-exp, with no mask,
+  a causal mask by position ids and/or a document mask (no autodiff rules: for the ring's
+  custom VJPs).
 """
 
 from __future__ import annotations
@@ -163,26 +168,35 @@ def _attn_attrs(d: int, rate: float, block: int) -> dict:
                 keep_scale=np.float32(1.0 - rate), threshold=np.int64(_threshold(rate)), block=np.int64(block))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q, k, v, key, rate, block):
-    return _attention_fwd(q, k, v, key, rate, block)[0]
+def _segments_operand(segment_ids, b: int, s: int) -> Array:
+    """int32 ``[b, s]`` document ids, or the kernel's int32 ``[0]`` placeholder for None."""
+    if segment_ids is None:
+        return jnp.zeros((0,), jnp.int32)
+    return _ids("cpu_attention: segment_ids", segment_ids, (b, s), "[b, s]")
 
 
-def _attention_fwd(q, k, v, key, rate, block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, segment_ids, key, rate, block, segments):
+    return _attention_fwd(q, k, v, segment_ids, key, rate, block, segments)[0]
+
+
+def _attention_fwd(q, k, v, segment_ids, key, rate, block, segments):
     _lib.load()
     b, s, nq, d = q.shape
     out, lse = jax.ffi.ffi_call(
         "jmegatron_attention_fwd", (_result(q.shape, q), _result((b, nq, s), q)),
-    )(q, k, v, key, **_attn_attrs(d, rate, block))
-    return out, (q, k, v, key, out, lse)
+    )(q, k, v, segment_ids, key, segments=bool(segments), **_attn_attrs(d, rate, block))
+    return out, (q, k, v, segment_ids, key, out, lse)
 
 
-def _attention_bwd(rate, block, res, g):
-    q, k, v, key, out, lse = res
+def _attention_bwd(rate, block, segments, res, g):
+    q, k, v, segment_ids, key, out, lse = res
     dq, dk, dv = jax.ffi.ffi_call(
         "jmegatron_attention_bwd", (_result(q.shape, q), _result(k.shape, q), _result(v.shape, q)),
-    )(q, k, v, out, g.astype(jnp.float32), lse, key, **_attn_attrs(q.shape[-1], rate, block))
-    return dq, dk, dv, np.zeros(key.shape, jax.dtypes.float0)
+    )(q, k, v, out, g.astype(jnp.float32), lse, segment_ids, key, segments=bool(segments),
+      **_attn_attrs(q.shape[-1], rate, block))
+    return (dq, dk, dv, np.zeros(segment_ids.shape, jax.dtypes.float0),
+            np.zeros(key.shape, jax.dtypes.float0))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -190,28 +204,146 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def cpu_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                   dropout_rng: Optional[Array] = None, deterministic: bool = True,
-                  dropout_impl: str = "hash", sample_offset=0) -> Array:
+                  dropout_impl: str = "hash", sample_offset=0, segment_ids: Optional[Array] = None) -> Array:
     """Causal ``softmax(q k^T / sqrt(d)) v`` by the CPU attention kernel.
 
     Shapes as :func:`jmegatron.models.attention.xla_attention`: q ``[b, s, nq, d]``, k/v
     ``[b, s, nkv, d]`` float32 with ``nq % nkv == 0``; returns ``[b, s, nq, d]`` float32.
+    ``segment_ids`` (integer ``[b, s]``, optional; document masking, Megatron's
+    ``reset_attention_mask``): query ``i`` sees key ``j`` only if ``j <= i`` and
+    ``segment_ids[:, i] == segment_ids[:, j]`` (the block-diagonal causal mask); key tiles
+    of other documents are skipped, not computed and masked.
     Attention dropout draws :func:`jmegatron.models.dropout.keep_mask`'s hash mask over
     ``[b, nkv, nq // nkv, s, s]`` with batch row ``i`` the global sample ``sample_offset +
     i``, element for element the XLA path's. Memory: saves only
     q, k, v, the output and the log-sum-exp ``[b, nq, s]`` (no ``[s, s]`` activations).
     Other dtypes and ``dropout_impl="threefry"`` with dropout go to ``xla_attention``.
+    Raises ValueError for a dropout rate outside [0, 1) or ``segment_ids`` of another
+    shape or a non-integer dtype.
     """
     from jmegatron.models.attention import xla_attention
     rate = 0.0 if deterministic else float(dropout_rate)
     if (q.dtype != jnp.float32 or k.dtype != jnp.float32 or v.dtype != jnp.float32
             or (rate > 0.0 and dropout_impl != "hash")):
+        documents = {} if segment_ids is None else {"segment_ids": segment_ids}
         return xla_attention(q, k, v, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                              deterministic=deterministic, dropout_impl=dropout_impl,
-                             sample_offset=sample_offset)
+                             sample_offset=sample_offset, **documents)
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate {rate} must be in [0, 1)")
+    _check_qkv("cpu_attention", q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"cpu_attention: k and v must have q's sequence length {q.shape[1]}, got {k.shape[1]} "
+                         f"(cpu_attention_block takes blocks of different lengths)")
+    seg = _segments_operand(segment_ids, q.shape[0], q.shape[1])
     key = _dropout_key(dropout_rng, sample_offset) if rate > 0.0 else jnp.zeros((3,), jnp.uint32)
-    return _attention(*_same_vma(q, k, v, key), rate, ATTENTION_BLOCK)
+    return _attention(*_same_vma(q, k, v, seg, key), rate, ATTENTION_BLOCK, segment_ids is not None)
+
+
+def _check_qkv(fn: str, q, k, v) -> None:
+    """ValueError unless q ``[b, sq, nq, d]``, k and v ``[b, sk, nkv, d]`` are float32 with
+    ``nq % nkv == 0``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4 or x.dtype != jnp.float32:
+            raise ValueError(f"{fn}: {name} must be float32 [b, seq, heads, head_dim], got {x.dtype}{list(x.shape)} "
+                             f"(cast to float32, or use jmegatron.parallel.context_parallel.attention_block)")
+    if k.shape != v.shape:
+        raise ValueError(f"{fn}: k {list(k.shape)} and v {list(v.shape)} must have the same shape")
+    b, _, nq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or k.shape[2] == 0 or nq % k.shape[2]:
+        raise ValueError(f"{fn}: k/v {list(k.shape)} must be [b={b}, sk, nkv, d={d}] with nkv dividing q's {nq} "
+                         f"heads (grouped-query attention)")
+
+
+def _ids(name: str, ids, shape, what: str) -> Array:
+    """``ids`` as int32 ``shape``; ValueError naming ``name`` for another shape or a
+    non-integer dtype."""
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape != tuple(shape):
+        raise ValueError(f"{name} must be integer {what} = {list(shape)}, got {ids.dtype}{list(ids.shape)}")
+    return ids.astype(jnp.int32)
+
+
+def _block_operands(fn, q, k, v, q_positions, k_positions, q_segments, k_segments):
+    """The id operands of the block kernels (int32 ``[0]`` placeholders for absent ones)
+    and their flags, after :func:`_check_qkv`; ValueError for half a pair or bad ids."""
+    _check_qkv(fn, q, k, v)
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    ops, flags = [], []
+    for kind, qi, ki in (("positions", q_positions, k_positions), ("segments", q_segments, k_segments)):
+        if (qi is None) != (ki is None):
+            raise ValueError(f"{fn}: give both q_{kind} and k_{kind} or neither, got only "
+                             f"{'q' if ki is None else 'k'}_{kind}")
+        if qi is None:
+            ops += [jnp.zeros((0,), jnp.int32)] * 2
+        else:
+            ops += [_ids(f"{fn}: q_{kind}", qi, (b, sq), "[b, sq]"), _ids(f"{fn}: k_{kind}", ki, (b, sk), "[b, sk]")]
+        flags.append(qi is not None)
+    return ops, dict(causal=flags[0], segments=flags[1])
+
+
+def _block_attrs(d: int, flags: dict) -> dict:
+    return dict(scale=np.float32(1.0 / np.sqrt(np.float32(d))), causal=bool(flags["causal"]),
+                segments=bool(flags["segments"]), block=np.int64(ATTENTION_BLOCK))
+
+
+def cpu_attention_block(q: Array, k: Array, v: Array, q_positions: Optional[Array] = None,
+                        k_positions: Optional[Array] = None, q_segments: Optional[Array] = None,
+                        k_segments: Optional[Array] = None) -> tuple[Array, Array]:
+    """One block of ring attention by the CPU kernel (``jmegatron_attention_block_fwd``):
+    :func:`jmegatron.parallel.context_parallel.attention_block` with document masks.
+
+    q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]`` float32 (``sq != sk`` allowed; GQA: query
+    head ``i`` uses key/value head ``i // (nq // nkv)``). Query ``i`` sees key ``j`` iff
+    (no positions, or ``q_positions[:, i] >= k_positions[:, j]``: causal by position ids,
+    any offset or order, e.g. the load-balanced chunks) and (no segments, or
+    ``q_segments[:, i] == k_segments[:, j]``: same document). Ids are integer ``[b, sq]`` /
+    ``[b, sk]``, given in pairs. Scale ``1/sqrt(d)``.
+
+    Returns (out float32 ``[b, sq, nq, d]``, normalised within the block; lse float32
+    ``[b, sq, nq]``, the log-sum-exp of the visible scaled scores), a query that sees no key
+    of the block getting out 0 and lse -inf. Forward only, no autodiff rule: the callers'
+    custom VJPs use :func:`cpu_block_grads`. FlashAttention's tiling (Dao et al. 2022):
+    key tiles no query of a tile sees are skipped. Raises ValueError (naming the argument)
+    for non-float32 or mis-shaped q/k/v, half a pair of ids, or ids of the wrong shape.
+    """
+    ids, flags = _block_operands("cpu_attention_block", q, k, v, q_positions, k_positions, q_segments, k_segments)
+    _lib.load()
+    b, sq, nq, d = q.shape
+    q, k, v, *ids = _same_vma(q, k, v, *ids)
+    return jax.ffi.ffi_call(
+        "jmegatron_attention_block_fwd", (_result(q.shape, q), _result((b, sq, nq), q)),
+    )(q, k, v, *ids, **_block_attrs(d, flags))
+
+
+def cpu_block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: Array,
+                    q_positions: Optional[Array] = None, k_positions: Optional[Array] = None,
+                    q_segments: Optional[Array] = None, k_segments: Optional[Array] = None
+                    ) -> tuple[Array, Array, Array]:
+    """The backward of one ring-attention block by the CPU kernel
+    (``jmegatron_attention_block_bwd``): :func:`jmegatron.parallel.context_parallel._block_grads`
+    with document masks (FlashAttention's backward, Dao et al. 2022 Algorithm 4, as
+    Transformer Engine's ``AttnFuncWithCPAndKVP2P`` runs it per block).
+
+    q, k, v and the ids as :func:`cpu_attention_block`; dout float32 ``[b, sq, nq, d]``;
+    lse float32 ``[b, sq, nq]``: the *final* log-sum-exp of each query over all blocks
+    (-inf: the query sees no key anywhere; it contributes nothing); delta float32
+    ``[b, sq, nq]`` = ``sum(dout * out, -1)`` with the final output. Returns this block's
+    (dq ``[b, sq, nq, d]``, dk ``[b, sk, nkv, d]``, dv ``[b, sk, nkv, d]``), float32, with
+    ``p = exp(scale q k^T - lse)`` on visible pairs, ``dv = p^T dout``, ``ds = p (dout v^T -
+    delta)``, ``dq = scale ds k``, ``dk = scale ds^T q``. Raises ValueError as
+    :func:`cpu_attention_block`, and for dout/lse/delta of another shape or dtype.
+    """
+    ids, flags = _block_operands("cpu_block_grads", q, k, v, q_positions, k_positions, q_segments, k_segments)
+    b, sq, nq, d = q.shape
+    for name, x, shape in (("dout", dout, q.shape), ("lse", lse, (b, sq, nq)), ("delta", delta, (b, sq, nq))):
+        if x.dtype != jnp.float32 or x.shape != tuple(shape):
+            raise ValueError(f"cpu_block_grads: {name} must be float32 {list(shape)}, got {x.dtype}{list(x.shape)}")
+    _lib.load()
+    q, k, v, dout, lse, delta, *ids = _same_vma(q, k, v, dout, lse, delta, *ids)
+    return jax.ffi.ffi_call(
+        "jmegatron_attention_block_bwd", (_result(q.shape, q), _result(k.shape, q), _result(v.shape, q)),
+    )(q, k, v, dout, lse, delta, *ids, **_block_attrs(d, flags))
 
 
 def grouped_matmul(x: Array, w: Array, group_sizes: Array) -> Array:
