@@ -86,8 +86,13 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, dropout_rate: float =
 def cpu_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array] = None, **kwargs) -> Array:
     """The CPU attention kernel (:func:`jmegatron.kernels.cpu.ops.cpu_attention`), same
     signature, dropout masks and document mask as :func:`xla_attention`."""
+    import inspect
+
     from jmegatron.kernels.cpu.ops import cpu_attention as kernel
     if segment_ids is not None:
+        if "segment_ids" not in inspect.signature(kernel).parameters:  # a kernel built before document masking
+            raise ValueError("attention_impl='cpu': this CPU attention kernel has no document mask "
+                             "(config.reset_attention_mask); set config.attention_impl='xla'")
         return kernel(q, k, v, segment_ids=segment_ids, **kwargs)
     return kernel(q, k, v, **kwargs)
 
