@@ -105,6 +105,8 @@ def test_packed_documents_equal_documents_run_alone(model):
     assert_close(jax.device_get(g), jax.device_get(jax.tree.map(lambda a: a / count, grads)))
     total_eval, count_eval = run.eval_step(params, run.put_batch(batch, train=False))
     np.testing.assert_allclose(float(total_eval) / float(count_eval), float(total) / count, rtol=1e-5)
+    with pytest.raises(ValueError, match="reset_attention_mask=True but the batch has no segment_ids"):
+        run.put_batch({k: v for k, v in batch.items() if k != "segment_ids"})
 
 
 def test_dot_product_core_masks_documents_like_xla():
