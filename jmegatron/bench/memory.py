@@ -172,7 +172,7 @@ def _abstract_batch(run, num_micro: int, rows: int, seq: int) -> dict:
 
     from jmegatron.training import step as step_lib
 
-    sh = step_lib.batch_shardings(run.mesh)
+    sh = step_lib.batch_shardings(run.mesh, run.cfg.reset_attention_mask)
     return {k: jax.ShapeDtypeStruct((num_micro, rows, seq), np.float32 if k == "loss_mask" else np.int32,
                                     sharding=sh[k]) for k in sh}
 

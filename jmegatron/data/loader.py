@@ -23,12 +23,14 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+SEGMENT_KEY = "segment_ids"  # only in samples built with reset_attention_mask (document masking)
 
 
 class BatchLoader:
     """Yields numpy batches ``{key: [num_microbatches, micro_batch_size * dp, seq]}``.
 
-    ``dataset[i]`` must give a dict with :data:`KEYS` (``[seq]`` arrays). Indices wrap
+    ``dataset[i]`` must give a dict with :data:`KEYS` (``[seq]`` arrays; and
+    :data:`SEGMENT_KEY`, int32, when built with ``reset_attention_mask``). Indices wrap
     around the dataset length (a fresh epoch of the same order).
 
     ``num_microbatches_calculator`` (optional, e.g. Megatron's ramp-up): each ``next()``
@@ -77,10 +79,12 @@ class BatchLoader:
 def stack_samples(samples: list[Mapping[str, np.ndarray]], num_microbatches: int) -> dict[str, np.ndarray]:
     """Stack ``[len_i]`` samples into ``[num_microbatches, len(samples) // num_microbatches, seq]``,
     ``seq = max_i len_i``. Shorter samples are right-padded as ByteMLPerf's ``batch_pad``:
-    tokens and labels 0, loss mask 0, position ids continuing ``len_i, len_i + 1, ...``."""
+    tokens and labels 0, loss mask 0, position ids continuing ``len_i, len_i + 1, ...``, and
+    segment ids (when the samples carry them) one past the sample's last, so padding is a
+    document of its own."""
     longest = max(len(s["tokens"]) for s in samples)
     out = {}
-    for key in KEYS:
+    for key in KEYS + ((SEGMENT_KEY,) if SEGMENT_KEY in samples[0] else ()):
         dtype = np.float32 if key == "loss_mask" else np.int32
         arr = np.zeros((len(samples), longest), dtype)
         for i, s in enumerate(samples):
@@ -88,5 +92,7 @@ def stack_samples(samples: list[Mapping[str, np.ndarray]], num_microbatches: int
             arr[i, :len(value)] = value
             if key == "position_ids" and len(value) < longest:
                 arr[i, len(value):] = np.arange(len(value), longest)
+            if key == SEGMENT_KEY and len(value) < longest:
+                arr[i, len(value):] = value[-1] + 1 if len(value) else 0
         out[key] = arr.reshape(num_microbatches, -1, longest)
     return out

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jmegatron.models.dropout import keep_mask
+from jmegatron.models.dropout import context_positions, keep_mask
 
 from jmegatron.models.layers import Linear, dense_dot_general_fn
 from jmegatron.parallel.context_parallel import CP_ATTENTIONS
@@ -30,14 +30,15 @@ from jmegatron.parallel.rules import CONTEXT_AXIS
 Array = jax.Array
 
 # A core attention: (q [b, s, nq, d], k [b, s, nkv, d], v [b, s, nkv, d], *,
-#   dropout_rate, dropout_rng, deterministic, dropout_impl, sample_offset) -> [b, s, nq, d];
-#   causal. sample_offset: the global sample number of row 0 (jmegatron.models.dropout).
+#   dropout_rate, dropout_rng, deterministic, dropout_impl, sample_offset[, segment_ids])
+#   -> [b, s, nq, d]; causal. sample_offset: the global sample number of row 0
+#   (jmegatron.models.dropout); segment_ids int [b, s] (document masking), passed only when given.
 CoreAttention = Callable[..., Array]
 
 
 def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                   dropout_rng: Optional[Array] = None, deterministic: bool = True,
-                  dropout_impl: str = "hash", sample_offset=0) -> Array:
+                  dropout_impl: str = "hash", sample_offset=0, segment_ids: Optional[Array] = None) -> Array:
     """Causal softmax(q k^T / sqrt(d)) v in plain XLA ops, softmax in float32.
 
     Shapes: q ``[b, s, nq, d]``, k/v ``[b, s, nkv, d]`` with ``nq % nkv == 0`` (GQA:
@@ -45,7 +46,10 @@ def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     Attention dropout is applied to the probabilities (Megatron's attention_dropout), its
     mask drawn by ``dropout_impl`` (:mod:`jmegatron.models.dropout`) over the probabilities'
     shape ``[b, nkv, nq // nkv, s, s]``, batch row ``i`` being global sample
-    ``sample_offset + i``.
+    ``sample_offset + i``. ``segment_ids`` (int ``[b, s]``, optional; document masking,
+    Megatron's ``reset_attention_mask``): query i sees key j only if ``j <= i`` and
+    ``segment_ids[:, i] == segment_ids[:, j]`` (Megatron's block-diagonal causal
+    ``attention_mask``, megatron/core/datasets/gpt_dataset.py ``_get_ltor_masks_and_position_ids``).
     """
     b, s, nq, d = q.shape
     nkv = k.shape[2]
@@ -53,8 +57,10 @@ def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     qg = q.reshape(b, s, nkv, group, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
-    causal = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    visible = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))
+    if segment_ids is not None:  # [b, 1, 1, s, s] against scores [b, nkv, g, s, s]
+        visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     if not deterministic and dropout_rate > 0.0:
         keep = keep_mask(dropout_rng, dropout_rate, probs.shape, dropout_impl, sample_offset)
@@ -65,19 +71,29 @@ def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
 
 def dot_product_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                           dropout_rng: Optional[Array] = None, deterministic: bool = True,
-                          dropout_impl: str = "hash", sample_offset=0) -> Array:
-    """``jax.nn.dot_product_attention`` (XLA implementation, causal). No attention dropout:
-    raises ValueError when dropout is requested in training."""
+                          dropout_impl: str = "hash", sample_offset=0,
+                          segment_ids: Optional[Array] = None) -> Array:
+    """``jax.nn.dot_product_attention`` (XLA implementation, causal; ``segment_ids`` int
+    ``[b, s]`` as :func:`xla_attention`, given to it as a boolean ``mask [b, 1, s, s]``). No
+    attention dropout: raises ValueError when dropout is requested in training."""
     if not deterministic and dropout_rate > 0.0:
         raise ValueError("attention_impl='dot_product' has no attention dropout; "
                          "set config.attention_dropout=0.0 or attention_impl='xla'.")
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
 
 
-def cpu_attention(q: Array, k: Array, v: Array, **kwargs) -> Array:
+def cpu_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array] = None, **kwargs) -> Array:
     """The CPU attention kernel (:func:`jmegatron.kernels.cpu.ops.cpu_attention`), same
-    signature and dropout masks as :func:`xla_attention`."""
+    signature, dropout masks and document mask as :func:`xla_attention`."""
+    import inspect
+
     from jmegatron.kernels.cpu.ops import cpu_attention as kernel
+    if segment_ids is not None:
+        if "segment_ids" not in inspect.signature(kernel).parameters:  # a kernel built before document masking
+            raise ValueError("attention_impl='cpu': this CPU attention kernel has no document mask "
+                             "(config.reset_attention_mask); set config.attention_impl='xla'")
+        return kernel(q, k, v, segment_ids=segment_ids, **kwargs)
     return kernel(q, k, v, **kwargs)
 
 
@@ -173,8 +189,16 @@ class SelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, deterministic: bool,
-                 kv_cache: Optional[tuple[Array, Array]] = None, sample_offset=0):
+                 kv_cache: Optional[tuple[Array, Array]] = None, sample_offset=0,
+                 segment_ids: Optional[Array] = None):
         """``x [b, s, h]``, ``position_ids`` int ``[b, s]`` -> ``[b, s, h]``.
+
+        ``position_ids`` feed RoPE only; the causal mask follows the sequence order (under
+        context parallelism each slot's global sequence position,
+        :func:`jmegatron.models.dropout.context_positions`), so ``reset_position_ids`` does not
+        change which keys a query sees. ``segment_ids`` (int ``[b, s]``, optional): document
+        masking, attention only within equal ids (see :func:`xla_attention`); not with
+        ``kv_cache`` (ValueError).
 
         ``sample_offset``: the global sample number of ``x[0]``, from which the attention
         dropout masks are drawn (:mod:`jmegatron.models.dropout`).
@@ -202,15 +226,21 @@ class SelfAttention(nn.Module):
             cos, sin = rope_cos_sin(position_ids, d, self.rotary_base)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_cache = None
+        if kv_cache is not None and segment_ids is not None:
+            raise ValueError("SelfAttention: segment_ids (document masking) is for training and evaluation; "
+                             "decoding with a kv_cache takes none")
         if kv_cache is not None:
             start = position_ids[:, 0]
             new_cache = (update_kv_cache(kv_cache[0], k, start), update_kv_cache(kv_cache[1], v, start))
             out = cached_attention(q, new_cache[0], new_cache[1], position_ids)
         elif _manual_axis_size(CONTEXT_AXIS) > 1:  # context parallelism: inside the train step
-            out = CP_ATTENTIONS[self.cp_comm_type](q, k, v, position_ids, CONTEXT_AXIS,
-                                                   _manual_axis_size(CONTEXT_AXIS))
+            # the slots' sequence positions, not position_ids (which restart per document
+            # under reset_position_ids): the causal order is the sequence's
+            seq_positions = jnp.broadcast_to(context_positions(s), (b, s))
+            out = CP_ATTENTIONS[self.cp_comm_type](q, k, v, seq_positions, CONTEXT_AXIS,
+                                                   _manual_axis_size(CONTEXT_AXIS), segment_ids)
         else:
-            out = self._core(q, k, v, deterministic, sample_offset)
+            out = self._core(q, k, v, deterministic, sample_offset, segment_ids)
         out = nn.with_logical_constraint(out, ("batch", "length", "activation_heads", "activation_kv"))
         out = Linear((self.hidden_size,), ("heads", "kv", "embed"), axis=(-2, -1), tp_mode="row", tp_dim=0,
                      use_bias=self.use_bias, dtype=self.dtype, dot_general=self.dot_general,
@@ -218,8 +248,11 @@ class SelfAttention(nn.Module):
                      name="linear_proj")(out)
         return out if kv_cache is None else (out, new_cache)
 
-    def _core(self, q: Array, k: Array, v: Array, deterministic: bool, sample_offset) -> Array:
+    def _core(self, q: Array, k: Array, v: Array, deterministic: bool, sample_offset,
+              segment_ids: Optional[Array] = None) -> Array:
         core = CORE_ATTENTIONS[self.core_attention]
+        if segment_ids is not None:  # only then: a core without document masking keeps its signature
+            core = functools.partial(core, segment_ids=segment_ids)
         core = functools.partial(core, dropout_rate=self.attention_dropout, deterministic=deterministic,
                                  dropout_impl=self.dropout_impl, sample_offset=sample_offset,
                                  dropout_rng=None if deterministic or self.attention_dropout == 0.0

@@ -155,11 +155,12 @@ class TransformerLayer(nn.Module):
     moe_layer: Optional[bool] = None
 
     @nn.compact
-    def __call__(self, x: Array, position_ids: Array, sample_offset: Array, kv_cache: Optional[KVPair] = None
-                 ) -> tuple[Array, Optional[KVPair]]:
+    def __call__(self, x: Array, position_ids: Array, sample_offset: Array, kv_cache: Optional[KVPair] = None,
+                 segment_ids: Optional[Array] = None) -> tuple[Array, Optional[KVPair]]:
         """``(x, None)``, or ``(x, updated kv_cache)`` when decoding with a cache (see
         :class:`SelfAttention`). ``sample_offset``: the global sample number of ``x[0]``
-        (dropout masks, :mod:`jmegatron.models.dropout`)."""
+        (dropout masks, :mod:`jmegatron.models.dropout`); ``segment_ids`` int ``[b, s]``:
+        document masking (attention within equal ids only), None: causal over the sequence."""
         c = self.cfg
         drop = Dropout(rate=c.hidden_dropout, deterministic=self.deterministic, impl=c.dropout_impl)
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "input_layernorm")(x)
@@ -176,7 +177,7 @@ class TransformerLayer(nn.Module):
             dtype=c.dtype, dot_general=self.dot_general, name="self_attention",
         )
         if kv_cache is None:
-            h = attention(h, position_ids, self.deterministic, sample_offset=sample_offset)
+            h = attention(h, position_ids, self.deterministic, sample_offset=sample_offset, segment_ids=segment_ids)
         else:
             h, kv_cache = attention(h, position_ids, self.deterministic, kv_cache)
         x = x + drop(h, sample_offset=sample_offset)
@@ -211,6 +212,12 @@ class GPTModel(nn.Module):
     keys/values into the cache at their positions (consecutive per row) and returns
     ``(logits, updated kv_cache)``; prefill and single-token decode steps are both this
     call (jmegatron/inference/generate.py drives it).
+
+    Document masking (Megatron's ``reset_attention_mask``): ``segment_ids`` int32 ``[b, s]``
+    (the number of EODs before each token, :func:`jmegatron.data.gpt_dataset.get_ltor_masks_and_position_ids`)
+    restricts attention to keys of the query's own segment, so a packed sequence's documents
+    give the logits each would give alone (with ``reset_position_ids`` position ids). Raises
+    ValueError with ``kv_cache``.
     """
 
     cfg: ModelConfig
@@ -218,8 +225,12 @@ class GPTModel(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: Array, position_ids: Optional[Array] = None,
-                 deterministic: bool = True, kv_cache: Any = None, sample_offset: Any = 0):
+                 deterministic: bool = True, kv_cache: Any = None, sample_offset: Any = 0,
+                 segment_ids: Optional[Array] = None):
         c = self.cfg
+        if segment_ids is not None and kv_cache is not None:
+            raise ValueError("GPTModel: segment_ids (document masking) is for training and evaluation; decoding "
+                             "with a kv_cache takes none")
         sample_offset = jnp.asarray(sample_offset, jnp.uint32)
         dot_general = self.dot_general
         if dot_general is dense_dot_general_fn:
@@ -245,20 +256,23 @@ class GPTModel(nn.Module):
             # With a cache, the stacked (k, v) [num_layers, ...] is scanned along with the
             # stacked params and comes back as the scan's per-layer outputs.
             cached = () if kv_cache is None else (kv_cache,)
+            # segment ids follow an absent cache (None, broadcast): decoding takes none
+            segments = () if segment_ids is None else (None, segment_ids)
             stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0, "moe_losses": 0,
                                                       "moe_stats": 0},
                             split_rngs={"params": True, "dropout": True},
-                            in_axes=(nn.broadcast, nn.broadcast) + (0,) * len(cached), length=c.num_layers,
+                            in_axes=(nn.broadcast, nn.broadcast) + (0,) * len(cached)
+                            + (nn.broadcast,) * len(segments), length=c.num_layers,
                             metadata_params={nn.PARTITION_NAME: "layers"})
             x, kv_cache = stack(c, deterministic, dot_general, name="decoder_layers")(
-                x, position_ids, sample_offset, *cached)
+                x, position_ids, sample_offset, *cached, *segments)
         else:
             new_cache = []
             moe_layers = c.moe_layers()
             for i in range(c.num_layers):
                 layer = layer_cls(c, deterministic, dot_general, bool(moe_layers[i]), name=f"decoder_layers_{i}")
                 if kv_cache is None:
-                    x, _ = layer(x, position_ids, sample_offset)
+                    x, _ = layer(x, position_ids, sample_offset, None, segment_ids)
                 else:
                     x, kv = layer(x, position_ids, sample_offset, kv_cache[i])
                     new_cache.append(kv)
@@ -323,7 +337,8 @@ def embed_tokens(c: ModelConfig, params: Any, tokens: Array, position_ids: Array
 
 def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Array, *, first_layer: Any,
                  deterministic: bool, rng: Any, sample_offset: Any, dot_general: Callable,
-                 sow: tuple[str, ...] = (), num_valid: Any = None, moe_sown: bool = False) -> Any:
+                 sow: tuple[str, ...] = (), num_valid: Any = None, moe_sown: bool = False,
+                 segment_ids: Optional[Array] = None) -> Any:
     """The decoder layers whose parameters are stacked ``[n, ...]`` in ``layer_params``
     (a slice of ``decoder_layers``), in order, as one ``lax.scan``; layer ``k`` is model
     layer ``first_layer + k`` (its dropout key ``fold_in(rng, first_layer + k)``).
@@ -335,7 +350,8 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
     padding slots). ``moe_sown``: the MoE layers' sown collections
     (:data:`jmegatron.models.moe.moe_layer.MOE_COLLECTIONS`) are mutable too and come back in
     that dict under their collection names, each leaf stacked ``[n, ...]`` (zeros for padding
-    slots); :func:`jmegatron.models.moe.moe_layer.chunk_moe_losses` reads them."""
+    slots); :func:`jmegatron.models.moe.moe_layer.chunk_moe_losses` reads them.
+    ``segment_ids`` int ``[b, s]`` (optional): document masking, as :class:`GPTModel`'s."""
     layer = TransformerLayer(c, deterministic, dot_general)
     offset = jnp.asarray(sample_offset, jnp.uint32)
 
@@ -343,9 +359,10 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
         p, k = xs
         rngs = None if deterministic else {"dropout": jax.random.fold_in(rng, first_layer + k)}
         if not sow and not moe_sown:
-            return layer.apply({"params": p}, h, position_ids, offset, rngs=rngs)[0], None
+            return layer.apply({"params": p}, h, position_ids, offset, None, segment_ids, rngs=rngs)[0], None
         mutable = (["intermediates"] if sow else []) + (list(MOE_COLLECTIONS) if moe_sown else [])
-        (h, _), state = layer.apply({"params": p}, h, position_ids, offset, rngs=rngs, mutable=mutable)
+        (h, _), state = layer.apply({"params": p}, h, position_ids, offset, None, segment_ids, rngs=rngs,
+                                    mutable=mutable)
         out = {name: state["intermediates"][name][0] for name in sow}
         out.update({name: state[name] for name in MOE_COLLECTIONS if moe_sown and name in state})
         return h, out

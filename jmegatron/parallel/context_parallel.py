@@ -26,6 +26,16 @@ Here, as a pure-JAX layout:
   to the second local chunk only (``[c] x [2c]``): every step costs the same on every rank.
   Its backward is a custom VJP that circulates K/V again with their dK/dV (Transformer
   Engine's scheme), keeping one block in memory instead of autodiff's every received block.
+
+Masks: the causal order is each slot's *sequence position* (its index in the original
+sequence, :func:`jmegatron.models.dropout.context_positions`), never its position id, which
+restarts at every document under ``reset_position_ids`` and only feeds RoPE and the learned
+position embeddings. Document masking (``reset_attention_mask``, Megatron's block-diagonal
+causal ``attention_mask``) adds ``segments`` (int ``[b, 2c]``, the number of EODs before
+each token, :func:`jmegatron.data.gpt_dataset.get_ltor_masks_and_position_ids`): a query
+sees a key iff the key is at or before it in the sequence *and* in the same segment.
+Every context-parallel attention takes ``(q, k, v, positions, axis_name, axis_size,
+segments=None)``.
 """
 
 from __future__ import annotations
@@ -60,14 +70,30 @@ def load_balance_index(seq_length: int, context_parallel_size: int) -> np.ndarra
     return chunks[order].reshape(-1)
 
 
+def _visible(q_positions: Optional[Array], k_positions: Optional[Array], q_segments: Optional[Array],
+             k_segments: Optional[Array]) -> Optional[Array]:
+    """bool ``[b, sq, sk]``: key j visible to query i (causal by position, same segment), or
+    None when nothing is masked."""
+    visible = None
+    if q_positions is not None:
+        visible = q_positions[:, :, None] >= k_positions[:, None, :]
+    if q_segments is not None:
+        same = q_segments[:, :, None] == k_segments[:, None, :]
+        visible = same if visible is None else visible & same
+    return visible
+
+
 def attention_block(q: Array, k: Array, v: Array, q_positions: Optional[Array] = None,
-                    k_positions: Optional[Array] = None) -> tuple[Array, Array]:
+                    k_positions: Optional[Array] = None, q_segments: Optional[Array] = None,
+                    k_segments: Optional[Array] = None) -> tuple[Array, Array]:
     """Softmax attention of a query block over a key/value block, unnormalised across blocks.
 
     q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]`` (GQA: query head ``i`` uses group
-    ``i // (nq // nkv)``); ``q_positions`` int ``[b, sq]`` and ``k_positions`` int ``[b, sk]``:
-    when given, query at position p sees keys at positions <= p (causal); None: no mask.
-    Returns (out float32 ``[b, sq, nq, d]``, normalised within the block; lse float32
+    ``i // (nq // nkv)``); ``q_positions`` int ``[b, sq]`` and ``k_positions`` int ``[b, sk]``
+    (sequence positions, not position ids): when given, query at position p sees keys at
+    positions <= p (causal); None: no causal mask. ``q_segments`` int ``[b, sq]`` and
+    ``k_segments`` int ``[b, sk]`` (document masking): when given, a query sees only keys of
+    its own segment as well. Returns (out float32 ``[b, sq, nq, d]``, normalised within the block; lse float32
     ``[b, sq, nq]``, the log-sum-exp of its scaled scores, -inf for a query that sees no
     key here, whose output is 0). Scores and softmax in float32, scale ``1/sqrt(d)``.
     """
@@ -76,8 +102,8 @@ def attention_block(q: Array, k: Array, v: Array, q_positions: Optional[Array] =
     qg = q.reshape(b, sq, nkv, nq // nkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
-    if q_positions is not None:
-        visible = q_positions[:, :, None] >= k_positions[:, None, :]  # [b, sq, sk]
+    visible = _visible(q_positions, k_positions, q_segments, k_segments)  # [b, sq, sk]
+    if visible is not None:
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
@@ -100,7 +126,8 @@ def merge_blocks(out1: Array, lse1: Array, out2: Array, lse2: Array) -> tuple[Ar
 
 
 def _block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: Array,
-                 q_positions: Optional[Array] = None, k_positions: Optional[Array] = None
+                 q_positions: Optional[Array] = None, k_positions: Optional[Array] = None,
+                 q_segments: Optional[Array] = None, k_segments: Optional[Array] = None
                  ) -> tuple[Array, Array, Array]:
     """FlashAttention's backward for one block (Dao et al. 2022, Algorithm 4) given the
     *final* log-sum-exp ``lse [b, sq, nq]`` and ``delta = sum(dout * out, -1) [b, sq, nq]``:
@@ -120,8 +147,9 @@ def _block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: A
     finite = jnp.isfinite(lse)
     p = jnp.exp(scores - per_head(jnp.where(finite, lse, 0.0)))
     keep = per_head(finite)
-    if q_positions is not None:
-        keep = keep & (q_positions[:, :, None] >= k_positions[:, None, :])[:, None, None]
+    visible = _visible(q_positions, k_positions, q_segments, k_segments)
+    if visible is not None:
+        keep = keep & visible[:, None, None]
     p = jnp.where(keep, p, 0.0)
     dout_g = dout.astype(jnp.float32).reshape(b, sq, nkv, g, d)
     dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dout_g)
@@ -132,62 +160,91 @@ def _block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: A
     return dq, dk, dv
 
 
-def _ring_forward(q, k, v, positions, axis_name, cp):
+def _gathered_segments(segments: Optional[Array], axis_name: str, cp: int) -> Optional[Array]:
+    """int ``[b, s]``: every rank's segment ids in slot order (rank-major), or None. Every rank
+    knows the whole sequence's document layout, as Transformer Engine's THD attention takes the
+    global ``cu_seqlens`` on every context rank; an all-gather of ``[b, s]`` integers per call
+    (the layers' identical gathers are one after XLA's CSE) instead of segment ids travelling
+    beside every K/V block: nothing joins the ring's messages, whose forward/backward
+    distinction keeps XLA from merging them (see :func:`_ring_bwd`)."""
+    if segments is None:
+        return None
+    return jax.lax.all_gather(segments, axis_name, axis=1, tiled=True)
+
+
+def _block_segments(all_segments: Optional[Array], source: Array, width: int) -> Optional[Array]:
+    """The segment ids ``[b, width]`` of rank ``source``'s slots (traced int), or None."""
+    if all_segments is None:
+        return None
+    return jax.lax.dynamic_slice_in_dim(all_segments, source * width, width, axis=1)
+
+
+def _ring_forward(q, k, v, positions, axis_name, cp, segments=None):
     """(out float32, lse) of the forward ring (see :func:`ring_attention`)."""
-    out, lse = attention_block(q, k, v, positions, positions)  # step 0: the local causal block
+    # step 0: the local causal block
+    out, lse = attention_block(q, k, v, positions, positions, segments, segments)
     if cp == 1:
         return out, lse
     rank = jax.lax.axis_index(axis_name)
     c = q.shape[1] // 2
+    q_seg2 = None if segments is None else segments[:, c:]
+    all_segments = _gathered_segments(segments, axis_name, cp)
     ring = [(i, (i + 1) % cp) for i in range(cp)]
     kv = (k, v)
     for step in range(1, cp):
         kv = jax.lax.ppermute(kv, axis_name, ring)
         bk, bv = kv
+        bseg = _block_segments(all_segments, (rank - step) % cp, 2 * c)
 
-        def earlier(bk=bk, bv=bv):  # both local chunks see the block's first chunk only
-            return attention_block(q, bk[:, :c], bv[:, :c])
+        def earlier(bk=bk, bv=bv, bseg=bseg):  # both local chunks see the block's first chunk only
+            return attention_block(q, bk[:, :c], bv[:, :c], None, None, segments,
+                                   None if bseg is None else bseg[:, :c])
 
-        def later(bk=bk, bv=bv):  # only the second local chunk sees it, whole
-            o, l = attention_block(q[:, c:], bk, bv)
+        def later(bk=bk, bv=bv, bseg=bseg):  # only the second local chunk sees it, whole
+            o, l = attention_block(q[:, c:], bk, bv, None, None, q_seg2, bseg)
             return (jnp.concatenate([jnp.zeros_like(o), o], axis=1),
                     jnp.concatenate([jnp.full_like(l, -jnp.inf), l], axis=1))
 
+        # Segments only hide more keys: the load-balanced choice of chunks stays exact.
         o, l = jax.lax.cond((rank - step) % cp < rank, earlier, later)
         out, lse = merge_blocks(out, lse, o, l)
     return out, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def ring_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int) -> Array:
+def ring_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int,
+                   segments: Optional[Array] = None) -> Array:
     """Causal attention of this rank's load-balanced sequence shard against the whole
     sequence, inside ``shard_map`` with ``axis_name`` (the ``context`` axis, size
     ``axis_size``) manual (``cp_comm_type="p2p"``).
 
     q ``[b, 2c, nq, d]``, k/v ``[b, 2c, nkv, d]``: this rank's slots of the
     :func:`load_balance_index` layout (chunk ``r`` then chunk ``2 cp - 1 - r``);
-    ``positions`` int ``[b, 2c]``: their position ids (for the local causal mask).
-    Returns ``[b, 2c, nq, d]`` in q's dtype.
+    ``positions`` int ``[b, 2c]``: their sequence positions (the load-balanced slots'
+    original indices, not position ids: the local causal mask and the choice of the other
+    blocks' chunks assume them); ``segments`` int ``[b, 2c]`` or None: document ids
+    (attention only within a segment). Returns ``[b, 2c, nq, d]`` in q's dtype.
 
     Forward: the K/V blocks hop ``axis_size - 1`` times around the ring by ``ppermute``
     (rank ``r`` sends to ``r + 1``). Backward (custom VJP, Transformer Engine's scheme): only
     q, k, v, the output and its log-sum-exp are saved; K/V circulate again with their dK/dV
     accumulating beside them, each block's probabilities recomputed from the saved
     log-sum-exp, and one last hop brings dK/dV home: memory stays at one block, not the
-    whole sequence's K/V that autodiff through the ring would keep.
+    whole sequence's K/V that autodiff through the ring would keep. The segment ids of the
+    blocks come from one all-gather of ``segments`` (:func:`_gathered_segments`).
     """
-    out, _ = _ring_forward(q, k, v, positions, axis_name, axis_size)
+    out, _ = _ring_forward(q, k, v, positions, axis_name, axis_size, segments)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, positions, axis_name, axis_size):
-    out, lse = _ring_forward(q, k, v, positions, axis_name, axis_size)
+def _ring_fwd(q, k, v, positions, axis_name, axis_size, segments=None):
+    out, lse = _ring_forward(q, k, v, positions, axis_name, axis_size, segments)
     out = out.astype(q.dtype)
-    return out, (q, k, v, positions, out, lse)
+    return out, (q, k, v, positions, segments, out, lse)
 
 
 def _ring_bwd(axis_name, cp, res, dout):
-    q, k, v, positions, out, lse = res
+    q, k, v, positions, segments, out, lse = res
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     # The recomputed scores must not start before the backward: otherwise XLA's scheduler
     # hoists every layer's dout-independent recompute (q k^T and its exp) into the forward
@@ -197,10 +254,12 @@ def _ring_bwd(axis_name, cp, res, dout):
     # jax.lax.optimization_barrier does not survive XLA:CPU's pipeline (tried).
     tie = (jnp.sum(delta) * 0.0).astype(q.dtype)
     q, k = q + tie, k + tie.astype(k.dtype)
-    dq, dk, dv = _block_grads(q, k, v, dout, lse, delta, positions, positions)
+    dq, dk, dv = _block_grads(q, k, v, dout, lse, delta, positions, positions, segments, segments)
     if cp > 1:
         rank = jax.lax.axis_index(axis_name)
         c = q.shape[1] // 2
+        q_seg2 = None if segments is None else segments[:, c:]
+        all_segments = _gathered_segments(segments, axis_name, cp)
         ring = [(i, (i + 1) % cp) for i in range(cp)]
         # A block travels as one [K | V] message beside one [dK | dV] (the gradients gathered
         # for it so far). Packed, the backward's hops are not the forward's ppermutes of K and V,
@@ -212,14 +271,17 @@ def _ring_bwd(axis_name, cp, res, dout):
         for step in range(1, cp):
             kv, dkv = jax.lax.ppermute((kv, dkv), axis_name, ring)
             bk, bv = kv[..., :d], kv[..., d:]
+            bseg = _block_segments(all_segments, (rank - step) % cp, 2 * c)
 
-            def earlier(bk=bk, bv=bv):
-                gq, gk, gv = _block_grads(q, bk[:, :c], bv[:, :c], dout, lse, delta)
+            def earlier(bk=bk, bv=bv, bseg=bseg):
+                gq, gk, gv = _block_grads(q, bk[:, :c], bv[:, :c], dout, lse, delta, None, None, segments,
+                                          None if bseg is None else bseg[:, :c])
                 pad = jnp.zeros_like(gk)
                 return gq, jnp.concatenate([gk, pad], axis=1), jnp.concatenate([gv, pad], axis=1)
 
-            def later(bk=bk, bv=bv):
-                gq, gk, gv = _block_grads(q[:, c:], bk, bv, dout[:, c:], lse[:, c:], delta[:, c:])
+            def later(bk=bk, bv=bv, bseg=bseg):
+                gq, gk, gv = _block_grads(q[:, c:], bk, bv, dout[:, c:], lse[:, c:], delta[:, c:], None, None,
+                                          q_seg2, bseg)
                 return jnp.concatenate([jnp.zeros_like(gq), gq], axis=1), gk, gv
 
             gq, gk, gv = jax.lax.cond((rank - step) % cp < rank, earlier, later)
@@ -227,35 +289,38 @@ def _ring_bwd(axis_name, cp, res, dout):
             dkv = dkv + jnp.concatenate([gk, gv], axis=-1)
         dkv = jax.lax.ppermute(dkv, axis_name, ring)  # home: the block came from r + 1
         dk, dv = dkv[..., :d], dkv[..., d:]
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
-def all_gather_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int) -> Array:
+def all_gather_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int,
+                         segments: Optional[Array] = None) -> Array:
     """``cp_comm_type="all_gather"`` (Megatron-Core's ``all_gather`` CP: K/V all-gathered,
     queries local), inside ``shard_map`` with ``axis_name`` manual. Shapes as
-    :func:`ring_attention`; the causal mask comes from the gathered position ids, so the
-    load-balanced order needs nothing else. The backward reduce-scatters dK/dV (the
-    all-gather's transpose). Every rank holds the whole sequence's K/V."""
+    :func:`ring_attention`; the causal mask comes from the gathered sequence positions (and
+    segment ids), so the load-balanced order needs nothing else. The backward
+    reduce-scatters dK/dV (the all-gather's transpose). Every rank holds the whole
+    sequence's K/V."""
+    k_positions, k_segments = positions, segments
     if axis_size > 1:
         k, v, k_positions = (jax.lax.all_gather(a, axis_name, axis=1, tiled=True) for a in (k, v, positions))
-    else:
-        k_positions = positions
-    out, _ = attention_block(q, k, v, positions, k_positions)
+        k_segments = _gathered_segments(segments, axis_name, axis_size)
+    out, _ = attention_block(q, k, v, positions, k_positions, segments, k_segments)
     return out.astype(q.dtype)
 
 
-def a2a_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int) -> Array:
+def a2a_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int,
+                  segments: Optional[Array] = None) -> Array:
     """``cp_comm_type="a2a"`` (DeepSpeed-Ulysses, Jacobs et al. 2023; Megatron-Core's
     ``a2a``): an all-to-all turns the sequence split into a head split (``[b, 2c, n, d]`` ->
     ``[b, s, n / cp, d]``), each rank attends its heads over the whole sequence (causal by
-    position ids), and a second all-to-all turns the result back. Shapes as
-    :func:`ring_attention`; ``nq`` and ``nkv`` (per tensor rank) must be divisible by
-    ``axis_size`` (ValueError otherwise)."""
+    sequence positions, within segments: both all-gathered), and a second all-to-all turns
+    the result back. Shapes as :func:`ring_attention`; ``nq`` and ``nkv`` (per tensor rank)
+    must be divisible by ``axis_size`` (ValueError otherwise)."""
     if axis_size == 1:
-        out, _ = attention_block(q, k, v, positions, positions)
+        out, _ = attention_block(q, k, v, positions, positions, segments, segments)
         return out.astype(q.dtype)
     if q.shape[2] % axis_size or k.shape[2] % axis_size:
         raise ValueError(f"cp_comm_type='a2a' splits heads over {axis_size} context ranks: {q.shape[2]} query "
@@ -265,9 +330,11 @@ def a2a_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str
         return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
     full = jax.lax.all_gather(positions, axis_name, axis=1, tiled=True)
-    out, _ = attention_block(to_heads(q), to_heads(k), to_heads(v), full, full)
+    full_segments = _gathered_segments(segments, axis_name, axis_size)
+    out, _ = attention_block(to_heads(q), to_heads(k), to_heads(v), full, full, full_segments, full_segments)
     out = jax.lax.all_to_all(out.astype(q.dtype), axis_name, split_axis=1, concat_axis=2, tiled=True)
     return out
 
 
+# cp_comm_type -> (q, k, v, positions, axis_name, axis_size, segments=None) -> out
 CP_ATTENTIONS = {"p2p": ring_attention, "all_gather": all_gather_attention, "a2a": a2a_attention}

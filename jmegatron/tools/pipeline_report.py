@@ -90,7 +90,7 @@ def analyze(cfg, mesh, name: str, num_microbatches: int, virtual_size: int) -> d
     schedule = build_schedule(name, p, m, v)
     rows = run.global_batch_size // m
     batch = {k: jax.ShapeDtypeStruct((m, rows, c.seq_length), jnp.float32 if k == "loss_mask" else jnp.int32,
-                                     sharding=sh) for k, sh in batch_shardings(run.mesh).items()}
+                                     sharding=sh) for k, sh in batch_shardings(run.mesh, c.reset_attention_mask).items()}
     compiled = run.train_step.lower(run.abstract_with_shardings(), batch, *run.extra_args).compile()
     permutes = [x for x in parse_collectives(compiled.as_text(), run.mesh) if x.kind == "collective-permute"]
     other_axes = sorted({",".join(x.axes) for x in permutes if x.axes != ("pipeline",)})

@@ -34,7 +34,8 @@ class ForwardStep:
     with its ``loss_func``), for :func:`jmegatron.training.step.make_train_step`.
 
     ``loss_fn(params, micro, rng, num_tokens, extra, data_sum) -> (loss, report)``: the
-    unpipelined micro-batch loss (interface in ``make_train_step``).
+    unpipelined micro-batch loss (interface in ``make_train_step``; ``micro`` holds
+    ``segment_ids`` under ``reset_attention_mask``, which the model must receive).
     ``pipeline_stages(ctx: StageContext) -> {"embed", "chunk", "head", "activation",
     "report_zeros"}``: the same computation cut into pipeline stages
     (:func:`jmegatron.parallel.schedules.run_schedule`); None when the provider cannot
@@ -95,6 +96,7 @@ def lm_loss_fn(model) -> Callable:
     def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
         out = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
                           deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"],
+                          segment_ids=micro.get("segment_ids"),
                           mutable=list(MOE_COLLECTIONS) if moe is not None else False)
         logits, sown = out if moe is not None else (out, {})
         total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
@@ -184,7 +186,7 @@ def lm_pipeline_stages(ctx: StageContext) -> dict:
         layers, first, count = ctx.chunk_layers(prm["decoder_layers"], ci, c.num_layers)
         out = apply_layers(c, layers, x, micro["position_ids"], first_layer=first, num_valid=count,
                            deterministic=False, rng=ctx.rng, sample_offset=ctx.sample_offset(micro),
-                           dot_general=dot_general, moe_sown=moe)
+                           dot_general=dot_general, moe_sown=moe, segment_ids=micro.get("segment_ids"))
         if not moe:
             return out, None
         y, sown = out

@@ -64,7 +64,7 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
         data_path=data_path, split=cfg.split, train_valid_test_num_samples=num_samples,
         seq_length=cfg.seq_length, seed=cfg.seed, eod_id=eod, mock=cfg.mock_data,
         vocab_size=vocab_size_of(cfg), eod_mask_loss=cfg.eod_mask_loss,
-        reset_position_ids=cfg.reset_position_ids)
+        reset_position_ids=cfg.reset_position_ids, reset_attention_mask=cfg.reset_attention_mask)
     if not cfg.variable_data:
         return splits
     from jmegatron.data.gpt_variable_dataset import GPTVariableDataset

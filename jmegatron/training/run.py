@@ -81,15 +81,21 @@ class Run:
         process holds the same global batch and contributes its addressable shards.
         Under context parallelism a training batch (``train``) is first put in Megatron's
         load-balanced sequence order (:func:`jmegatron.parallel.context_parallel.load_balance_index`:
-        tokens, labels, loss mask and position ids together); the eval step takes the
-        sequence in its own order (``train=False``)."""
+        tokens, labels, loss mask, position ids and segment ids together); the eval step takes
+        the sequence in its own order (``train=False``). Raises ValueError when the batch's
+        ``segment_ids`` key does not match ``cfg.reset_attention_mask``."""
+        if ("segment_ids" in batch) != self.cfg.reset_attention_mask:
+            raise ValueError(f"config.reset_attention_mask={self.cfg.reset_attention_mask} but the batch "
+                             f"{'has' if 'segment_ids' in batch else 'has no'} segment_ids: build the datasets "
+                             f"with reset_attention_mask=cfg.reset_attention_mask (jmegatron.training.loop."
+                             f"build_datasets does)")
         cp = self.mesh.shape.get(rules_lib.CONTEXT_AXIS, 1)
         if train and cp > 1:
             from jmegatron.parallel.context_parallel import load_balance_index
 
             index = load_balance_index(next(iter(batch.values())).shape[-1], cp)
             batch = {k: np.asarray(v)[..., index] for k, v in batch.items()}
-        shardings = step_lib.batch_shardings(self.mesh)
+        shardings = step_lib.batch_shardings(self.mesh, self.cfg.reset_attention_mask)
         return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
                 for k, v in batch.items()}
 
@@ -157,10 +163,11 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
                                        fwd.extra_shardings, cfg.log_num_zeros_in_grad, pipeline,
                                        fwd.pipeline_stages if pipeline else None,
                                        cfg.pipeline_layout() if pipeline else None, fwd.buffers)
-    train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings)
+    train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings, cfg.reset_attention_mask)
     # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
     canonical = pipeline_layout.gather_index(cfg.pipeline_layout(), pipeline_layout.PipelineLayout(cfg.num_layers))
-    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules, canonical), mesh, shardings.params)
+    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules, canonical), mesh, shardings.params,
+                                       cfg.reset_attention_mask)
     return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
                num_microbatches=num_micro, global_batch_size=gbs, num_microbatches_calculator=calculator,
                abstract_state=abstract, state_shardings=shardings, grad_shardings=grad_shardings,

@@ -1,7 +1,8 @@
 """The jitted train and eval steps: pure functions of (state, batch).
 
 A batch is a dict of arrays ``[num_microbatches, micro_batch_size * dp, seq_length]``
-(``tokens``, ``labels``, ``position_ids`` int32; ``loss_mask`` float32), the batch
+(``tokens``, ``labels``, ``position_ids`` int32; ``loss_mask`` float32; under
+``reset_attention_mask`` also ``segment_ids`` int32, the document of each token), the batch
 axis sharded over the data axis. Gradients accumulate over micro-batches in a
 ``lax.scan`` inside the jit (Megatron's forward_backward_no_pipelining); nothing in the
 step synchronises with the host.
@@ -227,8 +228,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         if z else spec, zero1, grad_specs, param_shardings, zero_axes, is_leaf=lambda x: isinstance(x, tuple))
     sharded_grads = jax.shard_map(
         local_grads, mesh=mesh, axis_names=set(manual), check_vma=not single,
-        in_specs=(param_specs, {k: batch_spec for k in ("tokens", "labels", "loss_mask", "position_ids")},
-                  PartitionSpec(), extra_specs),
+        in_specs=(param_specs, batch_spec, PartitionSpec(), extra_specs),  # batch_spec: every key
         out_specs=(out_grad_specs, PartitionSpec(), PartitionSpec()))
 
     # The ZeRO-1 reduce-scatter runs with every mesh axis manual: inside the data-only
@@ -323,7 +323,7 @@ def make_eval_step(model: nn.Module, rules: Sequence = rules_lib.DEFAULT_RULES, 
         def body(carry, micro):
             with nn.logical_axis_rules(list(rules)):
                 logits = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
-                                     deterministic=True)
+                                     deterministic=True, segment_ids=micro.get("segment_ids"))
             total, count = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
             return (carry[0] + total, carry[1] + count), None
 
@@ -333,20 +333,24 @@ def make_eval_step(model: nn.Module, rules: Sequence = rules_lib.DEFAULT_RULES, 
     return step
 
 
-def batch_shardings(mesh: Mesh) -> Batch:
+def batch_shardings(mesh: Mesh, segment_ids: bool = False) -> Batch:
     """NamedShardings for a batch: ``[num_micro, batch, seq]`` with batch over data (and
     expert, under expert parallelism: :func:`jmegatron.parallel.rules.batch_axes`), the
-    sequence over context under context parallelism."""
+    sequence over context under context parallelism. ``segment_ids``: the batch carries
+    that key too (``reset_attention_mask``)."""
     cp = mesh.shape.get(rules_lib.CONTEXT_AXIS, 1)
     spec = PartitionSpec(None, rules_lib.batch_axes(mesh.shape.get(rules_lib.EXPERT_AXIS, 1)),
                          rules_lib.CONTEXT_AXIS if cp > 1 else None)
     s = NamedSharding(mesh, spec)
-    return {"tokens": s, "labels": s, "loss_mask": s, "position_ids": s}
+    out = {"tokens": s, "labels": s, "loss_mask": s, "position_ids": s}
+    return dict(out, segment_ids=s) if segment_ids else out
 
 
-def jit_train_step(step_fn, mesh: Mesh, state_shardings: TrainState, extra_shardings: Any = None):
-    """jit with the state donated and laid out by ``state_shardings``."""
-    in_shardings = (state_shardings, batch_shardings(mesh))
+def jit_train_step(step_fn, mesh: Mesh, state_shardings: TrainState, extra_shardings: Any = None,
+                   segment_ids: bool = False):
+    """jit with the state donated and laid out by ``state_shardings``; ``segment_ids``: the
+    batch has that key (:func:`batch_shardings`)."""
+    in_shardings = (state_shardings, batch_shardings(mesh, segment_ids))
     if extra_shardings is not None:
         in_shardings += (extra_shardings,)
     return jax.jit(step_fn, in_shardings=in_shardings,
@@ -354,7 +358,8 @@ def jit_train_step(step_fn, mesh: Mesh, state_shardings: TrainState, extra_shard
                    donate_argnums=(0,))
 
 
-def jit_eval_step(step_fn, mesh: Mesh, param_shardings: Any):
-    """jit the eval step with the parameters laid out by ``param_shardings``."""
-    return jax.jit(step_fn, in_shardings=(param_shardings, batch_shardings(mesh)),
+def jit_eval_step(step_fn, mesh: Mesh, param_shardings: Any, segment_ids: bool = False):
+    """jit the eval step with the parameters laid out by ``param_shardings``; ``segment_ids``:
+    the batch has that key (:func:`batch_shardings`)."""
+    return jax.jit(step_fn, in_shardings=(param_shardings, batch_shardings(mesh, segment_ids)),
                    out_shardings=NamedSharding(mesh, PartitionSpec()))
