@@ -54,7 +54,7 @@ def test_block_merge_equals_whole_attention():
     np.testing.assert_allclose(out, whole, rtol=1e-5, atol=1e-6)
 
 
-def _ring(cp, q, k, v, kind="p2p"):
+def _ring(cp, q, k, v, kind="p2p", block="xla"):
     """Context-parallel attention (``kind``: a cp_comm_type) over a cp-device context mesh of
     the load-balanced layout, returned in the original order."""
     b, s = q.shape[:2]
@@ -63,13 +63,17 @@ def _ring(cp, q, k, v, kind="p2p"):
     mesh = Mesh(np.array(jax.devices()[:cp]), ("context",))
     pos = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b, s))
     spec = P(None, "context")
-    fn = jax.shard_map(functools.partial(cpl.CP_ATTENTIONS[kind], axis_name="context", axis_size=cp), mesh=mesh,
+    fn = jax.shard_map(functools.partial(cpl.CP_ATTENTIONS[kind], axis_name="context", axis_size=cp, block=block),
+                       mesh=mesh,
                        in_specs=(spec, spec, spec, spec), out_specs=spec)
     return fn(q[:, index], k[:, index], v[:, index], pos)[:, inverse]
 
 
+@pytest.mark.parametrize("block", ["xla", "cpu"])
 @pytest.mark.parametrize("cp,kind", [(2, "p2p"), (4, "p2p"), (4, "all_gather"), (2, "a2a")])
-def test_context_parallel_attention_equals_one_device(cp, kind):
+def test_context_parallel_attention_equals_one_device(cp, kind, block):
+    """Values and q/k/v gradients of every cp attention with each block kernel (XLA's, the
+    CPU kernel's block forms) equal xla_attention on the whole sequence."""
     rs = np.random.RandomState(cp)
     b, s, nq, nkv, d = 2, 32, 4, 2, 8
     q, k, v = (jnp.asarray(rs.randn(b, s, n, d).astype(np.float32)) for n in (nq, nkv, nkv))
@@ -78,15 +82,15 @@ def test_context_parallel_attention_equals_one_device(cp, kind):
     def loss(f, q, k, v):
         return jnp.sum(f(q, k, v) * w)
 
-    ring = jax.jit(jax.value_and_grad(functools.partial(loss, functools.partial(_ring, cp, kind=kind)),
+    ring = jax.jit(jax.value_and_grad(functools.partial(loss, functools.partial(_ring, cp, kind=kind, block=block)),
                                       argnums=(0, 1, 2)))
     ref = jax.value_and_grad(functools.partial(loss, xla_attention), argnums=(0, 1, 2))
     (got, got_g), (want, want_g) = ring(q, k, v), ref(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    np.testing.assert_allclose(_ring(cp, q, k, v, kind), xla_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_ring(cp, q, k, v, kind, block), xla_attention(q, k, v), rtol=1e-5, atol=1e-6)
     for a, e in zip(got_g, want_g):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
-    hlo = jax.jit(functools.partial(_ring, cp, kind=kind)).lower(q, k, v).as_text()
+    hlo = jax.jit(functools.partial(_ring, cp, kind=kind, block=block)).lower(q, k, v).as_text()
     op = {"p2p": "collective_permute", "all_gather": "all_gather", "a2a": "all_to_all"}[kind]
     assert op in hlo
 
@@ -140,6 +144,8 @@ CP_CASES = [  # (context_parallel_size, devices, model, other fields)
     (2, 4, {}, dict(tensor_model_parallel_size=2, sequence_parallel=True)),  # cp2 x tp2 + SP
     (4, 8, {}, dict(scan_layers=True)),  # cp4 x dp2, scanned layers
     (2, 4, LLAMA, dict(hidden_dropout=0.1)),  # cp2 x dp2: the one-device dropout masks
+    (2, 4, LLAMA, dict(recompute_granularity="full", scan_layers=True)),  # activation recomputation
+    (2, 2, {}, dict(recompute_granularity="selective")),
 ]
 
 

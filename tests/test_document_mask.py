@@ -8,6 +8,7 @@ equal the one-device model's; ``reset_position_ids`` alone under cp equals one d
 causal order is the sequence's, not the position ids'); and ``python -m jmegatron.train``
 trains on packed Shakespeare speeches."""
 
+import itertools
 import json
 
 import jax
@@ -67,15 +68,17 @@ def build_run(cfg, devices=1):
 
 
 # ------------------------------------------------------------------ the model alone
-@pytest.mark.parametrize("model", [{}, LLAMA], ids=["gpt", "llama"])
-def test_packed_documents_equal_documents_run_alone(model):
+@pytest.mark.parametrize("model,impl", [({}, "xla"), (LLAMA, "xla"), (LLAMA, "cpu")],
+                         ids=["gpt-xla", "llama-xla", "llama-cpu_kernel"])
+def test_packed_documents_equal_documents_run_alone(model, impl):
     """Logits of every document of a packed row equal that document's logits run alone
     (positions from 0); the train step's loss and gradients (and the eval step's loss) on the
     packed batch equal the token sums over the documents run alone, divided by the batch's
     tokens. The documents run alone are one batch, a row each, right-padded (causal attention:
     padding after a document changes none of its logits; its loss mask is 0)."""
     seq = 32
-    cfg = small_cfg(**model, **DOCMASK, seq_length=seq, micro_batch_size=2, global_batch_size=2)
+    cfg = small_cfg(**model, **dict(DOCMASK, attention_impl=impl), seq_length=seq, micro_batch_size=2,
+                    global_batch_size=2)
     run = build_run(cfg)
     params = run.init_state().params
     host = packed_rows([[11, 7, 15], [5, 20, 8]], seed=1)  # 33 = seq + 1: the last EOD is a label only
@@ -195,8 +198,8 @@ def test_reset_position_ids_alone_under_cp_equals_one_device():
 
 
 def test_context_parallel_attentions_with_segments_equal_xla_attention():
-    """The cp attentions alone (values and q/k/v gradients, cp 4, GQA) against xla_attention
-    with the same segments, in the original order."""
+    """The cp attentions alone (values and q/k/v gradients, cp 4, GQA), with XLA's and the CPU
+    kernel's block forms, against xla_attention with the same segments, in the original order."""
     from jax.sharding import Mesh, PartitionSpec as P
 
     from jmegatron.models.attention import xla_attention
@@ -214,18 +217,18 @@ def test_context_parallel_attentions_with_segments_equal_xla_attention():
     spec = P(None, "context")
     ref = jax.value_and_grad(lambda q, k, v: jnp.sum(xla_attention(q, k, v, segment_ids=seg) * w), argnums=(0, 1, 2))
     want, want_g = ref(q, k, v)
-    for kind, fn in cpl.CP_ATTENTIONS.items():
-        sharded = jax.shard_map(lambda q, k, v, p, sg, fn=fn: fn(q, k, v, p, "context", cp, sg), mesh=mesh,
-                                in_specs=(spec,) * 5, out_specs=spec)
+    for (kind, fn), block in itertools.product(cpl.CP_ATTENTIONS.items(), ("xla", "cpu")):
+        sharded = jax.shard_map(lambda q, k, v, p, sg, fn=fn, block=block: fn(q, k, v, p, "context", cp, sg, block),
+                                mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
 
         def loss(q, k, v):
             out = sharded(q[:, index], k[:, index], v[:, index], pos, seg[:, index])[:, inverse]
             return jnp.sum(out * w)
 
         got, got_g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
-        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=kind)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{kind} {block}")
         for a, e in zip(got_g, want_g):
-            np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=kind)
+            np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=f"{kind} {block}")
 
 
 # ------------------------------------------------------------------ the CLI

@@ -86,15 +86,8 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, dropout_rate: float =
 def cpu_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array] = None, **kwargs) -> Array:
     """The CPU attention kernel (:func:`jmegatron.kernels.cpu.ops.cpu_attention`), same
     signature, dropout masks and document mask as :func:`xla_attention`."""
-    import inspect
-
     from jmegatron.kernels.cpu.ops import cpu_attention as kernel
-    if segment_ids is not None:
-        if "segment_ids" not in inspect.signature(kernel).parameters:  # a kernel built before document masking
-            raise ValueError("attention_impl='cpu': this CPU attention kernel has no document mask "
-                             "(config.reset_attention_mask); set config.attention_impl='xla'")
-        return kernel(q, k, v, segment_ids=segment_ids, **kwargs)
-    return kernel(q, k, v, **kwargs)
+    return kernel(q, k, v, segment_ids=segment_ids, **kwargs)
 
 
 CORE_ATTENTIONS: dict[str, CoreAttention] = {
@@ -237,8 +230,10 @@ class SelfAttention(nn.Module):
             # the slots' sequence positions, not position_ids (which restart per document
             # under reset_position_ids): the causal order is the sequence's
             seq_positions = jnp.broadcast_to(context_positions(s), (b, s))
+            # the CPU kernel's block forms where the kernel runs (float32), else XLA's blocks
+            block = "cpu" if self.core_attention == "cpu" and q.dtype == jnp.float32 else "xla"
             out = CP_ATTENTIONS[self.cp_comm_type](q, k, v, seq_positions, CONTEXT_AXIS,
-                                                   _manual_axis_size(CONTEXT_AXIS), segment_ids)
+                                                   _manual_axis_size(CONTEXT_AXIS), segment_ids, block)
         else:
             out = self._core(q, k, v, deterministic, sample_offset, segment_ids)
         out = nn.with_logical_constraint(out, ("batch", "length", "activation_heads", "activation_kv"))

@@ -160,6 +160,54 @@ def _block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: A
     return dq, dk, dv
 
 
+def block_kernels(block: str):
+    """``(attention_block, block_grads)`` of a block kernel: ``"xla"`` (:func:`attention_block`,
+    :func:`_block_grads`) or ``"cpu"`` (the CPU attention kernel's block forms,
+    :func:`jmegatron.kernels.cpu.ops.cpu_attention_block` / ``cpu_block_grads``: tiled, fully
+    masked key tiles skipped, no ``[sq, sk]`` scores in memory; float32 only). Raises
+    ValueError for another name."""
+    if block == "xla":
+        return attention_block, _block_grads
+    if block == "cpu":
+        from jmegatron.kernels.cpu.ops import cpu_attention_block, cpu_block_grads
+        return cpu_attention_block, cpu_block_grads
+    raise ValueError(f"block={block!r}: choose 'xla' or 'cpu'")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _kernel_attention(q, k, v, q_positions, k_positions, q_segments, k_segments, block):
+    """Differentiable ``attention_block(...)[0]`` in q's dtype by the ``block`` kernel
+    (:func:`block_kernels`), its backward FlashAttention's from the saved log-sum-exp: what
+    the all_gather and a2a attentions use with the CPU kernel."""
+    out, _ = block_kernels(block)[0](q, k, v, q_positions, k_positions, q_segments, k_segments)
+    return out.astype(q.dtype)
+
+
+def _kernel_attention_fwd(q, k, v, q_positions, k_positions, q_segments, k_segments, block):
+    out, lse = block_kernels(block)[0](q, k, v, q_positions, k_positions, q_segments, k_segments)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, q_positions, k_positions, q_segments, k_segments, out, lse)
+
+
+def _kernel_attention_bwd(block, res, dout):
+    q, k, v, q_positions, k_positions, q_segments, k_segments, out, lse = res
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    dq, dk, dv = block_kernels(block)[1](q, k, v, dout.astype(jnp.float32), lse, delta, q_positions, k_positions,
+                                         q_segments, k_segments)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+def _attend(q, k, v, q_positions, k_positions, q_segments, k_segments, block):
+    """Whole-block attention in q's dtype: autodiff through :func:`attention_block` for
+    ``"xla"``, :func:`_kernel_attention` for ``"cpu"``."""
+    if block == "xla":
+        return attention_block(q, k, v, q_positions, k_positions, q_segments, k_segments)[0].astype(q.dtype)
+    return _kernel_attention(q, k, v, q_positions, k_positions, q_segments, k_segments, block)
+
+
 def _gathered_segments(segments: Optional[Array], axis_name: str, cp: int) -> Optional[Array]:
     """int ``[b, s]``: every rank's segment ids in slot order (rank-major), or None. Every rank
     knows the whole sequence's document layout, as Transformer Engine's THD attention takes the
@@ -179,10 +227,11 @@ def _block_segments(all_segments: Optional[Array], source: Array, width: int) ->
     return jax.lax.dynamic_slice_in_dim(all_segments, source * width, width, axis=1)
 
 
-def _ring_forward(q, k, v, positions, axis_name, cp, segments=None):
+def _ring_forward(q, k, v, positions, axis_name, cp, segments=None, block="xla"):
     """(out float32, lse) of the forward ring (see :func:`ring_attention`)."""
+    block_fwd, _ = block_kernels(block)
     # step 0: the local causal block
-    out, lse = attention_block(q, k, v, positions, positions, segments, segments)
+    out, lse = block_fwd(q, k, v, positions, positions, segments, segments)
     if cp == 1:
         return out, lse
     rank = jax.lax.axis_index(axis_name)
@@ -197,11 +246,11 @@ def _ring_forward(q, k, v, positions, axis_name, cp, segments=None):
         bseg = _block_segments(all_segments, (rank - step) % cp, 2 * c)
 
         def earlier(bk=bk, bv=bv, bseg=bseg):  # both local chunks see the block's first chunk only
-            return attention_block(q, bk[:, :c], bv[:, :c], None, None, segments,
+            return block_fwd(q, bk[:, :c], bv[:, :c], None, None, segments,
                                    None if bseg is None else bseg[:, :c])
 
         def later(bk=bk, bv=bv, bseg=bseg):  # only the second local chunk sees it, whole
-            o, l = attention_block(q[:, c:], bk, bv, None, None, q_seg2, bseg)
+            o, l = block_fwd(q[:, c:], bk, bv, None, None, q_seg2, bseg)
             return (jnp.concatenate([jnp.zeros_like(o), o], axis=1),
                     jnp.concatenate([jnp.full_like(l, -jnp.inf), l], axis=1))
 
@@ -211,9 +260,9 @@ def _ring_forward(q, k, v, positions, axis_name, cp, segments=None):
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 7))
 def ring_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int,
-                   segments: Optional[Array] = None) -> Array:
+                   segments: Optional[Array] = None, block: str = "xla") -> Array:
     """Causal attention of this rank's load-balanced sequence shard against the whole
     sequence, inside ``shard_map`` with ``axis_name`` (the ``context`` axis, size
     ``axis_size``) manual (``cp_comm_type="p2p"``).
@@ -232,19 +281,21 @@ def ring_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: st
     log-sum-exp, and one last hop brings dK/dV home: memory stays at one block, not the
     whole sequence's K/V that autodiff through the ring would keep. The segment ids of the
     blocks come from one all-gather of ``segments`` (:func:`_gathered_segments`).
+    ``block``: the block kernel (:func:`block_kernels`), ``"xla"`` or ``"cpu"`` (float32).
     """
-    out, _ = _ring_forward(q, k, v, positions, axis_name, axis_size, segments)
+    out, _ = _ring_forward(q, k, v, positions, axis_name, axis_size, segments, block)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, positions, axis_name, axis_size, segments=None):
-    out, lse = _ring_forward(q, k, v, positions, axis_name, axis_size, segments)
+def _ring_fwd(q, k, v, positions, axis_name, axis_size, segments=None, block="xla"):
+    out, lse = _ring_forward(q, k, v, positions, axis_name, axis_size, segments, block)
     out = out.astype(q.dtype)
     return out, (q, k, v, positions, segments, out, lse)
 
 
-def _ring_bwd(axis_name, cp, res, dout):
+def _ring_bwd(axis_name, cp, block, res, dout):
     q, k, v, positions, segments, out, lse = res
+    block_grads = block_kernels(block)[1]
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     # The recomputed scores must not start before the backward: otherwise XLA's scheduler
     # hoists every layer's dout-independent recompute (q k^T and its exp) into the forward
@@ -254,7 +305,7 @@ def _ring_bwd(axis_name, cp, res, dout):
     # jax.lax.optimization_barrier does not survive XLA:CPU's pipeline (tried).
     tie = (jnp.sum(delta) * 0.0).astype(q.dtype)
     q, k = q + tie, k + tie.astype(k.dtype)
-    dq, dk, dv = _block_grads(q, k, v, dout, lse, delta, positions, positions, segments, segments)
+    dq, dk, dv = block_grads(q, k, v, dout, lse, delta, positions, positions, segments, segments)
     if cp > 1:
         rank = jax.lax.axis_index(axis_name)
         c = q.shape[1] // 2
@@ -274,13 +325,13 @@ def _ring_bwd(axis_name, cp, res, dout):
             bseg = _block_segments(all_segments, (rank - step) % cp, 2 * c)
 
             def earlier(bk=bk, bv=bv, bseg=bseg):
-                gq, gk, gv = _block_grads(q, bk[:, :c], bv[:, :c], dout, lse, delta, None, None, segments,
+                gq, gk, gv = block_grads(q, bk[:, :c], bv[:, :c], dout, lse, delta, None, None, segments,
                                           None if bseg is None else bseg[:, :c])
                 pad = jnp.zeros_like(gk)
                 return gq, jnp.concatenate([gk, pad], axis=1), jnp.concatenate([gv, pad], axis=1)
 
             def later(bk=bk, bv=bv, bseg=bseg):
-                gq, gk, gv = _block_grads(q[:, c:], bk, bv, dout[:, c:], lse[:, c:], delta[:, c:], None, None,
+                gq, gk, gv = block_grads(q[:, c:], bk, bv, dout[:, c:], lse[:, c:], delta[:, c:], None, None,
                                           q_seg2, bseg)
                 return jnp.concatenate([jnp.zeros_like(gq), gq], axis=1), gk, gv
 
@@ -296,32 +347,31 @@ ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
 def all_gather_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int,
-                         segments: Optional[Array] = None) -> Array:
+                         segments: Optional[Array] = None, block: str = "xla") -> Array:
     """``cp_comm_type="all_gather"`` (Megatron-Core's ``all_gather`` CP: K/V all-gathered,
     queries local), inside ``shard_map`` with ``axis_name`` manual. Shapes as
     :func:`ring_attention`; the causal mask comes from the gathered sequence positions (and
     segment ids), so the load-balanced order needs nothing else. The backward
     reduce-scatters dK/dV (the all-gather's transpose). Every rank holds the whole
-    sequence's K/V."""
+    sequence's K/V. ``block``: the block kernel (:func:`block_kernels`)."""
     k_positions, k_segments = positions, segments
     if axis_size > 1:
         k, v, k_positions = (jax.lax.all_gather(a, axis_name, axis=1, tiled=True) for a in (k, v, positions))
         k_segments = _gathered_segments(segments, axis_name, axis_size)
-    out, _ = attention_block(q, k, v, positions, k_positions, segments, k_segments)
-    return out.astype(q.dtype)
+    return _attend(q, k, v, positions, k_positions, segments, k_segments, block)
 
 
 def a2a_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int,
-                  segments: Optional[Array] = None) -> Array:
+                  segments: Optional[Array] = None, block: str = "xla") -> Array:
     """``cp_comm_type="a2a"`` (DeepSpeed-Ulysses, Jacobs et al. 2023; Megatron-Core's
     ``a2a``): an all-to-all turns the sequence split into a head split (``[b, 2c, n, d]`` ->
     ``[b, s, n / cp, d]``), each rank attends its heads over the whole sequence (causal by
     sequence positions, within segments: both all-gathered), and a second all-to-all turns
     the result back. Shapes as :func:`ring_attention`; ``nq`` and ``nkv`` (per tensor rank)
-    must be divisible by ``axis_size`` (ValueError otherwise)."""
+    must be divisible by ``axis_size`` (ValueError otherwise). ``block``: the block kernel
+    (:func:`block_kernels`)."""
     if axis_size == 1:
-        out, _ = attention_block(q, k, v, positions, positions, segments, segments)
-        return out.astype(q.dtype)
+        return _attend(q, k, v, positions, positions, segments, segments, block)
     if q.shape[2] % axis_size or k.shape[2] % axis_size:
         raise ValueError(f"cp_comm_type='a2a' splits heads over {axis_size} context ranks: {q.shape[2]} query "
                          f"and {k.shape[2]} key/value heads per rank must be divisible by it")
@@ -331,10 +381,10 @@ def a2a_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str
 
     full = jax.lax.all_gather(positions, axis_name, axis=1, tiled=True)
     full_segments = _gathered_segments(segments, axis_name, axis_size)
-    out, _ = attention_block(to_heads(q), to_heads(k), to_heads(v), full, full, full_segments, full_segments)
-    out = jax.lax.all_to_all(out.astype(q.dtype), axis_name, split_axis=1, concat_axis=2, tiled=True)
+    out = _attend(to_heads(q), to_heads(k), to_heads(v), full, full, full_segments, full_segments, block)
+    out = jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True)
     return out
 
 
-# cp_comm_type -> (q, k, v, positions, axis_name, axis_size, segments=None) -> out
+# cp_comm_type -> (q, k, v, positions, axis_name, axis_size, segments=None, block="xla") -> out
 CP_ATTENTIONS = {"p2p": ring_attention, "all_gather": all_gather_attention, "a2a": a2a_attention}
