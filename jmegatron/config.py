@@ -475,7 +475,6 @@ class JMegatronConfig:
                               f"context_parallel_size={cp}: only the 'hash' masks follow the load-balanced "
                               f"sequence slots; set dropout_impl='hash'.")
         unbuilt = (("pipeline_model_parallel_size", self.pipeline_model_parallel_size > 1, "1"),
-                   ("num_moe_experts", self.num_moe_experts is not None, "None"),
                    ("use_megatron_fsdp", self.use_megatron_fsdp, "False"),
                    ("attention_impl", self.attention_impl == "cpu", "'auto' (the ring's XLA block kernel)"))
         for name, on, fix in unbuilt:

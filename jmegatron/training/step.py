@@ -124,12 +124,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     is_none = lambda x: x is None  # noqa: E731
     is_expert = jax.tree.map(lambda s: expert in {a for e in s.spec for a in rules_lib.entry_axes(e)},
                              param_shardings)
-    # ZeRO-1: the manual axes of size > 1 a gradient is reduce-scattered over (data, and
-    # expert for dense leaves under expert parallelism: parallel/distributed_optimizer.py)
-    def zero_group(s):  # the data / expert axes of the dimension ZeRO-1 added
+    # ZeRO-1: the manual axes of size > 1 a gradient is reduce-scattered over (data, expert
+    # for dense leaves under expert parallelism, context under context parallelism: Megatron's
+    # data-parallel group with context parallelism; parallel/distributed_optimizer.py)
+    def zero_group(s):  # the data / expert / context axes of the dimension ZeRO-1 added
         d = data_dim(s)
         on = set() if d is None else set(rules_lib.entry_axes(s.spec[d]))
-        return tuple(a for a in (axis, expert) if a in on and mesh.shape.get(a, 1) > 1)
+        return tuple(a for a in (axis, expert, context) if a in on and mesh.shape.get(a, 1) > 1)
 
     zero_axes = jax.tree.map(zero_group, grad_shardings)
 
@@ -201,8 +202,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                 accumulate, (zeros, report0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
 
         def reduce(g, pd, gd, ex, zax):
-            if cp > 1:  # every parameter is replicated over the context ranks
-                g = jax.lax.psum(g, context)
+            if cp > 1 and context not in zax:  # every parameter is replicated over the context ranks
+                g = jax.lax.psum(g, context)  # (ZeRO-1 over context: in the reduce-scatter below)
             if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose
                 return g
             if not ex and ep > 1 and expert not in zax:  # dense: the expert ranks are data ranks too
