@@ -13,6 +13,7 @@ simulated devices, float32, against the unsplit sequence:
   rank by Megatron's definition (the expert ranks split the batch), so it equals ep2 alone.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -168,3 +169,31 @@ def test_moe_seq_aux_loss_under_cp2_ep2_equals_ep2():
     np.testing.assert_array_equal(r["moe_tokens_per_expert"], r2["moe_tokens_per_expert"])
     assert r2["seq_load_balancing_loss"] > 0
     assert_close(g, g2)
+
+
+@pytest.mark.parametrize("devices,extra", [(4, {}), (4, dict(expert_model_parallel_size=2))],
+                         ids=["moe-cp2-dp2-zero1", "moe-cp2-ep2-zero1"])
+def test_zero1_state_over_data_and_context_is_the_theory(devices, extra):
+    """The optimizer state's per-device bytes from the run's shardings (experts over data x
+    context, the dense leaves over data x expert x context) equal
+    training/memory.py's ZeRO-1 theory, which divides by the context ranks too."""
+    import math
+
+    from jmegatron.training import memory as memory_lib
+
+    cfg = moe_cfg(context_parallel_size=2, use_distributed_optimizer=True, micro_batch_size=2,
+                  moe_token_dispatcher_type="allgather", **extra)
+    run = build_on(cfg, devices)
+    sh = run.state_shardings.opt_state
+    leaves = jax.tree_util.tree_leaves_with_path(sh)
+    expert_fc2 = [s for path, s in leaves if "experts" in jax.tree_util.keystr(path)][0]
+    assert {"data", "context"} <= axes_of(expert_fc2)
+    state_bytes = sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+                      for a, s in zip(jax.tree.leaves(run.abstract_state.opt_state), jax.tree.leaves(sh)))
+    layout = memory_lib.ParallelLayout.from_config(cfg, run.mesh.shape["data"])
+    theory = memory_lib.weight_and_optimizer_memory(cfg, run.padded_vocab_size, layout).optimizer_state
+    assert state_bytes == pytest.approx(theory, abs=16)  # Adam's two step counts (int32) beside the moments
+    if not extra:  # every leaf over the data x context group of 4
+        unsharded = memory_lib.weight_and_optimizer_memory(cfg, run.padded_vocab_size, dataclasses.replace(
+            layout, use_distributed_optimizer=False)).optimizer_state
+        assert theory == pytest.approx(unsharded / 4)

@@ -17,8 +17,9 @@ Two bookkeepings of the model state:
 * jmegatron's (:func:`weight_and_optimizer_memory`): float32 master parameters (also with
   ``bf16``, which only casts the compute), a float32 gradient accumulator of the full
   (tensor-sharded) parameter size, and AdamW's two float32 moments: 16 bytes per
-  parameter. The distributed optimizer (ZeRO-1) shards the moments over data
-  (``4 + 4 + 8 / dp``); FSDP shards all three (``16 / dp``) for the parameters with a
+  parameter. The distributed optimizer (ZeRO-1) shards the moments over data, and over
+  context too under context parallelism (Megatron's data-parallel group with context
+  parallelism: ``4 + 4 + 8 / (dp cp)``); FSDP shards all three (``16 / dp``) for the parameters with a
   hidden axis. Parameters the model keeps replicated over the tensor axis (norms, the
   row-parallel biases, position embeddings) are not divided by ``tp``
   (:func:`parameter_classes`).
@@ -331,12 +332,17 @@ def weight_and_optimizer_memory(cfg: JMegatronConfig, padded_vocab_size: int,
     With expert parallelism the distributed optimizer divides the routed experts' moments
     by ``dp`` (their expert-data-parallel group, jmegatron's ``data`` axis) and the rest by
     Megatron's data-parallel size ``dp * ep`` (Megatron's ``DistributedOptimizer`` with
-    its expert-data-parallel buffers)."""
+    its expert-data-parallel buffers). Under context parallelism both groups include the
+    ``cp`` context ranks (Megatron shards over ``get_data_parallel_group(with_context_parallel=True)``;
+    jmegatron.parallel.distributed_optimizer): ``/ (dp cp)`` and ``/ (dp ep cp)``. Megatron's
+    own ``theoretical_memory_usage.py`` divides by its ``data_parallel_size`` alone, which
+    excludes cp (:func:`megatron_weight_and_optimizer_memory` keeps that)."""
     n, experts = _dense_and_expert_per_device(cfg, padded_vocab_size, layout)  # FSDP's / dp included
     optimizer = ADAM_STATE_BYTES * n
     if layout.use_distributed_optimizer:
-        optimizer = ADAM_STATE_BYTES * ((n - experts) / layout.megatron_data_parallel_size
-                                        + experts / layout.data_parallel_size)
+        cp = layout.context_parallel_size
+        optimizer = ADAM_STATE_BYTES * ((n - experts) / (layout.megatron_data_parallel_size * cp)
+                                        + experts / (layout.data_parallel_size * cp))
     return StateMemory(weights=PARAM_BYTES * n, gradients=GRAD_BYTES * n, optimizer_state=optimizer)
 
 
