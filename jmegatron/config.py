@@ -440,9 +440,11 @@ class JMegatronConfig:
             if value % tp:
                 raise ConfigError(f"{name}={value} is not divisible by tensor_model_parallel_size={tp}; "
                                   f"choose a tensor size that divides it.")
-        if self.use_megatron_fsdp and self.hidden_size % data_parallel_size:
+        group = data_parallel_size * self.context_parallel_size  # FSDP shards over data x context
+        if self.use_megatron_fsdp and self.hidden_size % group:
             raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by the data-parallel size "
-                              f"{data_parallel_size} (use_megatron_fsdp shards parameters on hidden).")
+                              f"{data_parallel_size} x context_parallel_size {self.context_parallel_size} "
+                              f"(use_megatron_fsdp shards parameters on hidden over both).")
 
     def _check_context_parallel(self):
         """Context parallelism (jmegatron.parallel.context_parallel, docs/CONTEXT_PARALLEL.md):
@@ -475,7 +477,6 @@ class JMegatronConfig:
                               f"context_parallel_size={cp}: only the 'hash' masks follow the load-balanced "
                               f"sequence slots; set dropout_impl='hash'.")
         unbuilt = (("pipeline_model_parallel_size", self.pipeline_model_parallel_size > 1, "1"),
-                   ("use_megatron_fsdp", self.use_megatron_fsdp, "False"),
                    ("attention_impl", self.attention_impl == "cpu", "'auto' (the ring's XLA block kernel)"))
         for name, on, fix in unbuilt:
             if on:

@@ -197,3 +197,29 @@ def test_zero1_state_over_data_and_context_is_the_theory(devices, extra):
         unsharded = memory_lib.weight_and_optimizer_memory(cfg, run.padded_vocab_size, dataclasses.replace(
             layout, use_distributed_optimizer=False)).optimizer_state
         assert theory == pytest.approx(unsharded / 4)
+
+
+# ------------------------------------------------------------------------ FSDP
+def test_fsdp_over_data_and_context_equals_one_device():
+    """use_megatron_fsdp at cp2 x dp2 (Llama-style, GQA): the parameters are sharded over data x
+    context (Megatron-FSDP's dp-cp group), gathered per micro-batch, and their gradients
+    reduce-scattered over both by the gather's transpose; loss and every gradient equal one
+    device, and the weights per device are training/memory.py's FSDP theory."""
+    import math
+
+    from jmegatron.training import memory as memory_lib
+    from test_context_parallel import LLAMA, grads_of as lm_grads_of
+    from test_train_step import tiny_cfg
+
+    cfg = tiny_cfg(**LLAMA, context_parallel_size=2, use_megatron_fsdp=True, micro_batch_size=2, global_batch_size=8)
+    g, report, tokens, run = lm_grads_of(cfg, 4)
+    kernel = run.state_shardings.params["decoder_layers_0"]["mlp"]["linear_fc1"]["kernel"]
+    assert {"data", "context"} <= axes_of(kernel)
+    g1, report1, tokens1, _ = lm_grads_of(tiny_cfg(**LLAMA, micro_batch_size=4, global_batch_size=8), 1)
+    assert tokens == tokens1
+    np.testing.assert_allclose(report["lm_loss"], report1["lm_loss"], rtol=1e-5)
+    assert_close(g, g1)
+    weights = sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in
+                  zip(jax.tree.leaves(run.abstract_state.params), jax.tree.leaves(run.state_shardings.params)))
+    layout = memory_lib.ParallelLayout.from_config(cfg, run.mesh.shape["data"])
+    assert weights == memory_lib.weight_and_optimizer_memory(cfg, run.padded_vocab_size, layout).weights

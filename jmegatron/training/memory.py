@@ -19,8 +19,8 @@ Two bookkeepings of the model state:
   (tensor-sharded) parameter size, and AdamW's two float32 moments: 16 bytes per
   parameter. The distributed optimizer (ZeRO-1) shards the moments over data, and over
   context too under context parallelism (Megatron's data-parallel group with context
-  parallelism: ``4 + 4 + 8 / (dp cp)``); FSDP shards all three (``16 / dp``) for the parameters with a
-  hidden axis. Parameters the model keeps replicated over the tensor axis (norms, the
+  parallelism: ``4 + 4 + 8 / (dp cp)``); FSDP shards all three (``16 / (dp cp)``) for the
+  parameters with a hidden axis. Parameters the model keeps replicated over the tensor axis (norms, the
   row-parallel biases, position embeddings) are not divided by ``tp``
   (:func:`parameter_classes`).
 * Megatron's (:func:`megatron_weight_and_optimizer_memory`): 16-bit parameters and fp32
@@ -297,7 +297,8 @@ def _dense_and_expert_per_device(cfg, padded_vocab_size, layout) -> tuple[float,
     """(all parameters, routed-expert parameters) on one device of the most loaded stage."""
     p = layout.pipeline_model_parallel_size
     t = layout.tensor_model_parallel_size
-    d = layout.data_parallel_size if layout.use_megatron_fsdp else 1
+    # FSDP shards over data x context (rules.make_rules)
+    d = layout.data_parallel_size * layout.context_parallel_size if layout.use_megatron_fsdp else 1
     ep = layout.expert_model_parallel_size
 
     def per_device(c):

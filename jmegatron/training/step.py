@@ -133,6 +133,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         return tuple(a for a in (axis, expert, context) if a in on and mesh.shape.get(a, 1) > 1)
 
     zero_axes = jax.tree.map(zero_group, grad_shardings)
+    # FSDP: the axes a parameter's shards are gathered over (data, and context under context
+    # parallelism: Megatron-FSDP's data-parallel group with context parallelism)
+    param_groups = jax.tree.map(zero_group, param_shardings)
+    extra_groups = jax.tree.map(zero_group, extra_shardings)
 
     # With one data-parallel rank every data collective is the identity. It is skipped,
     # not emitted: XLA's SPMD partitioner rejects an all-reduce over a size-1 manual axis
@@ -145,15 +149,17 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     def psum_over(x, name):
         return x if mesh.shape[name] == 1 else jax.lax.psum(x, name)
 
-    def gather(p, d):
-        return p if d is None or single else jax.lax.all_gather(p, axis, axis=d, tiled=True)
+    def gather(p, d, group):
+        if d is None or not group:
+            return p
+        return jax.lax.all_gather(p, group[0] if len(group) == 1 else group, axis=d, tiled=True)
 
     def data_sum(x):
         return psum(x)
 
     def micro_loss(local_params, micro, rng, num_tokens, extra):
-        params = jax.tree.map(gather, local_params, param_dims, is_leaf=is_none)
-        extra = jax.tree.map(gather, extra, extra_dims, is_leaf=is_none)
+        params = jax.tree.map(gather, local_params, param_dims, param_groups, is_leaf=is_none)
+        extra = jax.tree.map(gather, extra, extra_dims, extra_groups, is_leaf=is_none)
         with nn.logical_axis_rules(inner_rules):
             return loss_fn(params, micro, rng, num_tokens, extra, data_sum)
 
@@ -204,7 +210,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         def reduce(g, pd, gd, ex, zax):
             if cp > 1 and context not in zax:  # every parameter is replicated over the context ranks
                 g = jax.lax.psum(g, context)  # (ZeRO-1 over context: in the reduce-scatter below)
-            if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose
+            if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose (over context too)
                 return g
             if not ex and ep > 1 and expert not in zax:  # dense: the expert ranks are data ranks too
                 g = psum_over(g, expert)
