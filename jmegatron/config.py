@@ -476,8 +476,16 @@ class JMegatronConfig:
             raise ConfigError(f"config.dropout_impl={self.dropout_impl!r} with hidden_dropout and "
                               f"context_parallel_size={cp}: only the 'hash' masks follow the load-balanced "
                               f"sequence slots; set dropout_impl='hash'.")
-        unbuilt = (("pipeline_model_parallel_size", self.pipeline_model_parallel_size > 1, "1"),
-                   ("attention_impl", self.attention_impl == "cpu", "'auto' (the ring's XLA block kernel)"))
+        if self.pipeline_model_parallel_size > 1 and self.cp_comm_type == "p2p":
+            # XLA:CPU's collective-permute rendezvous spans every device of the program, so the ring's
+            # ppermutes inside the schedule's per-stage conditionals meet other stages' executions
+            # (measured: losses off by 2e-4..4e-3 relative; a ring under a one-stage cond deadlocks).
+            # all_gather's and all_to_all's rendezvous are per context group: they pipeline.
+            raise ConfigError(f"config.pipeline_model_parallel_size={self.pipeline_model_parallel_size} with "
+                              f"context_parallel_size={cp} and cp_comm_type='p2p' is not built (the ring's "
+                              f"ppermutes inside the pipeline schedule's stage conditionals); set "
+                              f"cp_comm_type='all_gather' or 'a2a', or pipeline_model_parallel_size=1.")
+        unbuilt = (("attention_impl", self.attention_impl == "cpu", "'auto' (the ring's XLA block kernel)"),)
         for name, on, fix in unbuilt:
             if on:
                 raise ConfigError(f"config.{name}={getattr(self, name)!r} with context_parallel_size={cp} is not "

@@ -223,3 +223,28 @@ def test_fsdp_over_data_and_context_equals_one_device():
                   zip(jax.tree.leaves(run.abstract_state.params), jax.tree.leaves(run.state_shardings.params)))
     layout = memory_lib.ParallelLayout.from_config(cfg, run.mesh.shape["data"])
     assert weights == memory_lib.weight_and_optimizer_memory(cfg, run.padded_vocab_size, layout).weights
+
+
+# ------------------------------------------------------------------------ pipeline
+def test_moe_pipeline_under_cp_all_gather_equals_one_device():
+    """pp2 x cp2 (all_gather) of the MoE model: the stages' router losses are each rank's share
+    over data x context, so loss, router losses, tokens per expert and gradients equal the
+    one-device (scanned) model's."""
+    g1, r1, _, _ = grads_of(moe_cfg(micro_batch_size=2, scan_layers=True), 1)
+    g, r, _, run = grads_of(moe_cfg(micro_batch_size=2, context_parallel_size=2, pipeline_model_parallel_size=2,
+                                    cp_comm_type="all_gather"), 4)
+    assert dict(run.mesh.shape)["pipeline"] == 2 and dict(run.mesh.shape)["context"] == 2
+    for name in MOE_NAMES + ("load_balancing_loss",):
+        np.testing.assert_allclose(r[name], r1[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(r["moe_tokens_per_expert"], r1["moe_tokens_per_expert"])
+    assert_close(g, g1)
+
+
+def test_pipeline_refusals_under_cp_name_the_fields(kd_setup):
+    from jmegatron.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cp_comm_type='p2p' is not built .* set cp_comm_type='all_gather' or 'a2a'"):
+        moe_cfg(micro_batch_size=2, context_parallel_size=2, pipeline_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="distillation under pipeline parallelism with context_parallel_size=2"):
+        build_on(kd_setup(micro_batch_size=2, context_parallel_size=2, pipeline_model_parallel_size=2,
+                          cp_comm_type="all_gather", num_layers=2), 4)

@@ -197,7 +197,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                 schedule = build_schedule(pipeline[0], pipeline[1], num_micro, pipeline[2])
                 grads, report, tokens = _pipelined_grads(model.cfg, schedule, pipeline_stages or lm_pipeline_stages,
                                                          varying, batch, rng, extra, psum, dp,
-                                                         pipeline_layout)
+                                                         pipeline_layout, context_parallel_size=cp)
         else:
             zeros = jax.tree.map(jnp.zeros_like, varying)
             first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
@@ -290,11 +290,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
 
 
 def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params, batch: Batch, rng, extra,
-                     data_sum: Callable, dp: int, layout: Any = None):
+                     data_sum: Callable, dp: int, layout: Any = None, context_parallel_size: int = 1):
     """One data-parallel rank's pipelined (grads, report, tokens), as the micro-batch loop
     of :func:`make_train_step` returns them (sums over micro-batches); ``params`` as that
     loop sees them (data-replicated ones already varying over data); ``stages_fn(ctx)``
-    gives the stages (:func:`lm_pipeline_stages` or distillation's)."""
+    gives the stages (:func:`lm_pipeline_stages` or distillation's). Under context
+    parallelism (``context_parallel_size`` ranks, each its slots of every sequence) a
+    rank's share of a mean over ranks (``StageContext.data_parallel_size``) is over the
+    ``dp x cp`` ranks that ``data_sum`` adds."""
     num_micro, local_rows, seq = batch["tokens"].shape
     data_rank = jax.lax.axis_index(rules_lib.DATA_AXIS)
     # Parameters replicated over stages get per-stage partial gradients, summed below.
@@ -306,7 +309,7 @@ def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params,
                        stage=jax.lax.axis_index(PIPELINE_AXIS), rng=rng, tokens=tokens,
                        sample_offset=lambda micro: (micro["microbatch"] * dp + data_rank) * local_rows,
                        local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum, layout=layout,
-                       data_parallel_size=dp)
+                       data_parallel_size=dp * context_parallel_size)
     stages = stages_fn(ctx)
     grads, loss, report = run_schedule(schedule, params, batch, **stages)
     grads = {k: (g if k == "decoder_layers" else jax.tree.map(lambda a: jax.lax.psum(a, PIPELINE_AXIS), g))
