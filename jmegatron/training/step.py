@@ -54,6 +54,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     reduce-scatter (``psum_scatter``) into ``grad_shardings`` under the distributed
     optimizer. Under FSDP (parameters sharded over data) each micro-batch all-gathers
     the parameters and reduce-scatters their gradients (the all-gather's transpose).
+    Under context parallelism the context ranks are data-parallel ranks for the
+    parameters (Megatron's DP x CP group): gradients sum over them, and ZeRO-1 / FSDP
+    shard over data x context.
     The tensor axis stays automatic (GSPMD), driven by the logical-axis ``rules``.
 
     ``loss_fn(params, micro, rng, num_tokens, extra, data_sum) -> (loss, report)`` gives
