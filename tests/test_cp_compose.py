@@ -140,12 +140,18 @@ def moe_cfg(**kw):
 MOE_NAMES = ("loss", "lm_loss", "z_loss", "moe_dropped_token_fraction")
 
 
-def test_moe_under_cp2_equals_one_device():
+@pytest.fixture(scope="module")
+def moe_one_device():
+    """The one-device reference: scanned layers (the pipeline's stacked layout), 4 micro-batches."""
+    return grads_of(moe_cfg(micro_batch_size=2, scan_layers=True), 1)
+
+
+def test_moe_under_cp2_equals_one_device(moe_one_device):
     """Megatron's definition makes cp invisible to the router losses: the tokens per expert
     are reduced over context before the Switch loss (aux_loss), and the z-loss is a token
     mean over equal shares."""
-    g1, r1, _, _ = grads_of(moe_cfg(micro_batch_size=GBS // 2), 1)
-    g, r, _, run = grads_of(moe_cfg(micro_batch_size=GBS // 2, context_parallel_size=2), 2)
+    g1, r1, _, _ = moe_one_device
+    g, r, _, run = grads_of(moe_cfg(micro_batch_size=2, scan_layers=True, context_parallel_size=2), 2)
     assert dict(run.mesh.shape)["context"] == 2
     for name in MOE_NAMES + ("load_balancing_loss",):
         np.testing.assert_allclose(r[name], r1[name], rtol=1e-5, err_msg=name)
@@ -226,11 +232,12 @@ def test_fsdp_over_data_and_context_equals_one_device():
 
 
 # ------------------------------------------------------------------------ pipeline
-def test_moe_pipeline_under_cp_all_gather_equals_one_device():
+@pytest.mark.slow
+def test_moe_pipeline_under_cp_all_gather_equals_one_device(moe_one_device):
     """pp2 x cp2 (all_gather) of the MoE model: the stages' router losses are each rank's share
     over data x context, so loss, router losses, tokens per expert and gradients equal the
     one-device (scanned) model's."""
-    g1, r1, _, _ = grads_of(moe_cfg(micro_batch_size=2, scan_layers=True), 1)
+    g1, r1, _, _ = moe_one_device
     g, r, _, run = grads_of(moe_cfg(micro_batch_size=2, context_parallel_size=2, pipeline_model_parallel_size=2,
                                     cp_comm_type="all_gather"), 4)
     assert dict(run.mesh.shape)["pipeline"] == 2 and dict(run.mesh.shape)["context"] == 2
