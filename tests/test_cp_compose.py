@@ -255,3 +255,23 @@ def test_pipeline_refusals_under_cp_name_the_fields(kd_setup):
     with pytest.raises(ConfigError, match="distillation under pipeline parallelism with context_parallel_size=2"):
         build_on(kd_setup(micro_batch_size=2, context_parallel_size=2, pipeline_model_parallel_size=2,
                           cp_comm_type="all_gather", num_layers=2), 4)
+
+
+@pytest.mark.slow
+def test_moe_student_and_teacher_distillation_under_cp2_equals_one_device(tmp_path):
+    """MoE student (aux + z-loss) distilled from an MoE teacher at cp2: the KD losses, the
+    student's router losses and tokens per expert, and every gradient equal one device."""
+    from test_distill_moe import MOE
+
+    teacher = save_teacher(tmp_path / "teacher", **MOE)
+    kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.input_layernorm, "
+                             "decoder.layers.1.input_layernorm]\nskip_lm_loss: false\n")
+    kw = dict(MOE, hidden_dropout=0.0, attention_dropout=0.0, kd_teacher_load=teacher, kd_cfg=kd,
+              global_batch_size=GBS, micro_batch_size=GBS // 2)
+    g1, r1, _, _ = grads_of(kd_cfg_for(tmp_path / "one", **kw), 1)
+    g, r, _, run = grads_of(kd_cfg_for(tmp_path / "cp", context_parallel_size=2, **kw), 2)
+    assert run.forward_step.owner.cfg.num_moe_experts == MOE["num_moe_experts"]
+    for name in KD_NAMES + ("load_balancing_loss", "z_loss"):
+        np.testing.assert_allclose(r[name], r1[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(r["moe_tokens_per_expert"], r1["moe_tokens_per_expert"])
+    assert_close(g, g1)
