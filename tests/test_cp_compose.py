@@ -81,8 +81,9 @@ def kd_one_device(kd_setup):
 KD_NAMES = ("loss", "kd_loss", "lm_loss", "logits_distillation_loss", "intermediate_distillation_loss")
 
 
-@pytest.mark.parametrize("devices,extra", [(2, {}), (4, dict(use_distributed_optimizer=True))],
-                         ids=["cp2", "cp2-dp2-zero1"])
+@pytest.mark.parametrize("devices,extra", [(2, {}), (4, dict(use_distributed_optimizer=True)),
+                                           pytest.param(4, dict(use_megatron_fsdp=True), marks=pytest.mark.slow)],
+                         ids=["cp2", "cp2-dp2-zero1", "cp2-dp2-fsdp"])
 def test_distillation_under_cp_equals_one_device(kd_setup, kd_one_device, devices, extra):
     """The teacher runs inside the step with the student's ring attention (its layer-2 input
     feeds the intermediate loss), and every KD loss is a token sum over all context ranks
@@ -93,6 +94,9 @@ def test_distillation_under_cp_equals_one_device(kd_setup, kd_one_device, device
                                  devices)
     assert dict(run.mesh.shape)["context"] == 2 and run.num_microbatches == 2
     assert run.forward_step.owner.cfg.context_parallel_size == 2  # the teacher's attention is the ring's
+    if extra.get("use_megatron_fsdp"):  # the teacher's weights are sharded (and gathered) like the student's
+        teacher_qkv = run.forward_step.owner.shardings["decoder_layers_0"]["self_attention"]["linear_qkv"]["kernel"]
+        assert {"data", "context"} <= axes_of(teacher_qkv)
     assert tokens == tokens1
     for name in KD_NAMES:
         np.testing.assert_allclose(r[name], r1[name], rtol=1e-5, err_msg=name)
