@@ -4,17 +4,21 @@ simulated devices, float32, against the unsplit sequence:
 * distillation (dense teacher and student, the logits KL, an intermediate cosine loss and the
   LM loss through the balancer) at cp2 (p2p) and cp2 x dp2 + ZeRO-1 gives the one-device
   loss, KD report and gradients, with a loss mask that leaves the context ranks different
-  token counts (per-rank means would differ); three steps give the same parameters;
+  token counts (per-rank means would differ); three steps give the same parameters; so does
+  cp2 x dp2 + FSDP, student and teacher sharded over data x context;
 * ZeRO-1 shards the optimizer state over data x context (Megatron's data-parallel group with
-  context parallelism);
+  context parallelism), as training/memory.py's theory counts it;
 * an MoE model (configs/mixtral_tiny.py shrunk, dropless) at cp2 gives the one-device loss,
   load-balancing / seq-aux / z losses, tokens per expert and gradients (Megatron reduces the
   router's token statistics over tensor x context); at cp2 x ep2 the aux loss is per data
-  rank by Megatron's definition (the expert ranks split the batch), so it equals ep2 alone.
+  rank by Megatron's definition (the expert ranks split the batch), so it equals ep2 alone;
+  pp2 x cp2 (all_gather) equals one device; the ring (p2p) under the pipeline and pipelined
+  distillation under cp are refused naming the fields.
 """
 
 import dataclasses
 import functools
+import math
 
 import jax
 import numpy as np
@@ -82,7 +86,7 @@ KD_NAMES = ("loss", "kd_loss", "lm_loss", "logits_distillation_loss", "intermedi
 
 
 @pytest.mark.parametrize("devices,extra", [(2, {}), (4, dict(use_distributed_optimizer=True)),
-                                           pytest.param(4, dict(use_megatron_fsdp=True), marks=pytest.mark.slow)],
+                                           (4, dict(use_megatron_fsdp=True))],
                          ids=["cp2", "cp2-dp2-zero1", "cp2-dp2-fsdp"])
 def test_distillation_under_cp_equals_one_device(kd_setup, kd_one_device, devices, extra):
     """The teacher runs inside the step with the student's ring attention (its layer-2 input
@@ -94,9 +98,16 @@ def test_distillation_under_cp_equals_one_device(kd_setup, kd_one_device, device
                                  devices)
     assert dict(run.mesh.shape)["context"] == 2 and run.num_microbatches == 2
     assert run.forward_step.owner.cfg.context_parallel_size == 2  # the teacher's attention is the ring's
-    if extra.get("use_megatron_fsdp"):  # the teacher's weights are sharded (and gathered) like the student's
+    if extra.get("use_megatron_fsdp"):  # FSDP over data x context (Megatron-FSDP's dp-cp group)
+        # the teacher's weights are sharded (and gathered per micro-batch) like the student's
         teacher_qkv = run.forward_step.owner.shardings["decoder_layers_0"]["self_attention"]["linear_qkv"]["kernel"]
         assert {"data", "context"} <= axes_of(teacher_qkv)
+        from jmegatron.training import memory as memory_lib
+
+        weights = sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in
+                      zip(jax.tree.leaves(run.abstract_state.params), jax.tree.leaves(run.state_shardings.params)))
+        layout = memory_lib.ParallelLayout.from_config(run.cfg, run.mesh.shape["data"])
+        assert weights == memory_lib.weight_and_optimizer_memory(run.cfg, run.padded_vocab_size, layout).weights
     assert tokens == tokens1
     for name in KD_NAMES:
         np.testing.assert_allclose(r[name], r1[name], rtol=1e-5, err_msg=name)
@@ -187,8 +198,6 @@ def test_zero1_state_over_data_and_context_is_the_theory(devices, extra):
     """The optimizer state's per-device bytes from the run's shardings (experts over data x
     context, the dense leaves over data x expert x context) equal
     training/memory.py's ZeRO-1 theory, which divides by the context ranks too."""
-    import math
-
     from jmegatron.training import memory as memory_lib
 
     cfg = moe_cfg(context_parallel_size=2, use_distributed_optimizer=True, micro_batch_size=2,
@@ -207,32 +216,6 @@ def test_zero1_state_over_data_and_context_is_the_theory(devices, extra):
         unsharded = memory_lib.weight_and_optimizer_memory(cfg, run.padded_vocab_size, dataclasses.replace(
             layout, use_distributed_optimizer=False)).optimizer_state
         assert theory == pytest.approx(unsharded / 4)
-
-
-# ------------------------------------------------------------------------ FSDP
-def test_fsdp_over_data_and_context_equals_one_device():
-    """use_megatron_fsdp at cp2 x dp2 (Llama-style, GQA): the parameters are sharded over data x
-    context (Megatron-FSDP's dp-cp group), gathered per micro-batch, and their gradients
-    reduce-scattered over both by the gather's transpose; loss and every gradient equal one
-    device, and the weights per device are training/memory.py's FSDP theory."""
-    import math
-
-    from jmegatron.training import memory as memory_lib
-    from test_context_parallel import LLAMA, grads_of as lm_grads_of
-    from test_train_step import tiny_cfg
-
-    cfg = tiny_cfg(**LLAMA, context_parallel_size=2, use_megatron_fsdp=True, micro_batch_size=2, global_batch_size=8)
-    g, report, tokens, run = lm_grads_of(cfg, 4)
-    kernel = run.state_shardings.params["decoder_layers_0"]["mlp"]["linear_fc1"]["kernel"]
-    assert {"data", "context"} <= axes_of(kernel)
-    g1, report1, tokens1, _ = lm_grads_of(tiny_cfg(**LLAMA, micro_batch_size=4, global_batch_size=8), 1)
-    assert tokens == tokens1
-    np.testing.assert_allclose(report["lm_loss"], report1["lm_loss"], rtol=1e-5)
-    assert_close(g, g1)
-    weights = sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in
-                  zip(jax.tree.leaves(run.abstract_state.params), jax.tree.leaves(run.state_shardings.params)))
-    layout = memory_lib.ParallelLayout.from_config(cfg, run.mesh.shape["data"])
-    assert weights == memory_lib.weight_and_optimizer_memory(cfg, run.padded_vocab_size, layout).weights
 
 
 # ------------------------------------------------------------------------ pipeline
@@ -260,22 +243,3 @@ def test_pipeline_refusals_under_cp_name_the_fields(kd_setup):
         build_on(kd_setup(micro_batch_size=2, context_parallel_size=2, pipeline_model_parallel_size=2,
                           cp_comm_type="all_gather", num_layers=2), 4)
 
-
-@pytest.mark.slow
-def test_moe_student_and_teacher_distillation_under_cp2_equals_one_device(tmp_path):
-    """MoE student (aux + z-loss) distilled from an MoE teacher at cp2: the KD losses, the
-    student's router losses and tokens per expert, and every gradient equal one device."""
-    from test_distill_moe import MOE
-
-    teacher = save_teacher(tmp_path / "teacher", **MOE)
-    kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.input_layernorm, "
-                             "decoder.layers.1.input_layernorm]\nskip_lm_loss: false\n")
-    kw = dict(MOE, hidden_dropout=0.0, attention_dropout=0.0, kd_teacher_load=teacher, kd_cfg=kd,
-              global_batch_size=GBS, micro_batch_size=GBS // 2)
-    g1, r1, _, _ = grads_of(kd_cfg_for(tmp_path / "one", **kw), 1)
-    g, r, _, run = grads_of(kd_cfg_for(tmp_path / "cp", context_parallel_size=2, **kw), 2)
-    assert run.forward_step.owner.cfg.num_moe_experts == MOE["num_moe_experts"]
-    for name in KD_NAMES + ("load_balancing_loss", "z_loss"):
-        np.testing.assert_allclose(r[name], r1[name], rtol=1e-5, err_msg=name)
-    np.testing.assert_array_equal(r["moe_tokens_per_expert"], r1["moe_tokens_per_expert"])
-    assert_close(g, g1)
