@@ -8,13 +8,15 @@ Each point compiles the train step of ``configs/bytemlperf/gpt3_345m_memory.py``
 hidden 1024, 16 heads) at that sequence length from abstract shapes (no allocation:
 ``compile().memory_analysis()``; 8 simulated CPU devices, a cp-device mesh, dp 1) and
 records arguments + outputs - aliased + temporaries per device, next to
-:func:`jmegatron.training.memory.theoretical_memory`. cp = 1 is measured with both
-attention paths, the CPU flash-style kernel (its best: no ``s^2`` scores kept) and XLA's
-(``[b, a, s, s]`` scores); cp > 1 is the ring (``cp_comm_type="p2p"``, XLA block kernel).
-Dropout is 0 for every point (context parallelism has no dropout masks yet), compute in
-float32 for every point (ByteMLPerf's bf16 would send the CPU kernel back to XLA's
-attention: the kernel is float32 only), the micro-batch ``--micro-batch`` (ByteMLPerf uses
-4), the vocabulary GPT-2's 50257.
+:func:`jmegatron.training.memory.theoretical_memory`. Every point is measured with both
+attention paths: the CPU flash-style kernel (``attention_impl="cpu"``: at cp = 1 no ``s^2``
+scores kept; at cp > 1 the ring's blocks are the kernel's tiled block forms) and XLA's
+(``"xla"``: ``[b, a, s, s]`` scores at cp = 1, whole ``[a, 2c, 2c]`` blocks in the ring);
+cp > 1 is the ring (``cp_comm_type="p2p"``). Dropout is 0 for every point (the ring has no
+attention dropout yet), compute in float32 for every point (ByteMLPerf's bf16 would send
+the CPU kernel back to XLA's attention: the kernel is float32 only), the micro-batch
+``--micro-batch`` (ByteMLPerf uses 4), the vocabulary GPT-2's 50257. ``--impls`` limits
+the attention paths.
 
 Writes ``cp_memory.json``, ``cp_memory.md`` and ``cp_memory.png`` into ``--out``.
 """
@@ -32,6 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", default="4096,8192,16384,32768")
     p.add_argument("--cps", default="1,2,4,8")
     p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--impls", default="cpu,xla", help="attention paths measured at every point")
     p.add_argument("--out", default="docs/bench/cp_memory")
     args = p.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -44,7 +47,7 @@ def main(argv=None) -> int:
     rows = []
     for seq in (int(x) for x in args.seqs.split(",")):
         for cp in (int(x) for x in args.cps.split(",")):
-            for impl in (("cpu", "xla") if cp == 1 else ("auto",)):
+            for impl in args.impls.split(","):
                 cfg = load_config_file(os.path.join(repo, "configs", "bytemlperf", "gpt3_345m_memory.py"), {
                     "mock_data": True, "vocab_size": 50257, "seq_length": seq, "max_position_embeddings": seq,
                     "micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch,
@@ -55,7 +58,8 @@ def main(argv=None) -> int:
                 compiled = (c["argument_size_in_bytes"] + c["output_size_in_bytes"] - c["alias_size_in_bytes"]
                             + c["temp_size_in_bytes"])
                 t = r["theoretical"]
-                row = {"seq_length": seq, "cp": cp, "attention": "ring (XLA blocks)" if cp > 1 else impl,
+                attention = {"cpu": "CPU kernel", "xla": "XLA"}[impl]
+                row = {"seq_length": seq, "cp": cp, "attention": f"ring, {attention} blocks" if cp > 1 else attention,
                        "compiled_bytes": compiled, "temp_bytes": c["temp_size_in_bytes"],
                        "theoretical_bytes": t["total"], "theoretical_activations": t["activations"],
                        "compile_seconds": r["compile_seconds"]}
@@ -81,16 +85,18 @@ def main(argv=None) -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours = {cp: f"C{i}" for i, cp in enumerate(sorted({r["cp"] for r in rows}))}
     for key in sorted({(r["cp"], r["attention"]) for r in rows}):
         pts = sorted((r["seq_length"], r["compiled_bytes"] / gib) for r in rows if (r["cp"], r["attention"]) == key)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"cp={key[0]} ({key[1]})")
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=colours[key[0]],
+                linestyle="--" if "XLA" in key[1] else "-", label=f"cp={key[0]} ({key[1]})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("compiled memory per device (GiB)")
     ax.set_title(f"gpt3 345M, micro-batch {args.micro_batch}: per-device memory vs sequence length")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "cp_memory.png"), dpi=120)
     print(f"wrote {args.out}/cp_memory.json, .md, .png")

@@ -97,6 +97,18 @@ def test_distributed_optimizer_scatters_gradients_and_gathers_parameters():
     assert rep["per_device_bytes"]["optimizer_state"] == pytest.approx(2 * 4 * per_rank / 4, abs=64)
 
 
+def test_distributed_optimizer_under_cp_scatters_over_data_and_context():
+    """cp2 x dp4 + ZeRO-1: one reduce-scatter of the gradients and one all-gather of the
+    parameters over the data x context group (Megatron's DP x CP), no weight all-reduce."""
+    rep = report(context_parallel_size=2, use_distributed_optimizer=True)
+    want = rep["analytic"]["reduce-scatter over data x context of gradients, elements per step"]
+    assert by(rep, "reduce-scatter", ("data", "context"))[1] == want
+    assert by(rep, "all-gather", ("data", "context"))[1] == want
+    assert all(r["elements"] == 1 for r in summarize(rep["collectives"]) if r["kind"] == "all-reduce")
+    per_rank = rep["analytic"]["parameter elements per tensor rank"]
+    assert rep["per_device_bytes"]["optimizer_state"] == pytest.approx(2 * 4 * per_rank / 8, abs=64)
+
+
 def test_replica_group_formats():
     assert replica_groups("x replica_groups={{0,2},{1,3}}, y", 4) == [[0, 2], [1, 3]]
     assert replica_groups("x replica_groups=[2,2]<=[4], y", 4) == [[0, 1], [2, 3]]

@@ -172,7 +172,6 @@ def test_context_parallel_matches_one_device(cp, devices, model, extra):
     (dict(cp_comm_type="a2a", num_query_groups=2), "num_query_groups=2 is not divisible by "
                                                     "tensor_model_parallel_size x context_parallel_size = 4"),
     (dict(cp_comm_type="ring"), "cp_comm_type='ring': choose"),
-    (dict(attention_impl="cpu"), "attention_impl='cpu' with context_parallel_size=4"),
     (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size=2 with context_parallel_size=4"),
 ])
 def test_bad_context_parallel_configs_name_the_field(fields, message):

@@ -23,6 +23,16 @@ upstream's "total loss" report; the step's ``loss`` is what was optimised (``kd_
 plus the router losses). MoE teacher: applied with ``deterministic=True``, so its router
 sows nothing (ModelOpt runs the teacher under ``torch.no_grad()`` in ``eval()``, where
 Megatron-Core's router computes no aux loss).
+
+Context parallelism (issue 14): the loss function runs inside the train step's shard_map
+with ``context`` manual, so the teacher's attention is the student's context-parallel one
+on the same load-balanced slots, and every masked mean is a token sum over all data and
+context ranks (``data_sum``) divided by the micro-batch's global token count: the KL, the
+intermediate losses, the LM loss and hence the balancer's ratios are the whole sequences'
+values, not per-rank means (ModelOpt's Megatron plugin aborted on CP > 1 with per-token
+averaging). Tested equal to one device at cp2 and cp2 x dp2 + ZeRO-1 with ranks holding
+different token counts (tests/test_cp_compose.py). The pipelined stages are refused under
+cp (:func:`jmegatron.distill.model_provider.distillation_forward_step`).
 """
 
 from __future__ import annotations

@@ -22,21 +22,34 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmegatron.parallel.rules import EXPERT_AXIS, entry_axes
+from jmegatron.parallel.rules import CONTEXT_AXIS, EXPERT_AXIS, entry_axes
 
 DATA = "data"
 
 
+def zero1_group(mesh_shape: Any, expert_leaf: bool) -> tuple[str, ...]:
+    """The mesh axes a leaf's optimizer state is sharded over (its data-parallel group, in
+    mesh order): ``data``; ``expert`` too for a dense leaf (``expert_leaf`` False) under expert
+    parallelism; ``context`` too under context parallelism. ``mesh_shape``: axis name ->
+    size (``Mesh.shape``); axes of size 1 other than ``data`` are left out."""
+    group = (DATA,)
+    if not expert_leaf and mesh_shape.get(EXPERT_AXIS, 1) > 1:
+        group += (EXPERT_AXIS,)
+    if mesh_shape.get(CONTEXT_AXIS, 1) > 1:
+        group += (CONTEXT_AXIS,)
+    return group
+
+
 def add_data_axis(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
-    """``sharding`` with the data axis added on the largest free dimension divisible by
+    """``sharding`` with the leaf's ZeRO-1 group (:func:`zero1_group`: data, and expert /
+    context where they split the batch) added on the largest free dimension divisible by
     the data-parallel size, else on an already-sharded dimension that stays divisible
     (e.g. ``("tensor", "data")``); unchanged if already data-sharded or nothing divides
     (that leaf's gradient is then all-reduced and its state replicated)."""
     mesh = sharding.mesh
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     used = {a for e in spec for a in entry_axes(e)}
-    # the leaf's data-parallel group: data, and expert too for a dense leaf (see above)
-    group = (DATA,) if EXPERT_AXIS in used or mesh.shape.get(EXPERT_AXIS, 1) == 1 else (DATA, EXPERT_AXIS)
+    group = zero1_group(mesh.shape, expert_leaf=EXPERT_AXIS in used)
     dp = math.prod(mesh.shape[a] for a in group)
     if dp == 1 or DATA in used:
         return sharding

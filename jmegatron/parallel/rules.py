@@ -119,8 +119,9 @@ def make_rules(cfg) -> tuple[tuple[str, MeshAxes], ...]:
 
     * ``sequence_parallel``: the residual stream's ``activation_length`` split over
       "tensor" (Megatron-Core sequence parallelism, Korthikanti et al. 2022);
-    * ``use_megatron_fsdp``: every parameter's ``embed`` axis split over "data"
-      (parameters, gradients and optimizer state sharded, ZeRO-3);
+    * ``use_megatron_fsdp``: every parameter's ``embed`` axis split over "data", and over
+      "context" too under context parallelism (parameters, gradients and optimizer state
+      sharded, ZeRO-3, over Megatron-FSDP's data x context group);
     * ``pipeline_model_parallel_size > 1``: the stacked decoder layers' ``layers`` axis split
       over "pipeline" (jmegatron.parallel.pipeline_layout);
     * ``expert_model_parallel_size > 1``: the batch split over "data" and "expert" together
@@ -131,8 +132,8 @@ def make_rules(cfg) -> tuple[tuple[str, MeshAxes], ...]:
     table["activation_length"] = "tensor" if cfg.sequence_parallel else None
     if cfg.pipeline_model_parallel_size > 1:  # the stacked decoder layers, in stage order
         table["layers"] = "pipeline"
-    if cfg.use_megatron_fsdp:
-        table["embed"] = "data"
+    if cfg.use_megatron_fsdp:  # over data x context under context parallelism (Megatron-FSDP's dp-cp group)
+        table["embed"] = (DATA_AXIS, CONTEXT_AXIS) if cfg.context_parallel_size > 1 else DATA_AXIS
     if cfg.expert_model_parallel_size > 1:
         table["batch"] = batch_axes(cfg.expert_model_parallel_size)
     return tuple(table.items())

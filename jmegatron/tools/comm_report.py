@@ -269,12 +269,14 @@ def analyze(run) -> dict:
     param_elems = sum(math.prod(NamedSharding(s.mesh, spec_without(s.spec, "data")).shard_shape(a.shape))
                       for a, s in zip(jax.tree.leaves(abstract.params), jax.tree.leaves(state_sh.params)))
     analytic["parameter elements per tensor rank"] = param_elems
-    if dp > 1 and not cfg.use_megatron_fsdp:
+    # the gradients' group: data, and context too under context parallelism (Megatron's DP x CP)
+    over = "data x context" if cp > 1 else "data"
+    if dp * cp > 1 and not cfg.use_megatron_fsdp:
         if cfg.use_distributed_optimizer:
-            analytic["reduce-scatter over data of gradients, elements per step"] = param_elems
-            analytic["all-gather over data of parameters, elements per step"] = param_elems
+            analytic[f"reduce-scatter over {over} of gradients, elements per step"] = param_elems
+            analytic[f"all-gather over {over} of parameters, elements per step"] = param_elems
         else:
-            analytic["all-reduce over data of gradients, elements per step"] = param_elems
+            analytic[f"all-reduce over {over} of gradients, elements per step"] = param_elems
     return {
         "config": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "seq_length", "micro_batch_size",
                                                  "tensor_model_parallel_size", "sequence_parallel",

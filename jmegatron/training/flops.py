@@ -132,7 +132,9 @@ def core_attention_executed_fraction(cfg: JMegatronConfig, attention_impl: str,
       XLA's attention (``attention_impl`` "xla" / "dot_product"), ``all_gather`` and ``a2a``
       context parallelism compute the whole masked square: 2. The CPU kernel
       (:mod:`jmegatron.kernels.cpu`, float32) takes queries in blocks of ``kernel_block``
-      rows, each against the keys it can see: ``1 + kernel_block / s``. The ring
+      rows, each against the keys it can see: ``1 + kernel_block / s``; it is the block
+      kernel of every ``cp_comm_type`` too, skipping fully masked key tiles, so context
+      parallelism adds nothing to it. With XLA's blocks the ring
       (``cp_comm_type="p2p"``, :func:`jmegatron.parallel.context_parallel.ring_attention`)
       computes on each of the ``cp`` ranks its local ``[2c, 2c]`` causal block whole and
       ``cp - 1`` unmasked ``2c x c`` blocks (``c = s / 2 cp``; Transformer Engine's
@@ -155,12 +157,12 @@ def core_attention_executed_fraction(cfg: JMegatronConfig, attention_impl: str,
     if cp_comm_type not in ("p2p", "all_gather", "a2a"):
         raise ValueError(f"cp_comm_type={cp_comm_type!r}: choose 'p2p', 'all_gather' or 'a2a'")
     cp = context_parallel_size
+    if attention_impl == "cpu" and not cfg.bf16:  # whole-sequence or as every cp attention's blocks
+        return (1 + min(kernel_block, cfg.seq_length) / cfg.seq_length) * 7 / 6
     if cp > 1 and cp_comm_type == "p2p":
         return (cp + 1) / cp * 7 / 6
     if cp > 1:
         return 2.0
-    if attention_impl == "cpu" and not cfg.bf16:
-        return (1 + min(kernel_block, cfg.seq_length) / cfg.seq_length) * 7 / 6
     return 2.0 * (8 / 6 if cfg.recompute_granularity == "selective" else 1.0)
 
 

@@ -121,7 +121,8 @@ class StageContext:
     ``data_sum`` (the psum over the data axis, identity with one data-parallel rank);
     ``layout`` (the student's :class:`~jmegatron.parallel.pipeline_layout.PipelineLayout`;
     None: the even one); ``data_parallel_size`` (the ranks that split the batch, data x
-    expert: a rank's share of a mean over ranks is its value over this)."""
+    expert, and x context under context parallelism (each holds its slots of every
+    sequence): a rank's share of a mean over ranks is its value over this)."""
 
     cfg: Any
     pipeline_size: int

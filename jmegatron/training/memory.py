@@ -17,9 +17,10 @@ Two bookkeepings of the model state:
 * jmegatron's (:func:`weight_and_optimizer_memory`): float32 master parameters (also with
   ``bf16``, which only casts the compute), a float32 gradient accumulator of the full
   (tensor-sharded) parameter size, and AdamW's two float32 moments: 16 bytes per
-  parameter. The distributed optimizer (ZeRO-1) shards the moments over data
-  (``4 + 4 + 8 / dp``); FSDP shards all three (``16 / dp``) for the parameters with a
-  hidden axis. Parameters the model keeps replicated over the tensor axis (norms, the
+  parameter. The distributed optimizer (ZeRO-1) shards the moments over data, and over
+  context too under context parallelism (Megatron's data-parallel group with context
+  parallelism: ``4 + 4 + 8 / (dp cp)``); FSDP shards all three (``16 / (dp cp)``) for the
+  parameters with a hidden axis. Parameters the model keeps replicated over the tensor axis (norms, the
   row-parallel biases, position embeddings) are not divided by ``tp``
   (:func:`parameter_classes`).
 * Megatron's (:func:`megatron_weight_and_optimizer_memory`): 16-bit parameters and fp32
@@ -296,7 +297,8 @@ def _dense_and_expert_per_device(cfg, padded_vocab_size, layout) -> tuple[float,
     """(all parameters, routed-expert parameters) on one device of the most loaded stage."""
     p = layout.pipeline_model_parallel_size
     t = layout.tensor_model_parallel_size
-    d = layout.data_parallel_size if layout.use_megatron_fsdp else 1
+    # FSDP shards over data x context (rules.make_rules)
+    d = layout.data_parallel_size * layout.context_parallel_size if layout.use_megatron_fsdp else 1
     ep = layout.expert_model_parallel_size
 
     def per_device(c):
@@ -331,12 +333,17 @@ def weight_and_optimizer_memory(cfg: JMegatronConfig, padded_vocab_size: int,
     With expert parallelism the distributed optimizer divides the routed experts' moments
     by ``dp`` (their expert-data-parallel group, jmegatron's ``data`` axis) and the rest by
     Megatron's data-parallel size ``dp * ep`` (Megatron's ``DistributedOptimizer`` with
-    its expert-data-parallel buffers)."""
+    its expert-data-parallel buffers). Under context parallelism both groups include the
+    ``cp`` context ranks (Megatron shards over ``get_data_parallel_group(with_context_parallel=True)``;
+    jmegatron.parallel.distributed_optimizer): ``/ (dp cp)`` and ``/ (dp ep cp)``. Megatron's
+    own ``theoretical_memory_usage.py`` divides by its ``data_parallel_size`` alone, which
+    excludes cp (:func:`megatron_weight_and_optimizer_memory` keeps that)."""
     n, experts = _dense_and_expert_per_device(cfg, padded_vocab_size, layout)  # FSDP's / dp included
     optimizer = ADAM_STATE_BYTES * n
     if layout.use_distributed_optimizer:
-        optimizer = ADAM_STATE_BYTES * ((n - experts) / layout.megatron_data_parallel_size
-                                        + experts / layout.data_parallel_size)
+        cp = layout.context_parallel_size
+        optimizer = ADAM_STATE_BYTES * ((n - experts) / (layout.megatron_data_parallel_size * cp)
+                                        + experts / (layout.data_parallel_size * cp))
     return StateMemory(weights=PARAM_BYTES * n, gradients=GRAD_BYTES * n, optimizer_state=optimizer)
 
 
@@ -486,7 +493,9 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
     ``cp_comm_type="p2p"`` (the ring's custom VJP keeps q, k, v, the output and the
     log-sum-exp) ``4 a n``; ``"all_gather"`` the gathered K and V ``2 e s b kv`` and the
     probabilities ``4 a n s``; ``"a2a"`` the head-split q, k, v ``e s b (q + 2 kv) / c`` and
-    the probabilities ``4 (a / c) s^2 b`` (all / t). Raises ValueError for another
+    the probabilities ``4 (a / c) s^2 b`` (all / t); with the CPU kernel's block forms
+    (float32) all_gather and a2a keep the log-sum-exp instead of the probabilities
+    (``4 a n`` and ``4 (a / c) s b``). Raises ValueError for another
     ``recompute``, or ``moe=True`` with a dense ``cfg`` (``num_moe_experts`` None).
     """
     if recompute not in RECOMPUTE_CHOICES:
@@ -517,13 +526,15 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
         moe_mlp = _moe_mlp_bytes(cfg, n, e, t)
     from jmegatron.models.gpt import resolve_impls
     a = cfg.num_attention_heads
+    kernel = resolve_impls(cfg)["attention_impl"] == "cpu" and not cfg.bf16  # bf16 falls back to XLA's
+    keys = 1 if kernel else s  # the kernel keeps a query's log-sum-exp, XLA its probabilities
     if c > 1 and cfg.cp_comm_type == "all_gather":
-        scores = 2 * e * s * b * kv + FLOAT32_BYTES * a * n * s
+        scores = 2 * e * s * b * kv + FLOAT32_BYTES * a * n * keys
     elif c > 1 and cfg.cp_comm_type == "a2a":
-        scores = e * s * b * (q + 2 * kv) / c + FLOAT32_BYTES * a / c * s * s * b
+        scores = e * s * b * (q + 2 * kv) / c + FLOAT32_BYTES * a / c * s * keys * b
     elif c > 1:  # p2p
         scores = FLOAT32_BYTES * a * n
-    elif resolve_impls(cfg)["attention_impl"] == "cpu" and not cfg.bf16:  # bf16 falls back to XLA's
+    elif kernel:
         scores = FLOAT32_BYTES * cfg.num_attention_heads * s * b
     elif recompute == "selective":
         scores = 0

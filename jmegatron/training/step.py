@@ -55,6 +55,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     reduce-scatter (``psum_scatter``) into ``grad_shardings`` under the distributed
     optimizer. Under FSDP (parameters sharded over data) each micro-batch all-gathers
     the parameters and reduce-scatters their gradients (the all-gather's transpose).
+    Under context parallelism the context ranks are data-parallel ranks for the
+    parameters (Megatron's DP x CP group): gradients sum over them, and ZeRO-1 / FSDP
+    shard over data x context.
     The tensor axis stays automatic (GSPMD), driven by the logical-axis ``rules``.
 
     ``loss_fn(params, micro, rng, num_tokens, extra, data_sum) -> (loss, report)`` gives
@@ -125,14 +128,19 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     is_none = lambda x: x is None  # noqa: E731
     is_expert = jax.tree.map(lambda s: expert in {a for e in s.spec for a in rules_lib.entry_axes(e)},
                              param_shardings)
-    # ZeRO-1: the manual axes of size > 1 a gradient is reduce-scattered over (data, and
-    # expert for dense leaves under expert parallelism: parallel/distributed_optimizer.py)
-    def zero_group(s):  # the data / expert axes of the dimension ZeRO-1 added
+    # ZeRO-1: the manual axes of size > 1 a gradient is reduce-scattered over (data, expert
+    # for dense leaves under expert parallelism, context under context parallelism: Megatron's
+    # data-parallel group with context parallelism; parallel/distributed_optimizer.py)
+    def zero_group(s):  # the data / expert / context axes of the dimension ZeRO-1 added
         d = data_dim(s)
         on = set() if d is None else set(rules_lib.entry_axes(s.spec[d]))
-        return tuple(a for a in (axis, expert) if a in on and mesh.shape.get(a, 1) > 1)
+        return tuple(a for a in (axis, expert, context) if a in on and mesh.shape.get(a, 1) > 1)
 
     zero_axes = jax.tree.map(zero_group, grad_shardings)
+    # FSDP: the axes a parameter's shards are gathered over (data, and context under context
+    # parallelism: Megatron-FSDP's data-parallel group with context parallelism)
+    param_groups = jax.tree.map(zero_group, param_shardings)
+    extra_groups = jax.tree.map(zero_group, extra_shardings)
 
     # With one data-parallel rank every data collective is the identity. It is skipped,
     # not emitted: XLA's SPMD partitioner rejects an all-reduce over a size-1 manual axis
@@ -145,15 +153,17 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     def psum_over(x, name):
         return x if mesh.shape[name] == 1 else jax.lax.psum(x, name)
 
-    def gather(p, d):
-        return p if d is None or single else jax.lax.all_gather(p, axis, axis=d, tiled=True)
+    def gather(p, d, group):
+        if d is None or not group:
+            return p
+        return jax.lax.all_gather(p, group[0] if len(group) == 1 else group, axis=d, tiled=True)
 
     def data_sum(x):
         return psum(x)
 
     def micro_loss(local_params, micro, rng, num_tokens, extra):
-        params = jax.tree.map(gather, local_params, param_dims, is_leaf=is_none)
-        extra = jax.tree.map(gather, extra, extra_dims, is_leaf=is_none)
+        params = jax.tree.map(gather, local_params, param_dims, param_groups, is_leaf=is_none)
+        extra = jax.tree.map(gather, extra, extra_dims, extra_groups, is_leaf=is_none)
         with nn.logical_axis_rules(inner_rules):
             return loss_fn(params, micro, rng, num_tokens, extra, data_sum)
 
@@ -191,7 +201,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                 schedule = build_schedule(pipeline[0], pipeline[1], num_micro, pipeline[2])
                 grads, report, tokens = _pipelined_grads(model.cfg, schedule, pipeline_stages or lm_pipeline_stages,
                                                          varying, batch, rng, extra, psum, dp,
-                                                         pipeline_layout)
+                                                         pipeline_layout, context_parallel_size=cp)
         else:
             zeros = jax.tree.map(jnp.zeros_like, varying)
             first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
@@ -202,9 +212,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                 accumulate, (zeros, report0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
 
         def reduce(g, pd, gd, ex, zax):
-            if cp > 1:  # every parameter is replicated over the context ranks
-                g = jax.lax.psum(g, context)
-            if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose
+            if cp > 1 and context not in zax:  # every parameter is replicated over the context ranks
+                g = jax.lax.psum(g, context)  # (ZeRO-1 over context: in the reduce-scatter below)
+            if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose (over context too)
                 return g
             if not ex and ep > 1 and expert not in zax:  # dense: the expert ranks are data ranks too
                 g = psum_over(g, expert)
@@ -283,11 +293,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
 
 
 def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params, batch: Batch, rng, extra,
-                     data_sum: Callable, dp: int, layout: Any = None):
+                     data_sum: Callable, dp: int, layout: Any = None, context_parallel_size: int = 1):
     """One data-parallel rank's pipelined (grads, report, tokens), as the micro-batch loop
     of :func:`make_train_step` returns them (sums over micro-batches); ``params`` as that
     loop sees them (data-replicated ones already varying over data); ``stages_fn(ctx)``
-    gives the stages (:func:`lm_pipeline_stages` or distillation's)."""
+    gives the stages (:func:`lm_pipeline_stages` or distillation's). Under context
+    parallelism (``context_parallel_size`` ranks, each its slots of every sequence) a
+    rank's share of a mean over ranks (``StageContext.data_parallel_size``) is over the
+    ``dp x cp`` ranks that ``data_sum`` adds."""
     num_micro, local_rows, seq = batch["tokens"].shape
     data_rank = jax.lax.axis_index(rules_lib.DATA_AXIS)
     # Parameters replicated over stages get per-stage partial gradients, summed below.
@@ -299,7 +312,7 @@ def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params,
                        stage=jax.lax.axis_index(PIPELINE_AXIS), rng=rng, tokens=tokens,
                        sample_offset=lambda micro: (micro["microbatch"] * dp + data_rank) * local_rows,
                        local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum, layout=layout,
-                       data_parallel_size=dp)
+                       data_parallel_size=dp * context_parallel_size)
     stages = stages_fn(ctx)
     grads, loss, report = run_schedule(schedule, params, batch, **stages)
     grads = {k: (g if k == "decoder_layers" else jax.tree.map(lambda a: jax.lax.psum(a, PIPELINE_AXIS), g))

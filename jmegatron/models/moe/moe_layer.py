@@ -167,7 +167,10 @@ def add_moe_losses(cfg: Any, loss: Array, report: dict, sown: Any, micro: dict, 
     its own tokens' (Megatron computes them per rank and its DDP averages gradients over
     data ranks), so they enter as the mean over ranks weighted by local tokens (equal on
     every rank); ``report["lm_loss"]`` is left as it is. ``moe_tokens_per_expert`` is
-    summed over ranks, the other entries averaged (see :func:`moe_loss_terms`).
+    summed over ranks, the other entries averaged (see :func:`moe_loss_terms`). Under
+    context parallelism ``data_sum`` adds over the context ranks too, and each rank's sown
+    losses are its estimate of its sequences' whole loss (the router's module doc), so the
+    mean over data x context ranks is Megatron's sum of per-rank shares over context.
     """
     aux, moe_report = moe_loss_terms(sown, cfg.moe, sum(cfg.moe_layers()))
     local = jnp.sum(jnp.ones_like(micro["loss_mask"], jnp.float32))

@@ -6,6 +6,25 @@ load-balancing losses. The losses are not attached to the activations as Megatro
 ``MoEAuxLossAutoScaler`` does: the router ``sow``\\ s them into the ``moe_losses``
 collection and the language model's loss function adds them
 (:func:`jmegatron.models.moe.moe_layer.moe_loss_terms`), which gives the same gradients.
+
+Context parallelism (inside the train step's shard_map, ``context`` manual, each rank
+routing its ``s / cp`` tokens of every sequence): Megatron's router reduces the token
+statistics of the aux losses over the tensor x context group
+(``get_tokens_per_expert_and_token_count(reduce_group=tp_cp_group)`` in
+megatron/core/transformer/moe/router.py ``_apply_aux_loss`` / ``_apply_seq_aux_loss``,
+``total_num_tokens = local * |tp_cp|``), so a rank's loss is its tokens' share of the whole
+sequences' loss, and ``MoEAuxLossAutoScaler.set_loss_scale(cp / num_microbatches)``
+(megatron/core/pipeline_parallel/schedules.py) with DDP's ``1 / (dp * cp)`` averaging makes
+the gradient that of the sum over context ranks. The z-loss is a per-token mean divided by
+``|tp_cp|`` there. Here the tokens per expert (per sequence for ``seq_aux_loss``) are summed
+over ``context`` the same way, and each rank sows ``cp`` times Megatron's share (the
+z-loss: its own tokens' mean): the loss function averages the sown values over the ranks
+that split the batch (:func:`jmegatron.models.moe.moe_layer.add_moe_losses`), which gives
+Megatron's sum over context ranks. So the aux, seq-aux and z losses, their gradients, the
+sown ``tokens_per_expert`` (local; the report sums it) and the expert-bias counts equal the
+unsplit sequence's (tested against one device). Per-rank by Megatron's definition, hence
+not equal to one device: the capacity (``get_capacity`` over the rank's tokens) and the
+Sinkhorn balancing (over the rank's tokens).
 """
 
 from __future__ import annotations
@@ -18,6 +37,7 @@ import jax.numpy as jnp
 
 from jmegatron.models.moe import moe_utils
 from jmegatron.models.moe.moe_utils import MoEConfig
+from jmegatron.parallel.rules import CONTEXT_AXIS
 
 Array = jax.Array
 
@@ -41,6 +61,15 @@ class Routing:
 
 
 jax.tree_util.register_dataclass(Routing, data_fields=["probs", "routing_map", "top_indices"], meta_fields=[])
+
+
+def _context_parallel_size() -> int:
+    """The context mesh axis's size when it is manual here (the train step's shard_map),
+    else 1 (evaluation and generation route whole sequences)."""
+    try:
+        return jax.lax.axis_size(CONTEXT_AXIS)
+    except NameError:
+        return 1
 
 
 class TopKRouter(nn.Module):
@@ -98,15 +127,20 @@ class TopKRouter(nn.Module):
         if training and c.moe_aux_loss_coeff and c.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss"):
             aux_map, aux_scores = moe_utils.compute_routing_scores_for_aux_loss(
                 logits, k, c.moe_router_score_function)
+            # context parallelism: the token counts over the whole sequences (module doc)
+            cp = _context_parallel_size()
+            over_context = (lambda x: jax.lax.psum(x, CONTEXT_AXIS)) if cp > 1 else (lambda x: x)
             if c.moe_router_load_balancing_type == "aux_loss":
-                loss = moe_utils.switch_load_balancing_loss_func(
-                    aux_scores, jnp.sum(aux_map, axis=0), s * b, k, num_experts, c.moe_aux_loss_coeff)
+                loss = cp * moe_utils.switch_load_balancing_loss_func(
+                    aux_scores, over_context(jnp.sum(aux_map, axis=0)), s * b * cp, k, num_experts,
+                    c.moe_aux_loss_coeff)
                 self.sow(MOE_LOSSES, "load_balancing_loss", loss.astype(jnp.float32))
             else:  # one Switch loss per sequence, averaged over the batch (Megatron's _apply_seq_aux_loss)
                 per_seq_scores = jnp.sum(aux_scores.reshape(s, b, num_experts), axis=0)  # [b, E]
-                per_seq_tokens = jnp.sum(aux_map.reshape(s, b, num_experts), axis=0)
-                loss = (jnp.sum(per_seq_scores * per_seq_tokens.astype(per_seq_scores.dtype))
-                        * (num_experts * c.moe_aux_loss_coeff / (k * s * s)) / b)
+                per_seq_tokens = over_context(jnp.sum(aux_map.reshape(s, b, num_experts), axis=0))
+                full = s * cp  # the sequence's length
+                loss = cp * (jnp.sum(per_seq_scores * per_seq_tokens.astype(per_seq_scores.dtype))
+                             * (num_experts * c.moe_aux_loss_coeff / (k * full * full)) / b)
                 self.sow(MOE_LOSSES, "seq_load_balancing_loss", loss.astype(jnp.float32))
 
         kept = routing_map & routed  # padded slots (pad_to_capacity) are not tokens
