@@ -1,14 +1,11 @@
 """The communication audit: the compiled train step's collectives against Megatron's
 analytic counts (Korthikanti et al. 2022; Megatron-Core's distributed optimizer)."""
 
-import math
-
 import jax
-import numpy as np
 import pytest
 
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.tools.comm_report import analyze, parse_collectives, replica_groups, summarize
+from jmegatron.tools.comm_report import analyze, replica_groups, summarize
 from jmegatron.training.run import build
 
 from test_train_step import tiny_cfg

@@ -37,7 +37,7 @@ cp (:func:`jmegatron.distill.model_provider.distillation_forward_step`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp

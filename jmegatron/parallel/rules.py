@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import flax.linen as nn
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 MeshAxes = Optional[str | tuple[str, ...]]
 DATA_AXIS = "data"
