@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--impls", default="cpu,xla", help="attention paths measured at every point")
     p.add_argument("--out", default="docs/bench/cp_memory")
+    p.add_argument("--rows-from", default=None,
+                   help="a cp_memory.json of an earlier run: its rows of points not measured now are kept "
+                        "(labelled with that run's command), so one chart can be assembled from several runs")
     args = p.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -66,18 +69,30 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
 
+    command = "python benchmarks/cp_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    for r in rows:
+        r.setdefault("command", command)
+    if args.rows_from:
+        with open(args.rows_from) as f:
+            earlier = json.load(f)
+        have = {(r["seq_length"], r["cp"], r["attention"]) for r in rows}
+        rows += [dict(r, command=r.get("command", earlier["command"])) for r in earlier["rows"]
+                 if (r["seq_length"], r["cp"], r["attention"]) not in have]
+        rows.sort(key=lambda r: (r["seq_length"], r["cp"], r["attention"]))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cp_memory.json"), "w") as f:
-        json.dump({"command": "python benchmarks/cp_memory.py " + " ".join(sys.argv[1:]), "rows": rows}, f, indent=1)
+        json.dump({"command": command, "rows": rows}, f, indent=1)
     gib = 2 ** 30
     lines = ["| seq | cp | attention | compiled GiB/device | theoretical GiB/device | ratio |", "|---|---|---|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['seq_length']} | {r['cp']} | {r['attention']} | {r['compiled_bytes'] / gib:.3f} | "
                      f"{r['theoretical_bytes'] / gib:.3f} | {r['compiled_bytes'] / r['theoretical_bytes']:.2f} |")
+    commands = sorted({r["command"] for r in rows})
     with open(os.path.join(args.out, "cp_memory.md"), "w") as f:
         f.write("# Compiled memory per device vs sequence length, gpt3 345M shape\n\n"
-                f"`python benchmarks/cp_memory.py {' '.join(sys.argv[1:])}` (micro-batch {args.micro_batch}, "
-                "dropout 0, float32, dp 1; compile only)\n\n" + "\n".join(lines) + "\n")
+                + "".join(f"`{c}`\n" for c in commands)
+                + f"\n(micro-batch {args.micro_batch}, dropout 0, float32, dp 1; compile only)\n\n"
+                + "\n".join(lines) + "\n")
 
     import matplotlib
 
