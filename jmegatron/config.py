@@ -470,11 +470,12 @@ class JMegatronConfig:
         if self.seq_length % (2 * cp):
             raise ConfigError(f"config.seq_length={self.seq_length} must be divisible by 2 x "
                               f"context_parallel_size={2 * cp} (Megatron's load-balanced split: 2 cp chunks).")
-        if self.attention_dropout:
-            raise ConfigError(f"config.attention_dropout={self.attention_dropout} with context_parallel_size={cp}: "
-                              f"the context-parallel attention has no dropout yet; set attention_dropout=0.0.")
-        if self.hidden_dropout and self.dropout_impl != "hash":
-            raise ConfigError(f"config.dropout_impl={self.dropout_impl!r} with hidden_dropout and "
+        if self.attention_dropout and self.cp_comm_type == "a2a":
+            raise ConfigError(f"config.attention_dropout={self.attention_dropout} with context_parallel_size={cp} "
+                              f"and cp_comm_type='a2a': the head-split attention has no dropout; set "
+                              f"cp_comm_type='p2p' or 'all_gather', or attention_dropout=0.0.")
+        if (self.hidden_dropout or self.attention_dropout) and self.dropout_impl != "hash":
+            raise ConfigError(f"config.dropout_impl={self.dropout_impl!r} with dropout and "
                               f"context_parallel_size={cp}: only the 'hash' masks follow the load-balanced "
                               f"sequence slots; set dropout_impl='hash'.")
         if self.pipeline_model_parallel_size > 1 and self.cp_comm_type == "p2p":

@@ -146,6 +146,10 @@ CP_CASES = [  # (context_parallel_size, devices, model, other fields)
     (2, 4, LLAMA, dict(hidden_dropout=0.1)),  # cp2 x dp2: the one-device dropout masks
     (2, 4, LLAMA, dict(recompute_granularity="full", scan_layers=True)),  # activation recomputation
     (2, 2, {}, dict(recompute_granularity="selective")),
+    # attention dropout: each ring / all_gather block draws the one-device hash mask
+    (2, 4, LLAMA, dict(attention_dropout=0.1, hidden_dropout=0.1)),
+    (4, 4, {}, dict(attention_dropout=0.2)),
+    (2, 4, LLAMA, dict(attention_dropout=0.1, cp_comm_type="all_gather")),
 ]
 
 
@@ -167,8 +171,10 @@ def test_context_parallel_matches_one_device(cp, devices, model, extra):
 
 @pytest.mark.parametrize("fields,message", [
     (dict(seq_length=36), "seq_length=36 must be divisible by 2 x context_parallel_size=8"),
-    (dict(attention_dropout=0.1), "attention_dropout=0.1 with context_parallel_size=4"),
-    (dict(hidden_dropout=0.1, dropout_impl="threefry"), "dropout_impl='threefry' with hidden_dropout"),
+    (dict(attention_dropout=0.1, cp_comm_type="a2a"), "attention_dropout=0.1 with context_parallel_size=4 "
+                                                       "and cp_comm_type='a2a'"),
+    (dict(hidden_dropout=0.1, dropout_impl="threefry"), "dropout_impl='threefry' with dropout"),
+    (dict(attention_dropout=0.1, dropout_impl="threefry"), "dropout_impl='threefry' with dropout"),
     (dict(cp_comm_type="a2a", num_query_groups=2), "num_query_groups=2 is not divisible by "
                                                     "tensor_model_parallel_size x context_parallel_size = 4"),
     (dict(cp_comm_type="ring"), "cp_comm_type='ring': choose"),

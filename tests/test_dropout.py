@@ -104,3 +104,19 @@ def test_data_parallel_shards_with_offsets_draw_the_one_device_masks():
         got = jax.jit(jax.shard_map(lambda x: local(x, fold_rank), mesh=mesh, in_specs=P("data"),
                                     out_specs=P("data")))(xs)
         assert np.array_equal(np.asarray(got), want) != fold_rank, fold_rank
+
+
+def test_attention_keep_mask_is_the_whole_sequence_mask_at_block_positions():
+    """A context-parallel block's attention-dropout mask (rows and columns at global sequence
+    positions) is the one-device mask of the whole ``[b, nkv, g, s, s]`` probabilities."""
+    from jmegatron.models.dropout import attention_keep_mask
+
+    key = jax.random.PRNGKey(3)
+    b, h, g, s = 2, 2, 3, 16
+    full = keep_mask(key, 0.3, (b, h, g, s, s), "hash", 5)
+    rows, cols = np.array([[3, 9, 12], [0, 15, 8]]), np.array([[0, 4, 15, 7], [2, 2, 3, 11]])
+    part = attention_keep_mask(key, 0.3, (b, h, g, 3, 4), jnp.asarray(rows), jnp.asarray(cols), s, 5)
+    want = np.stack([np.asarray(full)[i][:, :, rows[i]][:, :, :, cols[i]] for i in range(b)])
+    np.testing.assert_array_equal(part, want)
+    with pytest.raises(ValueError, match="dropout rate 1.0"):
+        attention_keep_mask(key, 1.0, (b, h, g, 3, 4), jnp.asarray(rows), jnp.asarray(cols), s)

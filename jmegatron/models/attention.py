@@ -230,10 +230,13 @@ class SelfAttention(nn.Module):
             # the slots' sequence positions, not position_ids (which restart per document
             # under reset_position_ids): the causal order is the sequence's
             seq_positions = jnp.broadcast_to(context_positions(s), (b, s))
-            # the CPU kernel's block forms where the kernel runs (float32), else XLA's blocks
-            block = "cpu" if self.core_attention == "cpu" and q.dtype == jnp.float32 else "xla"
-            out = CP_ATTENTIONS[self.cp_comm_type](q, k, v, seq_positions, CONTEXT_AXIS,
-                                                   _manual_axis_size(CONTEXT_AXIS), segment_ids, block)
+            # the CPU kernel's block forms where the kernel runs (float32, no attention
+            # dropout), else XLA's blocks
+            rate = 0.0 if deterministic else self.attention_dropout
+            block = "cpu" if self.core_attention == "cpu" and q.dtype == jnp.float32 and rate == 0.0 else "xla"
+            out = CP_ATTENTIONS[self.cp_comm_type](
+                q, k, v, seq_positions, CONTEXT_AXIS, _manual_axis_size(CONTEXT_AXIS), segment_ids, block,
+                rate, self.make_rng("dropout") if rate > 0.0 else None, sample_offset)
         else:
             out = self._core(q, k, v, deterministic, sample_offset, segment_ids)
         out = nn.with_logical_constraint(out, ("batch", "length", "activation_heads", "activation_kv"))

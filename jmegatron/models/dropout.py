@@ -152,6 +152,29 @@ def keep_mask(key: jax.Array, rate: float, shape: Sequence[int], impl: str = "ha
     return hash_bits(key, shape, sample_offset, positions) >= _U(threshold)
 
 
+def attention_keep_mask(key: jax.Array, rate: float, shape: Sequence[int], q_positions: jax.Array,
+                        k_positions: jax.Array, seq_length: int, sample_offset=0) -> jax.Array:
+    """bool ``shape = [b, nkv, g, sq, sk]``: the ``"hash"`` :func:`keep_mask` of the whole
+    sequence's attention probabilities ``[b, nkv, g, seq_length, seq_length]`` (as
+    :func:`jmegatron.models.attention.xla_attention` draws it on one device) at query rows
+    ``q_positions`` and key columns ``k_positions`` (int ``[b, sq]`` / ``[b, sk]``, global
+    sequence positions): the mask of one block of a context-parallel attention, element for
+    element the one-device mask. Row ``i`` is global sample ``sample_offset + i``. Raises
+    ValueError for ``rate`` outside [0, 1)."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate {rate} must be in [0, 1)")
+    shape = tuple(int(d) for d in shape)
+    k0, k1 = _key_words(key)
+    lead = jax.lax.broadcasted_iota(_U, shape, 0) + jnp.asarray(sample_offset).astype(_U)
+    head = jax.lax.broadcasted_iota(_U, shape, 1) * _U(shape[2]) + jax.lax.broadcasted_iota(_U, shape, 2)
+    s = _U(seq_length % 2**32)
+    q = jnp.asarray(q_positions).astype(_U)[:, None, None, :, None]
+    k = jnp.asarray(k_positions).astype(_U)[:, None, None, None, :]
+    rest = (head * s + q) * s + k  # hash_bits' row-major index over [nkv, g, S, S], mod 2^32
+    threshold = min(int(math.floor(rate * 2.0**32)), 2**32 - 1)
+    return _triple32(_triple32(lead ^ k0) ^ rest ^ k1) >= _U(threshold)
+
+
 def dropout(x: jax.Array, rate: float, key: Optional[jax.Array], impl: str = "hash",
             sample_offset=0, positions: Optional[jax.Array] = None) -> jax.Array:
     """Inverted dropout of ``x`` (any shape and float dtype; the leading axis is the

@@ -41,7 +41,7 @@ segments=None)``.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -83,9 +83,31 @@ def _visible(q_positions: Optional[Array], k_positions: Optional[Array], q_segme
     return visible
 
 
+class BlockDropout(NamedTuple):
+    """Attention dropout of one block (Megatron's ``attention_dropout`` on the probabilities):
+    the ``"hash"`` mask of the whole sequence's probabilities at this block's rows and
+    columns (:func:`jmegatron.models.dropout.attention_keep_mask`), so a context-parallel
+    run drops exactly the one-device run's elements. ``q_index`` / ``k_index``: int
+    ``[b, sq]`` / ``[b, sk]``, the block's queries' and keys' sequence positions."""
+
+    key: Array
+    rate: float
+    sample_offset: Any
+    seq_length: int
+    q_index: Array
+    k_index: Array
+
+    def keep(self, shape) -> Array:
+        """bool ``shape`` ``[b, nkv, g, sq, sk]``: the elements kept."""
+        from jmegatron.models.dropout import attention_keep_mask
+        return attention_keep_mask(self.key, self.rate, shape, self.q_index, self.k_index, self.seq_length,
+                                   self.sample_offset)
+
+
 def attention_block(q: Array, k: Array, v: Array, q_positions: Optional[Array] = None,
                     k_positions: Optional[Array] = None, q_segments: Optional[Array] = None,
-                    k_segments: Optional[Array] = None) -> tuple[Array, Array]:
+                    k_segments: Optional[Array] = None, dropout: Optional[BlockDropout] = None
+                    ) -> tuple[Array, Array]:
     """Softmax attention of a query block over a key/value block, unnormalised across blocks.
 
     q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]`` (GQA: query head ``i`` uses group
@@ -96,6 +118,8 @@ def attention_block(q: Array, k: Array, v: Array, q_positions: Optional[Array] =
     its own segment as well. Returns (out float32 ``[b, sq, nq, d]``, normalised within the block; lse float32
     ``[b, sq, nq]``, the log-sum-exp of its scaled scores, -inf for a query that sees no
     key here, whose output is 0). Scores and softmax in float32, scale ``1/sqrt(d)``.
+    ``dropout``: attention dropout of the block's probabilities (:class:`BlockDropout`; the
+    log-sum-exp is the undropped one, so blocks merge as without dropout).
     """
     b, sq, nq, d = q.shape
     nkv = k.shape[2]
@@ -109,7 +133,10 @@ def attention_block(q: Array, k: Array, v: Array, q_positions: Optional[Array] =
     safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
     p = jnp.exp(scores - safe)
     total = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(total > 0, total, 1.0), v.astype(jnp.float32))
+    probs = p / jnp.where(total > 0, total, 1.0)
+    if dropout is not None:  # as xla_attention: probabilities / (1 - rate) where kept
+        probs = jnp.where(dropout.keep(probs.shape), probs / (1.0 - dropout.rate), 0.0)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32))
     lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + safe, -jnp.inf)  # [b, h, g, q, 1]
     lse = jnp.moveaxis(lse[..., 0], 3, 1).reshape(b, sq, nq)
     return out.reshape(b, sq, nq, d), lse
@@ -127,8 +154,8 @@ def merge_blocks(out1: Array, lse1: Array, out2: Array, lse2: Array) -> tuple[Ar
 
 def _block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: Array,
                  q_positions: Optional[Array] = None, k_positions: Optional[Array] = None,
-                 q_segments: Optional[Array] = None, k_segments: Optional[Array] = None
-                 ) -> tuple[Array, Array, Array]:
+                 q_segments: Optional[Array] = None, k_segments: Optional[Array] = None,
+                 dropout: Optional[BlockDropout] = None) -> tuple[Array, Array, Array]:
     """FlashAttention's backward for one block (Dao et al. 2022, Algorithm 4) given the
     *final* log-sum-exp ``lse [b, sq, nq]`` and ``delta = sum(dout * out, -1) [b, sq, nq]``:
     (dq ``[b, sq, nq, d]``, dk ``[b, sk, nkv, d]``, dv ``[b, sk, nkv, d]``), float32, this
@@ -152,8 +179,13 @@ def _block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: A
         keep = keep & visible[:, None, None]
     p = jnp.where(keep, p, 0.0)
     dout_g = dout.astype(jnp.float32).reshape(b, sq, nkv, g, d)
-    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dout_g)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", dout_g, v32)
+    if dropout is None:
+        dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dout_g)
+    else:  # the kept probabilities went into out; dP reaches P through the same mask
+        kept = dropout.keep(p.shape)
+        dv = jnp.einsum("bhgqk,bqhgd->bkhd", jnp.where(kept, p / (1.0 - dropout.rate), 0.0), dout_g)
+        dp = jnp.where(kept, dp / (1.0 - dropout.rate), 0.0)
     ds = p * (dp - per_head(delta)) * scale
     dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k32).reshape(b, sq, nq, d)
     dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg)
@@ -227,11 +259,38 @@ def _block_segments(all_segments: Optional[Array], source: Array, width: int) ->
     return jax.lax.dynamic_slice_in_dim(all_segments, source * width, width, axis=1)
 
 
-def _ring_forward(q, k, v, positions, axis_name, cp, segments=None, block="xla"):
-    """(out float32, lse) of the forward ring (see :func:`ring_attention`)."""
+def _slot_positions(rank: Array, c: int, cp: int, b: int) -> Array:
+    """int32 ``[b, 2c]``: the sequence positions of context rank ``rank``'s load-balanced
+    slots (chunks ``rank`` and ``2 cp - 1 - rank``; ``rank`` may be traced)."""
+    offsets = jnp.arange(c, dtype=jnp.int32)
+    return jnp.broadcast_to(jnp.concatenate([rank * c + offsets, (2 * cp - 1 - rank) * c + offsets]), (b, 2 * c))
+
+
+def _block_dropout(drop, q_index, k_index):
+    """The :class:`BlockDropout` of a block from ``drop = (rate, key, sample_offset,
+    seq_length)`` (None: no dropout), or None; the block kernel's keyword arguments."""
+    if drop is None:
+        return {}
+    rate, key, offset, seq_length = drop
+    return {"dropout": BlockDropout(key, rate, offset, seq_length, q_index, k_index)}
+
+
+def _ring_dropout(dropout_rate, dropout_key, sample_offset, block, seq_length):
+    if dropout_rate == 0.0:
+        return None
+    if block != "xla":
+        raise ValueError(f"ring attention with attention dropout ({dropout_rate}) runs XLA's block kernel; "
+                         f"got block={block!r}")
+    return dropout_rate, dropout_key, sample_offset, seq_length
+
+
+def _ring_forward(q, k, v, positions, axis_name, cp, segments=None, block="xla", drop=None):
+    """(out float32, lse) of the forward ring (see :func:`ring_attention`); ``drop``: see
+    :func:`_block_dropout`."""
     block_fwd, _ = block_kernels(block)
     # step 0: the local causal block
-    out, lse = block_fwd(q, k, v, positions, positions, segments, segments)
+    out, lse = block_fwd(q, k, v, positions, positions, segments, segments,
+                         **_block_dropout(drop, positions, positions))
     if cp == 1:
         return out, lse
     rank = jax.lax.axis_index(axis_name)
@@ -244,13 +303,15 @@ def _ring_forward(q, k, v, positions, axis_name, cp, segments=None, block="xla")
         kv = jax.lax.ppermute(kv, axis_name, ring)
         bk, bv = kv
         bseg = _block_segments(all_segments, (rank - step) % cp, 2 * c)
+        bpos = None if drop is None else _slot_positions((rank - step) % cp, c, cp, q.shape[0])
 
-        def earlier(bk=bk, bv=bv, bseg=bseg):  # both local chunks see the block's first chunk only
-            return block_fwd(q, bk[:, :c], bv[:, :c], None, None, segments,
-                                   None if bseg is None else bseg[:, :c])
+        def earlier(bk=bk, bv=bv, bseg=bseg, bpos=bpos):  # both local chunks see the block's first chunk only
+            return block_fwd(q, bk[:, :c], bv[:, :c], None, None, segments, None if bseg is None else bseg[:, :c],
+                             **_block_dropout(drop, positions, None if bpos is None else bpos[:, :c]))
 
-        def later(bk=bk, bv=bv, bseg=bseg):  # only the second local chunk sees it, whole
-            o, l = block_fwd(q[:, c:], bk, bv, None, None, q_seg2, bseg)
+        def later(bk=bk, bv=bv, bseg=bseg, bpos=bpos):  # only the second local chunk sees it, whole
+            o, l = block_fwd(q[:, c:], bk, bv, None, None, q_seg2, bseg,
+                             **_block_dropout(drop, positions[:, c:], bpos))
             return (jnp.concatenate([jnp.zeros_like(o), o], axis=1),
                     jnp.concatenate([jnp.full_like(l, -jnp.inf), l], axis=1))
 
@@ -260,9 +321,10 @@ def _ring_forward(q, k, v, positions, axis_name, cp, segments=None, block="xla")
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 7, 8))
 def ring_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int,
-                   segments: Optional[Array] = None, block: str = "xla") -> Array:
+                   segments: Optional[Array] = None, block: str = "xla", dropout_rate: float = 0.0,
+                   dropout_key: Optional[Array] = None, sample_offset=0) -> Array:
     """Causal attention of this rank's load-balanced sequence shard against the whole
     sequence, inside ``shard_map`` with ``axis_name`` (the ``context`` axis, size
     ``axis_size``) manual (``cp_comm_type="p2p"``).
@@ -282,19 +344,27 @@ def ring_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: st
     whole sequence's K/V that autodiff through the ring would keep. The segment ids of the
     blocks come from one all-gather of ``segments`` (:func:`_gathered_segments`).
     ``block``: the block kernel (:func:`block_kernels`), ``"xla"`` or ``"cpu"`` (float32).
+    ``dropout_rate`` > 0 (XLA's blocks only; ValueError otherwise) drops each block's
+    probabilities with the one-device hash mask (:class:`BlockDropout`; ``dropout_key`` the
+    layer's dropout key, ``sample_offset`` the global sample of row 0), forward and in the
+    backward's recomputation, which redraws the same mask.
     """
-    out, _ = _ring_forward(q, k, v, positions, axis_name, axis_size, segments, block)
+    drop = _ring_dropout(dropout_rate, dropout_key, sample_offset, block, q.shape[1] * axis_size)
+    out, _ = _ring_forward(q, k, v, positions, axis_name, axis_size, segments, block, drop)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, positions, axis_name, axis_size, segments=None, block="xla"):
-    out, lse = _ring_forward(q, k, v, positions, axis_name, axis_size, segments, block)
+def _ring_fwd(q, k, v, positions, axis_name, axis_size, segments=None, block="xla", dropout_rate=0.0,
+              dropout_key=None, sample_offset=0):
+    drop = _ring_dropout(dropout_rate, dropout_key, sample_offset, block, q.shape[1] * axis_size)
+    out, lse = _ring_forward(q, k, v, positions, axis_name, axis_size, segments, block, drop)
     out = out.astype(q.dtype)
-    return out, (q, k, v, positions, segments, out, lse)
+    return out, (q, k, v, positions, segments, dropout_key, sample_offset, out, lse)
 
 
-def _ring_bwd(axis_name, cp, block, res, dout):
-    q, k, v, positions, segments, out, lse = res
+def _ring_bwd(axis_name, cp, block, dropout_rate, res, dout):
+    q, k, v, positions, segments, dropout_key, sample_offset, out, lse = res
+    drop = _ring_dropout(dropout_rate, dropout_key, sample_offset, block, q.shape[1] * cp)
     block_grads = block_kernels(block)[1]
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     # The recomputed scores must not start before the backward: otherwise XLA's scheduler
@@ -305,7 +375,8 @@ def _ring_bwd(axis_name, cp, block, res, dout):
     # jax.lax.optimization_barrier does not survive XLA:CPU's pipeline (tried).
     tie = (jnp.sum(delta) * 0.0).astype(q.dtype)
     q, k = q + tie, k + tie.astype(k.dtype)
-    dq, dk, dv = block_grads(q, k, v, dout, lse, delta, positions, positions, segments, segments)
+    dq, dk, dv = block_grads(q, k, v, dout, lse, delta, positions, positions, segments, segments,
+                             **_block_dropout(drop, positions, positions))
     if cp > 1:
         rank = jax.lax.axis_index(axis_name)
         c = q.shape[1] // 2
@@ -323,16 +394,18 @@ def _ring_bwd(axis_name, cp, block, res, dout):
             kv, dkv = jax.lax.ppermute((kv, dkv), axis_name, ring)
             bk, bv = kv[..., :d], kv[..., d:]
             bseg = _block_segments(all_segments, (rank - step) % cp, 2 * c)
+            bpos = None if drop is None else _slot_positions((rank - step) % cp, c, cp, q.shape[0])
 
-            def earlier(bk=bk, bv=bv, bseg=bseg):
+            def earlier(bk=bk, bv=bv, bseg=bseg, bpos=bpos):
                 gq, gk, gv = block_grads(q, bk[:, :c], bv[:, :c], dout, lse, delta, None, None, segments,
-                                          None if bseg is None else bseg[:, :c])
+                                         None if bseg is None else bseg[:, :c],
+                                         **_block_dropout(drop, positions, None if bpos is None else bpos[:, :c]))
                 pad = jnp.zeros_like(gk)
                 return gq, jnp.concatenate([gk, pad], axis=1), jnp.concatenate([gv, pad], axis=1)
 
-            def later(bk=bk, bv=bv, bseg=bseg):
+            def later(bk=bk, bv=bv, bseg=bseg, bpos=bpos):
                 gq, gk, gv = block_grads(q[:, c:], bk, bv, dout[:, c:], lse[:, c:], delta[:, c:], None, None,
-                                          q_seg2, bseg)
+                                         q_seg2, bseg, **_block_dropout(drop, positions[:, c:], bpos))
                 return jnp.concatenate([jnp.zeros_like(gq), gq], axis=1), gk, gv
 
             gq, gk, gv = jax.lax.cond((rank - step) % cp < rank, earlier, later)
@@ -340,36 +413,48 @@ def _ring_bwd(axis_name, cp, block, res, dout):
             dkv = dkv + jnp.concatenate([gk, gv], axis=-1)
         dkv = jax.lax.ppermute(dkv, axis_name, ring)  # home: the block came from r + 1
         dk, dv = dkv[..., :d], dkv[..., d:]
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
 def all_gather_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int,
-                         segments: Optional[Array] = None, block: str = "xla") -> Array:
+                         segments: Optional[Array] = None, block: str = "xla", dropout_rate: float = 0.0,
+                         dropout_key: Optional[Array] = None, sample_offset=0) -> Array:
     """``cp_comm_type="all_gather"`` (Megatron-Core's ``all_gather`` CP: K/V all-gathered,
     queries local), inside ``shard_map`` with ``axis_name`` manual. Shapes as
     :func:`ring_attention`; the causal mask comes from the gathered sequence positions (and
     segment ids), so the load-balanced order needs nothing else. The backward
     reduce-scatters dK/dV (the all-gather's transpose). Every rank holds the whole
-    sequence's K/V. ``block``: the block kernel (:func:`block_kernels`)."""
+    sequence's K/V. ``block``: the block kernel (:func:`block_kernels`). Attention dropout
+    (``dropout_rate`` > 0, XLA's block only) as :func:`ring_attention`'s, through autodiff."""
     k_positions, k_segments = positions, segments
     if axis_size > 1:
         k, v, k_positions = (jax.lax.all_gather(a, axis_name, axis=1, tiled=True) for a in (k, v, positions))
         k_segments = _gathered_segments(segments, axis_name, axis_size)
+    drop = _ring_dropout(dropout_rate, dropout_key, sample_offset, block, q.shape[1] * axis_size)
+    if drop is not None:
+        return attention_block(q, k, v, positions, k_positions, segments, k_segments,
+                               **_block_dropout(drop, positions, k_positions))[0].astype(q.dtype)
     return _attend(q, k, v, positions, k_positions, segments, k_segments, block)
 
 
 def a2a_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str, axis_size: int,
-                  segments: Optional[Array] = None, block: str = "xla") -> Array:
+                  segments: Optional[Array] = None, block: str = "xla", dropout_rate: float = 0.0,
+                  dropout_key: Optional[Array] = None, sample_offset=0) -> Array:
     """``cp_comm_type="a2a"`` (DeepSpeed-Ulysses, Jacobs et al. 2023; Megatron-Core's
     ``a2a``): an all-to-all turns the sequence split into a head split (``[b, 2c, n, d]`` ->
     ``[b, s, n / cp, d]``), each rank attends its heads over the whole sequence (causal by
     sequence positions, within segments: both all-gathered), and a second all-to-all turns
     the result back. Shapes as :func:`ring_attention`; ``nq`` and ``nkv`` (per tensor rank)
     must be divisible by ``axis_size`` (ValueError otherwise). ``block``: the block kernel
-    (:func:`block_kernels`)."""
+    (:func:`block_kernels`). No attention dropout (ValueError for ``dropout_rate`` > 0: the
+    head split would need each rank's global head numbers for the one-device masks).
+    ``dropout_key`` and ``sample_offset`` are accepted for the common signature."""
+    if dropout_rate:
+        raise ValueError(f"cp_comm_type='a2a' has no attention dropout (dropout_rate={dropout_rate}); "
+                         f"use cp_comm_type='p2p' or 'all_gather'")
     if axis_size == 1:
         return _attend(q, k, v, positions, positions, segments, segments, block)
     if q.shape[2] % axis_size or k.shape[2] % axis_size:
@@ -386,5 +471,6 @@ def a2a_attention(q: Array, k: Array, v: Array, positions: Array, axis_name: str
     return out
 
 
-# cp_comm_type -> (q, k, v, positions, axis_name, axis_size, segments=None, block="xla") -> out
+# cp_comm_type -> (q, k, v, positions, axis_name, axis_size, segments=None, block="xla",
+#                  dropout_rate=0.0, dropout_key=None, sample_offset=0) -> out
 CP_ATTENTIONS = {"p2p": ring_attention, "all_gather": all_gather_attention, "a2a": a2a_attention}

@@ -75,7 +75,7 @@ def report(cfg, layout, num_microbatches: int) -> dict:
     from jmegatron.models.gpt import resolve_impls
     impl = resolve_impls(cfg)["attention_impl"]
     cp = layout.context_parallel_size
-    kernel = impl == "cpu" and not cfg.bf16
+    kernel = impl == "cpu" and not cfg.bf16 and not (cp > 1 and cfg.attention_dropout > 0)
     attention_path = ((f"cp {cp} {cfg.cp_comm_type}, " if cp > 1 else "")
                       + ("CPU kernel" if kernel else "XLA") + (" blocks" if cp > 1 else ""))
     attention_flops = flops.core_attention_flops(cfg, global_batch)

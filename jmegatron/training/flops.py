@@ -144,7 +144,8 @@ def core_attention_executed_fraction(cfg: JMegatronConfig, attention_impl: str,
       (7/6); ``recompute_granularity="selective"`` reruns the XLA forward (8/6); else 1.
 
     Megatron counts neither (its formula is model FLOPs; MFU stays comparable across
-    paths). ``attention_impl`` must be resolved ("xla", "dot_product" or "cpu";
+    paths). Under cp with attention dropout the blocks are XLA's whatever
+    ``attention_impl`` says. ``attention_impl`` must be resolved ("xla", "dot_product" or "cpu";
     :func:`jmegatron.models.gpt.resolve_impls`); the CPU kernel runs float32 only, so
     ``cfg.bf16`` with "cpu" counts XLA's attention. Raises ValueError for another
     ``attention_impl`` or ``cp_comm_type``, or ``context_parallel_size < 1``.
@@ -157,7 +158,8 @@ def core_attention_executed_fraction(cfg: JMegatronConfig, attention_impl: str,
     if cp_comm_type not in ("p2p", "all_gather", "a2a"):
         raise ValueError(f"cp_comm_type={cp_comm_type!r}: choose 'p2p', 'all_gather' or 'a2a'")
     cp = context_parallel_size
-    if attention_impl == "cpu" and not cfg.bf16:  # whole-sequence or as every cp attention's blocks
+    kernel = attention_impl == "cpu" and not cfg.bf16
+    if kernel and not (cp > 1 and cfg.attention_dropout > 0):  # attention dropout under cp: XLA's blocks
         return (1 + min(kernel_block, cfg.seq_length) / cfg.seq_length) * 7 / 6
     if cp > 1 and cp_comm_type == "p2p":
         return (cp + 1) / cp * 7 / 6

@@ -495,7 +495,9 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
     probabilities ``4 a n s``; ``"a2a"`` the head-split q, k, v ``e s b (q + 2 kv) / c`` and
     the probabilities ``4 (a / c) s^2 b`` (all / t); with the CPU kernel's block forms
     (float32) all_gather and a2a keep the log-sum-exp instead of the probabilities
-    (``4 a n`` and ``4 (a / c) s b``). Raises ValueError for another
+    (``4 a n`` and ``4 (a / c) s b``); attention dropout under cp runs XLA's blocks (the
+    ring recomputes its masks; all_gather also keeps the mask and the dropped
+    probabilities, ``(4 + 1 + 4) a n s``). Raises ValueError for another
     ``recompute``, or ``moe=True`` with a dense ``cfg`` (``num_moe_experts`` None).
     """
     if recompute not in RECOMPUTE_CHOICES:
@@ -527,9 +529,13 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
     from jmegatron.models.gpt import resolve_impls
     a = cfg.num_attention_heads
     kernel = resolve_impls(cfg)["attention_impl"] == "cpu" and not cfg.bf16  # bf16 falls back to XLA's
+    if c > 1 and m_a:  # attention dropout under cp runs XLA's blocks
+        kernel = False
     keys = 1 if kernel else s  # the kernel keeps a query's log-sum-exp, XLA its probabilities
     if c > 1 and cfg.cp_comm_type == "all_gather":
-        scores = 2 * e * s * b * kv + FLOAT32_BYTES * a * n * keys
+        # (with attention dropout, autodiff keeps the mask and the dropped probabilities too)
+        per_score = FLOAT32_BYTES if kernel else FLOAT32_BYTES + (m_a + FLOAT32_BYTES if m_a else 0)
+        scores = 2 * e * s * b * kv + per_score * a * n * keys
     elif c > 1 and cfg.cp_comm_type == "a2a":
         scores = e * s * b * (q + 2 * kv) / c + FLOAT32_BYTES * a / c * s * keys * b
     elif c > 1:  # p2p
