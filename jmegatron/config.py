@@ -31,7 +31,22 @@ WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 RECOMPUTE_GRANULARITIES = ("none", "full", "selective")
 # "auto": the CPU kernels (jmegatron.kernels.cpu) on a CPU backend in float32 without
 # tensor parallelism, else XLA's ops ("xla"); resolved by jmegatron.models.gpt.ModelConfig.
-ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cpu")
+# "auto" picks per backend (jmegatron.models.gpt.resolve_impls): the CPU kernel on a CPU, cuDNN's
+# flash attention on an NVIDIA GPU, else XLA's; "pallas" = jmegatron.kernels.pallas (GPU, or the
+# CPU in Pallas interpret mode); "cudnn" = jax.nn.dot_product_attention(implementation="cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cpu", "pallas", "cudnn")
+# the vocab-parallel cross-entropy: "xla" (jmegatron.fusions.fused_cross_entropy) or "pallas"
+# (jmegatron.kernels.pallas); "auto": "pallas" on a GPU, else "xla"
+CROSS_ENTROPY_IMPLS = ("auto", "xla", "pallas")
+# Megatron's --fp8-format: "e4m3" everywhere, or "hybrid" (e4m3 forward, e5m2 gradients)
+FP8_FORMATS = ("e4m3", "hybrid")
+# Megatron's --fp8-recipe; the pure-JAX path builds "delayed" only (the others need
+# Transformer Engine: jmegatron.models.te)
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
+FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+# Megatron's --transformer-impl; "auto": Transformer Engine where transformer_engine.jax
+# imports and the backend is a GPU, else "local" (jmegatron's own layers)
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 MATMUL_IMPLS = ("auto", "xla", "blas", "hybrid")
 PIPELINE_SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b")
 DROPOUT_IMPLS = ("hash", "threefry")  # jmegatron.models.dropout.DROPOUT_IMPLS
@@ -87,8 +102,28 @@ class JMegatronConfig:
     # or "threefry" (jax.random.bernoulli, ~50x slower on CPU)
     dropout_impl: str = "hash"
 
-    # --- precision ---
-    bf16: bool = False  # bf16 compute, fp32 master weights and optimizer state
+    # --- precision (megatron/training/arguments.py: _add_mixed_precision_args; docs/PRECISION.md) ---
+    # bf16 / fp16: parameters and compute in that dtype, float32 main parameters and
+    # optimizer state held by the optimizer (Megatron's Float16OptimizerWithFloat16Params)
+    bf16: bool = False
+    fp16: bool = False  # with loss scaling: dynamic unless loss_scale is set
+    loss_scale: Optional[float] = None  # fp16: a constant loss scale; None: dynamic
+    initial_loss_scale: float = 2.0 ** 32  # fp16 dynamic loss scaling (megatron/core/optimizer/grad_scaler.py)
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000  # clean iterations before the scale doubles
+    hysteresis: int = 2  # overflowing iterations tolerated before the scale halves
+    # gradients accumulated over micro-batches and all-reduced in float32 (forced True
+    # under bf16, as Megatron's validate_args does); False: in the parameters' dtype
+    accumulate_allreduce_grads_in_fp32: bool = False
+    # FP8 linear layers (Megatron's --fp8-format); None: off. Delayed scaling in pure JAX
+    # (jmegatron.models.fp8) or Transformer Engine's recipes (transformer_impl)
+    fp8: Optional[str] = None
+    fp8_recipe: str = "delayed"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    transformer_impl: str = "auto"
+    cross_entropy_impl: str = "auto"
 
     # --- batch sizes and schedule (megatron/training/arguments.py: _add_training_args) ---
     micro_batch_size: int = 4
@@ -232,6 +267,8 @@ class JMegatronConfig:
             "moe_ffn_hidden_size": (self.moe_ffn_hidden_size if self.num_moe_experts is None
                                     else self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size),
             "expert_tensor_parallel_size": self.expert_tensor_parallel_size or self.tensor_model_parallel_size,
+            # Megatron's validate_args: bf16 accumulates and all-reduces gradients in float32
+            "accumulate_allreduce_grads_in_fp32": self.accumulate_allreduce_grads_in_fp32 or self.bf16,
         }
         if self.kv_channels is None:
             derived["kv_channels"] = self.hidden_size // self.num_attention_heads
@@ -299,6 +336,25 @@ class JMegatronConfig:
                 f"set (Megatron takes one): train_samples gives {iters} iterations; set train_iters=None.")
         return iters
 
+    def _check_precision(self):
+        if self.bf16 and self.fp16:
+            raise ConfigError("config.bf16=True and config.fp16=True: choose one compute dtype.")
+        if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
+            raise ConfigError(f"config.fp8={self.fp8!r} is not one of {list(FP8_FORMATS)} (or None: no FP8).")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ConfigError(f"config.loss_scale={self.loss_scale} must be > 0 (or None: dynamic).")
+        for name in ("initial_loss_scale", "min_loss_scale"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"config.{name}={getattr(self, name)} must be > 0.")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(f"config.min_loss_scale={self.min_loss_scale} exceeds config.initial_loss_scale="
+                              f"{self.initial_loss_scale}; lower min_loss_scale.")
+        for name in ("loss_scale_window", "hysteresis", "fp8_amax_history_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config.{name}={getattr(self, name)} must be >= 1.")
+        if self.fp8_margin < 0:
+            raise ConfigError(f"config.fp8_margin={self.fp8_margin} must be >= 0.")
+
     def _check_choices(self):
         choices = {
             "position_embedding_type": POSITION_EMBEDDING_TYPES,
@@ -308,6 +364,10 @@ class JMegatronConfig:
             "recompute_granularity": RECOMPUTE_GRANULARITIES,
             "attention_impl": ATTENTION_IMPLS,
             "matmul_impl": MATMUL_IMPLS,
+            "cross_entropy_impl": CROSS_ENTROPY_IMPLS,
+            "fp8_recipe": FP8_RECIPES,
+            "fp8_amax_compute_algo": FP8_AMAX_COMPUTE_ALGOS,
+            "transformer_impl": TRANSFORMER_IMPLS,
             "dropout_impl": DROPOUT_IMPLS,
             "pipeline_schedule": PIPELINE_SCHEDULES,
         }
@@ -340,6 +400,7 @@ class JMegatronConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be in [0, 1).")
+        self._check_precision()
         if self.min_lr > self.lr:
             raise ConfigError(f"config.min_lr={self.min_lr} exceeds config.lr={self.lr}; lower min_lr.")
         if self.num_attention_heads % self.num_query_groups:
