@@ -3,7 +3,12 @@
 Starts ``N`` copies of ``CMD`` on this machine as one JAX multi-process run (the role of
 ``torchrun`` for Megatron): each gets ``JMEGATRON_COORDINATOR=127.0.0.1:P``,
 ``JMEGATRON_NUM_PROCESSES``, ``JMEGATRON_PROCESS_ID`` (see :mod:`jmegatron.distributed`)
-and, with ``--devices-per-proc``, that many simulated CPU devices. If any process
+and, with ``--devices-per-proc D``, that many devices: simulated CPU devices on the CPU
+platform, GPUs ``rank * D .. rank * D + D - 1`` on a GPU machine
+(``JMEGATRON_LOCAL_DEVICE_IDS``). The platform is the user's ``JAX_PLATFORMS``, passed
+through when set; otherwise nothing is set on a machine with an NVIDIA GPU (JAX picks the
+GPU) and ``JAX_PLATFORMS=cpu`` elsewhere (:func:`jmegatron.distributed.target_platform`;
+gloo collectives on the CPU only). If any process
 exits with an error or is killed, the others are terminated (SIGTERM, then SIGKILL
 after ``--grace`` seconds) and the launcher exits non-zero naming the rank: nothing
 hangs. Exit status 0 only when every process exits 0.
@@ -18,15 +23,41 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-from jmegatron.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jmegatron.distributed import (ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS, ENV_NUM_PROCESSES, ENV_PROCESS_ID,
+                                   nvidia_gpu_count, target_platform)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_env(base: Mapping[str, str], rank: int, nproc: int, port: int, devices_per_proc: Optional[int] = None,
+             gpu_count: Optional[int] = None) -> dict[str, str]:
+    """The environment of process ``rank`` of ``nproc``: ``base`` plus the coordinator
+    variables; ``JAX_PLATFORMS`` as in ``base`` when set, else unset on a machine with an
+    NVIDIA GPU (``gpu_count``: tests; None: :func:`jmegatron.distributed.nvidia_gpu_count`)
+    and "cpu" elsewhere; ``devices_per_proc`` simulated CPU devices (XLA_FLAGS) on the CPU
+    platform, or that many GPUs per rank on a GPU platform. Raises ValueError when the
+    ranks ask for more GPUs than the machine has."""
+    env = dict(base)
+    env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(nproc), ENV_PROCESS_ID: str(rank)})
+    gpus = nvidia_gpu_count() if gpu_count is None else gpu_count
+    if not env.get("JAX_PLATFORMS") and gpus == 0:
+        env["JAX_PLATFORMS"] = "cpu"
+    platform = target_platform(env, gpus)
+    if devices_per_proc and platform == "cpu":
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            f" --xla_force_host_platform_device_count={devices_per_proc}").strip()
+    elif devices_per_proc and platform == "gpu":
+        if nproc * devices_per_proc > gpus:
+            raise ValueError(f"--nproc {nproc} x --devices-per-proc {devices_per_proc} needs "
+                             f"{nproc * devices_per_proc} GPUs; this machine has {gpus}")
+        env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(rank * devices_per_proc + i) for i in range(devices_per_proc))
+    return env
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -46,14 +77,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: need --nproc >= 1 and a command after --", file=sys.stderr)
         return 2
     port = args.port or _free_port()
+    try:
+        envs = [rank_env(os.environ, rank, args.nproc, port, args.devices_per_proc) for rank in range(args.nproc)]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     procs = []
-    for rank in range(args.nproc):
-        env = dict(os.environ)
-        env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(args.nproc),
-                    ENV_PROCESS_ID: str(rank), "JAX_PLATFORMS": env.get("JAX_PLATFORMS", "cpu")})
-        if args.devices_per_proc:
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                                f" --xla_force_host_platform_device_count={args.devices_per_proc}").strip()
+    for rank, env in enumerate(envs):
         procs.append(subprocess.Popen(cmd, env=env))
         print(f"[jmegatron.launch] rank {rank}: pid {procs[-1].pid}", flush=True)
 

@@ -80,3 +80,31 @@ def test_dead_rank_stops_the_run(tmp_path):
     assert proc.returncode != 0
     assert "rank 1 exited with -9" in out and "stopping the other ranks" in out, out[-2000:]
     assert elapsed < 60, elapsed
+
+
+# --- the launcher's environment per rank (pure: the GPU count injected) ---
+
+from jmegatron.distributed import ENV_LOCAL_DEVICE_IDS, target_platform  # noqa: E402
+from jmegatron.launch import rank_env  # noqa: E402
+
+
+@pytest.mark.parametrize("base,gpus,platform", [
+    ({}, 0, "cpu"),  # no GPU, nothing set: the CPU, as before
+    ({}, 8, None),  # a GPU machine: JAX_PLATFORMS left unset, JAX picks the GPU
+    ({"JAX_PLATFORMS": "cpu"}, 8, "cpu"),  # the user's choice passes through
+    ({"JAX_PLATFORMS": "cuda"}, 8, "cuda"),
+])
+def test_launcher_passes_jax_platforms_through_and_forces_nothing_on_a_gpu_machine(base, gpus, platform):
+    env = rank_env(base, 1, 2, 1234, gpu_count=gpus)
+    assert env.get("JAX_PLATFORMS") == platform
+    assert env["JMEGATRON_PROCESS_ID"] == "1" and env["JMEGATRON_COORDINATOR"] == "127.0.0.1:1234"
+    assert target_platform(env, gpus) == ("cpu" if platform == "cpu" or gpus == 0 else "gpu")
+
+
+def test_launcher_devices_per_proc_cpu_devices_or_gpu_ids():
+    cpu = rank_env({"XLA_FLAGS": "--x"}, 0, 2, 1, devices_per_proc=3, gpu_count=0)
+    assert cpu["XLA_FLAGS"] == "--x --xla_force_host_platform_device_count=3" and ENV_LOCAL_DEVICE_IDS not in cpu
+    gpu = rank_env({}, 1, 2, 1, devices_per_proc=4, gpu_count=8)
+    assert gpu[ENV_LOCAL_DEVICE_IDS] == "4,5,6,7" and "XLA_FLAGS" not in gpu
+    with pytest.raises(ValueError, match="needs 10 GPUs; this machine has 8"):
+        rank_env({}, 0, 2, 1, devices_per_proc=5, gpu_count=8)

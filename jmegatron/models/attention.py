@@ -79,8 +79,52 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, dropout_rate: float =
     if not deterministic and dropout_rate > 0.0:
         raise ValueError("attention_impl='dot_product' has no attention dropout; "
                          "set config.attention_dropout=0.0 or attention_impl='xla'.")
+    return _jax_nn_attention(q, k, v, segment_ids, "xla")
+
+
+def _jax_nn_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array], implementation: str) -> Array:
+    """Causal ``jax.nn.dot_product_attention`` (GQA native: ``nq % nkv == 0``); document
+    masking as a boolean ``mask [b, 1, s, s]`` (same segment), which the cuDNN path turns
+    into an additive bias (``[b, 1, s, s]`` in q's dtype: O(s^2) memory per sequence)."""
     mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+
+
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def cudnn_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
+                    dropout_rng: Optional[Array] = None, deterministic: bool = True,
+                    dropout_impl: str = "hash", sample_offset=0,
+                    segment_ids: Optional[Array] = None) -> Array:
+    """cuDNN's fused flash attention through ``jax.nn.dot_product_attention(...,
+    implementation="cudnn")`` (the counterpart of Megatron's TEDotProductAttention with the
+    cuDNN backend): causal (cuDNN skips the masked tiles), GQA native, ``segment_ids`` (int
+    ``[b, s]``) as a same-document mask. q ``[b, s, nq, d]``, k/v ``[b, s, nkv, d]`` in
+    bfloat16 or float16 -> ``[b, s, nq, d]``.
+
+    Raises :class:`jmegatron.config.ConfigError` naming ``attention_impl`` and the fix when
+    attention dropout is requested (``jax.nn.dot_product_attention`` exposes none, and
+    jmegatron's dropout masks are its own hash: use ``attention_dropout=0`` or
+    ``attention_impl="pallas"`` / ``"xla"``), when JAX's backend is not a GPU, when the
+    dtype is float32, or when cuDNN refuses the shape (head dim > 128 before Hopper, or
+    not a multiple of 8; cuDNN missing)."""
+    from jmegatron.config import ConfigError
+    if not deterministic and dropout_rate > 0.0:
+        raise ConfigError(f"attention_impl='cudnn' has no attention dropout (attention_dropout={dropout_rate}): "
+                          "set config.attention_dropout=0.0, or attention_impl='pallas' or 'xla'.")
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise ConfigError(f"attention_impl='cudnn' needs an NVIDIA GPU; JAX's backend is {backend!r}: "
+                          "set config.attention_impl='auto' (or 'xla').")
+    if q.dtype not in CUDNN_DTYPES:
+        raise ConfigError(f"attention_impl='cudnn' runs bfloat16 / float16 only, got {q.dtype}: set config.bf16=True "
+                          "(or fp16=True), or attention_impl='auto'.")
+    try:
+        return _jax_nn_attention(q, k, v, segment_ids, "cudnn")
+    except (NotImplementedError, RuntimeError) as e:  # cuDNN's shape checks, or no cuDNN
+        raise ConfigError(f"attention_impl='cudnn': cuDNN cannot run this attention (q {q.shape} {q.dtype}): {e}; "
+                          "set config.attention_impl='auto' (Pallas or XLA).") from e
 
 
 def cpu_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array] = None, **kwargs) -> Array:
@@ -90,10 +134,19 @@ def cpu_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array] = N
     return kernel(q, k, v, segment_ids=segment_ids, **kwargs)
 
 
+def te_attention(q: Array, k: Array, v: Array, **kwargs) -> Array:
+    """Transformer Engine's fused attention (:func:`jmegatron.models.te.te_fused_attention`);
+    the core ``transformer_impl="transformer_engine"`` resolves ``attention_impl="auto"`` to."""
+    from jmegatron.models.te import te_fused_attention
+    return te_fused_attention(q, k, v, **kwargs)
+
+
 CORE_ATTENTIONS: dict[str, CoreAttention] = {
     "xla": xla_attention,
     "dot_product": dot_product_attention,
     "cpu": cpu_attention,
+    "cudnn": cudnn_attention,
+    "transformer_engine": te_attention,
 }
 
 

@@ -69,7 +69,8 @@ class ModelConfig:
         """The model fields of ``cfg``; compute dtype bfloat16 when ``cfg.bf16``;
         ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolved by :func:`resolve_impls`."""
         names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe"}
-        fields = dict({n: getattr(cfg, n) for n in names}, **resolve_impls(cfg))
+        impls = {k: v for k, v in resolve_impls(cfg).items() if k in names}  # the model's own choices
+        fields = dict({n: getattr(cfg, n) for n in names}, **impls)
         if cfg.pipeline_model_parallel_size > 1:  # stages hold slices of the stacked layers
             fields["scan_layers"] = True
         return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32,
@@ -98,19 +99,71 @@ class ModelConfig:
         return jax.lax.ragged_dot
 
 
-def resolve_impls(cfg: JMegatronConfig) -> dict[str, str]:
-    """``{"attention_impl": ..., "matmul_impl": ...}`` with ``"auto"`` resolved: the CPU
-    kernels ("cpu" / "hybrid", :mod:`jmegatron.kernels.cpu`) when JAX's backend is the CPU,
-    the compute dtype float32, tensor_model_parallel_size 1 and the kernels build; else
-    "xla". Explicit choices are kept."""
-    out = {"attention_impl": cfg.attention_impl, "matmul_impl": cfg.matmul_impl}
-    if "auto" in out.values():
+def detect_backend() -> str:
+    """JAX's default backend as :func:`resolve_impls` names it: ``"cpu"``, ``"gpu"`` (NVIDIA,
+    CUDA), ``"rocm"`` (an AMD GPU: no cuDNN) or ``"tpu"``."""
+    backend = jax.default_backend()
+    if backend == "gpu" and "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower():
+        return "rocm"
+    return backend
+
+
+CUDNN_MAX_HEAD_DIM = 128  # cuDNN flash attention before Hopper (256 from sm90; kept at the common bound)
+
+
+def cudnn_attention_supported(cfg: JMegatronConfig) -> tuple[bool, str]:
+    """Whether ``jax.nn.dot_product_attention(implementation="cudnn")`` can run ``cfg``'s
+    attention (its checks in jax/_src/cudnn/fused_attention_stablehlo.py): bfloat16 /
+    float16 compute, ``kv_channels`` a multiple of 8 and <= 128, no attention dropout
+    (jax.nn exposes none), an even ``seq_length`` under document masking (the mask becomes
+    a bias). Returns ``(ok, reason)``; reason "" when ok."""
+    if not (cfg.bf16 or cfg.fp16):
+        return False, "cuDNN attention runs bfloat16 / float16 only (config.bf16 / fp16 unset)"
+    if cfg.kv_channels % 8 or cfg.kv_channels > CUDNN_MAX_HEAD_DIM:
+        return False, f"kv_channels={cfg.kv_channels} (cuDNN: a multiple of 8, <= {CUDNN_MAX_HEAD_DIM})"
+    if cfg.attention_dropout > 0.0:
+        return False, f"attention_dropout={cfg.attention_dropout} (jax.nn's cuDNN attention has no dropout)"
+    if cfg.reset_attention_mask and cfg.seq_length % 2:
+        return False, f"seq_length={cfg.seq_length} is odd (cuDNN's masked attention needs it even)"
+    return True, ""
+
+
+def resolve_impls(cfg: JMegatronConfig, backend: Optional[str] = None) -> dict[str, str]:
+    """``attention_impl``, ``matmul_impl``, ``cross_entropy_impl`` and ``transformer_impl``
+    with ``"auto"`` resolved for ``backend`` (``"cpu"`` | ``"gpu"`` | ``"rocm"`` | ``"tpu"``;
+    None: :func:`detect_backend`). Explicit choices are kept.
+
+    * CPU: the CPU kernels ("cpu" / "hybrid", :mod:`jmegatron.kernels.cpu`) when the compute
+      dtype is float32, tensor_model_parallel_size 1 and the kernels build; else "xla".
+      Cross-entropy "xla".
+    * NVIDIA GPU: attention "cudnn" where :func:`cudnn_attention_supported`, else "pallas"
+      (:mod:`jmegatron.kernels.pallas`: dropout, float32); matmul "xla" (cuBLAS);
+      cross-entropy "pallas".
+    * ROCm / TPU: attention, matmul and cross-entropy "xla".
+    * ``transformer_impl``: :func:`jmegatron.models.te.resolve_transformer_impl` ("auto" is
+      Transformer Engine only on an NVIDIA GPU where ``transformer_engine.jax`` imports; an
+      explicit "transformer_engine" without it prints why and resolves to "local"). Under
+      Transformer Engine, attention "auto" is TE's fused attention ("transformer_engine").
+    """
+    from jmegatron.models import te
+    backend = backend or detect_backend()
+    out = {"attention_impl": cfg.attention_impl, "matmul_impl": cfg.matmul_impl,
+           "cross_entropy_impl": cfg.cross_entropy_impl,
+           "transformer_impl": te.resolve_transformer_impl(cfg.transformer_impl, backend)}
+    attention = matmul = cross_entropy = "xla"
+    if backend == "cpu" and "auto" in (cfg.attention_impl, cfg.matmul_impl):
         from jmegatron.kernels import cpu as cpu_kernels
-        kernels = cpu_kernels.use_by_default(cfg.tensor_model_parallel_size, float32=not cfg.bf16)
-        if out["attention_impl"] == "auto":
-            out["attention_impl"] = "cpu" if kernels else "xla"
-        if out["matmul_impl"] == "auto":
-            out["matmul_impl"] = "hybrid" if kernels else "xla"
+        kernels = cpu_kernels.use_by_default(cfg.tensor_model_parallel_size, float32=not (cfg.bf16 or cfg.fp16))
+        attention, matmul = ("cpu", "hybrid") if kernels else ("xla", "xla")
+    elif backend == "gpu":
+        attention = "cudnn" if cudnn_attention_supported(cfg)[0] else "pallas"
+        cross_entropy = "pallas"
+        if out["transformer_impl"] == "transformer_engine":
+            attention = "transformer_engine"
+    for name, choice in (("attention_impl", attention), ("matmul_impl", matmul),
+                         ("cross_entropy_impl", cross_entropy)):
+        if out[name] == "auto":
+            out[name] = choice
     return out
 
 
