@@ -1,0 +1,275 @@
+"""``python -m jmegatron.tools.gpu_check [--steps N] [--platform gpu|cpu] [--tiny]``
+
+Trains a few steps of a small config (configs/gpt_tiny.py, mock data, no dropout) once per
+kernel and precision on one device, compares each loss curve with the XLA float32 path's
+(the largest relative difference over the steps, against a tolerance per precision) and
+prints a table with tokens/s and MFU against the device's spec-sheet peak
+(:mod:`jmegatron.training.peak`). Exit status 1 when a comparison fails, else 0.
+
+``--platform gpu`` (default): on a machine without an NVIDIA GPU among ``jax.devices()``
+it says so and exits 0. ``--platform cpu``: the same machinery on the CPU with the
+variants the CPU can run (its tests use this with ``--tiny``).
+
+A variant whose implementation is not built here (a kernel from another part of issue 15,
+Transformer Engine not importing, fp16 compute not wired) is detected when the variant is
+prepared or run (ConfigError, ImportError, NotImplementedError, or a check below) and shows
+as "skipped: <reason>", never as a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import inspect
+import os
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "gpt_tiny.py")
+# the largest relative loss difference from the XLA float32 curve, per compute precision: float32 on
+# a GPU computes dots in TF32 (JAX's default precision) and kernels reorder sums; bf16 / fp16 carry
+# 8 / 11 mantissa bits; FP8 quantizes every dense layer's operands
+TOLERANCES = {"float32": 2e-3, "bfloat16": 2e-2, "float16": 2e-2, "float8": 5e-2}
+TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, seq_length=32,
+            max_position_embeddings=32, micro_batch_size=2, global_batch_size=4, vocab_size=512)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One row: config overrides on the reference's, its precision (the tolerance and the
+    peak used), the platforms it runs on, and an optional ``check(cfg) -> skip reason``."""
+
+    name: str
+    overrides: dict
+    precision: str
+    platforms: tuple[str, ...] = ("gpu", "cpu")
+    check: Optional[Callable] = None
+
+
+REFERENCE = dict(attention_impl="xla", matmul_impl="xla", cross_entropy_impl="xla", transformer_impl="local")
+
+
+def _core_registered(impl: str) -> Callable:
+    def check(cfg):
+        from jmegatron.models.attention import CORE_ATTENTIONS
+        return None if impl in CORE_ATTENTIONS else f"attention_impl={impl!r} is not built in this branch"
+    return check
+
+
+def _pallas_cross_entropy_wired(cfg) -> Optional[str]:
+    """The Pallas cross-entropy is wired when the model config or the forward step reads
+    ``cross_entropy_impl`` (resolve_impls alone only names it)."""
+    from jmegatron.models.gpt import ModelConfig
+    from jmegatron.training import forward_step
+    if "cross_entropy_impl" in {f.name for f in dataclasses.fields(ModelConfig)}:
+        return None
+    if "cross_entropy_impl" in inspect.getsource(forward_step):
+        return None
+    return "cross_entropy_impl='pallas' is not wired in this branch (no reader of cross_entropy_impl)"
+
+
+def _compute_dtype_wired(cfg) -> Optional[str]:
+    import jax.numpy as jnp
+    from jmegatron.models.gpt import ModelConfig
+    want = jnp.float16 if cfg.fp16 else jnp.bfloat16 if cfg.bf16 else jnp.float32
+    got = ModelConfig.from_config(cfg, cfg.vocab_size).dtype
+    return None if got == want else f"compute dtype {jnp.dtype(want).name} not built in this branch (model runs {jnp.dtype(got).name})"
+
+
+def _pure_jax_fp8(cfg) -> Optional[str]:
+    if importlib.util.find_spec("jmegatron.models.fp8") is None:
+        return "pure-JAX FP8 (jmegatron.models.fp8) is not built in this branch"
+    return _compute_dtype_wired(cfg)
+
+
+def _te_fp8(cfg) -> Optional[str]:
+    from jmegatron.models import te
+    ok, reason = te.te_available()
+    if not ok:
+        return f"Transformer Engine unavailable: {reason}"
+    from jmegatron.models.gpt import ModelConfig
+    if "transformer_engine" not in inspect.getsource(ModelConfig.dense_dot_general):
+        return "Transformer Engine's dense layers are not wired into the model in this branch"
+    return None
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("xla float32 (reference)", {}, "float32"),
+    Variant("cpu kernels float32", dict(attention_impl="cpu", matmul_impl="hybrid"), "float32", ("cpu",)),
+    Variant("cudnn attention bf16", dict(attention_impl="cudnn", bf16=True), "bfloat16", ("gpu",)),
+    Variant("cudnn attention fp16", dict(attention_impl="cudnn", fp16=True), "float16", ("gpu",), _compute_dtype_wired),
+    Variant("pallas attention float32", dict(attention_impl="pallas"), "float32", check=_core_registered("pallas")),
+    Variant("pallas attention bf16", dict(attention_impl="pallas", bf16=True), "bfloat16",
+            check=_core_registered("pallas")),
+    Variant("pallas cross-entropy float32", dict(cross_entropy_impl="pallas"), "float32",
+            check=_pallas_cross_entropy_wired),
+    Variant("xla bf16", dict(bf16=True), "bfloat16"),
+    Variant("xla fp16", dict(fp16=True), "float16", check=_compute_dtype_wired),
+    Variant("fp8 hybrid pure JAX (delayed)", dict(bf16=True, fp8="hybrid"), "float8", check=_pure_jax_fp8),
+    Variant("fp8 hybrid TE (tensorwise)", dict(bf16=True, fp8="hybrid", fp8_recipe="tensorwise",
+                                               transformer_impl="transformer_engine"), "float8", ("gpu",), _te_fp8),
+)
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    status: str  # "ok" | "FAIL" | "skipped: <reason>" | "reference"
+    precision: str
+    losses: list = dataclasses.field(default_factory=list)
+    max_rel_diff: Optional[float] = None
+    tolerance: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    mfu: Optional[float] = None
+
+
+def nvidia_devices() -> list:
+    """``jax.devices()`` that are NVIDIA GPUs (CUDA), empty on a CPU-only (or ROCm) machine."""
+    import jax
+    try:
+        devices = jax.devices()
+    except RuntimeError:
+        return []
+    return [d for d in devices if d.platform == "gpu" and "rocm" not in getattr(d.client, "platform_version", "")]
+
+
+def _peak_tflops(device, precision: str) -> tuple[Optional[float], str]:
+    """The spec-sheet (GPU) or theoretical (CPU) peak of ``device`` for ``precision``."""
+    from jmegatron.training import peak
+    try:
+        if device.platform == "cpu":
+            dtype = "float32" if precision == "float32" else "bfloat16"
+            theo = peak.theoretical_peak("cpu", device.device_kind)
+            return theo.tflops[dtype], theo.summary
+        dtype = {"float16": "bfloat16"}.get(precision, precision)  # fp16 tensor cores run at bf16's rate
+        return peak.accelerator_peak(device.device_kind, dtype)
+    except peak.PeakUnavailable as e:
+        return None, str(e)
+
+
+def train_losses(cfg, device, steps: int) -> tuple[list[float], float]:
+    """``steps`` iterations of ``cfg`` on one ``device``: the lm losses and the seconds the
+    steps after the first (compilation) took."""
+    import jax
+    from jmegatron.data.gpt_dataset import MockGPTDataset
+    from jmegatron.data.loader import BatchLoader
+    from jmegatron.parallel.mesh import create_mesh
+    from jmegatron.training.run import build
+
+    run = build(cfg, create_mesh(cfg, [device]))
+    state = run.init_state()
+    data = MockGPTDataset(num_samples=steps * run.global_batch_size, seq_length=cfg.seq_length,
+                          vocab_size=cfg.vocab_size, seed=cfg.seed)
+    loader = BatchLoader(data, run.global_batch_size, run.num_microbatches)
+    losses, start = [], None
+    for it in range(steps):
+        state, metrics = run.train_step(state, run.put_batch(next(loader)))
+        losses.append(float(metrics["lm_loss"]))  # float() waits for the step
+        if it == 0:
+            start = time.perf_counter()
+    return losses, time.perf_counter() - start
+
+
+def run_variant(variant: Variant, base: dict, device, steps: int, reference: Optional[list]) -> Row:
+    """Prepare, check, train and compare one variant."""
+    from jmegatron.config import ConfigError, load_config_file
+    from jmegatron.training import flops
+    row = Row(variant.name, "ok", variant.precision)
+    try:
+        cfg = load_config_file(base["config"], {**base["overrides"], **REFERENCE, **variant.overrides})
+        reason = variant.check(cfg) if variant.check else None
+        if reason:
+            row.status = f"skipped: {reason}"
+            return row
+        row.losses, seconds = train_losses(cfg, device, steps)
+    except (ConfigError, ImportError, NotImplementedError) as e:
+        row.status = f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        return row
+    gbs = cfg.global_batch_size
+    if steps > 1 and seconds > 0:
+        row.tokens_per_s = (steps - 1) * gbs * cfg.seq_length / seconds
+        peak_tflops, _ = _peak_tflops(device, variant.precision)
+        if peak_tflops:
+            achieved = flops.num_floating_point_operations(cfg, gbs, cfg.vocab_size) * (steps - 1) / seconds
+            row.mfu = achieved / (peak_tflops * 1e12)
+    if reference is None:
+        row.status = "reference"
+        return row
+    row.tolerance = TOLERANCES[variant.precision]
+    row.max_rel_diff = max(abs(a - b) / abs(b) for a, b in zip(row.losses, reference))
+    finite = all(l == l and abs(l) != float("inf") for l in row.losses)
+    row.status = "ok" if finite and row.max_rel_diff <= row.tolerance else "FAIL"
+    return row
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The rows as a fixed-width table."""
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+    lines = [f"{'variant':34} {'precision':9} {'final loss':>10} {'max rel diff':>12} {'tol':>7} "
+             f"{'tokens/s':>10} {'MFU':>7}  status"]
+    for r in rows:
+        lines.append(f"{r.name:34} {r.precision:9} {num(r.losses[-1] if r.losses else None, '.4f'):>10} "
+                     f"{num(r.max_rel_diff, '.2e'):>12} {num(r.tolerance, '.0e'):>7} "
+                     f"{num(r.tokens_per_s, ',.0f'):>10} {num(None if r.mfu is None else 100 * r.mfu, '.1f'):>7}  "
+                     f"{r.status}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jmegatron.tools.gpu_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
+                   help="gpu: the first NVIDIA GPU (exit 0 without one); cpu: the CPU-possible variants")
+    p.add_argument("--steps", type=int, default=10, help="training iterations per variant (>= 2; default 10)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="config file (default configs/gpt_tiny.py)")
+    p.add_argument("--tiny", action="store_true", help="2 layers x 64 hidden, seq 32, batch 4 (tests)")
+    p.add_argument("--only", nargs="*", default=None, help="variant names containing any of these words")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (the first step compiles)")
+    import jax
+    if args.platform == "gpu":
+        gpus = nvidia_devices()
+        if not gpus:
+            kinds = sorted({f"{d.platform}:{d.device_kind}" for d in jax.devices()})
+            print(f"gpu_check: no NVIDIA GPU found (jax.devices(): {', '.join(kinds)}); nothing to check. "
+                  f"Run with --platform cpu for the CPU variants.")
+            return 0
+        device = gpus[0]
+    else:
+        device = jax.devices("cpu")[0]
+    overrides = dict(mock_data=True, hidden_dropout=0.0, attention_dropout=0.0, train_iters=args.steps,
+                     lr_warmup_iters=1, eval_interval=0, save=None, log_interval=1)
+    overrides.update(TINY if args.tiny else dict(vocab_size=50257))  # mock data: GPT-2's vocabulary
+    base = {"config": args.config, "overrides": overrides}
+    variants = [v for v in VARIANTS if args.platform in v.platforms]
+    if args.only:
+        variants = [v for v in variants if v is VARIANTS[0] or any(w in v.name for w in args.only)]
+    print(f"gpu_check: {device.device_kind} ({device.platform}), {args.steps} steps of "
+          f"{os.path.basename(args.config)}{' (tiny)' if args.tiny else ''} per variant, mock data, no dropout",
+          flush=True)
+    rows: list[Row] = []
+    reference = None
+    for v in variants:
+        row = run_variant(v, base, device, args.steps, reference)
+        if v is VARIANTS[0]:
+            if row.status != "reference":
+                print(format_table([row]))
+                print(f"gpu_check: the XLA float32 reference did not run ({row.status})", file=sys.stderr)
+                return 1
+            reference = row.losses
+        rows.append(row)
+        print(f"  {row.name}: {row.status}", flush=True)
+    print(format_table(rows))
+    failed = [r.name for r in rows if r.status == "FAIL"]
+    if failed:
+        print(f"gpu_check: FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

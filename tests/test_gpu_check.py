@@ -1,0 +1,56 @@
+"""python -m jmegatron.tools.gpu_check: the same machinery on the CPU (--platform cpu,
+tiny shapes, 3 steps); without an NVIDIA GPU the default platform says so and exits 0."""
+
+import pytest
+
+from jmegatron.tools import gpu_check
+
+
+def test_without_a_gpu_it_says_so_and_exits_0(capsys):
+    if gpu_check.nvidia_devices():
+        pytest.skip("this machine has an NVIDIA GPU")
+    assert gpu_check.main(["--steps", "2"]) == 0
+    assert "no NVIDIA GPU found (jax.devices(): cpu:" in capsys.readouterr().out
+
+
+def _table_rows(out):
+    rows = {}
+    for line in out.splitlines():
+        for v in gpu_check.VARIANTS:
+            if line.startswith(v.name + " ") and "precision" not in line:
+                rows[v.name] = line
+    return rows
+
+
+def test_cpu_platform_compares_every_cpu_variant_with_the_xla_float32_curve(capsys, monkeypatch):
+    seen = {}
+    real = gpu_check.run_variant
+
+    def spy(variant, *a, **kw):
+        row = real(variant, *a, **kw)
+        seen[variant.name] = row
+        return row
+    monkeypatch.setattr(gpu_check, "run_variant", spy)
+    assert gpu_check.main(["--platform", "cpu", "--tiny", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    names = {v.name for v in gpu_check.VARIANTS if "cpu" in v.platforms}
+    assert set(seen) == names and set(_table_rows(out)) == names  # every CPU variant has a row
+    assert not any("cudnn" in n or "TE" in n for n in seen)  # GPU-only rows are not attempted
+    ref = seen["xla float32 (reference)"]
+    assert ref.status == "reference" and len(ref.losses) == 3 and ref.tokens_per_s > 0
+    bf16 = seen["xla bf16"]
+    assert bf16.status == "ok" and 0 < bf16.max_rel_diff <= gpu_check.TOLERANCES["bfloat16"]
+    assert bf16.losses != ref.losses  # really another precision
+    kern = seen["cpu kernels float32"]
+    assert kern.status == "ok" or kern.status.startswith("skipped")
+    if kern.status == "ok":
+        assert kern.max_rel_diff <= gpu_check.TOLERANCES["float32"]
+    for row in seen.values():  # not built in this branch -> skipped with a reason, never a failure
+        assert row.status in ("ok", "reference") or row.status.startswith("skipped: ")
+
+
+def test_a_loss_curve_outside_its_tolerance_fails_the_check(capsys, monkeypatch):
+    monkeypatch.setitem(gpu_check.TOLERANCES, "bfloat16", 1e-12)
+    assert gpu_check.main(["--platform", "cpu", "--tiny", "--steps", "2", "--only", "xla bf16"]) == 1
+    captured = capsys.readouterr()
+    assert "FAILED: xla bf16" in captured.err and "FAIL" in _table_rows(captured.out)["xla bf16"]
