@@ -3,6 +3,7 @@ resolution of the "auto" kernels (models/gpt.py resolve_impls) and the cuDNN att
 core's refusals off a GPU. The resolution logic is pure and runs everywhere; what needs TE
 or an NVIDIA GPU is skipped with the reason (pytest -ra prints it)."""
 
+import dataclasses
 import types
 
 import jax
@@ -125,12 +126,25 @@ def test_resolve_impls_per_backend(kw, backend, want):
         assert triple == want
 
 
-def test_resolve_impls_under_transformer_engine_uses_te_attention():
-    got = resolve_impls(tiny_cfg(bf16=True), backend="gpu") if HAVE_TE else None
-    if got is None:  # TE absent: "auto" stays local, attention cuDNN
-        assert resolve_impls(tiny_cfg(bf16=True), backend="gpu")["transformer_impl"] == "local"
+@pytest.mark.parametrize("available", [(True, ""), (False, "ModuleNotFoundError: transformer_engine")])
+def test_resolve_impls_under_transformer_engine(monkeypatch, available):
+    monkeypatch.setattr(te, "te_available", lambda: available)  # jmegatron's own check, injected
+    got = resolve_impls(tiny_cfg(bf16=True), backend="gpu")
+    if available[0]:  # Megatron's TE layers: TE's GEMMs and fused attention
+        assert (got["transformer_impl"], got["attention_impl"], got["matmul_impl"]) == ("transformer_engine",) * 3
     else:
-        assert got["transformer_impl"] == "transformer_engine" and got["attention_impl"] == "transformer_engine"
+        assert (got["transformer_impl"], got["attention_impl"], got["matmul_impl"]) == ("local", "cudnn", "xla")
+    # on the CPU "auto" never picks TE, even where it imports
+    assert resolve_impls(tiny_cfg(bf16=True), backend="cpu")["transformer_impl"] == "local"
+
+
+def test_te_dense_needs_the_fp8_fields_on_the_config_it_gets():
+    from jmegatron.models.gpt import ModelConfig
+    mc = ModelConfig.from_config(tiny_cfg(), 512)
+    if not hasattr(mc, "fp8"):  # before the FP8 part of issue 15 adds them to ModelConfig
+        mc = dataclasses.replace(mc, matmul_impl="transformer_engine")
+        with pytest.raises(ConfigError, match="ModelConfig carries no fp8 fields"):
+            mc.dense_dot_general()
 
 
 def test_cudnn_support_reasons():

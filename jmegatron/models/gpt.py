@@ -87,6 +87,9 @@ class ModelConfig:
         if self.matmul_impl in ("blas", "hybrid"):
             from jmegatron.kernels.cpu.ops import blas_dot_general
             return functools.partial(blas_dot_general, weight_grad_only=self.matmul_impl == "hybrid")
+        if self.matmul_impl == "transformer_engine":  # resolve_impls under transformer_impl="transformer_engine"
+            from jmegatron.models.te import te_dot_general
+            return te_dot_general(self)
         return dense_dot_general_fn
 
     def grouped_matmul(self) -> Callable:
@@ -143,7 +146,8 @@ def resolve_impls(cfg: JMegatronConfig, backend: Optional[str] = None) -> dict[s
     * ``transformer_impl``: :func:`jmegatron.models.te.resolve_transformer_impl` ("auto" is
       Transformer Engine only on an NVIDIA GPU where ``transformer_engine.jax`` imports; an
       explicit "transformer_engine" without it prints why and resolves to "local"). Under
-      Transformer Engine, attention "auto" is TE's fused attention ("transformer_engine").
+      Transformer Engine, attention and matmul "auto" are TE's fused attention and GEMMs
+      ("transformer_engine": :mod:`jmegatron.models.te`).
     """
     from jmegatron.models import te
     backend = backend or detect_backend()
@@ -158,8 +162,8 @@ def resolve_impls(cfg: JMegatronConfig, backend: Optional[str] = None) -> dict[s
     elif backend == "gpu":
         attention = "cudnn" if cudnn_attention_supported(cfg)[0] else "pallas"
         cross_entropy = "pallas"
-        if out["transformer_impl"] == "transformer_engine":
-            attention = "transformer_engine"
+        if out["transformer_impl"] == "transformer_engine":  # Megatron's TE layers: TE's GEMMs and fused attention
+            attention = matmul = "transformer_engine"
     for name, choice in (("attention_impl", attention), ("matmul_impl", matmul),
                          ("cross_entropy_impl", cross_entropy)):
         if out[name] == "auto":

@@ -161,13 +161,20 @@ def autocast(cfg, mesh):
 
 def te_dot_general(cfg) -> Callable:
     """A ``dot_general(x, kernel, dims)`` for :class:`jmegatron.models.layers.Linear` running
-    TE's GEMM (``transformer_engine.jax.dense.dense``), FP8-quantized by ``cfg``'s recipe.
+    TE's GEMM (``transformer_engine.jax.dense.dense``), FP8-quantized by ``cfg``'s recipe
+    (``cfg``: anything with Megatron's fp8 fields: a JMegatronConfig, or a ModelConfig that
+    carries them; a config without an ``fp8`` field raises ConfigError rather than silently
+    running unquantized).
 
     Only the stateless recipes ("tensorwise", "mxfp8") and no FP8 are built: TE's delayed
     scaling keeps its amax history in a Flax collection (``_overwrite_with_gradient``) that
     the train step would have to carry and overwrite; jmegatron's delayed scaling is the
     pure-JAX one (:mod:`jmegatron.models.fp8`). Raises ConfigError for ``fp8_recipe="delayed"``
     and for batch dimensions (the dense layers have none)."""
+    if not hasattr(cfg, "fp8"):
+        raise ConfigError(f"{type(cfg).__name__} carries no fp8 fields, so Transformer Engine's dense layers cannot "
+                          "tell whether to quantize: add Megatron's fp8 fields to it (fp8, fp8_recipe, fp8_margin, "
+                          "fp8_amax_history_len, fp8_amax_compute_algo).")
     if cfg.fp8 is not None and cfg.fp8_recipe not in STATELESS_RECIPES:
         raise ConfigError("transformer_impl='transformer_engine' with fp8_recipe='delayed' is not built (TE keeps "
                           "its amax history in a Flax collection jmegatron's train step does not carry): use "
@@ -186,7 +193,8 @@ def te_dot_general(cfg) -> Callable:
         if batch != ((), ()):
             raise ConfigError("Transformer Engine's dense GEMM takes no batch dimensions.")
         quantizers = noop_quantizer_set if recipe is None else quantizer_set()
-        return dense(x, kernel, contracting_dims=contracting, quantizer_set=quantizers)
+        with shard_guard():
+            return dense(x, kernel, contracting_dims=contracting, quantizer_set=quantizers)
 
     return dot_general
 
@@ -211,7 +219,28 @@ def te_fused_attention(q, k, v, *, dropout_rate: float = 0.0, dropout_rng=None, 
                                  attn_mask_type="causal", attention_dropout=rate, dtype=q.dtype,
                                  qkv_layout="bshd_bshd_bshd", transpose_batch_sequence=False)
     rngs = {"dropout": dropout_rng} if rate > 0.0 else {}
-    return module.apply({}, q, k, v, deterministic=rate == 0.0, rngs=rngs)
+    with shard_guard():
+        return module.apply({}, q, k, v, deterministic=rate == 0.0, rngs=rngs)
+
+
+def shard_guard():
+    """TE's global ``MeshResource`` for the mesh being traced under, unless one is set
+    already (an enclosing :func:`autocast`): TE's custom partitioning asks for it. Built
+    from :data:`jmegatron.parallel.rules.DEFAULT_RULES` over the abstract mesh's axis names
+    (no mesh: an empty MeshResource, one device)."""
+    import jax
+    from transformer_engine.jax.sharding import MeshResource, global_mesh_resource, global_shard_guard
+    from jmegatron.parallel.rules import DEFAULT_RULES
+    try:
+        if global_mesh_resource() is not None:
+            return contextlib.nullcontext()
+    except AssertionError:  # TE asserts when none is set
+        pass
+    mesh = jax.sharding.get_abstract_mesh()
+    names = () if mesh is None or mesh.empty else tuple(mesh.axis_names)
+    kwargs = mesh_resource_kwargs(DEFAULT_RULES, names)
+    fields = {f.name for f in dataclasses.fields(MeshResource)} if dataclasses.is_dataclass(MeshResource) else set(kwargs)
+    return global_shard_guard(MeshResource(**{k: v for k, v in kwargs.items() if k in fields}))
 
 
 @contextlib.contextmanager

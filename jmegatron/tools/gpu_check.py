@@ -90,8 +90,8 @@ def _te_fp8(cfg) -> Optional[str]:
     if not ok:
         return f"Transformer Engine unavailable: {reason}"
     from jmegatron.models.gpt import ModelConfig
-    if "transformer_engine" not in inspect.getsource(ModelConfig.dense_dot_general):
-        return "Transformer Engine's dense layers are not wired into the model in this branch"
+    if "fp8" not in {f.name for f in dataclasses.fields(ModelConfig)}:
+        return "ModelConfig carries no fp8 fields in this branch (TE's dense layers read the recipe from it)"
     return None
 
 
@@ -109,7 +109,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("xla fp16", dict(fp16=True), "float16", check=_compute_dtype_wired),
     Variant("fp8 hybrid pure JAX (delayed)", dict(bf16=True, fp8="hybrid"), "float8", check=_pure_jax_fp8),
     Variant("fp8 hybrid TE (tensorwise)", dict(bf16=True, fp8="hybrid", fp8_recipe="tensorwise",
-                                               transformer_impl="transformer_engine"), "float8", ("gpu",), _te_fp8),
+                                               transformer_impl="transformer_engine", attention_impl="auto",
+                                               matmul_impl="auto"), "float8", ("gpu",), _te_fp8),
 )
 
 
