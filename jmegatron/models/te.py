@@ -216,7 +216,7 @@ def te_fused_attention(q, k, v, *, dropout_rate: float = 0.0, dropout_rng=None, 
     b, s, nq, d = q.shape
     rate = 0.0 if deterministic else dropout_rate
     module = DotProductAttention(head_dim=d, num_attention_heads=nq, num_gqa_groups=k.shape[2],
-                                 attn_mask_type="causal", attention_dropout=rate, dtype=q.dtype,
+                                 attn_mask_type="causal", attention_dropout=rate,
                                  qkv_layout="bshd_bshd_bshd", transpose_batch_sequence=False)
     rngs = {"dropout": dropout_rng} if rate > 0.0 else {}
     with shard_guard():
