@@ -319,3 +319,41 @@ def test_cli_fp8_export_and_refusals(ckpts, tmp_path, capsys):
     with torch.no_grad():
         got = model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
     assert np.abs(got - ref).max() <= 1e-4
+
+
+def test_gpt_layout_matches_modelopt(tmp_path):
+    """GPT-2 variant (LayerNorm, biases, learned positions), per-layer params with fp8_meta
+    written directly: at tp 2 the same tensor names, shapes and dtypes as ModelOpt's FP8
+    export of the same weights, equal weight factors, and check-trtllm passes."""
+    import modelopt.torch.quantization as mtq
+
+    from jmegatron.export.quantize import build_quant_config
+    from test_trtllm import TRUE_VOCAB, random_params
+
+    cfg = make_cfg("gpt")
+    params = random_params(cfg, seed=3)
+    rng = np.random.default_rng(3)
+    for i in range(cfg.num_layers):
+        for path in fp8_scales.FP8_LINEARS:
+            node = params[f"decoder_layers_{i}"]
+            for part in path.split("/"):
+                node = node[part]
+            amax_k = np.float32(np.abs(node["kernel"]).max())
+            hist = rng.uniform(1.0, 8.0, H).astype(np.float32)
+            node["fp8_meta"] = {"input_amax_history": hist, "kernel_amax_history": np.full(H, amax_k),
+                                "output_grad_amax_history": np.zeros(H, np.float32),
+                                "input_scale": np.float32(FP8_E4M3_MAX / hist.max()),
+                                "kernel_scale": np.float32(FP8_E4M3_MAX / amax_k), "output_grad_scale": np.float32(1)}
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "modelopt")
+    write_fp8_trtllm_checkpoint(params, cfg, TRUE_VOCAB, ours, tp=2)
+    assert check_trtllm_checkpoint(ours).ok
+    model = hf.to_hf_model(fp8_scales.strip_fp8_meta(params), cfg, TRUE_VOCAB)
+    calib = torch.from_numpy(rng.integers(0, TRUE_VOCAB, (2, 32)))
+    export_quantized_model(mtq.quantize(model, build_quant_config("fp8"), lambda m: m(calib)), cfg, theirs, tp=2)
+    for r in range(2):
+        a, b = (load_file(os.path.join(d, f"rank{r}.safetensors")) for d in (ours, theirs))
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), k
+            if k.endswith("weights_scaling_factor"):
+                np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), rtol=1e-6, err_msg=k)
