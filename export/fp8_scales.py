@@ -92,8 +92,8 @@ def _state_metadata(load_dir: str, iteration: Optional[int]):
 
     ckpt = checkpointing.Checkpointer(load_dir, create=False)
     try:
-        step = ckpt._resolve(iteration)
-        meta = ckpt.read_meta(step)
+        step = ckpt.latest_step() if iteration is None else int(iteration)
+        meta = ckpt.read_meta(step)  # CheckpointError for an iteration it does not hold
     finally:
         ckpt.close()
     state_dir = os.path.join(os.path.abspath(load_dir), str(step), "state")  # Orbax's default step naming
