@@ -90,17 +90,26 @@ def refuse_moe(cfg, command: str, missing: str, instead: Optional[str] = None) -
 def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSource:
     """Read ``load_dir`` (a jmegatron ``save`` directory) at ``iteration`` (default latest).
 
+    A checkpoint of an FP8 run (``fp8_meta`` subtrees among its params, docs/PRECISION.md)
+    is read from its on-disk tree instead of through the model, and its ``params`` keep
+    those subtrees (float32, per-layer layout): exports that do not quantize ignore them
+    (they address the weights by path), ``trtllm --scales from-checkpoint`` reads them
+    (:mod:`jmegatron.export.fp8_scales`).
+
     Raises ExportError for a missing or corrupt checkpoint (the message comes from
     ``jmegatron.training.checkpointing.CheckpointError``).
     """
     import jax
 
+    from jmegatron.export.fp8_scales import saved_fp8_meta_paths
     from jmegatron.export.hf import _plain, unstack_layers
     from jmegatron.training.checkpointing import CheckpointError
     from jmegatron.training.run import restore_run
 
     if not load_dir:
         raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
+    if saved_fp8_meta_paths(load_dir, iteration):
+        return _load_fp8_checkpoint(load_dir, iteration)
     try:
         run, state, meta = restore_run(load_dir, iteration=iteration)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
@@ -119,6 +128,38 @@ def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSou
     return ExportSource(cfg=cfg, params=params, vocab_size=int(vocab or run.padded_vocab_size),
                         padded_vocab_size=int(run.padded_vocab_size), tokenizer_path=tok,
                         iteration=int(meta["iteration"]), load_dir=os.path.abspath(load_dir))
+
+
+# the one-device view restore_run takes of any saved layout
+_SINGLE_DEVICE = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                      expert_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_model_parallel_size=None,
+                      num_layers_per_virtual_pipeline_stage=None, pipeline_schedule="auto",
+                      decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                      scan_layers=False)
+
+
+def _load_fp8_checkpoint(load_dir: str, iteration: Optional[int]) -> ExportSource:
+    """An FP8-trained checkpoint (``fp8_meta`` among its params) read from its own on-disk
+    tree (:func:`jmegatron.export.fp8_scales.read_saved_params`) rather than through the
+    model: the ``fp8_meta`` subtrees come back with the weights (per-layer layout) whether
+    or not the installed model declares them, and no optimizer state is restored."""
+    from jmegatron.config import ConfigError
+    from jmegatron.export.fp8_scales import read_saved_params
+
+    params, meta, step = read_saved_params(load_dir, iteration)
+    try:
+        cfg = checkpoint_config(load_dir, step).replace(**_SINGLE_DEVICE)
+    except ConfigError as e:
+        raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {e}") from e
+    padded = int(meta["padded_vocab_size"])
+    tok = cfg.tokenizer_model if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model) else None
+    vocab = cfg.vocab_size
+    if vocab is None and tok is not None:
+        from jmegatron.data.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(tok).vocab_size
+    return ExportSource(cfg=cfg, params=params, vocab_size=int(vocab or padded), padded_vocab_size=padded,
+                        tokenizer_path=tok, iteration=int(meta["iteration"]), load_dir=os.path.abspath(load_dir))
 
 
 def load_source_tokenizer(src: ExportSource):

@@ -3,6 +3,7 @@
     python -m jmegatron.export trtllm (--load CKPT | --quantized DIR [--quant-cfg NAME])
         --tp T [--pp P] [--moe-ep E] [--moe-tp T/E] --dtype float16|bfloat16 --out DIR
         [--no-parallel-embedding] [--build-engine]
+    python -m jmegatron.export trtllm --load CKPT --scales from-checkpoint [--weight-scales checkpoint|amax] ...
     python -m jmegatron.export check-trtllm DIR
 
 The format is TensorRT-LLM's checkpoint of TRT-LLM <= 1.2 (the one Megatron-LM's
@@ -108,6 +109,14 @@ the quantize command's unified Hugging Face checkpoint is the quantized MoE deli
 ``inference_tensor_parallel=tp``), whose quantized tensors (int8 / fp8 / packed int4 weights
 and scaling factors) are kept, and its ``config.json`` is corrected by
 :func:`fix_modelopt_config` (each fix documented there and printed).
+
+``--load CKPT --scales from-checkpoint`` takes an FP8-trained checkpoint (``config.fp8``: its
+FP8 linears hold ``fp8_meta``) and writes the FP8 checkpoint ModelOpt's FP8 export would
+(``quant_algo`` FP8, float8_e4m3fn weights, per-tensor ``weights_scaling_factor`` /
+``activation_scaling_factor``) with the training's own amax histories and scales instead of
+a calibration pass (:mod:`jmegatron.export.fp8_scales`; any ``--tp`` / ``--pp``, dense
+models). A checkpoint without ``fp8_meta`` is refused, naming the flag and the calibration
+route; without ``--scales`` an FP8 checkpoint is written unquantized (a note says so).
 
 Bad input (an architecture TRT-LLM cannot represent, a tp that does not divide the heads,
 KV heads or ffn size, a pp outside ``[1, num_layers]``, ``--moe-ep`` / ``--moe-tp`` whose
@@ -766,6 +775,13 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--no-parallel-embedding", action="store_true",
                    help="replicate the vocab/position embeddings on every rank (default: split on rows)")
+    p.add_argument("--scales", choices=("from-checkpoint",), default=None,
+                   help="with --load of an FP8-trained checkpoint (config.fp8): write the FP8 TensorRT-LLM checkpoint "
+                        "(quant_algo FP8) with the training's own scales from its fp8_meta, no calibration "
+                        "(jmegatron.export.fp8_scales)")
+    p.add_argument("--weight-scales", choices=("checkpoint", "amax"), default="checkpoint",
+                   help="with --scales from-checkpoint: weights_scaling_factor = 1/kernel_scale of the training "
+                        "(default: the FP8 forward's own codes) or amax(weight)/448 (ModelOpt's rule)")
     p.add_argument("--build-engine", action="store_true", help="then run trtllm-build (needs TensorRT-LLM)")
     p.add_argument("--engine-dir", default=None, help="with --build-engine: default OUT/engine")
     p.set_defaults(func=run)
@@ -783,6 +799,11 @@ def run(args) -> int:
     if args.quantized and args.iteration is not None:
         raise ExportError("--iteration goes with --load (a --quantized folder records its source iteration)")
     _check_pp(args.pp)
+    if args.scales and not args.load:
+        raise ExportError("--scales from-checkpoint goes with --load (an FP8-trained jmegatron checkpoint); a "
+                          "--quantized folder already holds ModelOpt's calibrated scales")
+    if args.weight_scales != "checkpoint" and not args.scales:
+        raise ExportError("--weight-scales goes with --scales from-checkpoint")
     if args.quantized:
         if args.moe_tp is not None or args.moe_ep is not None:
             raise ExportError("--moe-tp / --moe-ep are not available with --quantized (ModelOpt's TensorRT-LLM export "
@@ -797,10 +818,31 @@ def run(args) -> int:
                                     quant_cfg=args.quant_cfg, overwrite=args.overwrite)
         for fx in fixes:
             print(f"[jmegatron.export trtllm] config.json fix: {fx}")
+    elif args.scales:
+        from jmegatron.export.fp8_scales import export_fp8_checkpoint
+
+        if args.moe_tp is not None or args.moe_ep is not None:
+            raise ExportError("--moe-tp / --moe-ep are not available with --scales from-checkpoint (dense models only)")
+        config = export_fp8_checkpoint(args.load, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                                       iteration=args.iteration, use_parallel_embedding=not args.no_parallel_embedding,
+                                       weight_scales=args.weight_scales, overwrite=args.overwrite)
+        f = config["producer"]["fp8"]
+        rule = "1 / kernel_scale" if f["weight_scales"] == "checkpoint" else "amax(weight) / 448"
+        print(f"[jmegatron.export trtllm] FP8 (quant_algo FP8, e4m3) with the checkpoint's own scales (fp8_meta, "
+              f"no calibration): activation_scaling_factor = amax(input_amax_history, fp8_amax_compute_algo="
+              f"{f['fp8_amax_compute_algo']!r}, H={f['fp8_amax_history_len']}) * 2**{f['fp8_margin']} / 448 "
+              f"(from {', '.join(f['activation_scales_from'])}); weights_scaling_factor = {rule}; "
+              f"{f['saturated_weight_values']} weight values saturated at +-448")
     else:
+        from jmegatron.export.fp8_scales import saved_fp8_meta_paths
+
         export_checkpoint(args.load, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, iteration=args.iteration,
                           use_parallel_embedding=not args.no_parallel_embedding, overwrite=args.overwrite,
                           moe_tp=args.moe_tp, moe_ep=args.moe_ep)
+        if saved_fp8_meta_paths(args.load, args.iteration):
+            print("[jmegatron.export trtllm] note: this checkpoint was trained in FP8 (fp8_meta in its parameters); "
+                  f"written unquantized in {args.dtype}. `--scales from-checkpoint` writes the FP8 checkpoint with "
+                  "the training's own scales")
     report = check_trtllm_checkpoint(args.out)
     print(report.format())
     if not report.ok:

@@ -1,0 +1,359 @@
+"""FP8 into export (issue 15 item 5): an FP8-trained checkpoint's own scales -> TensorRT-LLM's
+FP8 checkpoint, no calibration; checked with check-trtllm and against ModelOpt's FP8 PTQ of
+the same weights.
+
+The FP8 checkpoint is made here (the FP8 training path is not imported): a gpt_tiny-sized
+Llama (GQA, SwiGLU, scanned layers) trained 2 steps, then ``fp8_meta`` subtrees added to its
+four linears per layer as docs/PRECISION.md places them (stacked ``[layers, H]`` / ``[layers]``),
+with amax histories of real amaxes: the float32 model run on 4 batches (input amax of each
+linear recorded by hooks on the transformers model of the same weights, <= 1e-4 from
+jmegatron's), the kernels' own amax, and TE's scales ``448 / amax`` (``fp8_amax_compute_algo
+"max"``, margin 0).
+"""
+
+import copy
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("modelopt")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from jmegatron.export import fp8_scales, hf  # noqa: E402
+from jmegatron.export.__main__ import main  # noqa: E402
+from jmegatron.export.common import ExportError, load_checkpoint  # noqa: E402
+from jmegatron.export.fp8_scales import FP8_E4M3_MAX, checkpoint_fp8_scales, write_fp8_trtllm_checkpoint  # noqa: E402
+from jmegatron.export.trtllm import export_quantized_model, rank_tensors  # noqa: E402
+from jmegatron.export.trtllm_check import check_trtllm_checkpoint  # noqa: E402
+
+from test_trtllm import make_cfg  # noqa: E402
+
+H = 4  # fp8_amax_history_len
+VOCAB = 300
+# HF Llama module -> the jmegatron FP8 linear whose input it sees
+HF_INPUTS = {"self_attn.q_proj": "self_attention/linear_qkv", "self_attn.o_proj": "self_attention/linear_proj",
+             "mlp.gate_proj": "mlp/linear_fc1", "mlp.down_proj": "mlp/linear_fc2"}
+
+
+def batches(seed, n=1):
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy(rng.integers(0, VOCAB, (2, 32))) for _ in range(n)]
+
+
+def input_amaxes(model, token_batches, num_layers):
+    """{layer: {linear: [amax per batch]}} of the float32 transformers model's linear inputs."""
+    seen = {i: {v: [] for v in HF_INPUTS.values()} for i in range(num_layers)}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        for name, linear in HF_INPUTS.items():
+            mod = layer.get_submodule(name)
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, args, i=i, linear=linear: seen[i][linear].append(float(args[0].abs().max()))))
+    with torch.no_grad():
+        for t in token_batches:
+            model(t)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """(base, fp8): the trained checkpoint and the same state with fp8_meta added (config fp8 e4m3)."""
+    from jmegatron.parallel.mesh import create_mesh
+    from jmegatron.training import checkpointing
+    from jmegatron.training.loop import pretrain
+    from jmegatron.training.run import restore_run
+
+    root = tmp_path_factory.mktemp("fp8x")
+    base = str(root / "base")
+    cfg = make_cfg("llama", vocab_size=VOCAB, train_iters=2, micro_batch_size=2, global_batch_size=2,
+                   lr_warmup_iters=0, eval_interval=0, log_interval=1, peak_tflops=1.0, save=base, scan_layers=True)
+    pretrain(cfg, mesh=create_mesh(cfg, jax.devices()[:1]))
+    run, state, meta = restore_run(base)
+    params = jax.tree.map(np.asarray, state.params)
+    L = cfg.num_layers
+    model = hf.to_hf_model(params, cfg, VOCAB)
+    seen = input_amaxes(model, batches(1, H), L)  # batch 0 oldest
+    layers = params["decoder_layers"]
+    new_layers = jax.tree.map(lambda a: a, layers)
+    for path in fp8_scales.FP8_LINEARS:
+        node = new_layers
+        for part in path.split("/"):
+            node = node[part]
+        kernel_amax = np.abs(node["kernel"].reshape(L, -1)).max(axis=1).astype(np.float32)  # [L]
+        in_hist = np.array([seen[i][path][::-1] for i in range(L)], np.float32)  # newest first, [L, H]
+        k_hist = np.repeat(kernel_amax[:, None], H, axis=1)
+        node["fp8_meta"] = {
+            "input_amax_history": in_hist, "kernel_amax_history": k_hist,
+            "output_grad_amax_history": np.full((L, H), 1e-3, np.float32),
+            "input_scale": (FP8_E4M3_MAX / in_hist.max(axis=1)).astype(np.float32),
+            "kernel_scale": (FP8_E4M3_MAX / kernel_amax).astype(np.float32),
+            "output_grad_scale": np.full((L,), FP8_E4M3_MAX / 1e-3, np.float32)}
+    fp8 = str(root / "fp8")
+    fp8_cfg = run.cfg.replace(fp8="e4m3", fp8_amax_history_len=H, fp8_amax_compute_algo="max", fp8_margin=0,
+                              save=fp8)
+    ckpt = checkpointing.Checkpointer(fp8)
+    ckpt.save(int(meta["iteration"]), state.replace(params=dict(params, decoder_layers=new_layers)),
+              dict(meta, config=fp8_cfg.to_dict()))
+    ckpt.close()
+    return base, fp8
+
+
+def fake_quant_logits(out, cfg, tokens):
+    """Logits of the TensorRT-LLM FP8 checkpoint ``out`` (tp 1) as its engine computes them,
+    in float32: weights dequantized (fp8 * weights_scaling_factor), each quantized linear's
+    input cast to e4m3 with its activation_scaling_factor (x -> cast(clip(x / s)) * s)."""
+    t = load_file(os.path.join(out, "rank0.safetensors"))
+    nq, nkv, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+
+    def deq(key):
+        w = t[f"{key}.weight"]
+        return w.float() * t[f"{key}.weights_scaling_factor"] if w.dtype == torch.float8_e4m3fn else w.float()
+
+    sd = {"model.embed_tokens.weight": t["transformer.vocab_embedding.weight"].float(),
+          "model.norm.weight": t["transformer.ln_f.weight"].float(), "lm_head.weight": t["lm_head.weight"].float()}
+    act = {}
+    for i in range(cfg.num_layers):
+        o, p = f"transformer.layers.{i}", f"model.layers.{i}"
+        q, k, v = torch.split(deq(f"{o}.attention.qkv"), [nq * d, nkv * d, nkv * d])
+        sd.update({f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.k_proj.weight": k,
+                   f"{p}.self_attn.v_proj.weight": v, f"{p}.self_attn.o_proj.weight": deq(f"{o}.attention.dense"),
+                   f"{p}.mlp.gate_proj.weight": deq(f"{o}.mlp.fc"), f"{p}.mlp.up_proj.weight": deq(f"{o}.mlp.gate"),
+                   f"{p}.mlp.down_proj.weight": deq(f"{o}.mlp.proj"),
+                   f"{p}.input_layernorm.weight": t[f"{o}.input_layernorm.weight"].float(),
+                   f"{p}.post_attention_layernorm.weight": t[f"{o}.post_layernorm.weight"].float()})
+        for hf_name, trt in (("q_proj", "attention.qkv"), ("k_proj", "attention.qkv"), ("v_proj", "attention.qkv"),
+                             ("o_proj", "attention.dense"), ("gate_proj", "mlp.fc"), ("up_proj", "mlp.gate"),
+                             ("down_proj", "mlp.proj")):
+            act[f"{p}.{'self_attn' if hf_name[0] in 'qkvo' else 'mlp'}.{hf_name}"] = \
+                float(t[f"{o}.{trt}.activation_scaling_factor"])
+    model = hf.to_hf_model(hf.from_hf_state_dict(sd, cfg), cfg, VOCAB)
+    for name, s in act.items():
+        def quant_input(m, args, s=s):
+            x = (args[0] / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() * s
+            return (x,) + args[1:]
+        model.get_submodule(name).register_forward_pre_hook(quant_input)
+    with torch.no_grad():
+        return model(tokens).logits.numpy()
+
+
+def held_out_loss(logits, tokens):
+    lp = torch.log_softmax(torch.from_numpy(logits[:, :-1]), -1)
+    return float(-lp.gather(-1, tokens[:, 1:, None]).mean())
+
+
+def test_fp8_export_matches_modelopt_ptq(ckpts, tmp_path):
+    """Same names, shapes and dtypes as ModelOpt's FP8 PTQ export of the same weights (tp 2);
+    weight factors equal (both encode the weights' amax); activation factors within 2x
+    (different data: our 4 training-like batches vs ModelOpt's one calibration batch);
+    the two FP8 models' held-out losses within 1% and logits as close to each other as
+    either is to float32."""
+    import modelopt.torch.quantization as mtq
+
+    from jmegatron.export.quantize import build_quant_config
+
+    base, fp8 = ckpts
+    src = load_checkpoint(fp8)
+    cfg = src.cfg
+    assert fp8_scales.has_fp8_meta(src.params)
+    plain = fp8_scales.strip_fp8_meta(src.params)
+    model = hf.to_hf_model(plain, cfg, src.vocab_size)
+    calib = batches(7)[0]
+    modelopt_model = mtq.quantize(copy.deepcopy(model), build_quant_config("fp8"), lambda m: m(calib))
+    ours, theirs = {}, {}
+    for tp in (1, 2):
+        ours[tp], theirs[tp] = str(tmp_path / f"ours{tp}"), str(tmp_path / f"modelopt{tp}")
+        config = write_fp8_trtllm_checkpoint(src.params, cfg, src.vocab_size, ours[tp], tp=tp)
+        their_config, _ = export_quantized_model(modelopt_model, cfg, theirs[tp], tp=tp, dtype="float16")
+        assert config["quantization"] == their_config["quantization"] == {
+            "quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+        for key in ("architecture", "dtype", "num_hidden_layers", "num_key_value_heads", "head_size",
+                    "intermediate_size", "hidden_act", "position_embedding_type", "mapping", "vocab_size"):
+            assert config[key] == their_config[key], key
+        report = check_trtllm_checkpoint(ours[tp])
+        assert report.ok, report.errors
+    act_ratios = []
+    for r in range(2):
+        a, b = (load_file(os.path.join(d[2], f"rank{r}.safetensors")) for d in (ours, theirs))
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), k
+            if k.endswith("weights_scaling_factor"):
+                assert a[k].dtype == torch.float32
+                np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), rtol=1e-6, err_msg=k)
+            elif k.endswith("activation_scaling_factor"):
+                act_ratios.append(float(a[k] / b[k]))
+            elif a[k].dtype == torch.float8_e4m3fn:
+                # same scale (to 1e-6), so the codes agree but for round-half cases of the scale's last bit
+                assert (a[k].view(torch.uint8) == b[k].view(torch.uint8)).float().mean() > 0.999, k
+    print("activation factor ours / ModelOpt:", np.round(act_ratios, 3))
+    assert len(act_ratios) == 2 * 2 * 5 and all(0.5 <= x <= 2.0 for x in act_ratios)
+
+    held = batches(99)[0]
+    with torch.no_grad():
+        ref = model(held).logits.numpy()
+    got, want = fake_quant_logits(ours[1], cfg, held), fake_quant_logits(theirs[1], cfg, held)
+    err_ours, err_theirs = np.abs(got - ref).max(), np.abs(want - ref).max()
+    losses = [held_out_loss(x, held) for x in (ref, got, want)]
+    print(f"max |logit - fp32|: ours {err_ours:.4f}, ModelOpt {err_theirs:.4f}; ours vs ModelOpt "
+          f"{np.abs(got - want).max():.4f}; held-out loss fp32 / ours / ModelOpt {np.round(losses, 5)}")
+    assert 0 < err_ours <= 2 * err_theirs + 1e-6
+    assert np.abs(got - want).max() <= 2 * max(err_ours, err_theirs)
+    assert abs(losses[1] / losses[2] - 1) < 0.01 and abs(losses[1] / losses[0] - 1) < 0.01
+
+
+def test_weights_are_the_training_forwards_fp8_codes(ckpts, tmp_path):
+    """--weight-scales checkpoint writes cast(w * kernel_scale) (JAX's float8_e4m3fn cast, the
+    FP8 forward's dtype) and 1/kernel_scale; --weight-scales amax writes amax(w)/448."""
+    import jax.numpy as jnp
+
+    _, fp8 = ckpts
+    src = load_checkpoint(fp8)
+    cfg = src.cfg
+    out = str(tmp_path / "c")
+    write_fp8_trtllm_checkpoint(src.params, cfg, src.vocab_size, out, tp=1)
+    got = load_file(os.path.join(out, "rank0.safetensors"))
+    plain = rank_tensors(fp8_scales.strip_fp8_meta(src.params), cfg, src.vocab_size, 1, 0)
+    layer = src.params["decoder_layers_1"]
+    for path, names in (("self_attention/linear_qkv", ["attention.qkv"]), ("mlp/linear_fc1", ["mlp.fc", "mlp.gate"]),
+                        ("mlp/linear_fc2", ["mlp.proj"])):
+        node = layer
+        for part in path.split("/"):
+            node = node[part]
+        ks = node["fp8_meta"]["kernel_scale"]
+        for n in names:
+            key = f"transformer.layers.1.{n}"
+            w = jnp.asarray(plain[f"{key}.weight"]) * ks
+            want = np.asarray(jnp.clip(w, -448, 448).astype(jnp.float8_e4m3fn)).view(np.uint8)
+            assert np.array_equal(got[f"{key}.weight"].view(torch.uint8).numpy(), want), key
+            assert float(got[f"{key}.weights_scaling_factor"]) == np.float32(1) / np.float32(ks)
+    amax = checkpoint_fp8_scales(src.params, cfg, "amax")
+    kernel = src.params["decoder_layers_0"]["self_attention"]["linear_qkv"]["kernel"]
+    assert amax[0]["self_attention/linear_qkv"].weights_scaling_factor == np.float32(np.abs(kernel).max()) / 448
+
+
+def test_scale_rules_from_history():
+    """max / most_recent over the history, the margin, TE's fallback to the stored scale."""
+    cfg = make_cfg("gpt", num_layers=1)
+
+    def params(hist, input_scale=1.0):
+        meta = {"input_amax_history": np.array(hist, np.float32), "kernel_amax_history": np.full(3, 2.0, np.float32),
+                "output_grad_amax_history": np.zeros(3, np.float32), "input_scale": np.float32(input_scale),
+                "kernel_scale": np.float32(224.0), "output_grad_scale": np.float32(1.0)}
+        linears = {"self_attention": {"linear_qkv": {"kernel": np.ones(1), "fp8_meta": meta},
+                                      "linear_proj": {"kernel": np.ones(1), "fp8_meta": meta}},
+                   "mlp": {"linear_fc1": {"kernel": np.ones(1), "fp8_meta": meta},
+                           "linear_fc2": {"kernel": np.ones(1), "fp8_meta": meta}}}
+        return {"decoder_layers_0": linears}
+
+    def act(p, **changes):
+        return checkpoint_fp8_scales(p, cfg.replace(**changes))[0]["mlp/linear_fc2"]
+
+    p = params([3.0, 5.0, 0.0])
+    assert act(p, fp8_amax_compute_algo="max").activation_scaling_factor == np.float32(5.0 / 448)
+    assert act(p, fp8_amax_compute_algo="most_recent").activation_scaling_factor == np.float32(3.0 / 448)
+    assert act(p, fp8_amax_compute_algo="max", fp8_margin=1).activation_scaling_factor == np.float32(10.0 / 448)
+    s = act(params([0.0, 0.0, 0.0], input_scale=448 / 7.0))
+    assert s.activation_source == "stored input_scale" and np.isclose(s.activation_scaling_factor, 7 / 448)
+    assert act(p).weights_scaling_factor == np.float32(1 / 224)
+    # a stale kernel scale (the kernel grew after the last update) saturates, as TE's cast does
+    q, saturated = fp8_scales.quantize_weight(np.array([1.0, 2.0, -3.0, 0.01], np.float32), np.float32(1 / 224),
+                                              kernel_scale=np.float32(224.0))
+    assert q.float().tolist() == [224.0, 448.0, -448.0, 2.25] and saturated == 1
+    with pytest.raises(ExportError, match="ran no FP8 step"):
+        act(params([0.0, 0.0, 0.0]))
+    bad = params([1.0, 1.0, 1.0])
+    del bad["decoder_layers_0"]["mlp"]["linear_fc1"]["fp8_meta"]
+    with pytest.raises(ExportError, match="no decoder_layers_0/mlp/linear_fc1/fp8_meta"):
+        checkpoint_fp8_scales(bad, cfg)
+
+
+def test_cli_fp8_export_and_refusals(ckpts, tmp_path, capsys):
+    """`trtllm --load FP8 --scales from-checkpoint` (tp 2 x pp 2) passes check-trtllm and says
+    which scales it used; a checkpoint without fp8_meta is refused naming the flag and the
+    fix; the plain exports of the FP8 checkpoint (trtllm unquantized, hf) keep working."""
+    from jmegatron.export.convert import export_hf
+    from jmegatron.training.run import restore_run
+
+    base, fp8 = ckpts
+    out = str(tmp_path / "fp8_tp2pp2")
+    assert main(["trtllm", "--load", fp8, "--scales", "from-checkpoint", "--tp", "2", "--pp", "2", "--out", out]) == 0
+    printed = capsys.readouterr().out
+    assert "with the checkpoint's own scales" in printed and "fp8_amax_compute_algo='max', H=4" in printed
+    assert "weights_scaling_factor = 1 / kernel_scale" in printed and "OK: valid TensorRT-LLM checkpoint" in printed
+    c = json.load(open(os.path.join(out, "config.json")))
+    assert c["quantization"]["quant_algo"] == "FP8" and c["producer"]["fp8"]["activation_scales_from"] == ["history"]
+    assert load_file(os.path.join(out, "rank3.safetensors"))["transformer.layers.0.mlp.proj.weight"].dtype == \
+        torch.float8_e4m3fn
+    assert main(["check-trtllm", out]) == 0
+    capsys.readouterr()
+
+    never = tmp_path / "never"
+    assert main(["trtllm", "--load", base, "--scales", "from-checkpoint", "--out", str(never)]) == 2
+    err = capsys.readouterr().err
+    assert "--scales from-checkpoint" in err and "holds no FP8 scales" in err and "--quant-cfg fp8" in err
+    assert not never.exists()
+    assert main(["trtllm", "--quantized", str(tmp_path), "--scales", "from-checkpoint", "--out", str(never)]) == 2
+    assert "--scales from-checkpoint goes with --load" in capsys.readouterr().err
+
+    plain = str(tmp_path / "plain")
+    assert main(["trtllm", "--load", fp8, "--out", plain]) == 0
+    printed = capsys.readouterr().out
+    assert "note: this checkpoint was trained in FP8" in printed and "OK: valid" in printed
+    a = load_file(os.path.join(plain, "rank0.safetensors"))
+    assert a["transformer.layers.0.attention.qkv.weight"].dtype == torch.float16
+
+    summary = export_hf(fp8, str(tmp_path / "hf"))
+    run, state, _ = restore_run(base)  # the same weights without fp8_meta
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (2, 32)).astype(np.int32)
+    ref = np.asarray(run.model.apply({"params": state.params}, tokens))[..., :summary["vocab_size"]]
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    assert np.abs(got - ref).max() <= 1e-4
+
+
+def test_gpt_layout_matches_modelopt(tmp_path):
+    """GPT-2 variant (LayerNorm, biases, learned positions), per-layer params with fp8_meta
+    written directly: at tp 2 the same tensor names, shapes and dtypes as ModelOpt's FP8
+    export of the same weights, equal weight factors, and check-trtllm passes."""
+    import modelopt.torch.quantization as mtq
+
+    from jmegatron.export.quantize import build_quant_config
+    from test_trtllm import TRUE_VOCAB, random_params
+
+    cfg = make_cfg("gpt")
+    params = random_params(cfg, seed=3)
+    rng = np.random.default_rng(3)
+    for i in range(cfg.num_layers):
+        for path in fp8_scales.FP8_LINEARS:
+            node = params[f"decoder_layers_{i}"]
+            for part in path.split("/"):
+                node = node[part]
+            amax_k = np.float32(np.abs(node["kernel"]).max())
+            hist = rng.uniform(1.0, 8.0, H).astype(np.float32)
+            node["fp8_meta"] = {"input_amax_history": hist, "kernel_amax_history": np.full(H, amax_k),
+                                "output_grad_amax_history": np.zeros(H, np.float32),
+                                "input_scale": np.float32(FP8_E4M3_MAX / hist.max()),
+                                "kernel_scale": np.float32(FP8_E4M3_MAX / amax_k), "output_grad_scale": np.float32(1)}
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "modelopt")
+    write_fp8_trtllm_checkpoint(params, cfg, TRUE_VOCAB, ours, tp=2)
+    assert check_trtllm_checkpoint(ours).ok
+    model = hf.to_hf_model(fp8_scales.strip_fp8_meta(params), cfg, TRUE_VOCAB)
+    calib = torch.from_numpy(rng.integers(0, TRUE_VOCAB, (2, 32)))
+    export_quantized_model(mtq.quantize(model, build_quant_config("fp8"), lambda m: m(calib)), cfg, theirs, tp=2)
+    for r in range(2):
+        a, b = (load_file(os.path.join(d, f"rank{r}.safetensors")) for d in (ours, theirs))
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), k
+            if k.endswith("weights_scaling_factor"):
+                np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), rtol=1e-6, err_msg=k)
