@@ -354,6 +354,21 @@ class JMegatronConfig:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be >= 1.")
         if self.fp8_margin < 0:
             raise ConfigError(f"config.fp8_margin={self.fp8_margin} must be >= 0.")
+        if self.fp8 is not None and self.fp8_recipe != "delayed" and self.transformer_impl == "local":
+            raise ConfigError(f"config.fp8_recipe={self.fp8_recipe!r} needs Transformer Engine "
+                              f"(transformer_impl='transformer_engine' or 'auto' on a GPU); the pure-JAX "
+                              f"layers (transformer_impl='local') build fp8_recipe='delayed'.")
+        if self.fp8 is not None and self.fp8_recipe == "delayed" and self.transformer_impl == "transformer_engine":
+            raise ConfigError("config.fp8_recipe='delayed' through Transformer Engine is not built (the train step "
+                              "does not carry TE's amax history); use transformer_impl='local' (jmegatron's own "
+                              "delayed scaling, the same fields) or fp8_recipe='tensorwise' / 'mxfp8' with TE.")
+        if self.attention_impl == "cudnn":
+            if self.attention_dropout > 0:
+                raise ConfigError(f"config.attention_impl='cudnn' has no attention dropout (jax.nn.dot_product_attention); "
+                                  f"set attention_dropout=0.0 (now {self.attention_dropout}) or attention_impl='pallas'.")
+            if not (self.bf16 or self.fp16):
+                raise ConfigError("config.attention_impl='cudnn' runs bfloat16 / float16 only; set bf16=True "
+                                  "(or fp16=True), or attention_impl='pallas' / 'xla' for float32.")
 
     def _check_choices(self):
         choices = {

@@ -153,7 +153,10 @@ def resolve_impls(cfg: JMegatronConfig, backend: Optional[str] = None) -> dict[s
     backend = backend or detect_backend()
     out = {"attention_impl": cfg.attention_impl, "matmul_impl": cfg.matmul_impl,
            "cross_entropy_impl": cfg.cross_entropy_impl,
-           "transformer_impl": te.resolve_transformer_impl(cfg.transformer_impl, backend)}
+           # (FP8 delayed scaling is jmegatron's own: "auto" keeps it on the local layers)
+           "transformer_impl": te.resolve_transformer_impl(
+               "local" if cfg.transformer_impl == "auto" and cfg.fp8 is not None and cfg.fp8_recipe == "delayed"
+               else cfg.transformer_impl, backend)}
     attention = matmul = cross_entropy = "xla"
     if backend == "cpu" and "auto" in (cfg.attention_impl, cfg.matmul_impl):
         from jmegatron.kernels import cpu as cpu_kernels
