@@ -147,10 +147,11 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     padded = cfg.padded_vocab_size(vocab_size if vocab_size is not None else vocab_size_of(cfg))
     cfg.check_parallel_divisibility(padded, dp)
     model = GPTModel(ModelConfig.from_config(cfg, padded))
-    tx = optimizer.make_optimizer(cfg, gbs)
     rules = rules_lib.make_rules(cfg)
     forward_step_provider = forward_step_provider or gpt_forward_step
     fwd = forward_step_provider(cfg, model, mesh, padded)
+    # bf16 / fp16: buffers (the routers' expert_bias) stay float32 in the model too
+    tx = optimizer.make_optimizer(cfg, gbs, keep_float32=fwd.buffers.is_buffer if fwd.buffers else None)
     if pipeline is not None and fwd.pipeline_stages is None:
         raise ConfigError(f"config.pipeline_model_parallel_size={cfg.pipeline_model_parallel_size}: the forward "
                           f"step {getattr(forward_step_provider, '__name__', forward_step_provider)} has no "
@@ -162,7 +163,8 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
                                        grad_shardings, rules, None if pipeline else fwd.loss_fn,
                                        fwd.extra_shardings, cfg.log_num_zeros_in_grad, pipeline,
                                        fwd.pipeline_stages if pipeline else None,
-                                       cfg.pipeline_layout() if pipeline else None, fwd.buffers)
+                                       cfg.pipeline_layout() if pipeline else None, fwd.buffers,
+                                       accumulate_grads_in_fp32=cfg.accumulate_allreduce_grads_in_fp32 or not cfg.fp16)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings, cfg.reset_attention_mask)
     # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
     canonical = pipeline_layout.gather_index(cfg.pipeline_layout(), pipeline_layout.PipelineLayout(cfg.num_layers))
