@@ -156,7 +156,7 @@ def test_fp16_trains_like_float32_once_scaled():
     np.testing.assert_allclose(n16, n32, rtol=2e-2)
 
 
-@pytest.mark.parametrize("flag", ["bf16", "fp16"])
+@pytest.mark.parametrize("flag", ["fp16"])  # (bf16 shares the path; fp16 adds the scaler)
 def test_zero1_shards_main_params_and_matches_one_device(flag):
     kw = {flag: True, "initial_loss_scale": 2.0 ** 12}
     l8, n8, p8, run8 = train(tiny_cfg(use_distributed_optimizer=True, **kw), 8, steps=3)
@@ -168,7 +168,7 @@ def test_zero1_shards_main_params_and_matches_one_device(flag):
     np.testing.assert_allclose(n8, n1, rtol=2e-2)
 
 
-@pytest.mark.parametrize("flag", ["bf16", "fp16"])
+@pytest.mark.parametrize("flag", ["fp16"])  # the scaled backward seed and 16-bit accumulation
 def test_pipeline_matches_no_pipeline(flag):
     kw = {flag: True, "initial_loss_scale": 2.0 ** 12, "num_layers": 4, "micro_batch_size": 4}
     lp, npp, _, runp = train(tiny_cfg(pipeline_model_parallel_size=2, **kw), 4, steps=3)
@@ -178,17 +178,17 @@ def test_pipeline_matches_no_pipeline(flag):
     np.testing.assert_allclose(npp, n1, rtol=2e-2)
 
 
-@pytest.mark.parametrize("flag", ["bf16", "fp16"])
+@pytest.mark.parametrize("flag", ["fp16"])  # main params and the scaler's state (bf16: the main params only)
 def test_resume_keeps_main_params_and_is_bit_exact(tmp_path, flag):
     from test_checkpoint_resume import cfg_for
 
-    kw = {flag: True, "train_iters": 12, "eval_interval": 0, "log_interval": 1, "initial_loss_scale": 2.0 ** 20,
-          "loss_scale_window": 3}
+    kw = {flag: True, "train_iters": 8, "eval_interval": 0, "log_interval": 1, "initial_loss_scale": 2.0 ** 20,
+          "loss_scale_window": 2}
     full = pretrain(cfg_for(tmp_path / "full", **kw))
-    pretrain(cfg_for(tmp_path / "resumed", exit_interval=6, **kw))
+    pretrain(cfg_for(tmp_path / "resumed", exit_interval=4, **kw))
     second = pretrain(cfg_for(tmp_path / "resumed", **kw))
-    assert sorted(second["losses"]) == list(range(7, 13))
-    for it in range(7, 13):
+    assert sorted(second["losses"]) == list(range(5, 9))
+    for it in range(5, 9):
         assert second["losses"][it] == full["losses"][it], it
     from jmegatron.training import checkpointing
 
@@ -202,3 +202,36 @@ def test_resume_keeps_main_params_and_is_bit_exact(tmp_path, flag):
     assert _float_dtypes(state.opt_state.main_params) == {np.dtype(np.float32)}
     if flag == "fp16":
         assert float(state.opt_state.grad_scaler.scale) != 2.0 ** 20  # the scaler's state came back too
+
+
+def test_restore_across_precisions(tmp_path):
+    # float32 -> bf16 (fine-tuning in bf16): the float32 weights become the main params, the
+    # moments carry over; bf16 -> float32 (and a float32 teacher / export of a bf16 run) take
+    # the main params
+    from test_checkpoint_resume import cfg_for
+
+    from jmegatron.training import checkpointing
+    from jmegatron.training.run import restore_state
+
+    kw = {"train_iters": 3, "eval_interval": 0, "log_interval": 1}
+    pretrain(cfg_for(tmp_path / "f32", **kw))
+    pretrain(cfg_for(tmp_path / "b16", bf16=True, **kw))
+    for src, flag in (("f32", True), ("b16", False)):
+        cfg = cfg_for(tmp_path / "x", bf16=flag, **kw)
+        run = build(cfg, create_mesh(cfg, jax.devices()[:8]))
+        ckpt = checkpointing.Checkpointer(str(tmp_path / src), create=False)
+        state, _ = restore_state(run, ckpt)
+        ckpt.close()
+        ref_run = build(cfg_for(tmp_path / "y", bf16=not flag, **kw), create_mesh(cfg, jax.devices()[:8]))
+        ckpt = checkpointing.Checkpointer(str(tmp_path / src), create=False)
+        saved, _ = restore_state(ref_run, ckpt)
+        ckpt.close()
+        want_main = saved.params if flag else saved.opt_state.main_params
+        got_main = state.opt_state.main_params if flag else state.params
+        for a, b in zip(jax.tree.leaves(jax.device_get(got_main)), jax.tree.leaves(jax.device_get(want_main))):
+            np.testing.assert_array_equal(a, b)
+        assert _float_dtypes(state.params) == {np.dtype(jnp.bfloat16 if flag else np.float32)}
+        b = random_batches(1, run.global_batch_size, cfg.seq_length, 300)[0]
+        b = {k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()}
+        _, m = run.train_step(state, run.put_batch(b))
+        assert np.isfinite(float(m["lm_loss"]))

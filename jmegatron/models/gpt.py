@@ -66,13 +66,14 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
-        """The model fields of ``cfg``; compute dtype bfloat16 when ``cfg.bf16``;
+        """The model fields of ``cfg``; compute dtype bfloat16 / float16 with ``cfg.bf16`` / ``fp16``;
         ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolved by :func:`resolve_impls`."""
         names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe"}
         fields = dict({n: getattr(cfg, n) for n in names}, **resolve_impls(cfg))
         if cfg.pipeline_model_parallel_size > 1:  # stages hold slices of the stacked layers
             fields["scan_layers"] = True
-        return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32,
+        dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16 if cfg.fp16 else jnp.float32
+        return cls(vocab_size=padded_vocab_size, dtype=dtype,
                    moe=MoEConfig.from_config(cfg), **fields)
 
     def moe_layers(self) -> tuple[int, ...]:
@@ -106,7 +107,7 @@ def resolve_impls(cfg: JMegatronConfig) -> dict[str, str]:
     out = {"attention_impl": cfg.attention_impl, "matmul_impl": cfg.matmul_impl}
     if "auto" in out.values():
         from jmegatron.kernels import cpu as cpu_kernels
-        kernels = cpu_kernels.use_by_default(cfg.tensor_model_parallel_size, float32=not cfg.bf16)
+        kernels = cpu_kernels.use_by_default(cfg.tensor_model_parallel_size, float32=not (cfg.bf16 or cfg.fp16))
         if out["attention_impl"] == "auto":
             out["attention_impl"] = "cpu" if kernels else "xla"
         if out["matmul_impl"] == "auto":

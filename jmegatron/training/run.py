@@ -235,18 +235,34 @@ def restore_state(run: Run, ckpt: checkpointing.Checkpointer, iteration: Optiona
     distillation started from a pretrained student) gets them, and their optimizer
     moments, freshly initialised. A checkpoint whose decoder layers are stored in another
     layout (scan_layers, pipeline stage order) is converted
-    (:func:`jmegatron.training.checkpoint_layout.restore`). Raises CheckpointError.
+    (:func:`jmegatron.training.checkpoint_layout.restore`). A checkpoint of another precision
+    (float32 vs bf16 / fp16 with float32 main parameters) is converted through its float32
+    parameters (:func:`jmegatron.training.state.convert_precision`). Raises CheckpointError.
     """
     meta = ckpt.read_meta(iteration)
     saved_aux = aux_from_meta(meta)
-    if set(saved_aux) == set(run.aux_modules):
+    saved_tx = _saved_optimizer(run, meta)
+    if set(saved_aux) == set(run.aux_modules) and saved_tx is run.tx:
         return checkpoint_layout.restore(ckpt, run.abstract_with_shardings(), run.cfg, iteration)
     abstract, shardings, _ = state_lib.state_shardings(
-        run.model, run.tx, run.cfg.seq_length, run.mesh, run.rules, run.cfg.use_distributed_optimizer, saved_aux)
+        run.model, saved_tx, run.cfg.seq_length, run.mesh, run.rules, run.cfg.use_distributed_optimizer, saved_aux)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     state, meta = checkpoint_layout.restore(ckpt, target, run.cfg, iteration)
+    state = state_lib.convert_precision(state, saved_tx, run.tx)
     fill = run.init_state() if set(run.aux_modules) - set(saved_aux) else None
-    return state_lib.prune_to(state, run.abstract_state, fill), meta
+    state = state_lib.prune_to(state, run.abstract_state, fill)
+    return (state if saved_tx is run.tx else jax.device_put(state, run.state_shardings)), meta
+
+
+def _saved_optimizer(run: Run, meta: dict) -> Any:
+    """The optimizer the checkpoint's state was saved with: ``run.tx`` when its precision
+    (bf16 / fp16 / float32) and loss scaling are the run's, else the saved config's."""
+    saved = meta.get("config") or {}
+    fields = ("bf16", "fp16", "loss_scale")
+    if all(saved.get(f, getattr(JMegatronConfig, f)) == getattr(run.cfg, f) for f in fields):
+        return run.tx
+    src = run.cfg.replace(**{f: saved.get(f, getattr(JMegatronConfig, f)) for f in fields})
+    return optimizer.make_optimizer(src, run.global_batch_size, keep_float32=getattr(run.tx, "keep_float32", None))
 
 
 def restore_run(load_dir: str, mesh: Optional[Mesh] = None,

@@ -154,3 +154,22 @@ def prune_to(tree: Any, target: Any, fill: Any = None) -> Any:
         else:
             raise KeyError(f"the restored state has no {key}")
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def convert_precision(state: TrainState, src: Any, dst: Any) -> TrainState:
+    """``state``, saved with optimizer ``src``, as optimizer ``dst`` holds it: float32 <->
+    bf16 / fp16 (:class:`~jmegatron.training.float16_optimizer.Float16Optimizer`). The
+    float32 parameters (the main copy, or the float32 model's) carry over with the
+    optimizer's moments; a run switching to fp16 starts its loss scaler afresh. The result
+    keeps the input's shardings: place it with ``jax.device_put``."""
+    if src is dst:
+        return state
+    if isinstance(src, Float16Optimizer):
+        main, inner = state.opt_state.main_params, state.opt_state.inner
+    else:
+        main, inner = state.params, state.opt_state
+    if isinstance(dst, Float16Optimizer):
+        opt_state = Float16OptimizerState(main_params=main, inner=inner,
+                                          grad_scaler=None if dst.grad_scaler is None else dst.grad_scaler.init())
+        return state.replace(params=dst.model_params(main), opt_state=opt_state)
+    return state.replace(params=main, opt_state=inner)
