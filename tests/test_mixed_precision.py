@@ -213,7 +213,7 @@ def test_restore_across_precisions(tmp_path):
     from jmegatron.training import checkpointing
     from jmegatron.training.run import restore_state
 
-    kw = {"train_iters": 3, "eval_interval": 0, "log_interval": 1}
+    kw = {"train_iters": 3, "eval_interval": 0, "log_interval": 1, "lr_warmup_iters": 1}
     pretrain(cfg_for(tmp_path / "f32", **kw))
     pretrain(cfg_for(tmp_path / "b16", bf16=True, **kw))
     for src, flag in (("f32", True), ("b16", False)):
