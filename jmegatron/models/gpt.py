@@ -66,14 +66,15 @@ class ModelConfig:
 
     @classmethod
     def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
-        """The model fields of ``cfg``; compute dtype bfloat16 when ``cfg.bf16``;
+        """The model fields of ``cfg``; compute dtype bfloat16 / float16 with ``cfg.bf16`` / ``fp16``;
         ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolved by :func:`resolve_impls`."""
         names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe"}
         impls = {k: v for k, v in resolve_impls(cfg).items() if k in names}  # the model's own choices
         fields = dict({n: getattr(cfg, n) for n in names}, **impls)
         if cfg.pipeline_model_parallel_size > 1:  # stages hold slices of the stacked layers
             fields["scan_layers"] = True
-        return cls(vocab_size=padded_vocab_size, dtype=jnp.bfloat16 if cfg.bf16 else jnp.float32,
+        dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16 if cfg.fp16 else jnp.float32
+        return cls(vocab_size=padded_vocab_size, dtype=dtype,
                    moe=MoEConfig.from_config(cfg), **fields)
 
     def moe_layers(self) -> tuple[int, ...]:

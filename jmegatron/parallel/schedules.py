@@ -41,7 +41,7 @@ the parameters among them must not be copied per slot).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -184,7 +184,8 @@ def _varying(tree, axes: frozenset):
 
 def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
                  embed: Callable, chunk: Callable, head: Callable, activation: Any,
-                 report_zeros: dict) -> tuple[Any, jax.Array, dict]:
+                 report_zeros: dict, loss_scale: Any = None,
+                 grad_zeros: Optional[Callable] = None) -> tuple[Any, jax.Array, dict]:
     """Run ``schedule`` on this stage (inside a ``shard_map`` with :data:`PIPELINE_AXIS`
     manual). Returns ``(grads, loss_sum, report_sums)``: the gradients of the summed
     micro-batch losses with respect to ``params`` as this stage sees them (layer
@@ -205,7 +206,10 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
     subset of ``report_zeros``' keys). ``head(params, x, side, micro) -> (loss, report)`` on
     the last chunk of the last stage, float32 (``report_zeros`` gives the report's
     structure). ``micro`` is ``batch`` at one micro-batch, plus ``"microbatch"`` (its int32
-    index).
+    index). ``loss_scale`` (float32 [], optional): the backward starts from d loss =
+    ``loss_scale`` instead of 1 (fp16 loss scaling; the returned losses are unscaled).
+    ``grad_zeros(p)``: the gradient accumulator of parameter ``p`` (default zeros like
+    ``p``; float32 for bf16 parameters under ``accumulate_allreduce_grads_in_fp32``).
     """
     p, v = schedule.pipeline_size, schedule.virtual_size
     stage = jax.lax.axis_index(PIPELINE_AXIS)
@@ -268,9 +272,10 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
             dy = jax.tree.map(lambda g: jnp.where(last, jnp.zeros_like(g), g), g_in)
             # d loss = 1 on every stage: chunk losses (router losses) count wherever they arise;
             # elsewhere than the last chunk the head's loss is the constant 0 of its cond
-            dparams, dx = vjp_fn((dy, _varying(jnp.float32(1.0), axes)))
+            seed = jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+            dparams, dx = vjp_fn((dy, _varying(seed, axes)))
             dx = jax.tree.map(lambda d, g: d.astype(g.dtype), dx, g_in)
-            return _varying((dx, jax.tree.map(jnp.add, grads, dparams)), axes)
+            return _varying((dx, jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), grads, dparams)), axes)
 
         def skip_backward(operands):
             return _varying((zeros_x, operands[2]), axes)
@@ -280,7 +285,7 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
         grad_next = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE_AXIS, bwd_perm), dx)
         return (act_next, grad_next, stash, grads, loss_sum, report_sum), None
 
-    grads0 = jax.tree.map(jnp.zeros_like, params)
+    grads0 = jax.tree.map(grad_zeros or jnp.zeros_like, params)
     carry = _varying((zeros_x, zeros_x, stash0, grads0, jnp.float32(0.0), report_zeros), axes)
     (_, _, _, grads, loss_sum, report_sum), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
     return grads, loss_sum, report_sum

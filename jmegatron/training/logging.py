@@ -22,9 +22,10 @@ Megatron one:
 
 Differences from Megatron, on purpose: losses and grad norm are means over the log
 interval (Megatron prints the interval's mean loss but the last iteration's grad norm;
-equal with ``log_interval=1``, ByteMLPerf's setting); ``loss scale`` is 1.0 (no fp16 loss
-scaling exists yet; Megatron prints 1.0 in bf16 too); skipped and nan iterations count
-step metrics ``skipped`` / ``nan`` when the step reports them, else 0.
+equal with ``log_interval=1``, ByteMLPerf's setting); ``loss scale`` is the last
+iteration's step metric ``loss_scale`` (fp16's; 1.0 without one, as Megatron prints in bf16);
+skipped and nan iterations count step metrics ``skipped`` / ``nan`` when the step reports
+them, else 0.
 """
 
 from __future__ import annotations
@@ -178,8 +179,10 @@ class MetricsLogger:
             "global_batch_size": global_batch_size,
             **{k: float(np.mean([float(m[k]) for m in step_metrics])) for k in reported},
             "lr": float(step_metrics[-1]["lr"]),
-            "grad_norm": float(np.mean([float(m["grad_norm"]) for m in step_metrics])),
-            "loss_scale": 1.0,
+            # over the applied iterations (a skipped fp16 iteration's norm is inf/nan; Megatron logs none)
+            "grad_norm": float(np.mean([float(m["grad_norm"]) for m in step_metrics if not float(m.get("skipped", 0))]
+                                       or [float("nan")])),
+            "loss_scale": float(step_metrics[-1].get("loss_scale", 1.0)),
             "skipped_iterations": int(sum(int(m.get("skipped", 0)) for m in step_metrics)),
             "nan_iterations": int(sum(int(m.get("nan", 0)) for m in step_metrics)),
             "tokens_per_sec": tokens / max(elapsed_s, 1e-9),

@@ -14,12 +14,15 @@ a sharded tensor is a division). Divide by ``2**20`` for Megatron's "MB".
 
 Two bookkeepings of the model state:
 
-* jmegatron's (:func:`weight_and_optimizer_memory`): float32 master parameters (also with
-  ``bf16``, which only casts the compute), a float32 gradient accumulator of the full
-  (tensor-sharded) parameter size, and AdamW's two float32 moments: 16 bytes per
-  parameter. The distributed optimizer (ZeRO-1) shards the moments over data, and over
+* jmegatron's (:func:`weight_and_optimizer_memory`): float32 parameters, a float32 gradient
+  accumulator of the full (tensor-sharded) parameter size, and AdamW's two float32
+  moments: 16 bytes per parameter; with ``bf16`` / ``fp16`` (Megatron's split), 16-bit
+  parameters and float32 main parameters beside the moments in the optimizer: 18 bytes
+  (the accumulator 16-bit too for fp16 without ``accumulate_allreduce_grads_in_fp32``).
+  The distributed optimizer (ZeRO-1) shards the optimizer state over data, and over
   context too under context parallelism (Megatron's data-parallel group with context
-  parallelism: ``4 + 4 + 8 / (dp cp)``); FSDP shards all three (``16 / (dp cp)``) for the
+  parallelism: ``4 + 4 + 8 / (dp cp)``; ``2 + 4 + 12 / (dp cp)`` with bf16, Megatron's
+  ``6 + 12 / dp``); FSDP shards all three (``16 / (dp cp)``) for the
   parameters with a hidden axis. Parameters the model keeps replicated over the tensor axis (norms, the
   row-parallel biases, position embeddings) are not divided by ``tp``
   (:func:`parameter_classes`).
@@ -339,12 +342,24 @@ def weight_and_optimizer_memory(cfg: JMegatronConfig, padded_vocab_size: int,
     own ``theoretical_memory_usage.py`` divides by its ``data_parallel_size`` alone, which
     excludes cp (:func:`megatron_weight_and_optimizer_memory` keeps that)."""
     n, experts = _dense_and_expert_per_device(cfg, padded_vocab_size, layout)  # FSDP's / dp included
-    optimizer = ADAM_STATE_BYTES * n
+    param_bytes, grad_bytes, per_param = state_bytes_per_parameter(cfg)
+    optimizer = per_param * n
     if layout.use_distributed_optimizer:
         cp = layout.context_parallel_size
-        optimizer = ADAM_STATE_BYTES * ((n - experts) / (layout.megatron_data_parallel_size * cp)
-                                        + experts / (layout.data_parallel_size * cp))
-    return StateMemory(weights=PARAM_BYTES * n, gradients=GRAD_BYTES * n, optimizer_state=optimizer)
+        optimizer = per_param * ((n - experts) / (layout.megatron_data_parallel_size * cp)
+                                 + experts / (layout.data_parallel_size * cp))
+    return StateMemory(weights=param_bytes * n, gradients=grad_bytes * n, optimizer_state=optimizer)
+
+
+def state_bytes_per_parameter(cfg: JMegatronConfig) -> tuple[int, int, int]:
+    """(model parameter, gradient accumulator, optimizer state) bytes per parameter: (4, 4, 8)
+    in float32; (2, 4, 12) with ``bf16`` / ``fp16`` (16-bit model parameters; the optimizer
+    holds float32 main parameters beside its two moments:
+    jmegatron.training.float16_optimizer), the accumulator 2 bytes under fp16 without
+    ``accumulate_allreduce_grads_in_fp32``."""
+    if not (cfg.bf16 or cfg.fp16):
+        return PARAM_BYTES, GRAD_BYTES, ADAM_STATE_BYTES
+    return 2, (GRAD_BYTES if cfg.accumulate_allreduce_grads_in_fp32 else 2), ADAM_STATE_BYTES + FLOAT32_BYTES
 
 
 def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vocab_size: int,
@@ -671,7 +686,8 @@ def theoretical_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: Par
     gathered = 0.0
     if layout.use_megatron_fsdp:
         unsharded = dataclasses.replace(layout, use_megatron_fsdp=False)
-        gathered = (PARAM_BYTES + GRAD_BYTES) * parameters_per_device(cfg, padded_vocab_size, unsharded)
+        param_bytes, grad_bytes, _ = state_bytes_per_parameter(cfg)
+        gathered = (param_bytes + grad_bytes) * parameters_per_device(cfg, padded_vocab_size, unsharded)
     by_recompute = {r: activation_memory(cfg, padded_vocab_size, layout, micro_batch_size, r,
                                          num_microbatches=num_microbatches).total
                     for r in RECOMPUTE_CHOICES}

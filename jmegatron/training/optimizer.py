@@ -28,6 +28,8 @@ import numpy as np
 import optax
 
 from jmegatron.config import JMegatronConfig
+from jmegatron.training.float16_optimizer import Float16Optimizer
+from jmegatron.training.grad_scaler import GradScaler
 from jmegatron.training.num_microbatches_calculator import consumed_samples_at, global_batch_stages
 
 
@@ -166,12 +168,31 @@ def weight_decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(cfg: JMegatronConfig, global_batch_size: Optional[int] = None) -> optax.GradientTransformation:
+def make_optimizer(cfg: JMegatronConfig, global_batch_size: Optional[int] = None,
+                   keep_float32: Optional[Callable[[tuple], bool]] = None):
     """Global-norm clipping (``clip_grad``; 0 disables) then AdamW in float32, the rate from
-    :func:`lr_schedule` (``global_batch_size``: the run's final global batch)."""
+    :func:`lr_schedule` (``global_batch_size``: the run's final global batch).
+
+    Returns the optax transformation; under ``bf16`` / ``fp16`` a
+    :class:`~jmegatron.training.float16_optimizer.Float16Optimizer` around it (model
+    parameters in that dtype, float32 main parameters, fp16's grad scaler), which leaves
+    the parameters ``keep_float32(path)`` marks in float32 in the model too."""
     parts = []
     if cfg.clip_grad > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_grad))
     parts.append(optax.adamw(lr_schedule(cfg, global_batch_size), b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay, mask=weight_decay_mask))
-    return optax.chain(*parts)
+    tx = optax.chain(*parts)
+    if not (cfg.bf16 or cfg.fp16):
+        return tx
+    return Float16Optimizer(tx=tx, params_dtype=jnp.bfloat16 if cfg.bf16 else jnp.float16,
+                            grad_scaler=GradScaler.from_config(cfg), keep_float32=keep_float32 or (lambda path: False))
+
+
+def optimizer_steps(opt_state: Any, default: Any) -> Any:
+    """Optimizer updates applied so far (int32 []): the learning-rate schedule's count
+    (iterations minus the skipped ones: Megatron steps its scheduler only after a successful
+    update), or ``default`` when the state has no schedule count."""
+    found = [x.count for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+             if isinstance(x, optax.ScaleByScheduleState)]
+    return found[0] if found else default

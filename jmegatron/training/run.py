@@ -147,10 +147,11 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     padded = cfg.padded_vocab_size(vocab_size if vocab_size is not None else vocab_size_of(cfg))
     cfg.check_parallel_divisibility(padded, dp)
     model = GPTModel(ModelConfig.from_config(cfg, padded))
-    tx = optimizer.make_optimizer(cfg, gbs)
     rules = rules_lib.make_rules(cfg)
     forward_step_provider = forward_step_provider or gpt_forward_step
     fwd = forward_step_provider(cfg, model, mesh, padded)
+    # bf16 / fp16: buffers (the routers' expert_bias) stay float32 in the model too
+    tx = optimizer.make_optimizer(cfg, gbs, keep_float32=fwd.buffers.is_buffer if fwd.buffers else None)
     if pipeline is not None and fwd.pipeline_stages is None:
         raise ConfigError(f"config.pipeline_model_parallel_size={cfg.pipeline_model_parallel_size}: the forward "
                           f"step {getattr(forward_step_provider, '__name__', forward_step_provider)} has no "
@@ -162,7 +163,8 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
                                        grad_shardings, rules, None if pipeline else fwd.loss_fn,
                                        fwd.extra_shardings, cfg.log_num_zeros_in_grad, pipeline,
                                        fwd.pipeline_stages if pipeline else None,
-                                       cfg.pipeline_layout() if pipeline else None, fwd.buffers)
+                                       cfg.pipeline_layout() if pipeline else None, fwd.buffers,
+                                       accumulate_grads_in_fp32=cfg.accumulate_allreduce_grads_in_fp32 or not cfg.fp16)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings, cfg.reset_attention_mask)
     # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
     canonical = pipeline_layout.gather_index(cfg.pipeline_layout(), pipeline_layout.PipelineLayout(cfg.num_layers))
@@ -233,18 +235,34 @@ def restore_state(run: Run, ckpt: checkpointing.Checkpointer, iteration: Optiona
     distillation started from a pretrained student) gets them, and their optimizer
     moments, freshly initialised. A checkpoint whose decoder layers are stored in another
     layout (scan_layers, pipeline stage order) is converted
-    (:func:`jmegatron.training.checkpoint_layout.restore`). Raises CheckpointError.
+    (:func:`jmegatron.training.checkpoint_layout.restore`). A checkpoint of another precision
+    (float32 vs bf16 / fp16 with float32 main parameters) is converted through its float32
+    parameters (:func:`jmegatron.training.state.convert_precision`). Raises CheckpointError.
     """
     meta = ckpt.read_meta(iteration)
     saved_aux = aux_from_meta(meta)
-    if set(saved_aux) == set(run.aux_modules):
+    saved_tx = _saved_optimizer(run, meta)
+    if set(saved_aux) == set(run.aux_modules) and saved_tx is run.tx:
         return checkpoint_layout.restore(ckpt, run.abstract_with_shardings(), run.cfg, iteration)
     abstract, shardings, _ = state_lib.state_shardings(
-        run.model, run.tx, run.cfg.seq_length, run.mesh, run.rules, run.cfg.use_distributed_optimizer, saved_aux)
+        run.model, saved_tx, run.cfg.seq_length, run.mesh, run.rules, run.cfg.use_distributed_optimizer, saved_aux)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     state, meta = checkpoint_layout.restore(ckpt, target, run.cfg, iteration)
+    state = state_lib.convert_precision(state, saved_tx, run.tx)
     fill = run.init_state() if set(run.aux_modules) - set(saved_aux) else None
-    return state_lib.prune_to(state, run.abstract_state, fill), meta
+    state = state_lib.prune_to(state, run.abstract_state, fill)
+    return (state if saved_tx is run.tx else jax.device_put(state, run.state_shardings)), meta
+
+
+def _saved_optimizer(run: Run, meta: dict) -> Any:
+    """The optimizer the checkpoint's state was saved with: ``run.tx`` when its precision
+    (bf16 / fp16 / float32) and loss scaling are the run's, else the saved config's."""
+    saved = meta.get("config") or {}
+    fields = ("bf16", "fp16", "loss_scale")
+    if all(saved.get(f, getattr(JMegatronConfig, f)) == getattr(run.cfg, f) for f in fields):
+        return run.tx
+    src = run.cfg.replace(**{f: saved.get(f, getattr(JMegatronConfig, f)) for f in fields})
+    return optimizer.make_optimizer(src, run.global_batch_size, keep_float32=getattr(run.tx, "keep_float32", None))
 
 
 def restore_run(load_dir: str, mesh: Optional[Mesh] = None,

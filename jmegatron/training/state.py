@@ -1,8 +1,11 @@
 """The train state and its sharded initialisation.
 
-The state is a pytree of arrays only (what Orbax saves): ``step`` (optimizer steps
-taken, int32 scalar), float32 ``params``, the optax ``opt_state`` and the base
-``rng`` (uint32 [2] raw PRNG key) from which every iteration's dropout key is derived.
+The state is a pytree of arrays only (what Orbax saves): ``step`` (iterations taken,
+int32 scalar), the model's ``params`` (float32; bfloat16 / float16 under ``bf16`` / ``fp16``),
+the optimizer's ``opt_state`` (optax's; under bf16 / fp16 a
+:class:`~jmegatron.training.float16_optimizer.Float16OptimizerState` holding the float32 main
+parameters) and the base ``rng`` (uint32 [2] raw PRNG key) from which every iteration's
+dropout key is derived.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.distributed_optimizer import zero1_shardings
 from jmegatron.parallel.pipeline_layout import take_slots
+from jmegatron.training.float16_optimizer import Float16Optimizer, Float16OptimizerState
 
 
 @flax.struct.dataclass
 class TrainState:
-    """``step`` int32 scalar (optimizer steps taken); ``params`` float32 master weights;
-    ``opt_state`` optax AdamW state (float32 moments); ``rng`` uint32 [2] raw base key."""
+    """``step`` int32 scalar (iterations taken); ``params`` the model's parameters (float32,
+    or the bf16 / fp16 model copy); ``opt_state`` optax AdamW state (float32 moments; under
+    bf16 / fp16 wrapped with the float32 main parameters); ``rng`` uint32 [2] raw base key."""
 
     step: jax.Array
     params: Any
@@ -93,11 +98,17 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_leng
     abstract_params, param_specs = param_logical_specs(model, seq_length, aux, layer_index)
     param_sh = rules_lib.logical_to_sharding(param_specs, mesh, rules)
     grad_sh = zero1_shardings(param_sh, abstract_params) if distributed_optimizer else param_sh
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
+    inner = tx.tx if isinstance(tx, Float16Optimizer) else tx
+    abstract_opt = jax.eval_shape(inner.init, abstract_params)
     opt_sh = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_opt, grad_sh,
+        inner, lambda _, sharding: sharding, abstract_opt, grad_sh,
         transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
+    if isinstance(tx, Float16Optimizer):  # main params laid out as the gradients (ZeRO-1: sharded)
+        abstract_opt = jax.eval_shape(tx.init, abstract_params)
+        opt_sh = Float16OptimizerState(main_params=grad_sh, inner=opt_sh, grad_scaler=None if tx.grad_scaler is None
+                                       else jax.tree.map(lambda _: replicated, abstract_opt.grad_scaler))
+        abstract_params = tx.model_params(abstract_params)
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
                           opt_state=abstract_opt, rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
     shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
@@ -116,7 +127,10 @@ def init_train_state(model: nn.Module, tx: optax.GradientTransformation, seed: i
         key = jax.random.key(seed)
         params_key, rng = jax.random.split(key)
         params = store_layers(nn.unbox(_init_params(model, params_key, seq_length, aux)), layer_index)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+        opt_state = tx.init(params)  # float32: the main parameters under bf16 / fp16
+        if isinstance(tx, Float16Optimizer):
+            params = tx.model_params(params)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                           rng=jax.random.key_data(rng))
 
     return jax.jit(init, out_shardings=shardings)(seed)
@@ -140,3 +154,22 @@ def prune_to(tree: Any, target: Any, fill: Any = None) -> Any:
         else:
             raise KeyError(f"the restored state has no {key}")
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def convert_precision(state: TrainState, src: Any, dst: Any) -> TrainState:
+    """``state``, saved with optimizer ``src``, as optimizer ``dst`` holds it: float32 <->
+    bf16 / fp16 (:class:`~jmegatron.training.float16_optimizer.Float16Optimizer`). The
+    float32 parameters (the main copy, or the float32 model's) carry over with the
+    optimizer's moments; a run switching to fp16 starts its loss scaler afresh. The result
+    keeps the input's shardings: place it with ``jax.device_put``."""
+    if src is dst:
+        return state
+    if isinstance(src, Float16Optimizer):
+        main, inner = state.opt_state.main_params, state.opt_state.inner
+    else:
+        main, inner = state.params, state.opt_state
+    if isinstance(dst, Float16Optimizer):
+        opt_state = Float16OptimizerState(main_params=main, inner=inner,
+                                          grad_scaler=None if dst.grad_scaler is None else dst.grad_scaler.init())
+        return state.replace(params=dst.model_params(main), opt_state=opt_state)
+    return state.replace(params=main, opt_state=inner)

@@ -34,7 +34,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.distributed_optimizer import data_dim
 from jmegatron.parallel.schedules import PIPELINE_AXIS, PipelineSchedule, build_schedule, run_schedule
+from jmegatron.training import float16_optimizer
+from jmegatron.training.float16_optimizer import Float16Optimizer
 from jmegatron.training.forward_step import StageContext, lm_loss_fn, lm_pipeline_stages, masked_cross_entropy
+from jmegatron.training.optimizer import optimizer_steps
 from jmegatron.training.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -45,7 +48,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                     rules: Sequence = rules_lib.DEFAULT_RULES, loss_fn: Optional[Callable] = None,
                     extra_shardings: Any = None, log_num_zeros_in_grad: bool = False,
                     pipeline: Optional[tuple[str, int, int]] = None, pipeline_stages: Optional[Callable] = None,
-                    pipeline_layout: Any = None, buffers: Any = None) -> Callable[..., tuple[TrainState, dict]]:
+                    pipeline_layout: Any = None, buffers: Any = None,
+                    accumulate_grads_in_fp32: bool = True) -> Callable[..., tuple[TrainState, dict]]:
     """The un-jitted train step ``(state, batch[, extra]) -> (state, metrics)``.
 
     Data parallelism is explicit, as in Megatron's DDP: a ``shard_map`` makes the data
@@ -87,12 +91,26 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     that are not trained (the routers' ``expert_bias``); after the optimizer's update they are
     replaced by ``buffers.update(params, metrics)`` and ``num_zeros`` leaves them out.
 
+    Mixed precision (``tx`` a :class:`~jmegatron.training.float16_optimizer.Float16Optimizer`:
+    bf16 / fp16 model parameters, float32 main parameters in the optimizer state): each
+    micro-batch's gradients (in the parameters' dtype) accumulate over micro-batches and
+    are all-reduced in float32 when ``accumulate_grads_in_fp32`` (Megatron's
+    ``accumulate_allreduce_grads_in_fp32``), else in the parameters' dtype; the optimizer
+    updates the main parameters and the model's are cast from them. Under fp16 the loss is
+    multiplied by the loss scale before the backward, the gradients divided by it after
+    the reduction; an iteration with non-finite gradients is skipped (``skipped`` = 1,
+    parameters and moments unchanged, the scale backs off) and counts as an iteration
+    (``state.step`` advances, the learning-rate schedule does not: Megatron).
+
     metrics (float32 scalars): ``loss`` (what was optimised) and the report's entries
     (``lm_loss`` by default), each a mean over micro-batches; ``grad_norm`` (before
     clipping); ``lr`` (the rate this step applied); ``num_tokens`` (unmasked tokens of
     the whole step, summed); with ``log_num_zeros_in_grad``, ``num_zeros`` (zero entries
-    of the reduced gradients, before clipping: Megatron's ``count_zeros_fp32``).
+    of the reduced gradients, before clipping: Megatron's ``count_zeros_fp32``); under
+    bf16 / fp16 ``loss_scale`` (1 without fp16 scaling) and ``skipped`` (1.0 for a skipped
+    iteration).
     """
+    mixed = isinstance(tx, Float16Optimizer)
     axis = rules_lib.DATA_AXIS
     expert = rules_lib.EXPERT_AXIS
     context = rules_lib.CONTEXT_AXIS
@@ -161,15 +179,24 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     def data_sum(x):
         return psum(x)
 
-    def micro_loss(local_params, micro, rng, num_tokens, extra):
+    def micro_loss(local_params, micro, rng, num_tokens, extra, loss_scale):
         params = jax.tree.map(gather, local_params, param_dims, param_groups, is_leaf=is_none)
         extra = jax.tree.map(gather, extra, extra_dims, extra_groups, is_leaf=is_none)
         with nn.logical_axis_rules(inner_rules):
-            return loss_fn(params, micro, rng, num_tokens, extra, data_sum)
+            loss, report = loss_fn(params, micro, rng, num_tokens, extra, data_sum)
+        # fp16: the backward starts from the scaled loss (Megatron's scaled_loss.backward())
+        return (loss if loss_scale is None else loss * loss_scale), (report, loss)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def local_grads(local_params, batch, rng, extra):
+    def accum_zeros(p):  # the gradient accumulator (Megatron's main_grad buffer)
+        dtype = jnp.float32 if accumulate_grads_in_fp32 and jnp.issubdtype(p.dtype, jnp.floating) else p.dtype
+        return jnp.zeros_like(p, dtype=dtype)  # (keeps p's varying manual axes)
+
+    def accum_add(acc, g):
+        return acc + g.astype(acc.dtype)
+
+    def local_grads(local_params, batch, rng, extra, loss_scale):
         # Gradients w.r.t. data-replicated parameters are taken on a "varying" copy, so
         # autodiff leaves them as this rank's partial sums; the one reduction is below.
         def make_varying(p, d, ex):
@@ -191,9 +218,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             grads_acc, report_acc, tokens_acc = carry
             i, micro = xs
             tokens = psum(jnp.sum(micro["loss_mask"].astype(jnp.float32)))
-            (loss, report), grads = grad_fn(varying, with_offset(micro, i), rng, tokens, extra)
+            (_, (report, loss)), grads = grad_fn(varying, with_offset(micro, i), rng, tokens, extra, loss_scale)
             report = dict(report, loss=loss)
-            return (jax.tree.map(jnp.add, grads_acc, grads), jax.tree.map(jnp.add, report_acc, report),
+            return (jax.tree.map(accum_add, grads_acc, grads), jax.tree.map(jnp.add, report_acc, report),
                     tokens_acc + tokens), None
 
         if pipeline is not None:
@@ -201,11 +228,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                 schedule = build_schedule(pipeline[0], pipeline[1], num_micro, pipeline[2])
                 grads, report, tokens = _pipelined_grads(model.cfg, schedule, pipeline_stages or lm_pipeline_stages,
                                                          varying, batch, rng, extra, psum, dp,
-                                                         pipeline_layout, context_parallel_size=cp)
+                                                         pipeline_layout, context_parallel_size=cp,
+                                                         loss_scale=loss_scale, grad_zeros=accum_zeros)
         else:
-            zeros = jax.tree.map(jnp.zeros_like, varying)
+            zeros = jax.tree.map(accum_zeros, varying)
             first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
-            report_shape = jax.eval_shape(lambda: grad_fn(varying, first, rng, jnp.float32(1.0), extra)[0][1])
+            report_shape = jax.eval_shape(lambda: grad_fn(varying, first, rng, jnp.float32(1.0), extra,
+                                                          loss_scale)[0][1][0])
             report0 = dict(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), report_shape),
                            loss=jnp.float32(0.0))
             (grads, report, tokens), _ = jax.lax.scan(
@@ -238,7 +267,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         if z else spec, zero1, grad_specs, param_shardings, zero_axes, is_leaf=lambda x: isinstance(x, tuple))
     sharded_grads = jax.shard_map(
         local_grads, mesh=mesh, axis_names=set(manual), check_vma=not single,
-        in_specs=(param_specs, batch_spec, PartitionSpec(), extra_specs),  # batch_spec: every key
+        in_specs=(param_specs, batch_spec, PartitionSpec(), extra_specs, PartitionSpec()),  # batch_spec: every key
         out_specs=(out_grad_specs, PartitionSpec(), PartitionSpec()))
 
     # The ZeRO-1 reduce-scatter runs with every mesh axis manual: inside the data-only
@@ -262,18 +291,31 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         return jax.tree.unflatten(treedef, out)
 
     def compute_grads(state: TrainState, batch: Batch, extra: Any = None):
+        """(grads, report, tokens); under fp16 the gradients are still multiplied by the loss scale."""
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        grads, report, tokens = sharded_grads(state.params, batch, step_rng, extra)
+        loss_scale = tx.loss_scale(state.opt_state) if mixed else None
+        grads, report, tokens = sharded_grads(state.params, batch, step_rng, extra, loss_scale)
         return reduce_scatter_zero1(grads), report, tokens
 
     def step(state: TrainState, batch: Batch, extra: Any = None):
         grads, report, tokens = compute_grads(state, batch, extra)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        params = jax.lax.with_sharding_constraint(state.params, grad_shardings)
-        updates, opt_state = tx.update(grads, state.opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        if mixed:
+            finalize = None if buffers is None else (lambda main: buffers.update(main, report))
+            new_params, opt_state, grads, found_inf = float16_optimizer.apply_gradients(
+                tx, grads, state.opt_state, finalize)
+            new_params = jax.lax.with_sharding_constraint(new_params, param_shardings)
+            lr_step = optimizer_steps(state.opt_state.inner, state.step)
+            extras = {"loss_scale": (jnp.float32(1.0) if state.opt_state.grad_scaler is None
+                                     else state.opt_state.grad_scaler.scale),
+                      "skipped": found_inf.astype(jnp.float32)}
+        else:
+            params = jax.lax.with_sharding_constraint(state.params, grad_shardings)
+            updates, opt_state = tx.update(grads, state.opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            lr_step, extras = state.step, {}
         metrics = dict(report, grad_norm=optax.tree.norm(grads),
-                       lr=jnp.asarray(schedule(state.step), jnp.float32), num_tokens=tokens)
+                       lr=jnp.asarray(schedule(lr_step), jnp.float32), num_tokens=tokens, **extras)
         if log_num_zeros_in_grad:  # int32 per tensor, float32 over tensors, as Megatron's float count
             metrics["num_zeros"] = sum(jnp.sum(g == 0, dtype=jnp.int32).astype(jnp.float32)
                                        for path, g in jax.tree_util.tree_leaves_with_path(grads)
@@ -283,7 +325,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                 metrics["num_zeros"] -= float(sum(pads * np.prod(g.shape[1:]) for path, g in
                                                   jax.tree_util.tree_leaves_with_path(grads["decoder_layers"])
                                                   if buffers is None or not buffers.is_buffer(path)))
-        if buffers is not None:
+        if buffers is not None and not mixed:  # (mixed: applied to the main parameters above)
             new_params = buffers.update(new_params, metrics)
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
         return new_state, metrics
@@ -293,14 +335,16 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
 
 
 def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params, batch: Batch, rng, extra,
-                     data_sum: Callable, dp: int, layout: Any = None, context_parallel_size: int = 1):
+                     data_sum: Callable, dp: int, layout: Any = None, context_parallel_size: int = 1,
+                     loss_scale: Any = None, grad_zeros: Optional[Callable] = None):
     """One data-parallel rank's pipelined (grads, report, tokens), as the micro-batch loop
     of :func:`make_train_step` returns them (sums over micro-batches); ``params`` as that
     loop sees them (data-replicated ones already varying over data); ``stages_fn(ctx)``
     gives the stages (:func:`lm_pipeline_stages` or distillation's). Under context
     parallelism (``context_parallel_size`` ranks, each its slots of every sequence) a
     rank's share of a mean over ranks (``StageContext.data_parallel_size``) is over the
-    ``dp x cp`` ranks that ``data_sum`` adds."""
+    ``dp x cp`` ranks that ``data_sum`` adds. ``loss_scale`` (float32 [] or None) seeds the
+    backward (fp16); ``grad_zeros(p)`` gives each gradient accumulator (default zeros like p)."""
     num_micro, local_rows, seq = batch["tokens"].shape
     data_rank = jax.lax.axis_index(rules_lib.DATA_AXIS)
     # Parameters replicated over stages get per-stage partial gradients, summed below.
@@ -314,7 +358,7 @@ def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params,
                        local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum, layout=layout,
                        data_parallel_size=dp * context_parallel_size)
     stages = stages_fn(ctx)
-    grads, loss, report = run_schedule(schedule, params, batch, **stages)
+    grads, loss, report = run_schedule(schedule, params, batch, **stages, loss_scale=loss_scale, grad_zeros=grad_zeros)
     grads = {k: (g if k == "decoder_layers" else jax.tree.map(lambda a: jax.lax.psum(a, PIPELINE_AXIS), g))
              for k, g in grads.items()}
     total = lambda x: jax.lax.psum(data_sum(x), PIPELINE_AXIS)  # noqa: E731
