@@ -153,7 +153,6 @@ def _peak_tflops(device, precision: str) -> tuple[Optional[float], str]:
 def train_losses(cfg, device, steps: int) -> tuple[list[float], float]:
     """``steps`` iterations of ``cfg`` on one ``device``: the lm losses and the seconds the
     steps after the first (compilation) took."""
-    import jax
     from jmegatron.data.gpt_dataset import MockGPTDataset
     from jmegatron.data.loader import BatchLoader
     from jmegatron.parallel.mesh import create_mesh
