@@ -184,7 +184,7 @@ def _varying(tree, axes: frozenset):
 
 def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
                  embed: Callable, chunk: Callable, head: Callable, activation: Any,
-                 report_zeros: dict) -> tuple[Any, jax.Array, dict]:
+                 report_zeros: dict, combine: Callable = None) -> tuple[Any, jax.Array, dict]:
     """Run ``schedule`` on this stage (inside a ``shard_map`` with :data:`PIPELINE_AXIS`
     manual). Returns ``(grads, loss_sum, report_sums)``: the gradients of the summed
     micro-batch losses with respect to ``params`` as this stage sees them (layer
@@ -205,8 +205,10 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
     subset of ``report_zeros``' keys). ``head(params, x, side, micro) -> (loss, report)`` on
     the last chunk of the last stage, float32 (``report_zeros`` gives the report's
     structure). ``micro`` is ``batch`` at one micro-batch, plus ``"microbatch"`` (its int32
-    index).
+    index). ``combine(grads, dparams)`` accumulates a backward's parameter gradients (default
+    the sum; the train step's takes the max of FP8's observed amaxes).
     """
+    combine = combine or (lambda a, b: jax.tree.map(jnp.add, a, b))
     p, v = schedule.pipeline_size, schedule.virtual_size
     stage = jax.lax.axis_index(PIPELINE_AXIS)
     table = jnp.asarray(schedule.table)
@@ -270,7 +272,7 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
             # elsewhere than the last chunk the head's loss is the constant 0 of its cond
             dparams, dx = vjp_fn((dy, _varying(jnp.float32(1.0), axes)))
             dx = jax.tree.map(lambda d, g: d.astype(g.dtype), dx, g_in)
-            return _varying((dx, jax.tree.map(jnp.add, grads, dparams)), axes)
+            return _varying((dx, combine(grads, dparams)), axes)
 
         def skip_backward(operands):
             return _varying((zeros_x, operands[2]), axes)

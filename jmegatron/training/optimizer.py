@@ -168,10 +168,18 @@ def weight_decay_mask(params: Any) -> Any:
 
 def make_optimizer(cfg: JMegatronConfig, global_batch_size: Optional[int] = None) -> optax.GradientTransformation:
     """Global-norm clipping (``clip_grad``; 0 disables) then AdamW in float32, the rate from
-    :func:`lr_schedule` (``global_batch_size``: the run's final global batch)."""
+    :func:`lr_schedule` (``global_batch_size``: the run's final global batch). With ``fp8``
+    the ``fp8_meta`` leaves (:mod:`jmegatron.models.fp8`: amax histories and scales, which
+    the train step sets after the update) get no update, no moments and stay out of the
+    clipping norm and weight decay (``optax.multi_transform`` with ``set_to_zero``)."""
     parts = []
     if cfg.clip_grad > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_grad))
     parts.append(optax.adamw(lr_schedule(cfg, global_batch_size), b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay, mask=weight_decay_mask))
-    return optax.chain(*parts)
+    tx = optax.chain(*parts)
+    if cfg.fp8 is not None:
+        from jmegatron.models.fp8 import FP8_META, fp8_labels
+
+        tx = optax.multi_transform({"params": tx, FP8_META: optax.set_to_zero()}, fp8_labels)
+    return tx

@@ -95,9 +95,10 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_leng
     grad_sh = zero1_shardings(param_sh, abstract_params) if distributed_optimizer else param_sh
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
+    masked = optax.transforms.MaskedNode  # a leaf a masked transform keeps no state for (FP8 meta)
     opt_sh = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_opt, grad_sh,
-        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
+        tx, lambda leaf, sharding: leaf if isinstance(leaf, masked) else sharding, abstract_opt, grad_sh,
+        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, (NamedSharding, masked)))
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
                           opt_state=abstract_opt, rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
     shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
