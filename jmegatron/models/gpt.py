@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jmegatron.config import JMegatronConfig
+from jmegatron.config import ConfigError, JMegatronConfig
 from jmegatron.models.attention import SelfAttention
 from jmegatron.models.dropout import Dropout
 from jmegatron.fusions import fused_gelu
@@ -63,11 +63,20 @@ class ModelConfig:
     cp_comm_type: str = "p2p"  # context-parallel attention (jmegatron.parallel.context_parallel)
     dtype: Any = jnp.float32
     moe: Optional[MoEConfig] = None  # mixture of experts (jmegatron.models.moe); None: dense
+    # FP8 linear layers with delayed scaling (jmegatron.models.fp8): "e4m3" | "hybrid"; None: off
+    fp8: Optional[str] = None
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
 
     @classmethod
     def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
         """The model fields of ``cfg``; compute dtype bfloat16 / float16 with ``cfg.bf16`` / ``fp16``;
-        ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolved by :func:`resolve_impls`."""
+        ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolved by :func:`resolve_impls`.
+
+        Raises ConfigError for ``fp8`` with an ``fp8_recipe`` other than "delayed" unless
+        Transformer Engine runs it, or with ``sequence_parallel`` (not built in pure JAX)."""
+        _check_fp8(cfg)
         names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe"}
         impls = {k: v for k, v in resolve_impls(cfg).items() if k in names}  # the model's own choices
         fields = dict({n: getattr(cfg, n) for n in names}, **impls)
@@ -76,6 +85,14 @@ class ModelConfig:
         dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16 if cfg.fp16 else jnp.float32
         return cls(vocab_size=padded_vocab_size, dtype=dtype,
                    moe=MoEConfig.from_config(cfg), **fields)
+
+    def linear_dot_general(self, default: Callable) -> Any:
+        """The ``dot_general`` of the layers' QKV, attention output, fc1 and fc2 Linears:
+        :class:`jmegatron.models.fp8.Fp8DotGeneral` when ``fp8`` is set, else ``default``."""
+        if self.fp8 is None:
+            return default
+        from jmegatron.models.fp8 import Fp8DotGeneral
+        return Fp8DotGeneral(self.fp8, self.fp8_amax_history_len)
 
     def moe_layers(self) -> tuple[int, ...]:
         """1 for each decoder layer whose MLP is an MoE layer (``moe_layer_freq``), else 0."""
@@ -101,6 +118,18 @@ class ModelConfig:
             from jmegatron.kernels.cpu.ops import grouped_matmul
             return grouped_matmul
         return jax.lax.ragged_dot
+
+
+def _check_fp8(cfg: JMegatronConfig) -> None:
+    if cfg.fp8 is None:
+        return
+    if cfg.fp8_recipe != "delayed" and resolve_impls(cfg)["transformer_impl"] != "transformer_engine":
+        raise ConfigError(f"config.fp8_recipe={cfg.fp8_recipe!r} needs transformer_impl='transformer_engine' "
+                          f"(Transformer Engine); the pure-JAX FP8 path (jmegatron.models.fp8) builds "
+                          f"fp8_recipe='delayed' only.")
+    if cfg.sequence_parallel:
+        raise ConfigError("config.fp8 with sequence_parallel=True is not built on the pure-JAX FP8 path "
+                          "(jmegatron.models.fp8); set sequence_parallel=False.")
 
 
 def detect_backend() -> str:
@@ -223,6 +252,7 @@ class TransformerLayer(nn.Module):
         (dropout masks, :mod:`jmegatron.models.dropout`); ``segment_ids`` int ``[b, s]``:
         document masking (attention within equal ids only), None: causal over the sequence."""
         c = self.cfg
+        linear_dot = c.linear_dot_general(self.dot_general)  # FP8 for QKV, proj, fc1, fc2
         drop = Dropout(rate=c.hidden_dropout, deterministic=self.deterministic, impl=c.dropout_impl)
         h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "input_layernorm")(x)
         self.sow("intermediates", "input_layernorm_output", h)
@@ -235,7 +265,7 @@ class TransformerLayer(nn.Module):
             output_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
             core_attention=c.attention_impl, cp_comm_type=c.cp_comm_type,
             recompute_core_attention=c.recompute_granularity == "selective",
-            dtype=c.dtype, dot_general=self.dot_general, name="self_attention",
+            dtype=c.dtype, dot_general=linear_dot, name="self_attention",
         )
         if kv_cache is None:
             h = attention(h, position_ids, self.deterministic, sample_offset=sample_offset, segment_ids=segment_ids)
@@ -249,7 +279,7 @@ class TransformerLayer(nn.Module):
         if moe:
             h = MoELayer(c, training=not self.deterministic, dot_general=self.dot_general, name="mlp")(h)
         else:
-            h = MLP(c, dot_general=self.dot_general, name="mlp")(h)
+            h = MLP(c, dot_general=linear_dot, name="mlp")(h)
         x = x + drop(h, sample_offset=sample_offset)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         return x, kv_cache

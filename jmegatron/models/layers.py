@@ -88,7 +88,9 @@ class Linear(nn.Module):
     ``x``: ``[..., *in_shape]`` (the axes in ``axis``) -> ``[..., *features]``.
     The kernel has shape ``in_shape + features`` and logical names ``kernel_axes``.
     ``dot_general`` is pluggable (``jax.lax.dot_general`` by default; an FP8 or
-    quantized implementation with the same signature can be passed in).
+    quantized implementation with the same signature can be passed in). One that holds
+    per-layer parameters (FP8's meta, :class:`jmegatron.models.fp8.Fp8DotGeneral`) has a
+    ``for_layer(module)`` method, called in this layer's scope, that returns the function.
     """
 
     features: Sequence[int]
@@ -120,14 +122,17 @@ class Linear(nn.Module):
         kernel = jnp.asarray(kernel, self.dtype)
         x = jnp.asarray(x, self.dtype)
         dims = ((axis, tuple(range(len(axis)))), ((), ()))
+        dot_general = self.dot_general
+        if hasattr(dot_general, "for_layer"):  # creates its parameters in this layer (FP8 meta)
+            dot_general = dot_general.for_layer(self)
         y = None
         if self.tp_mode == "column":
             out_shard = x.ndim - len(axis) + self.tp_dim - len(axis)
-            y = tensor_parallel.column_parallel(x, kernel, dims, self.tp_dim, out_shard, self.dot_general)
+            y = tensor_parallel.column_parallel(x, kernel, dims, self.tp_dim, out_shard, dot_general)
         elif self.tp_mode == "row":
-            y = tensor_parallel.row_parallel(x, kernel, dims, axis[self.tp_dim], self.tp_dim, self.dot_general)
+            y = tensor_parallel.row_parallel(x, kernel, dims, axis[self.tp_dim], self.tp_dim, dot_general)
         if y is None:
-            y = self.dot_general(x, kernel, dims)
+            y = dot_general(x, kernel, dims)
         if self.use_bias:
             bias_axes = tuple(self.kernel_axes[len(axis):])
             bias = self.param(

@@ -182,10 +182,14 @@ def _varying(tree, axes: frozenset):
     return jax.tree.map(cast, tree)
 
 
+def _add_grads(acc: Any, d: Any) -> Any:
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, d)
+
+
 def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
                  embed: Callable, chunk: Callable, head: Callable, activation: Any,
-                 report_zeros: dict, loss_scale: Any = None,
-                 grad_zeros: Optional[Callable] = None) -> tuple[Any, jax.Array, dict]:
+                 report_zeros: dict, loss_scale: Any = None, grad_zeros: Optional[Callable] = None,
+                 combine: Optional[Callable] = None) -> tuple[Any, jax.Array, dict]:
     """Run ``schedule`` on this stage (inside a ``shard_map`` with :data:`PIPELINE_AXIS`
     manual). Returns ``(grads, loss_sum, report_sums)``: the gradients of the summed
     micro-batch losses with respect to ``params`` as this stage sees them (layer
@@ -210,7 +214,10 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
     ``loss_scale`` instead of 1 (fp16 loss scaling; the returned losses are unscaled).
     ``grad_zeros(p)``: the gradient accumulator of parameter ``p`` (default zeros like
     ``p``; float32 for bf16 parameters under ``accumulate_allreduce_grads_in_fp32``).
+    ``combine(grads, dparams)`` accumulates a backward's parameter gradients (default the
+    sum in the accumulator's dtype; the train step's takes the max of FP8's observed amaxes).
     """
+    combine = combine or (lambda a, b: jax.tree.map(jnp.add, a, b))
     p, v = schedule.pipeline_size, schedule.virtual_size
     stage = jax.lax.axis_index(PIPELINE_AXIS)
     table = jnp.asarray(schedule.table)
@@ -275,7 +282,7 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
             seed = jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
             dparams, dx = vjp_fn((dy, _varying(seed, axes)))
             dx = jax.tree.map(lambda d, g: d.astype(g.dtype), dx, g_in)
-            return _varying((dx, jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), grads, dparams)), axes)
+            return _varying((dx, (combine or _add_grads)(grads, dparams)), axes)
 
         def skip_backward(operands):
             return _varying((zeros_x, operands[2]), axes)

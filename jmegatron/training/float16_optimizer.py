@@ -79,29 +79,32 @@ class Float16Optimizer:
 
 
 def apply_gradients(opt: Float16Optimizer, grads: Any, state: Float16OptimizerState,
-                    finalize: Optional[Callable[[Any], Any]] = None):
+                    finalize: Optional[Callable[[Any, Any], Any]] = None,
+                    observed: Callable[[tuple], bool] = _never):
     """One optimizer step on the main parameters.
 
     ``grads``: float32, scaled by the state's loss scale when there is one, laid out as the
     main parameters. Returns ``(model_params, new_state, grads, found_inf)``: ``grads``
     unscaled (what clipping and the grad norm saw); ``found_inf`` bool [] (always False
     without a grad scaler). When it is True the main parameters and moments are kept and
-    only the scaler advances (Megatron skips the iteration). ``finalize(main) -> main``
+    only the scaler advances (Megatron skips the iteration). ``finalize(main, grads) -> main``
     (optional) edits the updated main parameters before the model's are cast from them
-    (buffers, FP8 meta)."""
+    (buffers, FP8 meta). ``observed(path)`` marks leaves whose "gradient" is an observation
+    (FP8's amaxes of the scaled backward): neither unscaled nor checked."""
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     found_inf = jnp.bool_(False)
     scaler = state.grad_scaler
     if scaler is not None:
         inv = 1.0 / scaler.scale
-        grads = jax.tree.map(lambda g: g * inv, grads)
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        grads = jax.tree_util.tree_map_with_path(lambda path, g: g if observed(path) else g * inv, grads)
+        checked = [g for path, g in jax.tree_util.tree_leaves_with_path(grads) if not observed(path)]
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in checked]))
         found_inf = jnp.logical_not(finite)
         scaler = opt.grad_scaler.update(scaler, found_inf)
     updates, inner = opt.tx.update(grads, state.inner, state.main_params)
     main = optax.apply_updates(state.main_params, updates)
     if finalize is not None:
-        main = finalize(main)
+        main = finalize(main, grads)
     if state.grad_scaler is not None:  # skip the iteration: keep the main parameters and moments
         keep = lambda new, old: jnp.where(found_inf, old, new)  # noqa: E731
         main = jax.tree.map(keep, main, state.main_params)

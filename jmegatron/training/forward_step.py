@@ -60,16 +60,39 @@ class ForwardStep:
 @dataclasses.dataclass(frozen=True)
 class ModelBuffers:
     """Non-trainable values stored among the parameters (Megatron's module buffers, e.g. the
-    routers' ``expert_bias``): the model reads them behind ``stop_gradient``, so their
-    gradients are exactly zero, and the train step replaces them after each optimizer step.
+    routers' ``expert_bias``, FP8's ``fp8_meta``), which the train step replaces after each
+    optimizer step.
 
     ``is_buffer(path) -> bool`` (a ``jax.tree_util`` key path into the parameters) marks
-    them (left out of ``num_zeros``); ``update(params, metrics) -> params`` gives the new
-    parameters from the updated ones and the step's metrics (Megatron does this in
-    ``finalize_model_grads``)."""
+    them (left out of ``num_zeros`` and ``grad_norm``); ``update(params, metrics, grads) ->
+    params`` gives the new parameters from the updated ones, the step's metrics and its
+    reduced gradients (Megatron does this in ``finalize_model_grads``; FP8's amax update
+    after the optimizer step). A buffer read behind ``stop_gradient`` (``expert_bias``) has
+    zero gradients; ``is_max(path)`` marks leaves whose "gradient" is an observation
+    instead (FP8's amaxes, :func:`jmegatron.models.fp8.fp8_dot_general`): the step combines
+    those with **max** over micro-batches and data / expert / context ranks (and pipeline
+    stages), never a sum or a mean, and the optimizer must leave them alone
+    (:func:`jmegatron.training.optimizer.make_optimizer`)."""
 
     is_buffer: Callable[[tuple], bool]
-    update: Callable[[Any, dict], Any]
+    update: Callable[[Any, dict, Any], Any]
+    is_max: Callable[[tuple], bool] = lambda path: False
+
+
+def combine_buffers(parts: list) -> Optional[ModelBuffers]:
+    """One :class:`ModelBuffers` for several (None for none): a leaf is a buffer / max leaf
+    of any part; the updates run in order."""
+    parts = [b for b in parts if b is not None]
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+
+    def update(params, metrics, grads):
+        for b in parts:
+            params = b.update(params, metrics, grads)
+        return params
+
+    return ModelBuffers(is_buffer=lambda path: any(b.is_buffer(path) for b in parts), update=update,
+                        is_max=lambda path: any(b.is_max(path) for b in parts))
 
 
 def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array):
@@ -208,19 +231,30 @@ def model_buffers(cfg: JMegatronConfig, model) -> Optional[ModelBuffers]:
     ``moe_router_enable_expert_bias`` every router's ``expert_bias`` ``[E]`` (stacked
     ``[slots, E]`` under ``scan_layers``), advanced after each optimizer step from the step's
     ``moe_tokens_per_expert`` (:func:`jmegatron.models.moe.moe_layer.update_expert_bias`);
-    None for a model without buffers."""
-    if not cfg.moe_router_enable_expert_bias:
-        return None
-    from jmegatron.models.moe.moe_layer import update_expert_bias
-    from jmegatron.models.moe.router import EXPERT_BIAS
-    from jmegatron.training.run import stored_layer_index  # here: run imports this module
+    with ``fp8`` every FP8 layer's ``fp8_meta`` (max-combined observed amaxes, then
+    :func:`jmegatron.models.fp8.update_fp8_meta`). None for a model without buffers."""
+    parts = []
+    if cfg.moe_router_enable_expert_bias:
+        from jmegatron.models.moe.moe_layer import update_expert_bias
+        from jmegatron.models.moe.router import EXPERT_BIAS
+        from jmegatron.training.run import stored_layer_index  # here: run imports this module
 
-    index, pattern, rate = stored_layer_index(cfg), model.cfg.moe_layers(), cfg.moe_router_bias_update_rate
+        index, pattern, rate = stored_layer_index(cfg), model.cfg.moe_layers(), cfg.moe_router_bias_update_rate
 
-    def update(params, metrics):
-        return update_expert_bias(params, metrics["moe_tokens_per_expert"], rate, pattern, index)
+        def update(params, metrics, grads):
+            return update_expert_bias(params, metrics["moe_tokens_per_expert"], rate, pattern, index)
 
-    return ModelBuffers(is_buffer=lambda path: getattr(path[-1], "key", None) == EXPERT_BIAS, update=update)
+        parts.append(ModelBuffers(is_buffer=lambda path: getattr(path[-1], "key", None) == EXPERT_BIAS,
+                                  update=update))
+    if cfg.fp8 is not None:
+        from jmegatron.models import fp8 as fp8_lib
+
+        def update_fp8(params, metrics, grads):
+            return fp8_lib.update_fp8_meta(params, grads, fp8=cfg.fp8, margin=cfg.fp8_margin,
+                                           amax_compute_algo=cfg.fp8_amax_compute_algo)
+
+        parts.append(ModelBuffers(is_buffer=fp8_lib.is_fp8_meta, update=update_fp8, is_max=fp8_lib.is_fp8_meta))
+    return combine_buffers(parts)
 
 
 def gpt_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size: int) -> ForwardStep:

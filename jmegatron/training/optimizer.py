@@ -176,13 +176,20 @@ def make_optimizer(cfg: JMegatronConfig, global_batch_size: Optional[int] = None
     Returns the optax transformation; under ``bf16`` / ``fp16`` a
     :class:`~jmegatron.training.float16_optimizer.Float16Optimizer` around it (model
     parameters in that dtype, float32 main parameters, fp16's grad scaler), which leaves
-    the parameters ``keep_float32(path)`` marks in float32 in the model too."""
+    the parameters ``keep_float32(path)`` marks in float32 in the model too. With ``fp8``
+    the ``fp8_meta`` leaves (:mod:`jmegatron.models.fp8`: amax histories and scales, which
+    the train step sets after the update) get no update, no moments and stay out of the
+    clipping norm and weight decay (``optax.multi_transform`` with ``set_to_zero``)."""
     parts = []
     if cfg.clip_grad > 0:
         parts.append(optax.clip_by_global_norm(cfg.clip_grad))
     parts.append(optax.adamw(lr_schedule(cfg, global_batch_size), b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_eps,
                              weight_decay=cfg.weight_decay, mask=weight_decay_mask))
     tx = optax.chain(*parts)
+    if cfg.fp8 is not None:
+        from jmegatron.models.fp8 import FP8_META, fp8_labels
+
+        tx = optax.multi_transform({"params": tx, FP8_META: optax.set_to_zero()}, fp8_labels)
     if not (cfg.bf16 or cfg.fp16):
         return tx
     return Float16Optimizer(tx=tx, params_dtype=jnp.bfloat16 if cfg.bf16 else jnp.float16,

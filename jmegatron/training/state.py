@@ -101,9 +101,10 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_leng
     replicated = NamedSharding(mesh, PartitionSpec())
     inner = tx.tx if isinstance(tx, Float16Optimizer) else tx
     abstract_opt = jax.eval_shape(inner.init, abstract_params)
+    masked = optax.transforms.MaskedNode  # a leaf a masked transform keeps no state for (FP8 meta)
     opt_sh = optax.tree_map_params(
-        inner, lambda _, sharding: sharding, abstract_opt, grad_sh,
-        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
+        inner, lambda leaf, sharding: leaf if isinstance(leaf, masked) else sharding, abstract_opt, grad_sh,
+        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, (NamedSharding, masked)))
     if isinstance(tx, Float16Optimizer):  # main params laid out as the gradients (ZeRO-1: sharded)
         abstract_opt = jax.eval_shape(tx.init, abstract_params)
         opt_sh = Float16OptimizerState(main_params=grad_sh, inner=opt_sh, grad_scaler=None if tx.grad_scaler is None

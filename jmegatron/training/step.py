@@ -89,7 +89,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
 
     ``buffers`` (:class:`jmegatron.training.forward_step.ModelBuffers`, optional): parameters
     that are not trained (the routers' ``expert_bias``); after the optimizer's update they are
-    replaced by ``buffers.update(params, metrics)`` and ``num_zeros`` leaves them out.
+    replaced by ``buffers.update(params, metrics, grads)`` and ``num_zeros`` / ``grad_norm``
+    leave them out; the gradients of its ``is_max`` leaves (FP8's observed amaxes) combine
+    with max over micro-batches and ranks (:func:`combine_grads`), not summed or averaged.
 
     Mixed precision (``tx`` a :class:`~jmegatron.training.float16_optimizer.Float16Optimizer`:
     bf16 / fp16 model parameters, float32 main parameters in the optimizer state): each
@@ -129,6 +131,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         raise ValueError("make_train_step: under pipeline parallelism the loss comes from pipeline_stages "
                          "(a stage provider, see lm_pipeline_stages), not loss_fn")
     loss_fn = loss_fn or lm_loss_fn(model)
+    is_max = buffers.is_max if buffers is not None else (lambda path: False)
+    max_leaves = jax.tree_util.tree_map_with_path(lambda path, _: is_max(path), param_shardings)
+    combine = functools.partial(combine_grads, max_leaves)
     param_dims = jax.tree.map(data_dim, param_shardings)
     grad_dims = jax.tree.map(data_dim, grad_shardings)
     param_specs = jax.tree.map(lambda s: rules_lib.spec_only(s.spec, manual), param_shardings)
@@ -220,7 +225,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             tokens = psum(jnp.sum(micro["loss_mask"].astype(jnp.float32)))
             (_, (report, loss)), grads = grad_fn(varying, with_offset(micro, i), rng, tokens, extra, loss_scale)
             report = dict(report, loss=loss)
-            return (jax.tree.map(accum_add, grads_acc, grads), jax.tree.map(jnp.add, report_acc, report),
+            return (combine(grads_acc, grads), jax.tree.map(jnp.add, report_acc, report),
                     tokens_acc + tokens), None
 
         if pipeline is not None:
@@ -229,7 +234,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                 grads, report, tokens = _pipelined_grads(model.cfg, schedule, pipeline_stages or lm_pipeline_stages,
                                                          varying, batch, rng, extra, psum, dp,
                                                          pipeline_layout, context_parallel_size=cp,
-                                                         loss_scale=loss_scale, grad_zeros=accum_zeros)
+                                                         loss_scale=loss_scale, grad_zeros=accum_zeros,
+                                                         max_leaves=max_leaves)
         else:
             zeros = jax.tree.map(accum_zeros, varying)
             first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
@@ -240,7 +246,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             (grads, report, tokens), _ = jax.lax.scan(
                 accumulate, (zeros, report0, jnp.float32(0.0)), (jnp.arange(num_micro), batch))
 
-        def reduce(g, pd, gd, ex, zax):
+        def reduce(g, pd, gd, ex, zax, mx):
+            if mx:  # an observation (FP8 amax): the max over every rank that splits the batch
+                return g if single or not live else jax.lax.pmax(g, live)
             if cp > 1 and context not in zax:  # every parameter is replicated over the context ranks
                 g = jax.lax.psum(g, context)  # (ZeRO-1 over context: in the reduce-scatter below)
             if pd is not None:  # FSDP: already reduce-scattered by the all-gather's transpose (over context too)
@@ -251,8 +259,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                 return psum_over(g, axis)
             return g[None]  # ZeRO-1: this rank's partial sum, reduce-scattered below
 
-        grads = jax.tree.map(reduce, grads, param_dims, grad_dims, is_expert, zero_axes, is_leaf=is_none)
-        grads = jax.tree.map(lambda g: g / num_micro, grads)
+        grads = jax.tree.map(reduce, grads, param_dims, grad_dims, is_expert, zero_axes, max_leaves,
+                             is_leaf=is_none)
+        grads = jax.tree.map(lambda g, mx: g if mx else g / num_micro, grads, max_leaves)
         return grads, jax.tree.map(lambda r: r / num_micro, report), tokens
 
     zero1 = jax.tree.map(lambda pd, gd: pd is None and gd is not None, param_dims, grad_dims,
@@ -301,9 +310,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         grads, report, tokens = compute_grads(state, batch, extra)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         if mixed:
-            finalize = None if buffers is None else (lambda main: buffers.update(main, report))
+            finalize = None if buffers is None else (lambda main, g: buffers.update(main, report, g))
             new_params, opt_state, grads, found_inf = float16_optimizer.apply_gradients(
-                tx, grads, state.opt_state, finalize)
+                tx, grads, state.opt_state, finalize, observed=is_max)
             new_params = jax.lax.with_sharding_constraint(new_params, param_shardings)
             lr_step = optimizer_steps(state.opt_state.inner, state.step)
             extras = {"loss_scale": (jnp.float32(1.0) if state.opt_state.grad_scaler is None
@@ -314,7 +323,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
             updates, opt_state = tx.update(grads, state.opt_state, params)
             new_params = optax.apply_updates(params, updates)
             lr_step, extras = state.step, {}
-        metrics = dict(report, grad_norm=optax.tree.norm(grads),
+        trained = jax.tree_util.tree_map_with_path(  # what the optimizer sees (not the buffers)
+            lambda path, g: g if buffers is None or not buffers.is_buffer(path) else jnp.zeros((), g.dtype), grads)
+        metrics = dict(report, grad_norm=optax.tree.norm(trained),
                        lr=jnp.asarray(schedule(lr_step), jnp.float32), num_tokens=tokens, **extras)
         if log_num_zeros_in_grad:  # int32 per tensor, float32 over tensors, as Megatron's float count
             metrics["num_zeros"] = sum(jnp.sum(g == 0, dtype=jnp.int32).astype(jnp.float32)
@@ -326,7 +337,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                                                   jax.tree_util.tree_leaves_with_path(grads["decoder_layers"])
                                                   if buffers is None or not buffers.is_buffer(path)))
         if buffers is not None and not mixed:  # (mixed: applied to the main parameters above)
-            new_params = buffers.update(new_params, metrics)
+            new_params = buffers.update(new_params, metrics, grads)
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
         return new_state, metrics
 
@@ -334,9 +345,17 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     return step
 
 
+def combine_grads(max_leaves: Any, a: Any, b: Any) -> Any:
+    """Two gradient trees accumulated: ``max`` where ``max_leaves`` (a tree of bools of the
+    same structure) is True (observations such as FP8's amaxes), ``a + b`` elsewhere; in
+    ``a``'s dtype (the accumulator's)."""
+    return jax.tree.map(lambda m, x, y: jnp.maximum(x, y.astype(x.dtype)) if m else x + y.astype(x.dtype),
+                        max_leaves, a, b)
+
+
 def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params, batch: Batch, rng, extra,
                      data_sum: Callable, dp: int, layout: Any = None, context_parallel_size: int = 1,
-                     loss_scale: Any = None, grad_zeros: Optional[Callable] = None):
+                     loss_scale: Any = None, grad_zeros: Optional[Callable] = None, max_leaves: Any = None):
     """One data-parallel rank's pipelined (grads, report, tokens), as the micro-batch loop
     of :func:`make_train_step` returns them (sums over micro-batches); ``params`` as that
     loop sees them (data-replicated ones already varying over data); ``stages_fn(ctx)``
@@ -344,8 +363,12 @@ def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params,
     parallelism (``context_parallel_size`` ranks, each its slots of every sequence) a
     rank's share of a mean over ranks (``StageContext.data_parallel_size``) is over the
     ``dp x cp`` ranks that ``data_sum`` adds. ``loss_scale`` (float32 [] or None) seeds the
-    backward (fp16); ``grad_zeros(p)`` gives each gradient accumulator (default zeros like p)."""
+    backward (fp16); ``grad_zeros(p)`` gives each gradient accumulator (default zeros like p).
+    ``max_leaves`` (bools, ``params``' structure; None: none): leaves whose gradients combine
+    with max (:func:`combine_grads`)."""
     num_micro, local_rows, seq = batch["tokens"].shape
+    if max_leaves is None:
+        max_leaves = jax.tree.map(lambda _: False, params)
     data_rank = jax.lax.axis_index(rules_lib.DATA_AXIS)
     # Parameters replicated over stages get per-stage partial gradients, summed below.
     params = {k: (val if k == "decoder_layers" else
@@ -358,8 +381,10 @@ def _pipelined_grads(c, schedule: PipelineSchedule, stages_fn: Callable, params,
                        local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum, layout=layout,
                        data_parallel_size=dp * context_parallel_size)
     stages = stages_fn(ctx)
-    grads, loss, report = run_schedule(schedule, params, batch, **stages, loss_scale=loss_scale, grad_zeros=grad_zeros)
-    grads = {k: (g if k == "decoder_layers" else jax.tree.map(lambda a: jax.lax.psum(a, PIPELINE_AXIS), g))
+    grads, loss, report = run_schedule(schedule, params, batch, **stages, loss_scale=loss_scale, grad_zeros=grad_zeros,
+                                       combine=functools.partial(combine_grads, max_leaves))
+    over_stages = lambda a, m: jax.lax.pmax(a, PIPELINE_AXIS) if m else jax.lax.psum(a, PIPELINE_AXIS)  # noqa: E731
+    grads = {k: (g if k == "decoder_layers" else jax.tree.map(over_stages, g, max_leaves[k]))
              for k, g in grads.items()}
     total = lambda x: jax.lax.psum(data_sum(x), PIPELINE_AXIS)  # noqa: E731
     report = dict(jax.tree.map(total, report), loss=total(loss))
