@@ -117,6 +117,26 @@ def test_block_forms_equal_xla_blocks(case, dropout):
         assert_close(a, e)
 
 
+def test_heads_split_over_an_automatic_tensor_axis():
+    """Under a GSPMD tensor axis the kernels run per rank on its heads (no all-gather of
+    q/k/v in the compiled step) and the dropout masks are the one-device ones."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    q, k, v, w = _qkv(4, 2)
+    extra = dict(DROPOUT, segment_ids=SEGMENTS)
+    loss = lambda f, q, k, v: jnp.sum(f(q, k, v, **extra) * w)  # noqa: E731
+    want, want_g = jax.value_and_grad(functools.partial(loss, xla_attention), argnums=(0, 1, 2))(q, k, v)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    kernel = functools.partial(fa.pallas_attention, block_q=8, block_k=16)
+    with jax.set_mesh(mesh):
+        split = NamedSharding(mesh, P("data", None, "tensor"))
+        fn = jax.jit(jax.value_and_grad(functools.partial(loss, kernel), argnums=(0, 1, 2)))
+        got, got_g = fn(*(jax.device_put(x, split) for x in (q, k, v)))
+        assert "all-gather" not in fn.lower(q, k, v).compile().as_text()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, e in zip(got_g, want_g):
+        assert_close(a, e)
+
+
 def test_refusals_name_the_argument():
     q, k, v, _ = _qkv(4, 2)
     with pytest.raises(ValueError, match="multiple of block_q=12"):
@@ -147,6 +167,7 @@ def test_context_parallel_with_pallas_blocks_equals_one_device(cp, kind):
         assert_close(a, e)
 
 
+@pytest.mark.slow  # two rings of interpret-mode kernels compiled
 def test_ring_attention_dropout_with_pallas_blocks_equals_xla_blocks():
     """Ring attention with attention dropout: the Pallas block kernel draws the same
     one-device masks as XLA's (values and gradients)."""
@@ -171,19 +192,22 @@ def test_ring_attention_dropout_with_pallas_blocks_equals_xla_blocks():
         assert_close(a, e)
 
 
-def test_gpt_tiny_step_with_pallas_attention_equals_xla():
-    """One gpt_tiny gradient computation (1 layer, GQA, dropout on, two micro-batches) with
-    attention_impl="pallas" equals attention_impl="xla"."""
+@pytest.mark.slow  # a train step compiled twice (interpret-mode kernels inside)
+def test_gpt_tiny_tp2_step_with_pallas_attention_equals_xla():
+    """One gpt_tiny gradient computation (1 layer, GQA, dropout on, two micro-batches) at
+    tensor parallelism 2 with attention_impl="pallas" (the kernels per rank on its heads,
+    dropout hashing global head numbers) equals attention_impl="xla"."""
     assert "pallas" in CORE_ATTENTIONS
     kw = dict(micro_batch_size=2, global_batch_size=4, num_query_groups=2, attention_dropout=0.1,
-              hidden_dropout=0.1, matmul_impl="xla", num_layers=1)
-    g, report, tokens, run = grads_of(tiny_cfg(attention_impl="pallas", **kw), 1)
-    assert run.model.cfg.attention_impl == "pallas"
-    g1, report1, tokens1, _ = grads_of(tiny_cfg(attention_impl="xla", **kw), 1)
+              hidden_dropout=0.1, matmul_impl="xla", num_layers=1, tensor_model_parallel_size=2)
+    g, report, tokens, run = grads_of(tiny_cfg(attention_impl="pallas", **kw), 2)
+    assert run.model.cfg.attention_impl == "pallas" and dict(run.mesh.shape)["tensor"] == 2
+    g1, report1, tokens1, _ = grads_of(tiny_cfg(attention_impl="xla", **kw), 2)
     np.testing.assert_allclose(report["lm_loss"], report1["lm_loss"], rtol=1e-5)
     assert_tree_close(g, g1)
 
 
+@pytest.mark.slow  # a train step compiled twice (interpret-mode kernels inside)
 def test_cp2_step_with_pallas_attention_equals_one_device():
     """gpt_tiny (1 layer) at context_parallel_size 2 with attention_impl="pallas" (the ring's blocks are
     the Pallas kernels'; attention dropout on) equals one device with XLA's attention."""

@@ -108,6 +108,7 @@ def test_seam_and_refusals():
         pallas_softmax_cross_entropy(logits, labels[:, :4])
 
 
+@pytest.mark.slow  # a train step compiled twice (interpret-mode kernels inside)
 def test_gpt_tiny_tp2_step_with_pallas_cross_entropy_equals_xla():
     """A gpt_tiny gradient computation at tp 2 x dp 2 (logits split over the vocabulary) with
     cross_entropy_impl="pallas" equals "xla"."""
