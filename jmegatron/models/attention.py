@@ -141,12 +141,22 @@ def te_attention(q: Array, k: Array, v: Array, **kwargs) -> Array:
     return te_fused_attention(q, k, v, **kwargs)
 
 
+def pallas_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array] = None, **kwargs) -> Array:
+    """The Pallas FlashAttention-2 kernels
+    (:func:`jmegatron.kernels.pallas.flash_attention.pallas_attention`; Pallas interpret mode
+    off a GPU), same signature, dropout masks (``dropout_impl="hash"``) and document mask as
+    :func:`xla_attention`."""
+    from jmegatron.kernels.pallas.flash_attention import pallas_attention as kernel
+    return kernel(q, k, v, segment_ids=segment_ids, **kwargs)
+
+
 CORE_ATTENTIONS: dict[str, CoreAttention] = {
     "xla": xla_attention,
     "dot_product": dot_product_attention,
     "cpu": cpu_attention,
     "cudnn": cudnn_attention,
     "transformer_engine": te_attention,
+    "pallas": pallas_attention,
 }
 
 
@@ -284,9 +294,10 @@ class SelfAttention(nn.Module):
             # under reset_position_ids): the causal order is the sequence's
             seq_positions = jnp.broadcast_to(context_positions(s), (b, s))
             # the CPU kernel's block forms where the kernel runs (float32, no attention
-            # dropout), else XLA's blocks
+            # dropout), the Pallas kernel's under attention_impl "pallas", else XLA's blocks
             rate = 0.0 if deterministic else self.attention_dropout
             block = "cpu" if self.core_attention == "cpu" and q.dtype == jnp.float32 and rate == 0.0 else "xla"
+            block = "pallas" if self.core_attention == "pallas" else block
             out = CP_ATTENTIONS[self.cp_comm_type](
                 q, k, v, seq_positions, CONTEXT_AXIS, _manual_axis_size(CONTEXT_AXIS), segment_ids, block,
                 rate, self.make_rng("dropout") if rate > 0.0 else None, sample_offset)

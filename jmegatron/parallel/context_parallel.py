@@ -194,16 +194,21 @@ def _block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: A
 
 def block_kernels(block: str):
     """``(attention_block, block_grads)`` of a block kernel: ``"xla"`` (:func:`attention_block`,
-    :func:`_block_grads`) or ``"cpu"`` (the CPU attention kernel's block forms,
+    :func:`_block_grads`), ``"cpu"`` (the CPU attention kernel's block forms,
     :func:`jmegatron.kernels.cpu.ops.cpu_attention_block` / ``cpu_block_grads``: tiled, fully
-    masked key tiles skipped, no ``[sq, sk]`` scores in memory; float32 only). Raises
-    ValueError for another name."""
+    masked key tiles skipped, no ``[sq, sk]`` scores in memory; float32 only) or ``"pallas"``
+    (:func:`jmegatron.kernels.pallas.flash_attention.pallas_attention_block` /
+    ``pallas_block_grads``: FlashAttention-2 tiles, any float dtype, with the
+    :class:`BlockDropout` masks). Raises ValueError for another name."""
     if block == "xla":
         return attention_block, _block_grads
     if block == "cpu":
         from jmegatron.kernels.cpu.ops import cpu_attention_block, cpu_block_grads
         return cpu_attention_block, cpu_block_grads
-    raise ValueError(f"block={block!r}: choose 'xla' or 'cpu'")
+    if block == "pallas":
+        from jmegatron.kernels.pallas.flash_attention import pallas_attention_block, pallas_block_grads
+        return pallas_attention_block, pallas_block_grads
+    raise ValueError(f"block={block!r}: choose 'xla', 'cpu' or 'pallas'")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -278,9 +283,9 @@ def _block_dropout(drop, q_index, k_index):
 def _ring_dropout(dropout_rate, dropout_key, sample_offset, block, seq_length):
     if dropout_rate == 0.0:
         return None
-    if block != "xla":
-        raise ValueError(f"ring attention with attention dropout ({dropout_rate}) runs XLA's block kernel; "
-                         f"got block={block!r}")
+    if block not in ("xla", "pallas"):
+        raise ValueError(f"ring attention with attention dropout ({dropout_rate}) runs XLA's or the Pallas "
+                         f"block kernel; got block={block!r}")
     return dropout_rate, dropout_key, sample_offset, seq_length
 
 

@@ -18,6 +18,7 @@ Providers: :func:`gpt_forward_step` (the language model, here), and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -95,21 +96,50 @@ def combine_buffers(parts: list) -> Optional[ModelBuffers]:
                         is_max=lambda path: any(b.is_max(path) for b in parts))
 
 
-def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array):
+def resolve_cross_entropy_impl(impl: str) -> str:
+    """``config.cross_entropy_impl`` with ``"auto"`` resolved as
+    :func:`jmegatron.models.gpt.resolve_impls` does: "pallas" on a GPU backend, else "xla"
+    (the Pallas kernels would run in interpret mode)."""
+    if impl == "auto":
+        from jmegatron.models.gpt import detect_backend
+        return "pallas" if detect_backend() == "gpu" else "xla"
+    return impl
+
+
+def token_cross_entropy(logits: jax.Array, labels: jax.Array, impl: str = "xla") -> jax.Array:
+    """Per-token cross-entropy float32 ``[b, s]`` of logits ``[b, s, V]`` and int labels
+    ``[b, s]`` by ``impl`` (``config.cross_entropy_impl``): ``"xla"``
+    (:func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`, GSPMD partitions it
+    over a vocabulary split), ``"pallas"`` (the Pallas kernels,
+    :func:`jmegatron.kernels.pallas.cross_entropy.lm_cross_entropy`: vocab-parallel over the
+    ``tensor`` axis; interpret mode off a GPU) or ``"auto"`` ("pallas" on a GPU backend, else
+    "xla"). Raises ValueError for another ``impl``."""
+    impl = resolve_cross_entropy_impl(impl)
+    if impl == "xla":
+        return softmax_cross_entropy(logits, labels)
+    if impl == "pallas":
+        from jmegatron.kernels.pallas.cross_entropy import lm_cross_entropy
+        return lm_cross_entropy(logits, labels)
+    raise ValueError(f"cross_entropy_impl={impl!r}: choose 'auto', 'xla' or 'pallas'")
+
+
+def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array, impl: str = "xla"):
     """(sum of masked token losses, number of unmasked tokens), both float32 scalars.
 
     logits ``[b, s, V]`` float32, labels ``[b, s]`` int32, loss_mask ``[b, s]``. The
-    cross-entropy is :func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`
-    (its backward recomputes the softmax from the saved log-sum-exp).
+    cross-entropy is :func:`token_cross_entropy` by ``impl`` (default "xla":
+    :func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`, whose backward
+    recomputes the softmax from the saved log-sum-exp).
     """
-    ce = softmax_cross_entropy(logits, labels)
+    ce = token_cross_entropy(logits, labels, impl)
     mask = loss_mask.astype(jnp.float32)
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
-def lm_loss_fn(model) -> Callable:
+def lm_loss_fn(model, cross_entropy_impl: str = "xla") -> Callable:
     """The language-model loss: masked token mean of the cross-entropy (Megatron's
-    ``loss_func`` in pretrain_gpt.py). See :func:`make_train_step` for the interface.
+    ``loss_func`` in pretrain_gpt.py; ``cross_entropy_impl``: :func:`token_cross_entropy`).
+    See :func:`make_train_step` for the interface.
     An MoE model's router losses are added to it and reported beside ``lm_loss``
     (:func:`jmegatron.models.moe.moe_layer.add_moe_losses`)."""
     from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
@@ -122,7 +152,7 @@ def lm_loss_fn(model) -> Callable:
                           segment_ids=micro.get("segment_ids"),
                           mutable=list(MOE_COLLECTIONS) if moe is not None else False)
         logits, sown = out if moe is not None else (out, {})
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
+        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"], cross_entropy_impl)
         loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
         report = {"lm_loss": loss}
         if moe is not None:
@@ -182,11 +212,12 @@ class StageContext:
         return layers, first, count
 
 
-def lm_pipeline_stages(ctx: StageContext) -> dict:
+def lm_pipeline_stages(ctx: StageContext, cross_entropy_impl: str = "xla") -> dict:
     """The GPT language model's stages for :func:`jmegatron.parallel.schedules.run_schedule`
     (Megatron's GPTModel pre_process / decoder chunk / post_process with pretrain_gpt's
     ``loss_func``): ``{"embed", "chunk", "head", "activation", "report_zeros"}``. Each
-    micro-batch's loss is its masked token mean (``ctx.tokens``), as :func:`lm_loss_fn`.
+    micro-batch's loss is its masked token mean (``ctx.tokens``), as :func:`lm_loss_fn`
+    (``cross_entropy_impl``: :func:`token_cross_entropy`).
 
     An MoE model's chunks run their layers with the router's sown collections mutable and
     add those layers' router losses to the stage's loss
@@ -218,7 +249,7 @@ def lm_pipeline_stages(ctx: StageContext) -> dict:
 
     def head(prm, y, side, micro):
         logits = output_logits(c, prm, y, dot_general)
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"])
+        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"], cross_entropy_impl)
         loss = total / jnp.maximum(ctx.tokens[micro["microbatch"]], 1.0)
         return loss, dict(report_zeros, lm_loss=loss)
 
@@ -259,8 +290,8 @@ def model_buffers(cfg: JMegatronConfig, model) -> Optional[ModelBuffers]:
 
 def gpt_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size: int) -> ForwardStep:
     """The GPT language model's forward step (pretrain_gpt.py's ``forward_step`` and
-    ``loss_func``): :func:`lm_loss_fn` and :func:`lm_pipeline_stages`. The default provider
-    of :func:`jmegatron.training.run.build`.
+    ``loss_func``): :func:`lm_loss_fn` and :func:`lm_pipeline_stages`, their cross-entropy
+    ``cfg.cross_entropy_impl``. The default provider of :func:`jmegatron.training.run.build`.
 
     Raises ConfigError for a distillation config (``kd_teacher_load`` without
     ``kd_finalize``): that run needs the distillation provider, which
@@ -272,5 +303,6 @@ def gpt_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size:
             "config.kd_teacher_load is set but this run was built with the plain language-model forward step: "
             "train it with python -m jmegatron.train or jmegatron.pretrain_gpt.pretrain(cfg), or pass "
             "forward_step_provider=jmegatron.distill.model_provider.distillation_forward_step")
-    return ForwardStep(loss_fn=lm_loss_fn(model), pipeline_stages=lm_pipeline_stages,
-                       buffers=model_buffers(cfg, model))
+    ce = resolve_cross_entropy_impl(cfg.cross_entropy_impl)
+    stages = lm_pipeline_stages if ce == "xla" else functools.partial(lm_pipeline_stages, cross_entropy_impl=ce)
+    return ForwardStep(loss_fn=lm_loss_fn(model, ce), pipeline_stages=stages, buffers=model_buffers(cfg, model))
