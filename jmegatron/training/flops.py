@@ -145,7 +145,9 @@ def core_attention_executed_fraction(cfg: JMegatronConfig, attention_impl: str,
 
     Megatron counts neither (its formula is model FLOPs; MFU stays comparable across
     paths). Under cp with attention dropout the blocks are XLA's whatever
-    ``attention_impl`` says. ``attention_impl`` must be resolved ("xla", "dot_product" or "cpu";
+    ``attention_impl`` says (the CPU kernel's). The GPU kernels ("pallas", "cudnn",
+    "transformer_engine") count as flash attention with 128-row tiles (not measured: no GPU
+    here). ``attention_impl`` must be resolved ("xla", "dot_product", "cpu", or a GPU kernel;
     :func:`jmegatron.models.gpt.resolve_impls`); the CPU kernel runs float32 only, so
     ``cfg.bf16`` with "cpu" counts XLA's attention. Raises ValueError for another
     ``attention_impl`` or ``cp_comm_type``, or ``context_parallel_size < 1``.
@@ -153,14 +155,23 @@ def core_attention_executed_fraction(cfg: JMegatronConfig, attention_impl: str,
     """
     if context_parallel_size < 1:
         raise ValueError(f"context_parallel_size={context_parallel_size} must be >= 1")
-    if attention_impl not in ("xla", "dot_product", "cpu"):
-        raise ValueError(f"attention_impl={attention_impl!r}: pass a resolved one, 'xla', 'dot_product' or 'cpu'")
+    flash = ("pallas", "cudnn", "transformer_engine")
+    if attention_impl not in ("xla", "dot_product", "cpu") + flash:
+        raise ValueError(f"attention_impl={attention_impl!r}: pass a resolved one ('xla', 'dot_product', 'cpu', "
+                         f"'pallas', 'cudnn', 'transformer_engine')")
     if cp_comm_type not in ("p2p", "all_gather", "a2a"):
         raise ValueError(f"cp_comm_type={cp_comm_type!r}: choose 'p2p', 'all_gather' or 'a2a'")
     cp = context_parallel_size
     kernel = attention_impl == "cpu" and not cfg.bf16
     if kernel and not (cp > 1 and cfg.attention_dropout > 0):  # attention dropout under cp: XLA's blocks
         return (1 + min(kernel_block, cfg.seq_length) / cfg.seq_length) * 7 / 6
+    if attention_impl in flash:
+        # GPU flash kernels, 128-row query tiles against the keys they can see (the Pallas
+        # kernel's default; assumed for cuDNN / TE) and a recomputing backward. Under cp the
+        # Pallas blocks mask by position without skipping: the XLA-block shares below, x 7/6.
+        if cp == 1:
+            return (1 + min(128, cfg.seq_length) / cfg.seq_length) * 7 / 6
+        return ((cp + 1) / cp if cp_comm_type == "p2p" else 2.0) * 7 / 6
     if cp > 1 and cp_comm_type == "p2p":
         return (cp + 1) / cp * 7 / 6
     if cp > 1:
