@@ -265,6 +265,22 @@ def test_data_parallel_zero1_equals_one_device():
     assert_same_run(out[1], out[2])
 
 
+def test_tensor_and_context_parallel_equal_one_device():
+    """tp 2 x cp 2: the amax of tensor-sharded kernels and activations (GSPMD) and the pmax over
+    the context ranks give one device's observations and scales after a step."""
+    out = {}
+    for n, kw in ((1, {}), (4, dict(tensor_model_parallel_size=2, context_parallel_size=2))):
+        cfg = tiny_cfg(fp8="hybrid", fp8_amax_history_len=2, global_batch_size=8, micro_batch_size=4,
+                       scan_layers=True, **kw)
+        run = build(cfg, create_mesh(cfg, jax.devices()[:n]))
+        state, m = run.train_step(run.init_state(), reshaped(random_batches(1, 8, cfg.seq_length, 500, seed=7)[0],
+                                                             run, cfg))
+        out[n] = (float(m["lm_loss"]), fp8_leaves(jax.device_get(state.params)))
+    np.testing.assert_allclose(out[4][0], out[1][0], rtol=1e-6)
+    for k, v in out[1][1].items():
+        np.testing.assert_allclose(out[4][1][k], v, rtol=1e-5, err_msg=k)
+
+
 def assert_same_run(a, b):
     """Two layouts' (losses, meta) after 2 steps. Step 1 runs on the same weights: its loss
     and observed amaxes (history index 1 after 2 steps) agree to float32 rounding; after
@@ -311,12 +327,14 @@ def test_refusals_name_the_field():
     # the embedding and the output layer stay unquantized
     model = GPTModel(ModelConfig.from_config(tiny_cfg(fp8="e4m3", untie_embeddings_and_output_weights=True), 512))
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    metas = {jax.tree_util.keystr(p[:-2]) for p, _ in jax.tree_util.tree_leaves_with_path(shapes) if fp8.is_fp8_meta(p)}
+    metas = {jax.tree_util.keystr(p).split("['fp8_meta']")[0] for p, _ in jax.tree_util.tree_leaves_with_path(shapes)
+             if fp8.is_fp8_meta(p)}
     assert metas == {f"['decoder_layers_{i}']['{m}']['{l}']" for i in range(2) for m, l in
                      (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"), ("mlp", "linear_fc1"),
                       ("mlp", "linear_fc2"))}
 
 
+@pytest.mark.slow
 def test_pipeline_equals_one_device():
     """pp 2 (1F1B, 4 micro-batches): each stage max-combines its layers' amaxes over the
     micro-batches; the meta equals the one-device scanned model's."""
@@ -341,6 +359,7 @@ def resume_cfg(save, **kw):
                    global_batch_size=2, eval_interval=0, log_interval=1, **kw)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(tmp_path):
     """One device, 2 micro-batches a step: a run stopped at 3 and resumed (histories and scales
     restored from the checkpoint) gives the uninterrupted run's losses bit for bit."""
