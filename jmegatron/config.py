@@ -270,7 +270,11 @@ class JMegatronConfig:
             # Megatron's validate_args: bf16 accumulates and all-reduces gradients in float32
             "accumulate_allreduce_grads_in_fp32": self.accumulate_allreduce_grads_in_fp32 or self.bf16,
         }
-        if self.kv_channels is None:
+        if self.kv_channels is None and self.num_attention_heads > 0:
+            if self.hidden_size % self.num_attention_heads:  # Megatron's validate_args asserts this
+                raise ConfigError(
+                    f"config.hidden_size={self.hidden_size} is not divisible by config.num_attention_heads="
+                    f"{self.num_attention_heads}; choose heads that divide hidden_size or set config.kv_channels.")
             derived["kv_channels"] = self.hidden_size // self.num_attention_heads
         for k, v in derived.items():
             object.__setattr__(self, k, v)

@@ -13,11 +13,22 @@ import sys
 from typing import Optional, Sequence
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of --eval-iters: an integer >= 1 (argparse names the flag on error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (global batches to evaluate)")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jmegatron.evaluate", description=__doc__.split("\n\n")[1])
     p.add_argument("--load", required=True, help="checkpoint directory (config.save of the run)")
     p.add_argument("--split", choices=("valid", "test"), default="test")
-    p.add_argument("--eval-iters", type=int, default=None, help="global batches (default: config.eval_iters)")
+    p.add_argument("--eval-iters", type=_positive_int, default=None, help="global batches (default: config.eval_iters)")
     args = p.parse_args(argv)
 
     from jmegatron.training.checkpointing import CheckpointError
@@ -31,7 +42,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     cfg = run.cfg
     iters = args.eval_iters or cfg.eval_iters
-    _, valid, test = build_datasets(cfg.replace(eval_iters=iters), run.global_batch_size)
+    try:
+        _, valid, test = build_datasets(cfg.replace(eval_iters=iters), run.global_batch_size)
+    except (FileNotFoundError, ValueError) as e:  # the checkpoint's data moved or is corrupt
+        print(f"error: {e} (the data of the checkpoint's config; the files must be where training read them)",
+              file=sys.stderr)
+        return 2
     ds = valid if args.split == "valid" else test
     if ds is None or len(ds) == 0:
         print(f"error: the {args.split} split of {cfg.data_path!r} is empty (config.split={cfg.split!r})",

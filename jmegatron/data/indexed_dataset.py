@@ -127,6 +127,13 @@ def get_bin_path(path_prefix: str) -> str:
     return str(path_prefix) + ".bin"
 
 
+def _rebuild_hint(path: str) -> str:
+    """The fix named by every corrupt-file error: write the pair again, both files at once."""
+    prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
+    return (f"; rebuild {prefix}.bin/.idx together with `python -m jmegatron.tools.preprocess_data` "
+            "(or copy both files again from where they were made)")
+
+
 def _write_index(
     idx_path: str,
     dtype,
@@ -166,27 +173,29 @@ class _Index:
             head = f.read(_HEADER_NBYTES)
         if len(head) < 9 and INDEX_HEADER.startswith(head):
             raise ValueError(f"{idx_path}: truncated index ({file_size} bytes, header needs "
-                             f"{_HEADER_NBYTES})")
+                             f"{_HEADER_NBYTES})" + _rebuild_hint(idx_path))
         if head[:9] != INDEX_HEADER:
             raise ValueError(
                 f"{idx_path}: bad magic header {head[:9]!r}, expected {INDEX_HEADER!r}; this is "
                 "not a Megatron MMIDIDX index (old 'lazy'/'cached' formats are not supported)"
+                + _rebuild_hint(idx_path)
             )
         if len(head) < _HEADER_NBYTES:
             raise ValueError(
                 f"{idx_path}: truncated index header ({len(head)} bytes, need {_HEADER_NBYTES})"
+                + _rebuild_hint(idx_path)
             )
         (version,) = struct.unpack("<Q", head[9:17])
         if version != _INDEX_VERSION:
             raise ValueError(
                 f"{idx_path}: unsupported MMIDIDX version {version}, only version "
-                f"{_INDEX_VERSION} exists"
+                f"{_INDEX_VERSION} exists" + _rebuild_hint(idx_path)
             )
         (code,) = struct.unpack("<B", head[17:18])
         try:
             self.dtype = DType.dtype_from_code(code)
         except ValueError as err:
-            raise ValueError(f"{idx_path}: {err}") from None
+            raise ValueError(f"{idx_path}: {err}" + _rebuild_hint(idx_path)) from None
         self.dtype_size = DType.size(self.dtype)
         (self.sequence_count,) = struct.unpack("<Q", head[18:26])
         (self.document_count,) = struct.unpack("<Q", head[26:34])
@@ -196,12 +205,13 @@ class _Index:
             raise ValueError(
                 f"{idx_path}: truncated index: header announces {s} sequences and {d} document "
                 f"indices, which need {expected} bytes, but the file has {file_size}"
+                + _rebuild_hint(idx_path)
             )
         if file_size > expected and not (file_size == expected + s and not multimodal):
             # (a multimodal file read as text-only has exactly S trailing mode bytes)
             raise ValueError(
                 f"{idx_path}: index has {file_size - expected} unexpected trailing bytes "
-                f"(header announces {s} sequences and {d} document indices)"
+                f"(header announces {s} sequences and {d} document indices)" + _rebuild_hint(idx_path)
             )
         if file_size > _HEADER_NBYTES:
             mm = np.memmap(idx_path, dtype=np.uint8, mode="r")
@@ -222,7 +232,7 @@ class _Index:
                 f"{idx_path}: corrupt document_indices (must start at 0 and end at the sequence "
                 f"count {s}; got {d} entries"
                 + (f", first {self.document_indices[0]}, last {self.document_indices[-1]})"
-                   if d else ")")
+                   if d else ")") + _rebuild_hint(idx_path)
             )
 
 
@@ -276,12 +286,14 @@ class IndexedDataset:
         if actual < expected:
             raise ValueError(
                 f"{bin_path}: truncated data file: {idx_path} describes {expected} bytes of "
-                f"{np.dtype(self.index.dtype).name} tokens but the .bin has {actual}"
+                f"{np.dtype(self.index.dtype).name} tokens but the .bin has {actual} (a copy cut "
+                f"short, or an index whose dtype code does not match the tokens)" + _rebuild_hint(bin_path)
             )
         if actual > expected:
             raise ValueError(
                 f"{bin_path}: data file has {actual - expected} more bytes than {idx_path} "
-                f"describes ({expected}); the .bin and .idx do not belong together"
+                f"describes ({expected} bytes of {np.dtype(self.index.dtype).name} tokens); the .bin "
+                f"and .idx do not belong together" + _rebuild_hint(bin_path)
             )
         if actual > 0:
             self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r")

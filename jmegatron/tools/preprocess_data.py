@@ -144,7 +144,8 @@ def _encode_shard(task) -> Tuple[int, int]:
                     record = json.loads(text_raw)
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{path} (line ending at byte {where}): invalid JSON "
-                                     f"({err})") from None
+                                     f"({err}); fix or remove that line (every line of a .jsonl "
+                                     f"file is one JSON object)") from None
                 if not isinstance(record, dict):
                     raise ValueError(f"{path} (line ending at byte {where}): not a JSON object")
             else:
@@ -198,18 +199,52 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str,
     tok = load_tokenizer(tokenizer_model)  # fail early, and pick the dtype
     dtype = DType.optimal_dtype(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    made_dir = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     finals = {k: f"{output_prefix}_{k}_document" for k in json_keys}
+    # written under a temporary prefix and renamed at the end: bad input (a broken JSON line, a
+    # missing key) leaves an existing dataset at the output prefix untouched
+    outs = {k: f"{finals[k]}.partial{os.getpid()}" for k in json_keys}
+    t0 = time.time()
+    try:
+        n_docs, n_tokens = _preprocess_into(_files_of(paths), outs, tok, dtype, json_keys, append_eod,
+                                            workers)
+    except BaseException:
+        for prefix in outs.values():
+            for f in (get_bin_path(prefix), get_idx_path(prefix)):
+                if os.path.exists(f):
+                    os.remove(f)
+        if made_dir and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise
+    for key in json_keys:
+        for path_of in (get_bin_path, get_idx_path):
+            os.replace(path_of(outs[key]), path_of(finals[key]))
+    if log is not None:
+        print(f"preprocess_data: {len(paths)} files, {n_docs} documents, {n_tokens} tokens "
+              f"({len(json_keys)} key(s)), dtype {dtype.__name__}, {time.time() - t0:.2f}s",
+              file=log)
+    return [finals[k] for k in json_keys]
 
+
+def _files_of(paths: Sequence[str]) -> List[Tuple[str, int, int]]:
+    """(path, first byte in the concatenated input stream, size) of every input file."""
     files, base = [], 0
     for p in paths:
         size = os.path.getsize(p)
         files.append((p, base, size))
         base += size
+    return files
 
-    t0 = time.time()
+
+def _preprocess_into(files, finals, tok, dtype, json_keys, append_eod, workers) -> Tuple[int, int]:
+    """Tokenize ``files`` (:func:`_files_of`) into the prefixes ``finals`` (json key -> prefix);
+    returns (documents, tokens)."""
+    from jmegatron.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    base = sum(size for _, _, size in files)
     if workers == 1:
-        # one shard, written straight to the final files
+        # one shard, written straight to the output prefixes
         _WORKER["tokenizer"] = tok
         n_docs, n_tokens = _encode_shard((files, 0, base + 1, finals, list(json_keys),
                                           append_eod))
@@ -237,11 +272,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str,
                     for f in (get_bin_path(p), get_idx_path(p)):
                         if os.path.exists(f):
                             os.remove(f)
-    if log is not None:
-        print(f"preprocess_data: {len(paths)} files, {n_docs} documents, {n_tokens} tokens "
-              f"({len(json_keys)} key(s)), dtype {dtype.__name__}, {time.time() - t0:.2f}s",
-              file=log)
-    return [finals[k] for k in json_keys]
+    return n_docs, n_tokens
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

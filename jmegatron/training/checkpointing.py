@@ -55,7 +55,8 @@ class Checkpointer:
             return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax raises several types for unreadable files
             raise CheckpointError(f"cannot read the metadata of checkpoint step {step} in "
-                                  f"{self.directory}: {e}") from e
+                                  f"{self.directory}: {e}; the checkpoint is incomplete or not jmegatron's: "
+                                  f"point config.load / --load at a complete one") from e
 
     def restore(self, abstract_state: Any, iteration: Optional[int] = None) -> tuple[Any, dict]:
         """Restore into ``abstract_state`` (ShapeDtypeStructs carrying target shardings:
@@ -67,7 +68,8 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract_state)))
         except Exception as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} is corrupt or "
-                                  f"does not match the model: {type(e).__name__}: {e}") from e
+                                  f"does not match the model: {type(e).__name__}: {e}; point config.load / "
+                                  f"--load at a complete checkpoint of this model (its config is in its meta)") from e
         return restored["state"], meta
 
     def wait(self) -> None:

@@ -144,6 +144,8 @@ def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[
         checkpointing.check_compatible(cfg, meta["config"], run.padded_vocab_size,
                                        meta["padded_vocab_size"], loader_ckpt.directory)
         state, meta = restore_state(run, loader_ckpt)
+        if loader_ckpt is not ckpt:
+            loader_ckpt.close()
         print(f"[jmegatron] resumed from {loader_ckpt.directory} at iteration {meta['iteration']}", flush=True)
         iteration = int(meta["iteration"])
         consumed_valid = meta.get("consumed_valid_samples")
@@ -152,7 +154,8 @@ def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[
                               if cfg.eval_interval and cfg.train_samples is None else 0)
         return state, iteration, int(meta["consumed_train_samples"]), int(consumed_valid)
     if cfg.load and os.path.abspath(cfg.load) != os.path.abspath(cfg.save or ""):
-        raise checkpointing.CheckpointError(f"config.load={cfg.load!r} holds no checkpoint")
+        raise checkpointing.CheckpointError(f"config.load={cfg.load!r} holds no checkpoint; point it at a run's "
+                                            f"save directory, or drop config.load to start from scratch")
     return run.init_state(), 0, 0, 0
 
 
@@ -181,6 +184,11 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     """
     run = build(cfg, mesh, forward_step_provider=forward_step_provider)
     main_process = jax.process_index() == 0
+    # Bad input fails before anything is written: the datasets are built and the checkpoint is
+    # checked and restored first, so a bad data path or another model's checkpoint leaves an
+    # existing run's config.json, metrics.jsonl and checkpoints as they were.
+    train_ds, valid_ds, _ = build_datasets(cfg, run.global_batch_size)
+    state, iteration, consumed, consumed_valid = load_or_init(run, None)
     ckpt = None
     if cfg.save:
         os.makedirs(cfg.save, exist_ok=True)
@@ -188,10 +196,8 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
         if main_process:
             with open(os.path.join(cfg.save, "config.json"), "w") as f:
                 f.write(cfg.to_json())
-    state, iteration, consumed, consumed_valid = load_or_init(run, ckpt)
     if main_process and cfg.save:
         _truncate_metrics(os.path.join(cfg.save, "metrics.jsonl"), iteration)
-    train_ds, valid_ds, _ = build_datasets(cfg, run.global_batch_size)
     loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches, consumed,
                          run.num_microbatches_calculator)
     if cfg.rampup_batch_size is not None:  # Megatron's calculator logs the same
