@@ -127,6 +127,10 @@ def build_world(root: str) -> World:
     with open(w.p("bad", "badcode.idx"), "r+b") as f:
         f.seek(17)
         f.write(struct.pack("<B", 42))
+    with IndexedDatasetBuilder(w.p("bad", "bigvocab.bin"), dtype=np.int32) as b:  # another tokenizer's ids
+        for i in range(12):
+            b.add_document(rng.integers(0, 50257, size=100), [100])
+        b.finalize(w.p("bad", "bigvocab.idx"))
     _copy_dataset(w.data, w.p("bad", "notidx"))
     with open(w.p("bad", "notidx.idx"), "wb") as f:
         f.write(b"this is not an index file\n" * 4)
@@ -161,6 +165,8 @@ def build_world(root: str) -> World:
     other_state = zeros_state(other)
     save(w.p("other_model"), other_state, checkpoint_meta(other_cfg, other, 0, 0))
     save(w.p("wrong_shapes"), other_state, run_meta)  # this model's meta, another's arrays
+    moved = dict(run_meta, config=dict(run_meta["config"], data_path=w.p("moved", "corpus_text_document")))
+    save(w.p("data_moved"), zeros_state(run), moved)  # its config's data is gone
     for item in ("meta", "state"):
         shutil.copytree(w.run, w.p(f"no_{item}"))
         shutil.rmtree(w.p(f"no_{item}", "2", item))
@@ -264,6 +270,8 @@ CASES = [
     C("config-seq-length", "`--config.seq_length=64` > max_position_embeddings 32",
       lambda w: train_cfg(w, "--config.seq_length=64"), 2,
       (r"config\.seq_length=64", r"raise max_position_embeddings")),
+    C("config-bad-choice", "`--config.attention_impl=flash`",
+      lambda w: train_cfg(w, "--config.attention_impl=flash"), 2, (r"config\.attention_impl='flash'", r"one of")),
     C("config-file-missing", "`--config nothere.py`",
       lambda w: train(w, "--config", w.p("nothere.py")), 2, (r"nothere\.py",)),
     C("config-no-data", "`--config.data_path=None` (and mock_data False)",
@@ -287,6 +295,9 @@ CASES = [
     C("data-not-an-index", "`.idx` is a text file",
       lambda w: train_cfg(w, f"--config.data_path={w.p('bad', 'notidx')}", f"--config.save={w.run}"), 2,
       (r"notidx\.idx", r"MMIDIDX", r"preprocess_data")),
+    C("data-other-tokenizer", "data tokenized with a 50257-id vocabulary, tokenizer of 299 ids",
+      lambda w: train_cfg(w, f"--config.data_path={w.p('bad', 'bigvocab')}", f"--config.save={w.run}"), 2,
+      (r"bigvocab\.bin", r"outside the vocabulary of 299 ids", r"preprocess_data|tokenizer_model")),
     C("data-tokenizer-missing", "`--config.tokenizer_model=` a missing file",
       lambda w: train_cfg(w, f"--config.tokenizer_model={w.p('none.json')}", f"--config.save={w.run}"), 2,
       (r"none\.json", r"train_tokenizer")),
@@ -325,6 +336,8 @@ CASES = [
       lambda w: evaluate(w, "--load", w.p("empty")), 2, (r"empty", r"no checkpoint")),
     C("evaluate-missing-meta", "`python -m jmegatron.evaluate --load` a step without `meta`",
       lambda w: evaluate(w, "--load", w.p("no_meta")), 2, (r"no_meta", r"meta")),
+    C("evaluate-data-moved", "`python -m jmegatron.evaluate --load` a run whose data was moved",
+      lambda w: evaluate(w, "--load", w.p("data_moved")), 2, (r"moved", r"corpus_text_document", r"preprocess_data")),
     C("export-unknown-command", "`python -m jmegatron.export gguf`",
       lambda w: export(w, "gguf"), 2, (r"gguf", r"choose from")),
     C("export-unknown-flag", "`python -m jmegatron.export hf --load RUN --out D --fp16`",

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from jmegatron.data.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset
+from jmegatron.data.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset, check_token_ids
 from jmegatron.data.indexed_dataset import IndexedDataset
 
 __all__ = [
@@ -300,7 +300,9 @@ def build_train_valid_test_datasets(
         split: ``"949,50,1"``-style string.
         train_valid_test_num_samples: samples wanted per split (3 ints >= 0).
         seq_length, seed, eod_id: as ``GPTDataset``.
-        mock, vocab_size: synthetic data instead of files.
+        mock, vocab_size: synthetic data instead of files; with files, ``vocab_size`` (the
+            unpadded vocabulary) also checks every prefix's token ids
+            (:func:`~jmegatron.data.gpt_dataset.check_token_ids`).
         reset_position_ids, reset_attention_mask, eod_mask_loss,
         add_extra_token_to_sequence: passed to every ``GPTDataset``.
         mid_level_dataset_surplus: Megatron's 0.005.
@@ -358,6 +360,8 @@ def build_train_valid_test_datasets(
     def split_docs(prefix: str, i: int) -> np.ndarray:
         if prefix not in low_level:
             low_level[prefix] = IndexedDataset(prefix)
+            if vocab_size is not None:  # another tokenizer's data fails here, before any sample
+                check_token_ids(low_level[prefix], int(vocab_size))
         n = low_level[prefix].sequence_lengths.shape[0]
         lo, hi = matrix[i]
         return np.arange(int(round(lo * float(n))), int(round(hi * float(n))), dtype=np.int32)

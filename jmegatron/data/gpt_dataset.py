@@ -29,10 +29,44 @@ __all__ = [
     "build_shuffle_index",
     "get_num_epochs",
     "get_ltor_masks_and_position_ids",
+    "check_token_ids",
 ]
 
 _PAD_TOKEN_ID = -1
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+def check_token_ids(indexed_dataset, vocab_size: int, max_tokens: int = 1 << 24) -> None:
+    """Check that ``indexed_dataset`` (an ``IndexedDataset``) holds token ids of a
+    ``vocab_size``-token vocabulary, before any sample is built: integer tokens, and ids in
+    ``[0, vocab_size)`` among the first and last ``max_tokens // 2`` tokens of its .bin (a
+    bounded read: about 32 MB of uint16 tokens, whatever the file's size).
+
+    Data tokenized with another tokenizer has ids the model's embedding does not hold; on an
+    accelerator the gather clamps them and the run trains on garbage without an error
+    (Megatron does not check either).
+
+    Raises:
+        ValueError: naming the .bin file, the offending id and the fix (re-run
+            ``preprocess_data`` with the run's ``tokenizer_model``, or a larger ``vocab_size``).
+    """
+    dtype = np.dtype(indexed_dataset.dtype)
+    bin_path = f"{indexed_dataset.path_prefix}.bin"
+    if not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"{bin_path}: the index says the tokens are {dtype.name}, not integer token ids; "
+                         f"rebuild the dataset with `python -m jmegatron.tools.preprocess_data`")
+    tokens = indexed_dataset.tokens
+    parts = [tokens] if tokens.size <= max_tokens else [tokens[:max_tokens // 2], tokens[-(max_tokens // 2):]]
+    if tokens.size == 0:
+        return
+    low, high = min(int(t.min()) for t in parts), max(int(t.max()) for t in parts)
+    if low < 0 or high >= vocab_size:
+        bad = high if high >= vocab_size else low
+        raise ValueError(
+            f"{bin_path}: token id {bad} is outside the vocabulary of {vocab_size} ids (config.tokenizer_model "
+            f"or config.vocab_size); the data was tokenized with another tokenizer: re-run "
+            f"`python -m jmegatron.tools.preprocess_data --tokenizer-model` with the run's tokenizer, or set "
+            f"config.tokenizer_model to the one that made it")
 
 
 def build_document_index(documents: np.ndarray, num_epochs: int,

@@ -313,6 +313,11 @@ class IndexedDataset:
         return self.index.dtype
 
     @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the .bin file: a read-only memory-mapped 1-D array of ``self.dtype``."""
+        return np.frombuffer(self._bin, dtype=self.index.dtype)
+
+    @property
     def sequence_lengths(self) -> np.ndarray:
         """int32 [num_sequences]: tokens in each sequence."""
         return self.index.sequence_lengths
