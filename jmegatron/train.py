@@ -61,7 +61,9 @@ def parse_args(argv: Sequence[str]) -> tuple[str, dict[str, Any]]:
         if arg in ("-h", "--help"):
             raise SystemExit(USAGE + "\n\n" + __doc__)
         if not arg.startswith("--config"):
-            raise ConfigError(f"unexpected argument {arg!r}; {USAGE}")
+            field = arg.lstrip("-").partition("=")[0].replace("-", "_")
+            hint = f" (did you mean --config.{field}=...?)" if field in typing.get_type_hints(JMegatronConfig) else ""
+            raise ConfigError(f"unexpected argument {arg!r}{hint}; {USAGE}")
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(args):

@@ -323,7 +323,7 @@ CASES = [
       (r"config\.load=.*empty", r"holds no checkpoint")),
     # -- CLI arguments
     C("train-unknown-flag", "`python -m jmegatron.train --config F --lr 1e-3`",
-      lambda w: train_cfg(w, "--lr", "1e-3"), 2, (r"'--lr'", r"--config\.<field>")),
+      lambda w: train_cfg(w, "--lr", "1e-3"), 2, (r"'--lr'", r"did you mean --config\.lr=", r"--config\.<field>")),
     C("train-no-config", "`python -m jmegatron.train --config.lr=0.1` (no --config)",
       lambda w: train(w, "--config.lr=0.1"), 2, (r"--config is required", r"usage")),
     C("evaluate-unknown-flag", "`python -m jmegatron.evaluate --load RUN --iters 5`",
@@ -416,6 +416,30 @@ def test_world_is_good_but_for_the_planted_faults(world):
     run, state, meta = restore_run(world.run)
     assert meta["iteration"] == 2 and run.cfg.hidden_size == 32
     assert not snapshot_diff(before, snapshot(world.root))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["jmegatron.train", "--config", "configs/gpt_tiny.py", "--lr", "1e-3"], "did you mean --config.lr="),
+    (["jmegatron.evaluate", "--load", "x", "--iters", "5"], "unrecognized arguments: --iters 5"),
+    (["jmegatron.export", "hf", "--load", "x", "--out", "y", "--fp16"], "unrecognized arguments: --fp16"),
+    (["jmegatron.tools.preprocess_data", "--input", "x", "--output-prefix", "y", "--tokenizer-model", "z",
+      "--vocab-file", "v"], "unrecognized arguments: --vocab-file v"),
+], ids=["train", "evaluate", "export", "preprocess_data"])
+def test_python_dash_m_exits_2(tmp_path, argv, message):
+    """The real entry points (``python -m ...``): exit status 2, the message on stderr, nothing
+    written in the working directory."""
+    import subprocess
+
+    from conftest import REPO
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if argv[0] == "jmegatron.train":
+        argv = [argv[0], argv[1], str(REPO / argv[2]), *argv[3:]]
+    proc = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def test_ids_unique():
