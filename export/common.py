@@ -61,7 +61,8 @@ def checkpoint_config(load_dir: str, iteration: Optional[int] = None):
     if not load_dir:
         raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
     if not checkpointing.has_checkpoint(load_dir):
-        raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}")
+        raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}; give a "
+                          f"training run's save directory")
     try:
         ckpt = checkpointing.Checkpointer(load_dir, create=False)
         saved = dict(ckpt.read_meta(iteration)["config"])

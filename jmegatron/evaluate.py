@@ -38,7 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run, state, meta = restore_run(args.load, hidden_dropout=0.0, attention_dropout=0.0)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e} (--load takes a training run's config.save directory)", file=sys.stderr)
         return 2
     cfg = run.cfg
     iters = args.eval_iters or cfg.eval_iters

@@ -39,14 +39,18 @@ def _parse_value(name: str, text: str) -> Any:
             return ast.literal_eval(text)
         except (ValueError, SyntaxError):
             return text
+    example = getattr(JMegatronConfig, name, None)
+    if not isinstance(example, hint) or isinstance(example, bool):
+        example = {int: 100, float: 0.5}.get(hint)
+    fix = f"e.g. --config.{name}={example!r}" if example is not None else f"give a Python {hint.__name__} literal"
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise ConfigError(f"config.{name}={text!r} is not a valid {hint.__name__}.") from None
+        raise ConfigError(f"config.{name}={text!r} is not a valid {hint.__name__}; {fix}.") from None
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, hint) or isinstance(value, bool):
-        raise ConfigError(f"config.{name}={text!r} is not a valid {hint.__name__}.")
+        raise ConfigError(f"config.{name}={text!r} is not a valid {hint.__name__}; {fix}.")
     return value
 
 
