@@ -40,11 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run one export command; returns its exit status (2 for an ExportError, printed as ``error: ...``)."""
+    """Run one export command; returns its exit status (2 for bad input: an ExportError, a corrupt
+    dataset or checkpoint; printed as ``error: ...``)."""
     args = build_parser().parse_args(argv)
+    from jmegatron.training.checkpointing import CheckpointError
+
     try:
         return int(args.func(args) or 0)
-    except ExportError as e:
+    except (ExportError, CheckpointError, FileNotFoundError, ValueError) as e:
+        # ExportError is a ValueError; the others come from the layers below (a corrupt dataset given
+        # as --calib-data, an unreadable checkpoint): each message names the file and the fix
         print(f"error: {e}", file=sys.stderr)
         return 2
 

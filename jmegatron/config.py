@@ -845,7 +845,11 @@ def get_config_of(path: str) -> ml_collections.ConfigDict:
         raise FileNotFoundError(f"config file {path!r} does not exist (pass --config configs/gpt_tiny.py)")
     spec = importlib.util.spec_from_file_location(f"_jmegatron_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path!r} line {e.lineno}: {e.msg}; fix the Python syntax there "
+                          f"(a config file is Python with a get_config() function).") from None
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} has no get_config() function.")
     return module.get_config()

@@ -103,6 +103,10 @@ def build_world(root: str) -> World:
     preprocess_data.preprocess([w.p("raw")], w.p("data", "corpus"), w.tokenizer, append_eod=True, log=None)
     with open(w.config, "w") as f:
         f.write(TINY_CONFIG.format(data=w.data, tok=w.tokenizer))
+    with open(w.p("noget.py"), "w") as f:
+        f.write("x = 1\n")
+    with open(w.p("syntax.py"), "w") as f:
+        f.write("def get_config(:\n    pass\n")
     with open(w.p("raw", "bad.jsonl"), "w") as f:
         f.write('{"text": "the king"}\n{"text": "the queen"\n')
 
@@ -252,6 +256,7 @@ class Case:
     act: Callable[[World], tuple[object, str]]
     status: object  # expected exit status (or exception type name)
     patterns: tuple[str, ...]  # each must match the message: the field / file and the fix
+    slow: bool = False  # imports ModelOpt (about 20 s on this machine): marked slow, CI still runs it
 
 
 C = Case
@@ -271,6 +276,16 @@ CASES = [
       (r"config\.seq_length=64", r"raise max_position_embeddings")),
     C("config-bad-choice", "`--config.attention_impl=flash`",
       lambda w: train_cfg(w, "--config.attention_impl=flash"), 2, (r"config\.attention_impl='flash'", r"one of")),
+    C("config-syntax-error", "`--config` a file with a syntax error",
+      lambda w: train(w, "--config", w.p("syntax.py")), 2, (r"syntax\.py", r"line 1", r"fix the Python syntax")),
+    C("config-no-get-config", "`--config` a file without get_config()",
+      lambda w: train(w, "--config", w.p("noget.py")), 2, (r"noget\.py", r"get_config\(\)")),
+    C("config-batch-for-devices", "`--config.global_batch_size=12` on 8 devices (micro batch 1)",
+      lambda w: train_cfg(w, "--config.global_batch_size=12", f"--config.save={w.run}"), 2,
+      (r"config\.global_batch_size=12", r"data_parallel_size=8")),
+    C("config-tp-for-devices", "`--config.tensor_model_parallel_size=16` on 8 devices",
+      lambda w: train_cfg(w, "--config.tensor_model_parallel_size=16", f"--config.save={w.run}"), 2,
+      (r"tensor\(16\)", r"8 devices")),
     C("config-file-missing", "`--config nothere.py`",
       lambda w: train(w, "--config", w.p("nothere.py")), 2, (r"nothere\.py",)),
     C("config-no-data", "`--config.data_path=None` (and mock_data False)",
@@ -279,6 +294,12 @@ CASES = [
     C("data-missing", "`--config.data_path=` a prefix with no files, `save` = an existing run",
       lambda w: train_cfg(w, f"--config.data_path={w.p('data', 'corpus')}", f"--config.save={w.run}"), 2,
       (r"corpus", r"_text_document|preprocess_data")),
+    C("data-bad-split", "`--config.split=90,x`",
+      lambda w: train_cfg(w, "--config.split=90,x", f"--config.save={w.run}"), 2,
+      (r"split='90,x'", r"949,50,1")),
+    C("data-blend-odd", "`--config.data_path='0.5 PREFIX 0.5'` (a weight without its prefix)",
+      lambda w: train_cfg(w, f"--config.data_path=0.5 {w.data} 0.5", f"--config.save={w.run}"), 2,
+      (r"data_path=", r"'0\.5' looks like a weight", r"'weight prefix' pairs")),
     C("data-truncated-bin", "truncated `.bin` (10 bytes short), `save` = an existing run",
       lambda w: train_cfg(w, f"--config.data_path={w.p('bad', 'truncated')}", f"--config.save={w.run}"), 2,
       (r"truncated\.bin", r"preprocess_data")),
@@ -348,6 +369,18 @@ CASES = [
       lambda w: export(w, "hf", "--load", w.run, "--out", w.p("hf_out")), 2, (r"hf_out", r"choose a new folder")),
     C("export-no-checkpoint", "`python -m jmegatron.export hf --load EMPTY_DIR`",
       lambda w: export(w, "hf", "--load", w.p("empty"), "--out", w.p("hf_new")), 2, (r"--load .*empty", r"no checkpoint", r"save directory")),
+    C("export-quantize-bad-cfg", "`python -m jmegatron.export quantize --quant-cfg int3`",
+      lambda w: export(w, "quantize", "--load", w.run, "--quant-cfg", "int3", "--calib-data", w.data,
+                       "--out", w.p("q")), 2, (r"--quant-cfg", r"int3", r"choose from")),
+    C("export-quantize-truncated-calib", "`python -m jmegatron.export quantize --calib-data` a truncated `.bin`",
+      lambda w: export(w, "quantize", "--load", w.run, "--quant-cfg", "int8_sq", "--calib-data",
+                       w.p("bad", "truncated"), "--out", w.p("q")), 2, (r"truncated\.bin", r"preprocess_data"),
+      slow=True),
+    C("export-trtllm-out-not-empty", "`python -m jmegatron.export trtllm --out` a non-empty folder",
+      lambda w: export(w, "trtllm", "--load", w.run, "--out", w.p("hf_out")), 2, (r"hf_out", r"new folder|--overwrite")),
+    C("export-import-hf-no-config", "`python -m jmegatron.export import-hf --hf` a folder without config.json",
+      lambda w: export(w, "import-hf", "--hf", w.p("empty"), "--out", w.p("imported")), 2,
+      (r"--hf .*empty", r"config\.json", r"save_pretrained")),
     C("export-bad-iteration", "`python -m jmegatron.export hf --load RUN --iteration 7`",
       lambda w: export(w, "hf", "--load", w.run, "--out", w.p("hf_new"), "--iteration", "7"), 2,
       (r"iteration 7", r"available: \[2\]")),
@@ -394,7 +427,8 @@ def world(tmp_path_factory) -> World:
     return build_world(str(tmp_path_factory.mktemp("bad_input")))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.slow else c for c in CASES],
+                         ids=[c.id for c in CASES])
 def test_bad_input(world, case):
     check(case, run_case(world, case))
 

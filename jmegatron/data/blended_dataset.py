@@ -206,14 +206,18 @@ def get_blend_from_list(data_path: Union[str, Sequence[str]]
     if not items or any(not x for x in items):
         raise ValueError(f"data_path must list dataset prefixes, optionally weighted as "
                          f"['0.3', 'prefixA', '0.7', 'prefixB']; got {list(data_path)!r}")
-    if len(items) % 2 == 1:
-        return items, None
-
     def as_float(x):
         try:
             return float(x)
         except ValueError:
             return None
+
+    if len(items) % 2 == 1:
+        numbers = [x for x in items if as_float(x) is not None and not IndexedDataset.exists(x)]
+        if numbers:  # a weight without its prefix (or a prefix without its weight)
+            raise ValueError(f"data_path={items!r}: {numbers[0]!r} looks like a weight, but the list has an odd "
+                             "number of entries; give 'weight prefix' pairs for every dataset, or only prefixes")
+        return items, None
 
     weights = [as_float(items[i]) for i in range(0, len(items), 2)]
     if all(w is None for w in weights):
