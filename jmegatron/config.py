@@ -851,7 +851,8 @@ def get_config_of(path: str) -> ml_collections.ConfigDict:
         raise ConfigError(f"config file {path!r} line {e.lineno}: {e.msg}; fix the Python syntax there "
                           f"(a config file is Python with a get_config() function).") from None
     if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path!r} has no get_config() function.")
+        raise ConfigError(f"config file {path!r} has no get_config() function; define one that returns "
+                          f"base_config() with your fields set (see configs/gpt_tiny.py).")
     return module.get_config()
 
 

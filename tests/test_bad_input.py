@@ -12,7 +12,7 @@ checkpoint, another model's checkpoint, broken copies of the data and checkpoint
   file and the set of directories are equal before and after.
 
 ``python tests/test_bad_input.py`` runs the same table outside pytest and prints the markdown
-table of docs/RELIABILITY.md (``## Bad input``).
+table of docs/RELIABILITY.md (``## Bad input``); ``--write docs/RELIABILITY.md`` replaces it there.
 """
 
 from __future__ import annotations
@@ -265,7 +265,8 @@ CASES = [
     C("config-unknown-field", "`--config.hiden_size=64` (typo)",
       lambda w: train_cfg(w, "--config.hiden_size=64"), 2, (r"hiden_size", r"hidden_size")),
     C("config-bad-value", "`--config.train_iters=ten`",
-      lambda w: train_cfg(w, "--config.train_iters=ten"), 2, (r"config\.train_iters='ten'", r"e\.g\. --config\.train_iters=\d+")),
+      lambda w: train_cfg(w, "--config.train_iters=ten"), 2,
+      (r"config\.train_iters='ten'", r"e\.g\. --config\.train_iters=\d+")),
     C("config-bad-bool", "`--config.mock_data=maybe`",
       lambda w: train_cfg(w, "--config.mock_data=maybe"), 2, (r"config\.mock_data", r"True or False")),
     C("config-heads", "`--config.num_attention_heads=3` with hidden_size 32",
@@ -279,7 +280,7 @@ CASES = [
     C("config-syntax-error", "`--config` a file with a syntax error",
       lambda w: train(w, "--config", w.p("syntax.py")), 2, (r"syntax\.py", r"line 1", r"fix the Python syntax")),
     C("config-no-get-config", "`--config` a file without get_config()",
-      lambda w: train(w, "--config", w.p("noget.py")), 2, (r"noget\.py", r"get_config\(\)")),
+      lambda w: train(w, "--config", w.p("noget.py")), 2, (r"noget\.py", r"get_config\(\)", r"configs/gpt_tiny\.py")),
     C("config-batch-for-devices", "`--config.global_batch_size=12` on 8 devices (micro batch 1)",
       lambda w: train_cfg(w, "--config.global_batch_size=12", f"--config.save={w.run}"), 2,
       (r"config\.global_batch_size=12", r"data_parallel_size=8")),
@@ -368,7 +369,8 @@ CASES = [
     C("export-out-not-empty", "`python -m jmegatron.export hf --out` a non-empty folder",
       lambda w: export(w, "hf", "--load", w.run, "--out", w.p("hf_out")), 2, (r"hf_out", r"choose a new folder")),
     C("export-no-checkpoint", "`python -m jmegatron.export hf --load EMPTY_DIR`",
-      lambda w: export(w, "hf", "--load", w.p("empty"), "--out", w.p("hf_new")), 2, (r"--load .*empty", r"no checkpoint", r"save directory")),
+      lambda w: export(w, "hf", "--load", w.p("empty"), "--out", w.p("hf_new")), 2,
+      (r"--load .*empty", r"no checkpoint", r"save directory")),
     C("export-quantize-bad-cfg", "`python -m jmegatron.export quantize --quant-cfg int3`",
       lambda w: export(w, "quantize", "--load", w.run, "--quant-cfg", "int3", "--calib-data", w.data,
                        "--out", w.p("q")), 2, (r"--quant-cfg", r"int3", r"choose from")),
@@ -377,7 +379,8 @@ CASES = [
                        w.p("bad", "truncated"), "--out", w.p("q")), 2, (r"truncated\.bin", r"preprocess_data"),
       slow=True),
     C("export-trtllm-out-not-empty", "`python -m jmegatron.export trtllm --out` a non-empty folder",
-      lambda w: export(w, "trtllm", "--load", w.run, "--out", w.p("hf_out")), 2, (r"hf_out", r"new folder|--overwrite")),
+      lambda w: export(w, "trtllm", "--load", w.run, "--out", w.p("hf_out")), 2,
+      (r"hf_out", r"new folder|--overwrite")),
     C("export-import-hf-no-config", "`python -m jmegatron.export import-hf --hf` a folder without config.json",
       lambda w: export(w, "import-hf", "--hf", w.p("empty"), "--out", w.p("imported")), 2,
       (r"--hf .*empty", r"config\.json", r"save_pretrained")),
@@ -500,7 +503,21 @@ def markdown_table(w: World, results: dict) -> str:
     return "\n".join(rows)
 
 
+TABLE_BEGIN, TABLE_END = "<!-- bad-input-table: python tests/test_bad_input.py --write docs/RELIABILITY.md -->", \
+    "<!-- /bad-input-table -->"
+
+
+def write_table(path: str, table: str) -> None:
+    """Replace the text between TABLE_BEGIN and TABLE_END in ``path`` with ``table``."""
+    with open(path) as f:
+        text = f.read()
+    begin, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN), text.index(TABLE_END)
+    with open(path, "w") as f:
+        f.write(text[:begin] + "\n" + table + "\n" + text[end:])
+
+
 if __name__ == "__main__":
+    # python tests/test_bad_input.py [--write docs/RELIABILITY.md]: run every row, print (or write) the table
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -512,7 +529,11 @@ if __name__ == "__main__":
                 check(c, results[c.id])
             except AssertionError as e:
                 failed.append(str(e))
-        print(markdown_table(w, results))
+        table = markdown_table(w, results)
+        if sys.argv[1:2] == ["--write"]:
+            write_table(sys.argv[2], table)
+        else:
+            print(table)
         for f in failed:
             print("FAILED:", f, file=sys.stderr)
         sys.exit(1 if failed else 0)
