@@ -239,3 +239,13 @@ def test_prefetcher_contract():
     p.close()
     with pytest.raises(RuntimeError, match="closed"):
         p.get()
+
+
+def test_close_never_raises_on_a_hung_read():
+    release = threading.Event()
+    p = Prefetcher(lambda: release.wait(30), depth=1)
+    time.sleep(0.05)
+    with pytest.warns(RuntimeWarning, match="did not stop within 0.2 s"):
+        assert p.close(timeout=0.2) is False
+    release.set()  # the read returns; the thread sees the stop flag and ends
+    assert p.close() is True and not p.alive

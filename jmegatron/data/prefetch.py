@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -92,22 +93,27 @@ class Prefetcher(Generic[T]):
                 raise value
             return value
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> bool:
         """Stop the thread and join it (an item being produced is finished, then dropped).
-        Raises RuntimeError when the thread is still running after ``timeout`` seconds (a
-        ``produce()`` that blocks forever); it is a daemon and cannot outlive the interpreter."""
+        Returns whether it stopped; a thread still inside ``produce()`` after ``timeout``
+        seconds is left behind with a warning, never an exception (close runs in the
+        training loop's ``finally``, before the checkpointer's close): it is a daemon and
+        cannot outlive the interpreter."""
         self._stop.set()
         if self._thread is threading.current_thread():
-            return
+            return False
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise RuntimeError(f"the prefetch thread {self._thread.name!r} did not stop within {timeout} s "
-                               "(its produce() call is still running)")
+            warnings.warn(f"the prefetch thread {self._thread.name!r} did not stop within {timeout} s (its "
+                          "produce() call is still running); it is a daemon thread and ends with the process",
+                          RuntimeWarning, stacklevel=2)
+            return False
         while True:  # drop finished items: their memory goes now, not with the object
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
+        return True
 
     @property
     def alive(self) -> bool:
