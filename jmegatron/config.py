@@ -317,9 +317,11 @@ class JMegatronConfig:
         if abs(sum(ratios) - 1.0) >= 1e-6:  # ByteMLPerf's assert in get_lr
             raise ConfigError(f"config.lr_decay_multi_step={ratios!r} sums to {sum(ratios):.6g}; the three "
                               "shares of the decay must sum to 1.")
-        if self.num_workers < 0 or self.dataloader_type not in ("single", "cyclic"):
-            raise ConfigError(f"config.num_workers={self.num_workers} must be >= 0 and config.dataloader_type="
-                              f"{self.dataloader_type!r} one of 'single', 'cyclic'.")
+        if self.num_workers < 0:
+            raise ConfigError(f"config.num_workers={self.num_workers} must be >= 0 (0: no prefetch thread).")
+        if self.dataloader_type not in ("single", "cyclic"):
+            raise ConfigError(f"config.dataloader_type={self.dataloader_type!r} must be 'single' (stop at the end "
+                              "of the data, Megatron's default) or 'cyclic' (start it again).")
         if self.variable_data and (self.seq_length_step is None or self.seq_length_step <= 0
                                    or self.seq_length - 9 * self.seq_length_step < 1):
             raise ConfigError(

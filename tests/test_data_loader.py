@@ -249,3 +249,14 @@ def test_close_never_raises_on_a_hung_read():
         assert p.close(timeout=0.2) is False
     release.set()  # the read returns; the thread sees the stop flag and ends
     assert p.close() is True and not p.alive
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_workers", -1, "config.num_workers=-1 must be >= 0"),
+    ("dataloader_type", "random", "config.dataloader_type='random' must be 'single'"),
+])
+def test_config_fields_are_checked(field, value, message):
+    from jmegatron.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _cfg(**{field: value})
