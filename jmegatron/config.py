@@ -188,6 +188,11 @@ class JMegatronConfig:
     # tokens, k in 1..9, padded to the batch's longest (jmegatron.data.gpt_variable_dataset)
     variable_data: bool = False
     seq_length_step: Optional[int] = None
+    # Megatron's --num-workers: batches a background thread keeps ready (0: read in the training
+    # thread); Megatron's --dataloader-type: "single" stops with an error at the end of a split,
+    # "cyclic" starts it again (jmegatron.data.loader)
+    num_workers: int = 2
+    dataloader_type: str = "single"
 
     # --- knowledge distillation (Megatron's --export-kd-teacher-load, --export-kd-cfg,
     # --export-kd-finalize; see jmegatron.distill) ---
@@ -316,6 +321,11 @@ class JMegatronConfig:
         if abs(sum(ratios) - 1.0) >= 1e-6:  # ByteMLPerf's assert in get_lr
             raise ConfigError(f"config.lr_decay_multi_step={ratios!r} sums to {sum(ratios):.6g}; the three "
                               "shares of the decay must sum to 1.")
+        if self.num_workers < 0:
+            raise ConfigError(f"config.num_workers={self.num_workers} must be >= 0 (0: no prefetch thread).")
+        if self.dataloader_type not in ("single", "cyclic"):
+            raise ConfigError(f"config.dataloader_type={self.dataloader_type!r} must be 'single' (stop at the end "
+                              "of the data, Megatron's default) or 'cyclic' (start it again).")
         if self.variable_data and (self.seq_length_step is None or self.seq_length_step <= 0
                                    or self.seq_length - 9 * self.seq_length_step < 1):
             raise ConfigError(

@@ -74,13 +74,20 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
                  for ds in splits)
 
 
-def evaluate(run: Run, params: Any, dataset: Any, num_iters: int, consumed_samples: int = 0) -> float:
+def evaluate(run: Run, params: Any, dataset: Any, num_iters: int, consumed_samples: int = 0,
+             dataloader_type: Optional[str] = None, split: str = "valid") -> float:
     """Mean per-token validation loss (nats) over ``num_iters`` global batches (the run's
     final global batch, as Megatron's ``evaluate``) of ``dataset`` starting at sample
-    ``consumed_samples`` (Megatron's ``consumed_valid_samples``; 0: the first batches)."""
-    loader = BatchLoader(dataset, run.global_batch_size, run.num_microbatches)
+    ``consumed_samples`` (Megatron's ``consumed_valid_samples``; 0: the first batches).
+    Each process reads only its rows (:meth:`Run.batch_rows`). Past the end of the split:
+    ``dataloader_type`` (default ``run.cfg.dataloader_type``) ``"single"`` raises
+    :class:`jmegatron.data.loader.DataExhaustedError` naming ``split``, ``"cyclic"`` starts
+    the split again (Megatron's valid iterator of that type)."""
+    rows = run.batch_rows()
+    loader = BatchLoader(dataset, run.global_batch_size, run.num_microbatches, rows=rows, split=split,
+                         dataloader_type=dataloader_type or run.cfg.dataloader_type)
     sums = [run.eval_step(params, run.put_batch(loader.batch_at(consumed_samples + i * run.global_batch_size),
-                                                    train=False))
+                                                    train=False, rows=rows))
             for i in range(num_iters)]
     total, count = jax.device_get(jax.tree.map(lambda *x: sum(x), *sums))  # one host sync
     return float(total) / max(float(count), 1.0)
@@ -198,8 +205,10 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
                 f.write(cfg.to_json())
     if main_process and cfg.save:
         _truncate_metrics(os.path.join(cfg.save, "metrics.jsonl"), iteration)
+    batch_rows = run.batch_rows()  # this process reads only the rows its devices hold
     loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches, consumed,
-                         run.num_microbatches_calculator)
+                         run.num_microbatches_calculator, rows=batch_rows, dataloader_type=cfg.dataloader_type,
+                         num_workers=cfg.num_workers)
     if cfg.rampup_batch_size is not None:  # Megatron's calculator logs the same
         start, inc, ramp = cfg.rampup_batch_size
         print(f"[jmegatron] batch size ramp-up from {start} by {inc} to {run.global_batch_size} over {ramp} "
@@ -267,12 +276,12 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     try:
         while iteration < cfg.train_iters and not cfg.kd_finalize:  # finalize: convert, no training
             host_batch = next(loader)
-            batch = run.put_batch(host_batch)
+            batch = run.put_batch(host_batch, rows=batch_rows)
             state, metrics = run.train_step(state, batch, *run.extra_args)
             iteration += 1
             # this iteration's global batch and (padded) length: both vary under ramp-up / variable data
-            num_micro, rows, seq = host_batch["tokens"].shape
-            pending.append((iteration, metrics, num_micro * rows, iteration_flops(num_micro * rows, seq)))
+            gbs, seq = loader.last_global_batch_size, host_batch["tokens"].shape[-1]
+            pending.append((iteration, metrics, gbs, iteration_flops(gbs, seq)))
             signalled = stop.agreed(iteration, cfg.log_interval)
             stopping = signalled or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
             if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stopping:
@@ -311,6 +320,7 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
             run_eval(iteration)
         save(iteration)
     finally:
+        loader.close()  # stops and joins the prefetch thread (errors, signals and normal ends alike)
         stop.restore()
         if ckpt:
             ckpt.close()

@@ -76,14 +76,29 @@ class Run:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.abstract_state, self.state_shardings)
 
-    def put_batch(self, batch: dict[str, np.ndarray], train: bool = True) -> dict[str, jax.Array]:
-        """Place a host batch ``[num_micro, gbs / num_micro, seq]`` on the mesh. Every
-        process holds the same global batch and contributes its addressable shards.
+    def batch_rows(self) -> Optional[np.ndarray]:
+        """The rows ``[0, R)`` of every micro-batch (``R = global_batch_size / num_microbatches
+        = micro_batch_size x dp``) that this process's devices hold under the batch shardings
+        (:func:`jmegatron.training.step.batch_shardings`), sorted; None when it holds them all
+        (one process, or a mesh that does not split the batch across processes). The rows
+        to read with :class:`jmegatron.data.loader.BatchLoader` ``rows=`` and hand to
+        :meth:`put_batch` (Megatron's sampler: each data-parallel rank reads its slice)."""
+        rows = self.global_batch_size // self.num_microbatches
+        held = process_rows(step_lib.batch_shardings(self.mesh)["tokens"], rows, jax.process_index())
+        return None if len(held) == rows else held
+
+    def put_batch(self, batch: dict[str, np.ndarray], train: bool = True,
+                  rows: Optional[np.ndarray] = None) -> dict[str, jax.Array]:
+        """Place a host batch on the mesh: ``[num_micro, gbs / num_micro, seq]`` (the global
+        batch; ``rows`` None), or ``[num_micro, len(rows), seq]``: this process's ``rows`` of
+        each micro-batch (:meth:`batch_rows`), every process giving its own. Each process
+        contributes its addressable shards (``jax.make_array_from_callback``).
         Under context parallelism a training batch (``train``) is first put in Megatron's
         load-balanced sequence order (:func:`jmegatron.parallel.context_parallel.load_balance_index`:
         tokens, labels, loss mask, position ids and segment ids together); the eval step takes
         the sequence in its own order (``train=False``). Raises ValueError when the batch's
-        ``segment_ids`` key does not match ``cfg.reset_attention_mask``."""
+        ``segment_ids`` key does not match ``cfg.reset_attention_mask``, or when a device of
+        this process holds a row not in ``rows``."""
         if ("segment_ids" in batch) != self.cfg.reset_attention_mask:
             raise ValueError(f"config.reset_attention_mask={self.cfg.reset_attention_mask} but the batch "
                              f"{'has' if 'segment_ids' in batch else 'has no'} segment_ids: build the datasets "
@@ -96,8 +111,36 @@ class Run:
             index = load_balance_index(next(iter(batch.values())).shape[-1], cp)
             batch = {k: np.asarray(v)[..., index] for k, v in batch.items()}
         shardings = step_lib.batch_shardings(self.mesh, self.cfg.reset_attention_mask)
-        return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
+        if rows is None:
+            return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
+                    for k, v in batch.items()}
+        total = self.global_batch_size // self.num_microbatches
+        position = np.full(total, -1, np.int64)  # global row -> its place in this process's batch
+        position[np.asarray(rows)] = np.arange(len(rows))
+
+        def local(v, idx):
+            held = position[idx[1]]
+            if (held < 0).any():
+                raise ValueError(f"process {jax.process_index()} holds rows {np.arange(total)[idx[1]].tolist()} of "
+                                 f"the batch but read only rows {np.asarray(rows).tolist()}: read Run.batch_rows()")
+            return v[idx[0]][:, held][..., idx[2]]
+
+        return {k: jax.make_array_from_callback((v.shape[0], total, v.shape[2]), shardings[k],
+                                                lambda idx, v=v: local(v, idx))
                 for k, v in batch.items()}
+
+
+def process_rows(sharding: jax.sharding.Sharding, rows: int, process_index: int,
+                 process_of: Callable[[Any], int] = lambda device: device.process_index) -> np.ndarray:
+    """int64, sorted: the rows (axis 1 of a ``[num_micro, rows, seq]`` batch under
+    ``sharding``) held by the devices of process ``process_index``; ``process_of(device)``
+    gives a device's process (tests pass a fake mapping)."""
+    held = set()
+    seq = len(sharding.device_set)  # any length the sequence's sharding divides
+    for device, idx in sharding.devices_indices_map((1, rows, seq)).items():
+        if process_of(device) == process_index:
+            held.update(range(rows)[idx[1]])
+    return np.array(sorted(held), np.int64)
 
 
 def stored_layer_index(cfg: JMegatronConfig) -> Optional[np.ndarray]:
