@@ -10,13 +10,17 @@ based generator in the manner of Salmon et al., "Parallel random numbers: as eas
 one elementwise op (measured in docs/PERFORMANCE.md).
 
 The hash is Chris Wellons' ``triple32`` integer finalizer (an xorshift-multiply
-permutation of 32-bit words with very low avalanche bias) applied in two keyed stages:
-``h = triple32(triple32(sample ^ k0) ^ i_rest ^ k1)`` where ``sample = sample_offset +
-i_lead`` is the *global sample number* of the leading (batch) index and ``i_rest`` the
-row-major index over the other axes (token, head, feature...; so tensors of more than
-2^32 elements do not wrap as long as one sample has fewer). It is statistically good for
-Bernoulli masks, not a cryptographic generator and not a replacement for ``jax.random``
-elsewhere.
+permutation of 32-bit words with very low avalanche bias) chained over three 32-bit words
+(:func:`mask_hash`): ``h = triple32(triple32(triple32(sample ^ k0) ^ row) ^ col ^ k1)``
+where ``sample = sample_offset + i_lead`` is the *global sample number* of the leading
+(batch) index, ``col`` the index on the last axis and ``row`` the row-major index over the
+axes between (token, head, ...). Each stage is a bijection of its word given the previous
+stage, so every (sample, row, col) is a distinct hash input as long as ``row`` and ``col``
+fit 32 bits, which :func:`hash_bits` checks (a ``[b, nkv, g, s, s]`` attention mask: heads
+x s <= 2^32 and s <= 2^32). An earlier form hashed one 32-bit linear index of
+``[heads, s, s]``, which wrapped at heads x s^2 >= 2^32 (64 heads at s = 8192): elements
+2^32 apart drew the same bit (issue 16). It is statistically good for Bernoulli masks, not
+a cryptographic generator and not a replacement for ``jax.random`` elsewhere.
 
 Global positions, so the layout never changes a mask:
 
@@ -65,6 +69,31 @@ def _triple32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 14)
 
 
+# The largest extent of the row and column words (each a uint32): a shape whose row or
+# column index would reach 2^32 is refused, never wrapped.
+HASH_WORD_LIMIT = 2**32
+
+
+def mask_hash(k0, k1, sample, row, col) -> jax.Array:
+    """uint32: the dropout hash of the words (sample, row, col) under the key words (k0, k1),
+    ``triple32(triple32(triple32(sample ^ k0) ^ row) ^ col ^ k1)`` (broadcasting uint32
+    arrays). The one definition shared by :func:`hash_bits`, :func:`attention_keep_mask`, the
+    Pallas kernel (kernels/pallas/flash_attention.py) and, in C++, the CPU attention kernel
+    (kernels/cpu/attention.cc, which computes the row stage once per query row)."""
+    return _triple32(_triple32(_triple32(sample ^ k0) ^ row) ^ col ^ k1)
+
+
+def check_hash_extent(fn: str, rows: int, cols: int, what: str = "") -> None:
+    """ValueError naming ``fn`` unless ``rows`` (the number of distinct row words) and
+    ``cols`` (of column words) are at most 2^32, so no two elements of one sample share a
+    hash input. ``what``: how ``rows`` is formed, for the message."""
+    for name, n in (("rows" + (f" ({what})" if what else ""), rows), ("columns", cols)):
+        if n > HASH_WORD_LIMIT:
+            raise ValueError(f"{fn}: the dropout hash indexes at most 2^32 {name} per sample, got {n}; "
+                             f"use fewer heads per device (tensor parallelism) or a shorter sequence, or "
+                             f"dropout 0")
+
+
 def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
     data = data.reshape(-1).astype(_U)
@@ -81,6 +110,11 @@ def hash_bits(key: jax.Array, shape: Sequence[int], sample_offset=0,
     """uint32 ``shape`` of hashed global element indices under ``key`` (a JAX PRNG key or
     its raw uint32 data). Pure and elementwise: XLA fuses it into the consumer.
 
+    Element ``(i, ..., j)`` hashes (:func:`mask_hash`) the words ``sample = sample_offset +
+    i``, ``row`` = the row-major index over axes ``1 .. ndim - 2`` (0 for rank < 3) and ``col
+    = j`` (the last axis; 0 for rank < 2). Raises ValueError when the product of the middle
+    axes or the last axis exceeds 2^32 (the words would wrap).
+
     ``sample_offset`` (int or integer scalar array, may be traced): the global sample
     number of index 0 on the leading axis; the leading index hashed is ``sample_offset
     + i``. ``shape == ()`` hashes the single sample ``sample_offset``. ``positions``
@@ -92,19 +126,24 @@ def hash_bits(key: jax.Array, shape: Sequence[int], sample_offset=0,
     k0, k1 = _key_words(key)
     offset = jnp.asarray(sample_offset).astype(_U)
     if not shape:
-        return _triple32(_triple32(offset ^ k0) ^ k1)
+        return mask_hash(k0, k1, offset, _U(0), _U(0))
+    check_hash_extent("hash_bits", math.prod(shape[1:-1]), shape[-1] if len(shape) > 1 else 1,
+                      f"the product of axes 1..{len(shape) - 2} of {list(shape)}")
     lead = jax.lax.broadcasted_iota(_U, shape, 0) + offset
-    rest = jnp.zeros(shape, _U)
-    stride = 1
-    for dim in range(len(shape) - 1, 0, -1):
+
+    def index(dim):
         if dim == 1 and positions is not None:
-            index = jnp.broadcast_to(jnp.asarray(positions).astype(_U).reshape((1, -1) + (1,) * (len(shape) - 2)),
-                                     shape)
-        else:
-            index = jax.lax.broadcasted_iota(_U, shape, dim)
-        rest = rest + index * _U(stride % 2**32)
+            return jnp.broadcast_to(jnp.asarray(positions).astype(_U).reshape((1, -1) + (1,) * (len(shape) - 2)),
+                                    shape)
+        return jax.lax.broadcasted_iota(_U, shape, dim)
+
+    row = jnp.zeros(shape, _U)
+    stride = 1
+    for dim in range(len(shape) - 2, 0, -1):
+        row = row + index(dim) * _U(stride % 2**32)
         stride *= shape[dim]
-    return _triple32(_triple32(lead ^ k0) ^ rest ^ k1)
+    col = index(len(shape) - 1) if len(shape) > 1 else jnp.zeros(shape, _U)
+    return mask_hash(k0, k1, lead, row, col)
 
 
 def context_positions(seq_local: int) -> Optional[jax.Array]:
@@ -159,20 +198,23 @@ def attention_keep_mask(key: jax.Array, rate: float, shape: Sequence[int], q_pos
     :func:`jmegatron.models.attention.xla_attention` draws it on one device) at query rows
     ``q_positions`` and key columns ``k_positions`` (int ``[b, sq]`` / ``[b, sk]``, global
     sequence positions): the mask of one block of a context-parallel attention, element for
-    element the one-device mask. Row ``i`` is global sample ``sample_offset + i``. Raises
-    ValueError for ``rate`` outside [0, 1)."""
+    element the one-device mask. Row ``i`` is global sample ``sample_offset + i``; the hash
+    words are ``row = head * seq_length + q_position`` and ``col = k_position``
+    (:func:`mask_hash`). Raises ValueError for ``rate`` outside [0, 1), or heads x
+    ``seq_length`` or ``seq_length`` above 2^32."""
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate {rate} must be in [0, 1)")
     shape = tuple(int(d) for d in shape)
+    check_hash_extent("attention_keep_mask", shape[1] * shape[2] * int(seq_length), int(seq_length),
+                      f"heads {shape[1] * shape[2]} x seq_length {seq_length}")
     k0, k1 = _key_words(key)
     lead = jax.lax.broadcasted_iota(_U, shape, 0) + jnp.asarray(sample_offset).astype(_U)
     head = jax.lax.broadcasted_iota(_U, shape, 1) * _U(shape[2]) + jax.lax.broadcasted_iota(_U, shape, 2)
-    s = _U(seq_length % 2**32)
     q = jnp.asarray(q_positions).astype(_U)[:, None, None, :, None]
     k = jnp.asarray(k_positions).astype(_U)[:, None, None, None, :]
-    rest = (head * s + q) * s + k  # hash_bits' row-major index over [nkv, g, S, S], mod 2^32
+    row = head * _U(int(seq_length) % 2**32) + q  # hash_bits' row-major index over [nkv, g, S]
     threshold = min(int(math.floor(rate * 2.0**32)), 2**32 - 1)
-    return _triple32(_triple32(lead ^ k0) ^ rest ^ k1) >= _U(threshold)
+    return mask_hash(k0, k1, lead, row, k) >= _U(threshold)
 
 
 def dropout(x: jax.Array, rate: float, key: Optional[jax.Array], impl: str = "hash",

@@ -21,6 +21,12 @@ the CPU counterpart of the cuBLAS / cuDNN custom calls JAX uses on a GPU:
   and/or same document), the log-sum-exp out of the forward and the final one into the
   backward.
 
+Every handler checks each of its buffers (inputs and results) for dtype and shape, every
+size against OpenBLAS's 32-bit int, and returns failed allocations and any C++ exception
+(also from its pool tasks) as an ``ffi::Error`` naming the buffer or dimension (``checks.h``,
+``parallel.h``; docs/RELIABILITY.md "Kernel hardening"). ``jmegatron_selftest``
+(``selftest.cc``) exercises those failure paths for the tests.
+
 Each has an XLA reference path (``matmul_impl="xla"``, ``attention_impl="xla"``) that
 the tests compare against. The C++ is compiled on first use (g++, the XLA FFI headers
 that ship with jaxlib, and the ``scipy-openblas32`` wheel's OpenBLAS) into a cache
@@ -42,8 +48,8 @@ import tempfile
 from typing import Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("gemm.cc", "grouped_gemm.cc", "attention.cc")
-HEADERS = ("parallel.h",)
+SOURCES = ("gemm.cc", "grouped_gemm.cc", "attention.cc", "selftest.cc")
+HEADERS = ("parallel.h", "checks.h")
 TARGETS = {
     "jmegatron_sgemm": "JmegatronSgemm",
     "jmegatron_grouped_sgemm": "JmegatronGroupedSgemm",
@@ -52,6 +58,7 @@ TARGETS = {
     "jmegatron_attention_bwd": "JmegatronAttentionBwd",
     "jmegatron_attention_block_fwd": "JmegatronAttentionBlockFwd",
     "jmegatron_attention_block_bwd": "JmegatronAttentionBlockBwd",
+    "jmegatron_selftest": "JmegatronSelfTest",  # the failure paths, for tests/test_kernel_hardening.py
 }
 
 # g++ flags (part of the library's cache key). -fopenmp-simd: the `#pragma omp simd` row

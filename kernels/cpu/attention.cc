@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "cblas.h"
+#include "checks.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -47,7 +48,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();  // OpenBLAS's (32-bit) int
+constexpr int64_t kIntMax = jmegatron::kBlasIntMax;  // OpenBLAS's (32-bit) int
 
 #pragma omp declare simd
 inline uint32_t Triple32(uint32_t x) {
@@ -84,42 +85,12 @@ inline float ExpNeg(float x_in) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Operand checks: a wrong buffer is an InvalidArgument error naming it, never a crash.
+// Operand checks: a wrong buffer (input or result) is an InvalidArgument error naming it,
+// never a crash (checks.h).
 
-const char* DtypeName(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::F64: return "float64";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::S32: return "int32";
-    case ffi::DataType::S64: return "int64";
-    case ffi::DataType::U32: return "uint32";
-    case ffi::DataType::PRED: return "bool";
-    default: return "another dtype";
-  }
-}
-
-std::string Describe(ffi::DataType dtype, ffi::Span<const int64_t> dims) {
-  std::string s = std::string(DtypeName(dtype)) + "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-ffi::Error Mismatch(const char* op, const char* name, const std::string& want, const ffi::AnyBuffer& buf) {
-  return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must be " + want + ", got " +
-                                     Describe(buf.element_type(), buf.dimensions()));
-}
-
-// Success when `buf` is `dtype` with dimensions `want`, else an error naming `name`.
-ffi::Error Expect(const char* op, const char* name, const ffi::AnyBuffer& buf, ffi::DataType dtype,
-                  std::vector<int64_t> want) {
-  auto dims = buf.dimensions();
-  bool ok = buf.element_type() == dtype && dims.size() == want.size();
-  for (size_t i = 0; ok && i < want.size(); ++i) ok = dims[i] == want[i];
-  if (ok) return ffi::Error::Success();
-  return Mismatch(op, name, Describe(dtype, ffi::Span<const int64_t>(want.data(), want.size())), buf);
-}
+using jmegatron::BlasInts;
+using jmegatron::Expect;
+using jmegatron::Mismatch;
 
 // Position or segment ids: int32 [b, n] when `on`, else the int32 [0] placeholder.
 ffi::Error ExpectIds(const char* op, const char* name, const ffi::AnyBuffer& buf, bool on, int64_t b, int64_t n) {
@@ -152,10 +123,10 @@ ffi::Error CheckQKV(const char* op, const ffi::AnyBuffer& q, const ffi::AnyBuffe
   sh.nkv = kd[2];
   sh.group = sh.nq / sh.nkv;
   if (auto err = Expect(op, "v", v, ffi::DataType::F32, {sh.b, sh.sk, sh.nkv, sh.d}); err.failure()) return err;
-  if (std::max({sh.sq, sh.sk, sh.nq * sh.d}) > kIntMax) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": sequence lengths and heads x head_dim must be below 2^31 "
-                                       "(OpenBLAS's int); split the batch or the sequence");
-  }
+  // Every size and leading dimension a BLAS call sees: sq, sk (a tile has at most that many
+  // rows or columns), d, and the row lengths nq x d (q, out, dq) and nkv x d (k, v, dk, dv).
+  if (auto err = BlasInts(op, {{"sq", sh.sq}, {"sk", sh.sk}, {"d", sh.d}, {"nq", sh.nq}}); err.failure()) return err;
+  if (auto err = BlasInts(op, {{"nq x d (q's row length)", jmegatron::SatMul(sh.nq, sh.d)}}); err.failure()) return err;
   *out = sh;
   return ffi::Error::Success();
 }
@@ -268,35 +239,38 @@ struct Dropout {
   uint32_t k0, k1, sample_offset;
   float keep_scale;  // float32(1 - rate), from Python; applied as a division, as the XLA path
   bool on() const { return rate > 0.0f; }
-  // The mask bit of key j of a row is Triple32(lead ^ (rest + j) ^ k1) >= threshold,
+  // The mask bit of key (column) j of query row qi of head h is
+  //   Triple32(Triple32(lead ^ row) ^ j ^ k1) >= threshold,
   // lead = Triple32((sample_offset + batch) ^ k0) (the global sample number, mod 2^32) and
-  // rest = (h * sq + qi) * sk mod 2^32, the row-major index over [nkv, group, sq, sk]
-  // (jmegatron.models.dropout.hash_bits).
+  // row = h * sq + qi, the row-major index over [nkv, group, sq] (< 2^32: checked), so every
+  // (sample, head, row, column) hashes a distinct input (jmegatron.models.dropout.hash_bits).
   uint32_t Lead(int64_t batch) const { return Triple32((sample_offset + static_cast<uint32_t>(batch)) ^ k0); }
+  // The per-row stage: Triple32(lead ^ row).
+  uint32_t Row(uint32_t lead, int64_t row) const { return Triple32(lead ^ static_cast<uint32_t>(row)); }
 };
 
 const Dropout kNoDropout{0.0f, 0, 0, 0, 0, 1.0f};
 
-// x[j] <- keep(j) ? p(j) / keep_scale : 0 for the keys of `runs`, p(j) = x[j] * inv or x[j].
-inline void DropRow(float* out, const float* probs, const Plan& plan, const Dropout& drop,
-                    uint32_t lead, uint32_t rest) {
+// x[j] <- keep(j) ? p(j) / keep_scale : 0 for the keys of `runs`, p(j) = x[j] * inv or x[j];
+// `row_hash` = drop.Row(lead, row) of this query row.
+inline void DropRow(float* out, const float* probs, const Plan& plan, const Dropout& drop, uint32_t row_hash) {
   const uint32_t k1 = drop.k1, threshold = drop.threshold;
   const float ks = drop.keep_scale;
   for (const Span& r : plan.runs) {
-    const uint32_t base = rest + static_cast<uint32_t>(r.key);
+    const uint32_t base = static_cast<uint32_t>(r.key);  // sk < 2^31: no wrap
     float* o = out + r.col;  // may be probs itself (in place)
     const float* p = probs + r.col;
 #pragma omp simd
     for (int64_t j = 0; j < r.len; ++j) {
-      const bool keep = Triple32(lead ^ (base + static_cast<uint32_t>(j)) ^ k1) >= threshold;
+      const bool keep = Triple32(row_hash ^ (base + static_cast<uint32_t>(j)) ^ k1) >= threshold;
       o[j] = keep ? p[j] / ks : 0.0f;
     }
   }
 }
 
-// row <- softmax(row) (masked keys -inf -> 0), then the dropout of row `rest`; returns the
+// row <- softmax(row) (masked keys -inf -> 0), then the dropout of the row (`row_hash`); returns the
 // log-sum-exp, -inf (and a zero row) when the row sees no key.
-inline float SoftmaxRow(float* __restrict row, const Plan& plan, const Dropout& drop, uint32_t lead, uint32_t rest) {
+inline float SoftmaxRow(float* __restrict row, const Plan& plan, const Dropout& drop, uint32_t row_hash) {
   const int64_t n = plan.cols;
   float m = kNegInf;
 #pragma omp simd reduction(max : m)
@@ -314,14 +288,14 @@ inline float SoftmaxRow(float* __restrict row, const Plan& plan, const Dropout& 
   }
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) row[j] = row[j] / sum;
-  if (drop.on()) DropRow(row, row, plan, drop, lead, rest);
+  if (drop.on()) DropRow(row, row, plan, drop, row_hash);
   return m + std::log(sum);
 }
 
 // Backward, first half: row <- P = exp(row - lse) (0 for masked keys, and the whole row
 // when lse = -inf: the query sees no key at all); dropped <- P with dropout.
 inline void ProbsRow(float* __restrict row, float* __restrict dropped, const Plan& plan, float lse,
-                     const Dropout& drop, uint32_t lead, uint32_t rest) {
+                     const Dropout& drop, uint32_t row_hash) {
   const int64_t n = plan.cols;
   if (lse == kNegInf) {
     std::fill(row, row + n, 0.0f);
@@ -330,23 +304,23 @@ inline void ProbsRow(float* __restrict row, float* __restrict dropped, const Pla
   }
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) row[j] = ExpNeg(row[j] - lse);
-  if (drop.on()) DropRow(dropped, row, plan, drop, lead, rest);
+  if (drop.on()) DropRow(dropped, row, plan, drop, row_hash);
 }
 
 // Backward, second half: row <- dS = P * (dP - D), dP the gradient of the undropped
 // probabilities (grad of the dropped ones through the mask).
 inline void SoftmaxGradRow(float* __restrict row, const float* __restrict grad, const Plan& plan, float dr,
-                           const Dropout& drop, uint32_t lead, uint32_t rest) {
+                           const Dropout& drop, uint32_t row_hash) {
   if (drop.on()) {
     const uint32_t k1 = drop.k1, threshold = drop.threshold;
     const float ks = drop.keep_scale;
     for (const Span& r : plan.runs) {
-      const uint32_t base = rest + static_cast<uint32_t>(r.key);
+      const uint32_t base = static_cast<uint32_t>(r.key);
       float* __restrict x = row + r.col;
       const float* __restrict g = grad + r.col;
 #pragma omp simd
       for (int64_t j = 0; j < r.len; ++j) {
-        const bool keep = Triple32(lead ^ (base + static_cast<uint32_t>(j)) ^ k1) >= threshold;
+        const bool keep = Triple32(row_hash ^ (base + static_cast<uint32_t>(j)) ^ k1) >= threshold;
         const float gp = keep ? g[j] / ks : 0.0f;
         x[j] = x[j] * (gp - dr);
       }
@@ -380,7 +354,8 @@ struct Problem {
   // element (batch, head, query) of lse (and the block kernel's delta) is at
   // batch * lse_batch + head * lse_head + query * lse_row
   int64_t lse_batch, lse_head, lse_row;
-  uint32_t DropRow(int64_t h, int64_t qi) const { return static_cast<uint32_t>((h * dims.sq + qi) * dims.sk); }
+  // The dropout hash's row word of query qi of head h (Dropout::Row).
+  int64_t DropRow(int64_t h, int64_t qi) const { return h * dims.sq + qi; }
 };
 
 // [b, ceil(sk / tile)]: the id ranges of every key tile.
@@ -396,16 +371,39 @@ std::vector<IdRange> KeyTiles(const Problem& p) {
   return out;
 }
 
-void Forward(ffi::ThreadPool& pool, const Problem& p, float* out, float* lse) {
+// Per-worker plans, their vectors reserved for every key tile: PlanKeys inside a pool task
+// never allocates.
+std::vector<Plan> WorkerPlans(int64_t workers, int64_t k_tiles) {
+  std::vector<Plan> plans(workers);
+  for (Plan& plan : plans) {
+    plan.runs.reserve(k_tiles);
+    plan.masked.reserve(k_tiles);
+  }
+  return plans;
+}
+
+// Everything a task needs is allocated here, before the pool runs it: one scratch slice and
+// one plan per worker (parallel.h), so a failed allocation is an error, not a terminate.
+ffi::Error Forward(const char* op, ffi::ThreadPool& pool, const Problem& p, float* out, float* lse) {
   const Dims& sh = p.dims;
   const int64_t d = sh.d, ldq = sh.nq * d, ldk = sh.nkv * d, tile = p.tile;
   const int64_t q_tiles = (sh.sq + tile - 1) / tile, k_tiles = (sh.sk + tile - 1) / tile;
   const std::vector<IdRange> key_tiles = KeyTiles(p);
-  auto task = [&](int64_t t) {
+  const int64_t tasks = sh.b * sh.nq * q_tiles;
+  const int64_t workers = jmegatron::Workers(pool, tasks);
+  const int64_t slice = std::min(tile, sh.sq) * sh.sk;  // [rows, visible keys] scores of a tile
+  std::unique_ptr<float[]> scratch;
+  if (auto err = jmegatron::Allocate(op, "the attention scores scratch (workers x block x sk floats)",
+                                     jmegatron::SatMul(workers, slice), &scratch);
+      err.failure()) {
+    return err;
+  }
+  std::vector<Plan> plans = WorkerPlans(workers, k_tiles);
+  auto task = [&](int64_t t, int64_t worker) {
     const int64_t qt = t % q_tiles, bi = t / q_tiles / sh.nq, h = t / q_tiles % sh.nq, hk = h / sh.group;
     const int64_t q0 = qt * tile, rows = std::min(tile, sh.sq - q0);
     const MaskRow m = p.mask.Row(bi);
-    Plan plan;
+    Plan& plan = plans[worker];
     PlanKeys(m, RangeOf(m.q_pos, m.q_seg, q0, rows), key_tiles.data() + bi * k_tiles, sh.sk, tile, &plan);
     const float* Q = p.q + (bi * sh.sq + q0) * ldq + h * d;
     const float* K = p.k + bi * sh.sk * ldk + hk * d;
@@ -420,8 +418,7 @@ void Forward(ffi::ThreadPool& pool, const Problem& p, float* out, float* lse) {
       }
       return;
     }
-    std::unique_ptr<float[]> scratch(new float[rows * cols]);  // every element is written by the sgemm
-    float* S = scratch.get();
+    float* S = scratch.get() + worker * slice;  // rows x cols, every element written by the sgemm
     for (const Span& run : plan.runs) {
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, run.len, d, p.scale, Q, ldq,
                         K + run.key * ldk, ldk, 0.0f, S + run.col, cols);
@@ -429,7 +426,8 @@ void Forward(ffi::ThreadPool& pool, const Problem& p, float* out, float* lse) {
     const uint32_t lead = p.drop.on() ? p.drop.Lead(bi) : 0;
     for (int64_t r = 0; r < rows; ++r) {
       MaskScores(S + r * cols, plan, m, q0 + r);
-      L[r * p.lse_row] = SoftmaxRow(S + r * cols, plan, p.drop, lead, p.DropRow(h, q0 + r));
+      const uint32_t row_hash = p.drop.on() ? p.drop.Row(lead, p.DropRow(h, q0 + r)) : 0;
+      L[r * p.lse_row] = SoftmaxRow(S + r * cols, plan, p.drop, row_hash);
     }
     float beta = 0.0f;
     for (const Span& run : plan.runs) {
@@ -438,13 +436,13 @@ void Forward(ffi::ThreadPool& pool, const Problem& p, float* out, float* lse) {
       beta = 1.0f;
     }
   };
-  jmegatron::ParallelFor(pool, sh.b * sh.nq * q_tiles, task);
+  return jmegatron::ParallelFor(op, pool, tasks, task);
 }
 
 // Gradients of one problem. D = rowsum(dO * O) comes from `delta` (lse's layout) when given,
 // else from `out`.
-void Backward(ffi::ThreadPool& pool, const Problem& p, const float* out, const float* dout, const float* lse,
-              const float* delta, float* dq, float* dk, float* dv) {
+ffi::Error Backward(const char* op, ffi::ThreadPool& pool, const Problem& p, const float* out, const float* dout,
+                    const float* lse, const float* delta, float* dq, float* dk, float* dv) {
   const Dims& sh = p.dims;
   const int64_t d = sh.d, ldq = sh.nq * d, ldk = sh.nkv * d, tile = p.tile;
   const int64_t q_tiles = (sh.sq + tile - 1) / tile, k_tiles = (sh.sk + tile - 1) / tile;
@@ -454,10 +452,30 @@ void Backward(ffi::ThreadPool& pool, const Problem& p, const float* out, const f
   // slice of `parts` and a second pass sums each group's slices.
   const bool grouped = sh.group > 1;
   // (each task zeroes its slice: no value-initialising pass over all of them here)
-  std::unique_ptr<float[]> parts(grouped ? new float[2 * sh.b * sh.nq * sh.sk * d] : nullptr);
+  std::unique_ptr<float[]> parts;
+  if (grouped) {
+    if (auto err = jmegatron::Allocate(op, "the grouped-query dK/dV partial sums (2 x b x nq x sk x d floats)",
+                                       jmegatron::SatMul(2 * sh.b * sh.nq, jmegatron::SatMul(sh.sk, d)), &parts);
+        err.failure()) {
+      return err;
+    }
+  }
   float* dk_parts = parts.get();
   float* dv_parts = grouped ? dk_parts + sh.b * sh.nq * sh.sk * d : nullptr;
-  auto task = [&](int64_t t) {
+  const int64_t tasks = sh.b * sh.nq;
+  const int64_t workers = jmegatron::Workers(pool, tasks);
+  // Per worker: probabilities / dS, dP (each [rows, visible keys]), D [tile], and with
+  // dropout the dropped probabilities.
+  const int64_t width = std::min(tile, sh.sq) * sh.sk;
+  const int64_t slice = (p.drop.on() ? 3 : 2) * width + tile;
+  std::unique_ptr<float[]> scratch;
+  if (auto err = jmegatron::Allocate(op, "the attention backward scratch (workers x 3 x block x sk floats)",
+                                     jmegatron::SatMul(workers, slice), &scratch);
+      err.failure()) {
+    return err;
+  }
+  std::vector<Plan> plans = WorkerPlans(workers, k_tiles);
+  auto task = [&](int64_t t, int64_t worker) {
     const int64_t bi = t / sh.nq, h = t % sh.nq, hk = h / sh.group;
     const float* K = p.k + bi * sh.sk * ldk + hk * d;
     const float* V = p.v + bi * sh.sk * ldk + hk * d;
@@ -470,9 +488,8 @@ void Backward(ffi::ThreadPool& pool, const Problem& p, const float* out, const f
     }
     const MaskRow m = p.mask.Row(bi);
     const uint32_t lead = p.drop.on() ? p.drop.Lead(bi) : 0;
-    const int64_t width = std::min(tile, sh.sq) * sh.sk;
-    std::vector<float> scratch((p.drop.on() ? 3 : 2) * width + tile);
-    Plan plan;
+    float* const work = scratch.get() + worker * slice;
+    Plan& plan = plans[worker];
     for (int64_t qt = 0; qt < q_tiles; ++qt) {
       const int64_t q0 = qt * tile, rows = std::min(tile, sh.sq - q0);
       PlanKeys(m, RangeOf(m.q_pos, m.q_seg, q0, rows), key_tiles.data() + bi * k_tiles, sh.sk, tile, &plan);
@@ -485,7 +502,7 @@ void Backward(ffi::ThreadPool& pool, const Problem& p, const float* out, const f
         for (int64_t r = 0; r < rows; ++r) std::fill(dQ + r * ldq, dQ + r * ldq + d, 0.0f);
         continue;
       }
-      float* P = scratch.data();                    // probabilities, then dS
+      float* P = work;                              // probabilities, then dS
       float* dP = P + rows * cols;                  // gradient of the (dropped) probabilities
       float* D = dP + rows * cols;                  // rowsum(dO * O)
       float* Pd = p.drop.on() ? D + tile : nullptr;  // dropped probabilities
@@ -497,8 +514,8 @@ void Backward(ffi::ThreadPool& pool, const Problem& p, const float* out, const f
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t qi = q0 + r;
         MaskScores(P + r * cols, plan, m, qi);
-        ProbsRow(P + r * cols, Pd ? Pd + r * cols : nullptr, plan, L[r * p.lse_row], p.drop, lead,
-                 p.DropRow(h, qi));
+        ProbsRow(P + r * cols, Pd ? Pd + r * cols : nullptr, plan, L[r * p.lse_row], p.drop,
+                 p.drop.on() ? p.drop.Row(lead, p.DropRow(h, qi)) : 0);
         D[r] = delta ? delta[bi * p.lse_batch + h * p.lse_head + qi * p.lse_row]
                      : Dot(out + row0 + r * ldq, dO + r * ldq, d);
       }
@@ -511,7 +528,8 @@ void Backward(ffi::ThreadPool& pool, const Problem& p, const float* out, const f
                           V + run.key * ldk, ldk, 0.0f, dP + run.col, cols);
       }
       for (int64_t r = 0; r < rows; ++r) {
-        SoftmaxGradRow(P + r * cols, dP + r * cols, plan, D[r], p.drop, lead, p.DropRow(h, q0 + r));
+        SoftmaxGradRow(P + r * cols, dP + r * cols, plan, D[r], p.drop,
+                       p.drop.on() ? p.drop.Row(lead, p.DropRow(h, q0 + r)) : 0);
       }
       float beta = 0.0f;
       for (const Span& run : plan.runs) {
@@ -524,7 +542,7 @@ void Backward(ffi::ThreadPool& pool, const Problem& p, const float* out, const f
       }
     }
   };
-  jmegatron::ParallelFor(pool, sh.b * sh.nq, task);
+  if (auto err = jmegatron::ParallelFor(op, pool, tasks, task); err.failure()) return err;
   if (grouped) {  // dK, dV of each (batch, kv head) = the sum over its group's slices
     auto reduce = [&](int64_t t) {
       const int64_t bi = t / sh.nkv, hk = t % sh.nkv;
@@ -545,8 +563,9 @@ void Backward(ffi::ThreadPool& pool, const Problem& p, const float* out, const f
         }
       }
     };
-    jmegatron::ParallelFor(pool, sh.b * sh.nkv, reduce);
+    return jmegatron::ParallelFor(op, pool, sh.b * sh.nkv, reduce);
   }
+  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -569,6 +588,20 @@ ffi::Error SequenceProblem(const char* op, const ffi::AnyBuffer& q, const ffi::A
   if (auto err = ExpectIds(op, "segment_ids", segment_ids, segments, sh.b, sh.sq); err.failure()) return err;
   if (auto err = Expect(op, "key", key, ffi::DataType::U32, {3}); err.failure()) return err;
   if (auto err = CheckBlock(op, block); err.failure()) return err;
+  if (!(dropout_rate >= 0.0f && dropout_rate < 1.0f) || threshold < 0 || threshold > 0xFFFFFFFFll ||
+      !(keep_scale > 0.0f)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": dropout attributes out of range (dropout_rate " +
+                                       std::to_string(dropout_rate) + " must be in [0, 1), threshold " +
+                                       std::to_string(threshold) + " in [0, 2^32), keep_scale " +
+                                       std::to_string(keep_scale) + " > 0)");
+  }
+  // The dropout hash's row word h * s + i must not wrap (Dropout::Row): nq x s <= 2^32.
+  if (dropout_rate > 0.0f && jmegatron::SatMul(sh.nq, sh.sq) > (int64_t{1} << 32)) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": attention dropout needs heads x sequence <= 2^32 (the "
+                                       "hash's row word), got nq = " + std::to_string(sh.nq) + " x s = " +
+                                       std::to_string(sh.sq) + "; use fewer heads per device (tensor "
+                                       "parallelism) or attention_dropout = 0");
+  }
   iota->resize(sh.sq);
   for (int64_t i = 0; i < sh.sq; ++i) (*iota)[i] = static_cast<int32_t>(i);
   p->q = q.typed_data<float>();
@@ -589,10 +622,10 @@ ffi::Error SequenceProblem(const char* op, const ffi::AnyBuffer& q, const ffi::A
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        ffi::AnyBuffer segment_ids, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> lse, float scale, float dropout_rate, float keep_scale,
-                        int64_t threshold, int64_t block, bool segments) {
+ffi::Error AttentionFwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                            const ffi::AnyBuffer& v, const ffi::AnyBuffer& segment_ids, const ffi::AnyBuffer& key,
+                            ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& lse, float scale,
+                            float dropout_rate, float keep_scale, int64_t threshold, int64_t block, bool segments) {
   Problem p;
   std::vector<int32_t> iota;
   if (auto err = SequenceProblem(kFwd, q, k, v, segment_ids, key, segments, scale, dropout_rate, keep_scale,
@@ -603,15 +636,15 @@ ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   const Dims& sh = p.dims;
   if (auto err = Expect(kFwd, "out", *out, ffi::DataType::F32, {sh.b, sh.sq, sh.nq, sh.d}); err.failure()) return err;
   if (auto err = Expect(kFwd, "lse", *lse, ffi::DataType::F32, {sh.b, sh.nq, sh.sq}); err.failure()) return err;
-  Forward(pool, p, out->typed_data<float>(), lse->typed_data<float>());
-  return ffi::Error::Success();
+  return Forward(kFwd, pool, p, out->typed_data<float>(), lse->typed_data<float>());
 }
 
-ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer segment_ids,
-                        ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, float scale, float dropout_rate, float keep_scale,
-                        int64_t threshold, int64_t block, bool segments) {
+ffi::Error AttentionBwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                            const ffi::AnyBuffer& v, const ffi::AnyBuffer& out, const ffi::AnyBuffer& dout,
+                            const ffi::AnyBuffer& lse, const ffi::AnyBuffer& segment_ids, const ffi::AnyBuffer& key,
+                            ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dk,
+                            ffi::Result<ffi::AnyBuffer>& dv, float scale, float dropout_rate, float keep_scale,
+                            int64_t threshold, int64_t block, bool segments) {
   Problem p;
   std::vector<int32_t> iota;
   if (auto err = SequenceProblem(kBwd, q, k, v, segment_ids, key, segments, scale, dropout_rate, keep_scale,
@@ -628,9 +661,30 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   if (auto err = Expect(kBwd, "lse", lse, ffi::DataType::F32, {sh.b, sh.nq, sh.sq}); err.failure()) return err;
   if (auto err = Expect(kBwd, "dk", *dk, ffi::DataType::F32, k_shape); err.failure()) return err;
   if (auto err = Expect(kBwd, "dv", *dv, ffi::DataType::F32, k_shape); err.failure()) return err;
-  Backward(pool, p, out.typed_data<float>(), dout.typed_data<float>(), lse.typed_data<float>(), nullptr,
-           dq->typed_data<float>(), dk->typed_data<float>(), dv->typed_data<float>());
-  return ffi::Error::Success();
+  return Backward(kBwd, pool, p, out.typed_data<float>(), dout.typed_data<float>(), lse.typed_data<float>(),
+                  nullptr, dq->typed_data<float>(), dk->typed_data<float>(), dv->typed_data<float>());
+}
+
+// The handlers: no exception leaves them (checks.h's Guarded).
+ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer segment_ids, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> lse, float scale, float dropout_rate, float keep_scale,
+                        int64_t threshold, int64_t block, bool segments) {
+  return jmegatron::Guarded(kFwd, [&] {
+    return AttentionFwdBody(pool, q, k, v, segment_ids, key, out, lse, scale, dropout_rate, keep_scale, threshold,
+                            block, segments);
+  });
+}
+
+ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer segment_ids,
+                        ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, float scale, float dropout_rate, float keep_scale,
+                        int64_t threshold, int64_t block, bool segments) {
+  return jmegatron::Guarded(kBwd, [&] {
+    return AttentionBwdBody(pool, q, k, v, out, dout, lse, segment_ids, key, dq, dk, dv, scale, dropout_rate,
+                            keep_scale, threshold, block, segments);
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -679,10 +733,11 @@ ffi::Error BlockProblem(const char* op, const ffi::AnyBuffer& q, const ffi::AnyB
   return ffi::Error::Success();
 }
 
-ffi::Error BlockFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                    ffi::AnyBuffer q_positions, ffi::AnyBuffer k_positions, ffi::AnyBuffer q_segments,
-                    ffi::AnyBuffer k_segments, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                    float scale, bool causal, bool segments, int64_t block) {
+ffi::Error BlockFwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                        const ffi::AnyBuffer& v, const ffi::AnyBuffer& q_positions, const ffi::AnyBuffer& k_positions,
+                        const ffi::AnyBuffer& q_segments, const ffi::AnyBuffer& k_segments,
+                        ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& lse, float scale, bool causal,
+                        bool segments, int64_t block) {
   Problem p;
   if (auto err = BlockProblem(kBlockFwd, q, k, v, q_positions, k_positions, q_segments, k_segments, causal,
                               segments, scale, block, &p);
@@ -694,15 +749,16 @@ ffi::Error BlockFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
     return err;
   }
   if (auto err = Expect(kBlockFwd, "lse", *lse, ffi::DataType::F32, {sh.b, sh.sq, sh.nq}); err.failure()) return err;
-  Forward(pool, p, out->typed_data<float>(), lse->typed_data<float>());
-  return ffi::Error::Success();
+  return Forward(kBlockFwd, pool, p, out->typed_data<float>(), lse->typed_data<float>());
 }
 
-ffi::Error BlockBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
-                    ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer q_positions, ffi::AnyBuffer k_positions,
-                    ffi::AnyBuffer q_segments, ffi::AnyBuffer k_segments, ffi::Result<ffi::AnyBuffer> dq,
-                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale, bool causal,
-                    bool segments, int64_t block) {
+ffi::Error BlockBwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                        const ffi::AnyBuffer& v, const ffi::AnyBuffer& dout, const ffi::AnyBuffer& lse,
+                        const ffi::AnyBuffer& delta, const ffi::AnyBuffer& q_positions,
+                        const ffi::AnyBuffer& k_positions, const ffi::AnyBuffer& q_segments,
+                        const ffi::AnyBuffer& k_segments, ffi::Result<ffi::AnyBuffer>& dq,
+                        ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv, float scale, bool causal,
+                        bool segments, int64_t block) {
   Problem p;
   if (auto err = BlockProblem(kBlockBwd, q, k, v, q_positions, k_positions, q_segments, k_segments, causal,
                               segments, scale, block, &p);
@@ -721,9 +777,30 @@ ffi::Error BlockBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
       return err;
     }
   }
-  Backward(pool, p, nullptr, dout.typed_data<float>(), lse.typed_data<float>(), delta.typed_data<float>(),
-           dq->typed_data<float>(), dk->typed_data<float>(), dv->typed_data<float>());
-  return ffi::Error::Success();
+  return Backward(kBlockBwd, pool, p, nullptr, dout.typed_data<float>(), lse.typed_data<float>(),
+                  delta.typed_data<float>(), dq->typed_data<float>(), dk->typed_data<float>(),
+                  dv->typed_data<float>());
+}
+
+ffi::Error BlockFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer q_positions, ffi::AnyBuffer k_positions, ffi::AnyBuffer q_segments,
+                    ffi::AnyBuffer k_segments, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                    float scale, bool causal, bool segments, int64_t block) {
+  return jmegatron::Guarded(kBlockFwd, [&] {
+    return BlockFwdBody(pool, q, k, v, q_positions, k_positions, q_segments, k_segments, out, lse, scale, causal,
+                        segments, block);
+  });
+}
+
+ffi::Error BlockBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
+                    ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer q_positions, ffi::AnyBuffer k_positions,
+                    ffi::AnyBuffer q_segments, ffi::AnyBuffer k_segments, ffi::Result<ffi::AnyBuffer> dq,
+                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale, bool causal,
+                    bool segments, int64_t block) {
+  return jmegatron::Guarded(kBlockBwd, [&] {
+    return BlockBwdBody(pool, q, k, v, dout, lse, delta, q_positions, k_positions, q_segments, k_segments, dq, dk,
+                        dv, scale, causal, segments, block);
+  });
 }
 
 }  // namespace

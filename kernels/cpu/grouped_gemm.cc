@@ -10,11 +10,16 @@
 // jax.lax.ragged_dot (the XLA reference path) computes about every group's product over
 // all N rows on XLA:CPU; here each group is one OpenBLAS call on its own rows (panels of
 // rows, or of columns for the weight gradient, spread over XLA's intra-op pool).
+//
+// Every buffer (a, b or g, group_sizes and the result c) is checked for dtype and shape, and
+// every size against OpenBLAS's 32-bit int, with an error naming it (checks.h).
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cblas.h"
+#include "checks.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -22,42 +27,63 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jmegatron::Expect;
+using jmegatron::ExpectRank;
+
 constexpr int64_t kPanel = 128;  // rows (or columns) per task
+constexpr char kFwd[] = "jmegatron_grouped_sgemm";
+constexpr char kWgrad[] = "jmegatron_grouped_sgemm_wgrad";
 
 // Prefix sums of the group sizes; an error for negative sizes or more rows than n.
-ffi::Error Offsets(ffi::Buffer<ffi::S32> sizes, int64_t n, std::vector<int64_t>* offsets) {
+ffi::Error Offsets(const char* op, const ffi::AnyBuffer& sizes, int64_t n, std::vector<int64_t>* offsets) {
   const int64_t groups = sizes.dimensions()[0];
-  const int32_t* s = sizes.typed_data();
+  const int32_t* s = sizes.typed_data<int32_t>();
   offsets->assign(groups + 1, 0);
   for (int64_t e = 0; e < groups; ++e) {
-    if (s[e] < 0) return ffi::Error::InvalidArgument("jmegatron_grouped_sgemm: a group size is negative");
+    if (s[e] < 0) {
+      return ffi::Error::InvalidArgument(std::string(op) + ": group_sizes[" + std::to_string(e) + "] = " +
+                                         std::to_string(s[e]) + " is negative");
+    }
     (*offsets)[e + 1] = (*offsets)[e] + s[e];
   }
   if ((*offsets)[groups] > n) {
-    return ffi::Error::InvalidArgument("jmegatron_grouped_sgemm: the group sizes add up to more rows than A has");
+    return ffi::Error::InvalidArgument(std::string(op) + ": group_sizes add up to " +
+                                       std::to_string((*offsets)[groups]) + ", more than the " + std::to_string(n) +
+                                       " rows of a");
   }
   return ffi::Error::Success();
 }
 
-ffi::Error GroupedSgemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
-                        ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> c, bool trans_b) {
-  auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
-  if (ad.size() != 2 || bd.size() != 3 || cd.size() != 2 || sizes.dimensions().size() != 1) {
-    return ffi::Error::InvalidArgument("jmegatron_grouped_sgemm: A [N, K], B [E, K, P], sizes [E], C [N, P]");
+struct Task {  // rows (or columns) [lo, hi) of group e
+  int64_t e, lo, hi;
+};
+
+ffi::Error GroupedSgemmBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                            const ffi::AnyBuffer& sizes, ffi::Result<ffi::AnyBuffer>& c, bool trans_b) {
+  if (auto err = ExpectRank(kFwd, "a", a, ffi::DataType::F32, 2, "[N, K]"); err.failure()) return err;
+  if (auto err = ExpectRank(kFwd, "b", b, ffi::DataType::F32, 3, trans_b ? "[E, P, K]" : "[E, K, P]");
+      err.failure()) {
+    return err;
   }
+  auto ad = a.dimensions(), bd = b.dimensions();
   const int64_t n = ad[0], k = ad[1], groups = bd[0];
   const int64_t kb = trans_b ? bd[2] : bd[1], p = trans_b ? bd[1] : bd[2];
-  if (kb != k || sizes.dimensions()[0] != groups || cd[0] != n || cd[1] != p) {
-    return ffi::Error::InvalidArgument("jmegatron_grouped_sgemm: shapes do not match");
+  if (kb != k) {
+    return jmegatron::Mismatch(kFwd, "b", (trans_b ? "float32[E, P, K=" : "float32[E, K=") + std::to_string(k) +
+                                              (trans_b ? "]" : ", P]") + " (a's K)",
+                               b);
   }
+  if (auto err = Expect(kFwd, "group_sizes", sizes, ffi::DataType::S32, {groups}); err.failure()) return err;
+  if (auto err = Expect(kFwd, "c", *c, ffi::DataType::F32, {n, p}); err.failure()) return err;
+  // Every size and leading dimension OpenBLAS sees (a group has at most n rows).
+  if (auto err = jmegatron::BlasInts(kFwd, {{"N", n}, {"K", k}, {"P", p}}); err.failure()) return err;
   std::vector<int64_t> off;
-  if (auto err = Offsets(sizes, n, &off); !err.success()) return err;
-  const float* pa = a.typed_data();
-  const float* pb = b.typed_data();
-  float* pc = c->typed_data();
+  if (auto err = Offsets(kFwd, sizes, n, &off); err.failure()) return err;
+  const float* pa = a.typed_data<float>();
+  const float* pb = b.typed_data<float>();
+  float* pc = c->typed_data<float>();
   std::fill(pc + off[groups] * p, pc + n * p, 0.0f);  // rows outside every group
   if (p == 0) return ffi::Error::Success();
-  struct Task { int64_t e, lo, hi; };
   std::vector<Task> tasks;
   for (int64_t e = 0; e < groups; ++e)
     for (int64_t lo = off[e]; lo < off[e + 1]; lo += kPanel) tasks.push_back({e, lo, std::min(lo + kPanel, off[e + 1])});
@@ -71,27 +97,29 @@ ffi::Error GroupedSgemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buff
     scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, task.hi - task.lo, p, k,
                       1.0f, pa + task.lo * k, k, pb + task.e * k * p, ldb, 0.0f, pc + task.lo * p, p);
   };
-  jmegatron::ParallelFor(pool, static_cast<int64_t>(tasks.size()), run);
-  return ffi::Error::Success();
+  return jmegatron::ParallelFor(kFwd, pool, static_cast<int64_t>(tasks.size()), run);
 }
 
-ffi::Error GroupedSgemmWgrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> g,
-                             ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> c) {
-  auto ad = a.dimensions(), gd = g.dimensions(), cd = c->dimensions();
-  if (ad.size() != 2 || gd.size() != 2 || cd.size() != 3 || sizes.dimensions().size() != 1) {
-    return ffi::Error::InvalidArgument("jmegatron_grouped_sgemm_wgrad: A [N, K], G [N, P], sizes [E], C [E, K, P]");
+ffi::Error GroupedSgemmWgradBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& a, const ffi::AnyBuffer& g,
+                                 const ffi::AnyBuffer& sizes, ffi::Result<ffi::AnyBuffer>& c) {
+  if (auto err = ExpectRank(kWgrad, "a", a, ffi::DataType::F32, 2, "[N, K]"); err.failure()) return err;
+  auto ad = a.dimensions();
+  const int64_t n = ad[0], k = ad[1];
+  if (g.element_type() != ffi::DataType::F32 || g.dimensions().size() != 2 || g.dimensions()[0] != n) {
+    return jmegatron::Mismatch(kWgrad, "g", "float32[N=" + std::to_string(n) + ", P] (a's rows)", g);
   }
-  const int64_t n = ad[0], k = ad[1], p = gd[1], groups = cd[0];
-  if (gd[0] != n || cd[1] != k || cd[2] != p || sizes.dimensions()[0] != groups) {
-    return ffi::Error::InvalidArgument("jmegatron_grouped_sgemm_wgrad: shapes do not match");
-  }
+  const int64_t p = g.dimensions()[1];
+  if (auto err = ExpectRank(kWgrad, "c", *c, ffi::DataType::F32, 3, "[E, K, P]"); err.failure()) return err;
+  const int64_t groups = c->dimensions()[0];
+  if (auto err = Expect(kWgrad, "group_sizes", sizes, ffi::DataType::S32, {groups}); err.failure()) return err;
+  if (auto err = Expect(kWgrad, "c", *c, ffi::DataType::F32, {groups, k, p}); err.failure()) return err;
+  if (auto err = jmegatron::BlasInts(kWgrad, {{"N", n}, {"K", k}, {"P", p}}); err.failure()) return err;
   std::vector<int64_t> off;
-  if (auto err = Offsets(sizes, n, &off); !err.success()) return err;
-  const float* pa = a.typed_data();
-  const float* pg = g.typed_data();
-  float* pc = c->typed_data();
-  struct Task { int64_t e, lo, hi; };  // columns [lo, hi) of group e's K x P block
-  std::vector<Task> tasks;
+  if (auto err = Offsets(kWgrad, sizes, n, &off); err.failure()) return err;
+  const float* pa = a.typed_data<float>();
+  const float* pg = g.typed_data<float>();
+  float* pc = c->typed_data<float>();
+  std::vector<Task> tasks;  // columns [lo, hi) of group e's K x P block
   for (int64_t e = 0; e < groups; ++e)
     for (int64_t lo = 0; lo < std::max<int64_t>(p, 1); lo += kPanel) tasks.push_back({e, lo, std::min(lo + kPanel, p)});
   auto run = [&](int64_t t) {
@@ -105,8 +133,18 @@ ffi::Error GroupedSgemmWgrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi:
     scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, k, task.hi - task.lo, rows, 1.0f,
                       pa + off[task.e] * k, k, pg + off[task.e] * p + task.lo, p, 0.0f, out, p);
   };
-  jmegatron::ParallelFor(pool, static_cast<int64_t>(tasks.size()), run);
-  return ffi::Error::Success();
+  return jmegatron::ParallelFor(kWgrad, pool, static_cast<int64_t>(tasks.size()), run);
+}
+
+// The handlers: no exception leaves them (the vectors above allocate).
+ffi::Error GroupedSgemm(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sizes,
+                        ffi::Result<ffi::AnyBuffer> c, bool trans_b) {
+  return jmegatron::Guarded(kFwd, [&] { return GroupedSgemmBody(pool, a, b, sizes, c, trans_b); });
+}
+
+ffi::Error GroupedSgemmWgrad(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer g, ffi::AnyBuffer sizes,
+                             ffi::Result<ffi::AnyBuffer> c) {
+  return jmegatron::Guarded(kWgrad, [&] { return GroupedSgemmWgradBody(pool, a, g, sizes, c); });
 }
 
 }  // namespace
@@ -114,16 +152,16 @@ ffi::Error GroupedSgemmWgrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronGroupedSgemm, GroupedSgemm,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b (g)
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Ret<ffi::AnyBuffer>()  // c
                                   .Attr<bool>("trans_b"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronGroupedSgemmWgrad, GroupedSgemmWgrad,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // b (g)
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Ret<ffi::AnyBuffer>());  // c

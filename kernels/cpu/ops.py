@@ -218,8 +218,9 @@ def cpu_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     i``, element for element the XLA path's. Memory: saves only
     q, k, v, the output and the log-sum-exp ``[b, nq, s]`` (no ``[s, s]`` activations).
     Other dtypes and ``dropout_impl="threefry"`` with dropout go to ``xla_attention``.
-    Raises ValueError for a dropout rate outside [0, 1) or ``segment_ids`` of another
-    shape or a non-integer dtype.
+    Raises ValueError for a dropout rate outside [0, 1), ``segment_ids`` of another
+    shape or a non-integer dtype, or dropout with heads x s above 2^32 (the hash's row word,
+    :func:`jmegatron.models.dropout.check_hash_extent`).
     """
     from jmegatron.models.attention import xla_attention
     rate = 0.0 if deterministic else float(dropout_rate)
@@ -235,6 +236,10 @@ def cpu_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"cpu_attention: k and v must have q's sequence length {q.shape[1]}, got {k.shape[1]} "
                          f"(cpu_attention_block takes blocks of different lengths)")
+    if rate > 0.0:  # the hash's row word head * s + i (the kernel checks it too)
+        from jmegatron.models.dropout import check_hash_extent
+        check_hash_extent("cpu_attention", q.shape[2] * q.shape[1], q.shape[1],
+                          f"heads {q.shape[2]} x seq {q.shape[1]}")
     seg = _segments_operand(segment_ids, q.shape[0], q.shape[1])
     key = _dropout_key(dropout_rng, sample_offset) if rate > 0.0 else jnp.zeros((3,), jnp.uint32)
     return _attention(*_same_vma(q, k, v, seg, key), rate, ATTENTION_BLOCK, segment_ids is not None)

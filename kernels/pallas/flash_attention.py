@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jmegatron.kernels.pallas.common import default_interpret, fori_loop, out_struct, same_vma
-from jmegatron.models.dropout import _key_words, _triple32
+from jmegatron.models.dropout import _key_words, check_hash_extent, mask_hash
 
 Array = jax.Array
 
@@ -58,13 +58,15 @@ class _Config(NamedTuple):
 
 
 def _keep(seed_ref, batch, head, q_index, k_index, dropout) -> Array:
-    """bool ``[bq, bk]``: attention_keep_mask's hash at (sample, head, q_index, k_index)."""
+    """bool ``[bq, bk]``: attention_keep_mask's hash at (sample, head, q_index, k_index): the
+    words sample, ``row = global head * S + q_index`` and ``col = k_index``
+    (:func:`jmegatron.models.dropout.mask_hash`; heads x S <= 2^32 is checked by
+    :func:`_dropout_cfg`)."""
     threshold, _, seq_length, _ = dropout
     k0, k1, offset, head_offset = seed_ref[0], seed_ref[1], seed_ref[2], seed_ref[3]
-    lead = _triple32((offset + batch.astype(_U)) ^ k0)
     s = _U(seq_length % 2**32)
-    rest = ((head.astype(_U) + head_offset) * s + q_index.astype(_U)[:, None]) * s + k_index.astype(_U)[None, :]
-    return _triple32(lead ^ rest ^ k1) >= _U(threshold)
+    row = (head.astype(_U) + head_offset) * s + q_index.astype(_U)[:, None]
+    return mask_hash(k0, k1, offset + batch.astype(_U), row, k_index.astype(_U)[None, :]) >= _U(threshold)
 
 
 def _iota(start, n) -> Array:
@@ -362,11 +364,15 @@ def _seed(key, sample_offset) -> Array:
     return jnp.stack([k0, k1, jnp.asarray(sample_offset).astype(_U), _U(0)]).astype(_U)
 
 
-def _dropout_cfg(rate: float, seq_length: int, indices: str) -> Optional[tuple]:
+def _dropout_cfg(rate: float, seq_length: int, indices: str, heads: int) -> Optional[tuple]:
+    """The dropout part of :class:`_Config`; ValueError for a rate outside [0, 1) or when
+    ``heads`` (global query heads) x ``seq_length`` exceeds 2^32 (the hash's row word)."""
     if rate == 0.0:
         return None
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout rate {rate} must be in [0, 1)")
+    check_hash_extent("pallas attention dropout", int(heads) * int(seq_length), int(seq_length),
+                      f"heads {heads} x seq_length {seq_length}")
     threshold = min(int(math.floor(rate * 2.0**32)), 2**32 - 1)
     return threshold, 1.0 - rate, int(seq_length), indices
 
@@ -495,13 +501,14 @@ def pallas_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                          f"config.dropout_impl='hash' or config.attention_impl='xla'")
     if rate > 0.0 and dropout_rng is None:
         raise ValueError("pallas_attention: dropout_rate > 0 in training needs dropout_rng")
-    cfg = _Config(causal="index", segments=segment_ids is not None, dropout=_dropout_cfg(rate, s, "index"),
+    size, manual = _head_split(tensor_axis, k.shape[2])
+    heads = q.shape[2] * (size if manual else 1)  # global query heads (the hash's row word)
+    cfg = _Config(causal="index", segments=segment_ids is not None, dropout=_dropout_cfg(rate, s, "index", heads),
                   block_q=_block_size("block_q", block_q, BLOCK_Q, s),
                   block_k=_block_size("block_k", block_k, BLOCK_K, s),
                   interpret=default_interpret() if interpret is None else bool(interpret))
     segments = _ids("pallas_attention: segment_ids", segment_ids, (b, s))
     seed = _seed(dropout_rng, sample_offset) if rate > 0.0 else None
-    size, manual = _head_split(tensor_axis, k.shape[2])
     if size > 1 and not manual:
         return _flash_heads(q, k, v, segments, seed, cfg, tensor_axis)
     if manual:  # q/k/v are this rank's heads already
@@ -524,7 +531,7 @@ def _block_setup(fn, q, k, v, q_positions, k_positions, q_segments, k_segments, 
         ids += [_ids(f"{fn}: q_{kind}", qi, (b, sq)), _ids(f"{fn}: k_{kind}", ki, (b, sk))]
     seed, drop = None, None
     if dropout is not None and dropout.rate > 0.0:
-        drop = _dropout_cfg(float(dropout.rate), dropout.seq_length, "refs")
+        drop = _dropout_cfg(float(dropout.rate), dropout.seq_length, "refs", q.shape[2])
         ids += [_ids(f"{fn}: dropout.q_index", dropout.q_index, (b, sq)),
                 _ids(f"{fn}: dropout.k_index", dropout.k_index, (b, sk))]
         seed = _seed(dropout.key, dropout.sample_offset)
