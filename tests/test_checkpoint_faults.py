@@ -15,7 +15,7 @@ from jmegatron.config import ConfigError, base_config, from_configdict
 from jmegatron.data.loader import BatchLoader
 from jmegatron.training import checkpointing
 from jmegatron.training.loop import build_datasets, fresh_rng, load_or_init, pretrain
-from jmegatron.training.run import build, checkpoint_meta
+from jmegatron.training.run import build
 
 
 def cfg_for(save, **kw):
@@ -46,53 +46,45 @@ def bit_equal(a, b):
 
 @pytest.fixture(scope="module")
 def pre(tmp_path_factory):
-    """A run stopped by exit_interval at 6 of 10, saving every 2 (steps 2, 4, 6 kept)."""
+    """A run with async saves every 2 iterations, stopped by exit_interval at 6 of 10 (steps
+    2, 4, 6 kept). Records, right after each save returned, whether Orbax was still writing
+    it (the loop's next step donates the state at once)."""
     d = tmp_path_factory.mktemp("pre")
-    summary = pretrain(cfg_for(d, save_interval=2, exit_interval=6, keep_checkpoints=3))
-    return d, summary
+    writing = []
+    save = checkpointing.Checkpointer.save
+
+    def recording_save(self, *a, **kw):
+        save(self, *a, **kw)
+        writing.append(self._manager.is_saving_in_progress())
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(checkpointing.Checkpointer, "save", recording_save)
+        summary = pretrain(cfg_for(d, save_interval=2, exit_interval=6, keep_checkpoints=3, async_save=True))
+    return d, summary, writing
 
 
 def test_exit_interval_saves_and_stops(pre):
-    d, summary = pre
+    d, summary, _ = pre
     assert summary["iteration"] == 6 and sorted(summary["losses"]) == [1, 2, 3, 4, 5, 6]
     assert checkpointing.Checkpointer(str(d), create=False).all_steps() == [2, 4, 6]
 
 
-def test_async_save_then_donated_steps_writes_the_saved_iteration(tmp_path):
-    """An async save returns and the next steps donate the state at once: every saved
-    step restores bit-exactly to a synchronous run's state at that iteration."""
-    cfg = cfg_for(tmp_path / "unused")
+def test_async_save_then_donated_steps_writes_the_saved_iteration(pre):
+    """The loop's async saves return and the next steps donate the state at once: every
+    saved step restores bit-exactly to a synchronous replay's state at that iteration."""
+    d, _, writing = pre
+    assert any(writing[:-1]), f"no save was still being written when the next step ran: {writing}"
+    cfg = cfg_for(d)
     run = build(cfg)
     train_ds, _, _ = build_datasets(cfg, run.global_batch_size)
     loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches)
-
-    def steps(n, on_step=None):
-        state = run.init_state()
-        for it in range(1, n + 1):
-            state, _ = run.train_step(state, run.put_batch(loader.batch_at((it - 1) * run.global_batch_size)))
-            if on_step:
-                on_step(it, state)
-        return state
-
-    reference = {}
-    steps(6, lambda it, s: reference.setdefault(it, host(s)) if it % 2 == 0 else None)
-    ckpt = checkpointing.Checkpointer(str(tmp_path / "async"), max_to_keep=10, async_save=True)
-    overlapped = []
-
-    def save(it, state):
+    ckpt = checkpointing.Checkpointer(str(d), create=False)
+    state = run.init_state()
+    for it in range(1, 7):
+        state, _ = run.train_step(state, run.put_batch(loader.batch_at((it - 1) * run.global_batch_size)))
         if it % 2 == 0:
-            ckpt.save(it, state, checkpoint_meta(cfg, run, it, it * run.global_batch_size))
-            overlapped.append(ckpt._manager.is_saving_in_progress())  # the next step donates `state` now
-
-    steps(6, save)
-    ckpt.wait()
-    assert ckpt.all_steps() == [2, 4, 6]
-    assert any(overlapped), "no save was still being written when the next step ran"
-    for it in (2, 4):  # their arrays were handed to the next (donating) step while being written
-        restored, meta = ckpt.restore(run.abstract_with_shardings(), it)
-        assert meta["iteration"] == it
-        assert all(same_bits(x, y) for x, y in zip(host(restored), reference[it]))
-    ckpt.close()
+            restored, meta = ckpt.restore(run.abstract_with_shardings(), it)
+            assert meta["iteration"] == it and bit_equal(restored, state), it
 
 
 def _largest_file(root):
@@ -124,7 +116,7 @@ def _garbage_meta(d):
 
 @pytest.mark.parametrize("corrupt", [_cut_short, _garbage_bytes, _missing_item, _garbage_meta])
 def test_corrupt_checkpoint_falls_back_to_the_previous(pre, tmp_path, capsys, corrupt):
-    src, _ = pre
+    src = pre[0]
     d = tmp_path / "c"
     shutil.copytree(src, d)
     corrupt(d)
@@ -143,7 +135,7 @@ def test_corrupt_checkpoint_falls_back_to_the_previous(pre, tmp_path, capsys, co
 
 
 def test_changed_values_are_caught_by_the_fingerprints(pre):
-    src, _ = pre
+    src = pre[0]
     run = build(cfg_for(src))
     ckpt = checkpointing.Checkpointer(str(src), create=False)
     state, meta = ckpt.restore(run.abstract_with_shardings(), 6)
@@ -165,7 +157,7 @@ def test_changed_values_are_caught_by_the_fingerprints(pre):
 
 
 def test_every_checkpoint_corrupt_is_an_error_and_a_killed_save_is_ignored(pre, tmp_path, capsys):
-    src, _ = pre
+    src = pre[0]
     d = tmp_path / "all"
     shutil.copytree(src, d)
     shutil.copytree(d / "6", d / "8.orbax-checkpoint-tmp-1234")  # what a save killed mid-write leaves
@@ -181,42 +173,41 @@ def test_every_checkpoint_corrupt_is_an_error_and_a_killed_save_is_ignored(pre, 
 
 
 def test_load_options_finetune_no_load_optim_no_load_rng(pre, tmp_path):
-    src, _ = pre
-    saved, _ = checkpointing.Checkpointer(str(src), create=False).restore(
-        build(cfg_for(src)).abstract_with_shardings(), 6)
+    src = pre[0]
+    run = build(cfg_for(tmp_path / "ft", load=str(src), seed=7))
+    saved, _ = checkpointing.Checkpointer(str(src), create=False).restore(run.abstract_with_shardings(), 6)
+    fresh = run.init_state()  # seed 7 (the checkpoint's run used seed 1234)
 
     def load(**kw):
-        run = build(cfg_for(tmp_path / "ft", load=str(src), **kw))
-        return run, load_or_init(run, None)
+        return load_or_init(dataclasses.replace(run, cfg=cfg_for(tmp_path / "ft", load=str(src), seed=7, **kw)), None)
 
     def adam(opt_state):
         return [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
                 if isinstance(x, optax.ScaleByAdamState)][0]
 
     def schedule_count(opt_state):
-        return [int(x.count) for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
-                if isinstance(x, optax.ScaleByScheduleState)]
+        is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+        return [int(x.count) for x in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(x)]
 
-    run, (state, iteration, consumed, consumed_valid) = load(finetune=True)
-    fresh = run.init_state()
+    state, iteration, consumed, consumed_valid = load(finetune=True)
     assert (iteration, consumed, consumed_valid, int(state.step)) == (0, 0, 0, 0)
     assert bit_equal(state.params, saved.params)
     assert bit_equal(state.opt_state, fresh.opt_state) and bit_equal(state.rng, fresh.rng)
 
-    run, (state, iteration, consumed, _) = load(no_load_optim=True)
+    state, iteration, consumed, _ = load(no_load_optim=True)
     assert (iteration, consumed, int(state.step)) == (6, 48, 6)
     assert bit_equal(state.params, saved.params) and bit_equal(state.rng, saved.rng)
     assert int(adam(state.opt_state).count) == 0 and not any(np.any(x) for x in host(adam(state.opt_state).mu))
     assert schedule_count(state.opt_state) == schedule_count(saved.opt_state) == [6]  # the LR continues
 
-    run, (state, iteration, _, _) = load(no_load_rng=True, seed=7)
+    state, iteration, _, _ = load(no_load_rng=True)
     assert iteration == 6 and bit_equal(state.params, saved.params) and bit_equal(state.opt_state, saved.opt_state)
-    assert bit_equal(state.rng, run.init_state().rng) and not bit_equal(state.rng, saved.rng)
-    assert bit_equal(fresh_rng(7), run.init_state().rng)
+    assert bit_equal(state.rng, fresh.rng) and not bit_equal(state.rng, saved.rng)
+    assert bit_equal(fresh_rng(7), fresh.rng)
 
 
 def test_finetune_trains_from_zero_and_exit_duration_saves_and_stops(pre, tmp_path):
-    src, _ = pre
+    src = pre[0]
     # exit_duration_in_mins counts from the start of pretrain (Megatron's _TRAIN_START_TIME): the setup
     # alone exceeds 1e-6 minutes, so the run stops after its first iteration and saves it
     out = pretrain(cfg_for(tmp_path / "ft", load=str(src), finetune=True, exit_duration_in_mins=1e-6))

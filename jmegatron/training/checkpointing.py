@@ -98,14 +98,14 @@ def _fingerprints(tree: Any) -> Any:
     return jax.tree.map(_fingerprint, tree)
 
 
-def state_fingerprints(tree: Any) -> dict[str, int]:
-    """``{leaf name: uint32 fingerprint}`` of a pytree of arrays (any sharding; one jitted
-    pass over the values and one small host transfer). Equal values give equal
-    fingerprints whatever their sharding; a changed bit changes it (but for a 2^-32
-    chance)."""
+def state_fingerprints(tree: Any) -> dict[str, list]:
+    """``{leaf name: [uint32 fingerprint, dtype name]}`` of a pytree of arrays (any
+    sharding; one jitted pass over the values and one small host transfer). Equal values
+    give equal fingerprints whatever their sharding; a changed bit changes it (but for a
+    2^-32 chance)."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     values = jax.device_get(_fingerprints([x for _, x in leaves]))
-    return {_leaf_name(p): int(v) for (p, _), v in zip(leaves, values)}
+    return {_leaf_name(p): [int(v), str(np.dtype(x.dtype))] for (p, x), v in zip(leaves, values)}
 
 
 def _kill_hook(save_number: int) -> None:
@@ -133,7 +133,7 @@ class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int = 2, async_save: bool = False,
                  create: bool = True):
         self.directory = os.path.abspath(directory)
-        self.incomplete = sorted(glob.glob(os.path.join(self.directory, "*.orbax-checkpoint-tmp*")))
+        self.incomplete = incomplete_saves(self.directory)  # before a writer removes them
         # A writer removes the leftovers of killed saves (Orbax ignores them when listing steps).
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
                                                enable_async_checkpointing=async_save,
@@ -202,14 +202,16 @@ class Checkpointer:
         return restored, meta
 
     def verify(self, state: Any, meta: dict, step: int) -> None:
-        """Compare ``state``'s :func:`state_fingerprints` with those saved in ``meta`` (leaves
-        present in both; a checkpoint older than the fingerprints is not checked). Raises
-        CorruptCheckpointError naming the leaves whose values differ."""
+        """Compare ``state``'s :func:`state_fingerprints` with those saved in ``meta``: the
+        leaves present in both with the saved dtype (a restore that casts, e.g. into a
+        bfloat16 target, cannot be compared bit for bit; a checkpoint older than the
+        fingerprints is not checked). Raises CorruptCheckpointError naming the leaves whose
+        values differ."""
         saved = meta.get(FINGERPRINTS_KEY)
         if not saved:
             return
         now = state_fingerprints(state)
-        bad = sorted(k for k in now.keys() & saved.keys() if now[k] != saved[k])
+        bad = sorted(k for k in now.keys() & saved.keys() if now[k][1] == saved[k][1] and now[k][0] != saved[k][0])
         if bad:
             raise CorruptCheckpointError(step, self.directory, f"{len(bad)} array(s) differ from the values "
                                          f"saved (fingerprint mismatch): {', '.join(bad[:5])}"
@@ -233,6 +235,12 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint for iteration {iteration} in {self.directory} "
                                   f"(available: {sorted(steps)})")
         return iteration
+
+
+def incomplete_saves(directory: str) -> list[str]:
+    """The step directories a killed save left in ``directory`` (``<step>.orbax-checkpoint-tmp*``:
+    Orbax renames a step only once every item is written, and lists only renamed ones)."""
+    return sorted(glob.glob(os.path.join(os.path.abspath(directory), "*.orbax-checkpoint-tmp*")))
 
 
 def has_checkpoint(directory: Optional[str]) -> bool:

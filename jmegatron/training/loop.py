@@ -160,12 +160,15 @@ def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[
     load_dir = cfg.load
     if cfg.save and not cfg.kd_finalize and checkpointing.has_checkpoint(cfg.save):
         load_dir = cfg.save
+    incomplete = set(ckpt.incomplete) if ckpt else set()
+    if load_dir:
+        incomplete |= set(checkpointing.incomplete_saves(load_dir))
+    for path in sorted(incomplete):  # Orbax lists only renamed (complete) steps; a writer deletes these
+        print(f"[jmegatron] WARNING: ignoring {path}: an incomplete save (the process was killed while "
+              f"writing it)", flush=True)
     if load_dir and checkpointing.has_checkpoint(load_dir):
         loader_ckpt = ckpt if ckpt and ckpt.directory == os.path.abspath(load_dir) else \
             checkpointing.Checkpointer(load_dir, create=False)
-        for path in loader_ckpt.incomplete:
-            print(f"[jmegatron] WARNING: ignoring {path}: an incomplete save (the process was killed while "
-                  f"writing it)", flush=True)
         state, meta = _restore_latest(run, loader_ckpt)
         print(f"[jmegatron] resumed from {loader_ckpt.directory} at iteration {meta['iteration']}", flush=True)
         iteration = int(meta["iteration"])
