@@ -171,6 +171,11 @@ class JMegatronConfig:
     tensorboard_dir: Optional[str] = None  # None: <save>/tensorboard
     exit_interval: Optional[int] = None  # Megatron: --exit-interval (save and stop when iteration % N == 0)
     exit_signal_handler: bool = True  # Megatron: --exit-signal-handler (SIGTERM/SIGINT save and exit 0)
+    exit_duration_in_mins: Optional[float] = None  # Megatron: --exit-duration-in-mins (save and stop after N minutes)
+    finetune: bool = False  # Megatron: --finetune (load params only from `load`; iteration, optimizer, RNG reset)
+    no_load_optim: bool = False  # Megatron: --no-load-optim (fresh optimizer moments, iteration kept)
+    no_load_rng: bool = False  # Megatron: --no-load-rng (dropout base key from `seed`, not the checkpoint's)
+    ckpt_fallback: bool = True  # jmegatron-only: a corrupt checkpoint is skipped (warning) for the previous one
     peak_tflops: Optional[float] = None  # jmegatron-only: per-device peak for MFU; None: measured / default
     log_num_zeros_in_grad: bool = False  # Megatron: --log-num-zeros-in-grad (count zero gradients each step)
     test_memory: bool = False  # ByteMLPerf: --test-memory (memory line at every log, not only the first)
@@ -350,6 +355,17 @@ class JMegatronConfig:
                 f"set (Megatron takes one): train_samples gives {iters} iterations; set train_iters=None.")
         return iters
 
+    def _check_checkpoint_loading(self):
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ConfigError(f"config.exit_duration_in_mins={self.exit_duration_in_mins} must be > 0 "
+                              "(or None: no time limit).")
+        for name in ("finetune", "no_load_optim", "no_load_rng"):
+            if getattr(self, name) and (not self.load or os.path.abspath(self.load) == os.path.abspath(self.save or "")):
+                where = f"config.load={self.load!r} is config.save" if self.load else "config.load is not set"
+                raise ConfigError(f"config.{name}=True applies to the checkpoint read from config.load, but {where} "
+                                  f"(a rerun resumes its own save exactly); set config.load to the checkpoint to "
+                                  f"start from and config.save to a new directory.")
+
     def _check_precision(self):
         if self.bf16 and self.fp16:
             raise ConfigError("config.bf16=True and config.fp16=True: choose one compute dtype.")
@@ -430,6 +446,7 @@ class JMegatronConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be in [0, 1).")
         self._check_precision()
+        self._check_checkpoint_loading()
         if self.min_lr > self.lr:
             raise ConfigError(f"config.min_lr={self.min_lr} exceeds config.lr={self.lr}; lower min_lr.")
         if self.num_attention_heads % self.num_query_groups:

@@ -6,15 +6,28 @@ restorable into any other sharding) and ``meta`` (JSON: iteration, consumed samp
 the resolved config, the padded vocabulary size). Follows the roles of Megatron's
 megatron/training/checkpointing.py (save_checkpoint / load_checkpoint, the
 ``latest_checkpointed_iteration`` tracker is Orbax's step listing).
+
+Integrity (docs/RELIABILITY.md, "checkpoints"): a save is atomic (Orbax writes into
+``<step>.orbax-checkpoint-tmp*`` and renames it when every item is written, so a killed
+save leaves no step); each save also records a fingerprint of every array's values in the
+meta (:func:`state_fingerprints`), checked after every restore, so a file cut short,
+garbage bytes or a missing item raise :class:`CorruptCheckpointError` instead of training
+on wrong numbers. ``JMEGATRON_CHECKPOINT_KILL`` (tests only) kills the process during a save.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
+import glob
 import os
+import signal
+import threading
+import time
 from typing import Any, Optional
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jmegatron.config import MODEL_FIELDS, JMegatronConfig
@@ -24,16 +37,111 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable or incompatible. The message names the path."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """Checkpoint ``step`` in ``path`` is unreadable or its arrays differ from the values
+    saved (a file cut short, garbage bytes, a missing item). The loop falls back to the
+    previous complete checkpoint under ``ckpt_fallback``."""
+
+    def __init__(self, step: int, path: str, reason: str):
+        super().__init__(f"checkpoint step {step} in {path} is corrupt: {reason}; point config.load / "
+                         f"--load at a complete checkpoint of this model")
+        self.step, self.path, self.reason = step, path, reason
+
+
+FINGERPRINTS_KEY = "fingerprints"
+KILL_ENV = "JMEGATRON_CHECKPOINT_KILL"
+
+
+def _leaf_name(path) -> str:
+    """'params/decoder_layers_0/kernel': a key path without the container types (a
+    TrainState and Orbax's restored dicts name a leaf alike)."""
+    parts = []
+    for k in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finaliser: every input bit flips about half the output bits."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _fingerprint(x: jax.Array) -> jax.Array:
+    """uint32 []: a hash of ``x``'s bits and their positions. Sums wrap modulo 2^32, so the
+    value is the same whatever the sharding or reduction order (no collective beyond the
+    final sum, no reshape of a sharded array)."""
+    if x.dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)  # [..., 2]
+    elif x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+    bits = bits.astype(jnp.uint32)
+    index = jnp.zeros(bits.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(bits.ndim)):  # the flat position, without flattening
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= bits.shape[d]
+    return jnp.sum(_mix32(bits ^ _mix32(index + jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
+
+
+@jax.jit
+def _fingerprints(tree: Any) -> Any:
+    return jax.tree.map(_fingerprint, tree)
+
+
+def state_fingerprints(tree: Any) -> dict[str, list]:
+    """``{leaf name: [uint32 fingerprint, dtype name]}`` of a pytree of arrays (any
+    sharding; one jitted pass over the values and one small host transfer). Equal values
+    give equal fingerprints whatever their sharding; a changed bit changes it (but for a
+    2^-32 chance)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    values = jax.device_get(_fingerprints([x for _, x in leaves]))
+    return {_leaf_name(p): [int(v), str(np.dtype(x.dtype))] for (p, x), v in zip(leaves, values)}
+
+
+def _kill_hook(save_number: int) -> None:
+    """Tests only (``JMEGATRON_CHECKPOINT_KILL=<n>:<seconds>``): SIGKILL this process
+    ``seconds`` after the n-th save of this process starts (1-based), wherever the save
+    (or, when async, the training that overlaps it) is by then."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    n, delay = spec.split(":")
+    if int(n) != save_number:
+        return
+    print(f"[jmegatron] fault injection: SIGKILL in {float(delay):.4f} s", flush=True)
+
+    def kill():
+        time.sleep(float(delay))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+
+
 class Checkpointer:
     """Save and restore TrainStates under ``directory`` (created if absent)."""
 
     def __init__(self, directory: str, max_to_keep: int = 2, async_save: bool = False,
                  create: bool = True):
         self.directory = os.path.abspath(directory)
+        self.incomplete = incomplete_saves(self.directory)  # before a writer removes them
+        # A writer removes the leftovers of killed saves (Orbax ignores them when listing steps).
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
-                                               enable_async_checkpointing=async_save)
+                                               enable_async_checkpointing=async_save,
+                                               cleanup_tmp_directories=create)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "meta"))
+        self._saves = 0
 
     def latest_step(self) -> Optional[int]:
         """The newest finished step (iteration), or None."""
@@ -44,33 +152,71 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, iteration: int, state: Any, meta: dict) -> None:
-        """Save ``state`` and JSON ``meta`` as step ``iteration`` (async if configured)."""
+        """Save ``state`` and JSON ``meta`` (plus the state's :func:`state_fingerprints`) as
+        step ``iteration``. Async (``async_save``): returns once Orbax has copied the arrays
+        to host memory (its default synchronous device-to-host transfer), so the caller may
+        donate ``state`` to the next step at once; the files are written in the background
+        and the step appears only when complete. A previous async save is waited for first."""
+        self._saves += 1
+        _kill_hook(self._saves)
+        meta = dict(meta, **{FINGERPRINTS_KEY: state_fingerprints(state)})
         self._manager.save(iteration, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
 
     def read_meta(self, iteration: Optional[int] = None) -> dict:
-        """The JSON metadata of ``iteration`` (default: latest). Raises CheckpointError."""
+        """The JSON metadata of ``iteration`` (default: latest). Raises
+        CorruptCheckpointError (unreadable) or CheckpointError (no such step)."""
         step = self._resolve(iteration)
         try:
-            return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax raises several types for unreadable files
-            raise CheckpointError(f"cannot read the metadata of checkpoint step {step} in "
-                                  f"{self.directory}: {e}; the checkpoint is incomplete or not jmegatron's: "
-                                  f"point config.load / --load at a complete one") from e
+            raise CorruptCheckpointError(step, self.directory, f"cannot read its metadata: "
+                                         f"{type(e).__name__}: {e}") from e
+        if not isinstance(meta, dict) or "iteration" not in meta:
+            raise CorruptCheckpointError(step, self.directory, f"its metadata is not a jmegatron checkpoint's "
+                                         f"(no 'iteration'): {str(meta)[:200]}")
+        return meta
 
     def restore(self, abstract_state: Any, iteration: Optional[int] = None) -> tuple[Any, dict]:
         """Restore into ``abstract_state`` (ShapeDtypeStructs carrying target shardings:
         the checkpoint is resharded to them). Returns (state, meta)."""
         step = self._resolve(iteration)
         meta = self.read_meta(step)
+        error = None
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state)))
+                state=ocp.args.StandardRestore(abstract_state)))["state"]
         except Exception as e:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is corrupt or "
-                                  f"does not match the model: {type(e).__name__}: {e}; point config.load / "
-                                  f"--load at a complete checkpoint of this model (its config is in its meta)") from e
-        return restored["state"], meta
+            error = e
+        failed = error is not None
+        if jax.process_count() > 1:  # every process must take the same branch (the check below is collective)
+            from jax.experimental import multihost_utils
+
+            failed = bool(np.any(multihost_utils.process_allgather(np.array(failed))))
+        if failed:
+            # TensorStore appends its whole spec (kilobytes); the first part names the array
+            detail = str(error).split("See full TensorStore details")[0].strip()[:500]
+            reason = f"{type(error).__name__}: {detail}" if error else "another process could not read its part"
+            raise CorruptCheckpointError(step, self.directory, "cannot restore its arrays (corrupt or does not "
+                                         f"match the model): {reason}") from error
+        self.verify(restored, meta, step)
+        return restored, meta
+
+    def verify(self, state: Any, meta: dict, step: int) -> None:
+        """Compare ``state``'s :func:`state_fingerprints` with those saved in ``meta``: the
+        leaves present in both with the saved dtype (a restore that casts, e.g. into a
+        bfloat16 target, cannot be compared bit for bit; a checkpoint older than the
+        fingerprints is not checked). Raises CorruptCheckpointError naming the leaves whose
+        values differ."""
+        saved = meta.get(FINGERPRINTS_KEY)
+        if not saved:
+            return
+        now = state_fingerprints(state)
+        bad = sorted(k for k in now.keys() & saved.keys() if now[k][1] == saved[k][1] and now[k][0] != saved[k][0])
+        if bad:
+            raise CorruptCheckpointError(step, self.directory, f"{len(bad)} array(s) differ from the values "
+                                         f"saved (fingerprint mismatch): {', '.join(bad[:5])}"
+                                         + (" ..." if len(bad) > 5 else ""))
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -90,6 +236,12 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint for iteration {iteration} in {self.directory} "
                                   f"(available: {sorted(steps)})")
         return iteration
+
+
+def incomplete_saves(directory: str) -> list[str]:
+    """The step directories a killed save left in ``directory`` (``<step>.orbax-checkpoint-tmp*``:
+    Orbax renames a step only once every item is written, and lists only renamed ones)."""
+    return sorted(glob.glob(os.path.join(os.path.abspath(directory), "*.orbax-checkpoint-tmp*")))
 
 
 def has_checkpoint(directory: Optional[str]) -> bool:

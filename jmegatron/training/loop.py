@@ -130,40 +130,134 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
+def _duration_exceeded(start: float, minutes: Optional[float]) -> bool:
+    """Megatron's ``exit_duration_in_mins`` check (every iteration): more than ``minutes``
+    since ``start`` (time.time()). With several processes the ranks agree (a max over
+    them, as Megatron's all-reduce MAX) so that all stop and save the same iteration."""
+    if not minutes:
+        return False
+    done = (time.time() - start) / 60.0 > minutes
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        done = bool(np.any(multihost_utils.process_allgather(np.array(done))))
+    return done
+
+
 def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[Any, int, int, int]:
     """(state, iteration, consumed_train_samples, consumed_valid_samples): restored from the
-    latest checkpoint (resharded to this run's layout) or freshly initialised. A checkpoint
-    in ``cfg.save`` wins over ``cfg.load`` (a rerun continues its own progress), except
+    latest complete checkpoint (resharded to this run's layout) or freshly initialised. A
+    checkpoint in ``cfg.save`` wins over ``cfg.load`` (a rerun continues its own progress), except
     with kd_finalize. The validation position resumes where it was saved, as Megatron's
     ``consumed_valid_samples`` (a checkpoint without one gets Megatron's fallback
     ``iteration // eval_interval * eval_iters * gbs``).
 
-    Raises CheckpointError: ``cfg.load`` given but empty, an unreadable or corrupt
-    checkpoint, or one of a different model (both values named)."""
+    A corrupt checkpoint (:class:`~jmegatron.training.checkpointing.CorruptCheckpointError`)
+    is skipped with a printed ``ckpt_fallback`` warning and the previous one is used
+    (``cfg.ckpt_fallback``; off: the error stops the run). Megatron's load options apply
+    when the checkpoint comes from ``cfg.load`` rather than the run's own ``cfg.save``:
+    ``finetune`` (params only: iteration, consumed samples, optimizer and RNG start afresh),
+    ``no_load_optim`` (fresh optimizer moments; the iteration and the learning-rate
+    schedule continue), ``no_load_rng`` (the dropout base key from ``cfg.seed``, not the
+    saved one), see :func:`_apply_load_options`.
+
+    Raises CheckpointError: ``cfg.load`` given but empty, every checkpoint corrupt (or the
+    newest with ``ckpt_fallback`` off), or one of a different model (both values named)."""
     cfg = run.cfg
     load_dir = cfg.load
     if cfg.save and not cfg.kd_finalize and checkpointing.has_checkpoint(cfg.save):
         load_dir = cfg.save
+    incomplete = set(ckpt.incomplete) if ckpt else set()
+    if load_dir:
+        incomplete |= set(checkpointing.incomplete_saves(load_dir))
+    for path in sorted(incomplete):  # Orbax lists only renamed (complete) steps; a writer deletes these
+        print(f"[jmegatron] WARNING: ignoring {path}: an incomplete save (the process was killed while "
+              f"writing it)", flush=True)
     if load_dir and checkpointing.has_checkpoint(load_dir):
         loader_ckpt = ckpt if ckpt and ckpt.directory == os.path.abspath(load_dir) else \
             checkpointing.Checkpointer(load_dir, create=False)
-        meta = loader_ckpt.read_meta()
-        checkpointing.check_compatible(cfg, meta["config"], run.padded_vocab_size,
-                                       meta["padded_vocab_size"], loader_ckpt.directory)
-        state, meta = restore_state(run, loader_ckpt)
-        if loader_ckpt is not ckpt:
-            loader_ckpt.close()
+        try:
+            state, meta = _restore_latest(run, loader_ckpt)
+        finally:
+            if loader_ckpt is not ckpt:
+                loader_ckpt.close()
         print(f"[jmegatron] resumed from {loader_ckpt.directory} at iteration {meta['iteration']}", flush=True)
         iteration = int(meta["iteration"])
         consumed_valid = meta.get("consumed_valid_samples")
         if consumed_valid is None:  # Megatron's build_train_valid_test_data_loaders fallback
             consumed_valid = (iteration // cfg.eval_interval * cfg.eval_iters * run.global_batch_size
                               if cfg.eval_interval and cfg.train_samples is None else 0)
-        return state, iteration, int(meta["consumed_train_samples"]), int(consumed_valid)
+        consumed = int(meta["consumed_train_samples"])
+        from_load = os.path.abspath(load_dir) != os.path.abspath(cfg.save or "")
+        if from_load and (cfg.finetune or cfg.no_load_optim or cfg.no_load_rng):
+            state = _apply_load_options(run, state)
+            if cfg.finetune:
+                print("[jmegatron] finetune: parameters loaded; iteration, samples, optimizer and RNG start "
+                      "afresh", flush=True)
+                iteration = consumed = consumed_valid = 0
+        return state, iteration, consumed, int(consumed_valid)
     if cfg.load and os.path.abspath(cfg.load) != os.path.abspath(cfg.save or ""):
         raise checkpointing.CheckpointError(f"config.load={cfg.load!r} holds no checkpoint; point it at a run's "
                                             f"save directory, or drop config.load to start from scratch")
     return run.init_state(), 0, 0, 0
+
+
+def _restore_latest(run: Run, ckpt: checkpointing.Checkpointer) -> tuple[Any, dict]:
+    """(state, meta) of the newest checkpoint of ``ckpt`` that restores and matches its
+    fingerprints; older ones are tried in turn under ``ckpt_fallback`` (a warning each)."""
+    cfg = run.cfg
+    steps = sorted(ckpt.all_steps(), reverse=True)
+    for i, step in enumerate(steps):
+        try:
+            meta = ckpt.read_meta(step)
+            checkpointing.check_compatible(cfg, meta["config"], run.padded_vocab_size,
+                                           meta["padded_vocab_size"], ckpt.directory)
+            return restore_state(run, ckpt, step)
+        except checkpointing.CorruptCheckpointError as e:
+            if i + 1 == len(steps):
+                raise checkpointing.CorruptCheckpointError(e.step, e.path, f"{e.reason}; no earlier complete "
+                                                           f"checkpoint to fall back to") from e
+            if not cfg.ckpt_fallback:
+                raise checkpointing.CorruptCheckpointError(e.step, e.path, f"{e.reason}. Set config.ckpt_fallback="
+                                                           f"True to resume from step {steps[i + 1]} instead") from e
+            print(f"[jmegatron] WARNING ckpt_fallback: {e}; falling back to step {steps[i + 1]}", flush=True)
+    raise checkpointing.CheckpointError(f"no checkpoint found in {ckpt.directory}")
+
+
+def fresh_rng(seed: int) -> jax.Array:
+    """uint32 [2]: the base dropout key a run initialised with ``seed`` has (as
+    :func:`jmegatron.training.state.init_train_state` draws it)."""
+    return jax.random.key_data(jax.random.split(jax.random.key(seed))[1])
+
+
+def _apply_load_options(run: Run, state: Any) -> Any:
+    """Megatron's load options on a state restored from ``cfg.load``
+    (megatron/training/checkpointing.py load_checkpoint). ``finetune``: a fresh optimizer
+    (moments, Adam's count, the learning-rate schedule, fp16 loss scale) and ``step`` 0;
+    ``no_load_optim``: fresh moments and loss scale, the schedule's count kept (the
+    iteration continues, so does the learning rate; Megatron does not load its scheduler
+    then); ``finetune`` or ``no_load_rng``: the dropout base key of ``cfg.seed``
+    (:func:`fresh_rng`). Under bf16 / fp16 the fresh optimizer starts from the saved
+    float32 main parameters (Megatron re-copies them from the bf16 model, losing bits)."""
+    import optax
+
+    from jmegatron.training.float16_optimizer import Float16OptimizerState
+
+    cfg = run.cfg
+    if cfg.finetune or cfg.no_load_optim:
+        old = state.opt_state
+        main = old.main_params if isinstance(old, Float16OptimizerState) else state.params
+        fresh = jax.jit(run.tx.init, out_shardings=run.state_shardings.opt_state)(main)
+        if not cfg.finetune:
+            is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+            fresh = jax.tree.map(lambda f, o: f._replace(count=o.count) if is_schedule(f) else f, fresh, old,
+                                 is_leaf=is_schedule)
+        state = state.replace(opt_state=fresh)
+    if cfg.finetune:
+        state = state.replace(step=jax.device_put(np.zeros((), np.int32), run.state_shardings.step))
+    if cfg.finetune or cfg.no_load_rng:
+        state = state.replace(rng=jax.device_put(fresh_rng(cfg.seed), run.state_shardings.rng))
+    return state
 
 
 def _truncate_metrics(path: str, iteration: int) -> None:
@@ -189,6 +283,7 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     :func:`jmegatron.pretrain_gpt.pretrain` picks distillation's for a ``kd_teacher_load``
     config).
     """
+    train_start = time.time()  # Megatron's _TRAIN_START_TIME (exit_duration_in_mins counts the setup too)
     run = build(cfg, mesh, forward_step_provider=forward_step_provider)
     main_process = jax.process_index() == 0
     # Bad input fails before anything is written: the datasets are built and the checkpoint is
@@ -283,7 +378,8 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
             gbs, seq = loader.last_global_batch_size, host_batch["tokens"].shape[-1]
             pending.append((iteration, metrics, gbs, iteration_flops(gbs, seq)))
             signalled = stop.agreed(iteration, cfg.log_interval)
-            stopping = signalled or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
+            out_of_time = _duration_exceeded(train_start, cfg.exit_duration_in_mins)
+            stopping = signalled or out_of_time or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
             if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stopping:
                 host = jax.device_get([m for _, m, _, _ in pending])
                 now = time.perf_counter()
@@ -315,6 +411,11 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
                 break
             if cfg.exit_interval and iteration % cfg.exit_interval == 0:
                 print(f"[jmegatron] exiting at iteration {iteration} (exit_interval)", flush=True)
+                break
+            if out_of_time:
+                print(f"[jmegatron] exiting at iteration {iteration} after {(time.time() - train_start) / 60:.2f} "
+                      f"minutes (exit_duration_in_mins={cfg.exit_duration_in_mins})", flush=True)
+                summary["interrupted"] = True
                 break
         if iteration == cfg.train_iters and cfg.eval_interval and iteration % cfg.eval_interval:
             run_eval(iteration)
