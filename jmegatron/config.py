@@ -176,6 +176,12 @@ class JMegatronConfig:
     no_load_optim: bool = False  # Megatron: --no-load-optim (fresh optimizer moments, iteration kept)
     no_load_rng: bool = False  # Megatron: --no-load-rng (dropout base key from `seed`, not the checkpoint's)
     ckpt_fallback: bool = True  # jmegatron-only: a corrupt checkpoint is skipped (warning) for the previous one
+    # Megatron: --check-for-nan-in-loss-and-grad: every step, inside the jitted step, a non-finite
+    # loss or gradient skips the update (counted as skipped / nan iterations; docs/RELIABILITY.md)
+    check_for_nan_in_loss_and_grad: bool = True
+    # jmegatron-only: stop with an error after this many non-finite iterations in a row (fp16
+    # overflows the dynamic loss scaler can still back off from are not counted); 0: never stop
+    max_consecutive_nan_iterations: int = 5
     peak_tflops: Optional[float] = None  # jmegatron-only: per-device peak for MFU; None: measured / default
     log_num_zeros_in_grad: bool = False  # Megatron: --log-num-zeros-in-grad (count zero gradients each step)
     test_memory: bool = False  # ByteMLPerf: --test-memory (memory line at every log, not only the first)
@@ -435,7 +441,8 @@ class JMegatronConfig:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be > 0.")
         nonneg = ("train_iters", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad",
                   "eval_interval", "adam_eps", "init_method_std", "lr_decay_iters", "lr_warmup_samples",
-                  "lr_decay_samples", "lr_warmup_init")
+                  "lr_decay_samples", "lr_warmup_init",
+                  "max_consecutive_nan_iterations")
         for name in nonneg:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be >= 0.")

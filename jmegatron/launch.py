@@ -12,6 +12,14 @@ gloo collectives on the CPU only). If any process
 exits with an error or is killed, the others are terminated (SIGTERM, then SIGKILL
 after ``--grace`` seconds) and the launcher exits non-zero naming the rank: nothing
 hangs. Exit status 0 only when every process exits 0.
+
+SIGTERM / SIGINT to the launcher is forwarded to every rank, which agree on an iteration,
+save it and exit 0 (:mod:`jmegatron.training.loop`); the launcher waits for them up to
+``--stop-timeout`` seconds (default 600: a save of a large model must not be cut short;
+a cluster's own kill deadline, e.g. SLURM's KillWait, may be shorter and wins), then
+SIGKILLs what is left and says so. A second SIGTERM / SIGINT to the launcher forwards
+SIGKILL at once. The ranks run in their own process group, so a terminal's Ctrl-C reaches
+them once, through the launcher.
 """
 
 from __future__ import annotations
@@ -70,9 +78,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--nproc", type=int, required=True)
     p.add_argument("--devices-per-proc", type=int, default=None)
     p.add_argument("--port", type=int, default=None)
-    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="after a rank fails: seconds between SIGTERM to the others and SIGKILL")
+    p.add_argument("--stop-timeout", type=float, default=600.0,
+                   help="after SIGTERM/SIGINT to the launcher: seconds the ranks get to save and exit "
+                        "before SIGKILL (default 600)")
     args = p.parse_args(argv[:split])
     cmd = argv[split + 1:]
+    if args.stop_timeout <= 0 or args.grace < 0:
+        print("error: --stop-timeout must be > 0 and --grace >= 0", file=sys.stderr)
+        return 2
     if not cmd or args.nproc < 1:
         print("error: need --nproc >= 1 and a command after --", file=sys.stderr)
         return 2
@@ -84,7 +99,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     procs = []
     for rank, env in enumerate(envs):
-        procs.append(subprocess.Popen(cmd, env=env))
+        # own process group: a terminal's Ctrl-C reaches the launcher only, which forwards it once
+        # (a rank getting it twice would take the second as "stop now" and lose its save)
+        procs.append(subprocess.Popen(cmd, env=env, process_group=0))
         print(f"[jmegatron.launch] rank {rank}: pid {procs[-1].pid}", flush=True)
 
     def stop_all(sig=signal.SIGTERM):
@@ -92,11 +109,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if q.poll() is None:
                 q.send_signal(sig)
 
-    forwarded = {"sig": None}
+    forwarded = {"sig": None, "count": 0}
 
     def forward(signum, frame):  # Ctrl-C / SIGTERM to the launcher: pass it on, let them save
         forwarded["sig"] = signum
-        stop_all(signum)
+        forwarded["count"] += 1
+        stop_all(signum if forwarded["count"] == 1 else signal.SIGKILL)  # a second one: stop for good
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
@@ -105,8 +123,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     while any(q.poll() is None for q in procs):
         if forwarded["sig"] is not None:
             forwarded_at = forwarded_at or time.time()
-            if time.time() - forwarded_at > 6 * args.grace:  # saving took too long: stop for good
+            if time.time() - forwarded_at > args.stop_timeout:  # saving took too long: stop for good
+                if any(q.poll() is None for q in procs):
+                    print(f"[jmegatron.launch] ranks still running {args.stop_timeout:.0f} s after signal "
+                          f"{forwarded['sig']} (--stop-timeout): killing them", file=sys.stderr, flush=True)
                 stop_all(signal.SIGKILL)
+                forwarded_at = float("inf")  # (once)
         for rank, q in enumerate(procs):
             code = q.poll()
             if code not in (None, 0) and failed is None:

@@ -46,6 +46,8 @@ def test_tensor_parallel_all_reduces_match_megatron(tp2):
     for r in summarize(tp2["collectives"]):
         if r["kind"] == "all-reduce" and r["axes"] in (["tensor"], ["data"]):
             continue
+        if r["kind"] == "all-reduce" and r["elements"] == 1 and r["count_per_step"] == 1:
+            continue  # the processes' stop flag, max over every device (step.TrainStep)
         raise AssertionError(f"unexpected collective {r}")
     others = [r for r in summarize(tp2["collectives"]) if r["axes"] == ["tensor"] and r["elements"] != B * S * H]
     assert all(small(r) for r in others), others

@@ -78,18 +78,41 @@ class Float16Optimizer:
         return None if state.grad_scaler is None else state.grad_scaler.scale
 
 
+def all_finite(tree: Any, exclude: Callable[[tuple], bool] = _never) -> jax.Array:
+    """bool []: every floating leaf of ``tree`` is finite (no inf, no nan), leaves
+    ``exclude(path)`` marks left out (FP8's observed amaxes); True for a tree without
+    floating leaves. Traceable: under jit over sharded leaves XLA reduces each shard
+    and all-reduces one bool (no host round trip)."""
+    checked = [jnp.all(jnp.isfinite(x)) for path, x in jax.tree_util.tree_leaves_with_path(tree)
+               if not exclude(path) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return jnp.all(jnp.stack(checked)) if checked else jnp.bool_(True)
+
+
+def keep_if(skip: jax.Array, new: Any, old: Any) -> Any:
+    """``old`` where ``skip`` (bool []) is True, else ``new``, leaf by leaf (same
+    structure): how a skipped iteration leaves parameters, moments and buffers unchanged
+    (Megatron's optimizer returns before ``step()`` when ``found_inf``)."""
+    return jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+
+
 def apply_gradients(opt: Float16Optimizer, grads: Any, state: Float16OptimizerState,
                     finalize: Optional[Callable[[Any, Any], Any]] = None,
-                    observed: Callable[[tuple], bool] = _never):
+                    observed: Callable[[tuple], bool] = _never, check_finite: bool = False,
+                    skip: Optional[jax.Array] = None):
     """One optimizer step on the main parameters.
 
     ``grads``: float32, scaled by the state's loss scale when there is one, laid out as the
     main parameters. Returns ``(model_params, new_state, grads, found_inf)``: ``grads``
-    unscaled (what clipping and the grad norm saw); ``found_inf`` bool [] (always False
-    without a grad scaler). When it is True the main parameters and moments are kept and
-    only the scaler advances (Megatron skips the iteration). ``finalize(main, grads) -> main``
-    (optional) edits the updated main parameters before the model's are cast from them
-    (buffers, FP8 meta). ``observed(path)`` marks leaves whose "gradient" is an observation
+    unscaled (what clipping and the grad norm saw); ``found_inf`` bool []: the iteration is
+    skipped, because the unscaled gradients are not finite (checked under a grad scaler, as
+    Megatron's ``_unscale_main_grads_and_check_for_nan``, or with ``check_finite``: Megatron's
+    ``check_for_nan_in_loss_and_grad``) or because ``skip`` (bool [], optional: e.g. a
+    non-finite loss) says so; always False without a scaler, ``check_finite`` or ``skip``.
+    When it is True the main parameters and moments (the schedule's count among them) are
+    kept (:func:`keep_if`) and only the scaler advances, backing off (Megatron skips the
+    iteration). ``finalize(main, grads) -> main`` (optional) edits the updated main
+    parameters before the model's are cast from them (buffers, FP8 meta; kept too on a
+    skipped iteration). ``observed(path)`` marks leaves whose "gradient" is an observation
     (FP8's amaxes of the scaled backward): neither unscaled nor checked."""
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     found_inf = jnp.bool_(False)
@@ -97,17 +120,19 @@ def apply_gradients(opt: Float16Optimizer, grads: Any, state: Float16OptimizerSt
     if scaler is not None:
         inv = 1.0 / scaler.scale
         grads = jax.tree_util.tree_map_with_path(lambda path, g: g if observed(path) else g * inv, grads)
-        checked = [g for path, g in jax.tree_util.tree_leaves_with_path(grads) if not observed(path)]
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in checked]))
-        found_inf = jnp.logical_not(finite)
+    checking = scaler is not None or check_finite or skip is not None
+    if scaler is not None or check_finite:
+        found_inf = jnp.logical_not(all_finite(grads, observed))
+    if skip is not None:
+        found_inf = jnp.logical_or(found_inf, skip)
+    if scaler is not None:
         scaler = opt.grad_scaler.update(scaler, found_inf)
     updates, inner = opt.tx.update(grads, state.inner, state.main_params)
     main = optax.apply_updates(state.main_params, updates)
     if finalize is not None:
         main = finalize(main, grads)
-    if state.grad_scaler is not None:  # skip the iteration: keep the main parameters and moments
-        keep = lambda new, old: jnp.where(found_inf, old, new)  # noqa: E731
-        main = jax.tree.map(keep, main, state.main_params)
-        inner = jax.tree.map(keep, inner, state.inner)
+    if checking:  # skip the iteration: keep the main parameters and moments
+        main = keep_if(found_inf, main, state.main_params)
+        inner = keep_if(found_inf, inner, state.inner)
     new_state = Float16OptimizerState(main_params=main, inner=inner, grad_scaler=scaler)
     return opt.model_params(main), new_state, grads, found_inf

@@ -25,7 +25,8 @@ interval (Megatron prints the interval's mean loss but the last iteration's grad
 equal with ``log_interval=1``, ByteMLPerf's setting); ``loss scale`` is the last
 iteration's step metric ``loss_scale`` (fp16's; 1.0 without one, as Megatron prints in bf16);
 skipped and nan iterations count step metrics ``skipped`` / ``nan`` when the step reports
-them, else 0.
+them, else 0: Megatron's meaning (an iteration whose update was not applied is skipped; a
+skipped one whose loss is inf/nan is also a nan iteration; docs/RELIABILITY.md).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from jmegatron.config import JMegatronConfig
 from jmegatron.data.loader import BatchLoader
 from jmegatron.parallel.rules import data_parallel_size
 from jmegatron.training import checkpointing, flops, memory
+from jmegatron.training.float16_optimizer import all_finite
 from jmegatron.training.logging import MetricsLogger
 from jmegatron.training.peak import resolve_peak_for_config
 from jmegatron.training.run import ForwardStepProvider, Run, build, checkpoint_meta, restore_state, vocab_size_of
@@ -95,11 +96,22 @@ def evaluate(run: Run, params: Any, dataset: Any, num_iters: int, consumed_sampl
 
 class _StopRequest:
     """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits cleanly
-    (Megatron's --exit-signal-handler)."""
+    (Megatron's --exit-signal-handler).
+
+    With several processes every rank must stop at the same iteration (the save ends in a
+    barrier). Each step carries this process's flag into the jitted step
+    (:meth:`jmegatron.training.step.TrainStep`, ``stop``) and returns the maximum over all
+    processes as metric ``stop``; the loop reads it one step later (after dispatching the
+    next step), so the ranks agree every iteration without a collective or a host round
+    trip of their own, and every rank stops after the same iteration: the one after the
+    first step that carried any process's request (at most two iterations after the step
+    running when the first rank got the signal), whatever ``log_interval``.
+    (Megatron's DistributedSignalHandler all-gathers the flags likewise.)"""
 
     def __init__(self, enabled: bool):
         self.event = threading.Event()
         self.signum = None
+        self.noticed = None  # the iteration whose step first carried this process's request
         self._previous = {}
         if enabled and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -112,18 +124,14 @@ class _StopRequest:
         self.event.set()
         signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
 
-    def agreed(self, iteration: int, every: int) -> bool:
-        """Whether to stop now. With several processes, ranks must stop at the same
-        iteration (the save ends in a barrier): they agree every ``every`` iterations
-        (Megatron's DistributedSignalHandler all-gathers the flag likewise)."""
-        if jax.process_count() == 1:
-            return self.event.is_set()
-        if iteration % every:
-            return False
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.array(self.event.is_set()))
-        return bool(np.any(flags))
+    def requested(self, iteration: int) -> bool:
+        """This process's request, to pass into the step of ``iteration`` (remembers the
+        first such iteration and says so once)."""
+        if self.event.is_set() and self.noticed is None:
+            self.noticed = iteration
+            print(f"[jmegatron] process {jax.process_index()}: signal {self.signum} noticed at iteration "
+                  f"{iteration}; the ranks agree through the step's 'stop' flag", flush=True)
+        return self.event.is_set()
 
     def restore(self):
         for sig, handler in self._previous.items():
@@ -132,16 +140,10 @@ class _StopRequest:
 
 def _duration_exceeded(start: float, minutes: Optional[float]) -> bool:
     """Megatron's ``exit_duration_in_mins`` check (every iteration): more than ``minutes``
-    since ``start`` (time.time()). With several processes the ranks agree (a max over
-    them, as Megatron's all-reduce MAX) so that all stop and save the same iteration."""
-    if not minutes:
-        return False
-    done = (time.time() - start) / 60.0 > minutes
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        done = bool(np.any(multihost_utils.process_allgather(np.array(done))))
-    return done
+    since ``start`` (time.time()), on this process. The loop passes it into the step's stop
+    flag, so with several processes the ranks agree (a maximum over them, as Megatron's
+    all-reduce MAX) without a collective of their own, and all save the same iteration."""
+    return bool(minutes) and (time.time() - start) / 60.0 > minutes
 
 
 def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[Any, int, int, int]:
@@ -351,8 +353,14 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
         and not cfg.kd_finalize
     saved_at = iteration if resumed_from_save else -1
 
+    state_is_finite = jax.jit(lambda s: all_finite((s.params, s.opt_state)))  # compiled at the first save
+
     def save(it: int):
         nonlocal saved_at
+        if ckpt and saved_at != it and not bool(state_is_finite(state)):  # never checkpoint inf / nan
+            print(f"[jmegatron] not saving iteration {it}: the parameters or optimizer state hold inf/nan "
+                  f"values; the last checkpoint ({saved_at if saved_at >= 0 else 'none'}) is kept", flush=True)
+            return
         if ckpt and saved_at != it:
             ckpt.save(it, state, checkpoint_meta(cfg, run, it, loader.consumed_samples, consumed_valid))
             saved_at = it
@@ -368,18 +376,52 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
             logger.log_eval(it, val)
             summary["val_loss"] = val
 
+    # Each step's flags (skipped / nan / the agreed stop) are read one step late, after the next
+    # step is dispatched: the device never waits for the host, and no step adds a round trip.
+    multi = jax.process_count() > 1
+    check = cfg.check_for_nan_in_loss_and_grad
+    recoverable = cfg.fp16 and cfg.loss_scale is None  # the dynamic scaler backs off from overflows
+    consecutive_nan = 0
+    unread = None  # (iteration, metrics) of the newest step whose flags are not read yet
+    agreed = False  # every process asked to stop (several processes)
+
+    def read_flags(it: int, m: dict) -> bool:
+        """Count step ``it``'s non-finite iteration; raise after max_consecutive_nan_iterations
+        in a row; return the processes' agreed stop request."""
+        nonlocal consecutive_nan
+        f = jax.device_get({k: m[k] for k in ("skipped", "nan", "stop", "loss_scale") if k in m})
+        if check:
+            bad = bool(f["nan"]) or (bool(f["skipped"]) and not (
+                recoverable and float(f["loss_scale"]) > cfg.min_loss_scale))
+            consecutive_nan = consecutive_nan + 1 if bad else 0
+            if cfg.max_consecutive_nan_iterations and consecutive_nan >= cfg.max_consecutive_nan_iterations:
+                raise FloatingPointError(
+                    f"iteration {it}: {consecutive_nan} consecutive iterations with a non-finite loss or "
+                    f"gradients (each skipped, no update applied); stopping at "
+                    f"config.max_consecutive_nan_iterations={cfg.max_consecutive_nan_iterations}. The last "
+                    f"checkpoint holds finite values: lower config.lr, check the data, or raise the limit "
+                    f"(0: never stop)")
+        return bool(f.get("stop", 0.0))
+
     try:
         while iteration < cfg.train_iters and not cfg.kd_finalize:  # finalize: convert, no training
             host_batch = next(loader)
             batch = run.put_batch(host_batch, rows=batch_rows)
-            state, metrics = run.train_step(state, batch, *run.extra_args)
+            # exit_duration_in_mins joins this process's stop request: with several processes the
+            # step's 'stop' flag is their maximum (Megatron all-reduces the elapsed-time check MAX)
+            out_of_time = _duration_exceeded(train_start, cfg.exit_duration_in_mins)
+            state, metrics = run.train_step(state, batch, *run.extra_args,
+                                            stop=stop.requested(iteration + 1) or out_of_time)
             iteration += 1
             # this iteration's global batch and (padded) length: both vary under ramp-up / variable data
             gbs, seq = loader.last_global_batch_size, host_batch["tokens"].shape[-1]
             pending.append((iteration, metrics, gbs, iteration_flops(gbs, seq)))
-            signalled = stop.agreed(iteration, cfg.log_interval)
-            out_of_time = _duration_exceeded(train_start, cfg.exit_duration_in_mins)
-            stopping = signalled or out_of_time or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
+            if unread is not None:  # the previous step's flags: it ran while this one was queued
+                agreed = read_flags(*unread) or agreed
+            unread = (iteration, metrics) if check or multi else None
+            # several processes stop after the step following the agreed one: all at the same iteration
+            signalled = agreed if multi else (stop.event.is_set() or out_of_time)
+            stopping = signalled or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
             if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stopping:
                 host = jax.device_get([m for _, m, _, _ in pending])
                 now = time.perf_counter()
@@ -392,7 +434,7 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
                 memory_reports += report_memory
                 for (it, _, _, _), m in zip(pending, host):
                     summary["losses"][it] = float(m.get("lm_loss", m["loss"]))
-                    if not math.isfinite(float(m["loss"])):
+                    if not check and not math.isfinite(float(m["loss"])):  # (checked: skipped, counted)
                         raise FloatingPointError(f"loss is {m['loss']} at iteration {it}")
                 pending, last_log = [], time.perf_counter()
             if cfg.eval_interval and iteration % cfg.eval_interval == 0:
@@ -406,17 +448,18 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
                 save(iteration)
                 last_log += time.perf_counter() - save_started
             if signalled:
-                print(f"[jmegatron] received signal {stop.signum}: saving a checkpoint and exiting", flush=True)
+                reason = (f"received signal {stop.signum}" if stop.signum else
+                          f"exit_duration_in_mins={cfg.exit_duration_in_mins} reached after "
+                          f"{(time.time() - train_start) / 60:.2f} minutes" if out_of_time else
+                          "another process asked to stop")
+                print(f"[jmegatron] {reason}: saving a checkpoint at iteration {iteration} and exiting", flush=True)
                 summary["interrupted"] = True
                 break
             if cfg.exit_interval and iteration % cfg.exit_interval == 0:
                 print(f"[jmegatron] exiting at iteration {iteration} (exit_interval)", flush=True)
                 break
-            if out_of_time:
-                print(f"[jmegatron] exiting at iteration {iteration} after {(time.time() - train_start) / 60:.2f} "
-                      f"minutes (exit_duration_in_mins={cfg.exit_duration_in_mins})", flush=True)
-                summary["interrupted"] = True
-                break
+        if unread is not None:  # the last step's flags (count its non-finite iteration)
+            read_flags(*unread)
         if iteration == cfg.train_iters and cfg.eval_interval and iteration % cfg.eval_interval:
             run_eval(iteration)
         save(iteration)

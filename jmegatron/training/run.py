@@ -207,7 +207,8 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
                                        fwd.extra_shardings, cfg.log_num_zeros_in_grad, pipeline,
                                        fwd.pipeline_stages if pipeline else None,
                                        cfg.pipeline_layout() if pipeline else None, fwd.buffers,
-                                       accumulate_grads_in_fp32=cfg.accumulate_allreduce_grads_in_fp32 or not cfg.fp16)
+                                       accumulate_grads_in_fp32=cfg.accumulate_allreduce_grads_in_fp32 or not cfg.fp16,
+                                       check_for_nan_in_loss_and_grad=cfg.check_for_nan_in_loss_and_grad)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings, cfg.reset_attention_mask)
     # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
     canonical = pipeline_layout.gather_index(cfg.pipeline_layout(), pipeline_layout.PipelineLayout(cfg.num_layers))

@@ -49,8 +49,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                     extra_shardings: Any = None, log_num_zeros_in_grad: bool = False,
                     pipeline: Optional[tuple[str, int, int]] = None, pipeline_stages: Optional[Callable] = None,
                     pipeline_layout: Any = None, buffers: Any = None,
-                    accumulate_grads_in_fp32: bool = True) -> Callable[..., tuple[TrainState, dict]]:
-    """The un-jitted train step ``(state, batch[, extra]) -> (state, metrics)``.
+                    accumulate_grads_in_fp32: bool = True,
+                    check_for_nan_in_loss_and_grad: bool = True) -> Callable[..., tuple[TrainState, dict]]:
+    """The un-jitted train step ``(state, batch[, extra[, stop]]) -> (state, metrics)``.
 
     Data parallelism is explicit, as in Megatron's DDP: a ``shard_map`` makes the data
     axis manual, each data-parallel rank accumulates its own gradients over the
@@ -104,13 +105,28 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
     parameters and moments unchanged, the scale backs off) and counts as an iteration
     (``state.step`` advances, the learning-rate schedule does not: Megatron).
 
+    Non-finite values (``check_for_nan_in_loss_and_grad``, Megatron's flag, every precision):
+    every step the loss and the reduced (fp16: unscaled) gradients are checked inside the
+    step; when either is not finite the update is skipped as fp16's overflow is (parameters,
+    main parameters, moments, the schedule's count and the buffers (expert bias, FP8 meta)
+    unchanged, ``state.step`` advances; ``float16_optimizer.keep_if``). ``skipped`` = 1 for
+    such an iteration and ``nan`` = 1 when its loss is not finite (Megatron's training_log:
+    a skipped iteration whose loss is inf/nan counts as a nan iteration, one with non-finite
+    gradients only as a skipped one). Without the check (False) only fp16's scaler skips,
+    and ``nan`` still reports a non-finite loss.
+
+    ``stop`` (float32 ``[mesh size]``, optional, laid out over every device by
+    :func:`stop_flag_sharding`: each process's devices hold its own 0/1 stop request) adds
+    metric ``stop``, the maximum over all processes: the ranks agree to stop inside the
+    step's program, without a collective of their own (:mod:`jmegatron.training.loop`).
+
     metrics (float32 scalars): ``loss`` (what was optimised) and the report's entries
     (``lm_loss`` by default), each a mean over micro-batches; ``grad_norm`` (before
     clipping); ``lr`` (the rate this step applied); ``num_tokens`` (unmasked tokens of
-    the whole step, summed); with ``log_num_zeros_in_grad``, ``num_zeros`` (zero entries
-    of the reduced gradients, before clipping: Megatron's ``count_zeros_fp32``); under
-    bf16 / fp16 ``loss_scale`` (1 without fp16 scaling) and ``skipped`` (1.0 for a skipped
-    iteration).
+    the whole step, summed); ``skipped`` (1.0 for a skipped iteration) and ``nan`` (1.0
+    when the loss is not finite); with ``log_num_zeros_in_grad``, ``num_zeros`` (zero
+    entries of the reduced gradients, before clipping: Megatron's ``count_zeros_fp32``);
+    under bf16 / fp16 ``loss_scale`` (1 without fp16 scaling); with ``stop``, ``stop``.
     """
     mixed = isinstance(tx, Float16Optimizer)
     axis = rules_lib.DATA_AXIS
@@ -306,23 +322,31 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
         grads, report, tokens = sharded_grads(state.params, batch, step_rng, extra, loss_scale)
         return reduce_scatter_zero1(grads), report, tokens
 
-    def step(state: TrainState, batch: Batch, extra: Any = None):
+    check = check_for_nan_in_loss_and_grad
+
+    def step(state: TrainState, batch: Batch, extra: Any = None, stop: Any = None):
         grads, report, tokens = compute_grads(state, batch, extra)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        nan = jnp.logical_not(jnp.isfinite(report["loss"]))
         if mixed:
             finalize = None if buffers is None else (lambda main, g: buffers.update(main, report, g))
-            new_params, opt_state, grads, found_inf = float16_optimizer.apply_gradients(
-                tx, grads, state.opt_state, finalize, observed=is_max)
+            new_params, opt_state, grads, skipped = float16_optimizer.apply_gradients(
+                tx, grads, state.opt_state, finalize, observed=is_max, check_finite=check,
+                skip=nan if check else None)
             new_params = jax.lax.with_sharding_constraint(new_params, param_shardings)
             lr_step = optimizer_steps(state.opt_state.inner, state.step)
             extras = {"loss_scale": (jnp.float32(1.0) if state.opt_state.grad_scaler is None
-                                     else state.opt_state.grad_scaler.scale),
-                      "skipped": found_inf.astype(jnp.float32)}
+                                     else state.opt_state.grad_scaler.scale)}
         else:
             params = jax.lax.with_sharding_constraint(state.params, grad_shardings)
             updates, opt_state = tx.update(grads, state.opt_state, params)
             new_params = optax.apply_updates(params, updates)
-            lr_step, extras = state.step, {}
+            lr_step, extras = optimizer_steps(state.opt_state, state.step), {}
+            skipped = (jnp.logical_or(nan, jnp.logical_not(float16_optimizer.all_finite(grads, is_max)))
+                       if check else jnp.bool_(False))
+        extras.update(skipped=skipped.astype(jnp.float32), nan=nan.astype(jnp.float32))
+        if stop is not None:  # every process's request: the max is one all-reduce inside the step
+            extras["stop"] = jnp.max(stop).astype(jnp.float32)
         trained = jax.tree_util.tree_map_with_path(  # what the optimizer sees (not the buffers)
             lambda path, g: g if buffers is None or not buffers.is_buffer(path) else jnp.zeros((), g.dtype), grads)
         metrics = dict(report, grad_norm=optax.tree.norm(trained),
@@ -338,6 +362,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, schedule
                                                   if buffers is None or not buffers.is_buffer(path)))
         if buffers is not None and not mixed:  # (mixed: applied to the main parameters above)
             new_params = buffers.update(new_params, metrics, grads)
+        if check and not mixed:  # a skipped iteration: parameters, buffers, moments, count unchanged
+            new_params = float16_optimizer.keep_if(skipped, new_params, params)
+            opt_state = float16_optimizer.keep_if(skipped, opt_state, state.opt_state)
         new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
         return new_state, metrics
 
@@ -428,16 +455,65 @@ def batch_shardings(mesh: Mesh, segment_ids: bool = False) -> Batch:
     return dict(out, segment_ids=s) if segment_ids else out
 
 
+def stop_flag_sharding(mesh: Mesh) -> NamedSharding:
+    """The layout of the train step's ``stop`` input: float32 ``[mesh size]``, one entry per
+    device, split over every mesh axis (each process fills its own devices' entries)."""
+    return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+
+
+def stop_flags(mesh: Mesh, requested: bool) -> jax.Array:
+    """The train step's ``stop`` input for this process: its devices' entries 1.0 if
+    ``requested`` else 0.0 (every process calls it with its own flag; no communication)."""
+    n = mesh.devices.size
+    return jax.make_array_from_callback((n,), stop_flag_sharding(mesh),
+                                        lambda index: np.full((len(range(n)[index[0]]),), float(requested), np.float32))
+
+
+class TrainStep:
+    """The jitted train step: ``step(state, batch, *extra, stop=None) -> (state, metrics)``.
+
+    ``stop`` (bool or None): this process's stop request, passed to the program as a tiny
+    input (:func:`stop_flags`, the two possible arrays built once) whose maximum over all
+    processes comes back as metric ``stop``; None passes "no request". ``lower`` takes the
+    same arguments; other attributes (``_cache_size``, ...) are the jitted function's."""
+
+    def __init__(self, jitted, mesh: Mesh):
+        self.jitted = jitted
+        self.mesh = mesh
+        self._flags = {}
+
+    def flags(self, requested: bool) -> jax.Array:
+        if requested not in self._flags:
+            self._flags[requested] = stop_flags(self.mesh, requested)
+        return self._flags[requested]
+
+    def __call__(self, state, batch, *extra, stop: Optional[bool] = None):
+        return self.jitted(state, batch, *extra, self.flags(bool(stop)))
+
+    def lower(self, state, batch, *extra, stop: Optional[bool] = None):
+        return self.jitted.lower(state, batch, *extra, self.flags(bool(stop)))
+
+    def __getattr__(self, name):  # (only for names not set above: _cache_size, eval_shape, ...)
+        if name in ("jitted", "mesh", "_flags"):
+            raise AttributeError(name)
+        return getattr(self.jitted, name)
+
+
 def jit_train_step(step_fn, mesh: Mesh, state_shardings: TrainState, extra_shardings: Any = None,
-                   segment_ids: bool = False):
+                   segment_ids: bool = False) -> TrainStep:
     """jit with the state donated and laid out by ``state_shardings``; ``segment_ids``: the
-    batch has that key (:func:`batch_shardings`)."""
+    batch has that key (:func:`batch_shardings`). The stop flags (:class:`TrainStep`) go
+    in last, laid out by :func:`stop_flag_sharding`."""
     in_shardings = (state_shardings, batch_shardings(mesh, segment_ids))
     if extra_shardings is not None:
         in_shardings += (extra_shardings,)
-    return jax.jit(step_fn, in_shardings=in_shardings,
-                   out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
-                   donate_argnums=(0,))
+        fn = step_fn
+    else:
+        fn = lambda state, batch, stop: step_fn(state, batch, None, stop)  # noqa: E731
+    in_shardings += (stop_flag_sharding(mesh),)
+    return TrainStep(jax.jit(fn, in_shardings=in_shardings,
+                             out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+                             donate_argnums=(0,)), mesh)
 
 
 def jit_eval_step(step_fn, mesh: Mesh, param_shardings: Any, segment_ids: bool = False):
