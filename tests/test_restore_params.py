@@ -109,7 +109,7 @@ def test_main_params_source(bf16_tp2_ckpt):
         restore_run_params(bf16_tp2_ckpt, source="adam")
 
 
-def test_evaluate_cli_params_only(bf16_tp2_ckpt, capsys, monkeypatch):
+def test_evaluate_cli_params_only(bf16_tp2_ckpt, capsys):
     from jmegatron.evaluate import main
 
     with orbax_reads() as reads:
