@@ -1,11 +1,12 @@
 """What every export command starts from: a jmegatron checkpoint read back as plain arrays.
 
-:func:`load_checkpoint` restores a checkpoint written by any parallel layout (tensor
-parallel, ZeRO-1, FSDP: Orbax reassembles the shards) onto one device, keeps the student
-only (a distillation run's teacher is never in its checkpoints), and returns float32
-NumPy parameters in the per-layer layout (``decoder_layers_{i}``, scanned checkpoints are
-unstacked) with the resolved config, the true and padded vocabulary sizes and the
-tokenizer. Commands raise :class:`ExportError` for bad input; the CLI
+:func:`load_checkpoint` reads the parameters (only: no optimizer state) of a checkpoint
+written by any parallel layout (tensor parallel, ZeRO-1, FSDP: Orbax reassembles the
+shards) into host memory, keeps the student only (a distillation run's teacher is never
+in its checkpoints, its ``kd_projection`` is dropped), and returns float32 NumPy
+parameters in the per-layer layout (``decoder_layers_{i}``, scanned and pipeline
+checkpoints are unstacked) with the resolved config, the true and padded vocabulary
+sizes and the tokenizer. Commands raise :class:`ExportError` for bad input; the CLI
 (``python -m jmegatron.export``) prints it and exits 2, before any work starts.
 """
 
@@ -15,10 +16,8 @@ import dataclasses
 import os
 from typing import Any, Optional
 
-import numpy as np
-
-__all__ = ["ExportError", "ExportSource", "checkpoint_config", "load_checkpoint", "hf_model",
-           "load_source_tokenizer", "refuse_moe"]
+__all__ = ["ExportError", "ExportSource", "checkpoint_config", "export_config", "load_checkpoint", "hf_model",
+           "load_source_tokenizer", "refuse_moe", "source_vocab_size", "tokenizer_path"]
 
 
 class ExportError(ValueError):
@@ -89,49 +88,37 @@ def refuse_moe(cfg, command: str, missing: str, instead: Optional[str] = None) -
 
 
 def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSource:
-    """Read ``load_dir`` (a jmegatron ``save`` directory) at ``iteration`` (default latest).
+    """Read the parameters of ``load_dir`` (a jmegatron ``save`` directory) at ``iteration``
+    (default latest) into host memory, as float32 NumPy in the per-layer layout.
+
+    Parameters only: Orbax's partial restore of the ``state`` item's ``params`` subtree
+    (:func:`jmegatron.export.fp8_scales.read_saved_params`), read from the on-disk tree
+    itself (no model built, no device used, no optimizer moment or float32 main copy
+    read; a bf16 checkpoint gives its bf16 model parameters, widened to float32, as
+    Megatron's export takes the model's). Host memory: the model's parameters in float32
+    once; the streaming Hugging Face export (:mod:`jmegatron.export.stream`) holds one
+    decoder layer at a time instead.
 
     A checkpoint of an FP8 run (``fp8_meta`` subtrees among its params, docs/PRECISION.md)
-    is read from its on-disk tree instead of through the model, and its ``params`` keep
-    those subtrees (float32, per-layer layout): exports that do not quantize ignore them
-    (they address the weights by path), ``trtllm --scales from-checkpoint`` reads them
+    keeps those subtrees (float32, per-layer layout): exports that do not quantize ignore
+    them (they address the weights by path), ``trtllm --scales from-checkpoint`` reads them
     (:mod:`jmegatron.export.fp8_scales`).
 
-    Raises ExportError for a missing or corrupt checkpoint (the message comes from
-    ``jmegatron.training.checkpointing.CheckpointError``).
+    Raises ExportError for a missing or corrupt checkpoint (the message names ``--load``).
     """
-    import jax
-
-    from jmegatron.export.fp8_scales import saved_fp8_meta_paths
-    from jmegatron.export.hf import _plain, unstack_layers
-    from jmegatron.training.checkpointing import CheckpointError
-    from jmegatron.training.run import restore_run
+    from jmegatron.export.fp8_scales import read_saved_params
 
     if not load_dir:
         raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
-    if saved_fp8_meta_paths(load_dir, iteration):
-        return _load_fp8_checkpoint(load_dir, iteration)
-    try:
-        run, state, meta = restore_run(load_dir, iteration=iteration)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        raise ExportError(f"--load {load_dir}: {e}") from e
-    params = jax.tree.map(lambda a: np.asarray(jax.device_get(a), dtype=np.float32), _plain(state.params))
-    cfg = run.cfg
-    if cfg.scan_layers:
-        params = unstack_layers(params, cfg.num_layers)
-        cfg = cfg.replace(scan_layers=False)
-    tok = cfg.tokenizer_model if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model) else None
-    vocab = cfg.vocab_size
-    if vocab is None and tok is not None:
-        from jmegatron.data.tokenizer import load_tokenizer
-
-        vocab = load_tokenizer(tok).vocab_size
-    return ExportSource(cfg=cfg, params=params, vocab_size=int(vocab or run.padded_vocab_size),
-                        padded_vocab_size=int(run.padded_vocab_size), tokenizer_path=tok,
-                        iteration=int(meta["iteration"]), load_dir=os.path.abspath(load_dir))
+    params, meta, step = read_saved_params(load_dir, iteration)
+    cfg = export_config(load_dir, step)
+    padded = int(meta["padded_vocab_size"])
+    return ExportSource(cfg=cfg, params=params, vocab_size=source_vocab_size(cfg, padded), padded_vocab_size=padded,
+                        tokenizer_path=tokenizer_path(cfg), iteration=int(meta["iteration"]),
+                        load_dir=os.path.abspath(load_dir))
 
 
-# the one-device view restore_run takes of any saved layout
+# the one-device, per-layer view of any saved layout an export works in
 _SINGLE_DEVICE = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
                       expert_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_model_parallel_size=None,
                       num_layers_per_virtual_pipeline_stage=None, pipeline_schedule="auto",
@@ -139,28 +126,31 @@ _SINGLE_DEVICE = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size
                       scan_layers=False)
 
 
-def _load_fp8_checkpoint(load_dir: str, iteration: Optional[int]) -> ExportSource:
-    """An FP8-trained checkpoint (``fp8_meta`` among its params) read from its own on-disk
-    tree (:func:`jmegatron.export.fp8_scales.read_saved_params`) rather than through the
-    model: the ``fp8_meta`` subtrees come back with the weights (per-layer layout) whether
-    or not the installed model declares them, and no optimizer state is restored."""
+def export_config(load_dir: str, iteration: Optional[int] = None):
+    """The checkpoint's config as exports see it (one device, per-layer layout:
+    ``scan_layers=False``). Raises ExportError."""
     from jmegatron.config import ConfigError
-    from jmegatron.export.fp8_scales import read_saved_params
 
-    params, meta, step = read_saved_params(load_dir, iteration)
     try:
-        cfg = checkpoint_config(load_dir, step).replace(**_SINGLE_DEVICE)
+        return checkpoint_config(load_dir, iteration).replace(**_SINGLE_DEVICE)
     except ConfigError as e:
         raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {e}") from e
-    padded = int(meta["padded_vocab_size"])
-    tok = cfg.tokenizer_model if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model) else None
+
+
+def tokenizer_path(cfg) -> Optional[str]:
+    """The config's ``tokenizer_model`` if that file exists, else None."""
+    return cfg.tokenizer_model if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model) else None
+
+
+def source_vocab_size(cfg, padded_vocab_size: int) -> int:
+    """The true vocabulary: ``cfg.vocab_size``, else the tokenizer's, else the padded size."""
     vocab = cfg.vocab_size
+    tok = tokenizer_path(cfg)
     if vocab is None and tok is not None:
         from jmegatron.data.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(tok).vocab_size
-    return ExportSource(cfg=cfg, params=params, vocab_size=int(vocab or padded), padded_vocab_size=padded,
-                        tokenizer_path=tok, iteration=int(meta["iteration"]), load_dir=os.path.abspath(load_dir))
+    return int(vocab or padded_vocab_size)
 
 
 def load_source_tokenizer(src: ExportSource):

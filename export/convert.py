@@ -2,15 +2,18 @@
 
 ``hf --load CKPT --out DIR [--dtype float32|bfloat16|float16]`` writes what
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads: ``config.json``,
-``generation_config.json``, ``model.safetensors`` (``GPT2LMHeadModel`` for the GPT variant,
+``generation_config.json``, ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards
+of ``--max-shard-size`` with ``model.safetensors.index.json``, written layer by layer:
+:mod:`jmegatron.export.stream`) (``GPT2LMHeadModel`` for the GPT variant,
 ``LlamaForCausalLM`` for the Llama variant, ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``
 for mixture-of-experts models; the weight mapping is :mod:`jmegatron.export.hf` and
 :mod:`jmegatron.export.hf_moe`,
 held to 1e-4 logits by the golden tests), the tokenizer (``tokenizer.json`` +
 ``tokenizer_config.json`` via ``PreTrainedTokenizerFast``, end-of-document as bos/eos) and
 ``jmegatron_export.json`` (source checkpoint, iteration, vocabulary sizes). Any parallel
-layout loads (Orbax gathers the shards onto one device); a distillation checkpoint exports
-its student only. Megatron's vocabulary padding rows are dropped.
+layout loads (the shards are read from the checkpoint on the host); a distillation checkpoint exports
+its student only. Megatron's vocabulary padding rows are dropped. Only parameters are read
+(no optimizer state), one decoder layer at a time.
 
 ``import-hf --hf DIR --out CKPT [--config FILE] [--seq-length N]`` reads such a folder
 (``*.safetensors``, sharded or not) and writes a jmegatron checkpoint at iteration 0 (fresh
@@ -27,7 +30,7 @@ import os
 import shutil
 from typing import Any
 
-from jmegatron.export.common import ExportError, checkpoint_config, hf_model, load_checkpoint
+from jmegatron.export.common import ExportError, checkpoint_config
 
 __all__ = ["register", "export_hf", "import_hf"]
 
@@ -42,6 +45,8 @@ def register(sub) -> None:
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
     p.add_argument("--dtype", choices=TORCH_DTYPES, default="float32")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file (e.g. 5GB, 500MB); the weights stream layer by layer either way")
     p.set_defaults(func=_run_hf)
 
     q = sub.add_parser("import-hf", help="a Hugging Face folder -> a jmegatron checkpoint")
@@ -54,7 +59,7 @@ def register(sub) -> None:
 
 
 def _run_hf(args) -> int:
-    export_hf(args.load, args.out, args.dtype, args.iteration)
+    export_hf(args.load, args.out, args.dtype, args.iteration, args.max_shard_size)
     return 0
 
 
@@ -68,15 +73,19 @@ def _check_out_dir(out: str) -> None:
         raise ExportError(f"--out {out} exists and is not empty; choose a new folder (nothing is overwritten)")
 
 
-def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None = None) -> dict[str, Any]:
+def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None = None,
+              max_shard_size: Any = "5GB") -> dict[str, Any]:
     """Write the Hugging Face folder of checkpoint ``load`` to ``out`` in ``dtype``.
+
+    The weights stream layer by layer (:func:`jmegatron.export.stream.export_hf_streaming`:
+    parameters only, one decoder layer in host memory at a time) into safetensors files
+    of at most ``max_shard_size`` (bytes or "5GB"-style; several files get
+    ``model.safetensors.index.json``).
 
     Returns the summary written to ``out/jmegatron_export.json``. Raises ExportError for a
     missing checkpoint, an architecture with no HF target (fields named), or a non-empty
     ``out``; all before any array is restored.
     """
-    import torch
-
     from jmegatron.export.hf import hf_architecture
 
     if dtype not in TORCH_DTYPES:
@@ -88,27 +97,28 @@ def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None
         if isinstance(e, ExportError):
             raise
         raise ExportError(f"--load {load}: {e}") from e
-    src = load_checkpoint(load, iteration)
-    model = hf_model(src).to(getattr(torch, dtype))
-    model.config.dtype = dtype
+    from jmegatron.export.stream import export_hf_streaming, parse_size
+
+    parse_size(max_shard_size)  # bad input refused before any work
     os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    if src.tokenizer_path:
+    src = export_hf_streaming(load, out, dtype, iteration, max_shard_size)
+    if src["tokenizer"]:
         from transformers import PreTrainedTokenizerFast
 
-        from jmegatron.export.common import load_source_tokenizer
+        from jmegatron.data.tokenizer import load_tokenizer
 
-        eod = load_source_tokenizer(src).eod_token
-        tok = PreTrainedTokenizerFast(tokenizer_file=src.tokenizer_path, bos_token=eod, eos_token=eod,
-                                      unk_token=None, model_max_length=src.cfg.max_position_embeddings)
+        eod = load_tokenizer(src["tokenizer"]).eod_token
+        tok = PreTrainedTokenizerFast(tokenizer_file=src["tokenizer"], bos_token=eod, eos_token=eod,
+                                      unk_token=None, model_max_length=src["cfg"].max_position_embeddings)
         tok.save_pretrained(out)
-    summary = {"architecture": arch, "source": src.load_dir, "iteration": src.iteration, "dtype": dtype,
-               "vocab_size": src.vocab_size, "padded_vocab_size": src.padded_vocab_size,
-               "tokenizer": src.tokenizer_path}
+    summary = {"architecture": arch, "source": src["source"], "iteration": src["iteration"], "dtype": dtype,
+               "vocab_size": src["vocab_size"], "padded_vocab_size": src["padded_vocab_size"],
+               "tokenizer": src["tokenizer"], "files": src["files"]}
     with open(os.path.join(out, "jmegatron_export.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    print(f"[jmegatron.export hf] {arch} ({dtype}, vocab {src.vocab_size}) of {src.load_dir} "
-          f"iteration {src.iteration} -> {os.path.abspath(out)}")
+    print(f"[jmegatron.export hf] {arch} ({dtype}, vocab {src['vocab_size']}) of {src['source']} "
+          f"iteration {src['iteration']} -> {os.path.abspath(out)} ({len(src['files'])} safetensors file(s), "
+          f"streamed layer by layer)")
     return summary
 
 

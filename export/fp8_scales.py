@@ -139,6 +139,7 @@ def read_saved_params(load_dir: str, iteration: Optional[int] = None) -> tuple[d
     :func:`jmegatron.training.checkpoint_layout.convert_layers`; auxiliary modules named in
     the meta's ``aux_params`` (a distillation run's projection) are dropped.
     Raises ExportError for a missing or unreadable checkpoint."""
+    import jax
     import orbax.checkpoint as ocp
 
     from jmegatron.training import checkpointing
@@ -148,7 +149,9 @@ def read_saved_params(load_dir: str, iteration: Optional[int] = None) -> tuple[d
         raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}")
     try:
         params_md, state_dir, step, meta = _state_metadata(load_dir, iteration)
-        target = _map(lambda m: np.zeros(m.shape, m.dtype), params_md)
+        # auxiliary modules (a distillation run's projection) are not read at all
+        params_md = {k: v for k, v in params_md.items() if k not in (meta.get("aux_params") or {})}
+        target = _map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), params_md)
         restore_args = _map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), params_md)
         state = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
             item={"params": target}, restore_args={"params": restore_args}, partial_restore=True))

@@ -47,7 +47,7 @@ This module imports only numpy; ``torch`` and ``transformers`` are imported insi
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -400,15 +400,31 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
     Raises ValueError when ``cfg`` has no HF target (:func:`hf_architecture`) or the params
     do not match ``cfg`` (a missing entry or a wrong shape).
     """
-    arch = hf_architecture(cfg)
+    hf_architecture(cfg)
     p = _plain(params)
     if "decoder_layers" in p:
         p = unstack_layers(p, cfg.num_layers)
-    p = _split_fused_qkv(p, cfg)
+    return dict(iter_hf_tensors(p, lambda i: _get(p, f"decoder_layers_{i}", cfg), cfg, vocab_size))
+
+
+def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
+                    vocab_size: Optional[int] = None) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors of :func:`to_hf_state_dict` one at a time, in file order: the
+    embeddings, then decoder layer 0, 1, ... (``layer(i)``: that layer's per-layer
+    subtree, asked for once, when its tensors are due, so a caller can read it from disk
+    then), then the final norm and ``lm_head``. ``common``: the parameters other than the
+    decoder layers (``word_embeddings``, ``position_embeddings``, ``final_layernorm``,
+    ``output_layer``; per-layer entries in it are ignored). Only the current layer's
+    arrays are held: the streaming export's memory bound (:mod:`jmegatron.export.stream`).
+
+    Raises ValueError as :func:`to_hf_state_dict`.
+    """
+    arch = hf_architecture(cfg)
+    common = _plain(common)
     h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     ffn = cfg.ffn_hidden_size
     bias = cfg.add_bias_linear
-    g = lambda path: _get(p, path, cfg)  # noqa: E731
+    g = lambda path: _get(common, path, cfg)  # noqa: E731
 
     wte = g("word_embeddings/embedding")
     rows = wte.shape[0]
@@ -416,75 +432,83 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
     v = rows if vocab_size is None else int(vocab_size)
     if not 0 < v <= rows:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {rows}] (the embedding's rows)")
-    sd: dict[str, np.ndarray] = {}
 
     def c(a):  # an owned, writable, C-contiguous copy (jax arrays give read-only views)
         return np.array(a, order="C", copy=True)
 
+    def layer_tree(i: int) -> dict:
+        L = f"decoder_layers_{i}"
+        return _split_fused_qkv({L: _plain_inner(layer(i))}, cfg, layers=(i,))
+
     if arch == GPT2:
-        sd["transformer.wte.weight"] = c(wte[:v])
-        sd["transformer.wpe.weight"] = c(_check_shape(
-            "position_embeddings/embedding", g("position_embeddings/embedding"),
-            (cfg.max_position_embeddings, h)))
+        yield "transformer.wte.weight", c(wte[:v])
+        yield "transformer.wpe.weight", c(_check_shape(
+            "position_embeddings/embedding", g("position_embeddings/embedding"), (cfg.max_position_embeddings, h)))
         for i in range(cfg.num_layers):
             L, o = f"decoder_layers_{i}", f"transformer.h.{i}"
+            lp = layer_tree(i)
+            gl = lambda path: _get(lp, path, cfg)  # noqa: E731
             qkv = [_check_shape(f"{L}/self_attention/linear_{n}/kernel",
-                                g(f"{L}/self_attention/linear_{n}/kernel"), (h, nq, d)).reshape(h, nq * d)
+                                gl(f"{L}/self_attention/linear_{n}/kernel"), (h, nq, d)).reshape(h, nq * d)
                    for n in "qkv"]
-            sd[f"{o}.ln_1.weight"] = c(g(f"{L}/input_layernorm/scale"))
-            sd[f"{o}.ln_1.bias"] = c(g(f"{L}/input_layernorm/bias"))
-            sd[f"{o}.attn.c_attn.weight"] = c(np.concatenate(qkv, axis=1))
-            sd[f"{o}.attn.c_attn.bias"] = c(np.concatenate(
-                [g(f"{L}/self_attention/linear_{n}/bias").reshape(nq * d) for n in "qkv"]))
-            sd[f"{o}.attn.c_proj.weight"] = c(_check_shape(
-                f"{L}/self_attention/linear_proj/kernel", g(f"{L}/self_attention/linear_proj/kernel"),
+            yield f"{o}.ln_1.weight", c(gl(f"{L}/input_layernorm/scale"))
+            yield f"{o}.ln_1.bias", c(gl(f"{L}/input_layernorm/bias"))
+            yield f"{o}.attn.c_attn.weight", c(np.concatenate(qkv, axis=1))
+            yield f"{o}.attn.c_attn.bias", c(np.concatenate(
+                [gl(f"{L}/self_attention/linear_{n}/bias").reshape(nq * d) for n in "qkv"]))
+            yield f"{o}.attn.c_proj.weight", c(_check_shape(
+                f"{L}/self_attention/linear_proj/kernel", gl(f"{L}/self_attention/linear_proj/kernel"),
                 (nq, d, h)).reshape(nq * d, h))
-            sd[f"{o}.attn.c_proj.bias"] = c(g(f"{L}/self_attention/linear_proj/bias"))
-            sd[f"{o}.ln_2.weight"] = c(g(f"{L}/pre_mlp_layernorm/scale"))
-            sd[f"{o}.ln_2.bias"] = c(g(f"{L}/pre_mlp_layernorm/bias"))
-            sd[f"{o}.mlp.c_fc.weight"] = c(_check_shape(
-                f"{L}/mlp/linear_fc1/kernel", g(f"{L}/mlp/linear_fc1/kernel"), (h, ffn)))
-            sd[f"{o}.mlp.c_fc.bias"] = c(g(f"{L}/mlp/linear_fc1/bias"))
-            sd[f"{o}.mlp.c_proj.weight"] = c(_check_shape(
-                f"{L}/mlp/linear_fc2/kernel", g(f"{L}/mlp/linear_fc2/kernel"), (ffn, h)))
-            sd[f"{o}.mlp.c_proj.bias"] = c(g(f"{L}/mlp/linear_fc2/bias"))
-        sd["transformer.ln_f.weight"] = c(g("final_layernorm/scale"))
-        sd["transformer.ln_f.bias"] = c(g("final_layernorm/bias"))
+            yield f"{o}.attn.c_proj.bias", c(gl(f"{L}/self_attention/linear_proj/bias"))
+            yield f"{o}.ln_2.weight", c(gl(f"{L}/pre_mlp_layernorm/scale"))
+            yield f"{o}.ln_2.bias", c(gl(f"{L}/pre_mlp_layernorm/bias"))
+            yield f"{o}.mlp.c_fc.weight", c(_check_shape(
+                f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, ffn)))
+            yield f"{o}.mlp.c_fc.bias", c(gl(f"{L}/mlp/linear_fc1/bias"))
+            yield f"{o}.mlp.c_proj.weight", c(_check_shape(
+                f"{L}/mlp/linear_fc2/kernel", gl(f"{L}/mlp/linear_fc2/kernel"), (ffn, h)))
+            yield f"{o}.mlp.c_proj.bias", c(gl(f"{L}/mlp/linear_fc2/bias"))
+            del lp, qkv
+        yield "transformer.ln_f.weight", c(g("final_layernorm/scale"))
+        yield "transformer.ln_f.bias", c(g("final_layernorm/bias"))
     else:
-        sd["model.embed_tokens.weight"] = c(wte[:v])
+        yield "model.embed_tokens.weight", c(wte[:v])
         moe_layers = _moe_layers(cfg)
         for i in range(cfg.num_layers):
             L, o = f"decoder_layers_{i}", f"model.layers.{i}"
             A = f"{L}/self_attention"
-            sd[f"{o}.input_layernorm.weight"] = c(g(f"{L}/input_layernorm/scale"))
+            lp = layer_tree(i)
+            gl = lambda path: _get(lp, path, cfg)  # noqa: E731
+            yield f"{o}.input_layernorm.weight", c(gl(f"{L}/input_layernorm/scale"))
             for n, heads in (("q", nq), ("k", nkv), ("v", nkv)):
-                k = _check_shape(f"{A}/linear_{n}/kernel", g(f"{A}/linear_{n}/kernel"), (h, heads, d))
-                sd[f"{o}.self_attn.{n}_proj.weight"] = c(k.reshape(h, heads * d).T)
+                k = _check_shape(f"{A}/linear_{n}/kernel", gl(f"{A}/linear_{n}/kernel"), (h, heads, d))
+                yield f"{o}.self_attn.{n}_proj.weight", c(k.reshape(h, heads * d).T)
                 if bias or cfg.add_qkv_bias:
-                    sd[f"{o}.self_attn.{n}_proj.bias"] = c(g(f"{A}/linear_{n}/bias").reshape(heads * d))
-            k = _check_shape(f"{A}/linear_proj/kernel", g(f"{A}/linear_proj/kernel"), (nq, d, h))
-            sd[f"{o}.self_attn.o_proj.weight"] = c(k.reshape(nq * d, h).T)
+                    yield f"{o}.self_attn.{n}_proj.bias", c(gl(f"{A}/linear_{n}/bias").reshape(heads * d))
+            k = _check_shape(f"{A}/linear_proj/kernel", gl(f"{A}/linear_proj/kernel"), (nq, d, h))
+            yield f"{o}.self_attn.o_proj.weight", c(k.reshape(nq * d, h).T)
             if bias:
-                sd[f"{o}.self_attn.o_proj.bias"] = c(g(f"{A}/linear_proj/bias"))
-            sd[f"{o}.post_attention_layernorm.weight"] = c(g(f"{L}/pre_mlp_layernorm/scale"))
+                yield f"{o}.self_attn.o_proj.bias", c(gl(f"{A}/linear_proj/bias"))
+            yield f"{o}.post_attention_layernorm.weight", c(gl(f"{L}/pre_mlp_layernorm/scale"))
             if moe_layers[i]:
-                sd.update(hf_moe.mlp_to_hf(g(f"{L}/mlp"), cfg, arch, i, _check_shape))
+                yield from hf_moe.mlp_to_hf(gl(f"{L}/mlp"), cfg, arch, i, _check_shape).items()
+                del lp
                 continue
-            fc1 = _check_shape(f"{L}/mlp/linear_fc1/kernel", g(f"{L}/mlp/linear_fc1/kernel"), (h, 2, ffn))
-            sd[f"{o}.mlp.gate_proj.weight"] = c(fc1[:, 0, :].T)
-            sd[f"{o}.mlp.up_proj.weight"] = c(fc1[:, 1, :].T)
-            fc2 = _check_shape(f"{L}/mlp/linear_fc2/kernel", g(f"{L}/mlp/linear_fc2/kernel"), (ffn, h))
-            sd[f"{o}.mlp.down_proj.weight"] = c(fc2.T)
+            fc1 = _check_shape(f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, 2, ffn))
+            yield f"{o}.mlp.gate_proj.weight", c(fc1[:, 0, :].T)
+            yield f"{o}.mlp.up_proj.weight", c(fc1[:, 1, :].T)
+            fc2 = _check_shape(f"{L}/mlp/linear_fc2/kernel", gl(f"{L}/mlp/linear_fc2/kernel"), (ffn, h))
+            yield f"{o}.mlp.down_proj.weight", c(fc2.T)
             if bias:
-                b1 = g(f"{L}/mlp/linear_fc1/bias")
-                sd[f"{o}.mlp.gate_proj.bias"] = c(b1[0])
-                sd[f"{o}.mlp.up_proj.bias"] = c(b1[1])
-                sd[f"{o}.mlp.down_proj.bias"] = c(g(f"{L}/mlp/linear_fc2/bias"))
-        sd["model.norm.weight"] = c(g("final_layernorm/scale"))
+                b1 = gl(f"{L}/mlp/linear_fc1/bias")
+                yield f"{o}.mlp.gate_proj.bias", c(b1[0])
+                yield f"{o}.mlp.up_proj.bias", c(b1[1])
+                yield f"{o}.mlp.down_proj.bias", c(gl(f"{L}/mlp/linear_fc2/bias"))
+            del lp, fc1, fc2, k
+        yield "model.norm.weight", c(g("final_layernorm/scale"))
     if cfg.untie_embeddings_and_output_weights:
         out = _check_shape("output_layer/kernel", g("output_layer/kernel"), (h, rows))
-        sd["lm_head.weight"] = c(out[:, :v].T)
-    return sd
+        yield "lm_head.weight", c(out[:, :v].T)
 
 
 def _moe_layers(cfg) -> tuple[int, ...]:
@@ -494,13 +518,14 @@ def _moe_layers(cfg) -> tuple[int, ...]:
     return hf_moe._pattern(cfg)
 
 
-def _split_fused_qkv(p: dict, cfg) -> dict:
+def _split_fused_qkv(p: dict, cfg, layers: Optional[Sequence[int]] = None) -> dict:
     """Per-layer params with ``linear_qkv`` replaced by ``linear_q`` ``[h, nq, d]`` and
-    ``linear_k``/``linear_v`` ``[h, nkv, d]`` (biases ``[nq, d]``/``[nkv, d]``)."""
+    ``linear_k``/``linear_v`` ``[h, nkv, d]`` (biases ``[nq, d]``/``[nkv, d]``); ``layers``:
+    the decoder layers ``p`` holds (default all ``cfg.num_layers``)."""
     nq, nkv, d, h = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.hidden_size
     per = nq // nkv
     out = dict(p)
-    for i in range(cfg.num_layers):
+    for i in (range(cfg.num_layers) if layers is None else layers):
         layer = f"decoder_layers_{i}"
         attn = dict(_get(out, f"{layer}/self_attention", cfg))
         fused = attn.pop("linear_qkv", None)

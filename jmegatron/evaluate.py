@@ -1,7 +1,16 @@
-"""``python -m jmegatron.evaluate --load CKPT [--eval-iters N] [--split valid|test]``
+"""``python -m jmegatron.evaluate --load CKPT [--eval-iters N] [--split valid|test]
+[--params model|main] [--devices N]``
 
 Loss (nats per token) and perplexity of a checkpoint on the validation or test split
 of its own config's data (Megatron's ``evaluate_and_print_results``).
+
+Only the checkpoint's parameters are restored (no optimizer state:
+:func:`jmegatron.training.run.restore_run_params`), straight into the evaluation mesh's
+shardings: one device by default, or ``--devices N`` devices in the checkpoint's own
+parallel layout (its tensor / pipeline / context / expert sizes, data parallel over the
+rest), no parameter gathered onto one device. ``--params main`` evaluates a bf16 / fp16
+checkpoint's float32 main parameters in a float32 model (default ``model``: the
+parameters training computed with, as its own validation did).
 """
 
 from __future__ import annotations
@@ -14,14 +23,39 @@ from typing import Optional, Sequence
 
 
 def _positive_int(text: str) -> int:
-    """argparse type of --eval-iters: an integer >= 1 (argparse names the flag on error)."""
+    """argparse type of --eval-iters and --devices: an integer >= 1 (argparse names the flag on error)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1 (global batches to evaluate)")
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
+
+
+def evaluation_mesh(load_dir: str, num_devices: int):
+    """None for one device, else the mesh of the checkpoint's saved parallel layout over the
+    first ``num_devices`` devices. Raises CheckpointError (no checkpoint) or ConfigError
+    (the saved parallel sizes do not divide ``num_devices``: the message names them)."""
+    if num_devices == 1:
+        return None
+    import jax
+
+    from jmegatron.config import from_configdict
+    from jmegatron.parallel.mesh import create_mesh
+    from jmegatron.training import checkpointing
+
+    if num_devices < 1 or num_devices > len(jax.devices()):
+        raise ValueError(f"--devices {num_devices}: choose 1..{len(jax.devices())} (the devices this process sees)")
+    if not checkpointing.has_checkpoint(load_dir):
+        raise checkpointing.CheckpointError(f"no checkpoint found in {load_dir}")
+    ckpt = checkpointing.Checkpointer(load_dir, create=False)
+    try:
+        saved = dict(ckpt.read_meta()["config"])
+    finally:
+        ckpt.close()
+    saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
+    return create_mesh(from_configdict(saved), jax.devices()[:num_devices])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -29,16 +63,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--load", required=True, help="checkpoint directory (config.save of the run)")
     p.add_argument("--split", choices=("valid", "test"), default="test")
     p.add_argument("--eval-iters", type=_positive_int, default=None, help="global batches (default: config.eval_iters)")
+    p.add_argument("--params", choices=("model", "main"), default="model",
+                   help="model: the parameters training computed with (bf16 under bf16); main: a bf16 / fp16 "
+                        "checkpoint's float32 main parameters, in a float32 model")
+    p.add_argument("--devices", type=_positive_int, default=1,
+                   help="devices to evaluate on (>1: the checkpoint's own parallel layout, data over the rest)")
     args = p.parse_args(argv)
 
+    from jmegatron.config import ConfigError
     from jmegatron.training.checkpointing import CheckpointError
     from jmegatron.training.loop import build_datasets, evaluate
-    from jmegatron.training.run import restore_run
+    from jmegatron.training.run import restore_run_params
 
     try:
-        run, state, meta = restore_run(args.load, hidden_dropout=0.0, attention_dropout=0.0)
+        mesh = evaluation_mesh(args.load, args.devices)
+        run, params, meta = restore_run_params(args.load, mesh, source=args.params, hidden_dropout=0.0,
+                                               attention_dropout=0.0)
     except CheckpointError as e:
         print(f"error: {e} (--load takes a training run's config.save directory)", file=sys.stderr)
+        return 2
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = run.cfg
     iters = args.eval_iters or cfg.eval_iters
@@ -53,9 +98,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: the {args.split} split of {cfg.data_path!r} is empty (config.split={cfg.split!r})",
               file=sys.stderr)
         return 2
-    loss = evaluate(run, state.params, ds, iters)
+    loss = evaluate(run, params, ds, iters)
     result = {"iteration": meta["iteration"], "split": args.split, "loss": loss,
-              "ppl": math.exp(min(loss, 700.0)), "tokens": iters * run.global_batch_size * cfg.seq_length}
+              "ppl": math.exp(min(loss, 700.0)), "tokens": iters * run.global_batch_size * cfg.seq_length,
+              "params": args.params}
     print(json.dumps(result))
     return 0
 

@@ -4,8 +4,12 @@ Megatron's ``_teacher_provider`` (megatron/post_training/model_provider.py) buil
 teacher from ``--export-kd-teacher-load`` with the teacher checkpoint's own arguments;
 here the checkpoint's resolved config builds the teacher model, and its parameters are
 restored straight into their own shardings on the student's mesh (the same logical
-rules, so e.g. a tensor-parallel student gets a tensor-parallel teacher). The teacher
-is not in the optimizer and not in the student's checkpoints; it only runs forward.
+rules, so e.g. a tensor-parallel student gets a tensor-parallel teacher). Only its
+float32 parameters are read (the main parameters of a bf16 / fp16 teacher checkpoint,
+the params of a float32 one: Orbax partial restore,
+:func:`jmegatron.training.checkpoint_layout.restore_params`), never its optimizer
+moments, each device reading its own shards. The teacher is not in the optimizer and not
+in the student's checkpoints; it only runs forward.
 
 An MoE teacher (``num_moe_experts`` in its checkpoint's config) runs in evaluation mode
 (``deterministic=True``: no dropout, its router computes and sows no losses, as
@@ -28,8 +32,8 @@ from jax.sharding import Mesh
 
 from jmegatron.config import ConfigError, JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
-from jmegatron.training import checkpointing
-from jmegatron.training.run import build, restore_state
+from jmegatron.training import checkpoint_layout, checkpointing
+from jmegatron.training.run import build
 
 
 @dataclasses.dataclass
@@ -102,9 +106,15 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
             f"has {padded_vocab_size}; teacher and student must share the tokenizer (config.tokenizer_model) "
             f"and make_vocab_size_divisible_by")
     run = build(tcfg, mesh, vocab_size=meta["padded_vocab_size"])
-    state, meta = restore_state(run, ckpt)
-    ckpt.close()
-    params = state.params
+    # float32 targets in the teacher's parameter shardings on the student's mesh
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype,
+                                          sharding=s),
+        run.abstract_state.params, run.state_shardings.params)
+    try:
+        params, meta = checkpoint_layout.restore_params(ckpt, target, tcfg, source="main")
+    finally:
+        ckpt.close()
     if bf16:
         params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
     return Teacher(cfg=tcfg, model=run.model, params=params, shardings=run.state_shardings.params,

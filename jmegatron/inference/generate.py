@@ -233,7 +233,8 @@ def generate_text(load_dir: str, prompts: Sequence[str], max_new_tokens: int, *,
     """The continuations (new text only, EOD included when generated) of text
     ``prompts`` from the checkpoint in ``load_dir``.
 
-    Restores the model with :func:`jmegatron.training.run.restore_run` (one device),
+    Restores the model's parameters only with
+    :func:`jmegatron.training.run.restore_run_params` (one device, no optimizer state),
     tokenizes with ``tokenizer_model`` or the checkpoint config's ``tokenizer_model``,
     generates with :func:`generate` (``sampling``: its keyword arguments; ``eod_id``
     defaults to the tokenizer's EOD) and detokenizes.
@@ -244,14 +245,14 @@ def generate_text(load_dir: str, prompts: Sequence[str], max_new_tokens: int, *,
         FileNotFoundError: the tokenizer file does not exist.
     """
     from jmegatron.data.tokenizer import load_tokenizer
-    from jmegatron.training.run import restore_run
+    from jmegatron.training.run import restore_run_params
 
-    run, state, _ = restore_run(load_dir)
+    run, params, _ = restore_run_params(load_dir)
     path = tokenizer_model or run.cfg.tokenizer_model
     if not path:
         raise GenerateError(f"the checkpoint in {load_dir} has no tokenizer_model in its config; "
                             "pass tokenizer_model= (--tokenizer-model)")
     tok = load_tokenizer(path)
     sampling.setdefault("eod_id", tok.eod)
-    outs = generate(run.model, state.params, [tok.tokenize(t) for t in prompts], max_new_tokens, **sampling)
+    outs = generate(run.model, params, [tok.tokenize(t) for t in prompts], max_new_tokens, **sampling)
     return [tok.detokenize(o) for o in outs]

@@ -24,10 +24,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from jmegatron.data.tokenizer import load_tokenizer
     from jmegatron.inference.sample import sample
     from jmegatron.training.checkpointing import CheckpointError
-    from jmegatron.training.run import restore_run
+    from jmegatron.training.run import restore_run_params
 
     try:
-        run, state, _ = restore_run(args.load)
+        run, params, _ = restore_run_params(args.load)  # parameters only
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -37,7 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     tok = load_tokenizer(tok_path)
     prompts = [tok.tokenize(t) for t in args.prompt]
-    outs = sample(run.model, state.params, prompts, args.max_new_tokens, temperature=args.temperature,
+    outs = sample(run.model, params, prompts, args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, greedy=args.greedy, seed=args.seed, eod_id=tok.eod,
                   max_length=run.cfg.max_position_embeddings)
     for text, new in zip(args.prompt, outs):

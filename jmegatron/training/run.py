@@ -311,27 +311,75 @@ def _saved_optimizer(run: Run, meta: dict) -> Any:
 
 def restore_run(load_dir: str, mesh: Optional[Mesh] = None,
                 iteration: Optional[int] = None, **overrides) -> tuple[Run, Any, dict]:
-    """(Run, TrainState, meta) rebuilt from a checkpoint's own resolved config, for
-    evaluation, sampling and export. ``overrides`` replace config fields (e.g. batch
-    sizes). Raises CheckpointError for a missing or corrupt checkpoint."""
+    """(Run, TrainState, meta) rebuilt from a checkpoint's own resolved config: the whole
+    state, optimizer moments included (what a resumed or continued training needs).
+    Evaluation, sampling, export and a teacher need the parameters only: use
+    :func:`restore_run_params`. ``overrides`` replace config fields (e.g. batch sizes).
+    Raises CheckpointError for a missing or corrupt checkpoint."""
+    run, ckpt, _ = _run_of_checkpoint(load_dir, mesh, iteration, overrides)
+    try:
+        state, meta = restore_state(run, ckpt, iteration)
+    finally:
+        ckpt.close()
+    return run, state, meta
+
+
+def restore_run_params(load_dir: str, mesh: Optional[Mesh] = None, iteration: Optional[int] = None,
+                       source: str = "model", **overrides) -> tuple[Run, Any, dict]:
+    """(Run, params, meta): a checkpoint's model rebuilt from its own resolved config and
+    only its parameters restored, straight into the run's parameter shardings
+    (:func:`jmegatron.training.checkpoint_layout.restore_params`: Orbax partial restore, no
+    optimizer state read, each device reads its own shards; any saved layer layout
+    converted). For evaluation, generation and export.
+
+    ``mesh`` None: one device (the checkpoint's parallel sizes reset to 1; Orbax reads
+    whatever layout it was saved in). A ``mesh``: the saved parallel layout (or
+    ``overrides``') on that mesh, each parameter in its NamedSharding.
+
+    ``source``: ``"model"`` (default) the model's parameters as training computed with
+    them (bf16 under bf16, as Megatron's export takes the model's); ``"main"`` the float32
+    main parameters of a bf16 / fp16 checkpoint (its optimizer's copy; a float32
+    checkpoint's params), the run then built in float32 (``bf16=False, fp16=False`` unless
+    ``overrides`` say otherwise). ``overrides`` replace config fields (batch sizes,
+    dropout). Raises CheckpointError for a missing, corrupt or mismatched checkpoint,
+    ValueError for an unknown ``source``.
+    """
+    if source == "main":
+        overrides = {"bf16": False, "fp16": False, **overrides}
+    run, ckpt, _ = _run_of_checkpoint(load_dir, mesh, iteration, overrides)
+    try:
+        target = run.abstract_with_shardings().params
+        params, meta = checkpoint_layout.restore_params(ckpt, target, run.cfg, iteration, source)
+    finally:
+        ckpt.close()
+    return run, params, meta
+
+
+def _run_of_checkpoint(load_dir: str, mesh: Optional[Mesh], iteration: Optional[int],
+                       overrides: dict) -> tuple[Run, checkpointing.Checkpointer, dict]:
+    """(Run built from the checkpoint's saved config, its open Checkpointer, meta): the
+    student only; under ``mesh`` None the parallel sizes are reset to one device."""
     if not checkpointing.has_checkpoint(load_dir):
         raise checkpointing.CheckpointError(f"no checkpoint found in {os.path.abspath(load_dir)}")
     ckpt = checkpointing.Checkpointer(load_dir, create=False)
-    meta = ckpt.read_meta(iteration)
-    saved = dict(meta["config"])
-    # evaluation, sampling and export need the student only, never its teacher
-    saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
-    if mesh is None:  # one device: Orbax gathers whatever layout the checkpoint was saved in
-        saved.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                     expert_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_model_parallel_size=None,
-                     num_layers_per_virtual_pipeline_stage=None, pipeline_schedule="auto",
-                     decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
-    saved.update(overrides)
-    cfg = from_configdict(saved)
-    run = build(cfg, mesh or create_mesh(cfg, jax.devices()[:1]), vocab_size=_unpadded_vocab(cfg, meta))
-    state, meta = restore_state(run, ckpt, iteration)
-    ckpt.close()
-    return run, state, meta
+    try:
+        meta = ckpt.read_meta(iteration)
+        saved = dict(meta["config"])
+        # evaluation, sampling and export need the student only, never its teacher
+        saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
+        if mesh is None:  # one device: Orbax gathers whatever layout the checkpoint was saved in
+            saved.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                         expert_model_parallel_size=1, sequence_parallel=False,
+                         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+                         pipeline_schedule="auto", decoder_first_pipeline_num_layers=None,
+                         decoder_last_pipeline_num_layers=None)
+        saved.update(overrides)
+        cfg = from_configdict(saved)
+        run = build(cfg, mesh or create_mesh(cfg, jax.devices()[:1]), vocab_size=_unpadded_vocab(cfg, meta))
+    except BaseException:
+        ckpt.close()
+        raise
+    return run, ckpt, meta
 
 
 def _unpadded_vocab(cfg: JMegatronConfig, meta: dict) -> int:
