@@ -26,7 +26,7 @@ import re
 import shutil
 import struct
 import sys
-from typing import Callable, Optional
+from typing import Callable
 
 if __name__ == "__main__":  # the table script: same device set-up as tests/conftest.py
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()

@@ -7,7 +7,6 @@ tests/test_data_loader_multiprocess.py."""
 import threading
 import time
 
-import jax
 import numpy as np
 import pytest
 

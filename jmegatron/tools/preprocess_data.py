@@ -192,8 +192,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str,
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     paths = resolve_inputs(inputs)
-    from jmegatron.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, \
-        get_idx_path
+    from jmegatron.data.indexed_dataset import DType, get_bin_path, get_idx_path
     from jmegatron.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_model)  # fail early, and pick the dtype
