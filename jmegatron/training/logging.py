@@ -253,7 +253,8 @@ class MetricsLogger:
         text += f" number of skipped iterations: {r['skipped_iterations']:3d} |"
         text += f" number of nan iterations: {r['nan_iterations']:3d} |"
         text += f" tokens/s: {r['tokens_per_sec']:.0f} | TFLOP/s/device: {r['tflops_per_device']:.4f} |"
-        text += f" MFU: {100 * r['mfu']:.1f}% |"
+        if self.peak_tflops:  # no peak (none measured, none stated): no MFU column, not "nan%"
+            text += f" MFU: {100 * r['mfu']:.1f}% |"
         if self.theoretical_peak_tflops:
             text += f" MFU (theoretical peak): {100 * r['mfu_theoretical']:.1f}% |"
         return text
