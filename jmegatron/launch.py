@@ -98,11 +98,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     procs = []
-    for rank, env in enumerate(envs):
-        # own process group: a terminal's Ctrl-C reaches the launcher only, which forwards it once
-        # (a rank getting it twice would take the second as "stop now" and lose its save)
-        procs.append(subprocess.Popen(cmd, env=env, process_group=0))
-        print(f"[jmegatron.launch] rank {rank}: pid {procs[-1].pid}", flush=True)
 
     def stop_all(sig=signal.SIGTERM):
         for q in procs:
@@ -116,8 +111,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         forwarded["count"] += 1
         stop_all(signum if forwarded["count"] == 1 else signal.SIGKILL)  # a second one: stop for good
 
+    # before the ranks start: a signal while they start must not kill the launcher and orphan them
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
+    for rank, env in enumerate(envs):
+        # own process group: a terminal's Ctrl-C reaches the launcher only, which forwards it once
+        # (a rank getting it twice would take the second as "stop now" and lose its save)
+        procs.append(subprocess.Popen(cmd, env=env, process_group=0))
+        print(f"[jmegatron.launch] rank {rank}: pid {procs[-1].pid}", flush=True)
+        if forwarded["sig"] is not None:  # signalled while starting: the new rank gets it too
+            procs[-1].send_signal(forwarded["sig"] if forwarded["count"] == 1 else signal.SIGKILL)
     failed = None
     forwarded_at = None
     while any(q.poll() is None for q in procs):

@@ -205,22 +205,25 @@ def test_state_memory_gpt3_345m():
     cfg = _load("gpt3_345m.py")
     P = 354_871_296
     s = memory.weight_and_optimizer_memory(cfg, 50304, TP1)
-    assert (s.weights, s.gradients, s.optimizer_state) == (4 * P, 4 * P, 8 * P)  # float32 params, grads, m, v
-    assert s.total == 16 * P == 5_677_940_736
+    # bf16: 16-bit params, float32 grads, float32 main params + m + v (Megatron's 2 + 4 + 12)
+    assert (s.weights, s.gradients, s.optimizer_state) == (2 * P, 4 * P, 12 * P)
+    assert s.total == 18 * P == 6_387_683_328
+    f32 = memory.weight_and_optimizer_memory(cfg.replace(bf16=False), 50304, TP1)
+    assert (f32.weights, f32.gradients, f32.optimizer_state) == (4 * P, 4 * P, 8 * P)  # float32 params, grads, m, v
     # tp2 x dp4 with ZeRO-1: sharded kernels and qkv/fc1 biases / 2, the rest whole; moments / 4.
     lay = ParallelLayout(2, 4, use_distributed_optimizer=True)
     per_device = 353_501_184 / 2 + 172_032 / 2 + 1_097_728 + 100_352
     assert per_device == 178_034_688
     assert memory.parameters_per_device(cfg, 50304, lay) == per_device
     z = memory.weight_and_optimizer_memory(cfg, 50304, lay)
-    assert (z.weights, z.gradients, z.optimizer_state) == (712_138_752, 712_138_752, 356_069_376)
+    assert (z.weights, z.gradients, z.optimizer_state) == (2 * per_device, 4 * per_device, 12 * per_device / 4)
     # FSDP over 8: everything with a hidden axis / 8; norms and qkv/fc1 biases stay whole.
     fsdp = ParallelLayout(1, 8, use_megatron_fsdp=True)
     f = memory.parameters_per_device(cfg, 50304, fsdp)
     assert f == (353_501_184 + 1_097_728) / 8 + 172_032 + 100_352
     est = memory.theoretical_memory(cfg, 50304, fsdp)
-    assert est.weights == 4 * f and est.optimizer_state == 8 * f
-    assert est.fsdp_gathered == 8 * P  # the gathered float32 weights and their whole gradients
+    assert est.weights == 2 * f and est.optimizer_state == 12 * f
+    assert est.fsdp_gathered == 6 * P  # the gathered bf16 weights and their whole float32 gradients
     assert memory.theoretical_memory(cfg, 50304, lay).fsdp_gathered == 0.0
     # Megatron's own figure: 18 B per parameter of its count (no biases, no position embeddings).
     megatron_params = 24 * (2 * 1024 * (4096 + 2) + 2 * 1024 ** 2 * 2) + 2 * 1024 + 1024 * 50304
@@ -276,7 +279,7 @@ def test_memory_llama2_7b():
     assert act.total == 32 * per_layer + 4 * s + 591_396_864
     P = 6_738_415_616
     st = memory.weight_and_optimizer_memory(cfg, V, TP1)
-    assert st.total == 16 * P
+    assert st.total == 18 * P  # bf16 params, float32 grads, float32 main params + moments
     # Megatron counts the same 6.74e9 parameters for Llama-2-7B (no biases, rope): 18 B each.
     assert memory.megatron_weight_and_optimizer_memory(cfg, V, TP1) == 18 * P == 121_291_481_088
     # tp8 + SP (vocab padded to 32768): everything but the norms / 8.
@@ -286,7 +289,7 @@ def test_memory_llama2_7b():
     assert memory.parameters_per_device(tp8, 32768, lay) == (6_744_707_072 - norms) / 8 + norms == 843_321_344
     est = memory.theoretical_memory(tp8, 32768, lay)
     assert est.activations == memory.activation_memory(tp8, 32768, lay).total
-    assert est.total == 16 * 843_321_344 + est.activations
+    assert est.total == 18 * 843_321_344 + est.activations
     assert est.to_dict()["total"] == est.total
 
 

@@ -113,9 +113,10 @@ def test_mixtral_8x7b_memory_by_hand():
     assert memory.expert_parameters_per_device(c, V, lay) == experts / 8 == 5_637_144_576
     assert memory.parameters_per_device(c, V, lay) == dense + experts / 8 == 7_242_780_672
     st = memory.weight_and_optimizer_memory(c, V, lay)
-    assert st.weights == st.gradients == 4 * 7_242_780_672
-    # ZeRO-1: dense moments over Megatron's dp = 8, expert moments over the data axis (1)
-    assert st.optimizer_state == 8 * (dense / 8 + experts / 8) == 8 * 5_837_849_088
+    # bf16: 2 B weights, 4 B float32 gradients, 12 B float32 main params + moments (Megatron's 18)
+    assert (st.weights, st.gradients) == (2 * 7_242_780_672, 4 * 7_242_780_672)
+    # ZeRO-1: dense optimizer state over Megatron's dp = 8, expert state over the data axis (1)
+    assert st.optimizer_state == 12 * (dense / 8 + experts / 8) == 12 * 5_837_849_088
     # Activations of one micro-batch (1 x 4096 tokens), bf16 (e = 2), no dropout; XLA attention
     # under bf16 keeps the 2-byte s x s softmax output.
     e = 2
@@ -157,9 +158,10 @@ def test_ds_like_parameters_flops_and_memory_by_hand():
     experts = L * E * expert
     dense = total - experts
     assert memory.parameters_per_device(c, V, lay) == dense + experts / 16 == 3_419_816_960
-    # ZeRO-1 moments: dense over Megatron's dp 16; this device's 1/16 of the experts over data 1
-    assert memory.weight_and_optimizer_memory(c, V, lay).optimizer_state == 8 * (dense / 16 + experts / 16 / 1) \
-        == 14_921_966_080
+    # ZeRO-1 main params + moments (bf16: 12 B): dense over Megatron's dp 16; this device's 1/16
+    # of the experts over data 1
+    assert memory.weight_and_optimizer_memory(c, V, lay).optimizer_state == 12 * (dense / 16 + experts / 16 / 1) \
+        == 22_382_949_120
 
     # ds_like_4node: capacity factor 1.2, dropout 0.1 (1-byte masks), router in fp32
     c4 = load_config_file(DS4)

@@ -35,32 +35,49 @@ def test_launcher_waits_for_a_slow_save_until_stop_timeout(tmp_path):
     # A rank that takes 3 s to "save" after SIGTERM is waited for (the old launcher killed it
     # 6 x --grace = 1.2 s after forwarding); one that never exits is killed at --stop-timeout,
     # or at once by a second SIGTERM to the launcher.
+    # Readiness is a file per rank (not a pipe: a pipe's reader can block on a rank that
+    # outlives a failed launcher), written once the rank's handler is installed.
     slow = textwrap.dedent("""
-        import signal, sys, time
+        import os, pathlib, signal, sys, time
         done = []
         signal.signal(signal.SIGTERM, lambda *a: done.append(time.time()))
-        print("ready", flush=True)
+        pathlib.Path(sys.argv[2], f"ready.{os.getpid()}").touch()
         while not done:
             time.sleep(0.05)
         time.sleep(float(sys.argv[1]))  # the save
     """)
     script = tmp_path / "slow.py"
     script.write_text(slow)
-    for save_s, timeout, expect_rc, signals in ((3.0, 30, 0, 1), (600.0, 2, 1, 1), (600.0, 60, 1, 2)):
-        proc = subprocess.Popen(LAUNCH + ["--nproc", "2", "--grace", "0.2", "--stop-timeout", str(timeout), "--",
-                                          sys.executable, str(script), str(save_s)],
-                                cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        ready = 0
-        while ready < 2:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            ready += line.strip() == "ready"
-        t0 = time.time()
-        for _ in range(signals):
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-        _, err = proc.communicate(timeout=60)
-        elapsed = time.time() - t0
+    for case, (save_s, timeout, expect_rc, signals) in enumerate(((3.0, 30, 0, 1), (600.0, 2, 1, 1),
+                                                                  (600.0, 60, 1, 2))):
+        flags, log = tmp_path / f"ready{case}", tmp_path / f"launcher{case}.err"
+        flags.mkdir()
+        with open(log, "w") as err_file:
+            proc = subprocess.Popen(LAUNCH + ["--nproc", "2", "--grace", "0.2", "--stop-timeout", str(timeout),
+                                              "--", sys.executable, str(script), str(save_s), str(flags)],
+                                    cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=err_file)
+        try:
+            deadline = time.time() + 60
+            while len(list(flags.iterdir())) < 2:
+                assert proc.poll() is None and time.time() < deadline, log.read_text()
+                time.sleep(0.05)
+            t0 = time.time()
+            for _ in range(signals):
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            left = []  # ranks alive after the launcher exited: killed here, and the case fails
+            for f in flags.iterdir():
+                try:
+                    os.kill(int(f.name.split(".")[1]), signal.SIGKILL)
+                    left.append(f.name)
+                except ProcessLookupError:
+                    pass
+        elapsed, err = time.time() - t0, log.read_text()
+        assert not left, (case, left, err)
         assert proc.returncode == expect_rc, err
         if expect_rc == 0:
             assert elapsed >= save_s - 0.5

@@ -327,11 +327,13 @@ class StateMemory:
 
 def weight_and_optimizer_memory(cfg: JMegatronConfig, padded_vocab_size: int,
                                 layout: ParallelLayout) -> StateMemory:
-    """jmegatron's model state per device (bytes): float32 weights (4 B/param), the float32
-    gradient accumulator (4 B/param; the micro-batch loop accumulates full local
-    gradients before the one reduction, as Megatron's grad buffer), AdamW moments
-    (8 B/param, divided by dp with the distributed optimizer). FSDP divides all three by
-    dp for the parameters it shards (gradients reduce-scattered per micro-batch).
+    """jmegatron's model state per device (bytes), per parameter as
+    :func:`state_bytes_per_parameter`: the model's weights (4 B float32, 2 B under bf16 /
+    fp16), the gradient accumulator (4 B float32; the micro-batch loop accumulates full
+    local gradients before the one reduction, as Megatron's grad buffer), the optimizer
+    state (AdamW moments 8 B, plus the float32 main parameters 4 B under bf16 / fp16;
+    divided by dp with the distributed optimizer). FSDP divides all three by dp for the
+    parameters it shards (gradients reduce-scattered per micro-batch).
 
     With expert parallelism the distributed optimizer divides the routed experts' moments
     by ``dp`` (their expert-data-parallel group, jmegatron's ``data`` axis) and the rest by
