@@ -19,7 +19,7 @@ from jmegatron.config import base_config
 
 
 def get_config():
-    c = base_config()
+    c = base_config("gpt2")
     c.num_layers = 24
     c.hidden_size = 1024
     c.ffn_hidden_size = 4096
@@ -28,13 +28,6 @@ def get_config():
     c.max_position_embeddings = 1024
     c.vocab_size = 50257  # GPT-2 BPE (gpt2-vocab.json)
     c.make_vocab_size_divisible_by = 128
-    c.position_embedding_type = "learned_absolute"
-    c.normalization = "LayerNorm"
-    c.swiglu = False
-    c.untie_embeddings_and_output_weights = False
-    c.add_bias_linear = True
-    c.hidden_dropout = 0.1
-    c.attention_dropout = 0.1
     c.init_method_std = 0.02
     c.bf16 = True
     c.micro_batch_size = 4

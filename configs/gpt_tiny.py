@@ -9,20 +9,13 @@ from jmegatron.config import base_config
 
 
 def get_config():
-    c = base_config()
+    c = base_config("gpt2")
     c.num_layers = 4
     c.hidden_size = 256
     c.ffn_hidden_size = 1024
     c.num_attention_heads = 4
     c.seq_length = 256
     c.max_position_embeddings = 256
-    c.position_embedding_type = "learned_absolute"
-    c.normalization = "LayerNorm"
-    c.swiglu = False
-    c.untie_embeddings_and_output_weights = False
-    c.add_bias_linear = True
-    c.hidden_dropout = 0.1
-    c.attention_dropout = 0.1
     c.micro_batch_size = 8
     c.global_batch_size = 8
     c.lr = 1e-3

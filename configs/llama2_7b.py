@@ -16,7 +16,7 @@ from jmegatron.config import base_config
 
 
 def get_config():
-    c = base_config()
+    c = base_config("llama")
     c.num_layers = 32
     c.hidden_size = 4096
     c.ffn_hidden_size = 11008
@@ -26,16 +26,6 @@ def get_config():
     c.max_position_embeddings = 4096
     c.vocab_size = 32000  # Llama-2 SentencePiece tokenizer
     c.make_vocab_size_divisible_by = 128
-    c.position_embedding_type = "rope"
-    c.rotary_base = 10000
-    c.normalization = "RMSNorm"
-    c.norm_epsilon = 1e-5
-    c.swiglu = True
-    c.untie_embeddings_and_output_weights = True
-    c.add_bias_linear = False
-    c.add_qkv_bias = False
-    c.hidden_dropout = 0.0
-    c.attention_dropout = 0.0
     c.init_method_std = 0.02
     c.bf16 = True
     c.micro_batch_size = 1

@@ -33,7 +33,7 @@ LAYOUT = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data
 
 
 def get_config():
-    c = base_config()
+    c = base_config("mixtral")  # 8 experts, top-2, aux loss 1e-2 (jmegatron.presets)
     c.num_layers = 32
     c.hidden_size = 4096
     c.ffn_hidden_size = 14336
@@ -44,22 +44,9 @@ def get_config():
     c.max_position_embeddings = 32768
     c.vocab_size = 32000
     c.make_vocab_size_divisible_by = 128
-    c.position_embedding_type = "rope"
     c.rotary_base = 1000000
-    c.normalization = "RMSNorm"
-    c.norm_epsilon = 1e-5
-    c.swiglu = True
-    c.untie_embeddings_and_output_weights = True
-    c.add_bias_linear = False
-    c.hidden_dropout = 0.0
-    c.attention_dropout = 0.0
     c.init_method_std = 0.01
-    # MoE: Mixtral's num_local_experts 8, num_experts_per_tok 2
-    c.num_moe_experts = 8
     c.moe_ffn_hidden_size = 14336
-    c.moe_router_topk = 2
-    c.moe_router_load_balancing_type = "aux_loss"
-    c.moe_aux_loss_coeff = 1e-2
     c.moe_grouped_gemm = True
     c.use_distributed_optimizer = True
     c.bf16 = True

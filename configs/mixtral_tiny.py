@@ -8,16 +8,13 @@ built yet; docs/MOE.md."""
 
 import os
 
-from jmegatron.config import get_config_of
+from jmegatron.config import get_config_of, set_family
 
 
 def get_config():
     c = get_config_of(os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_tiny.py"))
-    c.num_moe_experts = 8
+    c = set_family(c, "mixtral")  # 8 experts, top-2, aux loss 1e-2 (jmegatron.presets)
     c.moe_ffn_hidden_size = 344
-    c.moe_router_topk = 2
-    c.moe_router_load_balancing_type = "aux_loss"
-    c.moe_aux_loss_coeff = 1e-2
     c.moe_grouped_gemm = True
     c.moe_token_dispatcher_type = "alltoall"
     return c

@@ -1,7 +1,9 @@
 """Typed, validated training configuration with Megatron-LM's argument names.
 
 A config file is a Python file with ``get_config()`` returning the
-``ml_collections.ConfigDict`` made by :func:`base_config` with some fields changed.
+``ml_collections.ConfigDict`` made by :func:`base_config` with some fields changed;
+``base_config("llama")`` starts from a model family's architecture fields
+(:mod:`jmegatron.presets`), so the file sets only sizes and training fields.
 Command-line overrides follow ml_collections' ``--config.<field>=<value>`` convention
 (see :mod:`jmegatron.train`). The ConfigDict is locked and type-safe, so an unknown
 key or a value of the wrong type fails with the key named and the closest valid name
@@ -23,6 +25,8 @@ import typing
 from typing import Any, Optional
 
 import ml_collections
+
+from jmegatron.presets import FAMILIES
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -830,10 +834,13 @@ def _check_names(names) -> None:
             raise ConfigError(f"config.{name} is not a jmegatron config field.{hint}")
 
 
-def base_config() -> ml_collections.ConfigDict:
+def base_config(family: Optional[str] = None) -> ml_collections.ConfigDict:
     """The defaults as a locked, type-safe ConfigDict for config files to modify.
 
+    ``family`` (a key of :data:`jmegatron.presets.FAMILIES`: "gpt2", "llama", "mixtral")
+    sets that family's architecture fields over the defaults (:func:`set_family`).
     Optional fields are typed placeholders, so ``--config.save=DIR`` type-checks.
+    Raises ConfigError for an unknown family.
     """
     fields = {}
     hints = _field_types()
@@ -848,6 +855,23 @@ def base_config() -> ml_collections.ConfigDict:
             fields[f.name] = f.default
     cd = ml_collections.ConfigDict(fields, type_safe=True)
     cd.lock()
+    return cd if family is None else set_family(cd, family)
+
+
+def set_family(cd: ml_collections.ConfigDict, family: str) -> ml_collections.ConfigDict:
+    """Set model family ``family``'s architecture fields on ``cd`` (in place; returned).
+
+    For a config that takes another config's sizes and training fields and changes its
+    architecture (configs/llama_tiny.py: gpt_tiny's recipe as a Llama). Fields the family
+    does not fix keep their values. Raises ConfigError for an unknown family.
+    """
+    if family not in FAMILIES:
+        close = difflib.get_close_matches(family, FAMILIES, 3, 0.5)
+        hint = f" Did you mean {close}?" if close else ""
+        raise ConfigError(f"model family {family!r} is not one of {sorted(FAMILIES)}.{hint} "
+                          f"A new family is an entry of jmegatron.presets.FAMILIES.")
+    for name, value in FAMILIES[family].items():
+        setattr(cd, name, value)
     return cd
 
 

@@ -125,3 +125,38 @@ def test_distillation_configs_extend_gpt_tiny():
 def test_unsupported_or_inconsistent_settings(kw, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(**kw)
+
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_family_preset_sets_only_config_fields_and_validates(family):
+    import dataclasses
+
+    from jmegatron.config import JMegatronConfig
+    from jmegatron.presets import FAMILIES
+
+    c = base_config(family)
+    c.mock_data, c.vocab_size = True, 1000
+    cfg = from_configdict(c)  # a preset with the default sizes is a valid config
+    for name, value in FAMILIES[family].items():
+        assert getattr(cfg, name) == value, name
+    if family == "gpt2":  # Megatron's defaults are GPT's: the preset only restates them
+        defaults = {f.name: f.default for f in dataclasses.fields(JMegatronConfig)}
+        assert {k: defaults[k] for k in FAMILIES["gpt2"]} == FAMILIES["gpt2"]
+    else:
+        assert cfg.normalization == "RMSNorm" and cfg.swiglu and not cfg.add_bias_linear
+        assert cfg.untie_embeddings_and_output_weights and cfg.position_embedding_type == "rope"
+        assert (cfg.num_moe_experts == 8) == (family == "mixtral")
+
+
+def test_set_family_changes_only_the_family_fields():
+    from jmegatron.config import get_config_of, set_family
+    from jmegatron.presets import FAMILIES
+
+    before = get_config_of(f"{REPO}/configs/gpt_tiny.py").to_dict()
+    after = set_family(get_config_of(f"{REPO}/configs/gpt_tiny.py"), "llama").to_dict()
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed and changed <= set(FAMILIES["llama"])
+    assert "swiglu" in changed and after["num_layers"] == before["num_layers"] and after["lr"] == before["lr"]
+    with pytest.raises(ConfigError, match=r"model family 'lama'.*Did you mean \['llama'\]"):
+        base_config("lama")

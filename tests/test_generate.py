@@ -24,19 +24,15 @@ def make_model(kind: str, scan: bool = False):
     """A 2-layer gpt_tiny- or llama_tiny-shaped model with random weights large enough
     that the logits are peaked (greedy tokens are not near-ties). The params are drawn
     with numpy on the shapes of ``model.init`` (no init compilation)."""
-    c = base_config()
+    c = base_config("gpt2" if kind == "gpt" else "llama")
     c.mock_data, c.vocab_size = True, VOCAB
     c.num_layers, c.hidden_size, c.seq_length, c.max_position_embeddings = 2, 64, SEQ, SEQ
     c.hidden_dropout = c.attention_dropout = 0.0
     c.scan_layers = scan
     if kind == "gpt":
         c.num_attention_heads, c.ffn_hidden_size = 4, 256
-        c.position_embedding_type, c.normalization, c.swiglu = "learned_absolute", "LayerNorm", False
-        c.untie_embeddings_and_output_weights, c.add_bias_linear = False, True
     else:
         c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size = 8, 2, 160
-        c.position_embedding_type, c.normalization, c.swiglu = "rope", "RMSNorm", True
-        c.untie_embeddings_and_output_weights, c.add_bias_linear = True, False
     cfg = from_configdict(c)
     model = GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size()))
     shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]

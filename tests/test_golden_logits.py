@@ -28,7 +28,7 @@ TOL = 1e-4
 
 
 def make_cfg(kind: str, scan: bool = False, **changes):
-    c = base_config()
+    c = base_config("gpt2" if kind == "gpt" else "llama")
     c.mock_data = True
     c.vocab_size = VOCAB
     c.num_layers = 2
@@ -41,22 +41,10 @@ def make_cfg(kind: str, scan: bool = False, **changes):
     if kind == "gpt":
         c.num_attention_heads = 4
         c.ffn_hidden_size = 256
-        c.position_embedding_type = "learned_absolute"
-        c.normalization = "LayerNorm"
-        c.swiglu = False
-        c.untie_embeddings_and_output_weights = False
-        c.add_bias_linear = True
     else:
         c.num_attention_heads = 8
         c.num_query_groups = 2
         c.ffn_hidden_size = 160
-        c.position_embedding_type = "rope"
-        c.rotary_base = 10000
-        c.normalization = "RMSNorm"
-        c.norm_epsilon = 1e-5
-        c.swiglu = True
-        c.untie_embeddings_and_output_weights = True
-        c.add_bias_linear = False
     for k, v in changes.items():
         setattr(c, k, v)
     return from_configdict(c)

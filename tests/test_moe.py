@@ -20,6 +20,7 @@ from jmegatron.models.moe import moe_utils, token_dispatcher
 from jmegatron.models.moe.moe_layer import MoELayer, moe_loss_terms
 from jmegatron.models.moe.moe_utils import MoEConfig
 from jmegatron.models.moe.router import MOE_LOSSES, MOE_STATS, TopKRouter
+from jmegatron.presets import FAMILIES
 
 T, E = 48, 8
 
@@ -217,11 +218,9 @@ def test_router_expert_bias_steers_the_choice_and_gets_no_gradient():
 
 # ------------------------------------------------------------------ the MoE layer
 def _model_cfg(moe: MoEConfig, **kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2, num_query_groups=2,
-                kv_channels=8, vocab_size=64, max_position_embeddings=16, position_embedding_type="rope",
-                rotary_base=10000.0, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
-                untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=False,
-                hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2, moe=moe)
+    base = dict(FAMILIES["llama"], num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+                num_query_groups=2, kv_channels=8, vocab_size=64, max_position_embeddings=16, init_method_std=0.2,
+                moe=moe)
     return ModelConfig(**{**base, **kw})
 
 

@@ -46,18 +46,14 @@ HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 
 
 def make_cfg(kind: str, **changes):
-    c = base_config()
+    c = base_config("gpt2" if kind == "gpt" else "llama")
     c.mock_data, c.vocab_size = True, VOCAB
     c.num_layers, c.hidden_size, c.seq_length, c.max_position_embeddings = 2, 64, 32, 32
     c.hidden_dropout = c.attention_dropout = 0.0
     if kind == "gpt":
         c.num_attention_heads, c.ffn_hidden_size = 4, 256
-        c.position_embedding_type, c.normalization, c.swiglu = "learned_absolute", "LayerNorm", False
-        c.untie_embeddings_and_output_weights, c.add_bias_linear = False, True
     else:  # Llama with grouped-query attention: 8 heads, 2 KV heads (duplicated at tp 4)
         c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size = 8, 2, 160
-        c.position_embedding_type, c.rotary_base, c.normalization, c.swiglu = "rope", 10000, "RMSNorm", True
-        c.untie_embeddings_and_output_weights, c.add_bias_linear = True, False
     for k, v in changes.items():
         setattr(c, k, v)
     return from_configdict(c)

@@ -43,9 +43,9 @@ LAYOUT = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data
 
 
 def get_config():
-    c = base_config()
-    # MODEL_ARGS
-    c.add_bias_linear = False  # --disable-bias-linear
+    # MODEL_ARGS: --disable-bias-linear --normalization RMSNorm --swiglu
+    # --untie-embeddings-and-output-weights and RoPE are the llama family's (jmegatron.presets)
+    c = base_config("llama")
     c.seq_length = 4096
     c.max_position_embeddings = 4096
     c.num_layers = 14
@@ -54,10 +54,6 @@ def get_config():
     c.init_method_std = 0.01
     c.attention_dropout = 0.1  # $ATTN_DROPOUT, run2script.sh's default
     c.hidden_dropout = 0.1  # $HID_DROPOUT
-    c.normalization = "RMSNorm"
-    c.position_embedding_type = "rope"
-    c.swiglu = True
-    c.untie_embeddings_and_output_weights = True
     c.num_query_groups = 8  # --group-query-attention --num-query-groups 8
     c.rotary_base = 1000000
     c.norm_epsilon = 1e-6

@@ -36,7 +36,7 @@ from jmegatron.config import base_config  # noqa: E402
 
 
 def get_config():
-    c = base_config()
+    c = base_config("gpt2")  # Megatron's GPT defaults the script relies on (docstring)
     # GPT_MODEL_ARGS
     c.num_layers = 12
     c.hidden_size = 512
@@ -44,13 +44,6 @@ def get_config():
     c.seq_length = 1024
     c.max_position_embeddings = 2048
     c.ffn_hidden_size = 4 * 512  # Megatron's default 4h
-    c.position_embedding_type = "learned_absolute"
-    c.normalization = "LayerNorm"
-    c.swiglu = False
-    c.untie_embeddings_and_output_weights = False
-    c.add_bias_linear = True
-    c.hidden_dropout = 0.1
-    c.attention_dropout = 0.1
     c.vocab_size = 50257  # GPT-2 BPE (gpt2-vocab.json)
     c.make_vocab_size_divisible_by = 128
     # TRAINING_ARGS

@@ -47,9 +47,11 @@ LAYOUT = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data
 
 
 def get_config():
-    c = base_config()
-    # MODEL_ARGS
-    c.add_bias_linear = False  # --disable-bias-linear
+    # MODEL_ARGS and MOE_ARGS: --disable-bias-linear --normalization RMSNorm --swiglu
+    # --untie-embeddings-and-output-weights, RoPE, dropout 0, --num-experts 8
+    # --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+    # are the mixtral family's (jmegatron.presets)
+    c = base_config("mixtral")
     c.seq_length = 1024
     c.max_position_embeddings = 32768
     c.num_layers = 32
@@ -57,22 +59,12 @@ def get_config():
     c.ffn_hidden_size = 1024
     c.num_attention_heads = 32
     c.init_method_std = 0.01
-    c.attention_dropout = 0.0
-    c.hidden_dropout = 0.0
-    c.normalization = "RMSNorm"
-    c.position_embedding_type = "rope"
-    c.swiglu = True
-    c.untie_embeddings_and_output_weights = True
     c.num_query_groups = 8  # --group-query-attention --num-query-groups 8
     c.rotary_base = 1000000
     c.vocab_size = 32000  # Llama2Tokenizer
     c.make_vocab_size_divisible_by = 128
     # MOE_ARGS
-    c.num_moe_experts = 8
     c.moe_grouped_gemm = True
-    c.moe_router_load_balancing_type = "aux_loss"
-    c.moe_router_topk = 2
-    c.moe_aux_loss_coeff = 1e-2
     c.use_distributed_optimizer = True
     c.moe_token_dispatcher_type = "alltoall"
     # TRAINING_ARGS

@@ -1,0 +1,79 @@
+"""Model-family presets: the architecture fields a family fixes, under Megatron's names.
+
+A config names its family and sets only its sizes (layers, hidden, heads, FFN, vocabulary,
+sequence) and training fields::
+
+    from jmegatron.config import base_config
+
+    def get_config():
+        c = base_config("llama")
+        c.num_layers = 32
+        ...
+
+The idea is MaxText's ``configs/models/*.yml`` (a model names its ``decoder_block`` and gives
+its dimensions) and the per-model argument sets of Megatron-LM's examples and
+``docs/llama_mistral.md``. A preset only sets existing :class:`jmegatron.config.JMegatronConfig`
+fields, so a resolved config (a checkpoint's config.json) has the same fields whichever
+way it was written; the family's name is not stored.
+
+Adding a family: one entry in :data:`FAMILIES` (built from another family's dict where it
+extends one, as ``mixtral`` extends ``llama``); a field the family needs that the config
+lacks is added to ``JMegatronConfig`` first. tests/test_config.py checks that every preset
+validates and names only config fields.
+
+This module imports nothing from jmegatron (``jmegatron.config`` imports it).
+"""
+
+from typing import Any
+
+# GPT-2 / GPT-3 (Radford et al. 2019; Megatron-LM's defaults and its examples/gpt3 scripts):
+# learned absolute positions, pre-LayerNorm (eps 1e-5), GELU MLP, biases on every linear
+# layer, output layer tied to the word embeddings, dropout 0.1.
+GPT2: dict[str, Any] = dict(
+    position_embedding_type="learned_absolute",
+    normalization="LayerNorm",
+    norm_epsilon=1e-5,
+    swiglu=False,
+    untie_embeddings_and_output_weights=False,
+    add_bias_linear=True,
+    add_qkv_bias=False,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+)
+
+# Llama 2 (Touvron et al. 2023; Megatron-LM docs/llama_mistral.md: --use-rotary-position-embeddings
+# --no-position-embedding --normalization RMSNorm --swiglu --disable-bias-linear
+# --untie-embeddings-and-output-weights): RoPE (base 10000), RMSNorm (eps 1e-5), SwiGLU MLP,
+# no biases, an untied output layer, no dropout. Grouped-query attention is a size
+# (num_query_groups), set by each config.
+LLAMA: dict[str, Any] = dict(
+    position_embedding_type="rope",
+    rotary_base=10000,
+    normalization="RMSNorm",
+    norm_epsilon=1e-5,
+    swiglu=True,
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+    add_qkv_bias=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+
+# Mixtral (Jiang et al. 2024, arXiv:2401.04088; Megatron-LM megatron/core/transformer/moe/README.md
+# "Mixtral 8x7B": --num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss
+# --moe-aux-loss-coeff 1e-2): Llama's blocks with every MLP a mixture of 8 SwiGLU experts,
+# top-2 softmax routing and the Switch load-balancing loss. The experts' FFN
+# (moe_ffn_hidden_size), RoPE base and the dispatcher are per model.
+MIXTRAL: dict[str, Any] = dict(
+    LLAMA,
+    num_moe_experts=8,
+    moe_router_topk=2,
+    moe_router_load_balancing_type="aux_loss",
+    moe_aux_loss_coeff=1e-2,
+)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "gpt2": GPT2,
+    "llama": LLAMA,
+    "mixtral": MIXTRAL,
+}
