@@ -122,8 +122,7 @@ from jmegatron.training.run import build  # noqa: E402
 from test_expert_parallel import assert_close  # noqa: E402
 from test_train_step import random_batches, tiny_cfg  # noqa: E402
 
-LLAMA = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope", num_query_groups=2,
-             add_bias_linear=False)
+LLAMA = dict(family="llama", num_query_groups=2)
 
 
 def grads_of(cfg, num_devices):

@@ -27,8 +27,7 @@ from test_train_step import tiny_cfg
 
 EOD = 0
 VOCAB = 500
-LLAMA = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope", num_query_groups=2,
-             add_bias_linear=False, untie_embeddings_and_output_weights=True)
+LLAMA = dict(family="llama", num_query_groups=2)
 DOCMASK = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True, attention_impl="xla")
 
 
@@ -169,7 +168,7 @@ CP_CASES = [  # (cp, devices, model, other fields)
 
 
 @pytest.mark.parametrize("cp,devices,model,extra", [
-    pytest.param(c, n, m, x, id=f"cp{c}-dev{n}-{'llama' if m.get('swiglu') else 'gpt'}-"
+    pytest.param(c, n, m, x, id=f"cp{c}-dev{n}-{m.get('family', 'gpt')}-"
                  + "_".join(f"{k}={v}" for k, v in x.items()),
                  marks=pytest.mark.slow if "pipeline_model_parallel_size" in x else ())
     for c, n, m, x in CP_CASES])

@@ -39,8 +39,7 @@ def assert_close(got, want, rtol=1e-5):
 CASES = [  # (expert_model_parallel_size, dispatcher, devices = tensor x data x expert, other fields)
     (2, "alltoall", 2, {}),
     (4, "allgather", 4, {}),
-    (2, "allgather", 4, dict(use_distributed_optimizer=True, swiglu=True, normalization="RMSNorm",
-                             position_embedding_type="rope", num_query_groups=2)),  # Llama-style, dp2 + ZeRO-1
+    (2, "allgather", 4, dict(use_distributed_optimizer=True, family="llama", num_query_groups=2)),  # dp2 + ZeRO-1
     # capacity >= tokens: nothing drops; ep4 x dp2 + ZeRO-1
     (4, "alltoall", 8, dict(use_distributed_optimizer=True, moe_expert_capacity_factor=4.0)),
     (2, "alltoall", 4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),  # ep2 x tp2 + SP

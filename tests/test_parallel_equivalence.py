@@ -24,9 +24,7 @@ LAYOUTS = {
     "tp2_dp4_distopt": dict(tensor_model_parallel_size=2, use_distributed_optimizer=True),
     "fsdp8": dict(use_megatron_fsdp=True),
 }
-LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_attention_heads=8,
-             num_query_groups=4, add_bias_linear=False, untie_embeddings_and_output_weights=True,
-             ffn_hidden_size=96)
+LLAMA = dict(family="llama", num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96)
 
 
 def trajectory(cfg, num_devices, steps=3):

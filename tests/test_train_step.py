@@ -10,8 +10,10 @@ from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training.run import build
 
 
-def tiny_cfg(**kw):
-    c = base_config()
+def tiny_cfg(family=None, **kw):
+    """A 2-layer, 64-wide model of model family ``family`` (jmegatron.presets; None: the
+    defaults, GPT-style) without dropout; ``kw`` overrides any field."""
+    c = base_config(family)
     c.mock_data, c.vocab_size = True, 500
     c.num_layers, c.hidden_size, c.num_attention_heads, c.seq_length = 2, 64, 4, 32
     c.hidden_dropout = c.attention_dropout = 0.0
@@ -44,9 +46,7 @@ def train(cfg, num_devices, steps=3):
     return np.array(losses), np.array(norms), jax.device_get(state.params), run
 
 
-@pytest.mark.parametrize("kw", [{}, {"position_embedding_type": "rope", "normalization": "RMSNorm",
-                                     "swiglu": True, "num_query_groups": 2, "add_bias_linear": False,
-                                     "untie_embeddings_and_output_weights": True}])
+@pytest.mark.parametrize("kw", [{}, {"family": "llama", "num_query_groups": 2}])
 def test_data_parallel_8_equals_1_device(kw):
     # Equal micro-batch counts on both sides: micro_batch_size 2 x dp 8 vs 16 x dp 1.
     l8, n8, p8, run8 = train(tiny_cfg(**kw), 8)
