@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from jmegatron.export.common import load_checkpoint  # noqa: E402
 from jmegatron.export.convert import export_hf, import_hf  # noqa: E402
+from jmegatron.presets import FAMILIES  # noqa: E402
 from jmegatron.training.loop import pretrain  # noqa: E402
 from jmegatron.training.run import restore_run  # noqa: E402
 
@@ -26,9 +27,7 @@ TOL = 1e-4
 
 
 def llama_changes(**kw):
-    return dict(num_attention_heads=4, num_query_groups=2, position_embedding_type="rope",
-                normalization="RMSNorm", swiglu=True, untie_embeddings_and_output_weights=True,
-                add_bias_linear=False, **kw)
+    return dict(FAMILIES["llama"], num_attention_heads=4, num_query_groups=2, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,24 @@ def layout_cfg(save, **kw):
                    micro_batch_size=2, train_iters=6, eval_interval=0, **kw)
 
 
+@pytest.fixture(scope="module")
+def tp2_runs(tmp_path_factory):
+    """The uninterrupted tp2 x dp4 run's losses and a tp2 x dp4 checkpoint at iteration 3 of 6
+    (trained once; each case resumes from its own copy)."""
+    d = tmp_path_factory.mktemp("tp2")
+    full = pretrain(layout_cfg(d / "full", tensor_model_parallel_size=2))
+    pretrain(layout_cfg(d / "saved", tensor_model_parallel_size=2, exit_interval=3))
+    return full["losses"], d / "saved"
+
+
 @pytest.mark.parametrize("new_layout", [dict(), dict(tensor_model_parallel_size=4),
                                         dict(tensor_model_parallel_size=4, sequence_parallel=True,
                                              use_distributed_optimizer=True)])
-def test_resume_under_another_layout(tmp_path, new_layout):
-    full = pretrain(layout_cfg(tmp_path / "full", tensor_model_parallel_size=2))
-    pretrain(layout_cfg(tmp_path / "saved", tensor_model_parallel_size=2, exit_interval=3))
+def test_resume_under_another_layout(tmp_path, new_layout, tp2_runs):
+    full_losses, saved = tp2_runs
+    shutil.copytree(saved, tmp_path / "saved")
     resumed = pretrain(layout_cfg(tmp_path / "saved", **new_layout))
     assert resumed["run"].mesh.shape["tensor"] == new_layout.get("tensor_model_parallel_size", 1)
     assert sorted(resumed["losses"]) == [4, 5, 6]
     np.testing.assert_allclose([resumed["losses"][i] for i in (4, 5, 6)],
-                               [full["losses"][i] for i in (4, 5, 6)], rtol=1e-5)
+                               [full_losses[i] for i in (4, 5, 6)], rtol=1e-5)
