@@ -229,13 +229,15 @@ def test_load_option_config_errors(tmp_path, kw, match):
 
 @pytest.mark.slow
 def test_sigkill_during_saves_resumes_bit_exactly(tmp_path):
-    """The trainer is SIGKILLed at random points of its saves (sync and async), 12 times
-    (JMEGATRON_FAULT_KILLS to change); each time the newest complete checkpoint restores
+    """The trainer is SIGKILLed at random points of its saves, 4 times (2 sync, 2 async;
+    JMEGATRON_FAULT_KILLS to change); each time the newest complete checkpoint restores
     bit-exactly to an uninterrupted run's state at that iteration, and a last process
-    trains to the end and matches the uninterrupted run's final state."""
+    trains to the end and matches the uninterrupted run's final state. The many-kill
+    campaign (100 kills, docs/RELIABILITY.md) is ``python -m jmegatron.tools.checkpoint_faults``'s
+    job; here a few kills check that the machinery and the resume path still work."""
     from jmegatron.tools.checkpoint_faults import campaign
 
-    kills = int(os.environ.get("JMEGATRON_FAULT_KILLS", "12"))
+    kills = int(os.environ.get("JMEGATRON_FAULT_KILLS", "4"))
     s = campaign(str(tmp_path), kills, seed=1234)
     print({k: v for k, v in s.items() if k != "records"})
     assert s["killed_by_sigkill"] == kills, s["records"]

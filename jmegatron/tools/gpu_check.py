@@ -32,7 +32,7 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", 
 # a GPU computes dots in TF32 (JAX's default precision) and kernels reorder sums; bf16 / fp16 carry
 # 8 / 11 mantissa bits; FP8 quantizes every dense layer's operands
 TOLERANCES = {"float32": 2e-3, "bfloat16": 2e-2, "float16": 2e-2, "float8": 5e-2}
-TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, seq_length=32,
+TINY = dict(num_layers=1, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, seq_length=32,
             max_position_embeddings=32, micro_batch_size=2, global_batch_size=4, vocab_size=512)
 
 
@@ -225,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="gpu: the first NVIDIA GPU (exit 0 without one); cpu: the CPU-possible variants")
     p.add_argument("--steps", type=int, default=10, help="training iterations per variant (>= 2; default 10)")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="config file (default configs/gpt_tiny.py)")
-    p.add_argument("--tiny", action="store_true", help="2 layers x 64 hidden, seq 32, batch 4 (tests)")
+    p.add_argument("--tiny", action="store_true", help="1 layer x 64 hidden, seq 32, batch 4 (tests)")
     p.add_argument("--only", nargs="*", default=None, help="variant names containing any of these words")
     args = p.parse_args(argv)
     if args.steps < 2:
