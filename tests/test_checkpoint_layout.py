@@ -108,14 +108,23 @@ def saved_state(run, directory):
     return jax.device_get(state), meta
 
 
+@pytest.fixture(scope="module")
+def per_layer_ckpt(tmp_path_factory):
+    """A per-layer run's losses over 3 iterations uninterrupted, and the directory of the same
+    run's checkpoint at iteration 2 (read only by the tests)."""
+    d = tmp_path_factory.mktemp("per_layer")
+    full = pretrain(tiny(d / "full"))
+    pretrain(tiny(d / "a", exit_interval=2))
+    return full["losses"], d / "a"
+
+
 @pytest.mark.slow
-def test_resume_across_scan_layers_is_bit_exact(runs, tmp_path):
+def test_resume_across_scan_layers_is_bit_exact(runs, per_layer_ckpt, tmp_path):
     per_layer, scanned = runs
-    full = pretrain(tiny(tmp_path / "full"))  # per-layer, 3 iterations uninterrupted
-    pretrain(tiny(tmp_path / "a", exit_interval=2))  # per-layer checkpoint at 2
+    full_losses, a_dir = per_layer_ckpt  # per-layer: 3 iterations uninterrupted; a checkpoint at 2
     # scan_layers run resumes from it (no step: train_iters=2) and saves stacked at 2
-    pretrain(tiny(tmp_path / "b", scan_layers=True, load=str(tmp_path / "a"), train_iters=2))
-    a, _ = saved_state(per_layer, tmp_path / "a")
+    pretrain(tiny(tmp_path / "b", scan_layers=True, load=str(a_dir), train_iters=2))
+    a, _ = saved_state(per_layer, a_dir)
     b, meta_b = saved_state(scanned, tmp_path / "b")
     assert meta_b["config"]["scan_layers"] and "decoder_layers" in b.params
     assert_bit_equal(b, convert_layers(a, PER_LAYER, STACKED, L))  # params, moments, step, rng
@@ -123,10 +132,10 @@ def test_resume_across_scan_layers_is_bit_exact(runs, tmp_path):
     assert_bit_equal(saved_state(per_layer, tmp_path / "b")[0], a)
     # the next step from the stacked checkpoint: the per-layer run's loss, bit for bit
     e = pretrain(tiny(tmp_path / "e", load=str(tmp_path / "b")))
-    assert sorted(e["losses"]) == [3] and e["losses"][3] == full["losses"][3]
+    assert sorted(e["losses"]) == [3] and e["losses"][3] == full_losses[3]
     # a scanned run continuing from the per-layer checkpoint computes the same step
-    d = pretrain(tiny(tmp_path / "d", scan_layers=True, load=str(tmp_path / "a")))
-    assert d["losses"][3] == pytest.approx(full["losses"][3], rel=1e-6)
+    d = pretrain(tiny(tmp_path / "d", scan_layers=True, load=str(a_dir)))
+    assert d["losses"][3] == pytest.approx(full_losses[3], rel=1e-6)
 
 
 def test_layout_of_config_and_of_saved_config_agree():
@@ -149,7 +158,7 @@ def test_layout_of_config_and_of_saved_config_agree():
     assert not LayerLayout(False).same_storage(LayerLayout(True), 8)
 
 
-def test_pipeline_stage_order_checkpoint_restores_and_exports(runs, tmp_path):
+def test_pipeline_stage_order_checkpoint_restores_and_exports(runs, per_layer_ckpt, tmp_path):
     """A checkpoint as a pp=2, v=2 run writes it (stacked in stage order, (p, v) in its
     config) restores into per-layer and scanned runs and exports like the per-layer one."""
     pytest.importorskip("torch")
@@ -159,8 +168,8 @@ def test_pipeline_stage_order_checkpoint_restores_and_exports(runs, tmp_path):
     from jmegatron.export.convert import export_hf
 
     per_layer, scanned = runs
-    pretrain(tiny(tmp_path / "a", train_iters=2))
-    a, meta = saved_state(per_layer, tmp_path / "a")
+    a_dir = per_layer_ckpt[1]
+    a, meta = saved_state(per_layer, a_dir)
     pp_cfg = per_layer.cfg.replace(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                                    save=str(tmp_path / "pp"))
     ckpt = checkpointing.Checkpointer(str(tmp_path / "pp"))
@@ -182,8 +191,8 @@ def test_pipeline_stage_order_checkpoint_restores_and_exports(runs, tmp_path):
     ckpt.save(2, convert_layers(a, PER_LAYER, STACKED, L),
               dict(meta, config=per_layer.cfg.replace(scan_layers=True, save=str(tmp_path / "scan")).to_dict()))
     ckpt.close()
-    for d in ("a", "pp", "scan"):
-        export_hf(str(tmp_path / d), str(tmp_path / f"hf_{d}"))
+    for d, src in (("a", a_dir), ("pp", tmp_path / "pp"), ("scan", tmp_path / "scan")):
+        export_hf(str(src), str(tmp_path / f"hf_{d}"))
     ref = load_file(os.path.join(tmp_path / "hf_a", "model.safetensors"))
     for d in ("pp", "scan"):
         got = load_file(os.path.join(tmp_path / f"hf_{d}", "model.safetensors"))
