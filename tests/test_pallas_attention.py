@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jmegatron.kernels.pallas import flash_attention as fa
-from jmegatron.models.attention import CORE_ATTENTIONS, xla_attention
+from jmegatron.kernels.xla.attention import xla_attention
+from jmegatron.models.core_attention import CORE_ATTENTIONS
 from jmegatron.parallel import context_parallel as cpl
 
 from test_context_parallel import _ring, grads_of
