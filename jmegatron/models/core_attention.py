@@ -33,7 +33,7 @@ Array = jax.Array
 # A core attention: (q [b, s, nq, d], k [b, s, nkv, d], v [b, s, nkv, d], *,
 #   dropout_rate, dropout_rng, deterministic, dropout_impl, sample_offset[, segment_ids])
 #   -> [b, s, nq, d]; causal. sample_offset: the global sample number of row 0
-#   (jmegatron.models.dropout); segment_ids int [b, s] (document masking), passed only when given.
+#   (jmegatron.kernels.xla.dropout); segment_ids int [b, s] (document masking), passed only when given.
 CoreAttention = Callable[..., Array]
 
 
@@ -42,8 +42,8 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, dropout_rate: float =
                           dropout_impl: str = "hash", sample_offset=0,
                           segment_ids: Optional[Array] = None) -> Array:
     """``jax.nn.dot_product_attention`` (XLA implementation, causal; ``segment_ids`` int
-    ``[b, s]`` as :func:`xla_attention`, given to it as a boolean ``mask [b, 1, s, s]``). No
-    attention dropout: raises ValueError when dropout is requested in training."""
+    ``[b, s]`` as :func:`jmegatron.kernels.xla.attention.xla_attention`, given to it as a
+    boolean ``mask [b, 1, s, s]``). No attention dropout: raises ValueError when dropout is requested in training."""
     if not deterministic and dropout_rate > 0.0:
         raise ValueError("attention_impl='dot_product' has no attention dropout; "
                          "set config.attention_dropout=0.0 or attention_impl='xla'.")
@@ -96,7 +96,7 @@ def cudnn_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
 
 def cpu_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array] = None, **kwargs) -> Array:
     """The CPU attention kernel (:func:`jmegatron.kernels.cpu.ops.cpu_attention`), same
-    signature, dropout masks and document mask as :func:`xla_attention`."""
+    signature, dropout masks and document mask as :func:`jmegatron.kernels.xla.attention.xla_attention`."""
     return cpu_ops.cpu_attention(q, k, v, segment_ids=segment_ids, **kwargs)
 
 
@@ -115,7 +115,7 @@ def pallas_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array] 
     """The Pallas FlashAttention-2 kernels
     (:func:`jmegatron.kernels.pallas.flash_attention.pallas_attention`; Pallas interpret mode
     off a GPU), same signature, dropout masks (``dropout_impl="hash"``) and document mask as
-    :func:`xla_attention`."""
+    :func:`jmegatron.kernels.xla.attention.xla_attention`."""
     return flash_attention.pallas_attention(q, k, v, segment_ids=segment_ids, **kwargs)
 
 

@@ -15,8 +15,9 @@ from jmegatron.parallel.context_parallel import context_positions
 
 
 class Dropout(nn.Module):
-    """Flax module form of :func:`jmegatron.kernels.xla.dropout.dropout` (the ``"dropout"`` RNG collection), a drop-in for
-    ``nn.Dropout(rate, deterministic)`` with the mask generator chosen by ``impl``.
+    """Flax module form of :func:`jmegatron.kernels.xla.dropout.dropout` (the ``"dropout"``
+    RNG collection), a drop-in for ``nn.Dropout(rate, deterministic)`` with the mask
+    generator chosen by ``impl``.
 
     ``__call__(x [batch, ...], deterministic=None, sample_offset=0)``: ``sample_offset``
     is the global sample number of ``x[0]`` (see :mod:`jmegatron.kernels.xla.dropout`)."""

@@ -168,7 +168,8 @@ class Embed(nn.Module):
         return jnp.take(table, ids, axis=0) if out is None else out
 
     def attend(self, x: Array, dot_general: Optional[DotGeneral] = None) -> Array:
-        """Logits ``x @ embedding^T`` by ``dot_general`` (default :func:`jmegatron.kernels.xla.dense.dense_dot_general`)."""
+        """Logits ``x @ embedding^T`` by ``dot_general`` (default
+        :func:`jmegatron.kernels.xla.dense.dense_dot_general`)."""
         table = jnp.asarray(self.embedding, self.dtype)
         dims = (((x.ndim - 1,), (1,)), ((), ()))
         out = tensor_parallel.column_parallel(x, table, dims, 0, x.ndim - 1, jax.lax.dot_general)

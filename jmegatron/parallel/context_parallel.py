@@ -103,7 +103,8 @@ def merge_blocks(out1: Array, lse1: Array, out2: Array, lse2: Array) -> tuple[Ar
 
 
 def block_kernels(block: str):
-    """``(attention_block, block_grads)`` of a block kernel: ``"xla"`` (:func:`jmegatron.kernels.xla.attention.attention_block`,
+    """``(attention_block, block_grads)`` of a block kernel: ``"xla"``
+    (:func:`jmegatron.kernels.xla.attention.attention_block`,
     :func:`jmegatron.kernels.xla.attention.block_grads`), ``"cpu"`` (the CPU attention kernel's block forms,
     :func:`jmegatron.kernels.cpu.ops.cpu_attention_block` / ``cpu_block_grads``: tiled, fully
     masked key tiles skipped, no ``[sq, sk]`` scores in memory; float32 only) or ``"pallas"``

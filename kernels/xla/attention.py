@@ -31,6 +31,24 @@ from jmegatron.kernels.xla.dropout import attention_keep_mask, keep_mask
 Array = jax.Array
 
 
+@jax.custom_jvp
+def _softmax(scores: Array) -> Array:
+    """Softmax over the last axis of float32 ``scores`` where -inf marks a masked key; a row
+    with no finite score gives zeros. Its derivative is ``jax.nn.softmax``'s
+    (``y * (dx - sum(y * dx))``), so a masked row has zero gradient."""
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(total > 0, total, 1.0)
+
+
+@_softmax.defjvp
+def _softmax_jvp(primals, tangents):
+    y = _softmax(primals[0])
+    dx = jnp.where(y > 0, tangents[0], 0.0)  # masked keys: no tangent (and no inf * 0)
+    return y, y * (dx - jnp.sum(y * dx, axis=-1, keepdims=True))
+
+
 def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
               keep: Optional[Callable[[tuple], Array]] = None, dropout_rate: float = 0.0,
               float32_values: bool = False) -> tuple[Array, Array]:
@@ -55,11 +73,10 @@ def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
     if visible is not None:  # [b, sq, sk] against scores [b, nkv, g, sq, sk]
         scores = jnp.where(jnp.asarray(visible)[:, None, None], scores, -jnp.inf)
+    probs = _softmax(scores)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    p = jnp.exp(scores - safe)
-    total = jnp.sum(p, axis=-1, keepdims=True)
-    probs = p / jnp.where(total > 0, total, 1.0)
+    total = jnp.sum(jnp.exp(scores - safe), axis=-1, keepdims=True)
     if keep is not None:
         probs = jnp.where(keep(probs.shape), probs / (1.0 - dropout_rate), 0.0)
     values_dtype = jnp.float32 if float32_values else v.dtype
