@@ -18,6 +18,7 @@ import sys
 from typing import Optional, Sequence
 
 from jmegatron.export.common import ExportError
+from jmegatron.training.checkpointing import CheckpointError
 
 # modules with a ``register(subparsers)`` function; each sets ``func=run(args) -> int``
 COMMAND_MODULES = ("jmegatron.export.convert", "jmegatron.export.quantize", "jmegatron.export.trtllm")
@@ -43,7 +44,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one export command; returns its exit status (2 for bad input: an ExportError, a corrupt
     dataset or checkpoint; printed as ``error: ...``)."""
     args = build_parser().parse_args(argv)
-    from jmegatron.training.checkpointing import CheckpointError
 
     try:
         return int(args.func(args) or 0)

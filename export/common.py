@@ -14,10 +14,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jmegatron.config import ConfigError, from_configdict
+from jmegatron.data.tokenizer import load_tokenizer
+from jmegatron.export.hf import to_hf_model
+from jmegatron.training import checkpointing
+from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
 
 __all__ = ["ExportError", "ExportSource", "checkpoint_config", "export_config", "load_checkpoint", "hf_model",
-           "load_source_tokenizer", "refuse_moe", "source_vocab_size", "tokenizer_path"]
+           "load_source_tokenizer", "map_tree", "read_saved_params", "refuse_moe", "saved_params_metadata",
+           "source_vocab_size", "tokenizer_path", "tree_paths"]
 
 
 class ExportError(ValueError):
@@ -54,9 +66,6 @@ def checkpoint_config(load_dir: str, iteration: Optional[int] = None):
     """The resolved :class:`jmegatron.config.JMegatronConfig` of a checkpoint, read from its
     metadata without restoring any array (so commands can refuse bad input before work).
     Raises ExportError for a missing or unreadable checkpoint."""
-    from jmegatron.config import ConfigError, from_configdict
-    from jmegatron.training import checkpointing
-
     if not load_dir:
         raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
     if not checkpointing.has_checkpoint(load_dir):
@@ -92,7 +101,7 @@ def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSou
     (default latest) into host memory, as float32 NumPy in the per-layer layout.
 
     Parameters only: Orbax's partial restore of the ``state`` item's ``params`` subtree
-    (:func:`jmegatron.export.fp8_scales.read_saved_params`), read from the on-disk tree
+    (:func:`read_saved_params`), read from the on-disk tree
     itself (no model built, no device used, no optimizer moment or float32 main copy
     read; a bf16 checkpoint gives its bf16 model parameters, widened to float32, as
     Megatron's export takes the model's). Host memory: the model's parameters in float32
@@ -106,8 +115,6 @@ def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSou
 
     Raises ExportError for a missing or corrupt checkpoint (the message names ``--load``).
     """
-    from jmegatron.export.fp8_scales import read_saved_params
-
     if not load_dir:
         raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
     params, meta, step = read_saved_params(load_dir, iteration)
@@ -129,8 +136,6 @@ _SINGLE_DEVICE = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size
 def export_config(load_dir: str, iteration: Optional[int] = None):
     """The checkpoint's config as exports see it (one device, per-layer layout:
     ``scan_layers=False``). Raises ExportError."""
-    from jmegatron.config import ConfigError
-
     try:
         return checkpoint_config(load_dir, iteration).replace(**_SINGLE_DEVICE)
     except ConfigError as e:
@@ -147,7 +152,6 @@ def source_vocab_size(cfg, padded_vocab_size: int) -> int:
     vocab = cfg.vocab_size
     tok = tokenizer_path(cfg)
     if vocab is None and tok is not None:
-        from jmegatron.data.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(tok).vocab_size
     return int(vocab or padded_vocab_size)
@@ -157,7 +161,6 @@ def load_source_tokenizer(src: ExportSource):
     """The checkpoint's :class:`jmegatron.data.tokenizer.HFTokenizer`, or None without one."""
     if src.tokenizer_path is None:
         return None
-    from jmegatron.data.tokenizer import load_tokenizer
 
     return load_tokenizer(src.tokenizer_path)
 
@@ -167,11 +170,77 @@ def hf_model(src: ExportSource):
     ``LlamaForCausalLM``) of ``src`` with the true vocabulary; bos/eos are the tokenizer's
     end-of-document id when there is a tokenizer. Raises ExportError when the
     architecture has no Hugging Face target (the fields are named)."""
-    from jmegatron.export.hf import to_hf_model
-
     tok = load_source_tokenizer(src)
     eod = tok.eod if tok is not None else None
     try:
         return to_hf_model(src.params, src.cfg, src.vocab_size, bos_token_id=eod, eos_token_id=eod)
     except ValueError as e:
         raise ExportError(str(e)) from e
+
+
+# ----------------------------------------------------------------------------- reading saved parameters
+def saved_params_metadata(load_dir: str, iteration: Optional[int]):
+    """(params metadata tree (nested dicts of Orbax ArrayMetadata), the ``state`` item's
+    directory, step, meta) of a checkpoint step; no array is read."""
+    ckpt = checkpointing.Checkpointer(load_dir, create=False)
+    try:
+        step = ckpt.latest_step() if iteration is None else int(iteration)
+        meta = ckpt.read_meta(step)  # CheckpointError for an iteration it does not hold
+    finally:
+        ckpt.close()
+    state_dir = os.path.join(os.path.abspath(load_dir), str(step), "state")  # Orbax's default step naming
+    if not os.path.isdir(state_dir):
+        raise checkpointing.CheckpointError(f"no state item at {state_dir}")
+    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir))
+    tree = getattr(tree, "tree", tree)
+    return tree["params"], state_dir, step, meta
+
+
+def tree_paths(tree, prefix=()):
+    """(path tuple of str keys, leaf) of every leaf of a nested mapping, depth first."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            yield from tree_paths(v, prefix + (str(k),))
+    else:
+        yield prefix, tree
+
+
+def read_saved_params(load_dir: str, iteration: Optional[int] = None) -> tuple[dict, dict, int]:
+    """``(params, meta, step)``: the checkpoint's ``params`` as float32 numpy in the
+    per-layer layout (``decoder_layers_{i}``), restored from the on-disk tree itself (host
+    numpy, no model built, no sharding; Orbax's partial restore of the ``params`` subtree,
+    no optimizer state), so leaves the installed model does not declare (``fp8_meta`` of an
+    FP8 run) come back too. Stacked layouts (``scan_layers``, pipeline
+    stage order, uneven stages) are converted by
+    :func:`jmegatron.training.checkpoint_layout.convert_layers`; auxiliary modules named in
+    the meta's ``aux_params`` (a distillation run's projection) are dropped.
+    Raises ExportError for a missing or unreadable checkpoint."""
+    if not checkpointing.has_checkpoint(load_dir):
+        raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}")
+    try:
+        params_md, state_dir, step, meta = saved_params_metadata(load_dir, iteration)
+        # auxiliary modules (a distillation run's projection) are not read at all
+        params_md = {k: v for k, v in params_md.items() if k not in (meta.get("aux_params") or {})}
+        target = map_tree(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), params_md)
+        restore_args = map_tree(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), params_md)
+        state = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+            item={"params": target}, restore_args={"params": restore_args}, partial_restore=True))
+    except (checkpointing.CheckpointError, KeyError, TypeError, ValueError, OSError) as e:
+        raise ExportError(f"--load {load_dir}: cannot read the checkpoint's parameters: {type(e).__name__}: {e}") \
+            from e
+    params = map_tree(lambda a: np.asarray(a, dtype=np.float32), dict(state["params"]))
+    for name in (meta.get("aux_params") or {}):
+        params.pop(name, None)
+    num_layers = int(meta["config"]["num_layers"])
+    saved = LayerLayout.of_config(meta["config"])
+    per_layer = LayerLayout(False)
+    if not saved.same_storage(per_layer, num_layers):
+        params = convert_layers(params, saved, per_layer, num_layers)
+    return params, meta, step
+
+
+def map_tree(fn, tree):
+    """``tree`` (nested mappings) with ``fn`` applied to every leaf, as plain dicts."""
+    if isinstance(tree, Mapping):
+        return {k: map_tree(fn, v) for k, v in tree.items()}
+    return fn(tree)

@@ -30,7 +30,14 @@ import os
 import shutil
 from typing import Any
 
+from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
+from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.export.common import ExportError, checkpoint_config
+from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict, hf_architecture
+from jmegatron.export.stream import export_hf_streaming, parse_size
+from jmegatron.parallel.mesh import create_mesh
+from jmegatron.training import checkpointing
+from jmegatron.training.run import build, checkpoint_meta
 
 __all__ = ["register", "export_hf", "import_hf"]
 
@@ -86,8 +93,6 @@ def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None
     missing checkpoint, an architecture with no HF target (fields named), or a non-empty
     ``out``; all before any array is restored.
     """
-    from jmegatron.export.hf import hf_architecture
-
     if dtype not in TORCH_DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of {TORCH_DTYPES}")
     _check_out_dir(out)
@@ -97,15 +102,12 @@ def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None
         if isinstance(e, ExportError):
             raise
         raise ExportError(f"--load {load}: {e}") from e
-    from jmegatron.export.stream import export_hf_streaming, parse_size
 
     parse_size(max_shard_size)  # bad input refused before any work
     os.makedirs(out, exist_ok=True)
     src = export_hf_streaming(load, out, dtype, iteration, max_shard_size)
     if src["tokenizer"]:
         from transformers import PreTrainedTokenizerFast
-
-        from jmegatron.data.tokenizer import load_tokenizer
 
         eod = load_tokenizer(src["tokenizer"]).eod_token
         tok = PreTrainedTokenizerFast(tokenizer_file=src["tokenizer"], bos_token=eod, eos_token=eod,
@@ -146,12 +148,6 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
     tensor that is missing or of the wrong shape, or an ``out`` that already holds files.
     """
     import jax
-
-    from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
-    from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict
-    from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training import checkpointing
-    from jmegatron.training.run import build, checkpoint_meta
 
     conf_path = os.path.join(folder, "config.json")
     if not os.path.isfile(conf_path):

@@ -1,4 +1,5 @@
-"""FP8-trained checkpoints into TensorRT-LLM's FP8 checkpoint, with the training's own scales.
+"""FP8 scales of an FP8-trained checkpoint, for TensorRT-LLM's FP8 checkpoint (written by
+:func:`jmegatron.export.trtllm.write_fp8_trtllm_checkpoint`), with the training's own scales.
 
     python -m jmegatron.export trtllm --load CKPT --scales from-checkpoint [--weight-scales checkpoint|amax]
         [--tp T] [--pp P] [--dtype float16|bfloat16] --out DIR
@@ -52,7 +53,8 @@ Which scales:
   parallel rank holds the full tensor's per-tensor factors.
 
 The FP8 training path itself lives in ``jmegatron.models.fp8``; this module reads only the
-checkpoint (:func:`read_saved_params`), so it needs neither that module nor the model.
+checkpoint (:func:`jmegatron.export.common.read_saved_params`), so it needs neither that
+module nor the model.
 """
 
 from __future__ import annotations
@@ -60,17 +62,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from jmegatron.export.common import ExportError
+from jmegatron.export.common import ExportError, saved_params_metadata, tree_paths
+from jmegatron.export.hf import unstack_layers
+from jmegatron.training.checkpointing import CheckpointError, has_checkpoint
 
 __all__ = ["FP8_E4M3_MAX", "FP8_LINEARS", "FP8_META", "WEIGHT_SCALES", "LinearScales", "saved_fp8_meta_paths",
-           "read_saved_params", "has_fp8_meta", "layer_fp8_meta", "history_amax", "checkpoint_fp8_scales",
-           "quantize_weight", "fp8_rank_tensors", "fp8_quantization_config", "write_fp8_trtllm_checkpoint",
-           "export_fp8_checkpoint", "strip_fp8_meta"]
+           "has_fp8_meta", "layer_fp8_meta", "history_amax", "checkpoint_fp8_scales", "quantize_weight",
+           "strip_fp8_meta"]
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_META = "fp8_meta"
@@ -83,101 +85,22 @@ WEIGHT_SCALES = ("checkpoint", "amax")
 
 
 # ----------------------------------------------------------------------------- reading
-def _state_metadata(load_dir: str, iteration: Optional[int]):
-    """(params metadata tree (nested dicts of Orbax ArrayMetadata), the ``state`` item's
-    directory, step, meta) of a checkpoint step; no array is read."""
-    import orbax.checkpoint as ocp
-
-    from jmegatron.training import checkpointing
-
-    ckpt = checkpointing.Checkpointer(load_dir, create=False)
-    try:
-        step = ckpt.latest_step() if iteration is None else int(iteration)
-        meta = ckpt.read_meta(step)  # CheckpointError for an iteration it does not hold
-    finally:
-        ckpt.close()
-    state_dir = os.path.join(os.path.abspath(load_dir), str(step), "state")  # Orbax's default step naming
-    if not os.path.isdir(state_dir):
-        raise checkpointing.CheckpointError(f"no state item at {state_dir}")
-    from etils import epath
-
-    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir))
-    tree = getattr(tree, "tree", tree)
-    return tree["params"], state_dir, step, meta
-
-
-def _paths(tree, prefix=()):
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
-            yield from _paths(v, prefix + (str(k),))
-    else:
-        yield prefix, tree
-
-
 def saved_fp8_meta_paths(load_dir: str, iteration: Optional[int] = None) -> list[str]:
     """Slash paths of the ``fp8_meta`` leaves under ``params`` in checkpoint ``load_dir``,
     read from Orbax's metadata (no array is restored); empty for a checkpoint trained
     without ``config.fp8``. Raises ExportError for a missing or unreadable checkpoint."""
-    from jmegatron.training.checkpointing import CheckpointError, has_checkpoint
-
     if not has_checkpoint(load_dir):
         raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}")
     try:
-        params, _, _, _ = _state_metadata(load_dir, iteration)
+        params, _, _, _ = saved_params_metadata(load_dir, iteration)
     except (CheckpointError, KeyError, TypeError, ValueError, OSError) as e:
         raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {type(e).__name__}: {e}") from e
-    return ["/".join(p) for p, _ in _paths(params) if FP8_META in p]
-
-
-def read_saved_params(load_dir: str, iteration: Optional[int] = None) -> tuple[dict, dict, int]:
-    """``(params, meta, step)``: the checkpoint's ``params`` as float32 numpy in the
-    per-layer layout (``decoder_layers_{i}``), restored from the on-disk tree itself (host
-    numpy, no model built, no sharding; Orbax's partial restore of the ``params`` subtree,
-    no optimizer state), so leaves the installed model does not declare (``fp8_meta`` of an
-    FP8 run) come back too. Stacked layouts (``scan_layers``, pipeline
-    stage order, uneven stages) are converted by
-    :func:`jmegatron.training.checkpoint_layout.convert_layers`; auxiliary modules named in
-    the meta's ``aux_params`` (a distillation run's projection) are dropped.
-    Raises ExportError for a missing or unreadable checkpoint."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    from jmegatron.training import checkpointing
-    from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
-
-    if not checkpointing.has_checkpoint(load_dir):
-        raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}")
-    try:
-        params_md, state_dir, step, meta = _state_metadata(load_dir, iteration)
-        # auxiliary modules (a distillation run's projection) are not read at all
-        params_md = {k: v for k, v in params_md.items() if k not in (meta.get("aux_params") or {})}
-        target = _map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), params_md)
-        restore_args = _map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), params_md)
-        state = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-            item={"params": target}, restore_args={"params": restore_args}, partial_restore=True))
-    except (checkpointing.CheckpointError, KeyError, TypeError, ValueError, OSError) as e:
-        raise ExportError(f"--load {load_dir}: cannot read the checkpoint's parameters: {type(e).__name__}: {e}") \
-            from e
-    params = _map(lambda a: np.asarray(a, dtype=np.float32), dict(state["params"]))
-    for name in (meta.get("aux_params") or {}):
-        params.pop(name, None)
-    num_layers = int(meta["config"]["num_layers"])
-    saved = LayerLayout.of_config(meta["config"])
-    per_layer = LayerLayout(False)
-    if not saved.same_storage(per_layer, num_layers):
-        params = convert_layers(params, saved, per_layer, num_layers)
-    return params, meta, step
-
-
-def _map(fn, tree):
-    if isinstance(tree, Mapping):
-        return {k: _map(fn, v) for k, v in tree.items()}
-    return fn(tree)
+    return ["/".join(p) for p, _ in tree_paths(params) if FP8_META in p]
 
 
 def has_fp8_meta(params: Mapping) -> bool:
     """True if any subtree of ``params`` is named ``fp8_meta``."""
-    return any(FP8_META in p for p, _ in _paths(params))
+    return any(FP8_META in p for p, _ in tree_paths(params))
 
 
 def strip_fp8_meta(params: Mapping) -> dict:
@@ -214,8 +137,6 @@ def layer_fp8_meta(params: Mapping, cfg) -> dict[int, dict[str, dict[str, np.nda
     read. Raises ExportError naming the first linear without ``fp8_meta``, a missing leaf,
     or a leaf of the wrong shape (histories ``[H]``, scales ``[]``), and for MoE configs
     (their expert linears have no TensorRT-LLM FP8 layout here)."""
-    from jmegatron.export.hf import unstack_layers
-
     if cfg.num_moe_experts is not None:
         raise ExportError("--scales from-checkpoint: mixture-of-experts checkpoints are not exported to the FP8 "
                           "TensorRT-LLM checkpoint (dense GPT / Llama only); export without --scales")
@@ -270,8 +191,6 @@ def checkpoint_fp8_scales(params: Mapping, cfg, weight_scales: str = "checkpoint
     whole kernel). Raises ExportError as :func:`layer_fp8_meta`, for an unknown
     ``weight_scales``, and for a linear with neither a positive history amax nor a trained
     scale (a checkpoint that never ran an FP8 step), or a non-positive kernel scale."""
-    from jmegatron.export.hf import unstack_layers
-
     if weight_scales not in WEIGHT_SCALES:
         raise ExportError(f"--weight-scales {weight_scales!r}: choose from {', '.join(WEIGHT_SCALES)}")
     metas = layer_fp8_meta(params, cfg)
@@ -328,128 +247,3 @@ def quantize_weight(w: np.ndarray, s_w: np.float32, kernel_scale: Optional[np.fl
 
 
 # ----------------------------------------------------------------------------- writing
-def fp8_quantization_config() -> dict:
-    """``config.json``'s ``quantization`` block, as ModelOpt 0.47 writes it for FP8_DEFAULT_CFG
-    with the output layer excluded and no KV-cache quantization."""
-    return {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
-
-
-def fp8_rank_tensors(params: Mapping, cfg, vocab_size: int, tp: int, rank: int, scales: dict, *, pp: int = 1,
-                     use_parallel_embedding: bool = True, weight_scales: str = "checkpoint") -> tuple[dict, int]:
-    """``(tensors, saturated)``: the TensorRT-LLM tensors of ``rank`` (torch; names as
-    :func:`jmegatron.export.trtllm.rank_tensors`) with every FP8 linear's ``weight`` in
-    float8_e4m3fn plus its float32 ``[1]`` ``weights_scaling_factor`` and
-    ``activation_scaling_factor``; other tensors float32 (cast by the writer). ``scales``:
-    :func:`checkpoint_fp8_scales`. ``saturated``: weight values clipped to ±448."""
-    import torch
-
-    from jmegatron.export.trtllm import rank_tensors
-    from jmegatron.export.trtllm_check import pp_layers
-
-    plain = strip_fp8_meta(params)
-    t = rank_tensors(plain, cfg, vocab_size, tp, rank, pp=pp, use_parallel_embedding=use_parallel_embedding)
-    out = {k: torch.from_numpy(v) for k, v in t.items()}
-    saturated = 0
-    gated = bool(cfg.swiglu)
-    for local, i in enumerate(pp_layers(cfg.num_layers, pp, rank // tp)):
-        for path, names in FP8_LINEARS.items():
-            sc = scales[i][path]
-            if path == "mlp/linear_fc1" and gated:
-                names = names + ("mlp.gate",)
-            for n in names:
-                key = f"transformer.layers.{local}.{n}"
-                q, sat = quantize_weight(t[f"{key}.weight"], sc.weights_scaling_factor,
-                                         sc.kernel_scale if weight_scales == "checkpoint" else None)
-                saturated += sat
-                out[f"{key}.weight"] = q
-                out[f"{key}.weights_scaling_factor"] = torch.tensor([sc.weights_scaling_factor], dtype=torch.float32)
-                out[f"{key}.activation_scaling_factor"] = torch.tensor([sc.activation_scaling_factor],
-                                                                       dtype=torch.float32)
-    return out, saturated
-
-
-def write_fp8_trtllm_checkpoint(params: Mapping, cfg, vocab_size: int, out: str, *, tp: int = 1, pp: int = 1,
-                                dtype: str = "float16", use_parallel_embedding: bool = True,
-                                weight_scales: str = "checkpoint", overwrite: bool = False,
-                                producer: Optional[dict] = None) -> dict:
-    """Write the FP8 TensorRT-LLM checkpoint (``config.json`` + ``rank{r}.safetensors``,
-    ``r < tp * pp``) of ``params`` holding ``fp8_meta`` (per-layer or stacked).
-
-    Unquantized tensors (embeddings, norms, biases, ``lm_head``) in ``dtype``; quantized
-    linears as the module docstring. ``config.json`` is
-    :func:`jmegatron.export.trtllm.trtllm_config` with :func:`fp8_quantization_config` and a
-    ``producer.fp8`` record (format, margin, amax algo and history length, weight-scale rule,
-    saturated count). Written to a temporary sibling folder renamed into place. Returns the
-    config. Raises ExportError as :func:`checkpoint_fp8_scales` and
-    :func:`jmegatron.export.trtllm.check_exportable`, before anything is written."""
-    import torch
-    from safetensors.torch import save_file
-
-    from jmegatron.export.trtllm import _check_out, _publish, _staging_dir, trtllm_config
-
-    scales = checkpoint_fp8_scales(params, cfg, weight_scales)  # MoE and missing meta raise here
-    config = trtllm_config(cfg, vocab_size, tp, dtype, pp=pp, use_parallel_embedding=use_parallel_embedding,
-                           producer=producer)
-    config["quantization"] = fp8_quantization_config()
-    out = _check_out(out, overwrite)
-    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    staging = _staging_dir(out)
-    saturated = 0
-    try:
-        for r in range(tp * pp):
-            tensors, sat = fp8_rank_tensors(params, cfg, vocab_size, tp, r, scales, pp=pp,
-                                            use_parallel_embedding=use_parallel_embedding, weight_scales=weight_scales)
-            saturated += sat
-            tensors = {k: v if v.dtype in (torch.float8_e4m3fn,) or k.endswith("scaling_factor") else v.to(tdt)
-                       for k, v in tensors.items()}
-            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(staging, f"rank{r}.safetensors"),
-                      metadata={"format": "pt"})
-        sources = sorted({s.activation_source for layer in scales.values() for s in layer.values()})
-        config["producer"]["fp8"] = {
-            "scales": "from-checkpoint", "fp8": cfg.fp8, "fp8_margin": int(cfg.fp8_margin),
-            "fp8_amax_compute_algo": cfg.fp8_amax_compute_algo,
-            "fp8_amax_history_len": int(cfg.fp8_amax_history_len), "weight_scales": weight_scales,
-            "activation_scales_from": sources, "saturated_weight_values": int(saturated)}
-        with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        _publish(staging, out)
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging)
-    return config
-
-
-def export_fp8_checkpoint(load: str, out: str, *, tp: int = 1, pp: int = 1, dtype: str = "float16",
-                          iteration: Optional[int] = None, use_parallel_embedding: bool = True,
-                          weight_scales: str = "checkpoint", overwrite: bool = False) -> dict:
-    """``trtllm --load CKPT --scales from-checkpoint``: an FP8-trained checkpoint -> the FP8
-    TensorRT-LLM checkpoint with its own scales (no calibration).
-
-    Checked before any array is restored: the config (:func:`jmegatron.export.trtllm.
-    check_exportable`), ``out``, ``weight_scales``, and that the checkpoint's parameters hold
-    ``fp8_meta`` (else ExportError naming ``--scales`` and the fix: calibrate with
-    ``quantize --quant-cfg fp8`` then ``trtllm --quantized``). Then the parameters are read
-    with :func:`jmegatron.export.common.load_checkpoint` and written by
-    :func:`write_fp8_trtllm_checkpoint`. Returns the config dict."""
-    from jmegatron.export.common import checkpoint_config, load_checkpoint
-    from jmegatron.export.trtllm import _check_out, _check_pp, check_exportable
-
-    _check_pp(pp)
-    if weight_scales not in WEIGHT_SCALES:
-        raise ExportError(f"--weight-scales {weight_scales!r}: choose from {', '.join(WEIGHT_SCALES)}")
-    cfg = checkpoint_config(load, iteration)
-    check_exportable(cfg, tp, dtype, pp)
-    if cfg.num_moe_experts is not None:
-        layer_fp8_meta({}, cfg)
-    _check_out(out, overwrite)
-    if not saved_fp8_meta_paths(load, iteration):
-        raise ExportError(
-            f"--scales from-checkpoint: {os.path.abspath(load)} holds no FP8 scales (no fp8_meta in its parameters: "
-            f"it was trained without config.fp8, fp8={cfg.fp8!r}). Drop --scales to export it unquantized, or "
-            "calibrate FP8 scales with `python -m jmegatron.export quantize --load CKPT --quant-cfg fp8 "
-            "--calib-data PREFIX --out QDIR` then `trtllm --quantized QDIR`")
-    src = load_checkpoint(load, iteration)
-    return write_fp8_trtllm_checkpoint(src.params, src.cfg, src.vocab_size, out, tp=tp, pp=pp, dtype=dtype,
-                                       use_parallel_embedding=use_parallel_embedding, weight_scales=weight_scales,
-                                       overwrite=overwrite,
-                                       producer={"source": src.load_dir, "iteration": src.iteration})

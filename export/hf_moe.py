@@ -49,6 +49,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from jmegatron.models.moe.moe_utils import moe_layer_pattern
+
 MIXTRAL = "MixtralForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
 MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE)
@@ -58,8 +60,6 @@ _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_pr
 
 
 def _pattern(cfg) -> tuple[int, ...]:
-    from jmegatron.models.moe.moe_utils import moe_layer_pattern
-
     return moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
 
 

@@ -79,8 +79,15 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from jmegatron.data.blended_dataset import convert_split_vector_to_split_matrix, parse_and_normalize_split
+from jmegatron.data.gpt_dataset import GPTDataset
+from jmegatron.data.indexed_dataset import IndexedDataset
+from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.export.common import (ExportError, ExportSource, checkpoint_config, hf_model, load_checkpoint,
                                      load_source_tokenizer)
+from jmegatron.export.hf import hf_architecture
+from jmegatron.inference.generate import generate_text
+from jmegatron.models.moe.moe_utils import moe_layer_pattern
 
 __all__ = [
     "QUANT_CFG_CHOICES", "KV_CACHE_QUANT_CHOICES", "MODELOPT_STATE", "UNIFIED_HF_DIR", "INFO_FILE",
@@ -252,15 +259,11 @@ def check_block_sizes(name: str, cfg) -> None:
 
 
 def _moe_pattern(cfg) -> tuple:
-    from jmegatron.models.moe.moe_utils import moe_layer_pattern
-
     return moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
 
 
 # ----------------------------------------------------------------------------- data
 def _check_prefix(prefix: Optional[str], flag: str) -> str:
-    from jmegatron.data.indexed_dataset import IndexedDataset
-
     if not prefix:
         raise ExportError(f"{flag} is required: a tokenized dataset prefix (PREFIX.bin/PREFIX.idx)")
     p = os.fspath(prefix)
@@ -302,10 +305,6 @@ def portion_dataset(prefix: str, split: str, name: str, num_samples: Optional[in
 
     Raises ExportError for a bad ``split`` or an empty portion (message suggests ``--split``).
     """
-    from jmegatron.data.blended_dataset import convert_split_vector_to_split_matrix, parse_and_normalize_split
-    from jmegatron.data.gpt_dataset import GPTDataset
-    from jmegatron.data.indexed_dataset import IndexedDataset
-
     try:
         bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[_SPLITS[name]]
     except ValueError as e:
@@ -558,10 +557,6 @@ def _jmegatron_continuation(load: str, prompt: str, max_new_tokens: int) -> tupl
     (``jmegatron.inference.generate.generate_text``), or (None, why there is none). Only a
     sanity print: a failure here is reported, not raised."""
     try:
-        from jmegatron.inference.generate import generate_text
-    except ImportError:
-        return None, "skipped: jmegatron.inference.generate.generate_text is not available"
-    try:
         return generate_text(load, [prompt], max_new_tokens, greedy=True)[0], "ok"
     except Exception as e:  # noqa: BLE001 - reported next to the torch continuations
         return None, f"failed: {type(e).__name__}: {e}"
@@ -625,7 +620,6 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
     calib_prefix = _check_prefix(calib_data, "--calib-data")
     eval_prefix = _check_prefix(eval_data or calib_data, "--eval-data" if eval_data else "--calib-data")
     cfg = checkpoint_config(load, iteration)
-    from jmegatron.export.hf import hf_architecture
 
     try:
         arch = hf_architecture(cfg)
@@ -635,7 +629,6 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
         check_block_sizes(name, cfg)
     tokenizer = None
     if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model):
-        from jmegatron.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer_model)
     elif cfg.eod_mask_loss or cfg.reset_position_ids or prompt is not None:

@@ -40,7 +40,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jmegatron.export.common import ExportError
+from jmegatron.data.tokenizer import load_tokenizer
+from jmegatron.export.common import ExportError, export_config, source_vocab_size, tokenizer_path
+from jmegatron.export.hf import hf_architecture, hf_config_dict, iter_hf_tensors
+from jmegatron.export.hf_moe import MIXTRAL, QWEN2_MOE
+from jmegatron.training import checkpoint_layout, checkpointing
+from jmegatron.training.checkpoint_layout import STACKED_KEY, _LAYER_RE
 
 __all__ = ["CheckpointParamsReader", "SafetensorsWriter", "export_hf_streaming", "parse_size"]
 
@@ -93,9 +98,6 @@ class CheckpointParamsReader:
 
     def __init__(self, load_dir: str, iteration: Optional[int] = None):
         import tensorstore as ts
-
-        from jmegatron.export.common import export_config, source_vocab_size, tokenizer_path
-        from jmegatron.training import checkpoint_layout, checkpointing
 
         if not load_dir:
             raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
@@ -164,8 +166,6 @@ class CheckpointParamsReader:
 
     def read_common(self) -> dict:
         """Float32 numpy tree of the parameters outside the decoder layers."""
-        from jmegatron.training.checkpoint_layout import STACKED_KEY, _LAYER_RE
-
         rest = {k: v for k, v in self._params.items() if k != STACKED_KEY and not _LAYER_RE.match(str(k))}
         return _map(self._read, rest)
 
@@ -307,9 +307,6 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
     """
     import transformers
 
-    from jmegatron.export.hf import hf_architecture, hf_config_dict, iter_hf_tensors
-    from jmegatron.export.hf_moe import MIXTRAL, QWEN2_MOE
-
     reader = CheckpointParamsReader(load, iteration)
     cfg = reader.cfg
     try:
@@ -318,7 +315,6 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
         raise ExportError(f"--load {load}: {e}") from e
     eod = None
     if reader.tokenizer_path:
-        from jmegatron.data.tokenizer import load_tokenizer
 
         eod = load_tokenizer(reader.tokenizer_path).eod
     conf = hf_config_dict(cfg, reader.vocab_size, bos_token_id=eod, eos_token_id=eod)

@@ -135,12 +135,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from jmegatron.export import trtllm_check
 from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint, refuse_moe
-from jmegatron.export.trtllm_check import pp_layers
+from jmegatron.export.fp8_scales import (FP8_LINEARS, WEIGHT_SCALES, checkpoint_fp8_scales, layer_fp8_meta,
+                                         quantize_weight, saved_fp8_meta_paths, strip_fp8_meta)
+from jmegatron.export.hf import GPT2, _check_shape, _get, _plain, hf_architecture, unstack_layers
+from jmegatron.export.hf_moe import MIXTRAL as HF_MIXTRAL
+from jmegatron.export.quantize import load_quantized, quantized_source_config
+from jmegatron.export.trtllm_check import check_trtllm_checkpoint, pp_layers
 
 __all__ = ["register", "run", "trtllm_architecture", "check_exportable", "trtllm_config", "rank_tensors", "pp_layers",
            "write_trtllm_checkpoint", "export_checkpoint", "export_quantized_model", "export_quantized",
@@ -168,9 +174,6 @@ def trtllm_architecture(cfg) -> str:
     field the target cannot represent, and for an MoE config with a shared expert
     (``moe_shared_expert_intermediate_size``: Qwen2-MoE / DeepSeek layouts are not written).
     """
-    from jmegatron.export.hf import GPT2, hf_architecture
-    from jmegatron.export.hf_moe import MIXTRAL as HF_MIXTRAL
-
     if cfg.num_moe_experts is not None and cfg.moe_shared_expert_intermediate_size is not None:
         raise ExportError(
             f"trtllm: config.moe_shared_expert_intermediate_size={cfg.moe_shared_expert_intermediate_size}: "
@@ -381,8 +384,6 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
     Raises ExportError as :func:`check_exportable`, ValueError for a ``rank`` outside
     ``[0, tp * pp)`` or params that do not match ``cfg``.
     """
-    from jmegatron.export.hf import _check_shape, _get, _plain, unstack_layers
-
     arch = check_exportable(cfg, tp, "float16", pp, moe_tp=moe_tp, moe_ep=moe_ep)
     if not isinstance(rank, int) or not 0 <= rank < tp * pp:
         raise ValueError(f"rank={rank!r} must be in [0, tp * pp = {tp * pp})")
@@ -488,8 +489,6 @@ def moe_rank_tensors(mlp: dict, cfg, layer: int, local: int, tp: int, rank: int,
     dim=1)``, ``split(w2, ..., dim=2)``, ``concat([w3, w1], dim=-2)``). Raises ValueError for
     a missing or misshapen tensor (naming it).
     """
-    from jmegatron.export.hf import _check_shape
-
     h, E, F = cfg.hidden_size, cfg.num_moe_experts, cfg.moe_ffn_hidden_size
     mtp, mep = moe_parallel_sizes(tp, moe_tp, moe_ep)
     ep_rank, mtp_rank = rank % mep, rank // mep
@@ -597,6 +596,126 @@ def export_checkpoint(load: str, out: str, *, tp: int = 1, pp: int = 1, dtype: s
                                    use_parallel_embedding=use_parallel_embedding, overwrite=overwrite,
                                    producer={"source": src.load_dir, "iteration": src.iteration},
                                    moe_tp=moe_tp, moe_ep=moe_ep)
+
+
+# ----------------------------------------------------------------------------- FP8-trained checkpoints
+def fp8_quantization_config() -> dict:
+    """``config.json``'s ``quantization`` block, as ModelOpt 0.47 writes it for FP8_DEFAULT_CFG
+    with the output layer excluded and no KV-cache quantization."""
+    return {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+
+
+def fp8_rank_tensors(params: Mapping, cfg, vocab_size: int, tp: int, rank: int, scales: dict, *, pp: int = 1,
+                     use_parallel_embedding: bool = True, weight_scales: str = "checkpoint") -> tuple[dict, int]:
+    """``(tensors, saturated)``: the TensorRT-LLM tensors of ``rank`` (torch; names as
+    :func:`rank_tensors`) with every FP8 linear's ``weight`` in
+    float8_e4m3fn plus its float32 ``[1]`` ``weights_scaling_factor`` and
+    ``activation_scaling_factor``; other tensors float32 (cast by the writer). ``scales``:
+    :func:`jmegatron.export.fp8_scales.checkpoint_fp8_scales`. ``saturated``: weight values clipped to ±448."""
+    import torch
+
+    plain = strip_fp8_meta(params)
+    t = rank_tensors(plain, cfg, vocab_size, tp, rank, pp=pp, use_parallel_embedding=use_parallel_embedding)
+    out = {k: torch.from_numpy(v) for k, v in t.items()}
+    saturated = 0
+    gated = bool(cfg.swiglu)
+    for local, i in enumerate(pp_layers(cfg.num_layers, pp, rank // tp)):
+        for path, names in FP8_LINEARS.items():
+            sc = scales[i][path]
+            if path == "mlp/linear_fc1" and gated:
+                names = names + ("mlp.gate",)
+            for n in names:
+                key = f"transformer.layers.{local}.{n}"
+                q, sat = quantize_weight(t[f"{key}.weight"], sc.weights_scaling_factor,
+                                         sc.kernel_scale if weight_scales == "checkpoint" else None)
+                saturated += sat
+                out[f"{key}.weight"] = q
+                out[f"{key}.weights_scaling_factor"] = torch.tensor([sc.weights_scaling_factor], dtype=torch.float32)
+                out[f"{key}.activation_scaling_factor"] = torch.tensor([sc.activation_scaling_factor],
+                                                                       dtype=torch.float32)
+    return out, saturated
+
+
+def write_fp8_trtllm_checkpoint(params: Mapping, cfg, vocab_size: int, out: str, *, tp: int = 1, pp: int = 1,
+                                dtype: str = "float16", use_parallel_embedding: bool = True,
+                                weight_scales: str = "checkpoint", overwrite: bool = False,
+                                producer: Optional[dict] = None) -> dict:
+    """Write the FP8 TensorRT-LLM checkpoint (``config.json`` + ``rank{r}.safetensors``,
+    ``r < tp * pp``) of ``params`` holding ``fp8_meta`` (per-layer or stacked).
+
+    Unquantized tensors (embeddings, norms, biases, ``lm_head``) in ``dtype``; quantized
+    linears as :mod:`jmegatron.export.fp8_scales` describes. ``config.json`` is
+    :func:`trtllm_config` with :func:`fp8_quantization_config` and a
+    ``producer.fp8`` record (format, margin, amax algo and history length, weight-scale rule,
+    saturated count). Written to a temporary sibling folder renamed into place. Returns the
+    config. Raises ExportError as :func:`jmegatron.export.fp8_scales.checkpoint_fp8_scales` and
+    :func:`check_exportable`, before anything is written."""
+    import torch
+    from safetensors.torch import save_file
+
+    scales = checkpoint_fp8_scales(params, cfg, weight_scales)  # MoE and missing meta raise here
+    config = trtllm_config(cfg, vocab_size, tp, dtype, pp=pp, use_parallel_embedding=use_parallel_embedding,
+                           producer=producer)
+    config["quantization"] = fp8_quantization_config()
+    out = _check_out(out, overwrite)
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    staging = _staging_dir(out)
+    saturated = 0
+    try:
+        for r in range(tp * pp):
+            tensors, sat = fp8_rank_tensors(params, cfg, vocab_size, tp, r, scales, pp=pp,
+                                            use_parallel_embedding=use_parallel_embedding, weight_scales=weight_scales)
+            saturated += sat
+            tensors = {k: v if v.dtype in (torch.float8_e4m3fn,) or k.endswith("scaling_factor") else v.to(tdt)
+                       for k, v in tensors.items()}
+            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(staging, f"rank{r}.safetensors"),
+                      metadata={"format": "pt"})
+        sources = sorted({s.activation_source for layer in scales.values() for s in layer.values()})
+        config["producer"]["fp8"] = {
+            "scales": "from-checkpoint", "fp8": cfg.fp8, "fp8_margin": int(cfg.fp8_margin),
+            "fp8_amax_compute_algo": cfg.fp8_amax_compute_algo,
+            "fp8_amax_history_len": int(cfg.fp8_amax_history_len), "weight_scales": weight_scales,
+            "activation_scales_from": sources, "saturated_weight_values": int(saturated)}
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        _publish(staging, out)
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging)
+    return config
+
+
+def export_fp8_checkpoint(load: str, out: str, *, tp: int = 1, pp: int = 1, dtype: str = "float16",
+                          iteration: Optional[int] = None, use_parallel_embedding: bool = True,
+                          weight_scales: str = "checkpoint", overwrite: bool = False) -> dict:
+    """``trtllm --load CKPT --scales from-checkpoint``: an FP8-trained checkpoint -> the FP8
+    TensorRT-LLM checkpoint with its own scales (no calibration).
+
+    Checked before any array is restored: the config (:func:`check_exportable`), ``out``,
+    ``weight_scales``, and that the checkpoint's parameters hold
+    ``fp8_meta`` (else ExportError naming ``--scales`` and the fix: calibrate with
+    ``quantize --quant-cfg fp8`` then ``trtllm --quantized``). Then the parameters are read
+    with :func:`jmegatron.export.common.load_checkpoint` and written by
+    :func:`write_fp8_trtllm_checkpoint`. Returns the config dict."""
+    _check_pp(pp)
+    if weight_scales not in WEIGHT_SCALES:
+        raise ExportError(f"--weight-scales {weight_scales!r}: choose from {', '.join(WEIGHT_SCALES)}")
+    cfg = checkpoint_config(load, iteration)
+    check_exportable(cfg, tp, dtype, pp)
+    if cfg.num_moe_experts is not None:
+        layer_fp8_meta({}, cfg)
+    _check_out(out, overwrite)
+    if not saved_fp8_meta_paths(load, iteration):
+        raise ExportError(
+            f"--scales from-checkpoint: {os.path.abspath(load)} holds no FP8 scales (no fp8_meta in its parameters: "
+            f"it was trained without config.fp8, fp8={cfg.fp8!r}). Drop --scales to export it unquantized, or "
+            "calibrate FP8 scales with `python -m jmegatron.export quantize --load CKPT --quant-cfg fp8 "
+            "--calib-data PREFIX --out QDIR` then `trtllm --quantized QDIR`")
+    src = load_checkpoint(load, iteration)
+    return write_fp8_trtllm_checkpoint(src.params, src.cfg, src.vocab_size, out, tp=tp, pp=pp, dtype=dtype,
+                                       use_parallel_embedding=use_parallel_embedding, weight_scales=weight_scales,
+                                       overwrite=overwrite,
+                                       producer={"source": src.load_dir, "iteration": src.iteration})
 
 
 # ----------------------------------------------------------------------------- quantized (ModelOpt)
@@ -715,10 +834,6 @@ def export_quantized(quantized_dir: str, out: str, *, tp: int = 1, dtype: str = 
     if not isinstance(tp, int) or tp < 1:
         raise ExportError(f"--tp {tp!r}: the tensor parallel size must be an integer >= 1")
     _check_out(out, overwrite)
-    try:
-        from jmegatron.export.quantize import load_quantized, quantized_source_config
-    except ImportError as e:
-        raise ExportError(f"--quantized needs jmegatron.export.quantize.load_quantized ({e})") from e
     refuse_moe(quantized_source_config(quantized_dir, quant_cfg), "trtllm --quantized",
                "the TensorRT-LLM export of a quantized MoE model (ModelOpt's MixtralForCausalLM checkpoint with "
                "MOEWeightWrapper's scaling factors, and its check)",
@@ -751,8 +866,6 @@ def build_engine(checkpoint_dir: str, engine_dir: str) -> None:
 # ----------------------------------------------------------------------------- CLI
 def register(sub) -> None:
     """Add ``trtllm`` and ``check-trtllm`` to an argparse subparsers object."""
-    from jmegatron.export import trtllm_check
-
     p = sub.add_parser("trtllm", help="write a TensorRT-LLM checkpoint (config.json + rank{r}.safetensors)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="jmegatron checkpoint directory")
@@ -790,8 +903,6 @@ def register(sub) -> None:
 
 def run(args) -> int:
     """The ``trtllm`` command: export, self-check with the checker, optionally build."""
-    from jmegatron.export.trtllm_check import check_trtllm_checkpoint
-
     if args.build_engine:
         _check_build_engine_possible()
     if args.load and args.quant_cfg:
@@ -819,7 +930,6 @@ def run(args) -> int:
         for fx in fixes:
             print(f"[jmegatron.export trtllm] config.json fix: {fx}")
     elif args.scales:
-        from jmegatron.export.fp8_scales import export_fp8_checkpoint
 
         if args.moe_tp is not None or args.moe_ep is not None:
             raise ExportError("--moe-tp / --moe-ep are not available with --scales from-checkpoint (dense models only)")
@@ -834,7 +944,6 @@ def run(args) -> int:
               f"(from {', '.join(f['activation_scales_from'])}); weights_scaling_factor = {rule}; "
               f"{f['saturated_weight_values']} weight values saturated at +-448")
     else:
-        from jmegatron.export.fp8_scales import saved_fp8_meta_paths
 
         export_checkpoint(args.load, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, iteration=args.iteration,
                           use_parallel_embedding=not args.no_parallel_embedding, overwrite=args.overwrite,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jmegatron.models.attention import xla_attention
+from jmegatron.kernels.xla.attention import xla_attention
 from jmegatron.parallel import context_parallel as cpl
 
 

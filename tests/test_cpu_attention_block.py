@@ -13,8 +13,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jmegatron.kernels import cpu
 from jmegatron.kernels.cpu.ops import cpu_attention, cpu_attention_block, cpu_block_grads
-from jmegatron.models.dropout import keep_mask
-from jmegatron.parallel.context_parallel import _block_grads, attention_block, load_balance_index, merge_blocks
+from jmegatron.kernels.xla.dropout import keep_mask
+from jmegatron.kernels.xla.attention import attention_block, block_grads as _block_grads
+from jmegatron.parallel.context_parallel import load_balance_index, merge_blocks
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
 

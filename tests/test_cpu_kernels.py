@@ -12,8 +12,8 @@ import pytest
 from jmegatron.config import ConfigError
 from jmegatron.kernels import cpu
 from jmegatron.kernels.cpu.ops import blas_dot_general, cpu_attention, grouped_matmul, sgemm
-from jmegatron.models.attention import xla_attention
-from jmegatron.models.gpt import ModelConfig
+from jmegatron.kernels.xla.attention import xla_attention
+from jmegatron.models.transformer_config import ModelConfig
 
 from conftest import REPO
 from test_parallel_equivalence import trajectory
@@ -188,7 +188,7 @@ def test_without_a_compiler_auto_falls_back_and_explicit_choice_says_why(tmp_pat
         "import jax\n"
         "from jmegatron.kernels import cpu\n"
         "from jmegatron.kernels.cpu.ops import sgemm\n"
-        "from jmegatron.models.gpt import ModelConfig\n"
+        "from jmegatron.models.transformer_config import ModelConfig\n"
         "import sys; sys.path.insert(0, 'tests')\n"
         "from test_train_step import tiny_cfg\n"
         "c = tiny_cfg()\n"

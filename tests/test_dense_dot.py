@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmegatron.models.layers import dense_dot_general
+from jmegatron.kernels.xla.dense import dense_dot_general
 
 CASES = [((2, 5, 6), (6, 7), (((2,), (0,)), ((), ()))),
          ((2, 5, 3, 4), (3, 4, 7), (((2, 3), (0, 1)), ((), ()))),  # linear_proj [nq, d, h]

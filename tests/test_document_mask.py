@@ -112,7 +112,8 @@ def test_packed_documents_equal_documents_run_alone(model, impl):
 
 
 def test_dot_product_core_masks_documents_like_xla():
-    from jmegatron.models.attention import dot_product_attention, xla_attention
+    from jmegatron.kernels.xla.attention import xla_attention
+    from jmegatron.models.core_attention import dot_product_attention
 
     rs = np.random.RandomState(0)
     q, k, v = (jnp.asarray(rs.randn(2, 16, n, 8).astype(np.float32)) for n in (4, 2, 2))
@@ -201,7 +202,7 @@ def test_context_parallel_attentions_with_segments_equal_xla_attention():
     kernel's block forms, against xla_attention with the same segments, in the original order."""
     from jax.sharding import Mesh, PartitionSpec as P
 
-    from jmegatron.models.attention import xla_attention
+    from jmegatron.kernels.xla.attention import xla_attention
     from jmegatron.parallel import context_parallel as cpl
 
     cp, b, s, nq, nkv, d = 4, 2, 32, 8, 4, 8  # GQA; a2a splits 8 and 4 heads over 4 ranks

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jmegatron.models.dropout import Dropout, dropout, hash_bits, keep_mask
+from jmegatron.kernels.xla.dropout import dropout, hash_bits, keep_mask
+from jmegatron.models.dropout import Dropout
 
 
 def test_keep_rate_is_binomial():
@@ -109,7 +110,7 @@ def test_data_parallel_shards_with_offsets_draw_the_one_device_masks():
 def test_attention_keep_mask_is_the_whole_sequence_mask_at_block_positions():
     """A context-parallel block's attention-dropout mask (rows and columns at global sequence
     positions) is the one-device mask of the whole ``[b, nkv, g, s, s]`` probabilities."""
-    from jmegatron.models.dropout import attention_keep_mask
+    from jmegatron.kernels.xla.dropout import attention_keep_mask
 
     key = jax.random.PRNGKey(3)
     b, h, g, s = 2, 2, 3, 16

@@ -27,8 +27,8 @@ from safetensors.torch import load_file  # noqa: E402
 from jmegatron.export import fp8_scales, hf  # noqa: E402
 from jmegatron.export.__main__ import main  # noqa: E402
 from jmegatron.export.common import ExportError, load_checkpoint  # noqa: E402
-from jmegatron.export.fp8_scales import FP8_E4M3_MAX, checkpoint_fp8_scales, write_fp8_trtllm_checkpoint  # noqa: E402
-from jmegatron.export.trtllm import export_quantized_model, rank_tensors  # noqa: E402
+from jmegatron.export.fp8_scales import FP8_E4M3_MAX, checkpoint_fp8_scales  # noqa: E402
+from jmegatron.export.trtllm import export_quantized_model, rank_tensors, write_fp8_trtllm_checkpoint  # noqa: E402
 from jmegatron.export.trtllm_check import check_trtllm_checkpoint  # noqa: E402
 
 from test_trtllm import make_cfg  # noqa: E402

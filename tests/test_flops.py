@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from jmegatron.config import load_config_file
-from jmegatron.models.gpt import GPTModel, ModelConfig
+from jmegatron.models.gpt import GPTModel
+from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.training import flops
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -326,7 +327,7 @@ def _compiled_attention_flops(name: str, cp: int, b: int, s: int, nq: int, nkv: 
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
 
-    from jmegatron.models.attention import xla_attention
+    from jmegatron.kernels.xla.attention import xla_attention
     from jmegatron.parallel.context_parallel import CP_ATTENTIONS, load_balance_index
 
     keys = jax.random.split(jax.random.PRNGKey(0), 4)

@@ -17,7 +17,8 @@ import pytest
 
 from jmegatron.config import ConfigError
 from jmegatron.models import fp8
-from jmegatron.models.gpt import GPTModel, ModelConfig
+from jmegatron.models.gpt import GPTModel
+from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training.optimizer import make_optimizer
 from jmegatron.training.run import build

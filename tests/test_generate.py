@@ -14,7 +14,8 @@ from jmegatron.config import base_config, from_configdict
 from jmegatron.inference import generate as gen
 from jmegatron.inference.generate import GenerateError, decode_step, filter_logits, generate, prefill
 from jmegatron.inference.sample import sample
-from jmegatron.models.gpt import GPTModel, ModelConfig, init_kv_cache
+from jmegatron.models.gpt import GPTModel, init_kv_cache
+from jmegatron.models.transformer_config import ModelConfig
 
 VOCAB, SEQ = 256, 128
 PROMPT_LENGTHS = (5, 1, 12)  # ragged batch

@@ -21,7 +21,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from jmegatron.config import base_config, from_configdict  # noqa: E402
 from jmegatron.export import hf  # noqa: E402
-from jmegatron.models.gpt import GPTModel, ModelConfig  # noqa: E402
+from jmegatron.models.gpt import GPTModel  # noqa: E402
+from jmegatron.models.transformer_config import ModelConfig  # noqa: E402
 
 SEQ, BATCH, VOCAB = 32, 2, 500
 TOL = 1e-4

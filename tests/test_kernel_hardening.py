@@ -205,7 +205,7 @@ def _old_linear_index(h, i, j, s):
 def test_the_old_counter_collided_and_the_new_words_are_distinct():
     """(head 0, i, j) and (head 1, i, j) at S = 65536 had the same old hash input (S^2 = 2^32);
     the new words (row = head * S + i, col = j) differ, and so do the hashes."""
-    from jmegatron.models.dropout import mask_hash
+    from jmegatron.kernels.xla.dropout import mask_hash
     i, j = np.arange(_S - 64, _S), np.arange(0, _S, 1024)
     assert (_old_linear_index(0, i[:, None], j, _S) == _old_linear_index(1, i[:, None], j, _S)).all()
     k0, k1 = jnp.uint32(0x12345678), jnp.uint32(0x9ABCDEF0)
@@ -222,7 +222,7 @@ def test_attention_keep_mask_and_the_pallas_hash_agree_past_the_old_wrap():
     were identical) attention_keep_mask and the Pallas kernel's in-kernel hash draw the same
     bits, and heads 0 and 1 differ."""
     from jmegatron.kernels.pallas.flash_attention import _dropout_cfg, _keep, _seed
-    from jmegatron.models.dropout import attention_keep_mask
+    from jmegatron.kernels.xla.dropout import attention_keep_mask
     key = jax.random.key(4)
     rows = jnp.asarray([np.arange(_S - 64, _S)], jnp.int32)       # [b=1, 64]
     cols = jnp.asarray([np.arange(_S - 128, _S, 2)], jnp.int32)   # [b=1, 64]
@@ -242,7 +242,7 @@ def test_cpu_kernel_dropout_past_the_old_wrap_matches_the_shared_hash():
     different now; and the last document equals a reference computed with
     attention_keep_mask at its global rows and columns."""
     from jmegatron.kernels.cpu.ops import cpu_attention
-    from jmegatron.models.dropout import attention_keep_mask
+    from jmegatron.kernels.xla.dropout import attention_keep_mask
     r = np.random.default_rng(1)
     d, doc = 4, 64
     one = r.standard_normal((1, _S, 1, d)).astype(np.float32)
@@ -272,7 +272,7 @@ def test_shapes_whose_hash_words_would_wrap_are_refused():
     attention wrapper and the Pallas configuration."""
     from jmegatron.kernels.cpu.ops import cpu_attention
     from jmegatron.kernels.pallas.flash_attention import _dropout_cfg
-    from jmegatron.models.dropout import attention_keep_mask, hash_bits
+    from jmegatron.kernels.xla.dropout import attention_keep_mask, hash_bits
     key = jax.random.key(0)
     with pytest.raises(ValueError, match=r"hash_bits: the dropout hash indexes at most 2\^32 rows"):
         hash_bits(key, (1, 2**17, 2**16, 8))

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jmegatron.config import ConfigError, base_config, from_configdict
-from jmegatron.models.gpt import GPTModel, ModelConfig
+from jmegatron.models.gpt import GPTModel
+from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.models.moe import moe_utils, token_dispatcher
 from jmegatron.models.moe.moe_layer import MoELayer, moe_loss_terms
 from jmegatron.models.moe.moe_utils import MoEConfig

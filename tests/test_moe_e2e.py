@@ -69,7 +69,8 @@ def test_mixtral_tiny_ep2_trains_resumes_evaluates_generates(data, tmp_path, cap
 
     from jmegatron.export.__main__ import main as export_main
     from jmegatron.export.common import load_checkpoint
-    from jmegatron.models.gpt import GPTModel, ModelConfig
+    from jmegatron.models.gpt import GPTModel
+    from jmegatron.models.transformer_config import ModelConfig
 
     hf = tmp_path / "hf"
     assert export_main(["hf", "--load", str(full), "--out", str(hf)]) == 0

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from jmegatron.kernels.pallas import flash_attention as fa
-from jmegatron.models.attention import CORE_ATTENTIONS, xla_attention
+from jmegatron.kernels.xla import attention as xla_blocks
+from jmegatron.kernels.xla.attention import xla_attention
+from jmegatron.models.core_attention import CORE_ATTENTIONS
 from jmegatron.parallel import context_parallel as cpl
 
 from test_context_parallel import _ring, grads_of
@@ -99,9 +101,9 @@ def test_block_forms_equal_xla_blocks(case, dropout):
     block's dq/dk/dv given a final lse and delta; with BlockDropout the one-device masks."""
     q, k, v, _ = _qkv(4, 2, s=16, sk=32, seed=1)
     ids = BLOCK_CASES[case]
-    extra = {"dropout": cpl.BlockDropout(jax.random.key(3), 0.2, 5, 64, Q_POS, K_POS)} if dropout else {}
+    extra = {"dropout": xla_blocks.BlockDropout(jax.random.key(3), 0.2, 5, 64, Q_POS, K_POS)} if dropout else {}
     out, lse = fa.pallas_attention_block(q, k, v, *ids, block_q=8, block_k=8, **extra)
-    want_out, want_lse = cpl.attention_block(q, k, v, *ids, **extra)
+    want_out, want_lse = xla_blocks.attention_block(q, k, v, *ids, **extra)
     assert out.dtype == lse.dtype == jnp.float32 and lse.shape == (B, 16, 4)
     assert_close(out, want_out)
     assert_close(lse, want_lse)
@@ -112,7 +114,7 @@ def test_block_forms_equal_xla_blocks(case, dropout):
     delta = jnp.asarray(rs.randn(*want_lse.shape).astype(np.float32))
     final_lse = want_lse + 0.25  # the final lse of a query over all blocks exceeds the block's
     got = fa.pallas_block_grads(q, k, v, dout, final_lse, delta, *ids, block_q=8, block_k=16, **extra)
-    want = cpl._block_grads(q, k, v, dout, final_lse, delta, *ids, **extra)
+    want = xla_blocks.block_grads(q, k, v, dout, final_lse, delta, *ids, **extra)
     for a, e in zip(got, want):
         assert_close(a, e)
 

@@ -13,8 +13,9 @@ import pytest
 
 from jmegatron.config import ConfigError
 from jmegatron.models import te
-from jmegatron.models.attention import CORE_ATTENTIONS, cudnn_attention, dot_product_attention, xla_attention
-from jmegatron.models.gpt import cudnn_attention_supported, resolve_impls
+from jmegatron.kernels.xla.attention import xla_attention
+from jmegatron.models.backend import cudnn_attention_supported, resolve_impls
+from jmegatron.models.core_attention import CORE_ATTENTIONS, cudnn_attention, dot_product_attention
 from jmegatron.parallel.rules import make_rules
 
 from test_train_step import tiny_cfg
@@ -139,7 +140,7 @@ def test_resolve_impls_under_transformer_engine(monkeypatch, available):
 
 
 def test_te_dense_needs_the_fp8_fields_on_the_config_it_gets():
-    from jmegatron.models.gpt import ModelConfig
+    from jmegatron.models.transformer_config import ModelConfig
     mc = ModelConfig.from_config(tiny_cfg(), 512)
     if not hasattr(mc, "fp8"):  # before the FP8 part of issue 15 adds them to ModelConfig
         mc = dataclasses.replace(mc, matmul_impl="transformer_engine")

@@ -37,7 +37,8 @@ from jmegatron.export.common import ExportError
 from jmegatron.export.trtllm import (check_exportable, export_quantized_model, fix_modelopt_config, rank_tensors,
                                      write_trtllm_checkpoint)
 from jmegatron.export.trtllm_check import check_trtllm_checkpoint, pp_layers
-from jmegatron.models.gpt import GPTModel, ModelConfig
+from jmegatron.models.gpt import GPTModel
+from jmegatron.models.transformer_config import ModelConfig
 
 VOCAB = 500  # config vocab (Megatron pads it to 512 rows)
 TRUE_VOCAB = 497  # exported vocabulary: not a multiple of 2 or 4, so lm_head is padded per tp

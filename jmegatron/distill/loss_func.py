@@ -46,6 +46,7 @@ from jmegatron.config import ConfigError
 from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
 from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
 from jmegatron.distill.losses import ProjectionLayer, intermediate_loss_from_name, logits_kl_loss
+from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
 from jmegatron.training.forward_step import masked_cross_entropy
 
@@ -129,7 +130,7 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
             losses[f"intermediate_{k}"] = masked_mean(fn(hs, ht.astype(jnp.float32)))
         report = {}
         if need_lm:
-            total, _ = masked_cross_entropy(logits_s, micro["labels"], mask)
+            total, _ = masked_cross_entropy(logits_s, micro["labels"], mask, s_cfg.backend.cross_entropy)
             losses["student_loss"] = report["lm_loss"] = data_sum(total) / jnp.maximum(num_tokens, 1.0)
         total, rep = balancer(losses)
         report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],
@@ -161,7 +162,6 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
     (the stages do not collect the router losses; the config and the teacher loader refuse
     it first).
     """
-    from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
 
     s_cfg, t_cfg = student.cfg, teacher.cfg
     for role, c in (("student", s_cfg), ("teacher", t_cfg)):
@@ -249,7 +249,7 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
                 losses[f"intermediate_{k}"] = masked_mean(fn(hs, ht.astype(jnp.float32)))
             report = {}
             if need_lm:
-                total, _ = masked_cross_entropy(logits_s, micro["labels"], mask)
+                total, _ = masked_cross_entropy(logits_s, micro["labels"], mask, s_cfg.backend.cross_entropy)
                 losses["student_loss"] = report["lm_loss"] = total / jnp.maximum(num_tokens, 1.0)
             total, rep = balancer(losses)
             report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],

@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.models.gpt import init_kv_cache
+from jmegatron.training.run import restore_run_params
 
 Array = jax.Array
 
@@ -244,9 +246,6 @@ def generate_text(load_dir: str, prompts: Sequence[str], max_new_tokens: int, *,
         GenerateError: no tokenizer known, or bad input (see :func:`generate`).
         FileNotFoundError: the tokenizer file does not exist.
     """
-    from jmegatron.data.tokenizer import load_tokenizer
-    from jmegatron.training.run import restore_run_params
-
     run, params, _ = restore_run_params(load_dir)
     path = tokenizer_model or run.cfg.tokenizer_model
     if not path:

@@ -1,4 +1,5 @@
-"""Self-attention with grouped-query heads, rotary embeddings and pluggable cores.
+"""Self-attention with grouped-query heads, rotary embeddings and pluggable cores
+(:mod:`jmegatron.models.core_attention`).
 
 Follows megatron/core/transformer/attention.py (SelfAttention) and
 megatron/core/transformer/dot_product_attention.py (core attention), and
@@ -21,144 +22,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jmegatron.models.dropout import context_positions, keep_mask
-
-from jmegatron.models.layers import Linear, dense_dot_general_fn
-from jmegatron.parallel.context_parallel import CP_ATTENTIONS
+from jmegatron.kernels.xla.attention import cached_attention
+from jmegatron.kernels.xla.dense import dense_dot_general_fn
+from jmegatron.models.core_attention import CORE_ATTENTIONS
+from jmegatron.models.layers import Linear
+from jmegatron.parallel.context_parallel import CP_ATTENTIONS, context_positions
 from jmegatron.parallel.rules import CONTEXT_AXIS
 
 Array = jax.Array
-
-# A core attention: (q [b, s, nq, d], k [b, s, nkv, d], v [b, s, nkv, d], *,
-#   dropout_rate, dropout_rng, deterministic, dropout_impl, sample_offset[, segment_ids])
-#   -> [b, s, nq, d]; causal. sample_offset: the global sample number of row 0
-#   (jmegatron.models.dropout); segment_ids int [b, s] (document masking), passed only when given.
-CoreAttention = Callable[..., Array]
-
-
-def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
-                  dropout_rng: Optional[Array] = None, deterministic: bool = True,
-                  dropout_impl: str = "hash", sample_offset=0, segment_ids: Optional[Array] = None) -> Array:
-    """Causal softmax(q k^T / sqrt(d)) v in plain XLA ops, softmax in float32.
-
-    Shapes: q ``[b, s, nq, d]``, k/v ``[b, s, nkv, d]`` with ``nq % nkv == 0`` (GQA:
-    query head ``i`` uses key/value group ``i // (nq // nkv)``, as Megatron and Hugging Face). Returns ``[b, s, nq, d]`` in q's dtype.
-    Attention dropout is applied to the probabilities (Megatron's attention_dropout), its
-    mask drawn by ``dropout_impl`` (:mod:`jmegatron.models.dropout`) over the probabilities'
-    shape ``[b, nkv, nq // nkv, s, s]``, batch row ``i`` being global sample
-    ``sample_offset + i``. ``segment_ids`` (int ``[b, s]``, optional; document masking,
-    Megatron's ``reset_attention_mask``): query i sees key j only if ``j <= i`` and
-    ``segment_ids[:, i] == segment_ids[:, j]`` (Megatron's block-diagonal causal
-    ``attention_mask``, megatron/core/datasets/gpt_dataset.py ``_get_ltor_masks_and_position_ids``).
-    """
-    b, s, nq, d = q.shape
-    nkv = k.shape[2]
-    group = nq // nkv
-    qg = q.reshape(b, s, nkv, group, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
-    visible = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))
-    if segment_ids is not None:  # [b, 1, 1, s, s] against scores [b, nkv, g, s, s]
-        visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    if not deterministic and dropout_rate > 0.0:
-        keep = keep_mask(dropout_rng, dropout_rate, probs.shape, dropout_impl, sample_offset)
-        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v)
-    return out.reshape(b, s, nq, d)
-
-
-def dot_product_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
-                          dropout_rng: Optional[Array] = None, deterministic: bool = True,
-                          dropout_impl: str = "hash", sample_offset=0,
-                          segment_ids: Optional[Array] = None) -> Array:
-    """``jax.nn.dot_product_attention`` (XLA implementation, causal; ``segment_ids`` int
-    ``[b, s]`` as :func:`xla_attention`, given to it as a boolean ``mask [b, 1, s, s]``). No
-    attention dropout: raises ValueError when dropout is requested in training."""
-    if not deterministic and dropout_rate > 0.0:
-        raise ValueError("attention_impl='dot_product' has no attention dropout; "
-                         "set config.attention_dropout=0.0 or attention_impl='xla'.")
-    return _jax_nn_attention(q, k, v, segment_ids, "xla")
-
-
-def _jax_nn_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array], implementation: str) -> Array:
-    """Causal ``jax.nn.dot_product_attention`` (GQA native: ``nq % nkv == 0``); document
-    masking as a boolean ``mask [b, 1, s, s]`` (same segment), which the cuDNN path turns
-    into an additive bias (``[b, 1, s, s]`` in q's dtype: O(s^2) memory per sequence)."""
-    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
-
-
-CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-def cudnn_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
-                    dropout_rng: Optional[Array] = None, deterministic: bool = True,
-                    dropout_impl: str = "hash", sample_offset=0,
-                    segment_ids: Optional[Array] = None) -> Array:
-    """cuDNN's fused flash attention through ``jax.nn.dot_product_attention(...,
-    implementation="cudnn")`` (the counterpart of Megatron's TEDotProductAttention with the
-    cuDNN backend): causal (cuDNN skips the masked tiles), GQA native, ``segment_ids`` (int
-    ``[b, s]``) as a same-document mask. q ``[b, s, nq, d]``, k/v ``[b, s, nkv, d]`` in
-    bfloat16 or float16 -> ``[b, s, nq, d]``.
-
-    Raises :class:`jmegatron.config.ConfigError` naming ``attention_impl`` and the fix when
-    attention dropout is requested (``jax.nn.dot_product_attention`` exposes none, and
-    jmegatron's dropout masks are its own hash: use ``attention_dropout=0`` or
-    ``attention_impl="pallas"`` / ``"xla"``), when JAX's backend is not a GPU, when the
-    dtype is float32, or when cuDNN refuses the shape (head dim > 128 before Hopper, or
-    not a multiple of 8; cuDNN missing)."""
-    from jmegatron.config import ConfigError
-    if not deterministic and dropout_rate > 0.0:
-        raise ConfigError(f"attention_impl='cudnn' has no attention dropout (attention_dropout={dropout_rate}): "
-                          "set config.attention_dropout=0.0, or attention_impl='pallas' or 'xla'.")
-    backend = jax.default_backend()
-    if backend != "gpu":
-        raise ConfigError(f"attention_impl='cudnn' needs an NVIDIA GPU; JAX's backend is {backend!r}: "
-                          "set config.attention_impl='auto' (or 'xla').")
-    if q.dtype not in CUDNN_DTYPES:
-        raise ConfigError(f"attention_impl='cudnn' runs bfloat16 / float16 only, got {q.dtype}: set config.bf16=True "
-                          "(or fp16=True), or attention_impl='auto'.")
-    try:
-        return _jax_nn_attention(q, k, v, segment_ids, "cudnn")
-    except (NotImplementedError, RuntimeError) as e:  # cuDNN's shape checks, or no cuDNN
-        raise ConfigError(f"attention_impl='cudnn': cuDNN cannot run this attention (q {q.shape} {q.dtype}): {e}; "
-                          "set config.attention_impl='auto' (Pallas or XLA).") from e
-
-
-def cpu_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array] = None, **kwargs) -> Array:
-    """The CPU attention kernel (:func:`jmegatron.kernels.cpu.ops.cpu_attention`), same
-    signature, dropout masks and document mask as :func:`xla_attention`."""
-    from jmegatron.kernels.cpu.ops import cpu_attention as kernel
-    return kernel(q, k, v, segment_ids=segment_ids, **kwargs)
-
-
-def te_attention(q: Array, k: Array, v: Array, **kwargs) -> Array:
-    """Transformer Engine's fused attention (:func:`jmegatron.models.te.te_fused_attention`);
-    the core ``transformer_impl="transformer_engine"`` resolves ``attention_impl="auto"`` to."""
-    from jmegatron.models.te import te_fused_attention
-    return te_fused_attention(q, k, v, **kwargs)
-
-
-def pallas_attention(q: Array, k: Array, v: Array, segment_ids: Optional[Array] = None, **kwargs) -> Array:
-    """The Pallas FlashAttention-2 kernels
-    (:func:`jmegatron.kernels.pallas.flash_attention.pallas_attention`; Pallas interpret mode
-    off a GPU), same signature, dropout masks (``dropout_impl="hash"``) and document mask as
-    :func:`xla_attention`."""
-    from jmegatron.kernels.pallas.flash_attention import pallas_attention as kernel
-    return kernel(q, k, v, segment_ids=segment_ids, **kwargs)
-
-
-CORE_ATTENTIONS: dict[str, CoreAttention] = {
-    "xla": xla_attention,
-    "dot_product": dot_product_attention,
-    "cpu": cpu_attention,
-    "cudnn": cudnn_attention,
-    "transformer_engine": te_attention,
-    "pallas": pallas_attention,
-}
-
 
 def _manual_axis_size(axis: str) -> int:
     """The size of mesh axis ``axis`` when it is manual here (inside the train step's
@@ -177,26 +48,6 @@ def update_kv_cache(cache: Array, new: Array, start: Array) -> Array:
     def row(c, n, i):
         return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), i, axis=0)
     return jax.vmap(row)(cache, new, start)
-
-
-def cached_attention(q: Array, k_cache: Array, v_cache: Array, q_positions: Array) -> Array:
-    """Causal attention of ``q [b, s, nq, d]`` over a KV cache ``[b, L, nkv, d]``.
-
-    Query ``(i, t)`` at position ``q_positions[i, t]`` sees cache slots ``0 ..
-    q_positions[i, t]`` (slot = position), so stale or padded slots beyond a row's
-    length never contribute. Same arithmetic as :func:`xla_attention` (float32 scores and
-    softmax, GQA grouping); no dropout (inference). Returns ``[b, s, nq, d]`` in q's dtype.
-    """
-    b, s, nq, d = q.shape
-    length, nkv = k_cache.shape[1], k_cache.shape[2]
-    qg = q.reshape(b, s, nkv, nq // nkv, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
-    visible = jnp.arange(length, dtype=jnp.int32)[None, None, :] <= q_positions[:, :, None]  # [b, s, L]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(q.dtype), v_cache.astype(q.dtype))
-    return out.reshape(b, s, nq, d)
 
 
 def rope_cos_sin(position_ids: Array, head_dim: int, base: float) -> tuple[Array, Array]:
@@ -240,7 +91,7 @@ class SelfAttention(nn.Module):
     cp_comm_type: str = "p2p"  # under context parallelism: jmegatron.parallel.context_parallel.CP_ATTENTIONS
     recompute_core_attention: bool = False
     dtype: Any = jnp.float32
-    dropout_impl: str = "hash"  # jmegatron.models.dropout.DROPOUT_IMPLS
+    dropout_impl: str = "hash"  # jmegatron.kernels.xla.dropout.DROPOUT_IMPLS
     dot_general: Callable = dense_dot_general_fn
 
     @nn.compact
@@ -251,18 +102,18 @@ class SelfAttention(nn.Module):
 
         ``position_ids`` feed RoPE only; the causal mask follows the sequence order (under
         context parallelism each slot's global sequence position,
-        :func:`jmegatron.models.dropout.context_positions`), so ``reset_position_ids`` does not
+        :func:`jmegatron.parallel.context_parallel.context_positions`), so ``reset_position_ids`` does not
         change which keys a query sees. ``segment_ids`` (int ``[b, s]``, optional): document
-        masking, attention only within equal ids (see :func:`xla_attention`); not with
+        masking, attention only within equal ids (see :func:`jmegatron.kernels.xla.attention.xla_attention`); not with
         ``kv_cache`` (ValueError).
 
         ``sample_offset``: the global sample number of ``x[0]``, from which the attention
-        dropout masks are drawn (:mod:`jmegatron.models.dropout`).
+        dropout masks are drawn (:mod:`jmegatron.kernels.xla.dropout`).
 
         With ``kv_cache = (k, v)``, each ``[b, max_length, num_query_groups, kv_channels]``,
         this call's keys/values are written at the slots given by ``position_ids`` (which
         must be consecutive in each row, starting at ``position_ids[:, 0]``), the queries
-        attend over the cache (:func:`cached_attention`; ``core_attention`` is not used)
+        attend over the cache (:func:`jmegatron.kernels.xla.attention.cached_attention`; ``core_attention`` is not used)
         and ``(out, (k, v))`` is returned with the updated cache.
         """
         dense = functools.partial(Linear, dtype=self.dtype, dot_general=self.dot_general,

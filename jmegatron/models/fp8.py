@@ -41,9 +41,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jmegatron.parallel.rules import FP8_META, is_fp8_meta
+
 Array = jax.Array
 
-FP8_META = "fp8_meta"
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 # Largest finite values (TE's Format: e4m3 448, e5m2 57344)
@@ -191,11 +192,6 @@ class Fp8DotGeneral:
     def __call__(self, *args, **kwargs):
         raise TypeError("Fp8DotGeneral holds per-layer parameters: pass it as Linear's dot_general "
                         "(Linear calls for_layer in its scope)")
-
-
-def is_fp8_meta(path: tuple) -> bool:
-    """True for a ``jax.tree_util`` key path inside an ``fp8_meta`` subtree."""
-    return any(getattr(k, "key", None) == FP8_META for k in path)
 
 
 def meta_flags(tree: Any) -> Any:

@@ -11,8 +11,6 @@ name them (see docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -20,216 +18,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jmegatron.config import ConfigError, JMegatronConfig
+from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.attention import SelfAttention
 from jmegatron.models.dropout import Dropout
-from jmegatron.fusions import fused_gelu
-from jmegatron.models.layers import Embed, Linear, dense_dot_general_fn, make_norm
+from jmegatron.models.layers import Embed, Linear, make_norm
+from jmegatron.models.mlp import MLP
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, MoELayer
-from jmegatron.models.moe.moe_utils import MoEConfig, moe_layer_pattern
+from jmegatron.models.transformer_config import ModelConfig
 
 Array = jax.Array
 KVPair = tuple[Array, Array]  # one layer's (keys, values), each [b, max_length, num_query_groups, kv_channels]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The architecture fields of a :class:`JMegatronConfig`, resolved (vocab padded)."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    vocab_size: int  # padded
-    max_position_embeddings: int
-    position_embedding_type: str
-    rotary_base: float
-    normalization: str
-    norm_epsilon: float
-    swiglu: bool
-    untie_embeddings_and_output_weights: bool
-    add_bias_linear: bool
-    add_qkv_bias: bool
-    hidden_dropout: float
-    attention_dropout: float
-    init_method_std: float
-    scan_layers: bool = False
-    recompute_granularity: str = "none"
-    attention_impl: str = "xla"
-    matmul_impl: str = "xla"
-    dropout_impl: str = "hash"
-    cp_comm_type: str = "p2p"  # context-parallel attention (jmegatron.parallel.context_parallel)
-    dtype: Any = jnp.float32
-    moe: Optional[MoEConfig] = None  # mixture of experts (jmegatron.models.moe); None: dense
-    # FP8 linear layers with delayed scaling (jmegatron.models.fp8): "e4m3" | "hybrid"; None: off
-    fp8: Optional[str] = None
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1
-    fp8_amax_compute_algo: str = "most_recent"
-
-    @classmethod
-    def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
-        """The model fields of ``cfg``; compute dtype bfloat16 / float16 with ``cfg.bf16`` / ``fp16``;
-        ``attention_impl`` / ``matmul_impl`` ``"auto"`` resolved by :func:`resolve_impls`.
-
-        Raises ConfigError for ``fp8`` with an ``fp8_recipe`` other than "delayed" unless
-        Transformer Engine runs it, or with ``sequence_parallel`` (not built in pure JAX)."""
-        _check_fp8(cfg)
-        names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe"}
-        impls = {k: v for k, v in resolve_impls(cfg).items() if k in names}  # the model's own choices
-        fields = dict({n: getattr(cfg, n) for n in names}, **impls)
-        if cfg.pipeline_model_parallel_size > 1:  # stages hold slices of the stacked layers
-            fields["scan_layers"] = True
-        dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16 if cfg.fp16 else jnp.float32
-        return cls(vocab_size=padded_vocab_size, dtype=dtype,
-                   moe=MoEConfig.from_config(cfg), **fields)
-
-    def linear_dot_general(self, default: Callable) -> Any:
-        """The ``dot_general`` of the layers' QKV, attention output, fc1 and fc2 Linears:
-        :class:`jmegatron.models.fp8.Fp8DotGeneral` when ``fp8`` is set, else ``default``."""
-        if self.fp8 is None:
-            return default
-        from jmegatron.models.fp8 import Fp8DotGeneral
-        return Fp8DotGeneral(self.fp8, self.fp8_amax_history_len)
-
-    def moe_layers(self) -> tuple[int, ...]:
-        """1 for each decoder layer whose MLP is an MoE layer (``moe_layer_freq``), else 0."""
-        if self.moe is None:
-            return (0,) * self.num_layers
-        return moe_layer_pattern(self.moe.moe_layer_freq, self.num_layers)
-
-    def dense_dot_general(self) -> Callable:
-        """The dense layers' ``dot_general`` for ``matmul_impl``."""
-        if self.matmul_impl in ("blas", "hybrid"):
-            from jmegatron.kernels.cpu.ops import blas_dot_general
-            return functools.partial(blas_dot_general, weight_grad_only=self.matmul_impl == "hybrid")
-        if self.matmul_impl == "transformer_engine":  # resolve_impls under transformer_impl="transformer_engine"
-            from jmegatron.models.te import te_dot_general
-            return te_dot_general(self)
-        return dense_dot_general_fn
-
-    def grouped_matmul(self) -> Callable:
-        """The MoE experts' grouped GEMM ``(x [N, K], w [E, K, P], group_sizes [E]) -> [N, P]``
-        for ``matmul_impl``: the CPU kernel (:func:`jmegatron.kernels.cpu.ops.grouped_matmul`)
-        with the CPU matmul kernels, else ``jax.lax.ragged_dot``."""
-        if self.matmul_impl in ("blas", "hybrid"):
-            from jmegatron.kernels.cpu.ops import grouped_matmul
-            return grouped_matmul
-        return jax.lax.ragged_dot
-
-
-def _check_fp8(cfg: JMegatronConfig) -> None:
-    if cfg.fp8 is None:
-        return
-    if cfg.fp8_recipe != "delayed" and resolve_impls(cfg)["transformer_impl"] != "transformer_engine":
-        raise ConfigError(f"config.fp8_recipe={cfg.fp8_recipe!r} needs transformer_impl='transformer_engine' "
-                          f"(Transformer Engine); the pure-JAX FP8 path (jmegatron.models.fp8) builds "
-                          f"fp8_recipe='delayed' only.")
-    if cfg.sequence_parallel:
-        raise ConfigError("config.fp8 with sequence_parallel=True is not built on the pure-JAX FP8 path "
-                          "(jmegatron.models.fp8); set sequence_parallel=False.")
-
-
-def detect_backend() -> str:
-    """JAX's default backend as :func:`resolve_impls` names it: ``"cpu"``, ``"gpu"`` (NVIDIA,
-    CUDA), ``"rocm"`` (an AMD GPU: no cuDNN) or ``"tpu"``."""
-    backend = jax.default_backend()
-    if backend == "gpu" and "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower():
-        return "rocm"
-    return backend
-
-
-CUDNN_MAX_HEAD_DIM = 128  # cuDNN flash attention before Hopper (256 from sm90; kept at the common bound)
-
-
-def cudnn_attention_supported(cfg: JMegatronConfig) -> tuple[bool, str]:
-    """Whether ``jax.nn.dot_product_attention(implementation="cudnn")`` can run ``cfg``'s
-    attention (its checks in jax/_src/cudnn/fused_attention_stablehlo.py): bfloat16 /
-    float16 compute, ``kv_channels`` a multiple of 8 and <= 128, no attention dropout
-    (jax.nn exposes none), an even ``seq_length`` under document masking (the mask becomes
-    a bias). Returns ``(ok, reason)``; reason "" when ok."""
-    if not (cfg.bf16 or cfg.fp16):
-        return False, "cuDNN attention runs bfloat16 / float16 only (config.bf16 / fp16 unset)"
-    if cfg.kv_channels % 8 or cfg.kv_channels > CUDNN_MAX_HEAD_DIM:
-        return False, f"kv_channels={cfg.kv_channels} (cuDNN: a multiple of 8, <= {CUDNN_MAX_HEAD_DIM})"
-    if cfg.attention_dropout > 0.0:
-        return False, f"attention_dropout={cfg.attention_dropout} (jax.nn's cuDNN attention has no dropout)"
-    if cfg.reset_attention_mask and cfg.seq_length % 2:
-        return False, f"seq_length={cfg.seq_length} is odd (cuDNN's masked attention needs it even)"
-    return True, ""
-
-
-def resolve_impls(cfg: JMegatronConfig, backend: Optional[str] = None) -> dict[str, str]:
-    """``attention_impl``, ``matmul_impl``, ``cross_entropy_impl`` and ``transformer_impl``
-    with ``"auto"`` resolved for ``backend`` (``"cpu"`` | ``"gpu"`` | ``"rocm"`` | ``"tpu"``;
-    None: :func:`detect_backend`). Explicit choices are kept.
-
-    * CPU: the CPU kernels ("cpu" / "hybrid", :mod:`jmegatron.kernels.cpu`) when the compute
-      dtype is float32, tensor_model_parallel_size 1 and the kernels build; else "xla".
-      Cross-entropy "xla".
-    * NVIDIA GPU: attention "cudnn" where :func:`cudnn_attention_supported`, else "pallas"
-      (:mod:`jmegatron.kernels.pallas`: dropout, float32); matmul "xla" (cuBLAS);
-      cross-entropy "pallas".
-    * ROCm / TPU: attention, matmul and cross-entropy "xla".
-    * ``transformer_impl``: :func:`jmegatron.models.te.resolve_transformer_impl` ("auto" is
-      Transformer Engine only on an NVIDIA GPU where ``transformer_engine.jax`` imports; an
-      explicit "transformer_engine" without it prints why and resolves to "local"). Under
-      Transformer Engine, attention and matmul "auto" are TE's fused attention and GEMMs
-      ("transformer_engine": :mod:`jmegatron.models.te`).
-    """
-    from jmegatron.models import te
-    backend = backend or detect_backend()
-    out = {"attention_impl": cfg.attention_impl, "matmul_impl": cfg.matmul_impl,
-           "cross_entropy_impl": cfg.cross_entropy_impl,
-           # (FP8 delayed scaling is jmegatron's own: "auto" keeps it on the local layers)
-           "transformer_impl": te.resolve_transformer_impl(
-               "local" if cfg.transformer_impl == "auto" and cfg.fp8 is not None and cfg.fp8_recipe == "delayed"
-               else cfg.transformer_impl, backend)}
-    attention = matmul = cross_entropy = "xla"
-    if backend == "cpu" and "auto" in (cfg.attention_impl, cfg.matmul_impl):
-        from jmegatron.kernels import cpu as cpu_kernels
-        kernels = cpu_kernels.use_by_default(cfg.tensor_model_parallel_size, float32=not (cfg.bf16 or cfg.fp16))
-        attention, matmul = ("cpu", "hybrid") if kernels else ("xla", "xla")
-    elif backend == "gpu":
-        attention = "cudnn" if cudnn_attention_supported(cfg)[0] else "pallas"
-        cross_entropy = "pallas"
-        if out["transformer_impl"] == "transformer_engine":  # Megatron's TE layers: TE's GEMMs and fused attention
-            attention = matmul = "transformer_engine"
-    for name, choice in (("attention_impl", attention), ("matmul_impl", matmul),
-                         ("cross_entropy_impl", cross_entropy)):
-        if out[name] == "auto":
-            out[name] = choice
-    return out
-
-
-class MLP(nn.Module):
-    """``[b, s, h]`` -> ``[b, s, h]``: linear_fc1 (column-parallel) -> GELU or SwiGLU ->
-    linear_fc2 (row-parallel). With SwiGLU, linear_fc1 is ``[h, 2, ffn]`` (index 0 the
-    gate, 1 the up projection), one matmul as Megatron's fused fc1."""
-
-    cfg: ModelConfig
-    dot_general: Callable = dense_dot_general_fn
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        c = self.cfg
-        init = nn.initializers.normal(c.init_method_std)
-        out_init = nn.initializers.normal(c.init_method_std / math.sqrt(2.0 * c.num_layers))
-        dense = functools.partial(Linear, use_bias=c.add_bias_linear, dtype=c.dtype,
-                                  dot_general=self.dot_general)
-        if c.swiglu:
-            h = dense((2, c.ffn_hidden_size), ("embed", None, "mlp"), kernel_init=init, tp_mode="column",
-                      tp_dim=2, name="linear_fc1")(x)
-            h = nn.silu(h[..., 0, :]) * h[..., 1, :]
-        else:
-            h = dense((c.ffn_hidden_size,), ("embed", "mlp"), kernel_init=init, tp_mode="column", tp_dim=1,
-                      name="linear_fc1")(x)
-            h = fused_gelu.gelu(h)  # erf GELU, one pass each way (jmegatron.fusions)
-        h = nn.with_logical_constraint(h, ("batch", "length", "activation_mlp"))
-        return dense((c.hidden_size,), ("mlp", "embed"), kernel_init=out_init, tp_mode="row", tp_dim=0,
-                     name="linear_fc2")(h)
 
 
 class TransformerLayer(nn.Module):

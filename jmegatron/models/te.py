@@ -25,7 +25,10 @@ import functools
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+import jax
+
 from jmegatron.config import ConfigError
+from jmegatron.parallel.rules import CONTEXT_AXIS, DEFAULT_RULES, make_rules
 
 # Megatron's --fp8-format -> TE's recipe.Format member
 FP8_FORMAT_NAMES = {"e4m3": "E4M3", "hybrid": "HYBRID"}
@@ -131,7 +134,6 @@ def mesh_resource_kwargs(rules: Sequence[tuple[str, Any]], mesh_axis_names: Sequ
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
         return axes[0] if axes and axes[0] in mesh_axis_names else None
 
-    from jmegatron.parallel.rules import CONTEXT_AXIS
     return {"dp_resource": first("batch"), "tp_resource": first("heads"),
             "tpsp_resource": first("activation_length"), "fsdp_resource": first("embed"),
             "pp_resource": first("layers"), "ep_resource": first("exp"),
@@ -142,7 +144,6 @@ def mesh_resource(cfg, mesh):
     """TE's ``MeshResource`` for ``cfg`` on ``mesh`` (:func:`mesh_resource_kwargs`; fields
     this TE version's MeshResource lacks, e.g. ``ep_resource`` before 2.x, are dropped)."""
     from transformer_engine.jax import MeshResource
-    from jmegatron.parallel.rules import make_rules
     kwargs = mesh_resource_kwargs(make_rules(cfg), mesh.axis_names, cfg.context_parallel_size)
     fields = {f.name for f in dataclasses.fields(MeshResource)} if dataclasses.is_dataclass(MeshResource) else set(kwargs)
     return MeshResource(**{k: v for k, v in kwargs.items() if k in fields})
@@ -200,18 +201,14 @@ def te_dot_general(cfg) -> Callable:
 
 
 def te_fused_attention(q, k, v, *, dropout_rate: float = 0.0, dropout_rng=None, deterministic: bool = True,
-                       dropout_impl: str = "hash", sample_offset=0, segment_ids=None):
+                       dropout_impl: str = "hash", sample_offset=0):
     """Causal attention through TE's fused attention (``transformer_engine.jax.flax.
     DotProductAttention``, cuDNN's kernels; Megatron's TEDotProductAttention): q ``[b, s, nq,
     d]``, k/v ``[b, s, nkv, d]`` (layout ``bshd_bshd_bshd``, GQA by ``num_gqa_groups``) ->
     ``[b, s, nq, d]``. Attention dropout is TE's own (its masks are not jmegatron's hash, so
     runs are not bit-comparable with the XLA path). ``segment_ids`` (document masking) go to
-    jmegatron's cuDNN core (:func:`jmegatron.models.attention.cudnn_attention`): TE's BSHD
-    layout masks padding, not several documents per row."""
-    if segment_ids is not None:
-        from jmegatron.models.attention import cudnn_attention
-        return cudnn_attention(q, k, v, dropout_rate=dropout_rate, deterministic=deterministic,
-                               segment_ids=segment_ids)
+    layout masks padding, not several documents per row: none are taken here (the core
+    attention :func:`jmegatron.models.core_attention.te_attention` sends them to cuDNN's)."""
     from transformer_engine.jax.flax import DotProductAttention
     b, s, nq, d = q.shape
     rate = 0.0 if deterministic else dropout_rate
@@ -228,9 +225,7 @@ def shard_guard():
     already (an enclosing :func:`autocast`): TE's custom partitioning asks for it. Built
     from :data:`jmegatron.parallel.rules.DEFAULT_RULES` over the abstract mesh's axis names
     (no mesh: an empty MeshResource, one device)."""
-    import jax
     from transformer_engine.jax.sharding import MeshResource, global_mesh_resource, global_shard_guard
-    from jmegatron.parallel.rules import DEFAULT_RULES
     try:
         if global_mesh_resource() is not None:
             return contextlib.nullcontext()

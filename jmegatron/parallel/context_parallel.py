@@ -16,9 +16,11 @@ Here, as a pure-JAX layout:
   permuted sequence evenly over ``context`` is Megatron's split. Tokens, labels, loss mask
   and position ids are permuted together (the token mean of the loss does not depend on
   the order); attention masks use the position ids, never the storage order.
-* :func:`attention_block` is the block kernel: softmax attention of a query block over a
-  key/value block with an optional causal mask by positions, returning the float32 output
-  and its log-sum-exp; :func:`merge_blocks` combines two partial results.
+* The block kernel (:func:`block_kernels`: XLA's
+  :func:`jmegatron.kernels.xla.attention.attention_block`, the CPU or the Pallas kernel's)
+  is softmax attention of a query block over a key/value block with an optional causal mask
+  by positions, returning the float32 output and its log-sum-exp; :func:`merge_blocks`
+  combines two partial results.
 * :func:`ring_attention` runs inside ``shard_map`` with ``context`` manual. Which blocks a
   step computes follows Transformer Engine's load-balanced schedule: step 0 is the local
   causal block; a block from an earlier rank is seen whole by both local chunks but only
@@ -28,7 +30,7 @@ Here, as a pure-JAX layout:
   Engine's scheme), keeping one block in memory instead of autodiff's every received block.
 
 Masks: the causal order is each slot's *sequence position* (its index in the original
-sequence, :func:`jmegatron.models.dropout.context_positions`), never its position id, which
+sequence, :func:`context_positions`), never its position id, which
 restarts at every document under ``reset_position_ids`` and only feeds RoPE and the learned
 position embeddings. Document masking (``reset_attention_mask``, Megatron's block-diagonal
 causal ``attention_mask``) adds ``segments`` (int ``[b, 2c]``, the number of EODs before
@@ -41,11 +43,16 @@ segments=None)``.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jmegatron.kernels.cpu.ops import cpu_attention_block, cpu_block_grads
+from jmegatron.kernels.pallas.flash_attention import pallas_attention_block, pallas_block_grads
+from jmegatron.kernels.xla.attention import BlockDropout, attention_block, block_grads
+from jmegatron.parallel.rules import CONTEXT_AXIS
 
 Array = jax.Array
 
@@ -70,76 +77,19 @@ def load_balance_index(seq_length: int, context_parallel_size: int) -> np.ndarra
     return chunks[order].reshape(-1)
 
 
-def _visible(q_positions: Optional[Array], k_positions: Optional[Array], q_segments: Optional[Array],
-             k_segments: Optional[Array]) -> Optional[Array]:
-    """bool ``[b, sq, sk]``: key j visible to query i (causal by position, same segment), or
-    None when nothing is masked."""
-    visible = None
-    if q_positions is not None:
-        visible = q_positions[:, :, None] >= k_positions[:, None, :]
-    if q_segments is not None:
-        same = q_segments[:, :, None] == k_segments[:, None, :]
-        visible = same if visible is None else visible & same
-    return visible
-
-
-class BlockDropout(NamedTuple):
-    """Attention dropout of one block (Megatron's ``attention_dropout`` on the probabilities):
-    the ``"hash"`` mask of the whole sequence's probabilities at this block's rows and
-    columns (:func:`jmegatron.models.dropout.attention_keep_mask`), so a context-parallel
-    run drops exactly the one-device run's elements. ``q_index`` / ``k_index``: int
-    ``[b, sq]`` / ``[b, sk]``, the block's queries' and keys' sequence positions."""
-
-    key: Array
-    rate: float
-    sample_offset: Any
-    seq_length: int
-    q_index: Array
-    k_index: Array
-
-    def keep(self, shape) -> Array:
-        """bool ``shape`` ``[b, nkv, g, sq, sk]``: the elements kept."""
-        from jmegatron.models.dropout import attention_keep_mask
-        return attention_keep_mask(self.key, self.rate, shape, self.q_index, self.k_index, self.seq_length,
-                                   self.sample_offset)
-
-
-def attention_block(q: Array, k: Array, v: Array, q_positions: Optional[Array] = None,
-                    k_positions: Optional[Array] = None, q_segments: Optional[Array] = None,
-                    k_segments: Optional[Array] = None, dropout: Optional[BlockDropout] = None
-                    ) -> tuple[Array, Array]:
-    """Softmax attention of a query block over a key/value block, unnormalised across blocks.
-
-    q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]`` (GQA: query head ``i`` uses group
-    ``i // (nq // nkv)``); ``q_positions`` int ``[b, sq]`` and ``k_positions`` int ``[b, sk]``
-    (sequence positions, not position ids): when given, query at position p sees keys at
-    positions <= p (causal); None: no causal mask. ``q_segments`` int ``[b, sq]`` and
-    ``k_segments`` int ``[b, sk]`` (document masking): when given, a query sees only keys of
-    its own segment as well. Returns (out float32 ``[b, sq, nq, d]``, normalised within the block; lse float32
-    ``[b, sq, nq]``, the log-sum-exp of its scaled scores, -inf for a query that sees no
-    key here, whose output is 0). Scores and softmax in float32, scale ``1/sqrt(d)``.
-    ``dropout``: attention dropout of the block's probabilities (:class:`BlockDropout`; the
-    log-sum-exp is the undropped one, so blocks merge as without dropout).
-    """
-    b, sq, nq, d = q.shape
-    nkv = k.shape[2]
-    qg = q.reshape(b, sq, nkv, nq // nkv, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
-    visible = _visible(q_positions, k_positions, q_segments, k_segments)  # [b, sq, sk]
-    if visible is not None:
-        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    p = jnp.exp(scores - safe)
-    total = jnp.sum(p, axis=-1, keepdims=True)
-    probs = p / jnp.where(total > 0, total, 1.0)
-    if dropout is not None:  # as xla_attention: probabilities / (1 - rate) where kept
-        probs = jnp.where(dropout.keep(probs.shape), probs / (1.0 - dropout.rate), 0.0)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32))
-    lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + safe, -jnp.inf)  # [b, h, g, q, 1]
-    lse = jnp.moveaxis(lse[..., 0], 3, 1).reshape(b, sq, nq)
-    return out.reshape(b, sq, nq, d), lse
+def context_positions(seq_local: int) -> Optional[jax.Array]:
+    """int32 ``[seq_local]``: the global sequence positions of this context-parallel rank's
+    slots (Megatron's load-balanced split, :func:`load_balance_index`)
+    when the ``context`` mesh axis is manual here (inside the train step), else None. With
+    them a ``[b, s, ...]`` activation's masks are the one-device run's."""
+    try:
+        cp = jax.lax.axis_size(CONTEXT_AXIS)
+    except NameError:
+        return None
+    if cp == 1:
+        return None
+    index = jnp.asarray(load_balance_index(seq_local * cp, cp), jnp.int32)
+    return jax.lax.dynamic_slice_in_dim(index, jax.lax.axis_index(CONTEXT_AXIS) * seq_local, seq_local)
 
 
 def merge_blocks(out1: Array, lse1: Array, out2: Array, lse2: Array) -> tuple[Array, Array]:
@@ -152,61 +102,20 @@ def merge_blocks(out1: Array, lse1: Array, out2: Array, lse2: Array) -> tuple[Ar
     return w1 * out1 + w2 * out2, lse
 
 
-def _block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: Array,
-                 q_positions: Optional[Array] = None, k_positions: Optional[Array] = None,
-                 q_segments: Optional[Array] = None, k_segments: Optional[Array] = None,
-                 dropout: Optional[BlockDropout] = None) -> tuple[Array, Array, Array]:
-    """FlashAttention's backward for one block (Dao et al. 2022, Algorithm 4) given the
-    *final* log-sum-exp ``lse [b, sq, nq]`` and ``delta = sum(dout * out, -1) [b, sq, nq]``:
-    (dq ``[b, sq, nq, d]``, dk ``[b, sk, nkv, d]``, dv ``[b, sk, nkv, d]``), float32, this
-    block's contributions. Shapes and masks as :func:`attention_block`."""
-    b, sq, nq, d = q.shape
-    nkv = k.shape[2]
-    g = nq // nkv
-    scale = 1.0 / jnp.sqrt(jnp.float32(d))
-    qg = q.astype(jnp.float32).reshape(b, sq, nkv, g, d)
-    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k32) * scale
-
-    def per_head(x):  # [b, sq, nq] -> [b, nkv, g, sq, 1]
-        return jnp.moveaxis(x.reshape(b, sq, nkv, g), 1, 3)[..., None]
-
-    finite = jnp.isfinite(lse)
-    p = jnp.exp(scores - per_head(jnp.where(finite, lse, 0.0)))
-    keep = per_head(finite)
-    visible = _visible(q_positions, k_positions, q_segments, k_segments)
-    if visible is not None:
-        keep = keep & visible[:, None, None]
-    p = jnp.where(keep, p, 0.0)
-    dout_g = dout.astype(jnp.float32).reshape(b, sq, nkv, g, d)
-    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dout_g, v32)
-    if dropout is None:
-        dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dout_g)
-    else:  # the kept probabilities went into out; dP reaches P through the same mask
-        kept = dropout.keep(p.shape)
-        dv = jnp.einsum("bhgqk,bqhgd->bkhd", jnp.where(kept, p / (1.0 - dropout.rate), 0.0), dout_g)
-        dp = jnp.where(kept, dp / (1.0 - dropout.rate), 0.0)
-    ds = p * (dp - per_head(delta)) * scale
-    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k32).reshape(b, sq, nq, d)
-    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg)
-    return dq, dk, dv
-
-
 def block_kernels(block: str):
-    """``(attention_block, block_grads)`` of a block kernel: ``"xla"`` (:func:`attention_block`,
-    :func:`_block_grads`), ``"cpu"`` (the CPU attention kernel's block forms,
+    """``(attention_block, block_grads)`` of a block kernel: ``"xla"``
+    (:func:`jmegatron.kernels.xla.attention.attention_block`,
+    :func:`jmegatron.kernels.xla.attention.block_grads`), ``"cpu"`` (the CPU attention kernel's block forms,
     :func:`jmegatron.kernels.cpu.ops.cpu_attention_block` / ``cpu_block_grads``: tiled, fully
     masked key tiles skipped, no ``[sq, sk]`` scores in memory; float32 only) or ``"pallas"``
     (:func:`jmegatron.kernels.pallas.flash_attention.pallas_attention_block` /
     ``pallas_block_grads``: FlashAttention-2 tiles, any float dtype, with the
     :class:`BlockDropout` masks). Raises ValueError for another name."""
     if block == "xla":
-        return attention_block, _block_grads
+        return attention_block, block_grads
     if block == "cpu":
-        from jmegatron.kernels.cpu.ops import cpu_attention_block, cpu_block_grads
         return cpu_attention_block, cpu_block_grads
     if block == "pallas":
-        from jmegatron.kernels.pallas.flash_attention import pallas_attention_block, pallas_block_grads
         return pallas_attention_block, pallas_block_grads
     raise ValueError(f"block={block!r}: choose 'xla', 'cpu' or 'pallas'")
 

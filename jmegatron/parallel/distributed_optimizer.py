@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmegatron.parallel.rules import CONTEXT_AXIS, EXPERT_AXIS, entry_axes
+from jmegatron.parallel.rules import CONTEXT_AXIS, EXPERT_AXIS, entry_axes, is_fp8_meta
 
 DATA = "data"
 
@@ -70,10 +70,8 @@ def add_data_axis(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShard
 
 def zero1_shardings(param_shardings: Any, abstract_params: Any) -> Any:
     """Per-parameter shardings of gradients and optimizer state under ZeRO-1. FP8's meta
-    (``fp8_meta`` leaves, :mod:`jmegatron.models.fp8`) keeps its parameter's sharding: its
+    (``fp8_meta`` leaves, :func:`jmegatron.parallel.rules.is_fp8_meta`) keeps its parameter's sharding: its
     "gradients" are amaxes combined with a max over the data ranks, not reduce-scattered."""
-    from jmegatron.models.fp8 import is_fp8_meta
-
     return jax.tree_util.tree_map_with_path(
         lambda path, s, a: s if is_fp8_meta(path) else add_data_axis(s, a.shape), param_shardings, abstract_params)
 

@@ -19,6 +19,15 @@ MeshAxes = Optional[str | tuple[str, ...]]
 DATA_AXIS = "data"
 EXPERT_AXIS = "expert"
 CONTEXT_AXIS = "context"
+# The parameter collection of FP8's scaling meta (jmegatron.models.fp8): its leaves keep their
+# parameter's sharding under ZeRO-1, and their "gradients" (observed amaxes) combine by max.
+FP8_META = "fp8_meta"
+
+
+def is_fp8_meta(path: tuple) -> bool:
+    """True for a ``jax.tree_util`` key path inside an ``fp8_meta`` subtree."""
+    return any(getattr(k, "key", None) == FP8_META for k in path)
+
 
 # Megatron-Core tensor parallelism: attention heads, FFN and vocabulary split over
 # "tensor" (column-parallel in, row-parallel out); the batch over "data".

@@ -53,7 +53,7 @@ REFERENCE = dict(attention_impl="xla", matmul_impl="xla", cross_entropy_impl="xl
 
 def _core_registered(impl: str) -> Callable:
     def check(cfg):
-        from jmegatron.models.attention import CORE_ATTENTIONS
+        from jmegatron.models.core_attention import CORE_ATTENTIONS
         return None if impl in CORE_ATTENTIONS else f"attention_impl={impl!r} is not built in this branch"
     return check
 
@@ -61,7 +61,7 @@ def _core_registered(impl: str) -> Callable:
 def _pallas_cross_entropy_wired(cfg) -> Optional[str]:
     """The Pallas cross-entropy is wired when the model config or the forward step reads
     ``cross_entropy_impl`` (resolve_impls alone only names it)."""
-    from jmegatron.models.gpt import ModelConfig
+    from jmegatron.models.transformer_config import ModelConfig
     from jmegatron.training import forward_step
     if "cross_entropy_impl" in {f.name for f in dataclasses.fields(ModelConfig)}:
         return None
@@ -72,7 +72,7 @@ def _pallas_cross_entropy_wired(cfg) -> Optional[str]:
 
 def _compute_dtype_wired(cfg) -> Optional[str]:
     import jax.numpy as jnp
-    from jmegatron.models.gpt import ModelConfig
+    from jmegatron.models.transformer_config import ModelConfig
     want = jnp.float16 if cfg.fp16 else jnp.bfloat16 if cfg.bf16 else jnp.float32
     got = ModelConfig.from_config(cfg, cfg.vocab_size).dtype
     return None if got == want else f"compute dtype {jnp.dtype(want).name} not built in this branch (model runs {jnp.dtype(got).name})"
@@ -89,7 +89,7 @@ def _te_fp8(cfg) -> Optional[str]:
     ok, reason = te.te_available()
     if not ok:
         return f"Transformer Engine unavailable: {reason}"
-    from jmegatron.models.gpt import ModelConfig
+    from jmegatron.models.transformer_config import ModelConfig
     if "fp8" not in {f.name for f in dataclasses.fields(ModelConfig)}:
         return "ModelConfig carries no fp8 fields in this branch (TE's dense layers read the recipe from it)"
     return None

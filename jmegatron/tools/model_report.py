@@ -72,7 +72,7 @@ def report(cfg, layout, num_microbatches: int) -> dict:
     est = memory.theoretical_memory(cfg, padded, layout, num_microbatches=num_microbatches)
     megatron_state = memory.megatron_weight_and_optimizer_memory(cfg, padded, layout)
     megatron_act = memory.megatron_activation_memory(cfg, padded, layout, num_microbatches)
-    from jmegatron.models.gpt import resolve_impls
+    from jmegatron.models.backend import resolve_impls
     impl = resolve_impls(cfg)["attention_impl"]
     cp = layout.context_parallel_size
     kernel = impl == "cpu" and not cfg.bf16 and not (cp > 1 and cfg.attention_dropout > 0)

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from jmegatron.config import ConfigError, JMegatronConfig
 from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
+from jmegatron.models.backend import resolve_cross_entropy_impl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +95,6 @@ def combine_buffers(parts: list) -> Optional[ModelBuffers]:
 
     return ModelBuffers(is_buffer=lambda path: any(b.is_buffer(path) for b in parts), update=update,
                         is_max=lambda path: any(b.is_max(path) for b in parts))
-
-
-def resolve_cross_entropy_impl(impl: str) -> str:
-    """``config.cross_entropy_impl`` with ``"auto"`` resolved as
-    :func:`jmegatron.models.gpt.resolve_impls` does: "pallas" on a GPU backend, else "xla"
-    (the Pallas kernels would run in interpret mode)."""
-    if impl == "auto":
-        from jmegatron.models.gpt import detect_backend
-        return "pallas" if detect_backend() == "gpu" else "xla"
-    return impl
 
 
 def token_cross_entropy(logits: jax.Array, labels: jax.Array, impl: str = "xla") -> jax.Array:
@@ -303,6 +294,6 @@ def gpt_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size:
             "config.kd_teacher_load is set but this run was built with the plain language-model forward step: "
             "train it with python -m jmegatron.train or jmegatron.pretrain_gpt.pretrain(cfg), or pass "
             "forward_step_provider=jmegatron.distill.model_provider.distillation_forward_step")
-    ce = resolve_cross_entropy_impl(cfg.cross_entropy_impl)
+    ce = model.cfg.backend.cross_entropy if model is not None else resolve_cross_entropy_impl(cfg.cross_entropy_impl)
     stages = lm_pipeline_stages if ce == "xla" else functools.partial(lm_pipeline_stages, cross_entropy_impl=ce)
     return ForwardStep(loss_fn=lm_loss_fn(model, ce), pipeline_stages=stages, buffers=model_buffers(cfg, model))

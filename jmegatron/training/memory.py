@@ -543,7 +543,7 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
         # output, stays in `replicated` as the router's and the dispatcher's input).
         split -= n * (e * fc1_width + e * ffn)
         moe_mlp = _moe_mlp_bytes(cfg, n, e, t)
-    from jmegatron.models.gpt import resolve_impls
+    from jmegatron.models.backend import resolve_impls
     a = cfg.num_attention_heads
     kernel = resolve_impls(cfg)["attention_impl"] == "cpu" and not cfg.bf16  # bf16 falls back to XLA's
     if c > 1 and m_a:  # attention dropout under cp runs XLA's blocks

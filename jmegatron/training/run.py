@@ -22,7 +22,8 @@ import optax
 from jax.sharding import Mesh
 
 from jmegatron.config import ConfigError, JMegatronConfig, from_configdict
-from jmegatron.models.gpt import GPTModel, ModelConfig
+from jmegatron.models.gpt import GPTModel
+from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel import pipeline_layout, rules as rules_lib
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpoint_layout, checkpointing, optimizer, state as state_lib, step as step_lib

@@ -12,7 +12,7 @@ the CPU counterpart of the cuBLAS / cuDNN custom calls JAX uses on a GPU:
   MoE layer's experts (rows sorted by expert, one OpenBLAS call per group), where
   ``jax.lax.ragged_dot`` on XLA:CPU computes about every group's product over all rows.
 * ``jmegatron_attention_fwd`` / ``_bwd`` (``attention.cc``): causal softmax attention
-  with the hash dropout of :mod:`jmegatron.models.dropout`, one (batch, head) pair per
+  with the hash dropout of :mod:`jmegatron.kernels.xla.dropout`, one (batch, head) pair per
   task, in the manner of FlashAttention's recomputation (Dao et al. 2022): only the
   log-sum-exp is saved, the probabilities are recomputed in the backward; optionally
   within documents (segment ids).

@@ -2,8 +2,8 @@
 //
 // * jmegatron_attention_fwd / _bwd: causal self-attention over a whole sequence, optionally
 //   within documents (segment ids: Megatron's reset_attention_mask, a block-diagonal causal
-//   mask), with attention dropout. The reference is jmegatron.models.attention.xla_attention;
-//   the dropout mask is the same counter hash as jmegatron.models.dropout.hash_bits over the
+//   mask), with attention dropout. The reference is jmegatron.kernels.xla.attention.xla_attention;
+//   the dropout mask is the same counter hash as jmegatron.kernels.xla.dropout.hash_bits over the
 //   probabilities' shape [b, nkv, group, s, s], so both paths drop exactly the same elements.
 // * jmegatron_attention_block_fwd / _bwd: one block of ring attention (a query block against
 //   a key/value block, sq != sk allowed), no mask, causal by position ids (an offset
@@ -28,7 +28,7 @@
 // (= sum(dout * out, -1)) are [b, sq, nq]; positions and segment ids int32 [b, sq] / [b, sk],
 // or the int32 [0] placeholder when their attribute (causal, segments) is false; key uint32
 // [3] = the hash's two key words (k0, k1) and the global sample number of batch row 0
-// (jmegatron.models.dropout's sample_offset).
+// (jmegatron.kernels.xla.dropout's sample_offset).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -243,7 +243,7 @@ struct Dropout {
   //   Triple32(Triple32(lead ^ row) ^ j ^ k1) >= threshold,
   // lead = Triple32((sample_offset + batch) ^ k0) (the global sample number, mod 2^32) and
   // row = h * sq + qi, the row-major index over [nkv, group, sq] (< 2^32: checked), so every
-  // (sample, head, row, column) hashes a distinct input (jmegatron.models.dropout.hash_bits).
+  // (sample, head, row, column) hashes a distinct input (jmegatron.kernels.xla.dropout.hash_bits).
   uint32_t Lead(int64_t batch) const { return Triple32((sample_offset + static_cast<uint32_t>(batch)) ^ k0); }
   // The per-row stage: Triple32(lead ^ row).
   uint32_t Row(uint32_t lead, int64_t row) const { return Triple32(lead ^ static_cast<uint32_t>(row)); }

@@ -4,11 +4,11 @@
 * :func:`blas_dot_general` -- a ``jax.lax.dot_general`` for dense layers (``x [..., K]``
   against a kernel ``[K..., N...]`` or ``[N..., K...]``) whose forward, input gradient and
   weight gradient are each one :func:`sgemm` with no transposing copies; other forms and
-  dtypes fall back to :func:`jmegatron.models.layers.dense_dot_general`.
+  dtypes fall back to :func:`jmegatron.kernels.xla.dense.dense_dot_general`.
 * :func:`grouped_matmul` -- ``jax.lax.ragged_dot(x, w, group_sizes)`` (an MoE layer's
   experts), forward, input gradient and weight gradient each one grouped BLAS call.
 * :func:`cpu_attention` -- the causal core attention of
-  :func:`jmegatron.models.attention.xla_attention` (same signature, same dropout masks),
+  :func:`jmegatron.kernels.xla.attention.xla_attention` (same signature, same dropout masks),
   optionally within documents (``segment_ids``).
 * :func:`cpu_attention_block` / :func:`cpu_block_grads` -- one block of ring attention,
   forward (output and log-sum-exp) and backward given the final log-sum-exp, with no mask,
@@ -27,6 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmegatron.kernels import cpu as _lib
+from jmegatron.kernels.xla.attention import xla_attention
+from jmegatron.kernels.xla.dense import dense_dot_general_fn
+from jmegatron.kernels.xla.dropout import check_hash_extent, key_words
 
 Array = jax.Array
 
@@ -135,7 +138,7 @@ def blas_dot_general(x: Array, kernel: Array, dims, precision=None, preferred_el
     Used when both are float32, there are no batch dimensions, ``x``'s contracting axes
     are its trailing ones and the kernel's are its leading (``[K..., N...]``) or trailing
     (``[N..., K...]``, the tied output layer) ones, in order; anything else goes to
-    :func:`jmegatron.models.layers.dense_dot_general_fn`. Gradients: ``dx = g op(W)^T``
+    :func:`jmegatron.kernels.xla.dense.dense_dot_general_fn`. Gradients: ``dx = g op(W)^T``
     and ``dW = x^T g`` (or ``g^T x``), each one BLAS call reading its operands in place.
 
     ``weight_grad_only`` (``matmul_impl="hybrid"``): the forward and ``dx`` go to XLA's dot
@@ -143,7 +146,6 @@ def blas_dot_general(x: Array, kernel: Array, dims, precision=None, preferred_el
     those shapes on the AMD machine of docs/PERFORMANCE.md (attempt 18); only ``dW``, where
     XLA would transpose an operand first, uses the BLAS kernel.
     """
-    from jmegatron.models.layers import dense_dot_general_fn
     if precision is not None or preferred_element_type not in (None, jnp.float32):
         return dense_dot_general_fn(x, kernel, dims, precision, preferred_element_type)
     if _kernel_form(x, kernel, dims) is None or x.size == 0 or kernel.size == 0:
@@ -153,8 +155,7 @@ def blas_dot_general(x: Array, kernel: Array, dims, precision=None, preferred_el
 
 def _dropout_key(dropout_rng, sample_offset) -> Array:
     """uint32 ``[3]``: the hash's key words (k0, k1) and the global sample number of row 0."""
-    from jmegatron.models.dropout import _key_words
-    k0, k1 = _key_words(dropout_rng)
+    k0, k1 = key_words(dropout_rng)
     return jnp.stack([k0, k1, jnp.asarray(sample_offset).astype(jnp.uint32)]).astype(jnp.uint32)
 
 
@@ -207,22 +208,21 @@ def cpu_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                   dropout_impl: str = "hash", sample_offset=0, segment_ids: Optional[Array] = None) -> Array:
     """Causal ``softmax(q k^T / sqrt(d)) v`` by the CPU attention kernel.
 
-    Shapes as :func:`jmegatron.models.attention.xla_attention`: q ``[b, s, nq, d]``, k/v
+    Shapes as :func:`jmegatron.kernels.xla.attention.xla_attention`: q ``[b, s, nq, d]``, k/v
     ``[b, s, nkv, d]`` float32 with ``nq % nkv == 0``; returns ``[b, s, nq, d]`` float32.
     ``segment_ids`` (integer ``[b, s]``, optional; document masking, Megatron's
     ``reset_attention_mask``): query ``i`` sees key ``j`` only if ``j <= i`` and
     ``segment_ids[:, i] == segment_ids[:, j]`` (the block-diagonal causal mask); key tiles
     of other documents are skipped, not computed and masked.
-    Attention dropout draws :func:`jmegatron.models.dropout.keep_mask`'s hash mask over
+    Attention dropout draws :func:`jmegatron.kernels.xla.dropout.keep_mask`'s hash mask over
     ``[b, nkv, nq // nkv, s, s]`` with batch row ``i`` the global sample ``sample_offset +
     i``, element for element the XLA path's. Memory: saves only
     q, k, v, the output and the log-sum-exp ``[b, nq, s]`` (no ``[s, s]`` activations).
     Other dtypes and ``dropout_impl="threefry"`` with dropout go to ``xla_attention``.
     Raises ValueError for a dropout rate outside [0, 1), ``segment_ids`` of another
     shape or a non-integer dtype, or dropout with heads x s above 2^32 (the hash's row word,
-    :func:`jmegatron.models.dropout.check_hash_extent`).
+    :func:`jmegatron.kernels.xla.dropout.check_hash_extent`).
     """
-    from jmegatron.models.attention import xla_attention
     rate = 0.0 if deterministic else float(dropout_rate)
     if (q.dtype != jnp.float32 or k.dtype != jnp.float32 or v.dtype != jnp.float32
             or (rate > 0.0 and dropout_impl != "hash")):
@@ -237,7 +237,6 @@ def cpu_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
         raise ValueError(f"cpu_attention: k and v must have q's sequence length {q.shape[1]}, got {k.shape[1]} "
                          f"(cpu_attention_block takes blocks of different lengths)")
     if rate > 0.0:  # the hash's row word head * s + i (the kernel checks it too)
-        from jmegatron.models.dropout import check_hash_extent
         check_hash_extent("cpu_attention", q.shape[2] * q.shape[1], q.shape[1],
                           f"heads {q.shape[2]} x seq {q.shape[1]}")
     seg = _segments_operand(segment_ids, q.shape[0], q.shape[1])
@@ -251,7 +250,7 @@ def _check_qkv(fn: str, q, k, v) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4 or x.dtype != jnp.float32:
             raise ValueError(f"{fn}: {name} must be float32 [b, seq, heads, head_dim], got {x.dtype}{list(x.shape)} "
-                             f"(cast to float32, or use jmegatron.parallel.context_parallel.attention_block)")
+                             f"(cast to float32, or use jmegatron.kernels.xla.attention.attention_block)")
     if k.shape != v.shape:
         raise ValueError(f"{fn}: k {list(k.shape)} and v {list(v.shape)} must have the same shape")
     b, _, nq, d = q.shape
@@ -296,7 +295,7 @@ def cpu_attention_block(q: Array, k: Array, v: Array, q_positions: Optional[Arra
                         k_positions: Optional[Array] = None, q_segments: Optional[Array] = None,
                         k_segments: Optional[Array] = None) -> tuple[Array, Array]:
     """One block of ring attention by the CPU kernel (``jmegatron_attention_block_fwd``):
-    :func:`jmegatron.parallel.context_parallel.attention_block` with document masks.
+    :func:`jmegatron.kernels.xla.attention.attention_block` with document masks.
 
     q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]`` float32 (``sq != sk`` allowed; GQA: query
     head ``i`` uses key/value head ``i // (nq // nkv)``). Query ``i`` sees key ``j`` iff
@@ -326,7 +325,7 @@ def cpu_block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta
                     q_segments: Optional[Array] = None, k_segments: Optional[Array] = None
                     ) -> tuple[Array, Array, Array]:
     """The backward of one ring-attention block by the CPU kernel
-    (``jmegatron_attention_block_bwd``): :func:`jmegatron.parallel.context_parallel._block_grads`
+    (``jmegatron_attention_block_bwd``): :func:`jmegatron.kernels.xla.attention.block_grads`
     with document masks (FlashAttention's backward, Dao et al. 2022 Algorithm 4, as
     Transformer Engine's ``AttnFuncWithCPAndKVP2P`` runs it per block).
 

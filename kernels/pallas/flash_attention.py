@@ -8,11 +8,11 @@ dK/dV looping over query blocks and the query heads of a group), in the structur
 ``jax/experimental/pallas/ops/gpu/attention.py`` (written here anew, with GQA, position
 masks, log-sum-exp out and the dropout below).
 
-Layout as the other cores (:func:`jmegatron.models.attention.xla_attention`): q ``[b, s, nq,
+Layout as the other cores (:func:`jmegatron.kernels.xla.attention.xla_attention`): q ``[b, s, nq,
 d]``, k/v ``[b, s, nkv, d]``, query head ``i`` using key/value group ``i // (nq // nkv)``.
 Scores ``q k^T / sqrt(d)`` and the softmax in float32.
 
-Attention dropout draws :func:`jmegatron.models.dropout.attention_keep_mask`'s hash inside
+Attention dropout draws :func:`jmegatron.kernels.xla.dropout.attention_keep_mask`'s hash inside
 the kernel from (key, global sample, query head, global query row, global key column), so a
 kernel's mask is element for element the XLA path's (``dropout_impl="hash"`` only).
 
@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jmegatron.kernels.pallas.common import default_interpret, fori_loop, out_struct, same_vma
-from jmegatron.models.dropout import _key_words, check_hash_extent, mask_hash
+from jmegatron.kernels.xla.dropout import check_hash_extent, key_words, mask_hash
 
 Array = jax.Array
 
@@ -60,7 +60,7 @@ class _Config(NamedTuple):
 def _keep(seed_ref, batch, head, q_index, k_index, dropout) -> Array:
     """bool ``[bq, bk]``: attention_keep_mask's hash at (sample, head, q_index, k_index): the
     words sample, ``row = global head * S + q_index`` and ``col = k_index``
-    (:func:`jmegatron.models.dropout.mask_hash`; heads x S <= 2^32 is checked by
+    (:func:`jmegatron.kernels.xla.dropout.mask_hash`; heads x S <= 2^32 is checked by
     :func:`_dropout_cfg`)."""
     threshold, _, seq_length, _ = dropout
     k0, k1, offset, head_offset = seed_ref[0], seed_ref[1], seed_ref[2], seed_ref[3]
@@ -360,7 +360,7 @@ def _ids(name: str, ids, shape) -> Optional[Array]:
 def _seed(key, sample_offset) -> Array:
     """uint32 ``[4]``: the hash's key words (k0, k1), the global sample of batch row 0, and
     the global number of query head 0 (0; :func:`_with_head_offset` under head parallelism)."""
-    k0, k1 = _key_words(key)
+    k0, k1 = key_words(key)
     return jnp.stack([k0, k1, jnp.asarray(sample_offset).astype(_U), _U(0)]).astype(_U)
 
 
@@ -470,13 +470,13 @@ def pallas_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                      block_q: Optional[int] = None, block_k: Optional[int] = None,
                      interpret: Optional[bool] = None, tensor_axis: Optional[str] = "tensor") -> Array:
     """Causal ``softmax(q k^T / sqrt(d)) v`` by the Pallas FlashAttention-2 kernels, the
-    signature and results of :func:`jmegatron.models.attention.xla_attention`.
+    signature and results of :func:`jmegatron.kernels.xla.attention.xla_attention`.
 
     q ``[b, s, nq, d]``, k/v ``[b, s, nkv, d]`` (float32 / bfloat16 / float16, ``nq % nkv ==
     0``) -> ``[b, s, nq, d]`` in q's dtype. ``segment_ids`` (integer ``[b, s]``, optional):
     document masking, query i sees key j iff ``j <= i`` and the ids are equal. Attention
     dropout (``dropout_rate`` > 0 and not ``deterministic``): the ``"hash"`` mask of
-    :func:`jmegatron.models.dropout.keep_mask` over ``[b, nkv, nq // nkv, s, s]``, drawn in
+    :func:`jmegatron.kernels.xla.dropout.keep_mask` over ``[b, nkv, nq // nkv, s, s]``, drawn in
     the kernel, batch row ``i`` the global sample ``sample_offset + i``. Saves q, k, v, the
     output and the log-sum-exp ``[b, nq, s]``; the backward recomputes the probabilities.
     ``block_q`` / ``block_k``: tiles (default :data:`BLOCK_Q` / :data:`BLOCK_K`, cut to
@@ -550,13 +550,13 @@ def pallas_attention_block(q: Array, k: Array, v: Array, q_positions: Optional[A
                            block_k: Optional[int] = None, interpret: Optional[bool] = None
                            ) -> tuple[Array, Array]:
     """One block of context-parallel attention by the Pallas forward kernel: the interface
-    and results of :func:`jmegatron.parallel.context_parallel.attention_block` (and the CPU
+    and results of :func:`jmegatron.kernels.xla.attention.attention_block` (and the CPU
     kernel's ``cpu_attention_block``).
 
     q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]`` (``sq != sk`` allowed). Query ``i`` sees
     key ``j`` iff (no positions, or ``q_positions[:, i] >= k_positions[:, j]``) and (no
     segments, or equal segment ids); ids are integer ``[b, sq]`` / ``[b, sk]``, in pairs.
-    ``dropout``: a :class:`jmegatron.parallel.context_parallel.BlockDropout` (the one-device
+    ``dropout``: a :class:`jmegatron.kernels.xla.attention.BlockDropout` (the one-device
     hash mask at the block's global rows and columns) or None. Returns (out float32 ``[b,
     sq, nq, d]``, normalised within the block; lse float32 ``[b, sq, nq]``, -inf for a query
     that sees no key here, whose output is 0). No autodiff rule (the ring's custom VJP uses
@@ -575,7 +575,7 @@ def pallas_block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, de
                        *, block_q: Optional[int] = None, block_k: Optional[int] = None,
                        interpret: Optional[bool] = None) -> tuple[Array, Array, Array]:
     """The backward of one block by the Pallas dQ and dK/dV kernels: the interface of
-    :func:`jmegatron.parallel.context_parallel._block_grads` (and ``cpu_block_grads``).
+    :func:`jmegatron.kernels.xla.attention.block_grads` (and ``cpu_block_grads``).
 
     q, k, v, the ids and ``dropout`` as :func:`pallas_attention_block`; dout ``[b, sq, nq,
     d]``; lse float32 ``[b, sq, nq]``: the *final* log-sum-exp of each query over all blocks

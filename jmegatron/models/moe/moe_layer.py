@@ -21,12 +21,14 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jmegatron.models.layers import dense_dot_general_fn
+from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.moe import moe_utils, token_dispatcher
 from jmegatron.models.moe.experts import GroupedMLP, output_init_std
-from jmegatron.models.moe.router import MOE_LOSSES, MOE_STATS, TopKRouter
+from jmegatron.models.moe.router import EXPERT_BIAS, MOE_LOSSES, MOE_STATS, TopKRouter
 from jmegatron.models.moe.shared_experts import SharedExpertMLP
+from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel.rules import EXPERT_AXIS
 
 Array = jax.Array
@@ -34,7 +36,7 @@ Array = jax.Array
 
 class MoELayer(nn.Module):
     """``[b, s, h]`` -> ``[b, s, h]`` in the compute dtype. ``cfg``: the model's
-    :class:`jmegatron.models.gpt.ModelConfig` (``cfg.moe`` set). ``training``: the router
+    :class:`jmegatron.models.transformer_config.ModelConfig` (``cfg.moe`` set). ``training``: the router
     computes and sows its losses (the train step's forward; eval and generation pass
     False).
 
@@ -51,7 +53,7 @@ class MoELayer(nn.Module):
     capacity factor), see :mod:`jmegatron.models.moe.token_dispatcher`.
     """
 
-    cfg: Any
+    cfg: ModelConfig
     training: bool = False
     dot_general: Callable = dense_dot_general_fn
 
@@ -156,7 +158,7 @@ def moe_loss_terms(variables: Any, moe: Optional[moe_utils.MoEConfig], num_moe_l
     return total, report
 
 
-def add_moe_losses(cfg: Any, loss: Array, report: dict, sown: Any, micro: dict, data_sum: Callable
+def add_moe_losses(cfg: ModelConfig, loss: Array, report: dict, sown: Any, micro: dict, data_sum: Callable
                    ) -> tuple[Array, dict]:
     """(loss + the router losses, report + the MoE entries) for one micro-batch of an MoE
     model, inside the train step's loss function (:func:`jmegatron.training.forward_step.lm_loss_fn`).
@@ -203,10 +205,6 @@ def update_expert_bias(params: Any, tokens_per_expert: Array, update_rate: float
     Other parameters are returned unchanged. Raises ValueError for an ``expert_bias`` under
     any other top-level name.
     """
-    import numpy as np
-
-    from jmegatron.models.moe.router import EXPERT_BIAS
-
     pattern = np.asarray(moe_pattern, np.int64)
     moe_row = np.cumsum(pattern) - 1  # model layer -> its row among the MoE layers
 
@@ -240,7 +238,7 @@ def sown_loss_names(moe: moe_utils.MoEConfig) -> tuple[str, ...]:
     return tuple(name for name in LOSS_COEFFS if on[name])
 
 
-def chunk_report_zeros(cfg: Any) -> dict[str, Array]:
+def chunk_report_zeros(cfg: ModelConfig) -> dict[str, Array]:
     """The MoE entries of a pipelined report (:func:`chunk_moe_losses`), zeros: float32
     scalars for :func:`sown_loss_names` and ``moe_dropped_token_fraction``,
     ``moe_tokens_per_expert`` ``[num_moe_layers, E]``. ``cfg``: the model's ModelConfig."""
@@ -250,7 +248,7 @@ def chunk_report_zeros(cfg: Any) -> dict[str, Array]:
     return zeros
 
 
-def chunk_moe_losses(cfg: Any, sown: Any, first_layer: Any, num_valid: Any, share: float
+def chunk_moe_losses(cfg: ModelConfig, sown: Any, first_layer: Any, num_valid: Any, share: float
                      ) -> tuple[Array, dict[str, Array]]:
     """(loss, report) of one pipeline model chunk's MoE layers for one micro-batch on one
     data-parallel rank, such that summing over the chunks of every stage and over data

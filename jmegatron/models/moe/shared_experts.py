@@ -10,16 +10,17 @@ Parameters as the dense MLP's, under ``shared_experts``: ``linear_fc1/kernel`` `
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import flax.linen as nn
 
+from jmegatron.models.mlp import MLP
+from jmegatron.models.transformer_config import ModelConfig
 
-def SharedExpertMLP(cfg: Any, dot_general: Callable, name: str = "shared_experts") -> nn.Module:
-    """The shared expert as a :class:`jmegatron.models.gpt.MLP` module (``[b, s, h]`` ->
+
+def SharedExpertMLP(cfg: ModelConfig, dot_general: Callable, name: str = "shared_experts") -> nn.Module:
+    """The shared expert as a :class:`jmegatron.models.mlp.MLP` module (``[b, s, h]`` ->
     ``[b, s, h]``) with ``ffn_hidden_size = moe_shared_expert_intermediate_size``.
-    ``cfg``: the model's :class:`jmegatron.models.gpt.ModelConfig` (with ``moe`` set)."""
-    from jmegatron.models.gpt import MLP  # gpt imports this package
-
+    ``cfg``: the model's :class:`jmegatron.models.transformer_config.ModelConfig` (with ``moe`` set)."""
     shared = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe.moe_shared_expert_intermediate_size)
     return MLP(shared, dot_general=dot_general, name=name)

@@ -1,0 +1,47 @@
+"""The transformer's MLP block (megatron/core/transformer/mlp.py ``MLP``): linear_fc1 ->
+GELU or SwiGLU -> linear_fc2, the dense layer's MLP and the MoE shared expert's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import flax.linen as nn
+import jax
+
+from jmegatron.fusions import fused_gelu
+from jmegatron.kernels.xla.dense import dense_dot_general_fn
+from jmegatron.models.layers import Linear
+from jmegatron.models.transformer_config import ModelConfig
+
+Array = jax.Array
+
+
+class MLP(nn.Module):
+    """``[b, s, h]`` -> ``[b, s, h]``: linear_fc1 (column-parallel) -> GELU or SwiGLU ->
+    linear_fc2 (row-parallel). With SwiGLU, linear_fc1 is ``[h, 2, ffn]`` (index 0 the
+    gate, 1 the up projection), one matmul as Megatron's fused fc1."""
+
+    cfg: ModelConfig
+    dot_general: Callable = dense_dot_general_fn
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        c = self.cfg
+        init = nn.initializers.normal(c.init_method_std)
+        out_init = nn.initializers.normal(c.init_method_std / math.sqrt(2.0 * c.num_layers))
+        dense = functools.partial(Linear, use_bias=c.add_bias_linear, dtype=c.dtype,
+                                  dot_general=self.dot_general)
+        if c.swiglu:
+            h = dense((2, c.ffn_hidden_size), ("embed", None, "mlp"), kernel_init=init, tp_mode="column",
+                      tp_dim=2, name="linear_fc1")(x)
+            h = nn.silu(h[..., 0, :]) * h[..., 1, :]
+        else:
+            h = dense((c.ffn_hidden_size,), ("embed", "mlp"), kernel_init=init, tp_mode="column", tp_dim=1,
+                      name="linear_fc1")(x)
+            h = fused_gelu.gelu(h)  # erf GELU, one pass each way (jmegatron.fusions)
+        h = nn.with_logical_constraint(h, ("batch", "length", "activation_mlp"))
+        return dense((c.hidden_size,), ("mlp", "embed"), kernel_init=out_init, tp_mode="row", tp_dim=0,
+                     name="linear_fc2")(h)

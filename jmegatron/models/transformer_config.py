@@ -1,0 +1,130 @@
+"""The model's architecture configuration, resolved from a run's config: :class:`ModelConfig`
+(Megatron-Core's megatron/core/transformer/transformer_config.py ``TransformerConfig``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jmegatron.config import ConfigError, JMegatronConfig
+from jmegatron.kernels.cpu.ops import blas_dot_general, grouped_matmul
+from jmegatron.kernels.xla.dense import dense_dot_general_fn
+from jmegatron.models.backend import Backend
+from jmegatron.models.fp8 import Fp8DotGeneral
+from jmegatron.models.moe.moe_utils import MoEConfig, moe_layer_pattern
+from jmegatron.models.te import te_dot_general
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture fields of a :class:`JMegatronConfig`, resolved (vocab padded), and
+    the kernels that run them (``backend``, :class:`jmegatron.models.backend.Backend`, chosen
+    once in :meth:`from_config`)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int  # padded
+    max_position_embeddings: int
+    position_embedding_type: str
+    rotary_base: float
+    normalization: str
+    norm_epsilon: float
+    swiglu: bool
+    untie_embeddings_and_output_weights: bool
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    hidden_dropout: float
+    attention_dropout: float
+    init_method_std: float
+    scan_layers: bool = False
+    recompute_granularity: str = "none"
+    dropout_impl: str = "hash"
+    cp_comm_type: str = "p2p"  # context-parallel attention (jmegatron.parallel.context_parallel)
+    dtype: Any = jnp.float32
+    moe: Optional[MoEConfig] = None  # mixture of experts (jmegatron.models.moe); None: dense
+    # FP8 linear layers with delayed scaling (jmegatron.models.fp8): "e4m3" | "hybrid"; None: off
+    fp8: Optional[str] = None
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    backend: Backend = Backend()  # the resolved attention / matmul / cross-entropy kernels
+
+    @classmethod
+    def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
+        """The model fields of ``cfg``; compute dtype bfloat16 / float16 with ``cfg.bf16`` / ``fp16``;
+        ``backend`` resolved for JAX's default backend
+        (:meth:`jmegatron.models.backend.Backend.from_config`).
+
+        Raises ConfigError for ``fp8`` with an ``fp8_recipe`` other than "delayed" unless
+        Transformer Engine runs it, or with ``sequence_parallel`` (not built in pure JAX)."""
+        backend = Backend.from_config(cfg)
+        _check_fp8(cfg, backend)
+        names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe", "backend"}
+        fields = {n: getattr(cfg, n) for n in names}
+        if cfg.pipeline_model_parallel_size > 1:  # stages hold slices of the stacked layers
+            fields["scan_layers"] = True
+        dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16 if cfg.fp16 else jnp.float32
+        return cls(vocab_size=padded_vocab_size, dtype=dtype, moe=MoEConfig.from_config(cfg), backend=backend,
+                   **fields)
+
+    @property
+    def attention_impl(self) -> str:
+        """The core attention, ``backend.attention``."""
+        return self.backend.attention
+
+    @property
+    def matmul_impl(self) -> str:
+        """The dense layers' matmul, ``backend.matmul``."""
+        return self.backend.matmul
+
+    def linear_dot_general(self, default: Callable) -> Any:
+        """The ``dot_general`` of the layers' QKV, attention output, fc1 and fc2 Linears:
+        :class:`jmegatron.models.fp8.Fp8DotGeneral` when ``fp8`` is set, else ``default``."""
+        if self.fp8 is None:
+            return default
+        return Fp8DotGeneral(self.fp8, self.fp8_amax_history_len)
+
+    def moe_layers(self) -> tuple[int, ...]:
+        """1 for each decoder layer whose MLP is an MoE layer (``moe_layer_freq``), else 0."""
+        if self.moe is None:
+            return (0,) * self.num_layers
+        return moe_layer_pattern(self.moe.moe_layer_freq, self.num_layers)
+
+    def dense_dot_general(self) -> Callable:
+        """The dense layers' ``dot_general`` for ``backend.matmul``."""
+        if self.matmul_impl in ("blas", "hybrid"):
+            return functools.partial(blas_dot_general, weight_grad_only=self.matmul_impl == "hybrid")
+        if self.matmul_impl == "transformer_engine":  # resolved under transformer_impl="transformer_engine"
+            return te_dot_general(self)
+        return dense_dot_general_fn
+
+    def grouped_matmul(self) -> Callable:
+        """The MoE experts' grouped GEMM ``(x [N, K], w [E, K, P], group_sizes [E]) -> [N, P]``
+        for ``backend.matmul``: the CPU kernel (:func:`jmegatron.kernels.cpu.ops.grouped_matmul`)
+        with the CPU matmul kernels, else ``jax.lax.ragged_dot``."""
+        if self.matmul_impl in ("blas", "hybrid"):
+            return grouped_matmul
+        return jax.lax.ragged_dot
+
+
+def _check_fp8(cfg: JMegatronConfig, backend: Backend) -> None:
+    if cfg.fp8 is None:
+        return
+    if cfg.fp8_recipe != "delayed" and backend.transformer != "transformer_engine":
+        raise ConfigError(f"config.fp8_recipe={cfg.fp8_recipe!r} needs transformer_impl='transformer_engine' "
+                          f"(Transformer Engine); the pure-JAX FP8 path (jmegatron.models.fp8) builds "
+                          f"fp8_recipe='delayed' only.")
+    if cfg.sequence_parallel:
+        raise ConfigError("config.fp8 with sequence_parallel=True is not built on the pure-JAX FP8 path "
+                          "(jmegatron.models.fp8); set sequence_parallel=False.")
+
+
