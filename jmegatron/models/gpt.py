@@ -15,16 +15,20 @@ import math
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
+from flax.core import lift as flax_lift
+from flax.core.scope import LazyRng
 import jax
 import jax.numpy as jnp
 
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
+from jmegatron.kernels.xla.dropout import dropout
 from jmegatron.models.attention import SelfAttention
 from jmegatron.models.dropout import Dropout
 from jmegatron.models.layers import Embed, Linear, make_norm
 from jmegatron.models.mlp import MLP
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, MoELayer
 from jmegatron.models.transformer_config import ModelConfig
+from jmegatron.parallel.context_parallel import context_positions
 
 Array = jax.Array
 KVPair = tuple[Array, Array]  # one layer's (keys, values), each [b, max_length, num_query_groups, kv_channels]
@@ -83,8 +87,65 @@ class TransformerLayer(nn.Module):
         return x, kv_cache
 
 
+# ------------------------------------------------------------------ per-layer keys
+# Every layout (per-layer ``decoder_layers_{i}``, the stacked ``nn.scan`` of ``decoder_layers``,
+# and the pipeline stages' slices of it) gives decoder layer ``i`` (its global layer number)
+# the same two keys, so a fresh run starts from the same weights and draws the same dropout
+# masks in every layout:
+#   params:  fold_in(make_rng("params") at GPTModel's scope, i)   (init only)
+#   dropout: fold_in(the "dropout" key given to apply, i);  the embedding dropout: fold_in(., num_layers)
+# Inside the layer, Flax derives its submodules' keys from these by their relative paths
+# (self_attention, mlp, ...), as it does for a layer applied on its own
+# (``TransformerLayer.apply(..., rngs={"dropout": key})``), which is what the pipeline does.
+
+def layer_dropout_rng(rng: Any, layer_number: Any) -> Any:
+    """The dropout key of decoder layer ``layer_number`` (int, may be traced) under the
+    step's dropout key ``rng``: ``fold_in(rng, layer_number)``."""
+    return jax.random.fold_in(rng, layer_number)
+
+
+def embedding_dropout_rng(rng: Any, num_layers: int) -> Any:
+    """The embedding dropout's key under the step's dropout key ``rng``:
+    ``fold_in(rng, num_layers)`` (the layer numbers are ``0 .. num_layers - 1``)."""
+    return jax.random.fold_in(rng, num_layers)
+
+
+def _install_rngs(fn: Callable) -> Callable:
+    """Flax core lift: ``fn(scope, x, *args)`` called as ``(scope, x, rngs, *args)`` with the
+    scope's RNG streams named in ``rngs`` (a dict name -> key) replaced by those keys
+    (streams it does not name are kept) and its RNG counters fresh, so the layer draws
+    what ``TransformerLayer.apply(..., rngs=rngs)`` draws."""
+
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, x, rngs, *args, **kwargs):
+        if rngs:
+            rng_groups = tuple(tuple({n: (LazyRng.create(rngs[n]) if n in rngs else r) for n, r in d.items()}
+                                     for d in group) for group in rng_groups)
+        scope = scope_fn(variable_groups, rng_groups)
+        if rngs:  # fresh counters, as a layer applied on its own: a re-traced body (nn.scan) draws the same keys
+            for s in jax.tree_util.tree_leaves(scope):
+                s.rng_counters = {n: 0 for n in s.rngs}
+        y = fn(scope, x, *args, **kwargs)
+        return y, repack_fn(scope)
+
+    return flax_lift.pack(inner, (True,), (True,), (True,), name="layer_rngs", enable_kwargs=True)
+
+
+def keyed_layer(layer_cls: Any) -> Any:
+    """``layer_cls`` (a :class:`TransformerLayer` class, possibly remat-wrapped) called as
+    ``layer(x, rngs, *args)``: ``rngs`` (dict stream name -> key, e.g. ``{"params": k,
+    "dropout": k}``) replaces those RNG streams of the layer's scope."""
+    return nn.transforms.lift_transform(_install_rngs, layer_cls)
+
+
 class GPTModel(nn.Module):
     """Decoder-only language model: int32 ``tokens [b, s]`` -> float32 ``logits [b, s, vocab]``.
+
+    Megatron-Core's GPTModel (megatron/core/models/gpt/gpt_model.py) in three pieces that
+    both the unpipelined forward (``__call__``) and the pipeline stages (:func:`embed_tokens`,
+    :func:`apply_layers`, :func:`output_logits`) use: :meth:`embed` (``pre_process``: word
+    + learned position embeddings, embedding dropout), :meth:`decoder` (the decoder layers,
+    Megatron's TransformerBlock) and :meth:`head` (``post_process``: final norm, output
+    layer).
 
     ``position_ids [b, s]`` default to ``0..s-1``. ``deterministic=False`` turns dropout
     on and needs a ``dropout`` RNG; ``sample_offset`` (int or integer scalar) is the global
@@ -96,6 +157,13 @@ class GPTModel(nn.Module):
     ``decoder_layers/...`` stacked ``[num_layers, ...]`` with ``scan_layers``),
     ``final_layernorm``, and ``output_layer/kernel [h, vocab]`` when untied (layout in
     jmegatron/export/hf.py).
+
+    Keys: decoder layer ``i`` is initialised from ``fold_in(make_rng("params"), i)`` and
+    draws its dropout masks from :func:`layer_dropout_rng` ``(rng, i)`` (``rng``: the
+    ``dropout`` key given to ``apply``), the embedding dropout from
+    :func:`embedding_dropout_rng`, whether the layers are stored per layer, stacked
+    (``scan_layers``) or sliced over pipeline stages: a fresh run starts from the same
+    weights and draws the same masks in every layout.
 
     Decoding: with ``kv_cache`` (from :func:`init_kv_cache`) the call writes the tokens'
     keys/values into the cache at their positions (consecutive per row) and returns
@@ -112,35 +180,78 @@ class GPTModel(nn.Module):
     cfg: ModelConfig
     dot_general: Callable = dense_dot_general_fn
 
-    @nn.compact
-    def __call__(self, tokens: Array, position_ids: Optional[Array] = None,
-                 deterministic: bool = True, kv_cache: Any = None, sample_offset: Any = 0,
-                 segment_ids: Optional[Array] = None):
+    def setup(self):
         c = self.cfg
-        if segment_ids is not None and kv_cache is not None:
-            raise ValueError("GPTModel: segment_ids (document masking) is for training and evaluation; decoding "
-                             "with a kv_cache takes none")
-        sample_offset = jnp.asarray(sample_offset, jnp.uint32)
-        dot_general = self.dot_general
-        if dot_general is dense_dot_general_fn:
-            dot_general = c.dense_dot_general()
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         embed_init = nn.initializers.normal(c.init_method_std)
-        word = Embed(c.vocab_size, c.hidden_size, ("vocab", "embed"), dtype=c.dtype,
-                     embedding_init=embed_init, name="word_embeddings")
-        x = word(tokens)
+        self.word_embeddings = Embed(c.vocab_size, c.hidden_size, ("vocab", "embed"), dtype=c.dtype,
+                                     embedding_init=embed_init, name="word_embeddings")
         if c.position_embedding_type == "learned_absolute":
-            x = x + Embed(c.max_position_embeddings, c.hidden_size, (None, "embed"), dtype=c.dtype,
-                          embedding_init=embed_init, name="position_embeddings")(position_ids)
-        x = Dropout(rate=c.hidden_dropout, deterministic=deterministic, impl=c.dropout_impl)(
-            x, sample_offset=sample_offset)
-        x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
+            self.position_embeddings = Embed(c.max_position_embeddings, c.hidden_size, (None, "embed"),
+                                             dtype=c.dtype, embedding_init=embed_init, name="position_embeddings")
+        self.final_layernorm = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm")
+        if c.untie_embeddings_and_output_weights:
+            self.output_layer = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, tp_mode="column",
+                                       tp_dim=1, dot_general=self.resolved_dot_general(), kernel_init=embed_init,
+                                       name="output_layer")
 
+    def resolved_dot_general(self) -> Callable:
+        """The dense layers' ``dot_general``: the module's own, else ``cfg.dense_dot_general()``."""
+        return self.cfg.dense_dot_general() if self.dot_general is dense_dot_general_fn else self.dot_general
+
+    def embed(self, tokens: Array, position_ids: Array, deterministic: bool = True,
+              dropout_rng: Any = None, sample_offset: Any = 0) -> Array:
+        """Megatron's ``pre_process``: word (+ learned position) embeddings and the
+        embedding dropout, int32 ``tokens`` / ``position_ids`` ``[b, s]`` -> ``[b, s, h]``
+        in the compute dtype. ``dropout_rng``: the dropout's key
+        (:func:`embedding_dropout_rng`), needed unless ``deterministic`` or
+        ``hidden_dropout`` is 0."""
+        c = self.cfg
+        x = self.word_embeddings(tokens)
+        if c.position_embedding_type == "learned_absolute":
+            x = x + self.position_embeddings(position_ids)
+        if not deterministic and c.hidden_dropout > 0.0:
+            if dropout_rng is None:
+                raise ValueError("GPTModel.embed: deterministic=False with hidden_dropout > 0 needs dropout_rng")
+            x = dropout(x, c.hidden_dropout, dropout_rng, c.dropout_impl, jnp.asarray(sample_offset, jnp.uint32),
+                        context_positions(x.shape[1]))
+        return nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
+
+    def _stream_key(self, name: str) -> Any:
+        # the key of RNG stream ``name`` as given to init / apply (no counter consumed)
+        return self.scope.rngs[name].as_jax_rng() if self.has_rng(name) else None
+
+    def _layer_rngs(self, deterministic: bool) -> Callable[[Any], dict]:
+        """``layers -> {stream: key}``: the init and dropout keys of the decoder layers
+        numbered ``layers`` (an int: keys; an int array ``[n]``: keys ``[n]``). The bases
+        are drawn once per call, so every layer's keys depend only on its number."""
+        bases = {}
+        if self.is_initializing() and self.has_rng("params"):
+            bases["params"] = self.make_rng("params")
+        if not deterministic and self.has_rng("dropout"):
+            bases["dropout"] = self._stream_key("dropout")  # layer i: layer_dropout_rng(base, i)
+
+        def keys(layers):
+            fold = jax.random.fold_in if isinstance(layers, int) else jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+            return {name: fold(base, layers) for name, base in bases.items()}
+
+        return keys
+
+    @nn.compact
+    def decoder(self, x: Array, position_ids: Array, deterministic: bool = True, sample_offset: Any = 0,
+                kv_cache: Any = None, segment_ids: Optional[Array] = None) -> tuple[Array, Any]:
+        """The decoder layers (Megatron's TransformerBlock without its final norm), ``[b, s, h]``
+        -> ``([b, s, h], kv_cache)``: ``decoder_layers_{i}`` in a Python loop, or with
+        ``scan_layers`` one ``nn.scan`` over the stacked ``decoder_layers``; layer ``i``'s
+        init and dropout keys as the class docstring says. ``kv_cache``: as ``__call__``'s
+        (None: returned None)."""
+        c = self.cfg
+        sample_offset = jnp.asarray(sample_offset, jnp.uint32)
+        dot_general = self.resolved_dot_general()
         layer_cls = TransformerLayer
         if c.recompute_granularity == "full":
             layer_cls = nn.remat(layer_cls, prevent_cse=not c.scan_layers,
                                  policy=jax.checkpoint_policies.nothing_saveable)
+        layer_cls = keyed_layer(layer_cls)
         if c.scan_layers:
             # With a cache, the stacked (k, v) [num_layers, ...] is scanned along with the
             # stacked params and comes back as the scan's per-layer outputs.
@@ -149,33 +260,54 @@ class GPTModel(nn.Module):
             segments = () if segment_ids is None else (None, segment_ids)
             stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0, "moe_losses": 0,
                                                       "moe_stats": 0},
-                            split_rngs={"params": True, "dropout": True},
-                            in_axes=(nn.broadcast, nn.broadcast) + (0,) * len(cached)
+                            split_rngs={"params": False, "dropout": False},  # keyed per layer instead
+                            in_axes=(0, nn.broadcast, nn.broadcast) + (0,) * len(cached)
                             + (nn.broadcast,) * len(segments), length=c.num_layers,
                             metadata_params={nn.PARTITION_NAME: "layers"})
-            x, kv_cache = stack(c, deterministic, dot_general, name="decoder_layers")(
-                x, position_ids, sample_offset, *cached, *segments)
+            rngs = self._layer_rngs(deterministic)(jnp.arange(c.num_layers))
+            return stack(c, deterministic, dot_general, name="decoder_layers")(
+                x, rngs, position_ids, sample_offset, *cached, *segments)
+        new_cache = []
+        moe_layers = c.moe_layers()
+        layer_rngs = self._layer_rngs(deterministic)
+        for i in range(c.num_layers):
+            layer = layer_cls(c, deterministic, dot_general, bool(moe_layers[i]), name=f"decoder_layers_{i}")
+            rngs = layer_rngs(i)
+            if kv_cache is None:
+                x, _ = layer(x, rngs, position_ids, sample_offset, None, segment_ids)
+            else:
+                x, kv = layer(x, rngs, position_ids, sample_offset, kv_cache[i])
+                new_cache.append(kv)
+        return x, None if kv_cache is None else tuple(new_cache)
+
+    def head(self, x: Array, normed: bool = False) -> Array:
+        """Megatron's ``post_process``: the final norm (unless ``normed``; its output sown as
+        ``final_layernorm_output`` into ``intermediates`` when that is mutable) and the output
+        layer (tied: the word embeddings' ``attend``), ``[b, s, h]`` -> float32 ``[b, s, vocab]``."""
+        if not normed:
+            x = self.final_layernorm(x)
+            self.sow("intermediates", "final_layernorm_output", x)
+        if self.cfg.untie_embeddings_and_output_weights:
+            logits = self.output_layer(x)
         else:
-            new_cache = []
-            moe_layers = c.moe_layers()
-            for i in range(c.num_layers):
-                layer = layer_cls(c, deterministic, dot_general, bool(moe_layers[i]), name=f"decoder_layers_{i}")
-                if kv_cache is None:
-                    x, _ = layer(x, position_ids, sample_offset, None, segment_ids)
-                else:
-                    x, kv = layer(x, position_ids, sample_offset, kv_cache[i])
-                    new_cache.append(kv)
-            kv_cache = None if kv_cache is None else tuple(new_cache)
-        x = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm")(x)
-        self.sow("intermediates", "final_layernorm_output", x)
-        if c.untie_embeddings_and_output_weights:
-            logits = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, tp_mode="column", tp_dim=1,
-                            dot_general=dot_general, kernel_init=embed_init,
-                            name="output_layer")(x)
-        else:
-            logits = word.attend(x, dot_general)
+            logits = self.word_embeddings.attend(x, self.resolved_dot_general())
         logits = nn.with_logical_constraint(logits, ("batch", "length", "activation_vocab"))
-        logits = logits.astype(jnp.float32)
+        return logits.astype(jnp.float32)
+
+    def __call__(self, tokens: Array, position_ids: Optional[Array] = None,
+                 deterministic: bool = True, kv_cache: Any = None, sample_offset: Any = 0,
+                 segment_ids: Optional[Array] = None):
+        c = self.cfg
+        if segment_ids is not None and kv_cache is not None:
+            raise ValueError("GPTModel: segment_ids (document masking) is for training and evaluation; decoding "
+                             "with a kv_cache takes none")
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        base = None if deterministic else self._stream_key("dropout")
+        x = self.embed(tokens, position_ids, deterministic,
+                       None if base is None else embedding_dropout_rng(base, c.num_layers), sample_offset)
+        x, kv_cache = self.decoder(x, position_ids, deterministic, sample_offset, kv_cache, segment_ids)
+        logits = self.head(x)
         return logits if kv_cache is None else (logits, kv_cache)
 
 
@@ -201,27 +333,18 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_length: int, dtype: Any = No
 # first and ``post_process`` (final norm, output layer) on the last
 # (megatron/core/models/gpt/gpt_model.py). Here the parameters stay those of one
 # ``scan_layers`` GPTModel (stacked ``decoder_layers`` in the stage order of
-# jmegatron.parallel.pipeline_layout) and these functions apply its parts to them; the
+# jmegatron.parallel.pipeline_layout) and these functions apply its pieces to them:
+# GPTModel.embed / head themselves, and the decoder layers as GPTModel.decoder runs them
+# (the same TransformerLayer and per-layer keys) over a stage's slice of the stack. The
 # schedules in jmegatron.parallel.schedules call them per micro-batch.
-
-def _embed_init(c: ModelConfig):
-    return nn.initializers.normal(c.init_method_std)
-
 
 def embed_tokens(c: ModelConfig, params: Any, tokens: Array, position_ids: Array, *, deterministic: bool,
                  rng: Any, sample_offset: Any) -> Array:
-    """GPTModel's pre-process: word (+ learned position) embeddings and embedding dropout,
-    ``[b, s]`` int32 -> ``[b, s, h]`` in the compute dtype. ``rng``: the dropout key."""
-    word = Embed(c.vocab_size, c.hidden_size, ("vocab", "embed"), dtype=c.dtype, embedding_init=_embed_init(c))
-    x = word.apply({"params": params["word_embeddings"]}, tokens)
-    if c.position_embedding_type == "learned_absolute":
-        pos = Embed(c.max_position_embeddings, c.hidden_size, (None, "embed"), dtype=c.dtype,
-                    embedding_init=_embed_init(c))
-        x = x + pos.apply({"params": params["position_embeddings"]}, position_ids)
-    drop = Dropout(rate=c.hidden_dropout, deterministic=deterministic, impl=c.dropout_impl)
-    x = drop.apply({}, x, sample_offset=jnp.asarray(sample_offset, jnp.uint32),
-                   rngs=None if deterministic else {"dropout": rng})
-    return nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
+    """:meth:`GPTModel.embed` on ``params`` (a GPTModel's; only the embeddings are read):
+    ``[b, s]`` int32 -> ``[b, s, h]`` in the compute dtype. ``rng``: the embedding dropout's
+    key, :func:`embedding_dropout_rng` of the step's dropout key for the model's masks."""
+    return GPTModel(c).apply({"params": params}, tokens, position_ids, deterministic, rng, sample_offset,
+                             method=GPTModel.embed)
 
 
 def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Array, *, first_layer: Any,
@@ -230,7 +353,8 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
                  segment_ids: Optional[Array] = None) -> Any:
     """The decoder layers whose parameters are stacked ``[n, ...]`` in ``layer_params``
     (a slice of ``decoder_layers``), in order, as one ``lax.scan``; layer ``k`` is model
-    layer ``first_layer + k`` (its dropout key ``fold_in(rng, first_layer + k)``).
+    layer ``first_layer + k`` and draws :meth:`GPTModel.decoder`'s masks for it (dropout
+    key :func:`layer_dropout_rng` ``(rng, first_layer + k)``, ``rng`` the step's dropout key).
     ``num_valid`` (int, may be traced; None: all ``n``): only the first ``num_valid``
     slots are layers, the rest padding (uneven pipeline stages) that passes ``x`` through
     (``lax.cond``: not computed). ``recompute_granularity="full"`` recomputes each layer in
@@ -246,7 +370,7 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
 
     def body(h, xs):
         p, k = xs
-        rngs = None if deterministic else {"dropout": jax.random.fold_in(rng, first_layer + k)}
+        rngs = None if deterministic else {"dropout": layer_dropout_rng(rng, first_layer + k)}
         if not sow and not moe_sown:
             return layer.apply({"params": p}, h, position_ids, offset, None, segment_ids, rngs=rngs)[0], None
         mutable = (["intermediates"] if sow else []) + (list(MOE_COLLECTIONS) if moe_sown else [])
@@ -273,21 +397,12 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
 
 
 def final_layernorm(c: ModelConfig, params: Any, x: Array) -> Array:
-    """GPTModel's final norm, ``[b, s, h]`` -> ``[b, s, h]``."""
-    return make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm").apply(
-        {"params": params["final_layernorm"]}, x)
+    """GPTModel's final norm on ``params`` (a GPTModel's), ``[b, s, h]`` -> ``[b, s, h]``."""
+    return GPTModel(c).apply({"params": params}, x, method=lambda m, x: m.final_layernorm(x))
 
 
 def output_logits(c: ModelConfig, params: Any, x: Array, dot_general: Callable, normed: bool = False) -> Array:
-    """GPTModel's post-process: final norm (unless ``normed``) and output layer (tied: the
-    word embeddings' ``attend``), ``[b, s, h]`` -> float32 ``[b, s, vocab]``."""
-    if not normed:
-        x = final_layernorm(c, params, x)
-    if c.untie_embeddings_and_output_weights:
-        logits = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, tp_mode="column", tp_dim=1,
-                        dot_general=dot_general).apply({"params": params["output_layer"]}, x)
-    else:
-        word = Embed(c.vocab_size, c.hidden_size, ("vocab", "embed"), dtype=c.dtype)
-        logits = word.apply({"params": params["word_embeddings"]}, x, dot_general, method=Embed.attend)
-    logits = nn.with_logical_constraint(logits, ("batch", "length", "activation_vocab"))
-    return logits.astype(jnp.float32)
+    """:meth:`GPTModel.head` on ``params`` (a GPTModel's): final norm (unless ``normed``)
+    and output layer (tied: the word embeddings' ``attend``), ``[b, s, h]`` -> float32
+    ``[b, s, vocab]``."""
+    return GPTModel(c, dot_general).apply({"params": params}, x, normed, method=GPTModel.head)

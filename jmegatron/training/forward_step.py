@@ -216,7 +216,7 @@ def lm_pipeline_stages(ctx: StageContext, cross_entropy_impl: str = "xla") -> di
     slots left out), Megatron's ``MoEAuxLossAutoScaler`` on every pipeline rank; the report
     gets the same MoE entries as :func:`lm_loss_fn`'s, assembled by the step's psum over
     the data and pipeline axes."""
-    from jmegatron.models.gpt import apply_layers, embed_tokens, output_logits
+    from jmegatron.models.gpt import apply_layers, embed_tokens, embedding_dropout_rng, output_logits
     from jmegatron.models.moe.moe_layer import chunk_moe_losses, chunk_report_zeros
 
     c = ctx.cfg
@@ -226,7 +226,7 @@ def lm_pipeline_stages(ctx: StageContext, cross_entropy_impl: str = "xla") -> di
 
     def embed(prm, micro):
         return embed_tokens(c, prm, micro["tokens"], micro["position_ids"], deterministic=False,
-                            rng=jax.random.fold_in(ctx.rng, c.num_layers), sample_offset=ctx.sample_offset(micro))
+                            rng=embedding_dropout_rng(ctx.rng, c.num_layers), sample_offset=ctx.sample_offset(micro))
 
     def chunk(prm, x, micro, ci):
         layers, first, count = ctx.chunk_layers(prm["decoder_layers"], ci, c.num_layers)
