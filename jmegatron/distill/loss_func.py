@@ -47,7 +47,7 @@ from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
 from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
 from jmegatron.distill.losses import ProjectionLayer, intermediate_loss_from_name, logits_kl_loss
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
-from jmegatron.training.forward_step import masked_cross_entropy
+from jmegatron.training.losses import masked_cross_entropy
 
 
 def _pick(intermediates: dict, layer: tuple, scanned: bool) -> jax.Array:

@@ -84,6 +84,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from jmegatron.kernels.cpu import ops
+from jmegatron.training import core_clock
+
 PEAK_FORMAT_VERSION = 2
 PEAK_FILE_ENV = "JMEGATRON_PEAK_FILE"
 CLOCK_ENV = "JMEGATRON_CPU_CLOCK_GHZ"
@@ -581,8 +584,6 @@ def _openblas_runner(n: int, dtype: str, chain: int, platform_name: str) -> Call
     import jax
     import jax.numpy as jnp
 
-    from jmegatron.kernels.cpu import ops
-
     ops._lib.load()  # KernelUnavailable (a RuntimeError) names the missing piece
     a = jnp.ones((n, n), jnp.float32) / n
 
@@ -697,8 +698,6 @@ def measure_peak(sizes: Sequence[int] = (256, 512, 1024, 2048), dtypes: Sequence
     cpu = cpu_info() if dev.platform == "cpu" else None
     clock = None
     if cpu is not None:  # first, before the GEMMs warm anything up or throttle the core
-        from jmegatron.training import core_clock
-
         try:
             clock = core_clock.measure_core_clock_ghz()
             if verbose:
