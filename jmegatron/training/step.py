@@ -125,7 +125,7 @@ def make_train_step(model: nn.Module, forward_step: Any, tx: optax.GradientTrans
             tx, state, grads, report, layout, buffers, check_for_nan_in_loss_and_grad)
         metrics = _metrics(report, grads, tokens, lr_schedule(optimizer_steps(
             state.opt_state.inner if mixed else state.opt_state, state.step)), extras, stop, buffers,
-            layout.pipeline_layout if log_num_zeros_in_grad else None, log_num_zeros_in_grad)
+            layout.pipeline_layout, log_num_zeros_in_grad)
         if buffers is not None and not mixed:  # (mixed: applied to the main parameters)
             new_params = buffers.update(new_params, metrics, grads)
         if check_for_nan_in_loss_and_grad and not mixed:  # a skipped iteration: all unchanged
