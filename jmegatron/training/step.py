@@ -121,7 +121,7 @@ def make_train_step(model: nn.Module, forward_step: Any, tx: optax.GradientTrans
     def step(state: TrainState, batch: Batch, extra: Any = None, stop: Any = None):
         grads, report, tokens = compute_grads(state, batch, extra)
         grads = jax.lax.with_sharding_constraint(grads, layout.grad_shardings)
-        new_params, opt_state, skipped, extras = _apply_gradients(
+        new_params, opt_state, grads, skipped, extras = _apply_gradients(
             tx, state, grads, report, layout, buffers, check_for_nan_in_loss_and_grad)
         metrics = _metrics(report, grads, tokens, lr_schedule(optimizer_steps(
             state.opt_state.inner if mixed else state.opt_state, state.step)), extras, stop, buffers,
@@ -139,8 +139,9 @@ def make_train_step(model: nn.Module, forward_step: Any, tx: optax.GradientTrans
 
 
 def _apply_gradients(tx, state: TrainState, grads: Any, report: dict, layout: StepLayout, buffers: Any,
-                     check: bool) -> tuple[Any, Any, jax.Array, dict]:
-    """The optimizer's part of the step: ``(new_params, opt_state, skipped, extras)``.
+                     check: bool) -> tuple[Any, Any, Any, jax.Array, dict]:
+    """The optimizer's part of the step: ``(new_params, opt_state, grads, skipped, extras)``,
+    ``grads`` unscaled (fp16: divided by the loss scale; what the metrics report).
 
     Mixed precision (``tx`` a :class:`Float16Optimizer`): the optimizer updates the float32
     main parameters and the model's are cast from them; buffers are updated on the main
@@ -156,7 +157,7 @@ def _apply_gradients(tx, state: TrainState, grads: Any, report: dict, layout: St
     is_max = buffers.is_max if buffers is not None else (lambda path: False)
     if isinstance(tx, Float16Optimizer):
         finalize = None if buffers is None else (lambda main, g: buffers.update(main, report, g))
-        new_params, opt_state, _, skipped = float16_optimizer.apply_gradients(
+        new_params, opt_state, grads, skipped = float16_optimizer.apply_gradients(
             tx, grads, state.opt_state, finalize, observed=is_max, check_finite=check, skip=nan if check else None)
         new_params = jax.lax.with_sharding_constraint(new_params, layout.param_shardings)
         extras = {"loss_scale": (jnp.float32(1.0) if state.opt_state.grad_scaler is None
@@ -168,7 +169,7 @@ def _apply_gradients(tx, state: TrainState, grads: Any, report: dict, layout: St
         skipped = (jnp.logical_or(nan, jnp.logical_not(float16_optimizer.all_finite(grads, is_max)))
                    if check else jnp.bool_(False))
     extras.update(skipped=skipped.astype(jnp.float32), nan=nan.astype(jnp.float32))
-    return new_params, opt_state, skipped, extras
+    return new_params, opt_state, grads, skipped, extras
 
 
 def _metrics(report: dict, grads: Any, tokens: jax.Array, lr: Any, extras: dict, stop: Any, buffers: Any,
