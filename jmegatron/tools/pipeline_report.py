@@ -1,7 +1,7 @@
 """``python -m jmegatron.tools.pipeline_report --config C [--m 4 8 16] [--devices N] [--virtual V]
 [--schedules gpipe 1f1b ...] [--json PATH] [--config.<field>=<value> ...]``
 
-The pipeline schedule report (issue 12 item 7). For the config's pipeline size ``p``, its
+The pipeline schedule report. For the config's pipeline size ``p``, its
 virtual size ``v`` (or ``--virtual``), each number of micro-batches ``m`` and each
 applicable schedule (gpipe and 1f1b; interleaved_1f1b when ``v > 1``), it builds the run
 (:func:`jmegatron.training.run.build`, mock data, ``global_batch_size = m x
