@@ -60,7 +60,6 @@ module nor the model.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Mapping, Optional
 

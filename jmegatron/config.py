@@ -27,6 +27,8 @@ from typing import Any, Optional
 import ml_collections
 
 from jmegatron.presets import FAMILIES
+from jmegatron.num_microbatches_calculator import NumMicroBatchesCalculatorError, update_train_iters
+from jmegatron.parallel.pipeline_layout import PipelineLayout
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -133,7 +135,7 @@ class JMegatronConfig:
     micro_batch_size: int = 4
     global_batch_size: Optional[int] = None  # None: micro_batch_size * data_parallel_size
     # (start global batch, increment, ramp-up samples): Megatron's --rampup-batch-size
-    # (needs train_samples, as Megatron); see jmegatron.training.num_microbatches_calculator
+    # (needs train_samples, as Megatron); see jmegatron.num_microbatches_calculator
     rampup_batch_size: Optional[tuple] = None
     # iteration- or sample-based (Megatron: exactly one of --train-iters / --train-samples);
     # None: derived from train_samples (Megatron's update_train_iters), else 100
@@ -352,9 +354,6 @@ class JMegatronConfig:
         """train_iters as Megatron's update_train_iters derives it from train_samples."""
         if self.train_samples is None:
             return 100 if self.train_iters is None else self.train_iters
-        from jmegatron.training.num_microbatches_calculator import (NumMicroBatchesCalculatorError,
-                                                                     update_train_iters)
-
         try:
             iters = update_train_iters(self.train_samples, self.global_batch_size, self.rampup_batch_size)
         except NumMicroBatchesCalculatorError as e:
@@ -609,6 +608,8 @@ class JMegatronConfig:
     def _check_moe(self):
         """The MoE fields, as Megatron's TransformerConfig.__post_init__ and validate_args
         check them, plus what jmegatron does not build yet."""
+        # Lazy: moe_utils imports JAX, and this module stays JAX-free: train.py parses the
+        # config before it re-executes itself with the host allocator (jmegatron.runtime).
         from jmegatron.models.moe import moe_utils
 
         if self.num_moe_experts is None:
@@ -722,8 +723,6 @@ class JMegatronConfig:
         """The decoder layers' placement on pipeline stages
         (:class:`jmegatron.parallel.pipeline_layout.PipelineLayout`). Raises ValueError when
         they do not split."""
-        from jmegatron.parallel.pipeline_layout import PipelineLayout
-
         return PipelineLayout(self.num_layers, self.pipeline_model_parallel_size, self.virtual_pipeline_size(),
                               self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
 

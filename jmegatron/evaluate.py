@@ -21,6 +21,13 @@ import math
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.config import ConfigError, from_configdict
+from jmegatron.parallel.mesh import create_mesh
+from jmegatron.training import checkpointing
+from jmegatron.training.checkpointing import CheckpointError
+from jmegatron.training.loop import build_datasets, evaluate
+from jmegatron.training.run import restore_run_params
+
 
 def _positive_int(text: str) -> int:
     """argparse type of --eval-iters and --devices: an integer >= 1 (argparse names the flag on error)."""
@@ -40,10 +47,6 @@ def evaluation_mesh(load_dir: str, num_devices: int):
     if num_devices == 1:
         return None
     import jax
-
-    from jmegatron.config import from_configdict
-    from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training import checkpointing
 
     if num_devices < 1 or num_devices > len(jax.devices()):
         raise ValueError(f"--devices {num_devices}: choose 1..{len(jax.devices())} (the devices this process sees)")
@@ -69,11 +72,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--devices", type=_positive_int, default=1,
                    help="devices to evaluate on (>1: the checkpoint's own parallel layout, data over the rest)")
     args = p.parse_args(argv)
-
-    from jmegatron.config import ConfigError
-    from jmegatron.training.checkpointing import CheckpointError
-    from jmegatron.training.loop import build_datasets, evaluate
-    from jmegatron.training.run import restore_run_params
 
     try:
         mesh = evaluation_mesh(args.load, args.devices)

@@ -16,6 +16,9 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.inference.generate import generate_text
+from jmegatron.training.checkpointing import CheckpointError
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point; returns the exit status (2 with ``error: ...`` for bad input)."""
@@ -34,9 +37,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "max-new-tokens, capped at max_position_embeddings")
     p.add_argument("--tokenizer-model", default=None, help="tokenizer.json; default: the checkpoint config's")
     args = p.parse_args(argv)
-
-    from jmegatron.inference.generate import generate_text
-    from jmegatron.training.checkpointing import CheckpointError
 
     try:
         outs = generate_text(args.load, args.prompt, args.max_new_tokens, tokenizer_model=args.tokenizer_model,

@@ -15,6 +15,7 @@ from typing import Optional
 from jax.sharding import Mesh
 
 from jmegatron.config import JMegatronConfig
+from jmegatron.distill.model_provider import distillation_forward_step
 from jmegatron.training import loop, run as run_lib
 from jmegatron.training.forward_step import gpt_forward_step
 
@@ -23,8 +24,6 @@ def forward_step_provider(cfg: JMegatronConfig) -> run_lib.ForwardStepProvider:
     """Distillation's provider when ``cfg.kd_teacher_load`` is set (and not ``kd_finalize``),
     else the language model's."""
     if cfg.kd_teacher_load and not cfg.kd_finalize:
-        from jmegatron.distill.model_provider import distillation_forward_step
-
         return distillation_forward_step
     return gpt_forward_step
 

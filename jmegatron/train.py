@@ -15,6 +15,12 @@ import typing
 from typing import Any, Optional, Sequence
 
 from jmegatron.config import ConfigError, JMegatronConfig, _check_names, load_config_file
+from jmegatron.distributed import initialize_from_env
+from jmegatron.runtime import reexec_with_host_allocator
+
+# pretrain_gpt and checkpointing (JAX, Orbax) are imported inside main(): run() re-executes
+# the interpreter with the host allocator first, and this module stays light for the CLIs
+# and tools that only parse configs (parse_args, config_from_argv).
 
 USAGE = "usage: python -m jmegatron.train --config CONFIG.py [--config.<field>=<value> ...]"
 
@@ -103,7 +109,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from jmegatron.distributed import initialize_from_env
     from jmegatron.training.checkpointing import CheckpointError
     from jmegatron.pretrain_gpt import pretrain
 
@@ -130,7 +135,6 @@ def run() -> None:
     """The console entry point: restarts the interpreter with the host allocator
     (``$JMEGATRON_HOST_ALLOCATOR``, default mimalloc;
     :func:`jmegatron.runtime.reexec_with_host_allocator`), then :func:`main`."""
-    from jmegatron.runtime import reexec_with_host_allocator
     reexec_with_host_allocator()
     sys.exit(main())
 

@@ -16,8 +16,8 @@ from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
 from jmegatron.data.loader import BatchLoader, DataExhaustedError
 from jmegatron.data.prefetch import Prefetcher
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import num_microbatches_calculator as nmc
-from jmegatron.training import step as step_lib
+from jmegatron import num_microbatches_calculator as nmc
+from jmegatron.parallel import rules as rules_lib
 from jmegatron.training.run import build, process_rows
 
 
@@ -62,7 +62,7 @@ def _cfg(**kw):
 def test_rows_a_process_holds_follow_the_batch_shardings(tp, processes, expected):
     cfg = _cfg(tensor_model_parallel_size=tp)
     mesh = create_mesh(cfg)
-    sharding = step_lib.batch_shardings(mesh)["tokens"]
+    sharding = rules_lib.batch_shardings(mesh)["tokens"]
     rows = 8 // tp  # micro_batch_size 1 x dp
     per = 8 // processes
     got = [process_rows(sharding, rows, p, process_of=lambda d: d.id // per).tolist() for p in range(processes)]
@@ -72,7 +72,7 @@ def test_rows_a_process_holds_follow_the_batch_shardings(tp, processes, expected
 def test_context_parallel_rows_are_still_a_row_subset():
     cfg = _cfg(context_parallel_size=2, seq_length=8)
     mesh = create_mesh(cfg)
-    sharding = step_lib.batch_shardings(mesh)["tokens"]  # dp 4 x cp 2: rows over data only
+    sharding = rules_lib.batch_shardings(mesh)["tokens"]  # dp 4 x cp 2: rows over data only
     # the two devices of a context group hold the same rows: a process of one group reads 1 row
     assert [process_rows(sharding, 4, p, process_of=lambda d: d.id // 2).tolist() for p in range(4)] == \
         [[0], [1], [2], [3]]

@@ -19,7 +19,7 @@ import pytest
 from jmegatron.data.gpt_dataset import MockGPTDataset, get_ltor_masks_and_position_ids
 from jmegatron.data.loader import stack_samples
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training.forward_step import masked_cross_entropy
+from jmegatron.training.losses import masked_cross_entropy
 from jmegatron.training.run import build
 
 from test_expert_parallel import assert_close

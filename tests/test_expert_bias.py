@@ -99,7 +99,7 @@ def test_pipeline_biases_equal_one_device():
         np.testing.assert_allclose(m["lm_loss"], m1["lm_loss"], rtol=1e-5)
         (name,) = after1
         stored = after[name]  # [slots, E] in stage order, the padding slot zero
-        from jmegatron.training.run import stored_layer_index
+        from jmegatron.training.state import stored_layer_index
 
         index = stored_layer_index(tiny_cfg(**kw, pipeline_model_parallel_size=2,
                                             decoder_first_pipeline_num_layers=3))

@@ -16,7 +16,8 @@ from jmegatron.config import ConfigError
 from jmegatron.distill.losses import ProjectionLayer
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
-from jmegatron.training.forward_step import ForwardStep, gpt_forward_step, lm_loss_fn, lm_pipeline_stages
+from jmegatron.training.forward_step import ForwardStep, gpt_forward_step, lm_pipeline_stages
+from jmegatron.training.losses import lm_loss_fn
 from jmegatron.training.run import aux_from_meta, aux_spec, build
 
 from test_train_step import random_batches, tiny_cfg

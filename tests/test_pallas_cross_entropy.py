@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
 from jmegatron.kernels.pallas.cross_entropy import lm_cross_entropy, pallas_softmax_cross_entropy
 from jmegatron.models.backend import resolve_cross_entropy_impl
-from jmegatron.training.forward_step import gpt_forward_step, token_cross_entropy
+from jmegatron.training.forward_step import gpt_forward_step
+from jmegatron.training.losses import token_cross_entropy
 
 from test_context_parallel import grads_of
 from test_expert_parallel import assert_close as assert_tree_close

@@ -11,7 +11,7 @@ from jmegatron.config import base_config, from_configdict
 from jmegatron.data.loader import BatchLoader
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
-from jmegatron.training import num_microbatches_calculator as nmc
+from jmegatron import num_microbatches_calculator as nmc
 from jmegatron.training.loop import pretrain
 
 from test_schedules import megatron_rampup_gbs

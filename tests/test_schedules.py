@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jmegatron.config import ConfigError, base_config, from_configdict
-from jmegatron.training import num_microbatches_calculator as nmc
+from jmegatron import num_microbatches_calculator as nmc
 from jmegatron.training.optimizer import lr_schedule
 
 

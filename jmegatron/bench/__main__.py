@@ -32,6 +32,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.bench.common import BenchError
+from jmegatron.config import ConfigError
+from jmegatron.runtime import reexec_with_host_allocator
+
 COMMAND_MODULES = ("jmegatron.bench.peak", "jmegatron.bench.precision", "jmegatron.bench.determinism",
                    "jmegatron.bench.memory", "jmegatron.bench.mfu", "jmegatron.bench.report",
                    "jmegatron.bench.loss_chart", "jmegatron.bench.memory_chart")
@@ -53,8 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _set_devices(n: int) -> None:
     """Must run before JAX is imported (XLA reads the flag once)."""
     if "jax" in sys.modules:
-        from jmegatron.bench.common import BenchError
-
         raise BenchError("--devices must be set before JAX is imported (call main() in a fresh process)")
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
@@ -62,9 +64,6 @@ def _set_devices(n: int) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse and run one command; returns the exit status (0 ok, 1 a check failed, 2 bad input)."""
-    from jmegatron.bench.common import BenchError
-    from jmegatron.config import ConfigError
-
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     try:
@@ -85,6 +84,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from jmegatron.runtime import reexec_with_host_allocator
     reexec_with_host_allocator()  # as python -m jmegatron.train (jmegatron.runtime)
     sys.exit(main())

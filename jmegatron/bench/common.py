@@ -14,6 +14,9 @@ import subprocess
 import sys
 from typing import Any, Optional, Sequence
 
+from jmegatron.config import ConfigError, load_config_file
+from jmegatron.train import parse_args
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_BENCH_DIR = os.path.join("runs", "bench")
 
@@ -48,9 +51,6 @@ def load_config(args, **overrides):
     """The validated :class:`JMegatronConfig` of ``--config`` and its overrides, with
     ``overrides`` applied last (before validation, so derived fields such as
     ``lr_decay_iters`` follow them). Raises BenchError naming the bad argument."""
-    from jmegatron.config import ConfigError, load_config_file
-    from jmegatron.train import parse_args
-
     try:
         path, parsed = parse_args(config_argv(args))
         parsed.update(overrides)

@@ -50,6 +50,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jmegatron.bench import common
+from jmegatron.bench import megatron_log
+
+# Modules that import JAX are imported inside the commands: `python -m jmegatron.bench
+# --devices N` sets XLA_FLAGS after importing every command module and before JAX starts
+# (jmegatron.bench.__main__._set_devices).
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
@@ -170,9 +175,9 @@ def per_device_bytes(abstract, shardings) -> int:
 def _abstract_batch(run, num_micro: int, rows: int, seq: int) -> dict:
     import jax
 
-    from jmegatron.training import step as step_lib
+    from jmegatron.parallel.rules import batch_shardings
 
-    sh = step_lib.batch_shardings(run.mesh, run.cfg.reset_attention_mask)
+    sh = batch_shardings(run.mesh, run.cfg.reset_attention_mask)
     return {k: jax.ShapeDtypeStruct((num_micro, rows, seq), np.float32 if k == "loss_mask" else np.int32,
                                     sharding=sh[k]) for k in sh}
 
@@ -414,7 +419,6 @@ def log_memory_report(memory: dict, warmup: Optional[int], window: int, threshol
 
 def run_log(args) -> int:
     """``bench memory --log LOG``: the memory lines of a log, per rank (module docstring)."""
-    from jmegatron.bench import megatron_log
 
     log = megatron_log.read_log(args.log, "--log")
     if not log.memory:

@@ -26,6 +26,10 @@ import argparse
 
 from jmegatron.bench import common
 
+# Modules that import JAX are imported inside the commands: `python -m jmegatron.bench
+# --devices N` sets XLA_FLAGS after importing every command module and before JAX starts
+# (jmegatron.bench.__main__._set_devices).
+
 
 def register(sub) -> None:
     """Add the ``peak`` subcommand to the bench CLI's subparsers."""

@@ -43,6 +43,10 @@ import numpy as np
 
 from jmegatron.bench import common, megatron_log
 
+# Modules that import JAX are imported inside the commands: `python -m jmegatron.bench
+# --devices N` sets XLA_FLAGS after importing every command module and before JAX starts
+# (jmegatron.bench.__main__._set_devices).
+
 DEFAULT_WINDOW = 50
 DEFAULT_THRESHOLD = 0.002  # 0.2 %
 LOSS_KEYS = megatron_log.JSONL_PLAIN_LOSS_KEYS

@@ -13,6 +13,7 @@ import os
 import pathlib
 
 from jmegatron.bench import common
+from jmegatron.bench import memory as memory_cmd
 
 COMMANDS = ("peak", "precision", "determinism", "memory", "mfu")
 
@@ -72,7 +73,6 @@ def summary(results: dict) -> dict:
 
 def markdown(results: dict, out: pathlib.Path, bench_dir: pathlib.Path) -> str:
     """The markdown summary of a ``bench report`` result (its JSON object)."""
-    from jmegatron.bench import memory as memory_cmd
 
     def verdict(ok):
         return "**PASS**" if ok else "**FAIL**"

@@ -30,7 +30,7 @@ correctly sized run never gets there). ``"cyclic"`` starts the same order again 
 ``torch.randperm``, which this does not reproduce). Nothing wraps silently.
 
 With Megatron's batch-size ramp-up the global batch of each iteration comes from a
-micro-batch calculator (:mod:`jmegatron.training.num_microbatches_calculator`) at the
+micro-batch calculator (:mod:`jmegatron.num_microbatches_calculator`) at the
 samples consumed so far, as Megatron's training loop calls
 ``update_num_microbatches(consumed_train_samples)`` before each step; samples are still
 read in order, so the position alone resumes the ramp.

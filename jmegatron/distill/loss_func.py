@@ -48,7 +48,7 @@ from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigE
 from jmegatron.distill.losses import ProjectionLayer, intermediate_loss_from_name, logits_kl_loss
 from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
-from jmegatron.training.forward_step import masked_cross_entropy
+from jmegatron.training.losses import masked_cross_entropy
 
 
 def _pick(intermediates: dict, layer: tuple, scanned: bool) -> jax.Array:

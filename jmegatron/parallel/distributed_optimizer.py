@@ -17,12 +17,12 @@ DistributedOptimizer with its expert-data-parallel buffers.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Optional
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jmegatron.parallel.rules import CONTEXT_AXIS, EXPERT_AXIS, entry_axes, is_fp8_meta
+from jmegatron.parallel.rules import CONTEXT_AXIS, EXPERT_AXIS, entry_axes
 
 DATA = "data"
 
@@ -68,12 +68,16 @@ def add_data_axis(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShard
     return sharding
 
 
-def zero1_shardings(param_shardings: Any, abstract_params: Any) -> Any:
-    """Per-parameter shardings of gradients and optimizer state under ZeRO-1. FP8's meta
-    (``fp8_meta`` leaves, :func:`jmegatron.parallel.rules.is_fp8_meta`) keeps its parameter's sharding: its
-    "gradients" are amaxes combined with a max over the data ranks, not reduce-scattered."""
+def zero1_shardings(param_shardings: Any, abstract_params: Any,
+                    keep: Optional[Callable[[tuple], bool]] = None) -> Any:
+    """Per-parameter shardings of gradients and optimizer state under ZeRO-1
+    (:func:`add_data_axis` per leaf). ``keep(path)`` (a ``jax.tree_util`` key path; None:
+    no leaf) marks leaves that keep their parameter's sharding: FP8's meta
+    (:func:`jmegatron.parallel.rules.is_fp8_meta`), whose "gradients" are amaxes combined with a
+    max over the data ranks, not reduce-scattered."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, s, a: s if is_fp8_meta(path) else add_data_axis(s, a.shape), param_shardings, abstract_params)
+        lambda path, s, a: s if keep is not None and keep(path) else add_data_axis(s, a.shape),
+        param_shardings, abstract_params)
 
 
 def data_dim(sharding: NamedSharding) -> int | None:
@@ -82,3 +86,23 @@ def data_dim(sharding: NamedSharding) -> int | None:
         if DATA in entry_axes(entry):
             return d
     return None
+
+
+def is_expert_sharding(sharding: NamedSharding) -> bool:
+    """True for a leaf split over the ``expert`` mesh axis (an expert's weight: its
+    data-parallel group is the expert-data-parallel one, :func:`zero1_group`)."""
+    return EXPERT_AXIS in {a for e in sharding.spec for a in entry_axes(e)}
+
+
+def zero1_axes(sharding: NamedSharding, expert_leaf: bool) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that a leaf laid out by ``sharding`` is split over on its
+    data dimension (:func:`data_dim`): its :func:`zero1_group` (the ZeRO-1 state's group;
+    FSDP's parameters, whose ``embed`` rule gives the same data x context group), or ()
+    when it is not split over data. The axes a ZeRO-1 gradient is reduce-scattered over
+    and an FSDP parameter all-gathered over. ``expert_leaf``: the *parameter* is an
+    expert's (:func:`is_expert_sharding` of the parameter's sharding, not of the gradient's,
+    to which ZeRO-1 may have added ``expert``)."""
+    if data_dim(sharding) is None:
+        return ()
+    mesh_shape = sharding.mesh.shape
+    return tuple(a for a in zero1_group(mesh_shape, expert_leaf) if mesh_shape.get(a, 1) > 1)

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import flax.linen as nn
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = Optional[str | tuple[str, ...]]
 DATA_AXIS = "data"
@@ -28,6 +28,7 @@ def is_fp8_meta(path: tuple) -> bool:
     """True for a ``jax.tree_util`` key path inside an ``fp8_meta`` subtree."""
     return any(getattr(k, "key", None) == FP8_META for k in path)
 
+PIPELINE_AXIS = "pipeline"
 
 # Megatron-Core tensor parallelism: attention heads, FFN and vocabulary split over
 # "tensor" (column-parallel in, row-parallel out); the batch over "data".
@@ -157,3 +158,22 @@ def batch_axes(expert_model_parallel_size: int) -> str | tuple[str, str]:
 def data_parallel_size(mesh: Mesh) -> int:
     """Megatron's data-parallel size: the ranks that split the batch ("data" x "expert")."""
     return mesh.shape[DATA_AXIS] * mesh.shape.get(EXPERT_AXIS, 1)
+
+
+def batch_shardings(mesh: Mesh, segment_ids: bool = False) -> dict[str, NamedSharding]:
+    """NamedShardings of a batch's arrays ``[num_micro, batch, seq]``: the batch over
+    :func:`batch_axes` (data, and expert under expert parallelism), the sequence over
+    "context" under context parallelism, micro-batches unsplit. Keys ``tokens``, ``labels``,
+    ``loss_mask``, ``position_ids``, and ``segment_ids`` when ``segment_ids``
+    (``reset_attention_mask``)."""
+    cp = mesh.shape.get(CONTEXT_AXIS, 1)
+    spec = PartitionSpec(None, batch_axes(mesh.shape.get(EXPERT_AXIS, 1)), CONTEXT_AXIS if cp > 1 else None)
+    s = NamedSharding(mesh, spec)
+    out = {"tokens": s, "labels": s, "loss_mask": s, "position_ids": s}
+    return dict(out, segment_ids=s) if segment_ids else out
+
+
+def stop_flag_sharding(mesh: Mesh) -> NamedSharding:
+    """The layout of the train step's ``stop`` input: float32 ``[mesh size]``, one entry per
+    device, split over every mesh axis (each process fills its own devices' entries)."""
+    return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))

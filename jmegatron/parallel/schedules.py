@@ -29,8 +29,9 @@ Backward units run the chunks in reverse; stage ``s`` runs backward unit ``u`` a
 
 **Stage function.** ``run_schedule`` is generic over three functions of a micro-batch:
 ``embed`` (the first stage's input), ``chunk`` (the layers of model chunk ``c`` on this
-stage) and ``head`` (the last stage's loss); :mod:`jmegatron.training.step` supplies the
-GPT ones. A forward keeps only its stage input ``[rows, seq, hidden]`` in one of
+stage) and ``head`` (the last stage's loss); a forward step's ``pipeline_stages(ctx)``
+supplies them from a :class:`StageContext`
+(:func:`jmegatron.training.forward_step.lm_pipeline_stages` the GPT ones). A forward keeps only its stage input ``[rows, seq, hidden]`` in one of
 ``num_slots`` slots; the backward recomputes the chunk's forward under ``jax.vjp``
 (Megatron's full activation recomputation at stage granularity: one more chunk forward
 per backward). Keeping ``jax.vjp``'s residuals instead is the next step
@@ -47,7 +48,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PIPELINE_AXIS = "pipeline"
+from jmegatron.parallel.pipeline_layout import PipelineLayout
+from jmegatron.parallel.rules import PIPELINE_AXIS
+
+# The parameters whose leaves are stacked [slots, ...] and split over the pipeline stages
+# (each stage holds its own layers); every other parameter is replicated over the stages.
+STAGE_LOCAL_KEY = "decoder_layers"
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 # columns of PipelineSchedule.table
@@ -296,3 +302,122 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
     carry = _varying((zeros_x, zeros_x, stash0, grads0, jnp.float32(0.0), report_zeros), axes)
     (_, _, _, grads, loss_sum, report_sum), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
     return grads, loss_sum, report_sum
+
+
+@dataclasses.dataclass(frozen=True)
+class StageContext:
+    """What a pipeline stage provider (a forward step's ``pipeline_stages(ctx)``) gets,
+    inside the train step's shard_map: ``cfg`` (the student's ModelConfig),
+    ``pipeline_size`` / ``virtual_size``, ``stage`` (traced int32: this device's pipeline
+    rank), ``rng`` (the step's dropout key), ``tokens`` (float32 ``[m]``: unmasked tokens of
+    each micro-batch over all data ranks), ``sample_offset(micro)`` (int32: the global
+    sample number of the micro-batch's first local row), ``local_rows`` / ``seq_length`` (a
+    micro-batch's shape on this rank) and ``extra`` (the train step's extra argument, e.g.
+    the teacher's parameters); ``data_sum`` (the psum over the ranks that split the batch,
+    identity with one); ``layout`` (the student's :class:`PipelineLayout`; None: the even
+    one); ``data_parallel_size`` (the ranks that split the batch, data x expert, and x
+    context under context parallelism (each holds its slots of every sequence): a rank's
+    share of a mean over ranks is its value over this)."""
+
+    cfg: Any
+    pipeline_size: int
+    virtual_size: int
+    stage: Any
+    rng: Any
+    tokens: Any
+    sample_offset: Callable
+    local_rows: int
+    seq_length: int
+    extra: Any = None
+    data_sum: Callable = None
+    layout: Any = None
+    data_parallel_size: int = 1
+
+    def chunk_layers(self, stacked: Any, chunk: Any, num_layers: int,
+                     layout: Any = None) -> tuple[Any, Any, Optional[Any]]:
+        """(this stage's chunk ``chunk`` (traced int) of the stacked layers ``stacked`` (this
+        stage's slots, leaves ``[v * K, ...]``) as leaves ``[K, ...]``, the model index of its
+        first layer (traced int32), the number of its real layers (traced int32; None when
+        every chunk is full, no padding slots)) for a model of ``num_layers`` layers laid out
+        by ``layout`` (default: ``self.layout`` for the student's ``num_layers``, else the
+        even layout)."""
+        if layout is None:
+            own = self.layout
+            layout = own if own is not None and own.num_layers == num_layers else \
+                PipelineLayout(num_layers, self.pipeline_size, self.virtual_size)
+        k = layout.slots_per_chunk
+        layers = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * k, k), stacked)
+        first = jnp.asarray(layout.chunk_first_layer(), jnp.int32)[self.stage, chunk]
+        count = jnp.asarray(layout.chunk_layers(), jnp.int32)[self.stage, chunk] if layout.uneven else None
+        return layers, first, count
+
+
+def forward_backward_no_pipelining(grad_fn: Callable, params: Any, batch: Any, *, sample_offset: Callable,
+                                   data_sum: Callable, grad_zeros: Callable,
+                                   combine: Callable) -> tuple[Any, dict, jax.Array]:
+    """Megatron's ``forward_backward_no_pipelining``: the micro-batches one after another in
+    a ``lax.scan``, gradients accumulated without communication (Megatron's ``no_sync``).
+
+    ``batch``: this rank's arrays ``[m, local_rows, ...]``. ``grad_fn(params, micro,
+    num_tokens) -> ((scaled_loss, (report, loss)), grads)`` for one micro-batch: ``micro``
+    is ``batch`` at one micro-batch plus ``sample_offset`` (int32, ``sample_offset(i,
+    local_rows)`` of micro-batch ``i``), ``num_tokens`` (float32) its unmasked tokens over
+    every rank (``data_sum`` of this rank's). ``grad_zeros(p)`` gives each accumulator,
+    ``combine(acc, grads)`` adds a micro-batch's gradients into them.
+
+    Returns ``(grads, report, tokens)``: sums over micro-batches (``report`` with ``loss``
+    added; float32 scalars) and the step's unmasked tokens (float32)."""
+    num_micro, local_rows = batch["tokens"].shape[:2]
+
+    def with_offset(micro, i):
+        return dict(micro, sample_offset=sample_offset(i, local_rows))
+
+    def accumulate(carry, xs):
+        grads_acc, report_acc, tokens_acc = carry
+        i, micro = xs
+        tokens = data_sum(jnp.sum(micro["loss_mask"].astype(jnp.float32)))
+        (_, (report, loss)), grads = grad_fn(params, with_offset(micro, i), tokens)
+        report = dict(report, loss=loss)
+        return (combine(grads_acc, grads), jax.tree.map(jnp.add, report_acc, report), tokens_acc + tokens), None
+
+    zeros = jax.tree.map(grad_zeros, params)
+    first = with_offset(jax.tree.map(lambda b: b[0], batch), 0)
+    report_shape = jax.eval_shape(lambda: grad_fn(params, first, jnp.float32(1.0))[0][1][0])
+    report0 = dict(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), report_shape), loss=jnp.float32(0.0))
+    (grads, report, tokens), _ = jax.lax.scan(accumulate, (zeros, report0, jnp.float32(0.0)),
+                                              (jnp.arange(num_micro), batch))
+    return grads, report, tokens
+
+
+def forward_backward_pipelining(schedule: PipelineSchedule, stages_fn: Callable, params: Any, batch: Any, *,
+                                model_cfg: Any, rng: Any, extra: Any, sample_offset: Callable,
+                                data_sum: Callable, data_parallel_size: int, layout: Any = None,
+                                loss_scale: Any = None, grad_zeros: Optional[Callable] = None,
+                                combine: Optional[Callable] = None) -> tuple[Any, dict, jax.Array]:
+    """One data-parallel rank's pipelined ``(grads, report, tokens)`` as
+    :func:`forward_backward_no_pipelining` returns them (sums over micro-batches), inside a
+    shard_map with :data:`PIPELINE_AXIS` manual (Megatron's
+    ``forward_backward_pipelining_with/without_interleaving``).
+
+    ``stages_fn(ctx: StageContext)`` gives the stages (:func:`run_schedule`'s ``embed`` /
+    ``chunk`` / ``head`` / ``activation`` / ``report_zeros``). ``params`` as this rank sees
+    them; the parameters replicated over stages (all but :data:`STAGE_LOCAL_KEY`) get this
+    stage's partial gradients, which the caller sums over the stages
+    (:meth:`jmegatron.parallel.grad_sync.GradSync.reduce`). ``sample_offset(microbatch,
+    local_rows)``, ``data_sum`` and ``data_parallel_size`` as :class:`StageContext` takes
+    them; ``loss_scale`` / ``grad_zeros`` / ``combine``: :func:`run_schedule`. The report
+    (with ``loss``) is summed over the data ranks and the stages."""
+    num_micro, local_rows, seq = batch["tokens"].shape
+    params = {k: (val if k == STAGE_LOCAL_KEY else
+                  jax.tree.map(lambda a: jax.lax.pcast(a, PIPELINE_AXIS, to="varying"), val))
+              for k, val in params.items()}
+    tokens = data_sum(jnp.sum(batch["loss_mask"].astype(jnp.float32), axis=(1, 2)))  # [m]
+    ctx = StageContext(cfg=model_cfg, pipeline_size=schedule.pipeline_size, virtual_size=schedule.virtual_size,
+                       stage=jax.lax.axis_index(PIPELINE_AXIS), rng=rng, tokens=tokens,
+                       sample_offset=lambda micro: sample_offset(micro["microbatch"], local_rows),
+                       local_rows=local_rows, seq_length=seq, extra=extra, data_sum=data_sum, layout=layout,
+                       data_parallel_size=data_parallel_size)
+    grads, loss, report = run_schedule(schedule, params, batch, **stages_fn(ctx), loss_scale=loss_scale,
+                                       grad_zeros=grad_zeros, combine=combine)
+    total = lambda x: jax.lax.psum(data_sum(x), PIPELINE_AXIS)  # noqa: E731
+    return grads, dict(jax.tree.map(total, report), loss=total(loss)), jnp.sum(tokens)

@@ -29,6 +29,12 @@ import sys
 import time
 from typing import Any, Optional
 
+from jmegatron.config import load_config_file
+from jmegatron.parallel.mesh import create_mesh
+from jmegatron.training import checkpointing
+from jmegatron.training.loop import _restore_latest
+from jmegatron.training.run import build
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # gpt_tiny shrunk so that a process starts, trains and saves in a few seconds on a CPU
@@ -63,8 +69,6 @@ def train(o: dict, cache_dir: str, kill=None, timeout: float = 300) -> subproces
 
 
 def _cfg(o: dict):
-    from jmegatron.config import load_config_file
-
     return load_config_file(os.path.join(REPO, "configs", "gpt_tiny.py"), o)
 
 
@@ -87,11 +91,6 @@ def campaign(workdir: str, kills: int, seed: int = 0, max_delay: float = 0.25, l
     """Run the reference and ``kills`` killed processes under ``workdir``; return the summary
     (``kills``: one record per killed process, ``bit_exact`` counts, the final check)."""
     import jax
-
-    from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training import checkpointing
-    from jmegatron.training.loop import _restore_latest
-    from jmegatron.training.run import build
 
     rng = random.Random(seed)
     cache = os.path.join(workdir, "jax_cache")

@@ -23,6 +23,11 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from jmegatron.train import config_from_argv
+
+# Modules that import JAX (pretrain_gpt, parallel.rules, the MoE utilities) are imported
+# inside the functions that need them: main() must set XLA_FLAGS (--devices) before JAX starts.
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -336,7 +341,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.devices}")
-    from jmegatron.train import config_from_argv
     from jmegatron.pretrain_gpt import build
 
     try:

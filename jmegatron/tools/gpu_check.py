@@ -10,7 +10,7 @@ prints a table with tokens/s and MFU against the device's spec-sheet peak
 it says so and exits 0. ``--platform cpu``: the same machinery on the CPU with the
 variants the CPU can run (its tests use this with ``--tiny``).
 
-A variant whose implementation is not built here (a kernel from another part of issue 15,
+A variant whose implementation is not built here (a kernel not merged yet,
 Transformer Engine not importing, fp16 compute not wired) is detected when the variant is
 prepared or run (ConfigError, ImportError, NotImplementedError, or a check below) and shows
 as "skipped: <reason>", never as a failure.
@@ -26,6 +26,16 @@ import os
 import sys
 import time
 from typing import Callable, Optional, Sequence
+
+from jmegatron.config import ConfigError, load_config_file
+from jmegatron.data.gpt_dataset import MockGPTDataset
+from jmegatron.data.loader import BatchLoader
+from jmegatron.models import te
+from jmegatron.models.core_attention import CORE_ATTENTIONS
+from jmegatron.models.transformer_config import ModelConfig
+from jmegatron.parallel.mesh import create_mesh
+from jmegatron.training import flops, forward_step, peak
+from jmegatron.training.run import build
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "gpt_tiny.py")
 # the largest relative loss difference from the XLA float32 curve, per compute precision: float32 on
@@ -53,7 +63,6 @@ REFERENCE = dict(attention_impl="xla", matmul_impl="xla", cross_entropy_impl="xl
 
 def _core_registered(impl: str) -> Callable:
     def check(cfg):
-        from jmegatron.models.core_attention import CORE_ATTENTIONS
         return None if impl in CORE_ATTENTIONS else f"attention_impl={impl!r} is not built in this branch"
     return check
 
@@ -61,8 +70,6 @@ def _core_registered(impl: str) -> Callable:
 def _pallas_cross_entropy_wired(cfg) -> Optional[str]:
     """The Pallas cross-entropy is wired when the model config or the forward step reads
     ``cross_entropy_impl`` (resolve_impls alone only names it)."""
-    from jmegatron.models.transformer_config import ModelConfig
-    from jmegatron.training import forward_step
     if "cross_entropy_impl" in {f.name for f in dataclasses.fields(ModelConfig)}:
         return None
     if "cross_entropy_impl" in inspect.getsource(forward_step):
@@ -72,7 +79,6 @@ def _pallas_cross_entropy_wired(cfg) -> Optional[str]:
 
 def _compute_dtype_wired(cfg) -> Optional[str]:
     import jax.numpy as jnp
-    from jmegatron.models.transformer_config import ModelConfig
     want = jnp.float16 if cfg.fp16 else jnp.bfloat16 if cfg.bf16 else jnp.float32
     got = ModelConfig.from_config(cfg, cfg.vocab_size).dtype
     return None if got == want else f"compute dtype {jnp.dtype(want).name} not built in this branch (model runs {jnp.dtype(got).name})"
@@ -85,11 +91,9 @@ def _pure_jax_fp8(cfg) -> Optional[str]:
 
 
 def _te_fp8(cfg) -> Optional[str]:
-    from jmegatron.models import te
     ok, reason = te.te_available()
     if not ok:
         return f"Transformer Engine unavailable: {reason}"
-    from jmegatron.models.transformer_config import ModelConfig
     if "fp8" not in {f.name for f in dataclasses.fields(ModelConfig)}:
         return "ModelConfig carries no fp8 fields in this branch (TE's dense layers read the recipe from it)"
     return None
@@ -138,7 +142,6 @@ def nvidia_devices() -> list:
 
 def _peak_tflops(device, precision: str) -> tuple[Optional[float], str]:
     """The spec-sheet (GPU) or theoretical (CPU) peak of ``device`` for ``precision``."""
-    from jmegatron.training import peak
     try:
         if device.platform == "cpu":
             dtype = "float32" if precision == "float32" else "bfloat16"
@@ -153,11 +156,6 @@ def _peak_tflops(device, precision: str) -> tuple[Optional[float], str]:
 def train_losses(cfg, device, steps: int) -> tuple[list[float], float]:
     """``steps`` iterations of ``cfg`` on one ``device``: the lm losses and the seconds the
     steps after the first (compilation) took."""
-    from jmegatron.data.gpt_dataset import MockGPTDataset
-    from jmegatron.data.loader import BatchLoader
-    from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training.run import build
-
     run = build(cfg, create_mesh(cfg, [device]))
     state = run.init_state()
     data = MockGPTDataset(num_samples=steps * run.global_batch_size, seq_length=cfg.seq_length,
@@ -174,8 +172,6 @@ def train_losses(cfg, device, steps: int) -> tuple[list[float], float]:
 
 def run_variant(variant: Variant, base: dict, device, steps: int, reference: Optional[list]) -> Row:
     """Prepare, check, train and compare one variant."""
-    from jmegatron.config import ConfigError, load_config_file
-    from jmegatron.training import flops
     row = Row(variant.name, "ok", variant.precision)
     try:
         cfg = load_config_file(base["config"], {**base["overrides"], **REFERENCE, **variant.overrides})

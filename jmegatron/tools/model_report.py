@@ -40,6 +40,12 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.config import load_config_file
+from jmegatron.models.backend import resolve_impls
+from jmegatron.train import parse_args
+from jmegatron.training import flops, memory
+from jmegatron.training.memory import ParallelLayout
+
 GIB = 2 ** 30
 MIB = 2 ** 20
 
@@ -64,7 +70,6 @@ def report(cfg, layout, num_microbatches: int) -> dict:
     """Every figure of the report (counts and bytes per device) as a JSON-ready dict.
     ``cfg`` is validated and carries the layout's tensor size (its padded vocabulary);
     ``layout`` is a :class:`jmegatron.training.memory.ParallelLayout`."""
-    from jmegatron.training import flops, memory
 
     padded = cfg.padded_vocab_size()
     global_batch = num_microbatches * cfg.micro_batch_size * layout.megatron_data_parallel_size
@@ -72,7 +77,6 @@ def report(cfg, layout, num_microbatches: int) -> dict:
     est = memory.theoretical_memory(cfg, padded, layout, num_microbatches=num_microbatches)
     megatron_state = memory.megatron_weight_and_optimizer_memory(cfg, padded, layout)
     megatron_act = memory.megatron_activation_memory(cfg, padded, layout, num_microbatches)
-    from jmegatron.models.backend import resolve_impls
     impl = resolve_impls(cfg)["attention_impl"]
     cp = layout.context_parallel_size
     kernel = impl == "cpu" and not cfg.bf16 and not (cp > 1 and cfg.attention_dropout > 0)
@@ -172,10 +176,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--fsdp", action="store_true", default=None, help="use_megatron_fsdp")
     p.add_argument("--json", default=None, help="also write the figures as JSON here")
     args, rest = p.parse_known_args(argv)
-
-    from jmegatron.train import parse_args
-    from jmegatron.config import load_config_file
-    from jmegatron.training.memory import ParallelLayout
 
     try:
         path, overrides = parse_args(rest)

@@ -1,7 +1,7 @@
 """``python -m jmegatron.tools.pipeline_report --config C [--m 4 8 16] [--devices N] [--virtual V]
 [--schedules gpipe 1f1b ...] [--json PATH] [--config.<field>=<value> ...]``
 
-The pipeline schedule report (issue 12 item 7). For the config's pipeline size ``p``, its
+The pipeline schedule report. For the config's pipeline size ``p``, its
 virtual size ``v`` (or ``--virtual``), each number of micro-batches ``m`` and each
 applicable schedule (gpipe and 1f1b; interleaved_1f1b when ``v > 1``), it builds the run
 (:func:`jmegatron.training.run.build`, mock data, ``global_batch_size = m x
@@ -42,6 +42,13 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.config import load_config_file
+from jmegatron.tools.comm_report import parse_collectives
+from jmegatron.train import parse_args
+
+# Modules that import JAX (jax, pretrain_gpt, parallel.*) are imported inside the functions
+# that need them: main() must set XLA_FLAGS (--devices) before JAX starts.
+
 COLUMNS = ("schedule", "p", "v", "m", "ticks", "bubble", "Megatron bubble", "ppermutes/step (analytic)",
            "ppermutes/step (HLO: ops x trips)", "bytes/step (analytic)", "bytes/step (HLO)",
            "peak live acts per stage", "Megatron live acts", "temp bytes/device")
@@ -73,11 +80,9 @@ def analyze(cfg, mesh, name: str, num_microbatches: int, virtual_size: int) -> d
     import jax.numpy as jnp
     import numpy as np
 
-    from jmegatron.parallel.rules import data_parallel_size
+    from jmegatron.parallel.rules import batch_shardings, data_parallel_size
     from jmegatron.parallel.schedules import build_schedule
-    from jmegatron.tools.comm_report import parse_collectives
     from jmegatron.pretrain_gpt import build
-    from jmegatron.training.step import batch_shardings
 
     v = virtual_size if name == "interleaved_1f1b" else 1
     dp = data_parallel_size(mesh)  # Megatron's: the ranks that split the batch (data x expert)
@@ -206,9 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    + f" --xla_force_host_platform_device_count={args.devices}").strip()
     import jax
 
-    from jmegatron.config import load_config_file
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.train import parse_args
 
     try:
         path, overrides = parse_args(rest)

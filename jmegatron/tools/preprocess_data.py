@@ -35,6 +35,9 @@ import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
+from jmegatron.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from jmegatron.data.tokenizer import load_tokenizer
+
 __all__ = ["main", "resolve_inputs", "preprocess", "get_args"]
 
 # a directory contributes these (not *.json, so a tokenizer.json beside the data is not
@@ -86,8 +89,6 @@ _WORKER = {}
 
 def _init_worker(tokenizer_path: str) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from jmegatron.data.tokenizer import load_tokenizer
-
     _WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
 
 
@@ -121,9 +122,6 @@ def _iter_shard_docs(files: Sequence[Tuple[str, int, int]], lo: int, hi: int):
 def _encode_shard(task) -> Tuple[int, int]:
     """Tokenize one shard into per-key part files; returns (documents, tokens)."""
     import numpy as np
-
-    from jmegatron.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, \
-        get_idx_path
 
     files, lo, hi, part_prefixes, json_keys, append_eod = task
     tok = _WORKER["tokenizer"]
@@ -192,9 +190,6 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str,
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     paths = resolve_inputs(inputs)
-    from jmegatron.data.indexed_dataset import DType, get_bin_path, get_idx_path
-    from jmegatron.data.tokenizer import load_tokenizer
-
     tok = load_tokenizer(tokenizer_model)  # fail early, and pick the dtype
     dtype = DType.optimal_dtype(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
@@ -239,8 +234,6 @@ def _files_of(paths: Sequence[str]) -> List[Tuple[str, int, int]]:
 def _preprocess_into(files, finals, tok, dtype, json_keys, append_eod, workers) -> Tuple[int, int]:
     """Tokenize ``files`` (:func:`_files_of`) into the prefixes ``finals`` (json key -> prefix);
     returns (documents, tokens)."""
-    from jmegatron.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
-
     base = sum(size for _, _, size in files)
     if workers == 1:
         # one shard, written straight to the output prefixes

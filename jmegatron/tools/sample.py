@@ -8,6 +8,11 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.data.tokenizer import load_tokenizer
+from jmegatron.inference.sample import sample
+from jmegatron.training.checkpointing import CheckpointError
+from jmegatron.training.run import restore_run_params
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jmegatron.tools.sample")
@@ -20,11 +25,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer-model", default=None, help="default: the checkpoint config's")
     args = p.parse_args(argv)
-
-    from jmegatron.data.tokenizer import load_tokenizer
-    from jmegatron.inference.sample import sample
-    from jmegatron.training.checkpointing import CheckpointError
-    from jmegatron.training.run import restore_run_params
 
     try:
         run, params, _ = restore_run_params(args.load)  # parameters only

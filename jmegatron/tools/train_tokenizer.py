@@ -20,6 +20,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.data.tokenizer import train_bpe_tokenizer
+from jmegatron.tools.preprocess_data import resolve_inputs
+
 __all__ = ["main", "get_args"]
 
 
@@ -52,8 +55,6 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         SystemExit: with a one-line ``train_tokenizer: error: ...`` message on bad input.
     """
     args = get_args(argv)
-    from jmegatron.data.tokenizer import train_bpe_tokenizer
-    from jmegatron.tools.preprocess_data import resolve_inputs
 
     try:
         files = resolve_inputs(args.input)

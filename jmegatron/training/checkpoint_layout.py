@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmegatron.parallel.pipeline_layout import PAD, PipelineLayout, take_slots
+from jmegatron.training.checkpointing import CheckpointError
 
 __all__ = ["LayerLayout", "convert_layers", "restore", "PARAMS_SOURCES", "state_item_dir", "saved_state_metadata",
            "saved_params_path", "restore_params"]
@@ -298,8 +299,6 @@ def state_item_dir(ckpt, iteration: Optional[int] = None) -> tuple[str, int]:
     CheckpointError for a missing step or item."""
     import os
 
-    from jmegatron.training.checkpointing import CheckpointError
-
     meta = ckpt.read_meta(iteration)  # CheckpointError for a step it does not hold
     # the step whose meta was read (Checkpointer's choice of the latest usable one)
     step = int(iteration if iteration is not None else meta.get("iteration", ckpt.latest_step()))
@@ -315,8 +314,6 @@ def saved_state_metadata(state_dir: str) -> dict:
     ``rng``); reads no array. Raises CheckpointError for an unreadable item."""
     import orbax.checkpoint as ocp
     from etils import epath
-
-    from jmegatron.training.checkpointing import CheckpointError
 
     try:
         tree = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir))
@@ -376,8 +373,6 @@ def restore_params(ckpt, target: Any, cfg: Any, iteration: Optional[int] = None,
     """
     import orbax.checkpoint as ocp
 
-    from jmegatron.training.checkpointing import CheckpointError
-
     meta = ckpt.read_meta(iteration)
     state_dir, step = state_item_dir(ckpt, iteration)
     saved_tree = saved_state_metadata(state_dir)
@@ -406,8 +401,6 @@ def restore_params(ckpt, target: Any, cfg: Any, iteration: Optional[int] = None,
 def _check_against_saved(target: Any, saved: Any, where: str, state_dir: str) -> None:
     """Raise CheckpointError naming each target leaf the saved tree lacks or holds with
     another shape (before any array is read)."""
-    from jmegatron.training.checkpointing import CheckpointError
-
     problems = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(target):
         keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]

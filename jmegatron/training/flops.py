@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Optional
 
 from jmegatron.config import JMegatronConfig
+from jmegatron.models.moe.moe_utils import moe_layer_pattern
 
 # Megatron's names (megatron/training/training.py, transformer_flops).
 FORWARD_BACKWARD_EXPANSION_FACTOR = 3
@@ -67,8 +68,6 @@ def _num_moe_layers(cfg: JMegatronConfig) -> int:
     """Decoder layers whose MLP is an MoE layer (``moe_layer_freq``; 0 for a dense model)."""
     if cfg.num_moe_experts is None:
         return 0
-    from jmegatron.models.moe.moe_utils import moe_layer_pattern
-
     return sum(moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers))
 
 

@@ -26,8 +26,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jmegatron.config import ConfigError, JMegatronConfig
-from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
+from jmegatron.models import fp8 as fp8_lib
+from jmegatron.models.gpt import apply_layers, embed_tokens, embedding_dropout_rng, output_logits
+from jmegatron.models.moe.moe_layer import chunk_moe_losses, chunk_report_zeros, update_expert_bias
+from jmegatron.models.moe.router import EXPERT_BIAS
+from jmegatron.parallel.schedules import StageContext
 from jmegatron.models.backend import resolve_cross_entropy_impl
+from jmegatron.training.losses import lm_loss_fn, masked_cross_entropy
+from jmegatron.training.state import stored_layer_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +44,8 @@ class ForwardStep:
     ``loss_fn(params, micro, rng, num_tokens, extra, data_sum) -> (loss, report)``: the
     unpipelined micro-batch loss (interface in ``make_train_step``; ``micro`` holds
     ``segment_ids`` under ``reset_attention_mask``, which the model must receive).
-    ``pipeline_stages(ctx: StageContext) -> {"embed", "chunk", "head", "activation",
-    "report_zeros"}``: the same computation cut into pipeline stages
+    ``pipeline_stages(ctx:`` :class:`~jmegatron.parallel.schedules.StageContext` ``) -> {"embed",
+    "chunk", "head", "activation", "report_zeros"}``: the same computation cut into pipeline stages
     (:func:`jmegatron.parallel.schedules.run_schedule`); None when the provider cannot
     pipeline (``build`` then refuses pipeline_model_parallel_size > 1).
     ``extra_args``: passed after the batch to the train step (untouched, no gradient), laid
@@ -97,112 +103,6 @@ def combine_buffers(parts: list) -> Optional[ModelBuffers]:
                         is_max=lambda path: any(b.is_max(path) for b in parts))
 
 
-def token_cross_entropy(logits: jax.Array, labels: jax.Array, impl: str = "xla") -> jax.Array:
-    """Per-token cross-entropy float32 ``[b, s]`` of logits ``[b, s, V]`` and int labels
-    ``[b, s]`` by ``impl`` (``config.cross_entropy_impl``): ``"xla"``
-    (:func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`, GSPMD partitions it
-    over a vocabulary split), ``"pallas"`` (the Pallas kernels,
-    :func:`jmegatron.kernels.pallas.cross_entropy.lm_cross_entropy`: vocab-parallel over the
-    ``tensor`` axis; interpret mode off a GPU) or ``"auto"`` ("pallas" on a GPU backend, else
-    "xla"). Raises ValueError for another ``impl``."""
-    impl = resolve_cross_entropy_impl(impl)
-    if impl == "xla":
-        return softmax_cross_entropy(logits, labels)
-    if impl == "pallas":
-        from jmegatron.kernels.pallas.cross_entropy import lm_cross_entropy
-        return lm_cross_entropy(logits, labels)
-    raise ValueError(f"cross_entropy_impl={impl!r}: choose 'auto', 'xla' or 'pallas'")
-
-
-def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array, impl: str = "xla"):
-    """(sum of masked token losses, number of unmasked tokens), both float32 scalars.
-
-    logits ``[b, s, V]`` float32, labels ``[b, s]`` int32, loss_mask ``[b, s]``. The
-    cross-entropy is :func:`token_cross_entropy` by ``impl`` (default "xla":
-    :func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`, whose backward
-    recomputes the softmax from the saved log-sum-exp).
-    """
-    ce = token_cross_entropy(logits, labels, impl)
-    mask = loss_mask.astype(jnp.float32)
-    return jnp.sum(ce * mask), jnp.sum(mask)
-
-
-def lm_loss_fn(model, cross_entropy_impl: str = "xla") -> Callable:
-    """The language-model loss: masked token mean of the cross-entropy (Megatron's
-    ``loss_func`` in pretrain_gpt.py; ``cross_entropy_impl``: :func:`token_cross_entropy`).
-    See :func:`make_train_step` for the interface.
-    An MoE model's router losses are added to it and reported beside ``lm_loss``
-    (:func:`jmegatron.models.moe.moe_layer.add_moe_losses`)."""
-    from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
-
-    moe = getattr(getattr(model, "cfg", None), "moe", None)
-
-    def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
-        out = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
-                          deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"],
-                          segment_ids=micro.get("segment_ids"),
-                          mutable=list(MOE_COLLECTIONS) if moe is not None else False)
-        logits, sown = out if moe is not None else (out, {})
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"], cross_entropy_impl)
-        loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
-        report = {"lm_loss": loss}
-        if moe is not None:
-            loss, report = add_moe_losses(model.cfg, loss, report, sown, micro, data_sum)
-        return loss, report
-
-    return loss_fn
-
-
-@dataclasses.dataclass(frozen=True)
-class StageContext:
-    """What a pipeline stage provider gets (inside the train step's shard_map):
-    ``cfg`` (the student's ModelConfig), ``pipeline_size`` / ``virtual_size``, ``stage``
-    (traced int32: this device's pipeline rank), ``rng`` (the step's dropout key),
-    ``tokens`` (float32 ``[m]``: unmasked tokens of each micro-batch over all data ranks),
-    ``sample_offset(micro)`` (the global sample number of the micro-batch's first local
-    row), ``local_rows`` / ``seq_length`` (a micro-batch's shape on this rank) and
-    ``extra`` (``make_train_step``'s extra argument, e.g. the teacher's parameters);
-    ``data_sum`` (the psum over the data axis, identity with one data-parallel rank);
-    ``layout`` (the student's :class:`~jmegatron.parallel.pipeline_layout.PipelineLayout`;
-    None: the even one); ``data_parallel_size`` (the ranks that split the batch, data x
-    expert, and x context under context parallelism (each holds its slots of every
-    sequence): a rank's share of a mean over ranks is its value over this)."""
-
-    cfg: Any
-    pipeline_size: int
-    virtual_size: int
-    stage: Any
-    rng: Any
-    tokens: Any
-    sample_offset: Callable
-    local_rows: int
-    seq_length: int
-    extra: Any = None
-    data_sum: Callable = None
-    layout: Any = None
-    data_parallel_size: int = 1
-
-    def chunk_layers(self, stacked: Any, chunk: Any, num_layers: int,
-                     layout: Any = None) -> tuple[Any, Any, Optional[Any]]:
-        """(this stage's chunk ``chunk`` (traced int) of the stacked layers ``stacked`` (this
-        stage's slots, leaves ``[v * K, ...]``) as leaves ``[K, ...]``, the model index of its
-        first layer (traced int32), the number of its real layers (traced int32; None when
-        every chunk is full, no padding slots)) for a model of ``num_layers`` layers laid out
-        by ``layout`` (default: ``self.layout`` for the student's ``num_layers``, else the
-        even layout)."""
-        from jmegatron.parallel.pipeline_layout import PipelineLayout
-
-        if layout is None:
-            own = self.layout
-            layout = own if own is not None and own.num_layers == num_layers else \
-                PipelineLayout(num_layers, self.pipeline_size, self.virtual_size)
-        k = layout.slots_per_chunk
-        layers = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * k, k), stacked)
-        first = jnp.asarray(layout.chunk_first_layer(), jnp.int32)[self.stage, chunk]
-        count = jnp.asarray(layout.chunk_layers(), jnp.int32)[self.stage, chunk] if layout.uneven else None
-        return layers, first, count
-
-
 def lm_pipeline_stages(ctx: StageContext, cross_entropy_impl: str = "xla") -> dict:
     """The GPT language model's stages for :func:`jmegatron.parallel.schedules.run_schedule`
     (Megatron's GPTModel pre_process / decoder chunk / post_process with pretrain_gpt's
@@ -216,9 +116,6 @@ def lm_pipeline_stages(ctx: StageContext, cross_entropy_impl: str = "xla") -> di
     slots left out), Megatron's ``MoEAuxLossAutoScaler`` on every pipeline rank; the report
     gets the same MoE entries as :func:`lm_loss_fn`'s, assembled by the step's psum over
     the data and pipeline axes."""
-    from jmegatron.models.gpt import apply_layers, embed_tokens, embedding_dropout_rng, output_logits
-    from jmegatron.models.moe.moe_layer import chunk_moe_losses, chunk_report_zeros
-
     c = ctx.cfg
     dot_general = c.dense_dot_general()
     moe = c.moe is not None
@@ -257,10 +154,6 @@ def model_buffers(cfg: JMegatronConfig, model) -> Optional[ModelBuffers]:
     :func:`jmegatron.models.fp8.update_fp8_meta`). None for a model without buffers."""
     parts = []
     if cfg.moe_router_enable_expert_bias:
-        from jmegatron.models.moe.moe_layer import update_expert_bias
-        from jmegatron.models.moe.router import EXPERT_BIAS
-        from jmegatron.training.run import stored_layer_index  # here: run imports this module
-
         index, pattern, rate = stored_layer_index(cfg), model.cfg.moe_layers(), cfg.moe_router_bias_update_rate
 
         def update(params, metrics, grads):
@@ -269,8 +162,6 @@ def model_buffers(cfg: JMegatronConfig, model) -> Optional[ModelBuffers]:
         parts.append(ModelBuffers(is_buffer=lambda path: getattr(path[-1], "key", None) == EXPERT_BIAS,
                                   update=update))
     if cfg.fp8 is not None:
-        from jmegatron.models import fp8 as fp8_lib
-
         def update_fp8(params, metrics, grads):
             return fp8_lib.update_fp8_meta(params, grads, fp8=cfg.fp8, margin=cfg.fp8_margin,
                                            amax_compute_algo=cfg.fp8_amax_compute_algo)

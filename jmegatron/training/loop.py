@@ -23,10 +23,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jmegatron.config import JMegatronConfig
+from jmegatron.data.blended_dataset import build_train_valid_test_datasets
+from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
 from jmegatron.data.loader import BatchLoader
+from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.parallel.rules import data_parallel_size
 from jmegatron.training import checkpointing, flops, memory
-from jmegatron.training.float16_optimizer import all_finite
+from jmegatron.training.float16_optimizer import Float16OptimizerState, all_finite
 from jmegatron.training.logging import MetricsLogger
 from jmegatron.training.peak import resolve_peak_for_config
 from jmegatron.training.run import ForwardStepProvider, Run, build, checkpoint_meta, restore_state, vocab_size_of
@@ -52,13 +55,9 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
     :class:`~jmegatron.data.gpt_variable_dataset.GPTVariableDataset` (ByteMLPerf uses it for
     all three splits). Raises ValueError (data_path, split) or FileNotFoundError for
     missing prefixes."""
-    from jmegatron.data.blended_dataset import build_train_valid_test_datasets
-
     num_samples = get_train_valid_test_num_samples(cfg, global_batch_size)
     eod = None
     if cfg.tokenizer_model:
-        from jmegatron.data.tokenizer import load_tokenizer
-
         eod = load_tokenizer(cfg.tokenizer_model).eod
     data_path = cfg.data_path.split() if cfg.data_path else []
     splits = build_train_valid_test_datasets(
@@ -68,8 +67,6 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
         reset_position_ids=cfg.reset_position_ids, reset_attention_mask=cfg.reset_attention_mask)
     if not cfg.variable_data:
         return splits
-    from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
-
     return tuple(None if ds is None else GPTVariableDataset(ds, cfg.seq_length, cfg.seq_length_step, cfg.seed,
                                                             0 if eod is None else eod, cfg.eod_mask_loss)
                  for ds in splits)
@@ -242,8 +239,6 @@ def _apply_load_options(run: Run, state: Any) -> Any:
     (:func:`fresh_rng`). Under bf16 / fp16 the fresh optimizer starts from the saved
     float32 main parameters (Megatron re-copies them from the bf16 model, losing bits)."""
     import optax
-
-    from jmegatron.training.float16_optimizer import Float16OptimizerState
 
     cfg = run.cfg
     if cfg.finetune or cfg.no_load_optim:

@@ -80,6 +80,8 @@ import re
 from typing import Optional
 
 from jmegatron.config import JMegatronConfig
+from jmegatron.models.backend import resolve_impls
+from jmegatron.models.moe.moe_utils import get_capacity, moe_layer_pattern
 from jmegatron.training import flops
 
 FLOAT32_BYTES = 4
@@ -439,8 +441,6 @@ def moe_routed_tokens(cfg: JMegatronConfig, num_tokens: int) -> int:
     k, e_ = cfg.moe_router_topk, cfg.num_moe_experts
     if cfg.moe_expert_capacity_factor is None:
         return num_tokens * k
-    from jmegatron.models.moe.moe_utils import get_capacity
-
     return e_ * min(get_capacity(num_tokens * k, e_, cfg.moe_expert_capacity_factor), num_tokens)
 
 
@@ -543,7 +543,6 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
         # output, stays in `replicated` as the router's and the dispatcher's input).
         split -= n * (e * fc1_width + e * ffn)
         moe_mlp = _moe_mlp_bytes(cfg, n, e, t)
-    from jmegatron.models.backend import resolve_impls
     a = cfg.num_attention_heads
     kernel = resolve_impls(cfg)["attention_impl"] == "cpu" and not cfg.bf16  # bf16 falls back to XLA's
     if c > 1 and m_a:  # attention dropout under cp runs XLA's blocks
@@ -623,8 +622,6 @@ def activation_memory(cfg: JMegatronConfig, padded_vocab_size: int, layout: Para
     pattern = (0,) * cfg.num_layers
     per_moe_layer = 0.0
     if cfg.num_moe_experts is not None:
-        from jmegatron.models.moe.moe_utils import moe_layer_pattern
-
         pattern = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
         per_moe_layer = activation_memory_per_layer(cfg, b, layout, recompute, e, moe=True)
     working = 0.0

@@ -28,9 +28,10 @@ import numpy as np
 import optax
 
 from jmegatron.config import JMegatronConfig
+from jmegatron.models.fp8 import FP8_META, fp8_labels
+from jmegatron.num_microbatches_calculator import consumed_samples_at, global_batch_stages
 from jmegatron.training.float16_optimizer import Float16Optimizer
 from jmegatron.training.grad_scaler import GradScaler
-from jmegatron.training.num_microbatches_calculator import consumed_samples_at, global_batch_stages
 
 
 def schedule_in_samples(cfg: JMegatronConfig, global_batch_size: int) -> dict:
@@ -187,8 +188,6 @@ def make_optimizer(cfg: JMegatronConfig, global_batch_size: Optional[int] = None
                              weight_decay=cfg.weight_decay, mask=weight_decay_mask))
     tx = optax.chain(*parts)
     if cfg.fp8 is not None:
-        from jmegatron.models.fp8 import FP8_META, fp8_labels
-
         tx = optax.multi_transform({"params": tx, FP8_META: optax.set_to_zero()}, fp8_labels)
     if not (cfg.bf16 or cfg.fp16):
         return tx

@@ -25,11 +25,11 @@ CPU theoretical peak = physical cores usable by this process x clock x FLOP/cycl
   ``/proc/cpuinfo``'s ``cpu MHz`` (the current clock; under a hypervisor without cpufreq,
   usually the nominal one); ``$JMEGATRON_CPU_CLOCK_GHZ`` overrides both. A ``cpu MHz``
   clock is replaced by the core clock ``bench peak`` measured and stored for this machine
-  when that is higher (:mod:`jmegatron.training.core_clock`: this VM reports 2.596 GHz and
-  its cores run at 3.675). Under a hypervisor (``hypervisor`` in the flags) a ``cpu MHz``
+  when that is higher (:mod:`jmegatron.training.core_clock`: a hypervisor may report a nominal
+  2.6 GHz for cores that run at 3.7). Under a hypervisor (``hypervisor`` in the flags) a ``cpu MHz``
   clock with no measured one is not trusted: :func:`resolve_peak` then states no
-  theoretical peak and names ``bench peak`` (on this VM the nominal clock gave MFUs of
-  98-104%). No clock at all raises :class:`PeakUnavailable` (the trainer then uses no
+  theoretical peak and names ``bench peak`` (a nominal clock can give MFUs above 100%;
+  docs/PERFORMANCE.md). No clock at all raises :class:`PeakUnavailable` (the trainer then uses no
   peak and says so).
 * float32 FLOP/cycle = FMA pipes x (vector width / 32 bits) x 2 (a multiply and an add).
   The vector width is the narrower of the widest ISA in the flags (``avx512f`` 512,
@@ -83,6 +83,9 @@ import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+
+from jmegatron.kernels.cpu import ops
+from jmegatron.training import core_clock
 
 PEAK_FORMAT_VERSION = 2
 PEAK_FILE_ENV = "JMEGATRON_PEAK_FILE"
@@ -581,8 +584,6 @@ def _openblas_runner(n: int, dtype: str, chain: int, platform_name: str) -> Call
     import jax
     import jax.numpy as jnp
 
-    from jmegatron.kernels.cpu import ops
-
     ops._lib.load()  # KernelUnavailable (a RuntimeError) names the missing piece
     a = jnp.ones((n, n), jnp.float32) / n
 
@@ -697,8 +698,6 @@ def measure_peak(sizes: Sequence[int] = (256, 512, 1024, 2048), dtypes: Sequence
     cpu = cpu_info() if dev.platform == "cpu" else None
     clock = None
     if cpu is not None:  # first, before the GEMMs warm anything up or throttle the core
-        from jmegatron.training import core_clock
-
         try:
             clock = core_clock.measure_core_clock_ghz()
             if verbose:

@@ -24,12 +24,16 @@ from jax.sharding import Mesh
 from jmegatron.config import ConfigError, JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
+from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.parallel import pipeline_layout, rules as rules_lib
+from jmegatron.parallel.context_parallel import load_balance_index
+from jmegatron.parallel.grad_sync import StepLayout
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpoint_layout, checkpointing, optimizer, state as state_lib, step as step_lib
 from jmegatron.training.forward_step import ForwardStep, gpt_forward_step
-from jmegatron.training.num_microbatches_calculator import (NumMicroBatchesCalculatorError,
-                                                            build_num_microbatches_calculator)
+from jmegatron.training.losses import masked_cross_entropy
+from jmegatron.training.state import stored_layer_index
+from jmegatron.num_microbatches_calculator import NumMicroBatchesCalculatorError, build_num_microbatches_calculator
 
 # (cfg, model, mesh, padded_vocab_size) -> ForwardStep
 ForwardStepProvider = Callable[[JMegatronConfig, GPTModel, Mesh, int], ForwardStep]
@@ -60,7 +64,7 @@ class Run:
     # trainable modules stored beside the model's params (name -> (module, example input
     # shape)): distillation's kd_projection; recorded in the checkpoint meta as "aux_params"
     aux_modules: dict = dataclasses.field(default_factory=dict)
-    # jmegatron.training.num_microbatches_calculator: the global batch of each iteration
+    # jmegatron.num_microbatches_calculator: the global batch of each iteration
     # (constant, or Megatron's ramp-up); global_batch_size / num_microbatches are the final ones
     num_microbatches_calculator: Any = None
 
@@ -80,12 +84,12 @@ class Run:
     def batch_rows(self) -> Optional[np.ndarray]:
         """The rows ``[0, R)`` of every micro-batch (``R = global_batch_size / num_microbatches
         = micro_batch_size x dp``) that this process's devices hold under the batch shardings
-        (:func:`jmegatron.training.step.batch_shardings`), sorted; None when it holds them all
+        (:func:`jmegatron.parallel.rules.batch_shardings`), sorted; None when it holds them all
         (one process, or a mesh that does not split the batch across processes). The rows
         to read with :class:`jmegatron.data.loader.BatchLoader` ``rows=`` and hand to
         :meth:`put_batch` (Megatron's sampler: each data-parallel rank reads its slice)."""
         rows = self.global_batch_size // self.num_microbatches
-        held = process_rows(step_lib.batch_shardings(self.mesh)["tokens"], rows, jax.process_index())
+        held = process_rows(rules_lib.batch_shardings(self.mesh)["tokens"], rows, jax.process_index())
         return None if len(held) == rows else held
 
     def put_batch(self, batch: dict[str, np.ndarray], train: bool = True,
@@ -107,11 +111,9 @@ class Run:
                              f"build_datasets does)")
         cp = self.mesh.shape.get(rules_lib.CONTEXT_AXIS, 1)
         if train and cp > 1:
-            from jmegatron.parallel.context_parallel import load_balance_index
-
             index = load_balance_index(next(iter(batch.values())).shape[-1], cp)
             batch = {k: np.asarray(v)[..., index] for k, v in batch.items()}
-        shardings = step_lib.batch_shardings(self.mesh, self.cfg.reset_attention_mask)
+        shardings = rules_lib.batch_shardings(self.mesh, self.cfg.reset_attention_mask)
         if rows is None:
             return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
                     for k, v in batch.items()}
@@ -144,23 +146,10 @@ def process_rows(sharding: jax.sharding.Sharding, rows: int, process_index: int,
     return np.array(sorted(held), np.int64)
 
 
-def stored_layer_index(cfg: JMegatronConfig) -> Optional[np.ndarray]:
-    """The model layer at each stored slot of the stacked decoder layers (PAD for uneven
-    stages' padding), or None when they are stored in model order (no pipeline, or one
-    even chunk per stage)."""
-    if cfg.pipeline_model_parallel_size == 1:
-        return None
-    layout = cfg.pipeline_layout()
-    index = pipeline_layout.gather_index(pipeline_layout.PipelineLayout(cfg.num_layers), layout)
-    return None if np.array_equal(index, np.arange(cfg.num_layers)) else index
-
-
 def vocab_size_of(cfg: JMegatronConfig) -> int:
     """The unpadded vocabulary: ``cfg.vocab_size`` or the tokenizer's."""
     if cfg.vocab_size is not None:
         return cfg.vocab_size
-    from jmegatron.data.tokenizer import load_tokenizer
-
     return load_tokenizer(cfg.tokenizer_model).vocab_size
 
 
@@ -203,17 +192,15 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
     abstract, shardings, grad_shardings = state_lib.state_shardings(
         model, tx, cfg.seq_length, mesh, rules, cfg.use_distributed_optimizer, fwd.aux_modules,
         stored_layer_index(cfg))
-    step_fn = step_lib.make_train_step(model, tx, optimizer.lr_schedule(cfg, gbs), mesh, shardings.params,
-                                       grad_shardings, rules, None if pipeline else fwd.loss_fn,
-                                       fwd.extra_shardings, cfg.log_num_zeros_in_grad, pipeline,
-                                       fwd.pipeline_stages if pipeline else None,
-                                       cfg.pipeline_layout() if pipeline else None, fwd.buffers,
-                                       accumulate_grads_in_fp32=cfg.accumulate_allreduce_grads_in_fp32 or not cfg.fp16,
-                                       check_for_nan_in_loss_and_grad=cfg.check_for_nan_in_loss_and_grad)
+    layout = StepLayout(mesh, shardings.params, grad_shardings, rules, fwd.extra_shardings, pipeline,
+                        cfg.pipeline_layout() if pipeline else None,
+                        accumulate_grads_in_fp32=cfg.accumulate_allreduce_grads_in_fp32 or not cfg.fp16)
+    step_fn = step_lib.make_train_step(model, fwd, tx, optimizer.lr_schedule(cfg, gbs), layout,
+                                       cfg.log_num_zeros_in_grad, cfg.check_for_nan_in_loss_and_grad)
     train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings, cfg.reset_attention_mask)
     # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
     canonical = pipeline_layout.gather_index(cfg.pipeline_layout(), pipeline_layout.PipelineLayout(cfg.num_layers))
-    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, rules, canonical), mesh, shardings.params,
+    eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, masked_cross_entropy, rules, canonical), mesh, shardings.params,
                                        cfg.reset_attention_mask)
     return Run(cfg=cfg, mesh=mesh, model=model, tx=tx, padded_vocab_size=padded,
                num_microbatches=num_micro, global_batch_size=gbs, num_microbatches_calculator=calculator,

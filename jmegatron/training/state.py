@@ -20,9 +20,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jmegatron.parallel import rules as rules_lib
+from jmegatron.models.fp8 import is_fp8_meta
+from jmegatron.parallel import pipeline_layout, rules as rules_lib
 from jmegatron.parallel.distributed_optimizer import zero1_shardings
-from jmegatron.parallel.pipeline_layout import take_slots
 from jmegatron.training.float16_optimizer import Float16Optimizer, Float16OptimizerState
 
 
@@ -58,6 +58,17 @@ def _init_params(model: nn.Module, key: jax.Array, seq_length: int, aux: AuxModu
     return params
 
 
+def stored_layer_index(cfg: Any) -> Optional[np.ndarray]:
+    """int ``[num_slots]``: the model layer at each stored slot of the stacked decoder layers
+    of a :class:`jmegatron.config.JMegatronConfig`'s pipeline layout
+    (:data:`jmegatron.parallel.pipeline_layout.PAD` for uneven stages' padding), or None
+    when they are stored in model order (no pipeline, or one even chunk per stage)."""
+    if cfg.pipeline_model_parallel_size == 1:
+        return None
+    index = pipeline_layout.gather_index(pipeline_layout.PipelineLayout(cfg.num_layers), cfg.pipeline_layout())
+    return None if np.array_equal(index, np.arange(cfg.num_layers)) else index
+
+
 def store_layers(params: dict, layer_index: Optional[np.ndarray]) -> dict:
     """``params`` with the stacked ``decoder_layers`` (leading ``[num_layers]``) moved to
     their stored slots: slot ``j`` holds model layer ``layer_index[j]``, zeros where it is
@@ -70,7 +81,7 @@ def store_layers(params: dict, layer_index: Optional[np.ndarray]) -> dict:
     def take(a):
         if isinstance(a, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((len(index),) + tuple(a.shape[1:]), a.dtype)
-        return take_slots(a, index)
+        return pipeline_layout.take_slots(a, index)
 
     return dict(params, decoder_layers=jax.tree.map(take, params["decoder_layers"]))
 
@@ -97,7 +108,7 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, seq_leng
     """
     abstract_params, param_specs = param_logical_specs(model, seq_length, aux, layer_index)
     param_sh = rules_lib.logical_to_sharding(param_specs, mesh, rules)
-    grad_sh = zero1_shardings(param_sh, abstract_params) if distributed_optimizer else param_sh
+    grad_sh = zero1_shardings(param_sh, abstract_params, keep=is_fp8_meta) if distributed_optimizer else param_sh
     replicated = NamedSharding(mesh, PartitionSpec())
     inner = tx.tx if isinstance(tx, Float16Optimizer) else tx
     abstract_opt = jax.eval_shape(inner.init, abstract_params)

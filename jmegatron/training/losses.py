@@ -1,0 +1,72 @@
+"""The language model's losses (Megatron's ``loss_func`` in pretrain_gpt.py): per-token
+cross-entropy by backend, its masked sum, and the unpipelined micro-batch loss the train
+step takes from a forward step (:mod:`jmegatron.training.forward_step`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
+from jmegatron.kernels.pallas.cross_entropy import lm_cross_entropy
+from jmegatron.models.backend import resolve_cross_entropy_impl
+from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
+
+
+def token_cross_entropy(logits: jax.Array, labels: jax.Array, impl: str = "xla") -> jax.Array:
+    """Per-token cross-entropy float32 ``[b, s]`` of logits ``[b, s, V]`` and int labels
+    ``[b, s]`` by ``impl`` (``config.cross_entropy_impl``): ``"xla"``
+    (:func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`, GSPMD partitions it
+    over a vocabulary split), ``"pallas"`` (the Pallas kernels,
+    :func:`jmegatron.kernels.pallas.cross_entropy.lm_cross_entropy`: vocab-parallel over the
+    ``tensor`` axis; interpret mode off a GPU) or ``"auto"`` ("pallas" on a GPU backend, else
+    "xla"). Raises ValueError for another ``impl``."""
+    impl = resolve_cross_entropy_impl(impl)
+    if impl == "xla":
+        return softmax_cross_entropy(logits, labels)
+    if impl == "pallas":
+        return lm_cross_entropy(logits, labels)
+    raise ValueError(f"cross_entropy_impl={impl!r}: choose 'auto', 'xla' or 'pallas'")
+
+
+def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array, impl: str = "xla"):
+    """(sum of masked token losses, number of unmasked tokens), both float32 scalars.
+
+    logits ``[b, s, V]`` float32, labels ``[b, s]`` int32, loss_mask ``[b, s]``. The
+    cross-entropy is :func:`token_cross_entropy` by ``impl`` (default "xla":
+    :func:`jmegatron.fusions.fused_cross_entropy.softmax_cross_entropy`, whose backward
+    recomputes the softmax from the saved log-sum-exp).
+    """
+    ce = token_cross_entropy(logits, labels, impl)
+    mask = loss_mask.astype(jnp.float32)
+    return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def lm_loss_fn(model, cross_entropy_impl: str = "xla") -> Callable:
+    """The language-model loss of one micro-batch, ``loss_fn(params, micro, rng,
+    num_tokens, extra, data_sum) -> (loss, report)`` (the interface of
+    :func:`jmegatron.training.step.make_train_step`): the masked token mean of the
+    cross-entropy over the whole micro-batch, every data-parallel rank together (``data_sum``
+    of the local sums over ``num_tokens``; float32), reported as ``lm_loss`` (Megatron's
+    ``loss_func`` in pretrain_gpt.py; ``cross_entropy_impl``: :func:`token_cross_entropy`).
+    An MoE model's router losses are added to it and reported beside ``lm_loss``
+    (:func:`jmegatron.models.moe.moe_layer.add_moe_losses`)."""
+    moe = getattr(getattr(model, "cfg", None), "moe", None)
+
+    def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
+        out = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
+                          deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"],
+                          segment_ids=micro.get("segment_ids"),
+                          mutable=list(MOE_COLLECTIONS) if moe is not None else False)
+        logits, sown = out if moe is not None else (out, {})
+        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"], cross_entropy_impl)
+        loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
+        report = {"lm_loss": loss}
+        if moe is not None:
+            loss, report = add_moe_losses(model.cfg, loss, report, sown, micro, data_sum)
+        return loss, report
+
+    return loss_fn
