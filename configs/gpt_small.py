@@ -1,4 +1,4 @@
-"""GPT-2-style small model for CPU speed work (issue 6): 8 layers x 512 hidden, 8 heads,
+"""GPT-2-style small model for CPU speed work: 8 layers x 512 hidden, 8 heads,
 FFN 2048, vocab 16384, seq 512, micro-batch 4.
 
     python benchmarks/compare_torch.py --config configs/gpt_small.py

@@ -1,4 +1,4 @@
-"""Mixtral-style tiny MoE model (issue 13): llama_tiny's attention and shapes with every
+"""Mixtral-style tiny MoE model: llama_tiny's attention and shapes with every
 MLP an MoE layer of 8 SwiGLU experts, top-2 routing and the Switch load-balancing loss at
 1e-2, grouped GEMM and the alltoall dispatcher, as ByteMLPerf's
 byte_train_perf/Megatron-LM/examples/mixtral/train_moe.sh (MOE_ARGS) sets them. Each

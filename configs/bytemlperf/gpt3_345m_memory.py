@@ -10,7 +10,7 @@ Every other argument is the same as ``train_gpt3_345M_distributed.sh`` (gpt3_345
 
 ``--test-memory`` (ByteMLPerf's flag: print the ``[Rank r] (after N iterations) memory
 (MB) | allocated ...`` line) has no config field; jmegatron's memory line is a logging
-matter (issue 11, item 5).
+matter (training/logging.py).
 
 At 32768 tokens jmegatron's XLA attention keeps the ``[b, heads, s, s]`` scores, which
 Megatron's flash attention does not: see the recompute columns of model_report.

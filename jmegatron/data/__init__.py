@@ -1,0 +1,1 @@
+"""Megatron's data pipeline: IndexedDataset (.bin/.idx), GPTDataset, blends, tokenizers and the batch loader."""

@@ -24,7 +24,7 @@ plus the router losses). MoE teacher: applied with ``deterministic=True``, so it
 sows nothing (ModelOpt runs the teacher under ``torch.no_grad()`` in ``eval()``, where
 Megatron-Core's router computes no aux loss).
 
-Context parallelism (issue 14): the loss function runs inside the train step's shard_map
+Context parallelism: the loss function runs inside the train step's shard_map
 with ``context`` manual, so the teacher's attention is the student's context-parallel one
 on the same load-balanced slots, and every masked mean is a token sum over all data and
 context ranks (``data_sum``) divided by the micro-batch's global token count: the KL, the

@@ -6,7 +6,7 @@ in the forward and reads it back in the backward; here the forward is two reduct
 the logits (max, then the sum of exponentials, each fused with its exp, nothing of vocab
 size written) and saves only the log-sum-exp ``[tokens]``; the backward writes
 ``g * (softmax(z) - onehot(label))`` in one pass. Less memory traffic and one fewer
-``[tokens, vocab]`` activation kept alive (docs/PERFORMANCE.md, attempt 18).
+``[tokens, vocab]`` activation kept alive (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ bias add; here the erf form of ``torch.nn.functional.gelu``, Megatron's default
 activation for GPT).
 
 Autodiff of ``x * Phi(x)`` keeps the erf's intermediates for the backward and XLA's CPU
-backend computes the forward in three passes over ``[tokens, ffn]`` (docs/PERFORMANCE.md,
-attempt 18); with this custom VJP the forward is one fused pass that saves only ``x``, and
+backend computes the forward in three passes over ``[tokens, ffn]`` (docs/PERFORMANCE.md); with this custom VJP the forward is one fused pass that saves only ``x``, and
 the backward ``g * (Phi(x) + x * phi(x))`` is another.
 """
 

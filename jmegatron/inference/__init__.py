@@ -1,0 +1,1 @@
+"""Text generation: the KV-cache generator and the plain reference sampler."""

@@ -1,0 +1,1 @@
+"""The training layer (Megatron's megatron/training): state, optimizer, the jitted train step, the loop, checkpoints, logs."""

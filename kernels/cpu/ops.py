@@ -143,7 +143,7 @@ def blas_dot_general(x: Array, kernel: Array, dims, precision=None, preferred_el
 
     ``weight_grad_only`` (``matmul_impl="hybrid"``): the forward and ``dx`` go to XLA's dot
     (YNNPACK), which reads ``op(W)`` in place and was 5-10% faster than the BLAS kernel for
-    those shapes on the AMD machine of docs/PERFORMANCE.md (attempt 18); only ``dW``, where
+    those shapes on the AMD machine of docs/PERFORMANCE.md; only ``dW``, where
     XLA would transpose an operand first, uses the BLAS kernel.
     """
     if precision is not None or preferred_element_type not in (None, jnp.float32):
