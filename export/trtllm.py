@@ -128,6 +128,7 @@ failure never leaves a partial checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -544,6 +545,24 @@ def _publish(staging: str, out: str) -> None:
     os.replace(staging, out)
 
 
+@contextlib.contextmanager
+def _staged(out: str, config: Optional[dict] = None):
+    """A private folder beside ``out`` to write a checkpoint into; when the block ends
+    without an error, ``config`` (if given, as it is then) is written as its config.json and
+    the folder replaces ``out`` (:func:`_publish`). The folder is removed in every case, so a
+    failed export leaves ``out`` as it was."""
+    staging = _staging_dir(out)
+    try:
+        yield staging
+        if config is not None:
+            with open(os.path.join(staging, "config.json"), "w") as f:
+                json.dump(config, f, indent=2)
+        _publish(staging, out)
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging)
+
+
 def write_trtllm_checkpoint(params: dict, cfg, vocab_size: int, out: str, *, tp: int = 1, pp: int = 1,
                             dtype: str = "float16", use_parallel_embedding: bool = True, overwrite: bool = False,
                             producer: Optional[dict] = None, moe_tp: Optional[int] = None,
@@ -561,18 +580,11 @@ def write_trtllm_checkpoint(params: dict, cfg, vocab_size: int, out: str, *, tp:
     config = trtllm_config(cfg, vocab_size, tp, dtype, pp=pp, use_parallel_embedding=use_parallel_embedding,
                            producer=producer, moe_tp=moe_tp, moe_ep=moe_ep)
     out = _check_out(out, overwrite)
-    staging = _staging_dir(out)
-    try:
+    with _staged(out, config) as staging:
         for r in range(tp * pp):
             _save_rank(rank_tensors(params, cfg, vocab_size, tp, r, pp=pp,
                                     use_parallel_embedding=use_parallel_embedding, moe_tp=moe_tp, moe_ep=moe_ep),
                        os.path.join(staging, f"rank{r}.safetensors"), dtype)
-        with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        _publish(staging, out)
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging)
     return config
 
 
@@ -659,9 +671,8 @@ def write_fp8_trtllm_checkpoint(params: Mapping, cfg, vocab_size: int, out: str,
     config["quantization"] = fp8_quantization_config()
     out = _check_out(out, overwrite)
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    staging = _staging_dir(out)
     saturated = 0
-    try:
+    with _staged(out, config) as staging:
         for r in range(tp * pp):
             tensors, sat = fp8_rank_tensors(params, cfg, vocab_size, tp, r, scales, pp=pp,
                                             use_parallel_embedding=use_parallel_embedding, weight_scales=weight_scales)
@@ -676,12 +687,6 @@ def write_fp8_trtllm_checkpoint(params: Mapping, cfg, vocab_size: int, out: str,
             "fp8_amax_compute_algo": cfg.fp8_amax_compute_algo,
             "fp8_amax_history_len": int(cfg.fp8_amax_history_len), "weight_scales": weight_scales,
             "activation_scales_from": sources, "saturated_weight_values": int(saturated)}
-        with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        _publish(staging, out)
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging)
     return config
 
 
@@ -795,8 +800,7 @@ def export_quantized_model(model, cfg, out: str, *, tp: int = 1, dtype: str = "f
 
     arch = check_exportable(cfg, tp, dtype)
     out = _check_out(out, overwrite)
-    staging = _staging_dir(out)
-    try:
+    with _staged(out) as staging:
         try:
             export_tensorrt_llm_checkpoint(model, "gpt" if arch == GPT else "llama",
                                            {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype],
@@ -812,10 +816,6 @@ def export_quantized_model(model, cfg, out: str, *, tp: int = 1, dtype: str = "f
             config["producer"].update(producer)
         with open(path, "w") as f:
             json.dump(config, f, indent=2)
-        _publish(staging, out)
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging)
     return config, fixes
 
 
