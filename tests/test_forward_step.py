@@ -14,6 +14,8 @@ import pytest
 
 from jmegatron.config import ConfigError
 from jmegatron.distill.losses import ProjectionLayer
+from jmegatron.models.gpt import GPTModel
+from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
 from jmegatron.training.forward_step import ForwardStep, gpt_forward_step, lm_pipeline_stages
@@ -93,7 +95,8 @@ def test_a_provider_without_stages_refuses_the_pipeline():
     with pytest.raises(ConfigError, match="_half_lm_provider has no pipeline stages"):
         build(cfg, create_mesh(cfg, jax.devices()[:2]), forward_step_provider=_half_lm_provider)
     # the language model's provider has them
-    fwd = gpt_forward_step(cfg, None, None, 512)
+    model = GPTModel(ModelConfig.from_config(cfg, 512))
+    fwd = gpt_forward_step(cfg, model, None, 512)
     assert fwd.pipeline_stages is lm_pipeline_stages
 
 

@@ -15,6 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
 from jmegatron.kernels.pallas.cross_entropy import lm_cross_entropy, pallas_softmax_cross_entropy
 from jmegatron.models.backend import resolve_cross_entropy_impl
+from jmegatron.models.gpt import GPTModel
+from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.training.forward_step import gpt_forward_step
 from jmegatron.training.losses import token_cross_entropy
 
@@ -117,7 +119,8 @@ def test_gpt_tiny_tp2_step_with_pallas_cross_entropy_equals_xla():
     kw = dict(micro_batch_size=2, global_batch_size=4, tensor_model_parallel_size=2, num_layers=1,
               attention_impl="xla", matmul_impl="xla")
     cfg = tiny_cfg(cross_entropy_impl="pallas", **kw)
-    assert gpt_forward_step(cfg, None, None, 0).pipeline_stages.keywords == {"cross_entropy_impl": "pallas"}
+    model = GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size()))
+    assert gpt_forward_step(cfg, model, None, 0).pipeline_stages.keywords == {"cross_entropy_impl": "pallas"}
     g, report, tokens, _ = grads_of(cfg, 4)
     g1, report1, tokens1, _ = grads_of(tiny_cfg(cross_entropy_impl="xla", **kw), 4)
     assert tokens == tokens1

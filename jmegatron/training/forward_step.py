@@ -31,7 +31,6 @@ from jmegatron.models.gpt import apply_layers, embed_tokens, embedding_dropout_r
 from jmegatron.models.moe.moe_layer import chunk_moe_losses, chunk_report_zeros, update_expert_bias
 from jmegatron.models.moe.router import EXPERT_BIAS
 from jmegatron.parallel.schedules import StageContext
-from jmegatron.models.backend import resolve_cross_entropy_impl
 from jmegatron.training.losses import lm_loss_fn, masked_cross_entropy
 from jmegatron.training.state import stored_layer_index
 
@@ -173,7 +172,8 @@ def model_buffers(cfg: JMegatronConfig, model) -> Optional[ModelBuffers]:
 def gpt_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size: int) -> ForwardStep:
     """The GPT language model's forward step (pretrain_gpt.py's ``forward_step`` and
     ``loss_func``): :func:`lm_loss_fn` and :func:`lm_pipeline_stages`, their cross-entropy
-    ``cfg.cross_entropy_impl``. The default provider of :func:`jmegatron.training.run.build`.
+    the model config's resolved backend (``model.cfg.backend.cross_entropy``). The default
+    provider of :func:`jmegatron.training.run.build`.
 
     Raises ConfigError for a distillation config (``kd_teacher_load`` without
     ``kd_finalize``): that run needs the distillation provider, which
@@ -185,6 +185,6 @@ def gpt_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size:
             "config.kd_teacher_load is set but this run was built with the plain language-model forward step: "
             "train it with python -m jmegatron.train or jmegatron.pretrain_gpt.pretrain(cfg), or pass "
             "forward_step_provider=jmegatron.distill.model_provider.distillation_forward_step")
-    ce = model.cfg.backend.cross_entropy if model is not None else resolve_cross_entropy_impl(cfg.cross_entropy_impl)
+    ce = model.cfg.backend.cross_entropy
     stages = lm_pipeline_stages if ce == "xla" else functools.partial(lm_pipeline_stages, cross_entropy_impl=ce)
     return ForwardStep(loss_fn=lm_loss_fn(model, ce), pipeline_stages=stages, buffers=model_buffers(cfg, model))
