@@ -21,6 +21,8 @@ and softmax in float32, scale ``1/sqrt(d)``. Dropout masks are the counter hash 
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -97,6 +99,11 @@ def causal_mask(s: int, segment_ids: Optional[Array] = None) -> Array:
     return visible
 
 
+def _keep(key, rate: float, impl: str, sample_offset, shape):
+    """The keep mask of ``shape`` (:func:`keep_mask`), argument order for ``functools.partial``."""
+    return keep_mask(key, rate, shape, impl, sample_offset)
+
+
 def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                   dropout_rng: Optional[Array] = None, deterministic: bool = True,
                   dropout_impl: str = "hash", sample_offset=0, segment_ids: Optional[Array] = None) -> Array:
@@ -112,8 +119,7 @@ def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     """
     keep = None
     if not deterministic and dropout_rate > 0.0:
-        def keep(shape):
-            return keep_mask(dropout_rng, dropout_rate, shape, dropout_impl, sample_offset)
+        keep = functools.partial(_keep, dropout_rng, dropout_rate, dropout_impl, sample_offset)
     visible = causal_mask(q.shape[1], segment_ids)
     visible = visible[None] if segment_ids is None else visible
     out, _ = attention(q, k, v, visible, keep=keep, dropout_rate=dropout_rate)
