@@ -52,8 +52,35 @@ def test_cpu_platform_compares_every_cpu_variant_with_the_xla_float32_curve(caps
 def test_a_loss_curve_outside_its_tolerance_fails_the_check(capsys, monkeypatch):
     # the curves are given (training itself is the test above's): bf16's second loss 10% off
     def curves(cfg, device, steps):
-        return ([6.0, 5.5] if cfg.bf16 else [6.0, 5.0]), 1.0
+        return ([6.0, 5.5] if cfg.bf16 else [6.0, 5.0]), 1.0, 0
     monkeypatch.setattr(gpu_check, "train_losses", curves)
     assert gpu_check.main(["--platform", "cpu", "--tiny", "--steps", "2", "--only", "xla bf16"]) == 1
     captured = capsys.readouterr()
     assert "FAILED: xla bf16" in captured.err and "FAIL" in _table_rows(captured.out)["xla bf16"]
+
+
+def test_a_compile_failure_fails_its_row_and_the_table_goes_on(capsys, monkeypatch):
+    # a Triton-like compile error in one variant: its row says ERROR with the reason, the rows
+    # after it still run, and the exit status is 1
+    def curves(cfg, device, steps):
+        if cfg.bf16:
+            raise RuntimeError("INTERNAL: Failed to compile Triton kernel\nmore detail")
+        return [6.0, 5.0], 1.0, 0
+    monkeypatch.setattr(gpu_check, "train_losses", curves)
+    assert gpu_check.main(["--platform", "cpu", "--tiny", "--steps", "2", "--only", "xla"]) == 1
+    captured = capsys.readouterr()
+    rows = _table_rows(captured.out)
+    assert "ERROR: RuntimeError: INTERNAL: Failed to compile Triton kernel" in rows["xla bf16"]
+    assert rows["xla fp16"].endswith("ok")  # listed after the failing row, still run
+    assert "Traceback" in captured.err and "FAILED: xla bf16" in captured.err
+
+
+def test_steps_the_optimizer_skipped_fail_the_row(capsys, monkeypatch):
+    # an fp16 curve that matches only because nothing trained: every step skipped on overflow
+    def curves(cfg, device, steps):
+        assert not cfg.fp16 or cfg.initial_loss_scale == gpu_check.FP16["initial_loss_scale"]
+        return [6.0, 5.0], 1.0, (steps if cfg.fp16 else 0)
+    monkeypatch.setattr(gpu_check, "train_losses", curves)
+    assert gpu_check.main(["--platform", "cpu", "--tiny", "--steps", "2", "--only", "xla fp16"]) == 1
+    row = _table_rows(capsys.readouterr().out)["xla fp16"]
+    assert "FAIL (2 of 2 steps skipped by the optimizer)" in row

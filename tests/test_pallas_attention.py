@@ -153,6 +153,15 @@ def test_refusals_name_the_argument():
         fa.pallas_attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))
 
 
+def test_default_tiles_per_dtype():
+    # 16-bit inputs: 128 x 128 tiles; float32: 64 x 64 (128 x 128 float32 tiles exceed an H200's
+    # shared memory at head_dim 64); an explicit block is kept; every tile is cut to the sequence
+    assert fa._block_size("block_q", None, fa.BLOCK_Q, 1024, jnp.bfloat16) == 128
+    assert fa._block_size("block_q", None, fa.BLOCK_Q, 1024, jnp.float32) == fa.BLOCK_F32 == 64
+    assert fa._block_size("block_q", 128, fa.BLOCK_Q, 1024, jnp.float32) == 128
+    assert fa._block_size("block_k", None, fa.BLOCK_K, 32, jnp.float32) == 32
+
+
 @pytest.mark.parametrize("cp,kind", [(2, "all_gather")])
 def test_context_parallel_with_pallas_blocks_equals_one_device(cp, kind):
     """The cp attentions with block="pallas" (all_gather: the whole-block kernel under

@@ -39,9 +39,11 @@ from jmegatron.kernels.xla.dropout import check_hash_extent, key_words, mask_has
 
 Array = jax.Array
 
-# Default tiles (GPU): FlashAttention-2's B_r x B_c.
+# Default tiles (GPU): FlashAttention-2's B_r x B_c for 16-bit inputs; float32 halves both
+# (128 x 128 float32 tiles at head_dim 64 ask an H200 for 322 KiB of shared memory, over its 227)
 BLOCK_Q = 128
 BLOCK_K = 128
+BLOCK_F32 = 64
 
 _U = jnp.uint32
 
@@ -327,7 +329,9 @@ def _bwd_call(cfg: _Config, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, qid
 # ----------------------------------------------------------------------------- checks
 
 
-def _block_size(name: str, block: Optional[int], default: int, seq: int) -> int:
+def _block_size(name: str, block: Optional[int], default: int, seq: int, dtype=None) -> int:
+    if block is None and dtype is not None and jnp.dtype(dtype).itemsize >= 4:
+        default = min(default, BLOCK_F32)
     block = min(default if block is None else int(block), seq)
     if block < 1 or seq % block:
         raise ValueError(f"pallas flash attention: sequence length {seq} must be a multiple of {name}={block} "
@@ -479,8 +483,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     :func:`jmegatron.kernels.xla.dropout.keep_mask` over ``[b, nkv, nq // nkv, s, s]``, drawn in
     the kernel, batch row ``i`` the global sample ``sample_offset + i``. Saves q, k, v, the
     output and the log-sum-exp ``[b, nq, s]``; the backward recomputes the probabilities.
-    ``block_q`` / ``block_k``: tiles (default :data:`BLOCK_Q` / :data:`BLOCK_K`, cut to
-    ``s``); ``interpret``: None = :func:`default_interpret`. ``tensor_axis``: where this mesh
+    ``block_q`` / ``block_k``: tiles (default :data:`BLOCK_Q` / :data:`BLOCK_K`, at most
+    :data:`BLOCK_F32` for float32 inputs, cut to ``s``); ``interpret``: None = :func:`default_interpret`. ``tensor_axis``: where this mesh
     axis has size > 1 the heads are split over it (Megatron's tensor-parallel attention): an
     automatic (GSPMD) axis gets shard_maps around the kernels, a manual one means q/k/v
     already hold this rank's heads; either way the dropout hash sees global head numbers.
@@ -504,8 +508,8 @@ def pallas_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     size, manual = _head_split(tensor_axis, k.shape[2])
     heads = q.shape[2] * (size if manual else 1)  # global query heads (the hash's row word)
     cfg = _Config(causal="index", segments=segment_ids is not None, dropout=_dropout_cfg(rate, s, "index", heads),
-                  block_q=_block_size("block_q", block_q, BLOCK_Q, s),
-                  block_k=_block_size("block_k", block_k, BLOCK_K, s),
+                  block_q=_block_size("block_q", block_q, BLOCK_Q, s, q.dtype),
+                  block_k=_block_size("block_k", block_k, BLOCK_K, s, q.dtype),
                   interpret=default_interpret() if interpret is None else bool(interpret))
     segments = _ids("pallas_attention: segment_ids", segment_ids, (b, s))
     seed = _seed(dropout_rng, sample_offset) if rate > 0.0 else None
@@ -538,8 +542,8 @@ def _block_setup(fn, q, k, v, q_positions, k_positions, q_segments, k_segments, 
     else:
         ids += [None, None]
     cfg = _Config(causal="positions" if q_positions is not None else "none", segments=q_segments is not None,
-                  dropout=drop, block_q=_block_size("block_q", block_q, BLOCK_Q, sq),
-                  block_k=_block_size("block_k", block_k, BLOCK_K, sk),
+                  dropout=drop, block_q=_block_size("block_q", block_q, BLOCK_Q, sq, q.dtype),
+                  block_k=_block_size("block_k", block_k, BLOCK_K, sk, q.dtype),
                   interpret=default_interpret() if interpret is None else bool(interpret))
     return cfg, tuple(ids) + (seed,)
 
