@@ -3,7 +3,16 @@
 import os
 import pathlib
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# --xla_backend_optimization_level=0: XLA:CPU's LLVM back end without its optimization passes.
+# The suite's models are tiny, so compiling dominates its time and running barely matters:
+# this cuts the suite's time by ~40% (test_parallel_equivalence, test_fp8, test_mixed_precision,
+# test_layout_equivalence: 949 s -> 585 s). The HLO is the same and every assertion holds (the
+# golden losses of test_layout_equivalence included); subprocesses inherit the flag.
+_flags = os.environ.get("XLA_FLAGS", "").split()
+_flags.append("--xla_force_host_platform_device_count=8")
+if not any(f.startswith("--xla_backend_optimization_level") for f in _flags):
+    _flags.append("--xla_backend_optimization_level=0")
+os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
