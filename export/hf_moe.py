@@ -49,7 +49,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from jmegatron.models.moe.moe_utils import moe_layer_pattern
+from jmegatron.config import moe_layer_pattern
 
 MIXTRAL = "MixtralForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"

@@ -79,6 +79,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from jmegatron.config import moe_layer_pattern
 from jmegatron.data.blended_dataset import convert_split_vector_to_split_matrix, parse_and_normalize_split
 from jmegatron.data.gpt_dataset import GPTDataset
 from jmegatron.data.indexed_dataset import IndexedDataset
@@ -87,7 +88,6 @@ from jmegatron.export.common import (ExportError, ExportSource, checkpoint_confi
                                      load_source_tokenizer)
 from jmegatron.export.hf import hf_architecture
 from jmegatron.inference.generate import generate_text
-from jmegatron.models.moe.moe_utils import moe_layer_pattern
 
 __all__ = [
     "QUANT_CFG_CHOICES", "KV_CACHE_QUANT_CHOICES", "MODELOPT_STATE", "UNIFIED_HF_DIR", "INFO_FILE",

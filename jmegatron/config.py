@@ -16,6 +16,7 @@ Field names, defaults and meanings follow ``megatron/training/arguments.py``.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import functools
@@ -49,6 +50,14 @@ FP8_FORMATS = ("e4m3", "hybrid")
 # Megatron's --fp8-recipe; the pure-JAX path builds "delayed" only (the others need
 # Transformer Engine: jmegatron.models.te)
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
+
+# The MoE choices (Megatron's arguments.py / transformer_config.py); the layers in
+# jmegatron/models/moe read them from here
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+TOKEN_DROP_POLICIES = ("probs", "position")
+TOKEN_DISPATCHER_TYPES = ("allgather", "alltoall")
+ROUTER_DTYPES = (None, "fp32", "fp64")
 FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 # Megatron's --transformer-impl; "auto": Transformer Engine where transformer_engine.jax
 # imports and the backend is a GPU, else "local" (jmegatron's own layers)
@@ -60,6 +69,58 @@ DROPOUT_IMPLS = ("hash", "threefry")  # jmegatron.models.dropout.DROPOUT_IMPLS
 
 class ConfigError(ValueError):
     """A config field has a bad value. The message names the field and the fix."""
+
+
+def moe_layer_pattern(moe_layer_freq: Any, num_layers: int) -> tuple[int, ...]:
+    """1 for each decoder layer that is an MoE layer, 0 for a dense one.
+
+    ``moe_layer_freq`` as Megatron's ``--moe-layer-freq`` (transformer_config.py,
+    arguments.py ``moe_freq_type``): an int N makes layer i an MoE layer when i % N == 0;
+    a sequence of 0/1 gives each layer (DeepSeek's first-k-dense is ``[0]*k + [1]*(L-k)``);
+    a string is Megatron's command-line form, ``"2"``, ``"[0,1,1,1]"`` or
+    ``"([0]*1+[1]*3)"``. Raises ValueError for anything else or a length != num_layers.
+    """
+    freq = parse_moe_layer_freq(moe_layer_freq)
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"moe_layer_freq={freq} must be >= 1")
+        return tuple(1 if i % freq == 0 else 0 for i in range(num_layers))
+    if len(freq) != num_layers or any(v not in (0, 1) for v in freq):
+        raise ValueError(f"moe_layer_freq={list(freq)} must hold one 0 (dense) or 1 (MoE) per layer "
+                         f"({num_layers} layers)")
+    return tuple(int(v) for v in freq)
+
+
+def parse_moe_layer_freq(value: Any) -> Any:
+    """``value`` as an int or a tuple of ints (Megatron's ``moe_freq_type``: a string is
+    evaluated as a list expression of integer lists, ``+`` and ``*`` only)."""
+    if isinstance(value, bool):
+        raise ValueError(f"moe_layer_freq={value!r} must be an int or a list of 0/1")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    if isinstance(value, str):
+        try:
+            tree = ast.parse(value.strip(), mode="eval")
+            return parse_moe_layer_freq(_eval_list_expr(tree.body))
+        except (SyntaxError, ValueError, TypeError):
+            raise ValueError(f"moe_layer_freq={value!r} is not an int or a list expression such as "
+                             f"'([0]*1+[1]*3)'") from None
+    raise ValueError(f"moe_layer_freq={value!r} must be an int or a list of 0/1")
+
+
+def _eval_list_expr(node: ast.AST) -> Any:
+    """Evaluate an expression of int constants, lists of them, ``+`` and ``*`` (no names,
+    no calls)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_eval_list_expr(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _eval_list_expr(node.left), _eval_list_expr(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError("unsupported expression")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -608,10 +669,6 @@ class JMegatronConfig:
     def _check_moe(self):
         """The MoE fields, as Megatron's TransformerConfig.__post_init__ and validate_args
         check them, plus what jmegatron does not build yet."""
-        # Lazy: moe_utils imports JAX, and this module stays JAX-free: train.py parses the
-        # config before it re-executes itself with the host allocator (jmegatron.runtime).
-        from jmegatron.models.moe import moe_utils
-
         if self.num_moe_experts is None:
             for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
                 if getattr(self, name) is not None:
@@ -619,11 +676,11 @@ class JMegatronConfig:
                                       f"model is dense without it); set num_moe_experts or unset {name}.")
             return
         e, k = self.num_moe_experts, self.moe_router_topk
-        for name, allowed in (("moe_router_score_function", moe_utils.SCORE_FUNCTIONS),
-                              ("moe_router_load_balancing_type", moe_utils.LOAD_BALANCING_TYPES),
-                              ("moe_token_drop_policy", moe_utils.TOKEN_DROP_POLICIES),
-                              ("moe_token_dispatcher_type", moe_utils.TOKEN_DISPATCHER_TYPES),
-                              ("moe_router_dtype", moe_utils.ROUTER_DTYPES)):
+        for name, allowed in (("moe_router_score_function", SCORE_FUNCTIONS),
+                              ("moe_router_load_balancing_type", LOAD_BALANCING_TYPES),
+                              ("moe_token_drop_policy", TOKEN_DROP_POLICIES),
+                              ("moe_token_dispatcher_type", TOKEN_DISPATCHER_TYPES),
+                              ("moe_router_dtype", ROUTER_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"config.{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
         for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size"):
@@ -646,11 +703,11 @@ class JMegatronConfig:
                 unset = " (None: dropless)" if name == "moe_expert_capacity_factor" else ""
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be > 0 or None{unset}.")
         try:
-            pattern = moe_utils.moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+            pattern = moe_layer_pattern(self.moe_layer_freq, self.num_layers)
         except ValueError as err:
             raise ConfigError(f"config.{err}.") from None
         if isinstance(self.moe_layer_freq, (list, str)):  # canonical: an int or a tuple
-            object.__setattr__(self, "moe_layer_freq", moe_utils.parse_moe_layer_freq(self.moe_layer_freq))
+            object.__setattr__(self, "moe_layer_freq", parse_moe_layer_freq(self.moe_layer_freq))
         balancing = self.moe_router_load_balancing_type
         if self.moe_expert_capacity_factor is not None and balancing == "sinkhorn":
             raise ConfigError("config.moe_expert_capacity_factor works with aux_loss, seq_aux_loss or none "

@@ -138,17 +138,15 @@ CP_CASES = [  # (context_parallel_size, devices, model, other fields)
     (2, 2, {}, dict(hidden_dropout=0.1)),  # dp 1: the dropout offsets vary over no size-1 axis
     (4, 4, LLAMA, dict(cp_comm_type="all_gather")),
     (2, 4, dict(LLAMA, num_query_groups=4), dict(cp_comm_type="a2a", use_distributed_optimizer=True)),
-    (4, 4, LLAMA, {}),
     (2, 4, LLAMA, dict(use_distributed_optimizer=True)),  # cp2 x dp2 + ZeRO-1
     (2, 4, {}, dict(tensor_model_parallel_size=2, sequence_parallel=True)),  # cp2 x tp2 + SP
     (2, 4, LLAMA, dict(cp_comm_type="all_gather", tensor_model_parallel_size=2, sequence_parallel=True)),
     (2, 4, dict(LLAMA, num_query_groups=4), dict(cp_comm_type="a2a", tensor_model_parallel_size=2)),
     (4, 8, {}, dict(scan_layers=True)),  # cp4 x dp2, scanned layers
-    (2, 4, LLAMA, dict(hidden_dropout=0.1)),  # cp2 x dp2: the one-device dropout masks
     (2, 4, LLAMA, dict(recompute_granularity="full", scan_layers=True)),  # activation recomputation
     (2, 2, {}, dict(recompute_granularity="selective")),
     # attention dropout: each ring / all_gather block draws the one-device hash mask
-    (2, 4, LLAMA, dict(attention_dropout=0.1, hidden_dropout=0.1)),
+    (2, 4, LLAMA, dict(attention_dropout=0.1, hidden_dropout=0.1)),  # cp2 x dp2: the one-device masks
     (4, 4, {}, dict(attention_dropout=0.2)),
     (2, 4, LLAMA, dict(attention_dropout=0.1, cp_comm_type="all_gather")),
 ]

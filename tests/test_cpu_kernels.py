@@ -147,19 +147,24 @@ def test_cpu_attention_without_dropout_ignores_the_rng():
     np.testing.assert_allclose(np.asarray(a), np.asarray(xla_attention(q, k, v)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def xla_dp8():
+    """XLA's ops at dp 8, dropout on: 3 steps of losses and gradients. ZeRO-1 and FSDP give
+    the same trajectory (test_parallel_equivalence), so it is every layout's reference."""
+    return trajectory(tiny_cfg(micro_batch_size=1, matmul_impl="xla", attention_impl="xla",
+                               hidden_dropout=0.1, attention_dropout=0.1), 8)
+
+
 @pytest.mark.parametrize("layout,matmul", [(dict(), "blas"), (dict(), "hybrid"),
                                            (dict(use_distributed_optimizer=True), "blas"),
                                            (dict(use_megatron_fsdp=True), "hybrid")])
-def test_train_step_with_kernels_matches_xla_on_8_devices(layout, matmul):
+def test_train_step_with_kernels_matches_xla_on_8_devices(layout, matmul, xla_dp8):
     """dp 8 (the kernels inside the data-parallel shard_map), ZeRO-1 and FSDP: 3 steps of
     losses and gradients as with XLA's ops, dropout on; matmul_impl "blas" and "hybrid"."""
-    def run(impl):
-        kernel = {"xla": ("xla", "xla"), "kernels": (matmul, "cpu")}[impl]
-        cfg = tiny_cfg(micro_batch_size=1, matmul_impl=kernel[0], attention_impl=kernel[1],
-                       hidden_dropout=0.1, attention_dropout=0.1, **layout)
-        return trajectory(cfg, 8)
-    ref_losses, ref_grads, ref_run = run("xla")
-    losses, grads, run_k = run("kernels")
+    ref_losses, ref_grads, _ = xla_dp8
+    cfg = tiny_cfg(micro_batch_size=1, matmul_impl=matmul, attention_impl="cpu",
+                   hidden_dropout=0.1, attention_dropout=0.1, **layout)
+    losses, grads, run_k = trajectory(cfg, 8)
     assert (run_k.model.cfg.matmul_impl, run_k.model.cfg.attention_impl) == (matmul, "cpu")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for g, r in zip(grads, ref_grads):

@@ -51,8 +51,6 @@ KNOWN: set[tuple[str, str, object]] = {
         "jmegatron.tools.pipeline_report")},
     # train.run() re-executes the interpreter with the host allocator before the loop is imported
     ("local-import", "jmegatron.train", None),
-    # config stays free of JAX; the MoE argument parsers live in models/moe/moe_utils (JAX)
-    ("local-import", "jmegatron.config", None),
 }
 
 

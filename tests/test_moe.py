@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmegatron.config import ConfigError, base_config, from_configdict
+from jmegatron.config import ConfigError, base_config, from_configdict, moe_layer_pattern
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.models.moe import moe_utils, token_dispatcher
@@ -351,11 +351,11 @@ def test_dispatch_dropless_sorts_by_expert_then_token():
 
 
 def test_moe_layer_freq_selects_layers():
-    assert moe_utils.moe_layer_pattern(2, 5) == (1, 0, 1, 0, 1)
-    assert moe_utils.moe_layer_pattern("([0]*1+[1]*3)", 4) == (0, 1, 1, 1)
-    assert moe_utils.moe_layer_pattern([0, 1], 2) == (0, 1)
+    assert moe_layer_pattern(2, 5) == (1, 0, 1, 0, 1)
+    assert moe_layer_pattern("([0]*1+[1]*3)", 4) == (0, 1, 1, 1)
+    assert moe_layer_pattern([0, 1], 2) == (0, 1)
     with pytest.raises(ValueError, match="moe_layer_freq"):
-        moe_utils.moe_layer_pattern("__import__('os')", 4)
+        moe_layer_pattern("__import__('os')", 4)
     mc = _model_cfg(_moe(moe_layer_freq=(0, 1)))
     params = jax.eval_shape(GPTModel(mc).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
     assert "linear_fc1" in params["decoder_layers_0"]["mlp"] and "router" in params["decoder_layers_1"]["mlp"]

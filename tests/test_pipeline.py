@@ -69,12 +69,10 @@ def reference(arch: str, m: int):
 CASES = [  # (arch, schedule, pp, v, m, other layout)
     ("gpt", "1f1b", 2, 1, 4, {}),
     ("gpt", "1f1b", 4, 1, 8, {}),
-    ("gpt", "gpipe", 2, 1, 8, {}),
     ("gpt", "gpipe", 4, 1, 4, {}),
     ("gpt", "interleaved_1f1b", 2, 2, 4, {}),
     ("gpt", "interleaved_1f1b", 4, 2, 8, {}),
     ("gpt", "1f1b", 2, 1, 4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
-    ("gpt", "1f1b", 2, 1, 8, dict(data=2, use_distributed_optimizer=True)),
     ("gpt", "interleaved_1f1b", 2, 2, 4, dict(data=2, use_distributed_optimizer=True)),
     ("llama", "1f1b", 2, 1, 4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     ("llama", "interleaved_1f1b", 2, 2, 8, dict(data=2, use_distributed_optimizer=True)),

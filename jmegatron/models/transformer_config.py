@@ -11,12 +11,12 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jmegatron.config import ConfigError, JMegatronConfig
+from jmegatron.config import ConfigError, JMegatronConfig, moe_layer_pattern
 from jmegatron.kernels.cpu.ops import blas_dot_general, grouped_matmul
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.backend import Backend
 from jmegatron.models.fp8 import Fp8DotGeneral
-from jmegatron.models.moe.moe_utils import MoEConfig, moe_layer_pattern
+from jmegatron.models.moe.moe_utils import MoEConfig
 from jmegatron.models.te import te_dot_general
 
 

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jmegatron.config import JMegatronConfig
-from jmegatron.models.moe.moe_utils import moe_layer_pattern
+from jmegatron.config import JMegatronConfig, moe_layer_pattern
 
 # Megatron's names (megatron/training/training.py, transformer_flops).
 FORWARD_BACKWARD_EXPANSION_FACTOR = 3

@@ -79,9 +79,9 @@ import dataclasses
 import re
 from typing import Optional
 
-from jmegatron.config import JMegatronConfig
+from jmegatron.config import JMegatronConfig, moe_layer_pattern
 from jmegatron.models.backend import resolve_impls
-from jmegatron.models.moe.moe_utils import get_capacity, moe_layer_pattern
+from jmegatron.models.moe.moe_utils import get_capacity
 from jmegatron.training import flops
 
 FLOAT32_BYTES = 4

@@ -16,7 +16,6 @@ the "position" drop policy (earlier tokens kept) drops the tokens Megatron drops
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import math
 from typing import Any, Optional
@@ -24,13 +23,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-Array = jax.Array
+from jmegatron.config import SCORE_FUNCTIONS, TOKEN_DROP_POLICIES
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
-TOKEN_DROP_POLICIES = ("probs", "position")
-TOKEN_DISPATCHER_TYPES = ("allgather", "alltoall")
-ROUTER_DTYPES = (None, "fp32", "fp64")
+Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,58 +64,6 @@ class MoEConfig:
         """The routing computation's dtype: ``moe_router_dtype`` (fp32 / fp64), else the
         input's (Megatron's None)."""
         return {None: input_dtype, "fp32": jnp.float32, "fp64": jnp.float64}[self.moe_router_dtype]
-
-
-def moe_layer_pattern(moe_layer_freq: Any, num_layers: int) -> tuple[int, ...]:
-    """1 for each decoder layer that is an MoE layer, 0 for a dense one.
-
-    ``moe_layer_freq`` as Megatron's ``--moe-layer-freq`` (transformer_config.py,
-    arguments.py ``moe_freq_type``): an int N makes layer i an MoE layer when i % N == 0;
-    a sequence of 0/1 gives each layer (DeepSeek's first-k-dense is ``[0]*k + [1]*(L-k)``);
-    a string is Megatron's command-line form, ``"2"``, ``"[0,1,1,1]"`` or
-    ``"([0]*1+[1]*3)"``. Raises ValueError for anything else or a length != num_layers.
-    """
-    freq = parse_moe_layer_freq(moe_layer_freq)
-    if isinstance(freq, int):
-        if freq < 1:
-            raise ValueError(f"moe_layer_freq={freq} must be >= 1")
-        return tuple(1 if i % freq == 0 else 0 for i in range(num_layers))
-    if len(freq) != num_layers or any(v not in (0, 1) for v in freq):
-        raise ValueError(f"moe_layer_freq={list(freq)} must hold one 0 (dense) or 1 (MoE) per layer "
-                         f"({num_layers} layers)")
-    return tuple(int(v) for v in freq)
-
-
-def parse_moe_layer_freq(value: Any) -> Any:
-    """``value`` as an int or a tuple of ints (Megatron's ``moe_freq_type``: a string is
-    evaluated as a list expression of integer lists, ``+`` and ``*`` only)."""
-    if isinstance(value, bool):
-        raise ValueError(f"moe_layer_freq={value!r} must be an int or a list of 0/1")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, (list, tuple)):
-        return tuple(value)
-    if isinstance(value, str):
-        try:
-            tree = ast.parse(value.strip(), mode="eval")
-            return parse_moe_layer_freq(_eval_list_expr(tree.body))
-        except (SyntaxError, ValueError, TypeError):
-            raise ValueError(f"moe_layer_freq={value!r} is not an int or a list expression such as "
-                             f"'([0]*1+[1]*3)'") from None
-    raise ValueError(f"moe_layer_freq={value!r} must be an int or a list of 0/1")
-
-
-def _eval_list_expr(node: ast.AST) -> Any:
-    """Evaluate an expression of int constants, lists of them, ``+`` and ``*`` (no names,
-    no calls)."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_eval_list_expr(e) for e in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        left, right = _eval_list_expr(node.left), _eval_list_expr(node.right)
-        return left + right if isinstance(node.op, ast.Add) else left * right
-    raise ValueError("unsupported expression")
 
 
 # --------------------------------------------------------------------------- losses
