@@ -25,9 +25,10 @@ STAGES=${*:-env check 345m_cudnn 7b_cudnn 345m_fp8 7b_fp8}
 if [ ! -d $S/ml_collections ]; then
   python3 -m pip install -q --no-index --no-deps --target $S .whl/*.whl >"$O/pip.txt" 2>&1
 fi
-[ -e jmegatron/kernels ] || ln -sfn ../kernels jmegatron/kernels
-[ -e jmegatron/export ] || ln -sfn ../export jmegatron/export
 export PYTHONPATH=$PWD:$S${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# a plain checkout (not pip-installed): kernels/ and export/ import as jmegatron.* through links
+python3 -c "import jmegatron.kernels, jmegatron.export" 2>/dev/null || {
+  ln -sfn ../kernels jmegatron/kernels; ln -sfn ../export jmegatron/export; }
 
 run() {  # run NAME TIMEOUT_S CMD...: the command's output in $O/NAME.log
   local n=$1 t=$2 s=$SECONDS; shift 2
