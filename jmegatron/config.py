@@ -50,14 +50,6 @@ FP8_FORMATS = ("e4m3", "hybrid")
 # Megatron's --fp8-recipe; the pure-JAX path builds "delayed" only (the others need
 # Transformer Engine: jmegatron.models.te)
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
-
-# The MoE choices (Megatron's arguments.py / transformer_config.py); the layers in
-# jmegatron/models/moe read them from here
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
-TOKEN_DROP_POLICIES = ("probs", "position")
-TOKEN_DISPATCHER_TYPES = ("allgather", "alltoall")
-ROUTER_DTYPES = (None, "fp32", "fp64")
 FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 # Megatron's --transformer-impl; "auto": Transformer Engine where transformer_engine.jax
 # imports and the backend is a GPU, else "local" (jmegatron's own layers)
@@ -65,6 +57,13 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 MATMUL_IMPLS = ("auto", "xla", "blas", "hybrid")
 PIPELINE_SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b")
 DROPOUT_IMPLS = ("hash", "threefry")  # jmegatron.models.dropout.DROPOUT_IMPLS
+# The MoE choices (Megatron's arguments.py / transformer_config.py); the layers in
+# jmegatron/models/moe read them from here
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+TOKEN_DROP_POLICIES = ("probs", "position")
+TOKEN_DISPATCHER_TYPES = ("allgather", "alltoall")
+ROUTER_DTYPES = (None, "fp32", "fp64")
 
 
 class ConfigError(ValueError):
