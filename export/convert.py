@@ -5,8 +5,8 @@
 ``generation_config.json``, ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards
 of ``--max-shard-size`` with ``model.safetensors.index.json``, written layer by layer:
 :mod:`jmegatron.export.stream`) (``GPT2LMHeadModel`` for the GPT variant,
-``LlamaForCausalLM`` for the Llama variant, ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``
-for mixture-of-experts models; the weight mapping is :mod:`jmegatron.export.hf` and
+``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` for the Llama-style variants,
+``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` for mixture-of-experts models; the weight mapping is :mod:`jmegatron.export.hf` and
 :mod:`jmegatron.export.hf_moe`,
 held to 1e-4 logits by the golden tests), the tokenizer (``tokenizer.json`` +
 ``tokenizer_config.json`` via ``PreTrainedTokenizerFast``, end-of-document as bos/eos) and
@@ -47,7 +47,7 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 def register(sub) -> None:
     """Add the ``hf`` and ``import-hf`` subcommands to an argparse subparsers object."""
     p = sub.add_parser("hf", help="write a Hugging Face folder (GPT2LMHeadModel / LlamaForCausalLM / "
-                                  "MixtralForCausalLM / Qwen2MoeForCausalLM)")
+                                  "Qwen2ForCausalLM / Qwen3ForCausalLM / MixtralForCausalLM / Qwen2MoeForCausalLM)")
     p.add_argument("--load", required=True, help="jmegatron checkpoint directory")
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")

@@ -3,12 +3,21 @@
 Targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatronConfig`:
 
 * ``GPT2LMHeadModel`` (transformers ``models/gpt2/modeling_gpt2.py``): learned absolute
-  positions, LayerNorm, exact GELU MLP, multi-head attention with biases.
-* ``LlamaForCausalLM`` (transformers ``models/llama/modeling_llama.py``): rotary positions
-  (rotate-half), RMSNorm, SwiGLU MLP, grouped-query attention.
+  positions, LayerNorm, GELU MLP (exact "gelu", or GPT-2's tanh "gelu_new" with
+  ``openai_gelu``), multi-head attention with biases.
+* ``LlamaForCausalLM`` (``models/llama/modeling_llama.py``): rotary positions (rotate-half;
+  default, "linear", Llama-3.x "llama3" or "yarn" scaling, :mod:`jmegatron.models.rope`),
+  RMSNorm, SwiGLU MLP, grouped-query attention, any ``kv_channels``.
+* ``Qwen2ForCausalLM``: Llama's blocks with Q/K/V biases and no other bias
+  (``add_qkv_bias`` without ``add_bias_linear``).
+* ``Qwen3ForCausalLM``: Llama's blocks with ``qk_layernorm`` (per-head ``q_norm`` /
+  ``k_norm`` before RoPE).
 * ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` for mixture-of-experts configs
   (``num_moe_experts`` set): Llama's attention with the MoE MLPs of
   :mod:`jmegatron.export.hf_moe` (Mixtral without a shared expert, Qwen2-MoE with one).
+
+Import also reads ``MistralForCausalLM`` (model_type "mistral", Llama's layout; without a
+sliding window), which exports back as ``LlamaForCausalLM``.
 
 Anything else raises ``ValueError`` naming the config fields the target cannot represent
 (see :func:`hf_architecture`).
@@ -26,6 +35,7 @@ accepted too). jmegatron layout (``h`` hidden, ``nq`` heads, ``nkv`` query group
                   (+ bias [nkv, nq/nkv + 2, d]); Megatron's fused layout: for each query
                   group g, its query heads g*nq/nkv .. (g+1)*nq/nkv - 1, then K_g, then V_g
     decoder_layers_{i}/self_attention/linear_proj/kernel        [nq, d, h]   (+ bias [h])
+    decoder_layers_{i}/self_attention/{q,k}_layernorm/scale     [d]  (qk_layernorm only)
     decoder_layers_{i}/pre_mlp_layernorm/{scale,bias}           [h]
     decoder_layers_{i}/mlp/linear_fc1/kernel      [h, ffn] or [h, 2, ffn] with swiglu
                                                   (index 0 gate, 1 up)  (+ bias [ffn] / [2, ffn])
@@ -40,7 +50,7 @@ Hugging Face layouts: ``nn.Linear`` weights are ``[out, in]``; GPT-2's ``Conv1D`
 are ``[in, out]`` and ``c_attn`` concatenates q|k|v on the output axis; heads are the major
 factor of every ``heads * head_dim`` axis, as in jmegatron's reshapes.
 
-This module imports only numpy; ``torch`` and ``transformers`` are imported inside
+This module imports numpy and YaRN's factor (:mod:`jmegatron.models.rope`); ``torch`` and ``transformers`` are imported inside
 :func:`to_hf_model` (and only used for tensors handed to :func:`from_hf_state_dict`).
 """
 
@@ -53,9 +63,20 @@ import numpy as np
 
 from jmegatron.export import hf_moe
 from jmegatron.export.hf_moe import MIXTRAL, MOE_ARCHITECTURES, QWEN2_MOE
+from jmegatron.models.rope import yarn_concentration_factor
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
+MISTRAL = "MistralForCausalLM"
+QWEN2 = "Qwen2ForCausalLM"
+QWEN3 = "Qwen3ForCausalLM"
+# Llama's layout (model.layers.{i}.self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, RMSNorm):
+# model_type -> class. Qwen2 adds Q/K/V biases without an o_proj bias; Qwen3 per-head
+# q_norm / k_norm and a head_dim decoupled from hidden / heads.
+LLAMA_LIKE = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
+_MODEL_TYPE = {arch: model_type for model_type, arch in LLAMA_LIKE.items()}
+# GPT-2's activation_function values that are the tanh GELU (Megatron's openai_gelu)
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 _LAYER_RE = re.compile(r"^decoder_layers_(\d+)$")
 # Buffers some GPT-2 checkpoints carry (old causal-mask buffers): not parameters.
@@ -80,19 +101,102 @@ def _gpt2_problems(cfg) -> list[str]:
     return problems
 
 
-def _llama_problems(cfg) -> list[str]:
+def _llama_problems(cfg, arch: str = LLAMA) -> list[str]:
+    """The fields of ``cfg`` that Hugging Face ``arch`` (a Llama-layout class) cannot represent."""
+    name = arch.replace("ForCausalLM", "")
     problems = []
     if cfg.normalization != "RMSNorm":
-        problems.append(f"config.normalization={cfg.normalization!r} (Llama uses RMSNorm)")
+        problems.append(f"config.normalization={cfg.normalization!r} ({name} uses RMSNorm)")
     if not cfg.swiglu:
-        problems.append("config.swiglu=False (Llama's MLP is SwiGLU: gate_proj/up_proj/down_proj)")
-    if not cfg.add_bias_linear and cfg.add_qkv_bias:
+        problems.append(f"config.swiglu=False ({name}'s MLP is SwiGLU: gate_proj/up_proj/down_proj)")
+    if arch == LLAMA and not cfg.add_bias_linear and cfg.add_qkv_bias:
         problems.append("config.add_qkv_bias=True with add_bias_linear=False (Llama's attention_bias "
                         "also biases o_proj; a QKV-only bias is Qwen2's layout)")
-    if cfg.hidden_size % cfg.num_attention_heads:
+    if arch in (QWEN2, QWEN3) and cfg.add_bias_linear:
+        problems.append(f"config.add_bias_linear=True ({name}'s MLP and o_proj have no biases)")
+    if arch == QWEN3 and cfg.add_qkv_bias:
+        problems.append("config.add_qkv_bias=True with qk_layernorm=True (Qwen3's attention_bias also biases "
+                        "o_proj; a QKV-only bias with QK-norm has no Hugging Face class)")
+    if arch == LLAMA and cfg.hidden_size % cfg.num_attention_heads:
         problems.append(f"config.hidden_size={cfg.hidden_size} is not divisible by num_attention_heads="
                         f"{cfg.num_attention_heads} (LlamaConfig rejects it)")
+    problems += _rope_problems(cfg)
     return problems
+
+
+def _rope_problems(cfg) -> list[str]:
+    if cfg.rotary_seq_len_interpolation_factor is not None and (cfg.rope_scaling
+                                                                 or cfg.position_embedding_type == "yarn"):
+        return [f"config.rotary_seq_len_interpolation_factor={cfg.rotary_seq_len_interpolation_factor} with "
+                f"{'rope_scaling' if cfg.rope_scaling else 'yarn'} (Hugging Face's rope_parameters hold one "
+                f"rope_type)"]
+    return []
+
+
+def rope_parameters(cfg) -> dict[str, Any]:
+    """Hugging Face's ``rope_parameters`` for ``cfg``'s rotary embedding
+    (:class:`jmegatron.models.rope.RotaryEmbedding`): rope_type "default", "linear"
+    (``rotary_seq_len_interpolation_factor``), "llama3" (``rope_scaling``) or "yarn"."""
+    out: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+    if cfg.position_embedding_type == "yarn":
+        out.update(rope_type="yarn", factor=float(cfg.yarn_rotary_scaling_factor),
+                   original_max_position_embeddings=int(cfg.yarn_original_max_position_embeddings),
+                   beta_fast=float(cfg.yarn_beta_fast), beta_slow=float(cfg.yarn_beta_slow),
+                   mscale=float(cfg.yarn_mscale), mscale_all_dim=float(cfg.yarn_mscale_all_dim),
+                   truncate=bool(cfg.yarn_correction_range_round_to_int))
+    elif cfg.rope_scaling:
+        out.update(rope_type="llama3", factor=float(cfg.rope_scaling_factor),
+                   low_freq_factor=float(cfg.rope_scaling_low_freq_factor),
+                   high_freq_factor=float(cfg.rope_scaling_high_freq_factor),
+                   original_max_position_embeddings=int(cfg.rope_scaling_original_max_position_embeddings))
+    elif cfg.rotary_seq_len_interpolation_factor is not None:
+        out.update(rope_type="linear", factor=float(cfg.rotary_seq_len_interpolation_factor))
+    return out
+
+
+def rope_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """jmegatron's rotary fields of a Hugging Face ``config.json`` (``rope_parameters``, or the
+    legacy ``rope_scaling`` + ``rope_theta`` of transformers 4.x); appends what jmegatron cannot
+    represent to ``problems`` (rope types other than default / linear / llama3 / yarn, a
+    partial rotary factor, a YaRN ``attention_factor`` other than the one its mscales give)."""
+    rope = dict(conf.get("rope_parameters") or {})
+    rope.update(conf.get("rope_scaling") or {})  # transformers: rope_scaling wins when both are given
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", conf.get("rope_theta", 10000.0)))
+    if theta != int(theta):
+        problems.append(f"rope_theta={theta} (jmegatron's rotary_base is an integer)")
+    fields: dict[str, Any] = dict(position_embedding_type="rope", rotary_base=int(theta))
+    partial = rope.get("partial_rotary_factor", conf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        problems.append(f"partial_rotary_factor={partial} (jmegatron rotates the whole head)")
+    original = rope.get("original_max_position_embeddings", conf.get("max_position_embeddings"))
+    if rope_type == "linear":
+        fields["rotary_seq_len_interpolation_factor"] = float(rope["factor"])
+    elif rope_type == "llama3":
+        fields.update(rope_scaling=True, rope_scaling_factor=float(rope["factor"]),
+                      rope_scaling_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                      rope_scaling_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                      rope_scaling_original_max_position_embeddings=int(original))
+    elif rope_type == "yarn":
+        factor = rope.get("factor") or float(conf["max_position_embeddings"]) / float(original)
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if not (mscale and mscale_all_dim):  # transformers: both or neither (then 0.1 ln(factor) + 1)
+            mscale, mscale_all_dim = 1.0, 0.0
+        fields.update(position_embedding_type="yarn", yarn_rotary_scaling_factor=float(factor),
+                      yarn_original_max_position_embeddings=int(original),
+                      yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
+                      yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+                      yarn_mscale=float(mscale), yarn_mscale_all_dim=float(mscale_all_dim),
+                      yarn_correction_range_round_to_int=bool(rope.get("truncate", True)))
+        given = rope.get("attention_factor")
+        if given is not None:
+            implied = yarn_concentration_factor(float(factor), float(mscale), float(mscale_all_dim))
+            if abs(float(given) - implied) > 1e-12:
+                problems.append(f"rope_parameters.attention_factor={given} (jmegatron derives YaRN's attention "
+                                f"factor from factor / mscale / mscale_all_dim: {implied})")
+    elif rope_type != "default":
+        problems.append(f"RoPE scaling {rope_type!r} (built: 'default', 'linear', 'llama3', 'yarn')")
+    return fields
 
 
 def hf_architecture(cfg) -> str:
@@ -117,16 +221,17 @@ def hf_architecture(cfg) -> str:
         return arch
     if cfg.position_embedding_type == "learned_absolute":
         arch, problems = GPT2, _gpt2_problems(cfg)
-    elif cfg.position_embedding_type == "rope":
-        arch, problems = LLAMA, _llama_problems(cfg)
+    elif cfg.position_embedding_type in ("rope", "yarn"):
+        arch = QWEN3 if cfg.qk_layernorm else QWEN2 if cfg.add_qkv_bias and not cfg.add_bias_linear else LLAMA
+        problems = _llama_problems(cfg, arch)
     else:
         raise ValueError(
             f"config.position_embedding_type={cfg.position_embedding_type!r} has no Hugging Face "
-            f"export target: {GPT2} needs 'learned_absolute', {LLAMA} needs 'rope'.")
+            f"export target: {GPT2} needs 'learned_absolute', {LLAMA} needs 'rope' or 'yarn'.")
     if problems:
         raise ValueError(f"this config cannot be exported as Hugging Face {arch} "
-                         f"(chosen by position_embedding_type={cfg.position_embedding_type!r}): "
-                         + "; ".join(problems) + ".")
+                         f"(chosen by position_embedding_type={cfg.position_embedding_type!r}"
+                         f"{', qk_layernorm' if cfg.qk_layernorm else ''}): " + "; ".join(problems) + ".")
     return arch
 
 
@@ -136,10 +241,10 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
     embedding (the padded size of the params, or a smaller true vocabulary when the export
     drops the padding rows, see :func:`to_hf_state_dict`).
 
-    GPT-2 (``GPT2Config``): ``activation_function="gelu"`` is the exact erf GELU jmegatron uses
-    (not GPT-2's default ``"gelu_new"`` tanh approximation). Llama (``LlamaConfig``): RoPE is
-    written as transformers 5.x ``rope_parameters={"rope_type": "default", "rope_theta": ...}``
-    and also as the legacy top-level ``rope_theta`` read by transformers 4.x.
+    GPT-2 (``GPT2Config``): ``activation_function`` "gelu" (the exact erf GELU) or, with
+    ``openai_gelu``, GPT-2's own "gelu_new" (tanh). Llama / Qwen2 / Qwen3: RoPE is written as
+    transformers 5.x ``rope_parameters`` (:func:`rope_parameters`), and also as the legacy
+    top-level ``rope_theta`` and ``rope_scaling`` (non-default types) read by transformers 4.x.
     ``bos_token_id``/``eos_token_id`` default to None (jmegatron does not know the tokenizer's).
     Raises ValueError as :func:`hf_architecture`.
     """
@@ -166,7 +271,7 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
             "n_inner": cfg.ffn_hidden_size,
             "n_positions": cfg.max_position_embeddings,
             "layer_norm_epsilon": float(cfg.norm_epsilon),
-            "activation_function": "gelu",
+            "activation_function": "gelu_new" if cfg.openai_gelu else "gelu",
             "resid_pdrop": float(cfg.hidden_dropout),
             "embd_pdrop": float(cfg.hidden_dropout),
             "attn_pdrop": float(cfg.attention_dropout),
@@ -174,6 +279,7 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
         }
+    rope = rope_parameters(cfg)
     llama = {
         "model_type": "llama",
         **common,
@@ -186,8 +292,9 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": float(cfg.norm_epsilon),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+        "rope_parameters": rope,
         "rope_theta": float(cfg.rotary_base),
+        "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
         "attention_bias": bool(cfg.add_bias_linear),
         "attention_dropout": float(cfg.attention_dropout),
         "mlp_bias": bool(cfg.add_bias_linear),
@@ -195,6 +302,13 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
     }
     if arch in MOE_ARCHITECTURES:
         return hf_moe.moe_config_dict(cfg, arch, llama)
+    if arch in (QWEN2, QWEN3):  # Qwen2: Q/K/V biases always; Qwen3: attention_bias (none here)
+        conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp")}
+        conf.update(model_type=_MODEL_TYPE[arch], use_sliding_window=False, sliding_window=None,
+                    max_window_layers=cfg.num_layers, layer_types=["full_attention"] * cfg.num_layers)
+        if arch == QWEN2:
+            conf.pop("attention_bias")
+        return conf
     return llama
 
 
@@ -203,19 +317,22 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
     ``vocab_size``) of a transformers ``config.json`` mapping; the inverse of
     :func:`hf_config_dict`.
 
-    Accepts ``GPT2LMHeadModel`` (``model_type`` "gpt2") with the exact ``activation_function
-    "gelu"`` and ``LlamaForCausalLM`` ("llama") with ``hidden_act "silu"``, default RoPE and
-    equal ``attention_bias``/``mlp_bias``. Raises ValueError naming each HF field jmegatron
-    cannot represent (e.g. GPT-2's default tanh ``"gelu_new"``, RoPE scaling).
+    Accepts ``model_type`` "gpt2" (``activation_function`` "gelu", or the tanh "gelu_new" /
+    "gelu_pytorch_tanh" / "gelu_fast" as ``openai_gelu``), the Llama layout "llama",
+    "mistral", "qwen2" (Q/K/V biases), "qwen3" (``qk_layernorm``) with ``hidden_act "silu"``
+    and the RoPE types of :func:`rope_fields_from_hf`, and the MoE types of
+    :mod:`jmegatron.export.hf_moe`. Raises ValueError naming each HF field jmegatron cannot
+    represent (e.g. sliding-window attention, ``attention_bias`` without ``mlp_bias``, RoPE
+    type "longrope").
     """
     model_type = conf.get("model_type")
     problems: list[str] = []
     if model_type == "gpt2":
         h, heads = int(conf["n_embd"]), int(conf["n_head"])
         act = conf.get("activation_function", "gelu_new")
-        if act != "gelu":
-            problems.append(f"activation_function={act!r} (jmegatron's GPT MLP is the exact erf GELU, "
-                            f"HF 'gelu'; the tanh approximation 'gelu_new' is not built)")
+        if act not in ("gelu",) + _GELU_TANH:
+            problems.append(f"activation_function={act!r} (built: the exact 'gelu' and the tanh "
+                            f"{', '.join(map(repr, _GELU_TANH))})")
         for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
             if conf.get(key):
                 problems.append(f"{key}=True (not built)")
@@ -226,37 +343,39 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             ffn_hidden_size=int(conf.get("n_inner") or 4 * h), num_query_groups=heads, kv_channels=h // heads,
             max_position_embeddings=int(conf["n_positions"]), position_embedding_type="learned_absolute",
             normalization="LayerNorm", norm_epsilon=float(conf.get("layer_norm_epsilon", 1e-5)), swiglu=False,
-            add_bias_linear=True, add_qkv_bias=False)
-    elif model_type in ("llama",) + tuple(hf_moe.MODEL_TYPES):
+            openai_gelu=act in _GELU_TANH, add_bias_linear=True, add_qkv_bias=False)
+    elif model_type in tuple(LLAMA_LIKE) + tuple(hf_moe.MODEL_TYPES):
         h, heads = int(conf["hidden_size"]), int(conf["num_attention_heads"])
-        rope = dict(conf.get("rope_parameters") or {})
-        rope_type = rope.get("rope_type", (conf.get("rope_scaling") or {}).get("rope_type", "default"))
-        if rope_type != "default" or conf.get("rope_scaling"):
-            problems.append(f"RoPE scaling {rope_type!r} (only the default RoPE is built)")
         if conf.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={conf.get('hidden_act')!r} (SwiGLU uses silu)")
-        theta = float(rope.get("rope_theta", conf.get("rope_theta", 10000.0)))
-        if theta != int(theta):
-            problems.append(f"rope_theta={theta} (jmegatron's rotary_base is an integer)")
         attn_bias, mlp_bias = bool(conf.get("attention_bias", False)), bool(conf.get("mlp_bias", False))
-        if attn_bias != mlp_bias:
+        if model_type == "llama" and attn_bias != mlp_bias:
             problems.append(f"attention_bias={attn_bias} with mlp_bias={mlp_bias} (jmegatron's add_bias_linear "
                             f"biases every linear layer or none)")
+        if model_type == "qwen3" and attn_bias:
+            problems.append("attention_bias=True (Qwen3's biases on q/k/v and o_proj but not the MLP: jmegatron's "
+                            "add_bias_linear biases every linear layer, add_qkv_bias only Q/K/V)")
+        window = conf.get("sliding_window") if model_type == "mistral" else \
+            conf.get("sliding_window") if conf.get("use_sliding_window") else None
+        if window is not None and model_type not in hf_moe.MODEL_TYPES:  # (hf_moe names its own)
+            problems.append(f"sliding_window={window} (sliding-window attention is not built; Mistral-7B-v0.2 and "
+                            f"later set it null)")
         fields = dict(
             num_layers=int(conf["num_hidden_layers"]), hidden_size=h, num_attention_heads=heads,
             ffn_hidden_size=int(conf["intermediate_size"]),
             num_query_groups=int(conf.get("num_key_value_heads") or heads),
             kv_channels=int(conf.get("head_dim") or h // heads),
-            max_position_embeddings=int(conf["max_position_embeddings"]), position_embedding_type="rope",
-            rotary_base=int(theta),
+            max_position_embeddings=int(conf["max_position_embeddings"]),
             normalization="RMSNorm", norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)), swiglu=True,
-            add_bias_linear=attn_bias and mlp_bias, add_qkv_bias=False)
+            add_bias_linear=model_type == "llama" and attn_bias and mlp_bias,
+            add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type == "qwen3")
+        fields.update(rope_fields_from_hf(conf, problems))
         if model_type in hf_moe.MODEL_TYPES:
             fields.update(hf_moe.moe_config_fields(conf, problems))
     else:
-        raise ValueError(f"Hugging Face model_type={model_type!r} has no jmegatron import: "
-                         f"supported are 'gpt2' ({GPT2}), 'llama' ({LLAMA}), 'mixtral' ({MIXTRAL}) and "
-                         f"'qwen2_moe' ({QWEN2_MOE})")
+        raise ValueError(f"Hugging Face model_type={model_type!r} has no jmegatron import: supported are "
+                         + ", ".join(f"{t!r} ({a})" for t, a in
+                                     [("gpt2", GPT2), *LLAMA_LIKE.items(), *hf_moe.MODEL_TYPES.items()]))
     if problems:
         raise ValueError(f"this Hugging Face {model_type} config cannot be imported: " + "; ".join(problems))
     fields["untie_embeddings_and_output_weights"] = not bool(conf.get("tie_word_embeddings", True))
@@ -485,6 +604,10 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
                 yield f"{o}.self_attn.{n}_proj.weight", c(k.reshape(h, heads * d).T)
                 if bias or cfg.add_qkv_bias:
                     yield f"{o}.self_attn.{n}_proj.bias", c(gl(f"{A}/linear_{n}/bias").reshape(heads * d))
+            if cfg.qk_layernorm:
+                for n in "qk":
+                    yield f"{o}.self_attn.{n}_norm.weight", c(_check_shape(
+                        f"{A}/{n}_layernorm/scale", gl(f"{A}/{n}_layernorm/scale"), (d,)))
             k = _check_shape(f"{A}/linear_proj/kernel", gl(f"{A}/linear_proj/kernel"), (nq, d, h))
             yield f"{o}.self_attn.o_proj.weight", c(k.reshape(nq * d, h).T)
             if bias:
@@ -645,6 +768,9 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
                 if bias or cfg.add_qkv_bias:
                     attn[f"linear_{n}"]["bias"] = t(f"{o}.self_attn.{n}_proj.bias", (heads * d,)).reshape(heads, d)
             attn["linear_proj"] = {"kernel": t(f"{o}.self_attn.o_proj.weight", (h, nq * d)).T.reshape(nq, d, h)}
+            if cfg.qk_layernorm:
+                for n in "qk":
+                    attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
             if moe_layers[i]:
                 p[f"decoder_layers_{i}"] = {
                     "input_layernorm": {"scale": t(f"{o}.input_layernorm.weight", (h,))},
@@ -701,8 +827,9 @@ def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
     v = sd[emb_key].shape[0]
     conf = hf_config_dict(cfg, v, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     arch = conf["architectures"][0]
-    config_cls = {GPT2: transformers.GPT2Config, LLAMA: transformers.LlamaConfig,
-                  MIXTRAL: transformers.MixtralConfig, QWEN2_MOE: transformers.Qwen2MoeConfig}[arch]
+    config_cls = {GPT2: transformers.GPT2Config, LLAMA: transformers.LlamaConfig, QWEN2: transformers.Qwen2Config,
+                  QWEN3: transformers.Qwen3Config, MIXTRAL: transformers.MixtralConfig,
+                  QWEN2_MOE: transformers.Qwen2MoeConfig}[arch]
     config = config_cls.from_dict(conf)
     model = getattr(transformers, arch)(config).to(torch.float32)
     if arch in MOE_ARCHITECTURES:  # transformers 5 holds the experts fused in memory

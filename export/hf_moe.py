@@ -104,7 +104,7 @@ def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
     keep = ("architectures", "vocab_size", "initializer_range", "tie_word_embeddings", "bos_token_id",
             "eos_token_id", "pad_token_id", "use_cache", "dtype", "hidden_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
-            "rms_norm_eps", "rope_parameters", "rope_theta", "attention_dropout")
+            "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "attention_dropout")
     conf = {k: llama[k] for k in keep}
     conf["architectures"] = [arch]
     conf.update(num_experts_per_tok=int(cfg.moe_router_topk), router_aux_loss_coef=float(cfg.moe_aux_loss_coeff),

@@ -144,7 +144,7 @@ from jmegatron.export import trtllm_check
 from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint, refuse_moe
 from jmegatron.export.fp8_scales import (FP8_LINEARS, WEIGHT_SCALES, checkpoint_fp8_scales, layer_fp8_meta,
                                          quantize_weight, saved_fp8_meta_paths, strip_fp8_meta)
-from jmegatron.export.hf import GPT2, _check_shape, _get, _plain, hf_architecture, unstack_layers
+from jmegatron.export.hf import GPT2, QWEN2 as HF_QWEN2, _check_shape, _get, _plain, hf_architecture, unstack_layers
 from jmegatron.export.hf_moe import MIXTRAL as HF_MIXTRAL
 from jmegatron.export.quantize import load_quantized, quantized_source_config
 from jmegatron.export.trtllm_check import check_trtllm_checkpoint, pp_layers
@@ -186,6 +186,17 @@ def trtllm_architecture(cfg) -> str:
     except ValueError as e:
         targets = MIXTRAL if cfg.num_moe_experts is not None else "GPTForCausalLM / LlamaForCausalLM"
         raise ExportError(f"no TensorRT-LLM target ({targets}) for this checkpoint: {e}") from e
+    unwritten = [f"config.{name}={getattr(cfg, name)!r}" for name, off in (
+        ("qk_layernorm", False), ("openai_gelu", False), ("rope_scaling", False),
+        ("rotary_seq_len_interpolation_factor", None)) if getattr(cfg, name) != off]
+    if cfg.position_embedding_type == "yarn":
+        unwritten.append("config.position_embedding_type='yarn'")
+    if hf_arch == HF_QWEN2:
+        unwritten.append("config.add_qkv_bias=True without add_bias_linear (Qwen2's layout)")
+    if unwritten:
+        raise ExportError(f"trtllm: {', '.join(unwritten)}: the TensorRT-LLM legacy checkpoint written here has GPT-2 "
+                          f"and Llama-2 blocks only. `python -m jmegatron.export hf` writes this model as {hf_arch}, "
+                          "which TensorRT-LLM's PyTorch backend, vLLM and SGLang load")
     if hf_arch == HF_MIXTRAL:
         return MIXTRAL
     return GPT if hf_arch == GPT2 else LLAMA

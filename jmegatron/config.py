@@ -31,7 +31,7 @@ from jmegatron.presets import FAMILIES
 from jmegatron.num_microbatches_calculator import NumMicroBatchesCalculatorError, update_train_iters
 from jmegatron.parallel.pipeline_layout import PipelineLayout
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD", "multi-step")  # multi-step: ByteMLPerf
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -141,14 +141,41 @@ class JMegatronConfig:
     max_position_embeddings: Optional[int] = None  # None: = seq_length
     vocab_size: Optional[int] = None  # None: taken from the tokenizer; required for mock data
     make_vocab_size_divisible_by: int = 128
-    position_embedding_type: str = "learned_absolute"
+    position_embedding_type: str = "learned_absolute"  # "rope" | "yarn": rotary (jmegatron.models.rope)
     rotary_base: int = 10000
+    # RoPE's positions divided by this factor (Megatron's --rotary-seq-len-interpolation-factor;
+    # Hugging Face rope_type "linear"); None: 1
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    # Llama-3.x frequency scaling (megatron-core RotaryEmbedding's rope_scaling /
+    # rope_scaling_factor; HF rope_type "llama3"); the three bounds are Megatron's fixed
+    # values (1, 4, 8192), fields here because Hugging Face configs give them per model
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    # YaRN (Peng et al. 2023) under position_embedding_type="yarn": megatron-core's yarn_* fields
+    # (YarnRotaryEmbedding; HF rope_type "yarn": factor, original_max_position_embeddings,
+    # beta_fast, beta_slow, mscale, mscale_all_dim, truncate)
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = False
+    # the MLP's GELU as the tanh approximation (Megatron's --openai-gelu; HF gelu_new /
+    # gelu_pytorch_tanh); False: the exact erf GELU
+    openai_gelu: bool = False
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # only used when add_bias_linear is False (Qwen-style QKV bias)
+    # RMSNorm / LayerNorm (``normalization``) of each query and key head over kv_channels,
+    # before RoPE (megatron-core's qk_layernorm; Qwen3, Gemma-3)
+    qk_layernorm: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
@@ -523,8 +550,12 @@ class JMegatronConfig:
             raise ConfigError(
                 f"config.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"config.num_query_groups={self.num_query_groups}; choose a divisor of the heads.")
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
-            raise ConfigError(f"config.kv_channels={self.kv_channels} must be even for rope.")
+        if self.position_embedding_type in ("rope", "yarn") and self.kv_channels % 2:
+            raise ConfigError(f"config.kv_channels={self.kv_channels} must be even for {self.position_embedding_type}.")
+        self._check_rope()
+        if self.openai_gelu and self.swiglu:
+            raise ConfigError("config.openai_gelu=True with swiglu=True: SwiGLU's activation is SiLU, so the tanh GELU "
+                              "would not be used; set openai_gelu=False (or swiglu=False for a GELU MLP).")
         if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
             raise ConfigError(
                 f"config.seq_length={self.seq_length} exceeds config.max_position_embeddings="
@@ -664,6 +695,34 @@ class JMegatronConfig:
                               f"context_parallel_size={cp} and cp_comm_type='p2p' is not built (the ring's "
                               f"ppermutes inside the pipeline schedule's stage conditionals); set "
                               f"cp_comm_type='all_gather' or 'a2a', or pipeline_model_parallel_size=1.")
+
+    def _check_rope(self):
+        """The rotary fields (jmegatron.models.rope): scalings only where they apply."""
+        rotary = self.position_embedding_type in ("rope", "yarn")
+        if self.rope_scaling and self.position_embedding_type != "rope":
+            raise ConfigError(f"config.rope_scaling=True (Llama-3.x scaling) needs position_embedding_type='rope', "
+                              f"not {self.position_embedding_type!r}.")
+        if self.rotary_seq_len_interpolation_factor is not None and not rotary:
+            raise ConfigError("config.rotary_seq_len_interpolation_factor needs position_embedding_type 'rope' "
+                              f"or 'yarn', not {self.position_embedding_type!r}.")
+        if self.rotary_seq_len_interpolation_factor is not None and self.rotary_seq_len_interpolation_factor < 1:
+            raise ConfigError(f"config.rotary_seq_len_interpolation_factor={self.rotary_seq_len_interpolation_factor} "
+                              "must be >= 1 (or None).")
+        if self.rope_scaling:
+            if not self.rope_scaling_factor >= 1:
+                raise ConfigError(f"config.rope_scaling_factor={self.rope_scaling_factor} must be >= 1.")
+            if not 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor:
+                raise ConfigError(f"config.rope_scaling_low_freq_factor={self.rope_scaling_low_freq_factor} must be "
+                                  f"> 0 and below rope_scaling_high_freq_factor={self.rope_scaling_high_freq_factor}.")
+            if self.rope_scaling_original_max_position_embeddings <= 0:
+                raise ConfigError("config.rope_scaling_original_max_position_embeddings="
+                                  f"{self.rope_scaling_original_max_position_embeddings} must be > 0.")
+        if self.position_embedding_type == "yarn":
+            if not self.yarn_rotary_scaling_factor >= 1:
+                raise ConfigError(f"config.yarn_rotary_scaling_factor={self.yarn_rotary_scaling_factor} must be >= 1.")
+            if self.yarn_original_max_position_embeddings <= 0:
+                raise ConfigError("config.yarn_original_max_position_embeddings="
+                                  f"{self.yarn_original_max_position_embeddings} must be > 0.")
 
     def _check_moe(self):
         """The MoE fields, as Megatron's TransformerConfig.__post_init__ and validate_args
@@ -852,8 +911,12 @@ class JMegatronConfig:
 MODEL_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
-    "normalization", "norm_epsilon", "swiglu", "untie_embeddings_and_output_weights",
-    "add_bias_linear", "add_qkv_bias",
+    "rotary_seq_len_interpolation_factor", "rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
+    "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+    "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int",
+    "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
+    "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
 )
 
@@ -892,7 +955,8 @@ def _check_names(names) -> None:
 def base_config(family: Optional[str] = None) -> ml_collections.ConfigDict:
     """The defaults as a locked, type-safe ConfigDict for config files to modify.
 
-    ``family`` (a key of :data:`jmegatron.presets.FAMILIES`: "gpt2", "llama", "mixtral")
+    ``family`` (a key of :data:`jmegatron.presets.FAMILIES`: "gpt2", "llama", "llama3",
+    "mistral", "qwen2", "qwen3", "mixtral")
     sets that family's architecture fields over the defaults (:func:`set_family`).
     Optional fields are typed placeholders, so ``--config.save=DIR`` type-checks.
     Raises ConfigError for an unknown family.

@@ -72,8 +72,38 @@ MIXTRAL: dict[str, Any] = dict(
     moe_aux_loss_coeff=1e-2,
 )
 
+# Llama 3.x (Grattafiori et al. 2024, arXiv:2407.21783; Hugging Face Llama-3.1 config.json):
+# Llama's blocks with RoPE base 500000 and the Llama-3.1 frequency scaling (megatron-core's
+# rope_scaling, factor 8 over an 8192-token original context; Llama-3.2 uses factor 32).
+LLAMA3: dict[str, Any] = dict(
+    LLAMA,
+    rotary_base=500000,
+    rope_scaling=True,
+    rope_scaling_factor=8.0,
+    rope_scaling_low_freq_factor=1.0,
+    rope_scaling_high_freq_factor=4.0,
+    rope_scaling_original_max_position_embeddings=8192,
+)
+
+# Mistral 7B v0.3 (Jiang et al. 2023, arXiv:2310.06825; v0.2+ drop the sliding window):
+# Llama's blocks with RoPE base 1e6.
+MISTRAL: dict[str, Any] = dict(LLAMA, rotary_base=1000000)
+
+# Qwen2 / Qwen2.5 (arXiv:2407.10671, 2412.15115; Megatron-Bridge's Qwen2 provider:
+# add_qkv_bias, no other bias): Llama's blocks with Q/K/V biases, RoPE base 1e6, RMSNorm eps 1e-6.
+QWEN2: dict[str, Any] = dict(LLAMA, add_qkv_bias=True, rotary_base=1000000, norm_epsilon=1e-6)
+
+# Qwen3 (arXiv:2505.09388; Megatron-Bridge's Qwen3 provider: qk_layernorm, kv_channels 128):
+# Llama's blocks with per-head RMSNorm on queries and keys before RoPE, no biases, RoPE base
+# 1e6, eps 1e-6; the head dimension (kv_channels) is set per model, decoupled from hidden / heads.
+QWEN3: dict[str, Any] = dict(LLAMA, qk_layernorm=True, rotary_base=1000000, norm_epsilon=1e-6)
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": GPT2,
     "llama": LLAMA,
+    "llama3": LLAMA3,
+    "mistral": MISTRAL,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
     "mixtral": MIXTRAL,
 }

@@ -133,9 +133,7 @@ def test_resume_across_scan_layers_is_bit_exact(runs, per_layer_ckpt, tmp_path):
     # the next step from the stacked checkpoint: the per-layer run's loss, bit for bit
     e = pretrain(tiny(tmp_path / "e", load=str(tmp_path / "b")))
     assert sorted(e["losses"]) == [3] and e["losses"][3] == full_losses[3]
-    # a scanned run continuing from the per-layer checkpoint computes the same step
-    d = pretrain(tiny(tmp_path / "d", scan_layers=True, load=str(a_dir)))
-    assert d["losses"][3] == pytest.approx(full_losses[3], rel=1e-6)
+    # (that a scanned run's step equals the per-layer run's is tests/test_layout_equivalence.py's)
 
 
 def test_layout_of_config_and_of_saved_config_agree():

@@ -126,12 +126,12 @@ def test_cli_errors_before_any_work(tmp_path, gpt_tp2_ckpt):
 def test_import_refuses_what_jmegatron_cannot_represent(tmp_path):
     from jmegatron.export.hf import config_fields_from_hf
 
-    with pytest.raises(ValueError, match="activation_function='gelu_new'"):
+    with pytest.raises(ValueError, match="activation_function='relu'"):
         config_fields_from_hf({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 1,
-                               "n_positions": 32, "vocab_size": 100})
+                               "n_positions": 32, "vocab_size": 100, "activation_function": "relu"})
     with pytest.raises(ValueError, match="attention_bias=True with mlp_bias=False"):
         config_fields_from_hf({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
                                "num_hidden_layers": 1, "intermediate_size": 128, "max_position_embeddings": 32,
                                "vocab_size": 100, "attention_bias": True})
-    with pytest.raises(ValueError, match="model_type='mistral' has no jmegatron import"):
-        config_fields_from_hf({"model_type": "mistral"})
+    with pytest.raises(ValueError, match="model_type='phi3' has no jmegatron import"):
+        config_fields_from_hf({"model_type": "phi3"})

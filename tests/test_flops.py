@@ -79,6 +79,8 @@ TINY = {"mock_data": True, "vocab_size": 1000}
     ("gpt_tiny.py", {"add_bias_linear": False, "position_embedding_type": "none"}),
     ("llama_tiny.py", {"add_qkv_bias": True, "kv_channels": 48}),
     ("llama_tiny.py", {"num_query_groups": 8, "normalization": "LayerNorm"}),
+    ("llama_tiny.py", {"qk_layernorm": True, "kv_channels": 48}),
+    ("llama_tiny.py", {"qk_layernorm": True, "normalization": "LayerNorm"}),
     ("mixtral_tiny.py", {}),
     ("mixtral_tiny.py", {"moe_layer_freq": 2, "moe_shared_expert_intermediate_size": 96, "swiglu": False}),
 ])

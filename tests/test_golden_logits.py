@@ -212,7 +212,7 @@ def test_hf_config_dict():
     ("gpt", dict(num_query_groups=2, normalization="RMSNorm"), ["num_query_groups", "normalization"]),
     ("gpt", dict(add_bias_linear=False), ["add_bias_linear"]),
     ("llama", dict(normalization="LayerNorm", swiglu=False), ["normalization", "swiglu"]),
-    ("llama", dict(add_qkv_bias=True), ["add_qkv_bias"]),
+    ("llama", dict(add_qkv_bias=True, qk_layernorm=True), ["add_qkv_bias"]),
     ("llama", dict(position_embedding_type="none"), ["position_embedding_type"]),
 ])
 def test_unrepresentable_config_rejected(kind, changes, fields):

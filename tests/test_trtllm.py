@@ -502,6 +502,11 @@ def test_bad_tp_and_architecture_fail_before_writing(tmp_path):
         write_trtllm_checkpoint(random_params(bad), bad, TRUE_VOCAB, str(out), tp=1)
     with pytest.raises(ExportError, match="--dtype 'float32'"):
         check_exportable(gpt, 1, "float32")
+    for changes, named in ((dict(qk_layernorm=True), "qk_layernorm=True"), (dict(rope_scaling=True), "rope_scaling=True"),
+                           (dict(add_bias_linear=False, add_qkv_bias=True), "add_qkv_bias=True without")):
+        new = make_cfg("llama", **changes)
+        with pytest.raises(ExportError, match=f"trtllm: .*{named}.*TensorRT-LLM legacy checkpoint"):
+            write_trtllm_checkpoint(random_params(new), new, TRUE_VOCAB, str(out), tp=1)
     assert not out.exists() and os.listdir(tmp_path) == []  # no staging folder left behind either
 
 

@@ -6,6 +6,10 @@ megatron/core/transformer/dot_product_attention.py (core attention), and
 megatron/core/models/common/embeddings/rotary_pos_embedding.py for RoPE
 (Su et al. 2021, non-interleaved "rotate half" layout, as Hugging Face Llama).
 
+Rotary embeddings and their scalings live in :mod:`jmegatron.models.rope`; with
+``qk_layernorm`` each query and key head is normalised over its ``kv_channels`` before RoPE
+(megatron-core's ``q_layernorm`` / ``k_layernorm`` submodules; Qwen3, Gemma-3).
+
 Decoding with a KV cache (Megatron-Core's static inference context,
 megatron/core/inference/contexts/static_context.py + the key/value memory of
 attention.py): the cache holds each layer's keys and values ``[b, max_length, g, d]``
@@ -25,7 +29,8 @@ import jax.numpy as jnp
 from jmegatron.kernels.xla.attention import cached_attention
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.core_attention import CORE_ATTENTIONS
-from jmegatron.models.layers import Linear
+from jmegatron.models.layers import Linear, make_norm
+from jmegatron.models.rope import RotaryEmbedding, apply_rope
 from jmegatron.parallel.context_parallel import CP_ATTENTIONS, context_positions
 from jmegatron.parallel.rules import CONTEXT_AXIS
 
@@ -50,22 +55,6 @@ def update_kv_cache(cache: Array, new: Array, start: Array) -> Array:
     return jax.vmap(row)(cache, new, start)
 
 
-def rope_cos_sin(position_ids: Array, head_dim: int, base: float) -> tuple[Array, Array]:
-    """cos/sin tables ``[b, s, 1, head_dim]`` (float32) for integer ``position_ids [b, s]``."""
-    inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = position_ids.astype(jnp.float32)[..., None] * inv_freq  # [b, s, d/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotate ``x [b, s, n, d]`` by the tables from :func:`rope_cos_sin` (rotate-half layout)."""
-    d = x.shape[-1]
-    x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., d // 2:], x32[..., :d // 2]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
-
-
 class SelfAttention(nn.Module):
     """Causal self-attention: ``x [b, s, h]`` -> ``[b, s, h]``.
 
@@ -82,8 +71,7 @@ class SelfAttention(nn.Module):
     hidden_size: int
     use_bias: bool
     qkv_bias: bool
-    use_rope: bool
-    rotary_base: float
+    rope: Optional[RotaryEmbedding]  # None: no rotary embedding (learned or no positions)
     attention_dropout: float
     init_std: float
     output_init_std: float
@@ -93,6 +81,9 @@ class SelfAttention(nn.Module):
     dtype: Any = jnp.float32
     dropout_impl: str = "hash"  # jmegatron.kernels.xla.dropout.DROPOUT_IMPLS
     dot_general: Callable = dense_dot_general_fn
+    qk_layernorm: bool = False
+    normalization: str = "RMSNorm"  # the q/k norms' kind and epsilon under qk_layernorm
+    norm_epsilon: float = 1e-5
 
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, deterministic: bool,
@@ -129,8 +120,11 @@ class SelfAttention(nn.Module):
         q = nn.with_logical_constraint(q, ("batch", "length", "activation_heads", "activation_kv"))
         k = nn.with_logical_constraint(k, ("batch", "length", "activation_kv_heads", "activation_kv"))
         v = nn.with_logical_constraint(v, ("batch", "length", "activation_kv_heads", "activation_kv"))
-        if self.use_rope:
-            cos, sin = rope_cos_sin(position_ids, d, self.rotary_base)
+        if self.qk_layernorm:  # per head, over kv_channels, before RoPE
+            q = make_norm(self.normalization, self.norm_epsilon, self.dtype, "q_layernorm")(q)
+            k = make_norm(self.normalization, self.norm_epsilon, self.dtype, "k_layernorm")(k)
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(position_ids)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_cache = None
         if kv_cache is not None and segment_ids is not None:

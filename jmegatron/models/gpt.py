@@ -61,8 +61,9 @@ class TransformerLayer(nn.Module):
         attention = SelfAttention(
             num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
             kv_channels=c.kv_channels, hidden_size=c.hidden_size, use_bias=c.add_bias_linear,
-            qkv_bias=c.add_qkv_bias, use_rope=c.position_embedding_type == "rope",
-            rotary_base=c.rotary_base, attention_dropout=c.attention_dropout, dropout_impl=c.dropout_impl,
+            qkv_bias=c.add_qkv_bias, rope=c.rotary_embedding(),
+            attention_dropout=c.attention_dropout, dropout_impl=c.dropout_impl,
+            qk_layernorm=c.qk_layernorm, normalization=c.normalization, norm_epsilon=c.norm_epsilon,
             init_std=c.init_method_std,
             output_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
             core_attention=c.attention_impl, cp_comm_type=c.cp_comm_type,

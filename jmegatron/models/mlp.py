@@ -19,6 +19,17 @@ from jmegatron.models.transformer_config import ModelConfig
 Array = jax.Array
 
 
+def activation(h: Array, swiglu: bool, openai_gelu: bool) -> Array:
+    """The MLP's activation on linear_fc1's output: SwiGLU ``silu(h[..., 0, :]) * h[..., 1, :]``
+    for ``[..., 2, ffn]`` (``swiglu``), else GELU on ``[..., ffn]``, the tanh approximation with
+    ``openai_gelu`` (:func:`jmegatron.fusions.fused_gelu.gelu_tanh`) and the exact erf form
+    otherwise (:func:`jmegatron.fusions.fused_gelu.gelu`). Megatron-Core's
+    ``activation_func`` / ``gated_linear_unit`` of megatron/core/transformer/mlp.py."""
+    if swiglu:
+        return nn.silu(h[..., 0, :]) * h[..., 1, :]
+    return fused_gelu.gelu_tanh(h) if openai_gelu else fused_gelu.gelu(h)
+
+
 class MLP(nn.Module):
     """``[b, s, h]`` -> ``[b, s, h]``: linear_fc1 (column-parallel) -> GELU or SwiGLU ->
     linear_fc2 (row-parallel). With SwiGLU, linear_fc1 is ``[h, 2, ffn]`` (index 0 the
@@ -37,11 +48,10 @@ class MLP(nn.Module):
         if c.swiglu:
             h = dense((2, c.ffn_hidden_size), ("embed", None, "mlp"), kernel_init=init, tp_mode="column",
                       tp_dim=2, name="linear_fc1")(x)
-            h = nn.silu(h[..., 0, :]) * h[..., 1, :]
         else:
             h = dense((c.ffn_hidden_size,), ("embed", "mlp"), kernel_init=init, tp_mode="column", tp_dim=1,
                       name="linear_fc1")(x)
-            h = fused_gelu.gelu(h)  # erf GELU, one pass each way (jmegatron.fusions)
+        h = activation(h, c.swiglu, c.openai_gelu)
         h = nn.with_logical_constraint(h, ("batch", "length", "activation_mlp"))
         return dense((c.hidden_size,), ("mlp", "embed"), kernel_init=out_init, tp_mode="row", tp_dim=0,
                      name="linear_fc2")(h)

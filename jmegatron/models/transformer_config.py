@@ -17,6 +17,7 @@ from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.backend import Backend
 from jmegatron.models.fp8 import Fp8DotGeneral
 from jmegatron.models.moe.moe_utils import MoEConfig
+from jmegatron.models.rope import RotaryEmbedding
 from jmegatron.models.te import te_dot_general
 
 
@@ -45,6 +46,8 @@ class ModelConfig:
     hidden_dropout: float
     attention_dropout: float
     init_method_std: float
+    qk_layernorm: bool = False
+    openai_gelu: bool = False  # the MLP's GELU as the tanh approximation
     scan_layers: bool = False
     recompute_granularity: str = "none"
     dropout_impl: str = "hash"
@@ -57,6 +60,9 @@ class ModelConfig:
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
     backend: Backend = Backend()  # the resolved attention / matmul / cross-entropy kernels
+    # the rotary embedding with its scalings (from_config builds it from the run's fields);
+    # None: RotaryEmbedding.from_config of the fields above (no scaling)
+    rope: Optional[RotaryEmbedding] = None
 
     @classmethod
     def from_config(cls, cfg: JMegatronConfig, padded_vocab_size: int) -> "ModelConfig":
@@ -68,13 +74,19 @@ class ModelConfig:
         Transformer Engine runs it, or with ``sequence_parallel`` (not built in pure JAX)."""
         backend = Backend.from_config(cfg)
         _check_fp8(cfg, backend)
-        names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe", "backend"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe", "backend", "rope"}
         fields = {n: getattr(cfg, n) for n in names}
         if cfg.pipeline_model_parallel_size > 1:  # stages hold slices of the stacked layers
             fields["scan_layers"] = True
         dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16 if cfg.fp16 else jnp.float32
         return cls(vocab_size=padded_vocab_size, dtype=dtype, moe=MoEConfig.from_config(cfg), backend=backend,
-                   **fields)
+                   rope=RotaryEmbedding.from_config(cfg), **fields)
+
+    def rotary_embedding(self) -> Optional[RotaryEmbedding]:
+        """The attention's rotary embedding: ``rope``, else the unscaled one of
+        ``position_embedding_type`` / ``rotary_base`` / ``kv_channels``; None without rotary
+        positions."""
+        return self.rope if self.rope is not None else RotaryEmbedding.from_config(self)
 
     @property
     def attention_impl(self) -> str:

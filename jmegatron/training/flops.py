@@ -200,7 +200,8 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
       ``max_position_embeddings * h`` if ``position_embedding_type == "learned_absolute"``.
     * per layer: two norms; the fused ``linear_qkv`` ``h*(nq + 2*ng)*d``
       each, with biases (``nq*d``, ``ng*d``) if ``add_bias_linear or add_qkv_bias``;
-      ``linear_proj`` ``nq*d*h`` (+ ``h`` bias if ``add_bias_linear``); ``linear_fc1``
+      ``linear_proj`` ``nq*d*h`` (+ ``h`` bias if ``add_bias_linear``); with ``qk_layernorm``
+      the ``q_layernorm`` and ``k_layernorm`` of ``kv_channels`` (``2d`` each for LayerNorm); ``linear_fc1``
       ``h*ffn`` (``h*2*ffn`` with SwiGLU) (+ ``ffn`` / ``2*ffn`` bias), ``linear_fc2``
       ``ffn*h`` (+ ``h`` bias).
     * ``final_layernorm``; ``output_layer`` ``h * V_padded`` (no bias) if untied.
@@ -218,8 +219,9 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
     fc1_width = 2 * ffn if cfg.swiglu else ffn
 
+    qk_norms = 2 * (2 * d if cfg.normalization == "LayerNorm" else d) if cfg.qk_layernorm else 0
     attention = (h * nq * d + 2 * h * ng * d + (nq * d + 2 * ng * d if qkv_bias else 0)
-                 + nq * d * h + (h if cfg.add_bias_linear else 0))
+                 + nq * d * h + (h if cfg.add_bias_linear else 0) + qk_norms)
     mlp = (h * fc1_width + ffn * h + (fc1_width + h if cfg.add_bias_linear else 0))
     layer = 2 * norm + attention + mlp
     num_moe_layers = _num_moe_layers(cfg)

@@ -237,6 +237,7 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
         raise ValueError(f"pipeline_stage={pipeline_stage} is not in 0..{p - 1}")
     h = cfg.hidden_size
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
+    qk_norms = 2 * (2 if cfg.normalization == "LayerNorm" else 1) * cfg.kv_channels if cfg.qk_layernorm else 0
     bias = cfg.add_bias_linear
     qkv_bias = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels \
         if (bias or cfg.add_qkv_bias) else 0
@@ -250,7 +251,7 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
         experts = num_moe_layers * cfg.num_moe_experts * (h * (2 * f if cfg.swiglu else f) + f * h)
     classes = {
         "tensor_replicated_fsdp_sharded": cfg.num_layers * (2 * h if bias else 0) + positions + router,
-        "replicated": cfg.num_layers * 2 * norm + norm,
+        "replicated": cfg.num_layers * (2 * norm + qk_norms) + norm,
         "tensor_sharded_fsdp_replicated": cfg.num_layers * (qkv_bias + fc1_bias),
         "expert": experts,
     }

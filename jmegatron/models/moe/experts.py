@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jmegatron.fusions import fused_gelu
+from jmegatron.models.mlp import activation
 
 Array = jax.Array
 
@@ -41,6 +41,7 @@ class GroupedMLP(nn.Module):
     ffn_hidden_size: int
     swiglu: bool
     init_std: float = 0.02
+    openai_gelu: bool = False  # the tanh GELU (jmegatron.models.mlp.activation)
     output_init_std: float = 0.02
     dtype: Any = jnp.float32
     grouped_matmul: Callable = jax.lax.ragged_dot
@@ -63,9 +64,7 @@ class GroupedMLP(nn.Module):
             hidden = nn.with_logical_constraint(hidden, ("activation_exp", None, "activation_mlp"))
         if self.swiglu:
             hidden = hidden.reshape(hidden.shape[:-1] + (2, f))
-            hidden = nn.silu(hidden[..., 0, :]) * hidden[..., 1, :]
-        else:
-            hidden = fused_gelu.gelu(hidden)
+        hidden = activation(hidden, self.swiglu, self.openai_gelu)
         hidden = (hidden.astype(jnp.float32) * probs[..., None].astype(jnp.float32)).astype(self.dtype)
         if group_sizes is not None:
             return self.grouped_matmul(hidden, fc2, group_sizes)

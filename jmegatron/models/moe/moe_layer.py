@@ -65,7 +65,7 @@ class MoELayer(nn.Module):
         routing = TopKRouter(moe, init_std=c.init_method_std, name="router")(x, training=self.training)
         ep = token_dispatcher.expert_parallel_size(EXPERT_AXIS)
         experts = GroupedMLP(moe.num_moe_experts // ep, h, moe.moe_ffn_hidden_size, c.swiglu,
-                             init_std=c.init_method_std,
+                             init_std=c.init_method_std, openai_gelu=c.openai_gelu,
                              output_init_std=output_init_std(c.init_method_std, c.num_layers), dtype=c.dtype,
                              grouped_matmul=c.grouped_matmul(), name="experts")
         flat = x.reshape(num_tokens, h)

@@ -1,0 +1,149 @@
+"""Rotary position embeddings (Su et al. 2021, RoFormer) and their long-context scalings.
+
+Follows megatron/core/models/common/embeddings/rotary_pos_embedding.py (``RotaryEmbedding``:
+the rotate-half layout of Hugging Face Llama, ``seq_len_interpolation_factor``, and the
+Llama-3.x ``rope_scaling``) and yarn_rotary_pos_embedding.py (``YarnRotaryEmbedding``: YaRN,
+Peng et al. 2023, arXiv:2309.00071). The same numbers as transformers'
+``modeling_rope_utils`` ("default", "linear", "llama3" and "yarn" rope types).
+
+:class:`RotaryEmbedding` holds the fields of a run's config that fix the frequencies; its
+:meth:`RotaryEmbedding.inverse_frequencies` are computed once in numpy (constants of the
+compiled step), and :meth:`RotaryEmbedding.cos_sin` turns integer position ids into the
+tables :func:`apply_rope` rotates queries and keys by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryEmbedding:
+    """The rotary frequencies of ``kv_channels``-wide heads.
+
+    ``position_embedding_type``: ``"rope"`` (with optional Llama-3.x ``rope_scaling``) or
+    ``"yarn"``; the other fields are the config fields of the same names
+    (:class:`jmegatron.config.JMegatronConfig`).
+    """
+
+    kv_channels: int
+    rotary_base: float = 10000.0
+    position_embedding_type: str = "rope"
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Optional["RotaryEmbedding"]:
+        """The rotary embedding of ``cfg`` (a run's config; fields it lacks keep this class's
+        defaults, so an object with only ``kv_channels``, ``rotary_base`` and
+        ``position_embedding_type`` gives the unscaled RoPE); None when its
+        ``position_embedding_type`` is not rotary."""
+        if cfg.position_embedding_type not in ("rope", "yarn"):
+            return None
+        return cls(**{f.name: getattr(cfg, f.name, f.default) for f in dataclasses.fields(cls)})
+
+    def inverse_frequencies(self) -> np.ndarray:
+        """float32 ``[kv_channels / 2]``: ``1 / base^(2i / d)``, rescaled by ``rope_scaling``
+        (megatron-core ``RotaryEmbedding._apply_scaling``) or by YaRN's ramp between
+        interpolated and extrapolated frequencies (``YarnRotaryEmbedding.get_emb``)."""
+        d = self.kv_channels
+        exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
+        inv_freq = (1.0 / np.float32(self.rotary_base) ** exponents).astype(np.float32)
+        if self.position_embedding_type == "yarn":
+            return _yarn_inverse_frequencies(self, inv_freq)
+        if self.rope_scaling:
+            return _llama3_inverse_frequencies(self, inv_freq)
+        return inv_freq
+
+    def mscale(self) -> float:
+        """The factor cos and sin are multiplied by: YaRN's attention (concentration) factor
+        ``(0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)`` for scaling factor ``s > 1``
+        (megatron-core ``_yarn_get_concentration_factor``), else 1."""
+        if self.position_embedding_type != "yarn":
+            return 1.0
+        return yarn_concentration_factor(self.yarn_rotary_scaling_factor, self.yarn_mscale, self.yarn_mscale_all_dim)
+
+    def cos_sin(self, position_ids: Array) -> tuple[Array, Array]:
+        """cos/sin tables ``[b, s, 1, kv_channels]`` (float32) for integer ``position_ids [b, s]``
+        (divided by ``rotary_seq_len_interpolation_factor`` when set), times :meth:`mscale`."""
+        positions = position_ids.astype(jnp.float32)
+        if self.rotary_seq_len_interpolation_factor is not None:
+            positions = positions / self.rotary_seq_len_interpolation_factor
+        freqs = positions[..., None] * jnp.asarray(self.inverse_frequencies())  # [b, s, d/2]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+        m = self.mscale()
+        if m == 1.0:
+            return jnp.cos(emb), jnp.sin(emb)
+        return jnp.cos(emb) * m, jnp.sin(emb) * m
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate ``x [b, s, n, d]`` by the tables of :meth:`RotaryEmbedding.cos_sin`
+    (rotate-half layout), in float32, returned in ``x``'s dtype."""
+    d = x.shape[-1]
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., d // 2:], x32[..., :d // 2]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _llama3_inverse_frequencies(r: RotaryEmbedding, inv_freq: np.ndarray) -> np.ndarray:
+    # wavelengths above original/low_freq_factor are divided by the factor, those below
+    # original/high_freq_factor kept, and the band between interpolated smoothly
+    factor, low, high = r.rope_scaling_factor, r.rope_scaling_low_freq_factor, r.rope_scaling_high_freq_factor
+    context = r.rope_scaling_original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) & ~(wavelen > context / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_correction_dim(rotations: float, d: int, base: float, context: int) -> float:
+    # the dimension whose frequency turns ``rotations`` times over ``context`` positions
+    return d * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def _yarn_inverse_frequencies(r: RotaryEmbedding, inv_freq: np.ndarray) -> np.ndarray:
+    d, base, context = r.kv_channels, r.rotary_base, r.yarn_original_max_position_embeddings
+    low = _yarn_correction_dim(r.yarn_beta_fast, d, base, context)
+    high = _yarn_correction_dim(r.yarn_beta_slow, d, base, context)
+    if r.yarn_correction_range_round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1.0 - ramp  # 1: the dimension keeps its frequency, 0: interpolated by the factor
+    interpolated = inv_freq / np.float32(r.yarn_rotary_scaling_factor)
+    return (interpolated * (1 - extrapolate) + inv_freq * extrapolate).astype(np.float32)
+
+
+def yarn_concentration_factor(scale: float, mscale: float, mscale_all_dim: float) -> float:
+    """YaRN's attention factor for scaling factor ``scale``:
+    ``(0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)``, 1 for ``s <= 1``
+    (megatron-core ``_yarn_get_concentration_factor``; transformers' ``attention_factor``)."""
+    return _yarn_get_mscale(scale, mscale) / _yarn_get_mscale(scale, mscale_all_dim)
+
+
+def _yarn_get_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

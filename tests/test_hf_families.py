@@ -1,0 +1,185 @@
+"""Hugging Face model families in and out: a tiny random-weight model built by transformers
+itself (every weight redrawn, norms included) imports with transformers' logits (float32,
+1e-4), greedy generation gives the same 32 token ids, the export gives back identical
+tensors and an equivalent config, and the imported model trains.
+
+One transformers model per family, built once (a module fixture); each test runs one
+property on all of them. The families' blocks under tensor, sequence and context
+parallelism are tests/test_parallel_equivalence.py's ``test_family_blocks_match_one_device``.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+
+from jmegatron.config import base_config, from_configdict  # noqa: E402
+from jmegatron.export import hf  # noqa: E402
+from jmegatron.inference.generate import generate  # noqa: E402
+from jmegatron.models.gpt import GPTModel  # noqa: E402
+from jmegatron.models.transformer_config import ModelConfig  # noqa: E402
+from jmegatron.parallel.mesh import create_mesh  # noqa: E402
+from jmegatron.training.run import build  # noqa: E402
+
+VOCAB, SEQ = 512, 32  # 512: no Megatron padding rows, so greedy argmax ranges over the same ids
+TOL = 1e-4
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=96)
+LLAMA_LIKE = dict(SMALL, intermediate_size=96, num_key_value_heads=2, rms_norm_eps=1e-6)
+
+# family -> (transformers config class, its arguments, the class `export hf` writes back)
+FAMILIES = {
+    # Llama-3.x RoPE scaling with a short original context, so that the scaled band is inside
+    # the positions a 32-token sequence reaches
+    "llama3": ("LlamaConfig", dict(LLAMA_LIKE, tie_word_embeddings=False, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16)), hf.LLAMA),
+    # a head dimension decoupled from hidden / heads (Mistral-Nemo), no sliding window (v0.2+)
+    "mistral": ("MistralConfig", dict(LLAMA_LIKE, head_dim=32, sliding_window=None, tie_word_embeddings=False,
+                                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), hf.LLAMA),
+    # Q/K/V biases without an o_proj bias, tied embeddings (Qwen2.5-0.5B)
+    "qwen2": ("Qwen2Config", dict(LLAMA_LIKE, tie_word_embeddings=True), hf.QWEN2),
+    # QK-norm, head_dim 32 with hidden 64 / 4 heads, YaRN
+    "qwen3": ("Qwen3Config", dict(LLAMA_LIKE, head_dim=32, tie_word_embeddings=False, max_position_embeddings=64,
+                                  rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)), hf.QWEN3),
+    # GPT-2 as shipped: the tanh GELU "gelu_new"
+    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
+                                activation_function="gelu_new", bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+             hf.GPT2),
+}
+
+
+def hf_model(family: str):
+    """The transformers model of ``family`` (float32, eval) with every parameter redrawn:
+    norm scales 1 +- 0.2, biases 0 +- 0.2, embeddings std 0.5 and kernels std 0.125, so each
+    tensor moves the logits."""
+    config_cls, kwargs, _ = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif "norm" in name or ".ln_" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.5 if ("embed" in name or ".wte." in name or ".wpe." in name) else 0.125)
+    return model
+
+
+def jmegatron_cfg(fields: dict, **changes):
+    c = base_config()
+    for k, v in dict(fields, mock_data=True, seq_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
+                     micro_batch_size=2, global_batch_size=4, lr=3e-3, lr_warmup_iters=0, **changes).items():
+        setattr(c, k, v)
+    return from_configdict(c)
+
+
+@pytest.fixture(scope="module")
+def imported():
+    """family -> (transformers model, HF config dict, jmegatron config, imported params)."""
+    out = {}
+    for family in FAMILIES:
+        model = hf_model(family)
+        conf = model.config.to_dict()
+        cfg = jmegatron_cfg(hf.config_fields_from_hf(conf))
+        out[family] = (model, conf, cfg, hf.from_hf_state_dict(model.state_dict(), cfg))
+    return out
+
+
+def tokens(seed=1):
+    return np.random.default_rng(seed).integers(0, VOCAB, (2, SEQ)).astype(np.int32)
+
+
+def test_logits_equal_transformers(imported):
+    toks = tokens()
+    for family, (model, _, cfg, params) in imported.items():
+        m = GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size()))
+        ours = np.asarray(jax.jit(m.apply)({"params": params}, toks))
+        with torch.no_grad():
+            theirs = model(torch.from_numpy(toks.astype(np.int64))).logits.numpy()
+        diff = float(np.max(np.abs(ours - theirs)))
+        print(f"{family}: max |logit diff| {diff:.2e} (max |logit| {np.max(np.abs(theirs)):.2f}), "
+              f"attention {m.cfg.attention_impl}")
+        assert np.max(np.abs(theirs)) > 1.0 and diff <= TOL, family
+
+
+def test_greedy_generation_equals_transformers(imported):
+    prompts = tokens(2)[:, :8]
+    for family, (model, _, cfg, params) in imported.items():
+        m = GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size()))
+        ours = generate(m, params, prompts.tolist(), 32, greedy=True)
+        with torch.no_grad():
+            theirs = model.generate(torch.from_numpy(prompts.astype(np.int64)), max_new_tokens=32, do_sample=False,
+                                    min_new_tokens=32, pad_token_id=0, eos_token_id=None)[:, 8:].tolist()
+        print(f"{family}: {ours[0][:12]} ...")
+        assert ours == theirs, family
+
+
+def test_export_gives_back_the_source(imported):
+    """The tensors ``export hf`` writes equal the source's exactly; its config.json is the
+    source's class and imports to the same fields."""
+    for family, (model, conf, cfg, params) in imported.items():
+        exported = hf.to_hf_state_dict(params, cfg, VOCAB)
+        source = {k: v.numpy() for k, v in model.state_dict().items()}
+        if not cfg.untie_embeddings_and_output_weights:
+            source.pop("lm_head.weight")
+        if family == "gpt2":  # transformers keeps no causal-mask buffers in 5.x; drop any
+            source = {k: v for k, v in source.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        assert set(exported) == set(source), family
+        for k in source:
+            np.testing.assert_array_equal(exported[k], source[k], err_msg=f"{family} {k}")
+        back = hf.hf_config_dict(cfg, VOCAB)
+        assert back["architectures"] == [FAMILIES[family][2]], family
+        assert hf.config_fields_from_hf(back) == hf.config_fields_from_hf(conf), family
+        # transformers accepts it as the class's config
+        getattr(transformers, FAMILIES[family][0] if family != "mistral" else "LlamaConfig").from_dict(back)
+
+
+def test_imported_models_train(imported):
+    """The real train step on each imported model: the loss over one repeated batch falls."""
+    rs = np.random.RandomState(0)
+    toks = rs.randint(0, VOCAB, size=(4, SEQ + 1)).astype(np.int32)
+    batch = {"tokens": toks[:, :-1], "labels": toks[:, 1:], "loss_mask": np.ones((4, SEQ), np.float32),
+             "position_ids": np.broadcast_to(np.arange(SEQ, dtype=np.int32), (4, SEQ)).copy()}
+    for family, (_, _, cfg, params) in imported.items():
+        run = build(cfg, create_mesh(cfg, jax.devices()[:1]))
+        state = run.init_state()
+        state = state.replace(params=jax.device_put(params, run.state_shardings.params))
+        b = run.put_batch({k: v.reshape(run.num_microbatches, -1, SEQ) for k, v in batch.items()})
+        losses = []
+        for _ in range(4):
+            state, metrics = run.train_step(state, b)
+            losses.append(float(metrics["lm_loss"]))
+        print(f"{family}: losses {np.round(losses, 3).tolist()}")
+        assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, family
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(model_type="mistral", sliding_window=4096), "sliding_window=4096 \\(sliding-window attention is not built"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64), "sliding_window=64"),
+    (dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4)), "RoPE scaling 'longrope'"),
+    (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), "RoPE scaling 'dynamic'"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16,
+                               attention_factor=1.0)), "attention_factor=1.0"),
+    (dict(model_type="qwen3", attention_bias=True), "attention_bias=True \\(Qwen3's biases"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+])
+def test_import_refuses_what_is_not_built_by_name(changes, match):
+    conf = dict(dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                     intermediate_size=96, max_position_embeddings=64, vocab_size=VOCAB), **changes)
+    with pytest.raises(ValueError, match=match):
+        hf.config_fields_from_hf(conf)
+
+
+def test_export_refuses_what_the_target_cannot_hold():
+    fields = hf.config_fields_from_hf(FAMILIES["qwen3"][1] | dict(model_type="qwen3", head_dim=32))
+    with pytest.raises(ValueError, match="add_qkv_bias=True with qk_layernorm=True"):
+        hf.hf_architecture(jmegatron_cfg(fields, add_qkv_bias=True))
+    with pytest.raises(ValueError, match="rotary_seq_len_interpolation_factor=2.0 with yarn"):
+        hf.hf_architecture(jmegatron_cfg(fields, rotary_seq_len_interpolation_factor=2.0))
