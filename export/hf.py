@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from jmegatron.export import hf_moe
-from jmegatron.export.hf_moe import MIXTRAL, MOE_ARCHITECTURES, QWEN2_MOE
+from jmegatron.export.hf_moe import MIXTRAL, MOE_ARCHITECTURES, QWEN2_MOE, QWEN3_MOE
 from jmegatron.models.rope import yarn_concentration_factor
 
 GPT2 = "GPT2LMHeadModel"
@@ -203,13 +203,15 @@ def hf_architecture(cfg) -> str:
     """The transformers class name that represents ``cfg`` exactly.
 
     ``"GPT2LMHeadModel"`` for learned_absolute positions + LayerNorm + GELU + multi-head
-    attention with ``kv_channels * heads == hidden`` + biases; ``"LlamaForCausalLM"`` for
-    rope + RMSNorm + SwiGLU (grouped-query attention, any ``kv_channels``; biases map to
-    ``attention_bias``/``mlp_bias``). Tied and untied output layers are both representable
-    (``tie_word_embeddings``).
+    attention with ``kv_channels * heads == hidden`` + biases; for rope / yarn + RMSNorm +
+    SwiGLU (grouped-query attention, any ``kv_channels``): ``"Qwen3ForCausalLM"`` with
+    ``qk_layernorm``, ``"Qwen2ForCausalLM"`` with ``add_qkv_bias`` and no other bias, else
+    ``"LlamaForCausalLM"`` (biases map to ``attention_bias``/``mlp_bias``). Tied and untied
+    output layers are both representable (``tie_word_embeddings``).
 
-    MoE configs (``num_moe_experts`` set): ``"MixtralForCausalLM"``, or
-    ``"Qwen2MoeForCausalLM"`` with a shared expert (:func:`jmegatron.export.hf_moe.moe_architecture`).
+    MoE configs (``num_moe_experts`` set): ``"Qwen2MoeForCausalLM"`` with a shared expert,
+    ``"Qwen3MoeForCausalLM"`` with ``qk_layernorm``, else ``"MixtralForCausalLM"``
+    (:func:`jmegatron.export.hf_moe.moe_architecture`).
 
     Raises ValueError naming every config field the target cannot represent
     (``position_embedding_type="none"`` has no target).
@@ -368,7 +370,7 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             max_position_embeddings=int(conf["max_position_embeddings"]),
             normalization="RMSNorm", norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)), swiglu=True,
             add_bias_linear=model_type == "llama" and attn_bias and mlp_bias,
-            add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type == "qwen3")
+            add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"))
         fields.update(rope_fields_from_hf(conf, problems))
         if model_type in hf_moe.MODEL_TYPES:
             fields.update(hf_moe.moe_config_fields(conf, problems))
@@ -829,7 +831,7 @@ def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
     arch = conf["architectures"][0]
     config_cls = {GPT2: transformers.GPT2Config, LLAMA: transformers.LlamaConfig, QWEN2: transformers.Qwen2Config,
                   QWEN3: transformers.Qwen3Config, MIXTRAL: transformers.MixtralConfig,
-                  QWEN2_MOE: transformers.Qwen2MoeConfig}[arch]
+                  QWEN2_MOE: transformers.Qwen2MoeConfig, QWEN3_MOE: transformers.Qwen3MoeConfig}[arch]
     config = config_cls.from_dict(conf)
     model = getattr(transformers, arch)(config).to(torch.float32)
     if arch in MOE_ARCHITECTURES:  # transformers 5 holds the experts fused in memory

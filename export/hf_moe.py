@@ -1,7 +1,7 @@
 """Hugging Face mapping of jmegatron's mixture-of-experts models (the MoE half of
 :mod:`jmegatron.export.hf`, which calls into this module; numpy only).
 
-Two targets, both with Llama's attention, RMSNorm and RoPE (:mod:`jmegatron.export.hf`'s
+Three targets, all with Llama's attention, RMSNorm and RoPE (:mod:`jmegatron.export.hf`'s
 Llama mapping is reused for everything but the MLP):
 
 * ``MixtralForCausalLM`` (transformers ``models/mixtral/modeling_mixtral.py``): every layer
@@ -11,11 +11,13 @@ Llama mapping is reused for everything but the MLP):
 * ``Qwen2MoeForCausalLM`` (``models/qwen2_moe/modeling_qwen2_moe.py``): for models with a
   shared expert; dense layers (``mlp_only_layers``) allowed; ``norm_topk_prob`` is ``not
   moe_router_pre_softmax``; ``qkv_bias`` is ``add_qkv_bias``. Qwen2-MoE multiplies the
-  shared expert's output by a learned gate ``sigmoid(x W_g)``, ``W_g [1, h]``, which
-  jmegatron (as Megatron-Core without ``moe_shared_expert_gate``) does not have. The export
-  writes ``W_g = 0`` and the shared ``down_proj`` times 2: ``sigmoid(0) * 2 = 1`` exactly
-  (powers of two), so the HF model computes jmegatron's sum. Import accepts only a zero
-  gate (raises ValueError naming the tensor otherwise) and halves ``down_proj`` back.
+  shared expert's output by a learned gate ``sigmoid(x W_g)``, ``W_g [1, h]``: jmegatron's
+  ``moe_shared_expert_gate`` (Megatron-Core's), which import always sets. A model without
+  the gate exports with ``W_g = 0`` and the shared ``down_proj`` times 2 (``sigmoid(0) * 2 = 1``
+  exactly), so the HF model computes jmegatron's sum; such a checkpoint imports back into a
+  gate-less config only when its gate is zero (ValueError naming the tensor otherwise).
+* ``Qwen3MoeForCausalLM`` (``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's attention
+  (``qk_layernorm``) with Qwen2-MoE's experts and router, no shared expert.
 
 Checkpoint keys (what ``save_pretrained`` writes and the Hub holds; ``o`` =
 ``model.layers.{i}``, ``W^T`` = the jmegatron kernel transposed to ``nn.Linear``'s
@@ -28,8 +30,9 @@ Checkpoint keys (what ``save_pretrained`` writes and the Hub holds; ``o`` =
     Qwen2MoE  o.mlp.gate.weight                         [E, h]
               o.mlp.experts.{e}.{gate,up,down}_proj.weight       (as w1, w3, w2)
               o.mlp.shared_expert.{gate,up}_proj.weight [Fs, h]  shared_experts/linear_fc1/kernel[:, 0|1]^T
-              o.mlp.shared_expert.down_proj.weight      [h, Fs]  2 x shared_experts/linear_fc2/kernel^T
-              o.mlp.shared_expert_gate.weight           [1, h]   zeros
+              o.mlp.shared_expert.down_proj.weight      [h, Fs]  shared_experts/linear_fc2/kernel^T (x 2 without a gate)
+              o.mlp.shared_expert_gate.weight           [1, h]   shared_expert_gate/gate/kernel^T (zeros without a gate)
+    Qwen3MoE  as Qwen2MoE without the shared expert and its gate
               (dense layers: o.mlp.{gate,up,down}_proj.weight as Llama)
 
 transformers 5 keeps experts fused in memory (``o.mlp.experts.gate_up_proj [E, 2F, h]``,
@@ -53,8 +56,9 @@ from jmegatron.config import moe_layer_pattern
 
 MIXTRAL = "MixtralForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
-MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE)
-MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
+QWEN3_MOE = "Qwen3MoeForCausalLM"
+MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE}
 
 _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
@@ -68,8 +72,13 @@ def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
     """(the HF class for an MoE ``cfg``, the config fields it cannot represent).
     ``llama_problems``: the attention/norm problems of the Llama mapping."""
     shared = cfg.moe_shared_expert_intermediate_size is not None
-    arch = QWEN2_MOE if shared else MIXTRAL
+    arch = QWEN2_MOE if shared else QWEN3_MOE if cfg.qk_layernorm else MIXTRAL
     problems = list(llama_problems)
+    if arch == QWEN2_MOE and cfg.qk_layernorm:
+        problems.append("config.qk_layernorm=True with a shared expert (Qwen2-MoE has no QK-norm; Qwen3-MoE, "
+                        "which has, no shared expert)")
+    if arch == QWEN3_MOE and cfg.add_qkv_bias:
+        problems.append("config.add_qkv_bias=True (Qwen3-MoE's attention has no Q/K/V-only bias)")
     if cfg.position_embedding_type != "rope":
         problems.append(f"config.position_embedding_type={cfg.position_embedding_type!r} ({arch} uses rope)")
     if cfg.moe_router_score_function != "softmax":
@@ -90,8 +99,8 @@ def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
                             f"mlp_only_layers)")
         if cfg.moe_router_pre_softmax:
             problems.append("config.moe_router_pre_softmax=True (Mixtral renormalises the top-k "
-                            "probabilities; pre-softmax without renormalising is Qwen2-MoE's "
-                            "norm_topk_prob=False, which needs a shared expert here)")
+                            "probabilities; pre-softmax without renormalising is norm_topk_prob=False of "
+                            "Qwen2-MoE (a shared expert) or Qwen3-MoE (qk_layernorm))")
         if cfg.add_qkv_bias:
             problems.append("config.add_qkv_bias=True (Mixtral's attention has no biases)")
     return arch, problems
@@ -114,19 +123,21 @@ def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
                 "num_local_experts": int(cfg.num_moe_experts), "router_jitter_noise": 0.0,
                 "sliding_window": None}
     dense = [i for i, moe in enumerate(_pattern(cfg)) if not moe]
-    return {"model_type": "qwen2_moe", **conf, "intermediate_size": int(cfg.ffn_hidden_size),
-            "moe_intermediate_size": int(cfg.moe_ffn_hidden_size),
-            "shared_expert_intermediate_size": int(cfg.moe_shared_expert_intermediate_size),
+    qwen = {**conf, "intermediate_size": int(cfg.ffn_hidden_size), "moe_intermediate_size": int(cfg.moe_ffn_hidden_size),
             "num_experts": int(cfg.num_moe_experts), "norm_topk_prob": not cfg.moe_router_pre_softmax,
-            "decoder_sparse_step": 1, "mlp_only_layers": dense, "qkv_bias": bool(cfg.add_qkv_bias),
-            "use_sliding_window": False, "sliding_window": None, "max_window_layers": int(cfg.num_layers),
-            "layer_types": ["full_attention"] * int(cfg.num_layers)}
+            "decoder_sparse_step": 1, "mlp_only_layers": dense, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": int(cfg.num_layers), "layer_types": ["full_attention"] * int(cfg.num_layers)}
+    if arch == QWEN3_MOE:
+        return {"model_type": "qwen3_moe", **qwen, "attention_bias": False}
+    return {"model_type": "qwen2_moe", **qwen,
+            "shared_expert_intermediate_size": int(cfg.moe_shared_expert_intermediate_size),
+            "qkv_bias": bool(cfg.add_qkv_bias)}
 
 
 def moe_config_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
-    """jmegatron fields of a ``mixtral`` / ``qwen2_moe`` ``config.json`` (the attention,
-    RoPE and norm fields are the caller's, read as Llama's); appends what jmegatron cannot
-    represent to ``problems``."""
+    """jmegatron fields of a ``mixtral`` / ``qwen2_moe`` / ``qwen3_moe`` ``config.json`` (the
+    attention, RoPE and norm fields are the caller's, read as Llama's / Qwen3's); appends what
+    jmegatron cannot represent to ``problems``."""
     model_type = conf["model_type"]
     layers = int(conf["num_hidden_layers"])
     fields: dict[str, Any] = dict(moe_router_topk=int(conf["num_experts_per_tok"]),
@@ -142,19 +153,26 @@ def moe_config_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str,
         return fields
     if conf.get("use_sliding_window"):
         problems.append("use_sliding_window=True (jmegatron's attention is full causal)")
-    experts = int(conf.get("num_experts", 0))
-    shared = int(conf.get("shared_expert_intermediate_size") or 0)
+    experts = int(conf.get("num_experts") or conf.get("num_local_experts") or 0)  # (transformers 5: the latter)
     if experts <= 0:
-        problems.append(f"num_experts={experts} (a dense Qwen2-MoE; import it as a Llama-style model instead)")
-    if shared <= 0:
-        problems.append(f"shared_expert_intermediate_size={shared} (a Qwen2-MoE layer always adds its shared "
-                        f"expert; jmegatron's MoE layers without one map to Mixtral)")
+        problems.append(f"num_experts={experts} (a dense {MODEL_TYPES[model_type]}; import it as a Llama-style "
+                        f"model instead)")
     step, dense = int(conf.get("decoder_sparse_step", 1)), set(conf.get("mlp_only_layers") or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     fields.update(num_moe_experts=experts, ffn_hidden_size=int(conf["intermediate_size"]),
-                  moe_ffn_hidden_size=int(conf["moe_intermediate_size"]), moe_shared_expert_intermediate_size=shared,
+                  moe_ffn_hidden_size=int(conf["moe_intermediate_size"]),
                   moe_layer_freq=1 if all(pattern) else tuple(pattern),
-                  moe_router_pre_softmax=not bool(conf.get("norm_topk_prob", False)),
+                  moe_router_pre_softmax=not bool(conf.get("norm_topk_prob", False)))
+    if model_type == "qwen3_moe":
+        if conf.get("attention_bias"):
+            problems.append("attention_bias=True (Qwen3-MoE's biases on q/k/v and o_proj: not built)")
+        fields.update(add_qkv_bias=False)
+        return fields
+    shared = int(conf.get("shared_expert_intermediate_size") or 0)
+    if shared <= 0:
+        problems.append(f"shared_expert_intermediate_size={shared} (a Qwen2-MoE layer always adds its shared "
+                        f"expert; without one it is Qwen3-MoE's or Mixtral's layout)")
+    fields.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True,
                   add_qkv_bias=bool(conf.get("qkv_bias", True)))
     return fields
 
@@ -192,8 +210,13 @@ def mlp_to_hf(mlp: Mapping, cfg, arch: str, i: int, check: Callable) -> dict[str
         s2 = check(f"{L}/shared_experts/linear_fc2/kernel", mlp["shared_experts"]["linear_fc2"]["kernel"], (fs, h))
         sd[f"{o}.shared_expert.gate_proj.weight"] = s1[:, 0, :].T
         sd[f"{o}.shared_expert.up_proj.weight"] = s1[:, 1, :].T
-        sd[f"{o}.shared_expert.down_proj.weight"] = 2 * s2.T  # x sigmoid(0) = 1/2 in Qwen2-MoE
-        sd[f"{o}.shared_expert_gate.weight"] = np.zeros((1, h), s2.dtype)
+        if cfg.moe_shared_expert_gate:
+            sd[f"{o}.shared_expert.down_proj.weight"] = s2.T
+            sd[f"{o}.shared_expert_gate.weight"] = check(
+                f"{L}/shared_expert_gate/gate/kernel", mlp["shared_expert_gate"]["gate"]["kernel"], (h, 1)).T
+        else:  # no gate here: a zero gate and down_proj x 2, since sigmoid(0) = 1/2
+            sd[f"{o}.shared_expert.down_proj.weight"] = 2 * s2.T
+            sd[f"{o}.shared_expert_gate.weight"] = np.zeros((1, h), s2.dtype)
     return {k: np.array(v, order="C", copy=True) for k, v in sd.items()}
 
 
@@ -212,12 +235,18 @@ def mlp_from_hf(t: Callable, cfg, arch: str, i: int) -> dict:
     if arch == QWEN2_MOE:
         fs = cfg.moe_shared_expert_intermediate_size
         g = t(f"{o}.shared_expert_gate.weight", (1, h))
+        if cfg.moe_shared_expert_gate:
+            mlp["shared_expert_gate"] = {"gate": {"kernel": np.ascontiguousarray(g.T)}}
+            mlp["shared_experts"] = {
+                "linear_fc1": {"kernel": np.stack([t(f"{o}.shared_expert.gate_proj.weight", (fs, h)).T,
+                                                   t(f"{o}.shared_expert.up_proj.weight", (fs, h)).T], axis=1)},
+                "linear_fc2": {"kernel": t(f"{o}.shared_expert.down_proj.weight", (h, fs)).T}}
+            return mlp
         if np.any(g):
             raise ValueError(
-                f"{o}.shared_expert_gate.weight is not zero: Qwen2-MoE scales the shared expert by "
-                f"sigmoid(x W_g), a gate jmegatron's MoE layer (Megatron-Core's SharedExpertMLP without "
-                f"moe_shared_expert_gate) does not have; only checkpoints whose gate is zero (as jmegatron "
-                f"exports them) import")
+                f"{o}.shared_expert_gate.weight is not zero but config.moe_shared_expert_gate=False: Qwen2-MoE "
+                f"scales the shared expert by sigmoid(x W_g); set moe_shared_expert_gate=True (the import "
+                f"from a config.json does)")
         mlp["shared_experts"] = {
             "linear_fc1": {"kernel": np.stack([t(f"{o}.shared_expert.gate_proj.weight", (fs, h)).T,
                                                t(f"{o}.shared_expert.up_proj.weight", (fs, h)).T], axis=1)},

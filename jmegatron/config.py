@@ -352,6 +352,9 @@ class JMegatronConfig:
     moe_token_dispatcher_type: str = "allgather"  # allgather | alltoall (the same on one expert rank)
     moe_grouped_gemm: bool = False  # accepted; the experts always run as grouped/batched GEMMs
     moe_shared_expert_intermediate_size: Optional[int] = None  # None: no shared expert
+    # the shared expert's output times sigmoid(x W_g), W_g [h, 1] (Megatron-Core's
+    # moe_shared_expert_gate; Qwen2-MoE's shared_expert_gate)
+    moe_shared_expert_gate: bool = False
     sequence_parallel: bool = False  # Megatron: --sequence-parallel (activations between blocks split on seq over tensor)
     use_distributed_optimizer: bool = False  # Megatron: --use-distributed-optimizer (ZeRO-1 over data)
     use_megatron_fsdp: bool = False  # Megatron: --use-megatron-fsdp (params, grads, optimizer state over data)
@@ -755,6 +758,9 @@ class JMegatronConfig:
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be >= 0.")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ConfigError("config.moe_shared_expert_gate=True gates the shared expert, which needs "
+                              "config.moe_shared_expert_intermediate_size; set it or unset the gate.")
         for name in ("moe_expert_capacity_factor", "moe_router_topk_scaling_factor",
                      "moe_shared_expert_intermediate_size"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
@@ -918,6 +924,7 @@ MODEL_FIELDS = (
     "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
     "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
 )
 
 

@@ -98,6 +98,17 @@ QWEN2: dict[str, Any] = dict(LLAMA, add_qkv_bias=True, rotary_base=1000000, norm
 # 1e6, eps 1e-6; the head dimension (kv_channels) is set per model, decoupled from hidden / heads.
 QWEN3: dict[str, Any] = dict(LLAMA, qk_layernorm=True, rotary_base=1000000, norm_epsilon=1e-6)
 
+# Qwen3-MoE (arXiv:2505.09388; Qwen3-30B-A3B and -235B-A22B): Qwen3's attention with every MLP
+# a mixture of 128 SwiGLU experts, top-8 softmax routing renormalised over the chosen experts
+# (norm_topk_prob), no shared expert, the load-balancing loss at 1e-3.
+QWEN3_MOE: dict[str, Any] = dict(
+    QWEN3,
+    num_moe_experts=128,
+    moe_router_topk=8,
+    moe_router_load_balancing_type="aux_loss",
+    moe_aux_loss_coeff=1e-3,
+)
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": GPT2,
     "llama": LLAMA,
@@ -106,4 +117,5 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": QWEN2,
     "qwen3": QWEN3,
     "mixtral": MIXTRAL,
+    "qwen3_moe": QWEN3_MOE,
 }

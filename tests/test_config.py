@@ -128,7 +128,7 @@ def test_unsupported_or_inconsistent_settings(kw, match):
 
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_family_preset_sets_only_config_fields_and_validates(family):
     import dataclasses
 
@@ -146,7 +146,7 @@ def test_family_preset_sets_only_config_fields_and_validates(family):
     else:
         assert cfg.normalization == "RMSNorm" and cfg.swiglu and not cfg.add_bias_linear
         assert cfg.untie_embeddings_and_output_weights and cfg.position_embedding_type == "rope"
-        assert (cfg.num_moe_experts == 8) == (family == "mixtral")
+        assert (cfg.num_moe_experts is not None) == (family in ("mixtral", "qwen3_moe"))
 
 
 def test_set_family_changes_only_the_family_fields():

@@ -83,6 +83,8 @@ TINY = {"mock_data": True, "vocab_size": 1000}
     ("llama_tiny.py", {"qk_layernorm": True, "normalization": "LayerNorm"}),
     ("mixtral_tiny.py", {}),
     ("mixtral_tiny.py", {"moe_layer_freq": 2, "moe_shared_expert_intermediate_size": 96, "swiglu": False}),
+    ("mixtral_tiny.py", {"moe_shared_expert_intermediate_size": 96, "moe_shared_expert_gate": True,
+                         "qk_layernorm": True}),
 ])
 def test_num_parameters_matches_model(name, overrides):
     cfg = _load(name, **TINY, **overrides)

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 
 from jmegatron.config import base_config, from_configdict  # noqa: E402
-from jmegatron.export import hf  # noqa: E402
+from jmegatron.export import hf, hf_moe  # noqa: E402
 from jmegatron.inference.generate import generate  # noqa: E402
 from jmegatron.models.gpt import GPTModel  # noqa: E402
 from jmegatron.models.transformer_config import ModelConfig  # noqa: E402
@@ -45,6 +45,17 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(LLAMA_LIKE, head_dim=32, tie_word_embeddings=False, max_position_embeddings=64,
                                   rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)), hf.QWEN3),
+    # Mixtral: every layer MoE, top-2 of 4 experts renormalised
+    "mixtral": ("MixtralConfig", dict(LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), hf.MIXTRAL),
+    # Qwen2-MoE: the sigmoid-gated shared expert, a dense layer (mlp_only_layers), no renormalising
+    "qwen2_moe": ("Qwen2MoeConfig", dict(LLAMA_LIKE, moe_intermediate_size=48, shared_expert_intermediate_size=40,
+                                         num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                         norm_topk_prob=False, tie_word_embeddings=False), hf.QWEN2_MOE),
+    # Qwen3-MoE: QK-norm, top-2 of 4 renormalised (norm_topk_prob), no shared expert
+    "qwen3_moe": ("Qwen3MoeConfig", dict(LLAMA_LIKE, head_dim=32, moe_intermediate_size=48, num_experts=4,
+                                         num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False),
+                  hf.QWEN3_MOE),
     # GPT-2 as shipped: the tanh GELU "gelu_new"
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
                                 activation_function="gelu_new", bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -124,8 +135,10 @@ def test_export_gives_back_the_source(imported):
     """The tensors ``export hf`` writes equal the source's exactly; its config.json is the
     source's class and imports to the same fields."""
     for family, (model, conf, cfg, params) in imported.items():
-        exported = hf.to_hf_state_dict(params, cfg, VOCAB)
         source = {k: v.numpy() for k, v in model.state_dict().items()}
+        exported = hf.to_hf_state_dict(params, cfg, VOCAB)
+        if FAMILIES[family][2] in hf_moe.MOE_ARCHITECTURES:  # transformers 5 holds the experts fused
+            exported = hf_moe.to_module_layout(exported, FAMILIES[family][2], set(source))
         if not cfg.untie_embeddings_and_output_weights:
             source.pop("lm_head.weight")
         if family == "gpt2":  # transformers keeps no causal-mask buffers in 5.x; drop any

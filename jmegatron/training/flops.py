@@ -207,7 +207,8 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     * ``final_layernorm``; ``output_layer`` ``h * V_padded`` (no bias) if untied.
     * an MoE layer (``moe_layer_freq``) has, instead of the MLP, ``router`` ``h*E``,
       ``E`` experts of ``moe_ffn_hidden_size`` (no biases) and the shared expert of
-      ``moe_shared_expert_intermediate_size`` (jmegatron.models.moe).
+      ``moe_shared_expert_intermediate_size`` with its ``[h, 1]`` gate under
+      ``moe_shared_expert_gate`` (jmegatron.models.moe).
 
     Megatron's ``theoretical_memory_usage.compute_weight_and_optimizer_memory`` uses the
     same terms but drops biases and position embeddings; Llama-2-7B (no biases, rope)
@@ -232,7 +233,8 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
 
         moe_layer = (2 * norm + attention + h * cfg.num_moe_experts
                      + cfg.num_moe_experts * ffn_params(cfg.moe_ffn_hidden_size)
-                     + ffn_params(cfg.moe_shared_expert_intermediate_size or 0))
+                     + ffn_params(cfg.moe_shared_expert_intermediate_size or 0)
+                     + (h if cfg.moe_shared_expert_gate else 0))
 
     embeddings = padded_vocab_size * h
     if cfg.position_embedding_type == "learned_absolute":

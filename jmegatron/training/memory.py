@@ -222,7 +222,7 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
       shared expert);
     * ``expert``: the stacked routed experts' kernels ``[E, h, (2,) ffn]`` and ``[E, ffn, h]``
       of the MoE layers: split over the expert axis as well as tensor (and data under
-      FSDP). An MoE layer's router ``[h, E]`` is ``tensor_replicated_fsdp_sharded``.
+      FSDP). An MoE layer's router ``[h, E]`` (and shared-expert gate ``[h, 1]``) is ``tensor_replicated_fsdp_sharded``.
 
     The five add up to :func:`flops.num_parameters`. With ``pipeline_model_parallel_size``
     = ``p`` > 1, the classes of pipeline stage ``pipeline_stage`` (0-based): ``L / p``
@@ -247,7 +247,7 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     router, experts = 0, 0
     if num_moe_layers:  # (MoE layers have no biases: validation refuses add_bias_linear)
         f = cfg.moe_ffn_hidden_size
-        router = num_moe_layers * h * cfg.num_moe_experts
+        router = num_moe_layers * h * (cfg.num_moe_experts + (1 if cfg.moe_shared_expert_gate else 0))
         experts = num_moe_layers * cfg.num_moe_experts * (h * (2 * f if cfg.swiglu else f) + f * h)
     classes = {
         "tensor_replicated_fsdp_sharded": cfg.num_layers * (2 * h if bias else 0) + positions + router,

@@ -27,7 +27,7 @@ from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.moe import moe_utils, token_dispatcher
 from jmegatron.models.moe.experts import GroupedMLP, output_init_std
 from jmegatron.models.moe.router import EXPERT_BIAS, MOE_LOSSES, MOE_STATS, TopKRouter
-from jmegatron.models.moe.shared_experts import SharedExpertMLP
+from jmegatron.models.moe.shared_experts import SharedExpertGate, SharedExpertMLP
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel.rules import EXPERT_AXIS
 
@@ -93,7 +93,10 @@ class MoELayer(nn.Module):
             out = token_dispatcher.combine_capacity(y, d, num_tokens)
         out = out.reshape(b, s, h).astype(c.dtype)
         if moe.moe_shared_expert_intermediate_size is not None:
-            out = out + SharedExpertMLP(c, self.dot_general)(x)
+            shared = SharedExpertMLP(c, self.dot_general)(x)
+            if moe.moe_shared_expert_gate:
+                shared = (shared.astype(jnp.float32) * SharedExpertGate(c, name="shared_expert_gate")(x)).astype(c.dtype)
+            out = out + shared
         return nn.with_logical_constraint(out, ("batch", "length", "activation_embed"))
 
 

@@ -52,6 +52,7 @@ class MoEConfig:
     moe_token_dispatcher_type: str = "allgather"
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any) -> Optional["MoEConfig"]:
