@@ -316,8 +316,10 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
 
 def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
     """The jmegatron architecture fields (:data:`jmegatron.config.MODEL_FIELDS` plus
-    ``vocab_size``) of a transformers ``config.json`` mapping; the inverse of
-    :func:`hf_config_dict`.
+    ``vocab_size``) and dropout rates of a transformers ``config.json`` mapping; the inverse
+    of :func:`hf_config_dict`. Dropout: GPT-2's ``resid_pdrop`` (jmegatron's one
+    ``hidden_dropout`` also drops the embeddings, as Megatron's) and ``attn_pdrop``; the
+    Llama layout's ``attention_dropout`` and no hidden dropout (it has none).
 
     Accepts ``model_type`` "gpt2" (``activation_function`` "gelu", or the tanh "gelu_new" /
     "gelu_pytorch_tanh" / "gelu_fast" as ``openai_gelu``), the Llama layout "llama",
@@ -345,7 +347,8 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             ffn_hidden_size=int(conf.get("n_inner") or 4 * h), num_query_groups=heads, kv_channels=h // heads,
             max_position_embeddings=int(conf["n_positions"]), position_embedding_type="learned_absolute",
             normalization="LayerNorm", norm_epsilon=float(conf.get("layer_norm_epsilon", 1e-5)), swiglu=False,
-            openai_gelu=act in _GELU_TANH, add_bias_linear=True, add_qkv_bias=False)
+            openai_gelu=act in _GELU_TANH, add_bias_linear=True, add_qkv_bias=False,
+            hidden_dropout=float(conf.get("resid_pdrop", 0.1)), attention_dropout=float(conf.get("attn_pdrop", 0.1)))
     elif model_type in tuple(LLAMA_LIKE) + tuple(hf_moe.MODEL_TYPES):
         h, heads = int(conf["hidden_size"]), int(conf["num_attention_heads"])
         if conf.get("hidden_act", "silu") != "silu":
@@ -370,7 +373,8 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             max_position_embeddings=int(conf["max_position_embeddings"]),
             normalization="RMSNorm", norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)), swiglu=True,
             add_bias_linear=model_type == "llama" and attn_bias and mlp_bias,
-            add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"))
+            add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+            hidden_dropout=0.0, attention_dropout=float(conf.get("attention_dropout") or 0.0))
         fields.update(rope_fields_from_hf(conf, problems))
         if model_type in hf_moe.MODEL_TYPES:
             fields.update(hf_moe.moe_config_fields(conf, problems))

@@ -266,6 +266,9 @@ class JMegatronConfig:
     exit_signal_handler: bool = True  # Megatron: --exit-signal-handler (SIGTERM/SIGINT save and exit 0)
     exit_duration_in_mins: Optional[float] = None  # Megatron: --exit-duration-in-mins (save and stop after N minutes)
     finetune: bool = False  # Megatron: --finetune (load params only from `load`; iteration, optimizer, RNG reset)
+    # Megatron: --use-checkpoint-args: the architecture (MODEL_FIELDS, vocab_size, and the
+    # tokenizer when none is given) comes from `load`'s config.json (load_config_file)
+    use_checkpoint_args: bool = False
     no_load_optim: bool = False  # Megatron: --no-load-optim (fresh optimizer moments, iteration kept)
     no_load_rng: bool = False  # Megatron: --no-load-rng (dropout base key from `seed`, not the checkpoint's)
     ckpt_fallback: bool = True  # jmegatron-only: a corrupt checkpoint is skipped (warning) for the previous one
@@ -1040,14 +1043,61 @@ def get_config_of(path: str) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
-def load_config_file(path: str, overrides: Optional[dict[str, Any]] = None) -> JMegatronConfig:
-    """Load ``get_config()`` from a Python file, apply ``overrides``, validate.
+def load_config_file(path: Optional[str], overrides: Optional[dict[str, Any]] = None) -> JMegatronConfig:
+    """Load ``get_config()`` from a Python file (None: :func:`base_config`'s defaults), apply
+    ``overrides``, validate.
+
+    With ``use_checkpoint_args`` (Megatron's ``--use-checkpoint-args``) the architecture
+    comes from the checkpoint at ``load`` (else ``save``): :func:`checkpoint_args` replaces
+    the file's fields, and an override that contradicts the checkpoint is an error naming
+    both values.
 
     Raises FileNotFoundError for a missing file, ConfigError for bad fields.
     """
-    cd = get_config_of(path)
-    for key, value in (overrides or {}).items():
+    cd = base_config() if path is None else get_config_of(path)
+    overrides = dict(overrides or {})
+    for key, value in overrides.items():
         if key not in cd:
             _check_names([key])
         setattr(cd, key, value)
+    if cd.use_checkpoint_args:
+        load = cd.load or cd.save
+        if load is None:
+            raise ConfigError("config.use_checkpoint_args=True needs config.load (the checkpoint whose architecture "
+                              "the run takes); set --config.load=CKPT.")
+        for name, value in checkpoint_args(load).items():
+            if name == "tokenizer_model" and cd.tokenizer_model is not None:
+                continue  # a tokenizer given here wins (the data's)
+            if name in overrides and overrides[name] != value:
+                raise ConfigError(f"config.{name}={overrides[name]!r} contradicts the checkpoint {load} "
+                                  f"({name}={value!r}) under use_checkpoint_args=True; drop --config.{name} "
+                                  f"or set use_checkpoint_args=False.")
+            setattr(cd, name, tuple(value) if isinstance(value, list) else value)
+    elif path is None:
+        raise ConfigError("--config is required (a Python config file), unless config.use_checkpoint_args=True takes "
+                          "the architecture from config.load.")
     return from_configdict(cd)
+
+
+def checkpoint_args(load_dir: str) -> dict[str, Any]:
+    """The architecture fields (:data:`MODEL_FIELDS`, ``vocab_size``) and ``tokenizer_model``
+    of the jmegatron checkpoint at ``load_dir``, from the ``config.json`` that training and
+    ``import-hf`` write beside it (Megatron's ``load_args_from_checkpoint``).
+
+    Raises ConfigError for a folder without one, or with a Hugging Face config.json (convert
+    it first with ``python -m jmegatron.export import-hf``)."""
+    import json
+    import os
+
+    path = os.path.join(load_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config.use_checkpoint_args=True: {path} does not exist; config.load must be a "
+                          f"jmegatron checkpoint directory (a training run's config.save, or import-hf's --out).")
+    with open(path) as f:
+        saved = json.load(f)
+    if "num_layers" not in saved and "model_type" in saved:
+        raise ConfigError(f"config.load={load_dir!r} is a Hugging Face folder (model_type {saved['model_type']!r}); "
+                          f"convert it first: python -m jmegatron.export import-hf --hf {load_dir} --out CKPT, then "
+                          f"--config.load=CKPT.")
+    names = MODEL_FIELDS + ("vocab_size", "tokenizer_model")
+    return {name: saved[name] for name in names if name in saved}

@@ -1,8 +1,12 @@
 """``python -m jmegatron.evaluate --load CKPT [--eval-iters N] [--split valid|test]
-[--params model|main] [--devices N]``
+[--params model|main] [--devices N] [--data-path PREFIX [--data-split S] [--tokenizer-model T]]``
 
 Loss (nats per token) and perplexity of a checkpoint on the validation or test split
-of its own config's data (Megatron's ``evaluate_and_print_results``).
+of its own config's data, or of ``--data-path`` (a preprocess_data prefix, split by
+``--data-split``, Megatron's ``--split``; default the checkpoint's) (Megatron's
+``evaluate_and_print_results``). A checkpoint whose config names no data (``mock_data``:
+an ``import-hf`` checkpoint, a mock-data run) needs ``--data-path``, or ``--mock-data`` to
+measure those random tokens on purpose (smoke tests): they are never measured silently.
 
 Only the checkpoint's parameters are restored (no optimizer state:
 :func:`jmegatron.training.run.restore_run_params`), straight into the evaluation mesh's
@@ -50,15 +54,47 @@ def evaluation_mesh(load_dir: str, num_devices: int):
 
     if num_devices < 1 or num_devices > len(jax.devices()):
         raise ValueError(f"--devices {num_devices}: choose 1..{len(jax.devices())} (the devices this process sees)")
+    saved = saved_config(load_dir)
+    saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
+    return create_mesh(from_configdict(saved), jax.devices()[:num_devices])
+
+
+def saved_config(load_dir: str) -> dict:
+    """The resolved config a checkpoint was saved with (a dict). Raises CheckpointError
+    when ``load_dir`` holds no checkpoint."""
     if not checkpointing.has_checkpoint(load_dir):
         raise checkpointing.CheckpointError(f"no checkpoint found in {load_dir}")
     ckpt = checkpointing.Checkpointer(load_dir, create=False)
     try:
-        saved = dict(ckpt.read_meta()["config"])
+        return dict(ckpt.read_meta()["config"])
     finally:
         ckpt.close()
-    saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
-    return create_mesh(from_configdict(saved), jax.devices()[:num_devices])
+
+
+def data_overrides(saved: dict, data_path: Optional[str], data_split: Optional[str],
+                   tokenizer_model: Optional[str], mock_data: bool = False) -> dict:
+    """The config fields that point the evaluation at ``data_path`` (None: the checkpoint's
+    own data). Raises ConfigError when neither names data (``mock_data`` in the checkpoint's
+    config, unless ``mock_data`` here says to measure it), or when ``--data-split`` /
+    ``--tokenizer-model`` come without ``--data-path``."""
+    if data_path is None:
+        if data_split is not None or tokenizer_model is not None:
+            raise ConfigError("--data-split / --tokenizer-model go with --data-path (the checkpoint's own data "
+                              "keeps its split and tokenizer)")
+        if saved.get("mock_data") and not mock_data:
+            raise ConfigError("the checkpoint's config measures no data (mock_data=True, as an import-hf checkpoint "
+                              "or a mock-data run has): give --data-path PREFIX (a preprocess_data output), or "
+                              "--mock-data to measure random tokens on purpose")
+        return {}
+    out = {"data_path": data_path, "mock_data": False}
+    if data_split is not None:
+        out["split"] = data_split
+    if tokenizer_model is not None:
+        out["tokenizer_model"] = tokenizer_model
+    elif saved.get("tokenizer_model") is None:
+        raise ConfigError("--data-path needs the tokenizer the data was preprocessed with: the checkpoint names "
+                          "none, so give --tokenizer-model (its end-of-document id separates documents)")
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -71,12 +107,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "checkpoint's float32 main parameters, in a float32 model")
     p.add_argument("--devices", type=_positive_int, default=1,
                    help="devices to evaluate on (>1: the checkpoint's own parallel layout, data over the rest)")
+    p.add_argument("--data-path", default=None,
+                   help="a preprocess_data prefix to evaluate on (default: the checkpoint's config.data_path)")
+    p.add_argument("--data-split", default=None,
+                   help="train,valid,test weights of --data-path, Megatron's --split (default: the checkpoint's)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="the tokenizer --data-path was preprocessed with (default: the checkpoint's)")
+    p.add_argument("--mock-data", action="store_true",
+                   help="measure a mock-data checkpoint's random tokens (a smoke test; refused otherwise)")
     args = p.parse_args(argv)
 
     try:
+        data = data_overrides(saved_config(args.load), args.data_path, args.data_split, args.tokenizer_model,
+                              args.mock_data)
         mesh = evaluation_mesh(args.load, args.devices)
         run, params, meta = restore_run_params(args.load, mesh, source=args.params, hidden_dropout=0.0,
-                                               attention_dropout=0.0)
+                                               attention_dropout=0.0, **data)
     except CheckpointError as e:
         print(f"error: {e} (--load takes a training run's config.save directory)", file=sys.stderr)
         return 2
@@ -87,9 +133,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     iters = args.eval_iters or cfg.eval_iters
     try:
         _, valid, test = build_datasets(cfg.replace(eval_iters=iters), run.global_batch_size)
-    except (FileNotFoundError, ValueError) as e:  # the checkpoint's data moved or is corrupt
-        print(f"error: {e} (the data of the checkpoint's config; the files must be where training read them)",
-              file=sys.stderr)
+    except (FileNotFoundError, ValueError) as e:  # the data moved or is corrupt
+        where = "--data-path" if args.data_path else "the data of the checkpoint's config; the files must be where training read them"
+        print(f"error: {e} ({where})", file=sys.stderr)
         return 2
     ds = valid if args.split == "valid" else test
     if ds is None or len(ds) == 0:

@@ -2,7 +2,9 @@
 
 Arguments: ``--config PATH`` (a Python file with ``get_config()``), then any number of
 ``--config.<field>=<value>`` (or ``--config.<field> <value>``) overrides, the
-ml_collections convention. Values are parsed by the field's type (``True``/``False``,
+ml_collections convention. ``--config.load=CKPT --config.use_checkpoint_args=True`` takes
+the architecture from a checkpoint (an ``import-hf`` one too), and then ``--config`` may be
+left out (jmegatron's defaults for the rest). Values are parsed by the field's type (``True``/``False``,
 ints, floats, ``None``). Every field is validated before anything compiles; an unknown
 field fails with the closest valid names. SIGTERM or Ctrl-C saves a checkpoint and exits 0.
 """
@@ -22,7 +24,8 @@ from jmegatron.runtime import reexec_with_host_allocator
 # the interpreter with the host allocator first, and this module stays light for the CLIs
 # and tools that only parse configs (parse_args, config_from_argv).
 
-USAGE = "usage: python -m jmegatron.train --config CONFIG.py [--config.<field>=<value> ...]"
+USAGE = ("usage: python -m jmegatron.train --config CONFIG.py [--config.<field>=<value> ...]\n"
+         "       python -m jmegatron.train --config.load=CKPT --config.use_checkpoint_args=True [--config.<field>=<value> ...]")
 
 
 def _parse_value(name: str, text: str) -> Any:
@@ -60,8 +63,8 @@ def _parse_value(name: str, text: str) -> Any:
     return value
 
 
-def parse_args(argv: Sequence[str]) -> tuple[str, dict[str, Any]]:
-    """(config path, overrides) from ``argv``. Raises ConfigError on a bad argument."""
+def parse_args(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]:
+    """(config path or None, overrides) from ``argv``. Raises ConfigError on a bad argument."""
     path: Optional[str] = None
     overrides: dict[str, Any] = {}
     args = list(argv)
@@ -89,8 +92,6 @@ def parse_args(argv: Sequence[str]) -> tuple[str, dict[str, Any]]:
         else:
             raise ConfigError(f"unexpected argument {arg!r}; {USAGE}")
         i += 1
-    if path is None:
-        raise ConfigError(f"--config is required; {USAGE}")
     return path, overrides
 
 
@@ -98,6 +99,8 @@ def config_from_argv(argv: Sequence[str]) -> JMegatronConfig:
     """``--config F [--config.<field>=<value> ...]`` -> a validated config (every CLI that
     takes a training config uses this). Raises ConfigError or FileNotFoundError."""
     path, overrides = parse_args(argv)
+    if path is None and not overrides.get("use_checkpoint_args"):
+        raise ConfigError(f"--config is required (or --config.load=CKPT --config.use_checkpoint_args=True); {USAGE}")
     return load_config_file(path, overrides)
 
 

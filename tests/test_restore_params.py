@@ -113,11 +113,11 @@ def test_evaluate_cli_params_only(bf16_tp2_ckpt, capsys):
     from jmegatron.evaluate import main
 
     with orbax_reads() as reads:
-        assert main(["--load", bf16_tp2_ckpt, "--split", "valid", "--eval-iters", "1", "--devices", "8"]) == 0
+        assert main(["--load", bf16_tp2_ckpt, "--split", "valid", "--eval-iters", "1", "--devices", "8", "--mock-data"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["params"] == "model" and np.isfinite(out["loss"])
     assert all(n.startswith("params.") for n, _ in reads)
-    assert main(["--load", bf16_tp2_ckpt, "--split", "valid", "--eval-iters", "1", "--params", "main"]) == 0
+    assert main(["--load", bf16_tp2_ckpt, "--split", "valid", "--eval-iters", "1", "--params", "main", "--mock-data"]) == 0
     main_loss = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"]
     assert abs(main_loss - out["loss"]) < 0.05  # float32 main vs bf16 model: close, computed differently
 

@@ -179,7 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         path, overrides = parse_args(rest)
-        file_layout = config_layout(path)
+        file_layout = config_layout(path) if path is not None else {}
         cfg = load_config_file(path, overrides)
         tp = args.tp or file_layout.get("tensor_model_parallel_size", cfg.tensor_model_parallel_size)
         pp = args.pp or file_layout.get("pipeline_model_parallel_size", cfg.pipeline_model_parallel_size)
