@@ -31,7 +31,7 @@ import shutil
 from typing import Any
 
 from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
-from jmegatron.data.tokenizer import load_tokenizer
+from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 from jmegatron.export.common import ExportError, checkpoint_config
 from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict, hf_architecture
 from jmegatron.export.stream import export_hf_streaming, parse_size
@@ -42,6 +42,7 @@ from jmegatron.training.run import build, checkpoint_meta
 __all__ = ["register", "export_hf", "import_hf"]
 
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
+HF_SOURCE = "hf_source"  # import-hf's copy of the source config.json / generation_config.json
 
 
 def register(sub) -> None:
@@ -106,11 +107,17 @@ def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None
     parse_size(max_shard_size)  # bad input refused before any work
     os.makedirs(out, exist_ok=True)
     src = export_hf_streaming(load, out, dtype, iteration, max_shard_size)
-    if src["tokenizer"]:
+    tok_folder = src["tokenizer"] if src["tokenizer"] and os.path.isdir(src["tokenizer"]) else None
+    if tok_folder and os.path.isfile(os.path.join(tok_folder, "tokenizer_config.json")):
+        for name in TOKENIZER_FILES:  # a transformers tokenizer (import-hf's): its own files, chat template kept
+            if os.path.isfile(os.path.join(tok_folder, name)):
+                shutil.copyfile(os.path.join(tok_folder, name), os.path.join(out, name))
+    elif src["tokenizer"]:
         from transformers import PreTrainedTokenizerFast
 
         eod = load_tokenizer(src["tokenizer"]).eod_token
-        tok = PreTrainedTokenizerFast(tokenizer_file=src["tokenizer"], bos_token=eod, eos_token=eod,
+        tok_file = os.path.join(tok_folder, "tokenizer.json") if tok_folder else src["tokenizer"]
+        tok = PreTrainedTokenizerFast(tokenizer_file=tok_file, bos_token=eod, eos_token=eod,
                                       unk_token=None, model_max_length=src["cfg"].max_position_embeddings)
         tok.save_pretrained(out)
     summary = {"architecture": arch, "source": src["source"], "iteration": src["iteration"], "dtype": dtype,
@@ -142,8 +149,11 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
 
     The architecture fields come from ``folder/config.json`` (:func:`jmegatron.export.hf.
     config_fields_from_hf`), everything else from ``config_file`` or jmegatron's defaults;
-    ``folder/tokenizer.json``, when present, is copied to ``out/tokenizer.json`` and becomes
-    ``tokenizer_model``. Returns the resolved config. Raises ExportError for a missing
+    The folder's tokenizer (``tokenizer.json`` with its ``tokenizer_config.json``, special
+    tokens and chat template, :data:`jmegatron.data.tokenizer.TOKENIZER_FILES`), when present,
+    is copied to ``out/tokenizer/`` and becomes ``tokenizer_model`` (its ``eos_token`` the
+    end-of-document token); the source ``config.json`` and ``generation_config.json`` go to
+    ``out/hf_source/``, from which ``export hf`` takes the bos/eos ids and generation config. Returns the resolved config. Raises ExportError for a missing
     folder or config.json, an architecture jmegatron cannot represent (HF fields named), a
     tensor that is missing or of the wrong shape, or an ``out`` that already holds files.
     """
@@ -170,9 +180,10 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
     base.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
                 expert_model_parallel_size=1, sequence_parallel=False, save=os.path.abspath(out), load=None,
                 kd_teacher_load=None, kd_cfg=None, kd_finalize=False, micro_batch_size=1, global_batch_size=1)
-    tok_src = os.path.join(folder, "tokenizer.json")
-    if os.path.isfile(tok_src):
-        base["tokenizer_model"] = os.path.join(os.path.abspath(out), "tokenizer.json")
+    tok_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    if "tokenizer.json" in tok_files:
+        base["tokenizer_model"] = os.path.join(os.path.abspath(out), "tokenizer")
+        load_tokenizer(folder)  # refused before any work without an end-of-document token
     try:
         cfg = from_configdict(base)
     except ConfigError as e:
@@ -187,8 +198,14 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
     state = run.init_state()
     state = state.replace(params=jax.device_put(params, run.state_shardings.params))
     os.makedirs(out, exist_ok=True)
-    if os.path.isfile(tok_src):
-        shutil.copyfile(tok_src, cfg.tokenizer_model)
+    if "tokenizer.json" in tok_files:
+        os.makedirs(cfg.tokenizer_model)
+        for name in tok_files:
+            shutil.copyfile(os.path.join(folder, name), os.path.join(cfg.tokenizer_model, name))
+    os.makedirs(os.path.join(out, HF_SOURCE))
+    for name in ("config.json", "generation_config.json"):  # what export hf gives back (bos/eos ids, generation)
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(folder, name), os.path.join(out, HF_SOURCE, name))
     with open(os.path.join(out, "config.json"), "w") as f:
         f.write(cfg.to_json())
     ckpt = checkpointing.Checkpointer(out)

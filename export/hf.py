@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from jmegatron.export import hf_moe
-from jmegatron.export.hf_moe import MIXTRAL, MOE_ARCHITECTURES, QWEN2_MOE, QWEN3_MOE
+from jmegatron.export.hf_moe import MOE_ARCHITECTURES
 from jmegatron.models.rope import yarn_concentration_factor
 
 GPT2 = "GPT2LMHeadModel"
@@ -814,6 +814,15 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
 
 
 # ------------------------------------------------------------------------ transformers model
+def hf_config_class(arch: str):
+    """The transformers config class of architecture ``arch`` (a class name
+    :func:`hf_architecture` returns, e.g. ``"Qwen3ForCausalLM"`` -> ``Qwen3Config``). Imports
+    transformers (ImportError if missing)."""
+    import transformers
+
+    return getattr(transformers, {GPT2: "GPT2Config"}.get(arch, arch.replace("ForCausalLM", "Config")))
+
+
 def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
                 bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None):
     """A float32 ``transformers`` model (``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
@@ -833,10 +842,7 @@ def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
     v = sd[emb_key].shape[0]
     conf = hf_config_dict(cfg, v, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     arch = conf["architectures"][0]
-    config_cls = {GPT2: transformers.GPT2Config, LLAMA: transformers.LlamaConfig, QWEN2: transformers.Qwen2Config,
-                  QWEN3: transformers.Qwen3Config, MIXTRAL: transformers.MixtralConfig,
-                  QWEN2_MOE: transformers.Qwen2MoeConfig, QWEN3_MOE: transformers.Qwen3MoeConfig}[arch]
-    config = config_cls.from_dict(conf)
+    config = hf_config_class(arch).from_dict(conf)
     model = getattr(transformers, arch)(config).to(torch.float32)
     if arch in MOE_ARCHITECTURES:  # transformers 5 holds the experts fused in memory
         sd = hf_moe.to_module_layout(sd, arch, set(model.state_dict()))

@@ -42,8 +42,7 @@ import numpy as np
 
 from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.export.common import ExportError, export_config, source_vocab_size, tokenizer_path
-from jmegatron.export.hf import hf_architecture, hf_config_dict, iter_hf_tensors
-from jmegatron.export.hf_moe import MIXTRAL, QWEN2_MOE
+from jmegatron.export.hf import hf_architecture, hf_config_class, hf_config_dict, iter_hf_tensors
 from jmegatron.training import checkpoint_layout, checkpointing
 from jmegatron.training.checkpoint_layout import STACKED_KEY, _LAYER_RE
 
@@ -313,14 +312,17 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
         arch = hf_architecture(cfg)
     except ValueError as e:
         raise ExportError(f"--load {load}: {e}") from e
-    eod = None
+    bos = eos = None
     if reader.tokenizer_path:
-
-        eod = load_tokenizer(reader.tokenizer_path).eod
-    conf = hf_config_dict(cfg, reader.vocab_size, bos_token_id=eod, eos_token_id=eod)
-    config_cls = {"GPT2LMHeadModel": transformers.GPT2Config, "LlamaForCausalLM": transformers.LlamaConfig,
-                  MIXTRAL: transformers.MixtralConfig, QWEN2_MOE: transformers.Qwen2MoeConfig}[arch]
-    config = config_cls.from_dict(conf)
+        tok = load_tokenizer(reader.tokenizer_path)
+        bos, eos = (tok.eod if tok.bos is None else tok.bos), tok.eod
+    source = os.path.join(reader.load_dir, "hf_source")  # import-hf's copy of what it read
+    if os.path.isfile(os.path.join(source, "config.json")):
+        with open(os.path.join(source, "config.json")) as f:
+            read = json.load(f)
+        bos, eos = read.get("bos_token_id", bos), read.get("eos_token_id", eos)
+    conf = hf_config_dict(cfg, reader.vocab_size, bos_token_id=bos, eos_token_id=eos)
+    config = hf_config_class(arch).from_dict(conf)
     config.dtype = dtype
     writer = SafetensorsWriter(out, parse_size(max_shard_size))
     try:
@@ -333,7 +335,10 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
         raise ExportError(f"--load {load}: {e}") from e
     files = writer.close()
     config.save_pretrained(out)
-    transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
+    if os.path.isfile(os.path.join(source, "generation_config.json")):
+        shutil.copyfile(os.path.join(source, "generation_config.json"), os.path.join(out, "generation_config.json"))
+    else:
+        transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
     return {"architecture": arch, "vocab_size": reader.vocab_size, "padded_vocab_size": reader.padded_vocab_size,
             "iteration": reader.iteration, "source": reader.load_dir, "tokenizer": reader.tokenizer_path,
             "files": files, "bytes_read": reader.bytes_read, "bytes_written": writer.bytes_written, "cfg": cfg}

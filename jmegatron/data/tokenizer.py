@@ -2,8 +2,9 @@
 
 Megatron-LM's tokenizers (``megatron/core/tokenizers`` / ``megatron/training/tokenizer``) expose
 ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]`` and ``detokenize(ids) -> str``; this
-module offers the same surface for a byte-level BPE ``tokenizer.json`` (GPT-2 style, the kind
-``--tokenizer-type HuggingFaceTokenizer`` loads in Megatron), plus a small trainer for one.
+module offers the same surface for a ``tokenizer.json`` or a transformers ``save_pretrained``
+folder (the kind ``--tokenizer-type HuggingFaceTokenizer`` loads in Megatron; its end-of-document
+token is the folder's ``eos_token``), plus a small trainer for a byte-level BPE one.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import json
 import os
 from typing import Iterable, Iterator, List, Optional, Sequence, Union
 
-__all__ = ["EOD_TOKEN", "HFTokenizer", "load_tokenizer", "train_bpe_tokenizer",
-           "iter_documents"]
+__all__ = ["EOD_TOKEN", "HFTokenizer", "TOKENIZER_FILES", "load_tokenizer", "special_tokens",
+           "train_bpe_tokenizer", "iter_documents"]
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -25,19 +26,26 @@ class HFTokenizer:
         tokenizer: a loaded ``tokenizers.Tokenizer``.
         eod_token: the end-of-document special token (default ``"<|endoftext|>"``).
         path: where it was loaded from (for messages / pickling).
+        bos_token: the beginning-of-sequence token, if the tokenizer has one.
 
     Attributes:
         vocab_size (int): number of ids, added special tokens included.
         eod (int): id of ``eod_token``.
+        bos (int or None): id of ``bos_token``.
 
     Raises:
-        ValueError: ``eod_token`` is not in the vocabulary.
+        ValueError: ``eod_token`` (or a given ``bos_token``) is not in the vocabulary.
     """
 
-    def __init__(self, tokenizer, eod_token: str = EOD_TOKEN, path: Optional[str] = None):
+    def __init__(self, tokenizer, eod_token: str = EOD_TOKEN, path: Optional[str] = None,
+                 bos_token: Optional[str] = None):
         self._tok = tokenizer
         self.path = path
         self.eod_token = eod_token
+        self.bos_token = bos_token
+        self.bos = None if bos_token is None else tokenizer.token_to_id(bos_token)
+        if bos_token is not None and self.bos is None:
+            raise ValueError(f"tokenizer {path or ''}: its bos_token {bos_token!r} is not in the vocabulary")
         eod = tokenizer.token_to_id(eod_token)
         if eod is None:
             raise ValueError(
@@ -61,22 +69,30 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def __getstate__(self):
-        return {"json": self._tok.to_str(), "eod_token": self.eod_token, "path": self.path}
+        return {"json": self._tok.to_str(), "eod_token": self.eod_token, "path": self.path,
+                "bos_token": self.bos_token}
 
     def __setstate__(self, state):
         from tokenizers import Tokenizer
 
-        self.__init__(Tokenizer.from_str(state["json"]), state["eod_token"], state["path"])
+        self.__init__(Tokenizer.from_str(state["json"]), state["eod_token"], state["path"], state.get("bos_token"))
 
 
-def load_tokenizer(path: Union[str, os.PathLike], eod_token: str = EOD_TOKEN) -> HFTokenizer:
-    """Load a HuggingFace ``tokenizer.json`` (a file, or a directory containing one).
+def load_tokenizer(path: Union[str, os.PathLike], eod_token: Optional[str] = None) -> HFTokenizer:
+    """Load a HuggingFace tokenizer: a ``tokenizer.json`` file, or a folder holding one (a
+    ``save_pretrained`` folder: its ``tokenizer_config.json`` names the special tokens).
+
+    The end-of-document token (Megatron's ``eod``) is ``eod_token`` when given, else the
+    ``eos_token`` of the ``tokenizer_config.json`` beside the ``tokenizer.json``, else
+    ``"<|endoftext|>"`` when the vocabulary has it; the ``bos_token`` likewise from
+    ``tokenizer_config.json``.
 
     Returns:
-        HFTokenizer with ``.vocab_size``, ``.eod``, ``.tokenize``, ``.detokenize``.
+        HFTokenizer with ``.vocab_size``, ``.eod``, ``.bos``, ``.tokenize``, ``.detokenize``.
 
     Raises:
-        FileNotFoundError: no such file.  ValueError: unreadable JSON or no ``eod_token``.
+        FileNotFoundError: no such file.  ValueError: unreadable JSON, or no end-of-document
+        token (none given, none in tokenizer_config.json, no ``"<|endoftext|>"``).
     """
     from tokenizers import Tokenizer
 
@@ -92,7 +108,41 @@ def load_tokenizer(path: Union[str, os.PathLike], eod_token: str = EOD_TOKEN) ->
         tok = Tokenizer.from_file(path)
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON
         raise ValueError(f"{path}: not a valid HuggingFace tokenizer.json ({err})") from None
-    return HFTokenizer(tok, eod_token=eod_token, path=path)
+    special = special_tokens(os.path.dirname(path))
+    if eod_token is None:
+        eod_token = special.get("eos_token")
+    if eod_token is None:
+        if tok.token_to_id(EOD_TOKEN) is None:
+            raise ValueError(
+                f"tokenizer {path} has no end-of-document token: no tokenizer_config.json beside it names an "
+                f"eos_token and it has no {EOD_TOKEN!r}; give its save_pretrained folder (whose "
+                f"tokenizer_config.json names eos_token), or retrain it with `python -m jmegatron.tools.train_tokenizer`"
+            )
+        eod_token = EOD_TOKEN
+    return HFTokenizer(tok, eod_token=eod_token, path=path, bos_token=special.get("bos_token"))
+
+
+def special_tokens(folder: Union[str, os.PathLike]) -> dict:
+    """``{"eos_token": str, "bos_token": str}`` (those present) of the ``tokenizer_config.json``
+    in ``folder`` (a transformers ``save_pretrained`` folder); ``{}`` without one. Tokens given
+    as ``{"content": ...}`` dicts are read as their content."""
+    config = os.path.join(os.fspath(folder), "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return {}
+    with open(config) as f:
+        conf = json.load(f)
+    out = {}
+    for key in ("eos_token", "bos_token"):
+        value = conf.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+# The files of a transformers tokenizer folder that import-hf carries and export hf writes back.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def iter_documents(path: Union[str, os.PathLike], json_key: str = "text") -> Iterator[str]:
