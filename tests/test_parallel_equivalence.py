@@ -29,7 +29,7 @@ LLAMA = dict(family="llama", num_attention_heads=8, num_query_groups=4, ffn_hidd
 BLOCKS = dict(family="llama", num_attention_heads=4, num_query_groups=2, kv_channels=32, ffn_hidden_size=96,
               add_qkv_bias=True, qk_layernorm=True, position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
               yarn_original_max_position_embeddings=16)
-ARCHS = {"gpt": {}, "llama": LLAMA, "blocks": BLOCKS}
+ARCHS = {"gpt": {}, "llama": LLAMA}
 
 
 def trajectory(cfg, num_devices, steps=3):
@@ -84,21 +84,19 @@ def assert_same_trajectory(losses, grads, ref_losses, ref_grads):
             np.testing.assert_allclose(a / scale, b / scale, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("reference,kw", [
-    ("blocks", dict(tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=2)),
-    ("blocks", dict(context_parallel_size=2, micro_batch_size=2)),
-], indirect=["reference"])
-def test_family_blocks_match_one_device(kw, reference):
+def test_family_blocks_match_one_device():
     """QK-norm (its scales shared by the heads that tensor parallelism splits), the Q/K/V
-    biases and YaRN (positions that context parallelism reorders) under tp2 + SP and cp2.
-    Gradients of the first two steps: after two Adam updates, weights whose gradient is
-    ~0 have moved by about lr whichever sign their float32 noise had, and a few elements of
-    the third step's gradients differ by ~3e-5 of the leaf's largest in every layout alike
-    (tp, tp + SP and cp measured), while the first two agree to 1e-6."""
-    arch, (ref_losses, ref_grads, _) = reference
-    losses, grads, run = trajectory(tiny_cfg(**DROPOUT, **dict(arch, **kw)), 8)
-    assert run.num_microbatches == 2
-    assert_same_trajectory(losses, grads[:2], ref_losses, ref_grads[:2])
+    biases and YaRN (positions that context parallelism reorders) under tp2 + SP x cp2 x dp2:
+    one step's loss and every gradient equal one device's (the layouts' training
+    trajectories are test_layout_matches_one_device's and tests/test_context_parallel.py's)."""
+    from test_context_parallel import grads_of
+
+    kw = dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2)
+    g, report, tokens, run = grads_of(tiny_cfg(**DROPOUT, **BLOCKS, **kw, micro_batch_size=2, global_batch_size=8), 8)
+    assert dict(run.mesh.shape) == {"pipeline": 1, "data": 2, "expert": 1, "context": 2, "tensor": 2}
+    g1, report1, tokens1, _ = grads_of(tiny_cfg(**DROPOUT, **BLOCKS, micro_batch_size=4, global_batch_size=8), 1)
+    assert tokens == tokens1
+    assert_same_trajectory([report["lm_loss"]], [g], [report1["lm_loss"]], [g1])
 
 
 @pytest.mark.parametrize("kw, match", [
