@@ -183,7 +183,10 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
     tok_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
     if "tokenizer.json" in tok_files:
         base["tokenizer_model"] = os.path.join(os.path.abspath(out), "tokenizer")
-        load_tokenizer(folder)  # refused before any work without an end-of-document token
+        try:  # refused before any work without an end-of-document token
+            load_tokenizer(folder)
+        except ValueError as e:
+            raise ExportError(f"--hf {folder}: {e}") from e
     try:
         cfg = from_configdict(base)
     except ConfigError as e:

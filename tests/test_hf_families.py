@@ -274,3 +274,24 @@ def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp
     losses = [summary["losses"][i] for i in sorted(summary["losses"])]
     print(f"qwen3 import -> train on Shakespeare: losses {np.round(losses, 3).tolist()}, eval loss {result['loss']:.3f}")
     assert len(losses) == 3 and np.all(np.isfinite(losses))
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused_before_work(imported, tmp_path):
+    """No eos in tokenizer_config.json and no ``<|endoftext|>``: ``load_tokenizer`` and
+    ``import-hf`` name the tokenizer and the fix, and ``import-hf`` writes nothing."""
+    from tokenizers import Tokenizer, models
+
+    from jmegatron.data.tokenizer import load_tokenizer
+    from jmegatron.export.common import ExportError
+    from jmegatron.export.convert import import_hf
+
+    imported["qwen2"][0].save_pretrained(str(tmp_path / "hf"))
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tmp_path / "hf" / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"has no end-of-document token.*eos_token"):
+        load_tokenizer(tmp_path / "hf")
+    with pytest.raises(ExportError, match="--hf .* has no end-of-document token"):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    # the same tokenizer with a tokenizer_config.json naming its eos loads
+    (tmp_path / "hf" / "tokenizer_config.json").write_text('{"eos_token": "b"}')
+    assert load_tokenizer(tmp_path / "hf").eod == 1
