@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jmegatron.config import ConfigError, from_configdict
+from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, from_configdict
 from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.export.hf import to_hf_model
 from jmegatron.training import checkpointing
@@ -75,7 +75,7 @@ def checkpoint_config(load_dir: str, iteration: Optional[int] = None):
         ckpt = checkpointing.Checkpointer(load_dir, create=False)
         saved = dict(ckpt.read_meta(iteration)["config"])
         ckpt.close()
-        saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
+        saved.update(READ_CHECKPOINT_RESETS)
         return from_configdict(saved)
     except (checkpointing.CheckpointError, ConfigError, KeyError) as e:
         raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {e}") from e

@@ -287,6 +287,28 @@ def _cast(array: np.ndarray, dtype: str) -> np.ndarray:
     return array.astype(_NUMPY_DTYPES[dtype], copy=False)
 
 
+def hf_source(load_dir: str) -> str:
+    """The ``hf_source/`` folder (``import-hf``'s copy of the source ``config.json`` and
+    ``generation_config.json``) that the checkpoint at ``load_dir`` descends from: its own, or
+    that of the run it was loaded from (``load`` in its ``config.json``: a fine-tuned import),
+    followed back through the runs. Returns the path (which need not exist)."""
+    seen = set()
+    here = os.path.abspath(load_dir)
+    while here not in seen:
+        seen.add(here)
+        if os.path.isdir(os.path.join(here, "hf_source")):
+            return os.path.join(here, "hf_source")
+        try:
+            with open(os.path.join(here, "config.json")) as f:
+                parent = json.load(f).get("load")
+        except (OSError, ValueError):
+            break
+        if not parent:
+            break
+        here = os.path.abspath(parent)
+    return os.path.join(os.path.abspath(load_dir), "hf_source")
+
+
 def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: Optional[int] = None,
                         max_shard_size: Any = "5GB") -> dict[str, Any]:
     """Write the Hugging Face weights and ``config.json`` / ``generation_config.json`` of
@@ -316,7 +338,7 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
     if reader.tokenizer_path:
         tok = load_tokenizer(reader.tokenizer_path)
         bos, eos = (tok.eod if tok.bos is None else tok.bos), tok.eod
-    source = os.path.join(reader.load_dir, "hf_source")  # import-hf's copy of what it read
+    source = hf_source(reader.load_dir)
     if os.path.isfile(os.path.join(source, "config.json")):
         with open(os.path.join(source, "config.json")) as f:
             read = json.load(f)

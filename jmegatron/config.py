@@ -915,6 +915,12 @@ class JMegatronConfig:
         return dataclasses.replace(self, **changes)
 
 
+# What a saved run's config resets when its checkpoint is only read (evaluation, generation,
+# export, a distillation teacher): its teacher, and where that run saved and loaded from
+# (with what it did at its start: finetune, no_load_optim, no_load_rng, use_checkpoint_args).
+READ_CHECKPOINT_RESETS = dict(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None,
+                              finetune=False, no_load_optim=False, no_load_rng=False, use_checkpoint_args=False)
+
 # Fields that describe the network's parameters: resuming with a different value fails.
 # (The padded vocabulary is compared separately, so make_vocab_size_divisible_by may change.)
 MODEL_FIELDS = (

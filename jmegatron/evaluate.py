@@ -25,7 +25,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from jmegatron.config import ConfigError, from_configdict
+from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, from_configdict
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
 from jmegatron.training.checkpointing import CheckpointError
@@ -55,7 +55,7 @@ def evaluation_mesh(load_dir: str, num_devices: int):
     if num_devices < 1 or num_devices > len(jax.devices()):
         raise ValueError(f"--devices {num_devices}: choose 1..{len(jax.devices())} (the devices this process sees)")
     saved = saved_config(load_dir)
-    saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
+    saved.update(READ_CHECKPOINT_RESETS)
     return create_mesh(from_configdict(saved), jax.devices()[:num_devices])
 
 

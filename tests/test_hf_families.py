@@ -272,6 +272,12 @@ def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp
     assert (trained.qk_layernorm, trained.kv_channels, trained.num_layers) == (True, 32, 2)
     summary = pretrain(trained)
     losses = [summary["losses"][i] for i in sorted(summary["losses"])]
+    # the fine-tuned run exports with the source's ids and generation config too
+    export_hf(str(tmp_path / "run"), str(tmp_path / "tuned"))
+    tuned = json.loads((tmp_path / "tuned" / "config.json").read_text())
+    assert (tuned["bos_token_id"], tuned["eos_token_id"]) == (3, [5, 7])
+    assert (tmp_path / "tuned" / "generation_config.json").read_text() == \
+        (tmp_path / "hf" / "generation_config.json").read_text()
     print(f"qwen3 import -> train on Shakespeare: losses {np.round(losses, 3).tolist()}, eval loss {result['loss']:.3f}")
     assert len(losses) == 3 and np.all(np.isfinite(losses))
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jmegatron.config import ConfigError, JMegatronConfig, from_configdict
+from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.training import checkpoint_layout, checkpointing
 from jmegatron.training.run import build
@@ -92,8 +92,8 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     saved.update(virtual_pipeline_model_parallel_size=v if v > 1 else None,
                  num_layers_per_virtual_pipeline_stage=None, pipeline_schedule=student_cfg.pipeline_schedule,
                  decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
-    saved.update(hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, use_distributed_optimizer=False,
-                 kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
+    saved.update(READ_CHECKPOINT_RESETS)
+    saved.update(hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, use_distributed_optimizer=False)
     try:
         tcfg = from_configdict(saved)
     except ConfigError as e:

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jmegatron.config import ConfigError, JMegatronConfig, from_configdict
+from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.data.tokenizer import load_tokenizer
@@ -354,7 +354,7 @@ def _run_of_checkpoint(load_dir: str, mesh: Optional[Mesh], iteration: Optional[
         meta = ckpt.read_meta(iteration)
         saved = dict(meta["config"])
         # evaluation, sampling and export need the student only, never its teacher
-        saved.update(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None)
+        saved.update(READ_CHECKPOINT_RESETS)
         if mesh is None:  # one device: Orbax gathers whatever layout the checkpoint was saved in
             saved.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
                          expert_model_parallel_size=1, sequence_parallel=False,
