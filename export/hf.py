@@ -237,8 +237,8 @@ def hf_architecture(cfg) -> str:
     return arch
 
 
-def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
-                   eos_token_id: Optional[int] = None) -> dict[str, Any]:
+def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int | list[int]] = None,
+                   eos_token_id: Optional[int | list[int]] = None) -> dict[str, Any]:
     """The transformers ``config.json`` content for ``cfg`` with ``vocab_size`` rows of the
     embedding (the padded size of the params, or a smaller true vocabulary when the export
     drops the padding rows, see :func:`to_hf_state_dict`).
@@ -247,7 +247,8 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int] = None,
     ``openai_gelu``, GPT-2's own "gelu_new" (tanh). Llama / Qwen2 / Qwen3: RoPE is written as
     transformers 5.x ``rope_parameters`` (:func:`rope_parameters`), and also as the legacy
     top-level ``rope_theta`` and ``rope_scaling`` (non-default types) read by transformers 4.x.
-    ``bos_token_id``/``eos_token_id`` default to None (jmegatron does not know the tokenizer's).
+    ``bos_token_id``/``eos_token_id`` (an id, or a list of ids as Llama-3-Instruct's eos) default
+    to None (jmegatron does not know the tokenizer's).
     Raises ValueError as :func:`hf_architecture`.
     """
     arch = hf_architecture(cfg)
