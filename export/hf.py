@@ -16,8 +16,19 @@ Targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatr
   (``num_moe_experts`` set): Llama's attention with the MoE MLPs of
   :mod:`jmegatron.export.hf_moe` (Mixtral without a shared expert, Qwen2-MoE with one).
 
-Import also reads ``MistralForCausalLM`` (model_type "mistral", Llama's layout; without a
-sliding window), which exports back as ``LlamaForCausalLM``.
+* ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (``models/gemma2``, ``models/gemma3``):
+  ``sandwich_norms`` (post-attention and post-MLP norms), Gemma's ``(1 + w)`` RMSNorm
+  (``apply_layernorm_1p``), GeGLU with the tanh GELU (``gated_linear_unit`` +
+  ``openai_gelu``), embeddings scaled by ``sqrt(hidden)``, ``softmax_scale``
+  (``query_pre_attn_scalar``), sliding-window layers (``window_size``,
+  ``window_attn_skip_freq``: HF ``sliding_window`` / ``layer_types``), soft-capping, a tied
+  output; Gemma-3 adds ``qk_layernorm`` and a local RoPE base (``rotary_base_local``).
+
+Import also reads ``MistralForCausalLM`` (model_type "mistral", Llama's layout, a sliding
+window over every layer as ``window_size``), which exports back as ``MistralForCausalLM``
+with a window and as ``LlamaForCausalLM`` without, and the text model of a multimodal
+Gemma-3 checkpoint (model_type "gemma3": ``text_config``; the vision tower is dropped),
+which exports back as ``Gemma3ForCausalLM``.
 
 Anything else raises ``ValueError`` naming the config fields the target cannot represent
 (see :func:`hf_architecture`).
@@ -36,7 +47,9 @@ accepted too). jmegatron layout (``h`` hidden, ``nq`` heads, ``nkv`` query group
                   group g, its query heads g*nq/nkv .. (g+1)*nq/nkv - 1, then K_g, then V_g
     decoder_layers_{i}/self_attention/linear_proj/kernel        [nq, d, h]   (+ bias [h])
     decoder_layers_{i}/self_attention/{q,k}_layernorm/scale     [d]  (qk_layernorm only)
+    decoder_layers_{i}/post_self_attn_layernorm/scale           [h]  (sandwich_norms only)
     decoder_layers_{i}/pre_mlp_layernorm/{scale,bias}           [h]
+    decoder_layers_{i}/post_mlp_layernorm/scale                 [h]  (sandwich_norms only)
     decoder_layers_{i}/mlp/linear_fc1/kernel      [h, ffn] or [h, 2, ffn] with swiglu
                                                   (index 0 gate, 1 up)  (+ bias [ffn] / [2, ffn])
     decoder_layers_{i}/mlp/linear_fc2/kernel      [ffn, h]   (+ bias [h])
@@ -61,6 +74,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jmegatron.config import window_layer_pattern
 from jmegatron.export import hf_moe
 from jmegatron.export.hf_moe import MOE_ARCHITECTURES
 from jmegatron.models.rope import yarn_concentration_factor
@@ -75,8 +89,24 @@ QWEN3 = "Qwen3ForCausalLM"
 # q_norm / k_norm and a head_dim decoupled from hidden / heads.
 LLAMA_LIKE = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
 _MODEL_TYPE = {arch: model_type for model_type, arch in LLAMA_LIKE.items()}
+GEMMA2 = "Gemma2ForCausalLM"
+GEMMA3 = "Gemma3ForCausalLM"
+# Gemma's layout: Llama's names plus the sandwich norms; "gemma3" is the multimodal
+# Gemma3ForConditionalGeneration, whose text model imports as gemma3_text
+GEMMA_TYPES = {"gemma2": GEMMA2, "gemma3_text": GEMMA3, "gemma3": GEMMA3}
+_MODEL_TYPE.update({GEMMA2: "gemma2", GEMMA3: "gemma3_text"})
+# jmegatron's per-layer norm -> the HF norm of the Llama layout and of Gemma's
+_LLAMA_NORMS = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm"}
+_GEMMA_NORMS = {"input_layernorm": "input_layernorm", "post_self_attn_layernorm": "post_attention_layernorm",
+                "pre_mlp_layernorm": "pre_feedforward_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"}
 # GPT-2's activation_function values that are the tanh GELU (Megatron's openai_gelu)
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+# Gemma3ForConditionalGeneration's text model keys (transformers 5 module names, then the
+# Hub checkpoints' language_model.model.*) -> Gemma3ForCausalLM's; its vision tower is dropped
+_GEMMA3_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head."))
+_GEMMA3_VISION = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 
 _LAYER_RE = re.compile(r"^decoder_layers_(\d+)$")
 # Buffers some GPT-2 checkpoints carry (old causal-mask buffers): not parameters.
@@ -84,6 +114,49 @@ _GPT2_IGNORED = re.compile(r"\.attn\.(bias|masked_bias)$")
 
 
 # ----------------------------------------------------------------------------- config
+def _gemma_block_problems(cfg, arch: str) -> list[str]:
+    """Gemma's fields that ``arch`` (a target other than Gemma) cannot represent."""
+    name = arch.replace("ForCausalLM", "").replace("LMHeadModel", "")
+    problems = [f"config.{n}=True ({name} has no such block; Gemma-2/3 have)"
+                for n in ("apply_layernorm_1p", "sandwich_norms", "scale_embeddings") if getattr(cfg, n)]
+    if cfg.gated_linear_unit and not cfg.swiglu:
+        problems.append(f"config.gated_linear_unit=True with swiglu=False (GeGLU: {name} has no such MLP)")
+    for n in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local"):
+        if getattr(cfg, n) is not None:
+            problems.append(f"config.{n}={getattr(cfg, n)} ({name} has no such field)")
+    if cfg.window_size is not None and not (arch == MISTRAL and all(_window_pattern(cfg))):
+        problems.append(f"config.window_size={cfg.window_size} ({name} has no sliding window; Mistral windows "
+                        f"every layer, Gemma-2/3 alternate)")
+    return problems
+
+
+def _window_pattern(cfg) -> tuple[int, ...]:
+    return window_layer_pattern(cfg.window_size, cfg.window_attn_skip_freq, cfg.num_layers)
+
+
+def _gemma_problems(cfg, arch: str) -> list[str]:
+    """The fields of ``cfg`` that Hugging Face Gemma-2 / Gemma-3 cannot represent."""
+    name = arch.replace("ForCausalLM", "")
+    problems = []
+    if cfg.normalization != "RMSNorm":
+        problems.append(f"config.normalization={cfg.normalization!r} ({name} uses RMSNorm)")
+    for n in ("apply_layernorm_1p", "sandwich_norms", "scale_embeddings", "gated_linear_unit", "openai_gelu"):
+        if not getattr(cfg, n):
+            problems.append(f"config.{n}=False ({name} always has it)")
+    if cfg.swiglu:
+        problems.append(f"config.swiglu=True ({name}'s MLP is GeGLU with the tanh GELU)")
+    if cfg.add_bias_linear or cfg.add_qkv_bias:
+        problems.append(f"config.add_bias_linear / add_qkv_bias ({name} has no biases)")
+    if cfg.untie_embeddings_and_output_weights:
+        problems.append(f"config.untie_embeddings_and_output_weights=True ({name}'s output layer is tied)")
+    if arch == GEMMA3 and cfg.attn_logit_softcapping is not None:
+        problems.append(f"config.attn_logit_softcapping={cfg.attn_logit_softcapping} (transformers' Gemma-3 "
+                        f"attention does not apply it)")
+    if arch == GEMMA2 and cfg.rotary_base_local is not None:
+        problems.append(f"config.rotary_base_local={cfg.rotary_base_local} (Gemma-2 has one RoPE; Gemma-3 two)")
+    return problems + _rope_problems(cfg)
+
+
 def _gpt2_problems(cfg) -> list[str]:
     problems = []
     if cfg.normalization != "LayerNorm":
@@ -98,7 +171,7 @@ def _gpt2_problems(cfg) -> list[str]:
     if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
         problems.append(f"config.kv_channels={cfg.kv_channels} (GPT-2 needs kv_channels * "
                         f"num_attention_heads == hidden_size={cfg.hidden_size})")
-    return problems
+    return problems + _gemma_block_problems(cfg, GPT2)
 
 
 def _llama_problems(cfg, arch: str = LLAMA) -> list[str]:
@@ -120,7 +193,7 @@ def _llama_problems(cfg, arch: str = LLAMA) -> list[str]:
     if arch == LLAMA and cfg.hidden_size % cfg.num_attention_heads:
         problems.append(f"config.hidden_size={cfg.hidden_size} is not divisible by num_attention_heads="
                         f"{cfg.num_attention_heads} (LlamaConfig rejects it)")
-    problems += _rope_problems(cfg)
+    problems += _rope_problems(cfg) + _gemma_block_problems(cfg, arch)
     return problems
 
 
@@ -205,9 +278,11 @@ def hf_architecture(cfg) -> str:
     ``"GPT2LMHeadModel"`` for learned_absolute positions + LayerNorm + GELU + multi-head
     attention with ``kv_channels * heads == hidden`` + biases; for rope / yarn + RMSNorm +
     SwiGLU (grouped-query attention, any ``kv_channels``): ``"Qwen3ForCausalLM"`` with
-    ``qk_layernorm``, ``"Qwen2ForCausalLM"`` with ``add_qkv_bias`` and no other bias, else
+    ``qk_layernorm``, ``"Qwen2ForCausalLM"`` with ``add_qkv_bias`` and no other bias,
+    ``"MistralForCausalLM"`` with a sliding window on every layer, else
     ``"LlamaForCausalLM"`` (biases map to ``attention_bias``/``mlp_bias``). Tied and untied
-    output layers are both representable (``tie_word_embeddings``).
+    output layers are both representable (``tie_word_embeddings``). With ``sandwich_norms``:
+    ``"Gemma3ForCausalLM"`` with ``qk_layernorm``, else ``"Gemma2ForCausalLM"``.
 
     MoE configs (``num_moe_experts`` set): ``"Qwen2MoeForCausalLM"`` with a shared expert,
     ``"Qwen3MoeForCausalLM"`` with ``qk_layernorm``, else ``"MixtralForCausalLM"``
@@ -223,8 +298,12 @@ def hf_architecture(cfg) -> str:
         return arch
     if cfg.position_embedding_type == "learned_absolute":
         arch, problems = GPT2, _gpt2_problems(cfg)
+    elif cfg.position_embedding_type in ("rope", "yarn") and cfg.sandwich_norms:
+        arch = GEMMA3 if cfg.qk_layernorm else GEMMA2
+        problems = _gemma_problems(cfg, arch)
     elif cfg.position_embedding_type in ("rope", "yarn"):
-        arch = QWEN3 if cfg.qk_layernorm else QWEN2 if cfg.add_qkv_bias and not cfg.add_bias_linear else LLAMA
+        arch = QWEN3 if cfg.qk_layernorm else QWEN2 if cfg.add_qkv_bias and not cfg.add_bias_linear else \
+            MISTRAL if cfg.window_size is not None else LLAMA
         problems = _llama_problems(cfg, arch)
     else:
         raise ValueError(
@@ -305,6 +384,11 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int | list[in
     }
     if arch in MOE_ARCHITECTURES:
         return hf_moe.moe_config_dict(cfg, arch, llama)
+    if arch in (GEMMA2, GEMMA3):
+        return _gemma_config_dict(cfg, arch, llama, rope)
+    if arch == MISTRAL:
+        conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp", "attention_bias")}
+        return dict(conf, model_type="mistral", sliding_window=cfg.window_size[0] + 1)
     if arch in (QWEN2, QWEN3):  # Qwen2: Q/K/V biases always; Qwen3: attention_bias (none here)
         conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp")}
         conf.update(model_type=_MODEL_TYPE[arch], use_sliding_window=False, sliding_window=None,
@@ -313,6 +397,92 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int | list[in
             conf.pop("attention_bias")
         return conf
     return llama
+
+
+def _gemma_config_dict(cfg, arch: str, llama: dict, rope: dict) -> dict[str, Any]:
+    """Gemma2Config / Gemma3TextConfig content: Llama's sizes, ``query_pre_attn_scalar`` =
+    ``softmax_scale ** -2`` (``kv_channels`` without one), ``sliding_window`` and the
+    ``layer_types`` of ``window_attn_skip_freq``, the soft-caps, and for Gemma-3 the
+    per-layer-type ``rope_parameters`` (the local base unscaled)."""
+    keep = ("architectures", "vocab_size", "initializer_range", "tie_word_embeddings", "bos_token_id",
+            "eos_token_id", "pad_token_id", "use_cache", "dtype", "hidden_size", "intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "max_position_embeddings", "rms_norm_eps", "attention_bias", "attention_dropout")
+    conf = {k: llama[k] for k in keep}
+    scalar = float(cfg.kv_channels) if cfg.softmax_scale is None else float(cfg.softmax_scale) ** -2
+    pattern = _window_pattern(cfg)
+    conf.update(model_type=_MODEL_TYPE[arch], hidden_activation="gelu_pytorch_tanh",
+                query_pre_attn_scalar=int(round(scalar)) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+                sliding_window=None if cfg.window_size is None else cfg.window_size[0] + 1,
+                layer_types=["sliding_attention" if w else "full_attention" for w in pattern],
+                final_logit_softcapping=cfg.final_logit_softcapping, use_bidirectional_attention=False)
+    if arch == GEMMA2:
+        conf.update(attn_logit_softcapping=cfg.attn_logit_softcapping, rope_parameters=rope,
+                    rope_theta=rope["rope_theta"])
+    else:
+        local = rope if cfg.rotary_base_local is None else {"rope_type": "default",
+                                                            "rope_theta": float(cfg.rotary_base_local)}
+        conf.update(attn_logit_softcapping=None,
+                    rope_parameters={"full_attention": rope, "sliding_attention": local})
+    return conf
+
+
+def _gemma_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """jmegatron's fields of a Gemma2Config / Gemma3TextConfig mapping (see
+    :func:`config_fields_from_hf`)."""
+    model_type = conf["model_type"]
+    h, heads, layers = int(conf["hidden_size"]), int(conf["num_attention_heads"]), int(conf["num_hidden_layers"])
+    d = int(conf.get("head_dim") or h // heads)
+    act = conf.get("hidden_activation") or conf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        problems.append(f"hidden_activation={act!r} (jmegatron's GeGLU is the tanh GELU, 'gelu_pytorch_tanh')")
+    if conf.get("attention_bias"):
+        problems.append("attention_bias=True (jmegatron's Gemma has no biases)")
+    if conf.get("use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention=True (jmegatron's attention is causal)")
+    window = conf.get("sliding_window")
+    types = conf.get("layer_types")
+    if types is None:  # transformers 4.x configs: Gemma-2 alternates, Gemma-3 every N-th layer full
+        n = 2 if model_type == "gemma2" else int(conf.get("sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
+    pattern = tuple(int(t == "sliding_attention") for t in types)
+    if window is None or not any(pattern):
+        window_size, freq = None, None
+    else:
+        window_size = (int(window) - 1, 0)
+        freq = next((n for n in range(1, layers + 1) if window_layer_pattern(window_size, n, layers) == pattern),
+                    list(pattern))
+        freq = None if all(pattern) else freq
+    scalar = float(conf.get("query_pre_attn_scalar") or d)
+    fields = dict(
+        num_layers=layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=int(conf["intermediate_size"]),
+        num_query_groups=int(conf.get("num_key_value_heads") or heads), kv_channels=d,
+        max_position_embeddings=int(conf["max_position_embeddings"]), normalization="RMSNorm",
+        norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)), swiglu=False, gated_linear_unit=True, openai_gelu=True,
+        apply_layernorm_1p=True, sandwich_norms=True, scale_embeddings=True, add_bias_linear=False,
+        add_qkv_bias=False, qk_layernorm=model_type != "gemma2",
+        softmax_scale=None if scalar == d else scalar ** -0.5,
+        attn_logit_softcapping=None if model_type != "gemma2" else conf.get("attn_logit_softcapping"),
+        final_logit_softcapping=conf.get("final_logit_softcapping"),
+        window_size=window_size, window_attn_skip_freq=freq,
+        hidden_dropout=0.0, attention_dropout=float(conf.get("attention_dropout") or 0.0))
+    rope = dict(conf.get("rope_parameters") or {})
+    if model_type == "gemma2" or "full_attention" not in rope:
+        local_base = conf.get("rope_local_base_freq", 10000.0) if model_type != "gemma2" else None
+        fields.update(rope_fields_from_hf(conf, problems))
+    else:  # Gemma-3: one RoPE per layer type; the sliding layers' unscaled
+        sliding = rope.get("sliding_attention") or {}
+        if sliding.get("rope_type", "default") != "default":
+            problems.append(f"rope_parameters.sliding_attention.rope_type={sliding.get('rope_type')!r} "
+                            f"(jmegatron's local RoPE is unscaled)")
+        local_base = sliding.get("rope_theta", 10000.0)
+        fields.update(rope_fields_from_hf({**conf, "rope_parameters": rope["full_attention"], "rope_scaling": None},
+                                          problems))
+    if local_base is not None and window_size is not None:
+        if float(local_base) != int(local_base):
+            problems.append(f"the local rope_theta={local_base} (jmegatron's rotary_base_local is an integer)")
+        fields["rotary_base_local"] = int(local_base)
+    return fields
 
 
 def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
@@ -332,7 +502,13 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
     """
     model_type = conf.get("model_type")
     problems: list[str] = []
-    if model_type == "gpt2":
+    if model_type == "gemma3":  # the multimodal checkpoint: its text model
+        conf = {**(conf.get("text_config") or {}), "model_type": "gemma3_text",
+                "tie_word_embeddings": conf.get("tie_word_embeddings", True)}
+        model_type = "gemma3_text"
+    if model_type in GEMMA_TYPES:
+        fields = _gemma_fields_from_hf(conf, problems)
+    elif model_type == "gpt2":
         h, heads = int(conf["n_embd"]), int(conf["n_head"])
         act = conf.get("activation_function", "gelu_new")
         if act not in ("gelu",) + _GELU_TANH:
@@ -363,9 +539,9 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
                             "add_bias_linear biases every linear layer, add_qkv_bias only Q/K/V)")
         window = conf.get("sliding_window") if model_type == "mistral" else \
             conf.get("sliding_window") if conf.get("use_sliding_window") else None
-        if window is not None and model_type not in hf_moe.MODEL_TYPES:  # (hf_moe names its own)
-            problems.append(f"sliding_window={window} (sliding-window attention is not built; Mistral-7B-v0.2 and "
-                            f"later set it null)")
+        if window is not None and model_type not in (*hf_moe.MODEL_TYPES, "mistral"):  # (hf_moe names its own)
+            problems.append(f"sliding_window={window} with use_sliding_window (Qwen's windows on the layers above "
+                            f"max_window_layers are not built)")
         fields = dict(
             num_layers=int(conf["num_hidden_layers"]), hidden_size=h, num_attention_heads=heads,
             ffn_hidden_size=int(conf["intermediate_size"]),
@@ -377,12 +553,15 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
             hidden_dropout=0.0, attention_dropout=float(conf.get("attention_dropout") or 0.0))
         fields.update(rope_fields_from_hf(conf, problems))
+        if model_type == "mistral" and window is not None:
+            fields["window_size"] = (int(window) - 1, 0)
         if model_type in hf_moe.MODEL_TYPES:
             fields.update(hf_moe.moe_config_fields(conf, problems))
     else:
         raise ValueError(f"Hugging Face model_type={model_type!r} has no jmegatron import: supported are "
                          + ", ".join(f"{t!r} ({a})" for t, a in
-                                     [("gpt2", GPT2), *LLAMA_LIKE.items(), *hf_moe.MODEL_TYPES.items()]))
+                                     [("gpt2", GPT2), *LLAMA_LIKE.items(), *GEMMA_TYPES.items(),
+                                      *hf_moe.MODEL_TYPES.items()]))
     if problems:
         raise ValueError(f"this Hugging Face {model_type} config cannot be imported: " + "; ".join(problems))
     fields["untie_embeddings_and_output_weights"] = not bool(conf.get("tie_word_embeddings", True))
@@ -600,12 +779,14 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
     else:
         yield "model.embed_tokens.weight", c(wte[:v])
         moe_layers = _moe_layers(cfg)
+        norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
         for i in range(cfg.num_layers):
             L, o = f"decoder_layers_{i}", f"model.layers.{i}"
             A = f"{L}/self_attention"
             lp = layer_tree(i)
             gl = lambda path: _get(lp, path, cfg)  # noqa: E731
-            yield f"{o}.input_layernorm.weight", c(gl(f"{L}/input_layernorm/scale"))
+            for name, hf_name in norms.items():
+                yield f"{o}.{hf_name}.weight", c(_check_shape(f"{L}/{name}/scale", gl(f"{L}/{name}/scale"), (h,)))
             for n, heads in (("q", nq), ("k", nkv), ("v", nkv)):
                 k = _check_shape(f"{A}/linear_{n}/kernel", gl(f"{A}/linear_{n}/kernel"), (h, heads, d))
                 yield f"{o}.self_attn.{n}_proj.weight", c(k.reshape(h, heads * d).T)
@@ -619,7 +800,6 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
             yield f"{o}.self_attn.o_proj.weight", c(k.reshape(nq * d, h).T)
             if bias:
                 yield f"{o}.self_attn.o_proj.bias", c(gl(f"{A}/linear_proj/bias"))
-            yield f"{o}.post_attention_layernorm.weight", c(gl(f"{L}/pre_mlp_layernorm/scale"))
             if moe_layers[i]:
                 yield from hf_moe.mlp_to_hf(gl(f"{L}/mlp"), cfg, arch, i, _check_shape).items()
                 del lp
@@ -715,6 +895,13 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
         state_dict = hf_moe.from_module_layout(state_dict, arch, _to_numpy)
     sd: dict[str, np.ndarray] = {}
     for key, value in state_dict.items():
+        if arch == GEMMA3:  # a multimodal Gemma-3: its text model, in Gemma3ForCausalLM's names
+            if key.startswith(_GEMMA3_VISION):
+                continue
+            for prefix, to in _GEMMA3_TEXT_PREFIXES:
+                if key.startswith(prefix):
+                    key = to + key[len(prefix):]
+                    break
         if arch == GPT2:
             if _GPT2_IGNORED.search(key):
                 continue
@@ -767,6 +954,7 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
         p["final_layernorm"] = {"scale": t("transformer.ln_f.weight", (h,)), "bias": t("transformer.ln_f.bias", (h,))}
     else:
         moe_layers = _moe_layers(cfg)
+        norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
         for i in range(cfg.num_layers):
             o = f"model.layers.{i}"
             attn = {}
@@ -778,13 +966,10 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
             if cfg.qk_layernorm:
                 for n in "qk":
                     attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
+            layer_norms = {name: {"scale": t(f"{o}.{hf_name}.weight", (h,))} for name, hf_name in norms.items()}
             if moe_layers[i]:
-                p[f"decoder_layers_{i}"] = {
-                    "input_layernorm": {"scale": t(f"{o}.input_layernorm.weight", (h,))},
-                    "self_attention": attn,
-                    "pre_mlp_layernorm": {"scale": t(f"{o}.post_attention_layernorm.weight", (h,))},
-                    "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i),
-                }
+                p[f"decoder_layers_{i}"] = {**layer_norms, "self_attention": attn,
+                                            "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i)}
                 continue
             fc1 = {"kernel": np.stack([t(f"{o}.mlp.gate_proj.weight", (ffn, h)).T,
                                        t(f"{o}.mlp.up_proj.weight", (ffn, h)).T], axis=1)}
@@ -793,12 +978,8 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
                 attn["linear_proj"]["bias"] = t(f"{o}.self_attn.o_proj.bias", (h,))
                 fc1["bias"] = np.stack([t(f"{o}.mlp.gate_proj.bias", (ffn,)), t(f"{o}.mlp.up_proj.bias", (ffn,))])
                 fc2["bias"] = t(f"{o}.mlp.down_proj.bias", (h,))
-            p[f"decoder_layers_{i}"] = {
-                "input_layernorm": {"scale": t(f"{o}.input_layernorm.weight", (h,))},
-                "self_attention": attn,
-                "pre_mlp_layernorm": {"scale": t(f"{o}.post_attention_layernorm.weight", (h,))},
-                "mlp": {"linear_fc1": fc1, "linear_fc2": fc2},
-            }
+            p[f"decoder_layers_{i}"] = {**layer_norms, "self_attention": attn,
+                                        "mlp": {"linear_fc1": fc1, "linear_fc2": fc2}}
         p["final_layernorm"] = {"scale": t("model.norm.weight", (h,))}
     if cfg.untie_embeddings_and_output_weights:
         p["output_layer"] = {"kernel": np.ascontiguousarray(pad_rows(t("lm_head.weight", (v, h))).T)}
@@ -821,7 +1002,8 @@ def hf_config_class(arch: str):
     transformers (ImportError if missing)."""
     import transformers
 
-    return getattr(transformers, {GPT2: "GPT2Config"}.get(arch, arch.replace("ForCausalLM", "Config")))
+    return getattr(transformers, {GPT2: "GPT2Config", GEMMA3: "Gemma3TextConfig"}.get(
+        arch, arch.replace("ForCausalLM", "Config")))
 
 
 def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,

@@ -90,6 +90,28 @@ def moe_layer_pattern(moe_layer_freq: Any, num_layers: int) -> tuple[int, ...]:
     return tuple(int(v) for v in freq)
 
 
+def window_layer_pattern(window_size: Any, window_attn_skip_freq: Any, num_layers: int) -> tuple[int, ...]:
+    """1 for each decoder layer (0-based) whose attention slides, else 0: megatron-core's
+    ``is_layer_window_attention`` (megatron/core/transformer/utils.py) with its 1-based
+    layer numbers. No ``window_size``: all 0. ``window_attn_skip_freq`` None: every layer;
+    an int N: layers whose number ``i + 1`` is not a multiple of N (Gemma-2: N = 2, Gemma-3:
+    N = 6); a list: its 0/1 entry per layer. Raises ValueError for anything else or a list
+    whose length is not ``num_layers``."""
+    if window_size is None:
+        return (0,) * num_layers
+    freq = window_attn_skip_freq
+    if freq is None:
+        return (1,) * num_layers
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        if freq < 1:
+            raise ValueError(f"window_attn_skip_freq={freq} must be >= 1")
+        return tuple(int((i + 1) % freq != 0) for i in range(num_layers))
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(v in (0, 1) for v in freq):
+        return tuple(int(v) for v in freq)
+    raise ValueError(f"window_attn_skip_freq={freq!r} must be an int or one 0/1 per layer ({num_layers} layers; "
+                     f"1 = sliding window)")
+
+
 def parse_moe_layer_freq(value: Any) -> Any:
     """``value`` as an int or a tuple of ints (Megatron's ``moe_freq_type``: a string is
     evaluated as a list expression of integer lists, ``+`` and ``*`` only)."""
@@ -176,6 +198,35 @@ class JMegatronConfig:
     # RMSNorm / LayerNorm (``normalization``) of each query and key head over kv_channels,
     # before RoPE (megatron-core's qk_layernorm; Qwen3, Gemma-3)
     qk_layernorm: bool = False
+    # Megatron's --apply-layernorm-1p (megatron-core's layernorm_zero_centered_gamma): every
+    # norm multiplies by (1 + scale), its scale initialised to 0 (Gemma's RMSNorm)
+    apply_layernorm_1p: bool = False
+    # a gated MLP (megatron-core's gated_linear_unit): linear_fc1 [h, 2, ffn], act(gate) * up,
+    # the activation GELU (tanh with openai_gelu: Gemma's GeGLU); swiglu is the SiLU form
+    gated_linear_unit: bool = False
+    # the attention's score scale (megatron-core's softmax_scale; HF query_pre_attn_scalar**-0.5);
+    # None: 1 / sqrt(kv_channels)
+    softmax_scale: Optional[float] = None
+    # c * tanh(x / c) on the scaled attention scores before masking, and on the output
+    # logits (Gemma-2's attn_logit_softcapping / final_logit_softcapping); None: off
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    # sliding-window attention (megatron-core's window_size (left, right); causal only, so
+    # right is 0): query i sees keys i - left .. i. HF sliding_window W is (W - 1, 0). None: off
+    window_size: Any = None
+    # which layers slide (megatron-core's window_attn_skip_freq): an int N windows the layers
+    # whose 1-based number is not a multiple of N; a list of 0/1 per layer (1 = windowed);
+    # None: every layer (with window_size)
+    window_attn_skip_freq: Any = None
+    # the RoPE base of the windowed layers (Gemma-3's local base), unscaled; the full layers
+    # keep rotary_base and the scalings. None: one RoPE for all layers
+    rotary_base_local: Optional[int] = None
+    # post-norms after the attention and the MLP, before their residual adds (Gemma-2/3's
+    # post_attention_layernorm / post_feedforward_layernorm): post_self_attn_layernorm,
+    # post_mlp_layernorm
+    sandwich_norms: bool = False
+    # the word embeddings times sqrt(hidden_size), rounded to the compute dtype (Gemma)
+    scale_embeddings: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
@@ -363,7 +414,8 @@ class JMegatronConfig:
     use_megatron_fsdp: bool = False  # Megatron: --use-megatron-fsdp (params, grads, optimizer state over data)
 
     def __post_init__(self):
-        for name in ("rampup_batch_size", "lr_decay_multi_step", "moe_layer_freq"):  # JSON gives lists
+        for name in ("rampup_batch_size", "lr_decay_multi_step", "moe_layer_freq", "window_size",
+                     "window_attn_skip_freq"):  # JSON gives lists
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         for f in dataclasses.fields(self):
@@ -559,6 +611,7 @@ class JMegatronConfig:
         if self.position_embedding_type in ("rope", "yarn") and self.kv_channels % 2:
             raise ConfigError(f"config.kv_channels={self.kv_channels} must be even for {self.position_embedding_type}.")
         self._check_rope()
+        self._check_gemma_blocks()
         if self.openai_gelu and self.swiglu:
             raise ConfigError("config.openai_gelu=True with swiglu=True: SwiGLU's activation is SiLU, so the tanh GELU "
                               "would not be used; set openai_gelu=False (or swiglu=False for a GELU MLP).")
@@ -729,6 +782,47 @@ class JMegatronConfig:
             if self.yarn_original_max_position_embeddings <= 0:
                 raise ConfigError("config.yarn_original_max_position_embeddings="
                                   f"{self.yarn_original_max_position_embeddings} must be > 0.")
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP's linear_fc1 is gated ``[h, 2, ffn]``: ``swiglu`` or ``gated_linear_unit``."""
+        return self.swiglu or self.gated_linear_unit
+
+    def _check_gemma_blocks(self):
+        """Sliding windows, soft-capping and the score scale (Gemma-2/3's blocks)."""
+        for name in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"config.{name}={value} must be > 0 (or None: off).")
+        if self.gated_linear_unit and not self.swiglu and self.num_moe_experts is not None:
+            raise ConfigError("config.gated_linear_unit=True (a GELU-gated MLP) is built for dense MLPs; the MoE experts "
+                              "build SwiGLU only: set swiglu=True, or num_moe_experts=None.")
+        if self.context_parallel_size > 1:
+            for name in ("window_size", "attn_logit_softcapping", "softmax_scale"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"config.{name}={getattr(self, name)!r} with context_parallel_size="
+                                      f"{self.context_parallel_size} is not built (the ring's block kernels "
+                                      f"take the causal mask and 1/sqrt(d) only); set context_parallel_size=1.")
+        if self.window_size is None:
+            for name in ("window_attn_skip_freq", "rotary_base_local"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"config.{name}={getattr(self, name)!r} needs config.window_size (which "
+                                      f"layers slide, and their RoPE); set window_size=(W - 1, 0) or unset {name}.")
+            return
+        w = self.window_size
+        if (not isinstance(w, tuple) or len(w) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                               for v in w)):
+            raise ConfigError(f"config.window_size={w!r} must be (left, right), two ints: query i sees keys "
+                              f"i - left .. i + right (Hugging Face sliding_window W is (W - 1, 0)).")
+        if w[1] != 0 or w[0] < 0:
+            raise ConfigError(f"config.window_size={w!r}: only causal windows are built, (left >= 0, 0).")
+        try:
+            window_layer_pattern(self.window_size, self.window_attn_skip_freq, self.num_layers)
+        except ValueError as e:
+            raise ConfigError(f"config.{e}") from None
+        if self.rotary_base_local is not None and self.position_embedding_type != "rope":
+            raise ConfigError(f"config.rotary_base_local={self.rotary_base_local} needs position_embedding_type="
+                              f"'rope', not {self.position_embedding_type!r}.")
 
     def _check_moe(self):
         """The MoE fields, as Megatron's TransformerConfig.__post_init__ and validate_args
@@ -931,7 +1025,9 @@ MODEL_FIELDS = (
     "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
     "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int",
     "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
-    "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+    "add_bias_linear", "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p", "gated_linear_unit", "softmax_scale",
+    "attn_logit_softcapping", "final_logit_softcapping", "window_size", "window_attn_skip_freq",
+    "rotary_base_local", "sandwich_norms", "scale_embeddings",
     "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",
 )
@@ -972,7 +1068,7 @@ def base_config(family: Optional[str] = None) -> ml_collections.ConfigDict:
     """The defaults as a locked, type-safe ConfigDict for config files to modify.
 
     ``family`` (a key of :data:`jmegatron.presets.FAMILIES`: "gpt2", "llama", "llama3",
-    "mistral", "qwen2", "qwen3", "mixtral")
+    "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3")
     sets that family's architecture fields over the defaults (:func:`set_family`).
     Optional fields are typed placeholders, so ``--config.save=DIR`` type-checks.
     Raises ConfigError for an unknown family.

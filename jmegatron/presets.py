@@ -109,6 +109,49 @@ QWEN3_MOE: dict[str, Any] = dict(
     moe_aux_loss_coeff=1e-3,
 )
 
+# Gemma 2 (Gemma Team 2024, arXiv:2408.00118; transformers' Gemma2Config): RoPE base 10000,
+# RMSNorm (eps 1e-6) multiplying by 1 + w, the pre- and post-norms around attention and MLP,
+# GeGLU with the tanh GELU, embeddings scaled by sqrt(hidden), a tied output layer, no
+# biases or dropout, local (sliding 4096-key window) and global layers alternating from a
+# local first layer, attention scores soft-capped at 50 and the logits at 30. The score
+# scale (query_pre_attn_scalar) is per model.
+GEMMA2: dict[str, Any] = dict(
+    position_embedding_type="rope",
+    rotary_base=10000,
+    normalization="RMSNorm",
+    norm_epsilon=1e-6,
+    apply_layernorm_1p=True,
+    sandwich_norms=True,
+    swiglu=False,
+    gated_linear_unit=True,
+    openai_gelu=True,
+    scale_embeddings=True,
+    untie_embeddings_and_output_weights=False,
+    add_bias_linear=False,
+    add_qkv_bias=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    window_size=(4095, 0),
+    window_attn_skip_freq=2,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+)
+
+# Gemma 3 (Gemma Team 2025, arXiv:2503.19786; transformers' Gemma3TextConfig): Gemma 2's blocks
+# with QK-norm instead of the attention soft-cap, no logit soft-cap, five local layers per
+# global one, and two RoPE bases: 1e6 for the global layers (which carry any long-context
+# scaling) and 10000 for the local ones. The window (512 for 1B, 1024 from 4B) is per model.
+GEMMA3: dict[str, Any] = dict(
+    GEMMA2,
+    qk_layernorm=True,
+    rotary_base=1000000,
+    rotary_base_local=10000,
+    window_size=(1023, 0),
+    window_attn_skip_freq=6,
+    attn_logit_softcapping=None,
+    final_logit_softcapping=None,
+)
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": GPT2,
     "llama": LLAMA,
@@ -118,4 +161,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": QWEN3,
     "mixtral": MIXTRAL,
     "qwen3_moe": QWEN3_MOE,
+    "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
 }

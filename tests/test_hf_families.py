@@ -36,9 +36,10 @@ FAMILIES = {
     "llama3": ("LlamaConfig", dict(LLAMA_LIKE, tie_word_embeddings=False, rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=16)), hf.LLAMA),
-    # a head dimension decoupled from hidden / heads (Mistral-Nemo), no sliding window (v0.2+)
-    "mistral": ("MistralConfig", dict(LLAMA_LIKE, head_dim=32, sliding_window=None, tie_word_embeddings=False,
-                                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), hf.LLAMA),
+    # a head dimension decoupled from hidden / heads (Mistral-Nemo), v0.1's sliding window on
+    # every layer (8 keys: the 40 generated positions cross it)
+    "mistral": ("MistralConfig", dict(LLAMA_LIKE, head_dim=32, sliding_window=8, tie_word_embeddings=False,
+                                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), hf.MISTRAL),
     # Q/K/V biases without an o_proj bias, tied embeddings (Qwen2.5-0.5B)
     "qwen2": ("Qwen2Config", dict(LLAMA_LIKE, tie_word_embeddings=True), hf.QWEN2),
     # QK-norm, head_dim 32 with hidden 64 / 4 heads, YaRN
@@ -56,6 +57,17 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(LLAMA_LIKE, head_dim=32, moe_intermediate_size=48, num_experts=4,
                                          num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False),
                   hf_moe.QWEN3_MOE),
+    # Gemma-2: sliding (8 keys) and full layers alternating, attention and final soft-caps,
+    # query_pre_attn_scalar 20 (not head_dim), head_dim 32 with hidden 64 / 4 heads
+    "gemma2": ("Gemma2Config", dict(LLAMA_LIKE, head_dim=32, query_pre_attn_scalar=20, sliding_window=8,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=2.0), hf.GEMMA2),
+    # Gemma-3: QK-norm, layers sliding, sliding, full, sliding (period 3 over 4 layers, so a
+    # stage-local layer index would pick the wrong type), a local RoPE base beside the linearly
+    # scaled global one, the final soft-cap
+    "gemma3": ("Gemma3TextConfig", dict(LLAMA_LIKE, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=20,
+                                        sliding_window=8, sliding_window_pattern=3, rope_local_base_freq=100.0,
+                                        rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                                        final_logit_softcapping=2.0), hf.GEMMA3),
     # GPT-2 as shipped: the tanh GELU "gelu_new"
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
                                 activation_function="gelu_new", bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -65,20 +77,25 @@ FAMILIES = {
 
 def hf_model(family: str):
     """The transformers model of ``family`` (float32, eval) with every parameter redrawn:
-    norm scales 1 +- 0.2, biases 0 +- 0.2, embeddings std 0.5 and kernels std 0.125, so each
-    tensor moves the logits."""
+    norm scales 1 +- 0.2 (Gemma's ``1 + w`` norms: w 0 +- 0.2), biases 0 +- 0.2, embeddings
+    std 0.5 (Gemma, scaled by sqrt(hidden): 0.125) and kernels std 0.125, so each tensor
+    moves the logits."""
     config_cls, kwargs, _ = FAMILIES[family]
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    # eager attention: transformers' SDPA path drops Gemma-2's attention soft-cap
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    gemma = config.model_type.startswith("gemma")  # norms multiply by 1 + w; embeddings scaled by sqrt(h)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.2)
             elif "norm" in name or ".ln_" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn_like(p))
+            elif "embed" in name or ".wte." in name or ".wpe." in name:
+                p.normal_(0.0, 0.125 if gemma else 0.5)
             else:
-                p.normal_(0.0, 0.5 if ("embed" in name or ".wte." in name or ".wpe." in name) else 0.125)
+                p.normal_(0.0, 0.125)
     return model
 
 
@@ -150,13 +167,15 @@ def test_export_gives_back_the_source(imported):
         assert back["architectures"] == [FAMILIES[family][2]], family
         assert hf.config_fields_from_hf(back) == hf.config_fields_from_hf(conf), family
         # transformers accepts it as the class's config
-        getattr(transformers, FAMILIES[family][0] if family != "mistral" else "LlamaConfig").from_dict(back)
+        getattr(transformers, FAMILIES[family][0]).from_dict(back)
 
 
-# Trained through the real step: the families whose training path differs. Llama-3.x's and
-# Mistral's is Qwen3's without QK-norm (rotary frequencies are constants), Mixtral's is
-# Qwen3-MoE's without QK-norm (and tests/test_moe_e2e.py trains it end to end).
-TRAINED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gpt2")
+# Trained through the real step: the families whose training path differs. Llama-3.x's,
+# Mistral's and Qwen3's is Gemma-3's with fewer blocks (rotary frequencies are constants),
+# Gemma-2's is Gemma-3's with the attention soft-cap (tests/test_attention_variants.py checks
+# its gradient against transformers'), Mixtral's is Qwen3-MoE's without QK-norm (and
+# tests/test_moe_e2e.py trains it end to end).
+TRAINED = ("qwen2", "gemma3", "qwen2_moe", "qwen3_moe", "gpt2")
 
 
 def test_imported_models_train(imported):
@@ -180,7 +199,6 @@ def test_imported_models_train(imported):
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(model_type="mistral", sliding_window=4096), "sliding_window=4096 \\(sliding-window attention is not built"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64), "sliding_window=64"),
     (dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4)), "RoPE scaling 'longrope'"),
     (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), "RoPE scaling 'dynamic'"),
@@ -189,6 +207,12 @@ def test_imported_models_train(imported):
                                attention_factor=1.0)), "attention_factor=1.0"),
     (dict(model_type="qwen3", attention_bias=True), "attention_bias=True \\(Qwen3's biases"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    (dict(model_type="gemma2", hidden_activation="gelu"), "hidden_activation='gelu'"),
+    (dict(model_type="gemma3_text", sliding_window=8, rope_parameters=dict(
+        full_attention=dict(rope_type="default", rope_theta=1e6),
+        sliding_attention=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+     "sliding_attention.rope_type='linear' \\(jmegatron's local RoPE is unscaled"),
 ])
 def test_import_refuses_what_is_not_built_by_name(changes, match):
     conf = dict(dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
@@ -197,12 +221,32 @@ def test_import_refuses_what_is_not_built_by_name(changes, match):
         hf.config_fields_from_hf(conf)
 
 
-def test_export_refuses_what_the_target_cannot_hold():
+def test_export_refuses_what_the_target_cannot_hold(imported):
     fields = hf.config_fields_from_hf(FAMILIES["qwen3"][1] | dict(model_type="qwen3", head_dim=32))
     with pytest.raises(ValueError, match="add_qkv_bias=True with qk_layernorm=True"):
         hf.hf_architecture(jmegatron_cfg(fields, add_qkv_bias=True))
     with pytest.raises(ValueError, match="rotary_seq_len_interpolation_factor=2.0 with yarn"):
         hf.hf_architecture(jmegatron_cfg(fields, rotary_seq_len_interpolation_factor=2.0))
+    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM .*final_logit_softcapping=2.0 \(Qwen3 has no such field\)"):
+        hf.hf_architecture(jmegatron_cfg(fields, final_logit_softcapping=2.0))
+    gemma3 = hf.config_fields_from_hf(imported["gemma3"][1])
+    with pytest.raises(ValueError, match="untie_embeddings_and_output_weights=True \\(Gemma3's output layer is tied"):
+        hf.hf_architecture(jmegatron_cfg(gemma3, untie_embeddings_and_output_weights=True))
+    with pytest.raises(ValueError, match="attn_logit_softcapping=5.0 \\(transformers' Gemma-3 attention does not"):
+        hf.hf_architecture(jmegatron_cfg(gemma3, attn_logit_softcapping=5.0))
+
+
+def test_gemma3_layer_types_under_scanned_layers(imported):
+    """Gemma-3's sliding / full layers and their two RoPE bases chosen by a traced layer
+    number (``scan_layers``, the pipeline's stacked layers) give the per-layer loop's logits."""
+    model, conf, cfg, params = imported["gemma3"]
+    assert (cfg.window_size, cfg.window_attn_skip_freq, cfg.rotary_base_local) == ((7, 0), 3, 100)
+    toks = tokens()
+    loop = GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size())).apply({"params": params}, toks)
+    scanned_cfg = jmegatron_cfg(hf.config_fields_from_hf(conf), scan_layers=True)
+    scanned = GPTModel(ModelConfig.from_config(scanned_cfg, cfg.padded_vocab_size())).apply(
+        {"params": hf.stack_layers(params, cfg.num_layers)}, toks)
+    np.testing.assert_allclose(np.asarray(scanned), np.asarray(loop), atol=2e-5)
 
 
 def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp_path, capsys):

@@ -84,11 +84,16 @@ class SelfAttention(nn.Module):
     qk_layernorm: bool = False
     normalization: str = "RMSNorm"  # the q/k norms' kind and epsilon under qk_layernorm
     norm_epsilon: float = 1e-5
+    zero_centered_norms: bool = False  # the q/k norms multiply by 1 + scale (apply_layernorm_1p)
+    softmax_scale: Optional[float] = None  # None: 1 / sqrt(kv_channels)
+    softcap: Optional[float] = None  # attn_logit_softcapping
+    window: Optional[int] = None  # the sliding window W (keys, the query's own included) of windowed calls
+    rope_local: Optional[RotaryEmbedding] = None  # the windowed calls' RoPE; None: ``rope``
 
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, deterministic: bool,
                  kv_cache: Optional[tuple[Array, Array]] = None, sample_offset=0,
-                 segment_ids: Optional[Array] = None):
+                 segment_ids: Optional[Array] = None, window_layer: Any = False):
         """``x [b, s, h]``, ``position_ids`` int ``[b, s]`` -> ``[b, s, h]``.
 
         ``position_ids`` feed RoPE only; the causal mask follows the sequence order (under
@@ -100,6 +105,10 @@ class SelfAttention(nn.Module):
 
         ``sample_offset``: the global sample number of ``x[0]``, from which the attention
         dropout masks are drawn (:mod:`jmegatron.kernels.xla.dropout`).
+
+        ``window_layer`` (a Python bool, or a traced bool scalar inside a scan over layers):
+        this layer attends within the sliding ``window`` and rotates by ``rope_local``
+        (Gemma's local layers); ignored without ``window``.
 
         With ``kv_cache = (k, v)``, each ``[b, max_length, num_query_groups, kv_channels]``,
         this call's keys/values are written at the slots given by ``position_ids`` (which
@@ -121,11 +130,20 @@ class SelfAttention(nn.Module):
         k = nn.with_logical_constraint(k, ("batch", "length", "activation_kv_heads", "activation_kv"))
         v = nn.with_logical_constraint(v, ("batch", "length", "activation_kv_heads", "activation_kv"))
         if self.qk_layernorm:  # per head, over kv_channels, before RoPE
-            q = make_norm(self.normalization, self.norm_epsilon, self.dtype, "q_layernorm")(q)
-            k = make_norm(self.normalization, self.norm_epsilon, self.dtype, "k_layernorm")(k)
+            q = make_norm(self.normalization, self.norm_epsilon, self.dtype, "q_layernorm",
+                          self.zero_centered_norms)(q)
+            k = make_norm(self.normalization, self.norm_epsilon, self.dtype, "k_layernorm",
+                          self.zero_centered_norms)(k)
+        window = self._window(window_layer)
         if self.rope is not None:
             cos, sin = self.rope.cos_sin(position_ids)
+            if self.window is not None and self.rope_local is not None and window_layer is not False:
+                local = self.rope_local.cos_sin(position_ids)
+                cos, sin = (local if window_layer is True else
+                            tuple(jnp.where(window_layer, lo, gl) for lo, gl in zip(local, (cos, sin))))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        features = {k_: v_ for k_, v_ in (("softmax_scale", self.softmax_scale), ("softcap", self.softcap),
+                                          ("window", window)) if v_ is not None}
         new_cache = None
         if kv_cache is not None and segment_ids is not None:
             raise ValueError("SelfAttention: segment_ids (document masking) is for training and evaluation; "
@@ -133,7 +151,7 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             start = position_ids[:, 0]
             new_cache = (update_kv_cache(kv_cache[0], k, start), update_kv_cache(kv_cache[1], v, start))
-            out = cached_attention(q, new_cache[0], new_cache[1], position_ids)
+            out = cached_attention(q, new_cache[0], new_cache[1], position_ids, **features)
         elif _manual_axis_size(CONTEXT_AXIS) > 1:  # context parallelism: inside the train step
             # the slots' sequence positions, not position_ids (which restart per document
             # under reset_position_ids): the causal order is the sequence's
@@ -147,7 +165,7 @@ class SelfAttention(nn.Module):
                 q, k, v, seq_positions, CONTEXT_AXIS, _manual_axis_size(CONTEXT_AXIS), segment_ids, block,
                 rate, self.make_rng("dropout") if rate > 0.0 else None, sample_offset)
         else:
-            out = self._core(q, k, v, deterministic, sample_offset, segment_ids)
+            out = self._core(q, k, v, deterministic, sample_offset, segment_ids, features)
         out = nn.with_logical_constraint(out, ("batch", "length", "activation_heads", "activation_kv"))
         out = Linear((self.hidden_size,), ("heads", "kv", "embed"), axis=(-2, -1), tp_mode="row", tp_dim=0,
                      use_bias=self.use_bias, dtype=self.dtype, dot_general=self.dot_general,
@@ -155,11 +173,22 @@ class SelfAttention(nn.Module):
                      name="linear_proj")(out)
         return out if kv_cache is None else (out, new_cache)
 
+    def _window(self, window_layer: Any) -> Any:
+        """The call's sliding window: ``window`` where ``window_layer``, else None (a Python
+        flag), or under a traced flag ``window`` or a width no sequence reaches."""
+        if self.window is None or window_layer is False:
+            return None
+        if window_layer is True:
+            return self.window
+        return jnp.where(window_layer, self.window, jnp.iinfo(jnp.int32).max)
+
     def _core(self, q: Array, k: Array, v: Array, deterministic: bool, sample_offset,
-              segment_ids: Optional[Array] = None) -> Array:
+              segment_ids: Optional[Array] = None, features: Optional[dict] = None) -> Array:
         core = CORE_ATTENTIONS[self.core_attention]
         if segment_ids is not None:  # only then: a core without document masking keeps its signature
             core = functools.partial(core, segment_ids=segment_ids)
+        if features:  # softmax_scale / softcap / window, for the cores that take them
+            core = functools.partial(core, **features)
         core = functools.partial(core, dropout_rate=self.attention_dropout, deterministic=deterministic,
                                  dropout_impl=self.dropout_impl, sample_offset=sample_offset,
                                  dropout_rng=None if deterministic or self.attention_dropout == 0.0

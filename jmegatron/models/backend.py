@@ -18,6 +18,7 @@ import jax
 from jmegatron.config import JMegatronConfig
 from jmegatron.kernels import cpu as cpu_kernels
 from jmegatron.models import te
+from jmegatron.models.core_attention import CORE_ATTENTION_FEATURES, attention_features
 
 
 def detect_backend() -> str:
@@ -61,6 +62,9 @@ def resolve_impls(cfg: JMegatronConfig, backend: Optional[str] = None) -> dict[s
       (:mod:`jmegatron.kernels.pallas`: dropout, float32); matmul "xla" (cuBLAS);
       cross-entropy "pallas".
     * ROCm / TPU: attention, matmul and cross-entropy "xla".
+    * Attention falls back to "xla" where the pick lacks a field the model sets
+      (:data:`jmegatron.models.core_attention.CORE_ATTENTION_FEATURES`: sliding windows,
+      soft-capping, ``softmax_scale``).
     * ``transformer_impl``: :func:`jmegatron.models.te.resolve_transformer_impl` ("auto" is
       Transformer Engine only on an NVIDIA GPU where ``transformer_engine.jax`` imports; an
       explicit "transformer_engine" without it prints why and resolves to "local"). Under
@@ -83,6 +87,8 @@ def resolve_impls(cfg: JMegatronConfig, backend: Optional[str] = None) -> dict[s
         attention = "cudnn" if cudnn_attention_supported(cfg)[0] else "pallas"
         if out["transformer_impl"] == "transformer_engine":  # Megatron's TE layers: TE's GEMMs and fused attention
             attention = matmul = "transformer_engine"
+    if [n for n in attention_features(cfg) if n not in CORE_ATTENTION_FEATURES.get(attention, ())]:
+        attention = "xla"  # the reference takes every attention field
     for name, choice in (("attention_impl", attention), ("matmul_impl", matmul),
                          ("cross_entropy_impl", cross_entropy)):
         if out[name] == "auto":

@@ -48,15 +48,26 @@ class TransformerLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, sample_offset: Array, kv_cache: Optional[KVPair] = None,
-                 segment_ids: Optional[Array] = None) -> tuple[Array, Optional[KVPair]]:
+                 segment_ids: Optional[Array] = None, layer_number: Any = None) -> tuple[Array, Optional[KVPair]]:
         """``(x, None)``, or ``(x, updated kv_cache)`` when decoding with a cache (see
         :class:`SelfAttention`). ``sample_offset``: the global sample number of ``x[0]``
         (dropout masks, :mod:`jmegatron.models.dropout`); ``segment_ids`` int ``[b, s]``:
-        document masking (attention within equal ids only), None: causal over the sequence."""
+        document masking (attention within equal ids only), None: causal over the sequence.
+        ``layer_number``: this layer's 0-based number in the model (an int, or a traced int
+        scalar in a scan over layers), read only when the layers differ in their attention
+        (``window_attn_skip_freq``); ValueError if it is needed and None.
+
+        With ``sandwich_norms``, ``post_self_attn_layernorm`` and ``post_mlp_layernorm``
+        normalise the attention's and the MLP's outputs before dropout and the residual add
+        (Gemma-2/3)."""
         c = self.cfg
         linear_dot = c.linear_dot_general(self.dot_general)  # FP8 for QKV, proj, fc1, fc2
         drop = Dropout(rate=c.hidden_dropout, deterministic=self.deterministic, impl=c.dropout_impl)
-        h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "input_layernorm")(x)
+
+        def norm(name):
+            return make_norm(c.normalization, c.norm_epsilon, c.dtype, name, c.apply_layernorm_1p)
+
+        h = norm("input_layernorm")(x)
         self.sow("intermediates", "input_layernorm_output", h)
         attention = SelfAttention(
             num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
@@ -64,28 +75,50 @@ class TransformerLayer(nn.Module):
             qkv_bias=c.add_qkv_bias, rope=c.rotary_embedding(),
             attention_dropout=c.attention_dropout, dropout_impl=c.dropout_impl,
             qk_layernorm=c.qk_layernorm, normalization=c.normalization, norm_epsilon=c.norm_epsilon,
+            zero_centered_norms=c.apply_layernorm_1p, softmax_scale=c.softmax_scale,
+            softcap=c.attn_logit_softcapping, window=c.attention_window, rope_local=c.local_rotary_embedding(),
             init_std=c.init_method_std,
             output_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
             core_attention=c.attention_impl, cp_comm_type=c.cp_comm_type,
             recompute_core_attention=c.recompute_granularity == "selective",
             dtype=c.dtype, dot_general=linear_dot, name="self_attention",
         )
+        window_layer = _window_layer(c, layer_number)
         if kv_cache is None:
-            h = attention(h, position_ids, self.deterministic, sample_offset=sample_offset, segment_ids=segment_ids)
+            h = attention(h, position_ids, self.deterministic, sample_offset=sample_offset, segment_ids=segment_ids,
+                          window_layer=window_layer)
         else:
-            h, kv_cache = attention(h, position_ids, self.deterministic, kv_cache)
+            h, kv_cache = attention(h, position_ids, self.deterministic, kv_cache, window_layer=window_layer)
+        if c.sandwich_norms:
+            h = norm("post_self_attn_layernorm")(h)
         x = x + drop(h, sample_offset=sample_offset)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
-        h = make_norm(c.normalization, c.norm_epsilon, c.dtype, "pre_mlp_layernorm")(x)
+        h = norm("pre_mlp_layernorm")(x)
         self.sow("intermediates", "pre_mlp_layernorm_output", h)
         moe = self.moe_layer if self.moe_layer is not None else all(c.moe_layers())
         if moe:
             h = MoELayer(c, training=not self.deterministic, dot_general=self.dot_general, name="mlp")(h)
         else:
             h = MLP(c, dot_general=linear_dot, name="mlp")(h)
+        if c.sandwich_norms:
+            h = norm("post_mlp_layernorm")(h)
         x = x + drop(h, sample_offset=sample_offset)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         return x, kv_cache
+
+
+def _window_layer(c: ModelConfig, layer_number: Any) -> Any:
+    """Whether decoder layer ``layer_number`` slides (:meth:`ModelConfig.window_layers`): a
+    Python bool when every layer agrees or the number is an int, else a traced bool."""
+    pattern = c.window_layers()
+    if all(pattern) or not any(pattern):
+        return bool(pattern[0]) if pattern else False
+    if layer_number is None:
+        raise ValueError("TransformerLayer: window_attn_skip_freq mixes sliding and full layers; the call needs "
+                         "its layer_number")
+    if isinstance(layer_number, int):
+        return bool(pattern[layer_number])
+    return jnp.asarray(pattern, jnp.bool_)[layer_number]
 
 
 # ------------------------------------------------------------------ per-layer keys
@@ -189,7 +222,8 @@ class GPTModel(nn.Module):
         if c.position_embedding_type == "learned_absolute":
             self.position_embeddings = Embed(c.max_position_embeddings, c.hidden_size, (None, "embed"),
                                              dtype=c.dtype, embedding_init=embed_init, name="position_embeddings")
-        self.final_layernorm = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm")
+        self.final_layernorm = make_norm(c.normalization, c.norm_epsilon, c.dtype, "final_layernorm",
+                                         c.apply_layernorm_1p)
         if c.untie_embeddings_and_output_weights:
             self.output_layer = Linear((c.vocab_size,), ("embed", "vocab"), dtype=c.dtype, tp_mode="column",
                                        tp_dim=1, dot_general=self.resolved_dot_general(), kernel_init=embed_init,
@@ -203,11 +237,14 @@ class GPTModel(nn.Module):
               dropout_rng: Any = None, sample_offset: Any = 0) -> Array:
         """Megatron's ``pre_process``: word (+ learned position) embeddings and the
         embedding dropout, int32 ``tokens`` / ``position_ids`` ``[b, s]`` -> ``[b, s, h]``
-        in the compute dtype. ``dropout_rng``: the dropout's key
+        in the compute dtype; ``scale_embeddings`` multiplies the word embeddings by
+        ``sqrt(hidden_size)`` in the compute dtype (Gemma's normalizer). ``dropout_rng``: the dropout's key
         (:func:`embedding_dropout_rng`), needed unless ``deterministic`` or
         ``hidden_dropout`` is 0."""
         c = self.cfg
         x = self.word_embeddings(tokens)
+        if c.scale_embeddings:  # sqrt(h) rounded to the compute dtype first, as Gemma
+            x = x * jnp.asarray(math.sqrt(c.hidden_size), c.dtype)
         if c.position_embedding_type == "learned_absolute":
             x = x + self.position_embeddings(position_ids)
         if not deterministic and c.hidden_dropout > 0.0:
@@ -256,18 +293,17 @@ class GPTModel(nn.Module):
         if c.scan_layers:
             # With a cache, the stacked (k, v) [num_layers, ...] is scanned along with the
             # stacked params and comes back as the scan's per-layer outputs.
-            cached = () if kv_cache is None else (kv_cache,)
-            # segment ids follow an absent cache (None, broadcast): decoding takes none
-            segments = () if segment_ids is None else (None, segment_ids)
+            # (an absent cache or segment ids: None, broadcast); the layer numbers are scanned
             stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0, "moe_losses": 0,
                                                       "moe_stats": 0},
                             split_rngs={"params": False, "dropout": False},  # keyed per layer instead
-                            in_axes=(0, nn.broadcast, nn.broadcast) + (0,) * len(cached)
-                            + (nn.broadcast,) * len(segments), length=c.num_layers,
+                            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast if kv_cache is None else 0,
+                                     nn.broadcast, 0), length=c.num_layers,
                             metadata_params={nn.PARTITION_NAME: "layers"})
-            rngs = self._layer_rngs(deterministic)(jnp.arange(c.num_layers))
+            numbers = jnp.arange(c.num_layers)
+            rngs = self._layer_rngs(deterministic)(numbers)
             return stack(c, deterministic, dot_general, name="decoder_layers")(
-                x, rngs, position_ids, sample_offset, *cached, *segments)
+                x, rngs, position_ids, sample_offset, kv_cache, segment_ids, numbers)
         new_cache = []
         moe_layers = c.moe_layers()
         layer_rngs = self._layer_rngs(deterministic)
@@ -275,16 +311,17 @@ class GPTModel(nn.Module):
             layer = layer_cls(c, deterministic, dot_general, bool(moe_layers[i]), name=f"decoder_layers_{i}")
             rngs = layer_rngs(i)
             if kv_cache is None:
-                x, _ = layer(x, rngs, position_ids, sample_offset, None, segment_ids)
+                x, _ = layer(x, rngs, position_ids, sample_offset, None, segment_ids, i)
             else:
-                x, kv = layer(x, rngs, position_ids, sample_offset, kv_cache[i])
+                x, kv = layer(x, rngs, position_ids, sample_offset, kv_cache[i], None, i)
                 new_cache.append(kv)
         return x, None if kv_cache is None else tuple(new_cache)
 
     def head(self, x: Array, normed: bool = False) -> Array:
         """Megatron's ``post_process``: the final norm (unless ``normed``; its output sown as
         ``final_layernorm_output`` into ``intermediates`` when that is mutable) and the output
-        layer (tied: the word embeddings' ``attend``), ``[b, s, h]`` -> float32 ``[b, s, vocab]``."""
+        layer (tied: the word embeddings' ``attend``), ``[b, s, h]`` -> float32 ``[b, s, vocab]``,
+        capped at ``c * tanh(logits / c)`` with ``final_logit_softcapping`` c (Gemma-2/3)."""
         if not normed:
             x = self.final_layernorm(x)
             self.sow("intermediates", "final_layernorm_output", x)
@@ -293,7 +330,9 @@ class GPTModel(nn.Module):
         else:
             logits = self.word_embeddings.attend(x, self.resolved_dot_general())
         logits = nn.with_logical_constraint(logits, ("batch", "length", "activation_vocab"))
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def __call__(self, tokens: Array, position_ids: Optional[Array] = None,
                  deterministic: bool = True, kv_cache: Any = None, sample_offset: Any = 0,
@@ -372,10 +411,11 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
     def body(h, xs):
         p, k = xs
         rngs = None if deterministic else {"dropout": layer_dropout_rng(rng, first_layer + k)}
+        number = first_layer + k
         if not sow and not moe_sown:
-            return layer.apply({"params": p}, h, position_ids, offset, None, segment_ids, rngs=rngs)[0], None
+            return layer.apply({"params": p}, h, position_ids, offset, None, segment_ids, number, rngs=rngs)[0], None
         mutable = (["intermediates"] if sow else []) + (list(MOE_COLLECTIONS) if moe_sown else [])
-        (h, _), state = layer.apply({"params": p}, h, position_ids, offset, None, segment_ids, rngs=rngs,
+        (h, _), state = layer.apply({"params": p}, h, position_ids, offset, None, segment_ids, number, rngs=rngs,
                                     mutable=mutable)
         out = {name: state["intermediates"][name][0] for name in sow}
         out.update({name: state[name] for name in MOE_COLLECTIONS if moe_sown and name in state})

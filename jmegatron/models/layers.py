@@ -88,54 +88,66 @@ class Linear(nn.Module):
         return y
 
 
+def _norm_scale(module: nn.Module, h: int) -> Array:
+    """The norm's float32 multiplier from its ``scale`` param ``[h]``: ``scale``, or with
+    ``zero_centered`` ``1 + scale`` (the param initialised to 0; Megatron's
+    ``--apply-layernorm-1p``, Gemma's RMSNorm ``x * (1 + w)``)."""
+    init = nn.initializers.zeros if module.zero_centered else nn.initializers.ones
+    scale = module.param("scale", nn.with_logical_partitioning(init, ("norm",)), (h,),
+                         module.param_dtype).astype(jnp.float32)
+    return 1.0 + scale if module.zero_centered else scale
+
+
 class LayerNorm(nn.Module):
     """LayerNorm over the last axis, statistics in float32 (Megatron's FusedLayerNorm).
 
-    ``x``: ``[..., hidden]`` -> same shape, in ``dtype``. Params ``scale``/``bias``: ``[hidden]``.
+    ``x``: ``[..., hidden]`` -> same shape, in ``dtype``. Params ``scale``/``bias``: ``[hidden]``;
+    ``zero_centered``: the output multiplied by ``1 + scale`` (:func:`_norm_scale`).
     """
 
     epsilon: float = 1e-5
     dtype: DType = jnp.float32
     param_dtype: DType = jnp.float32
+    zero_centered: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         h = x.shape[-1]
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                           (h,), self.param_dtype)
+        scale = _norm_scale(self, h)
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
                           (h,), self.param_dtype)
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
-        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+        return (y * scale + bias.astype(jnp.float32)).astype(self.dtype)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019) over the last axis in float32, as Llama and Megatron.
 
-    ``x``: ``[..., hidden]`` -> same shape, in ``dtype``. Param ``scale``: ``[hidden]``.
+    ``x``: ``[..., hidden]`` -> same shape, in ``dtype``. Param ``scale``: ``[hidden]``;
+    ``zero_centered``: the output multiplied by ``1 + scale`` (:func:`_norm_scale`).
     """
 
     epsilon: float = 1e-5
     dtype: DType = jnp.float32
     param_dtype: DType = jnp.float32
+    zero_centered: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        h = x.shape[-1]
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                           (h,), self.param_dtype)
+        scale = _norm_scale(self, x.shape[-1])
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
-        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+        return (y * scale).astype(self.dtype)
 
 
-def make_norm(normalization: str, epsilon: float, dtype: DType, name: str) -> nn.Module:
-    """``LayerNorm`` or ``RMSNorm`` by Megatron's ``--normalization`` name."""
+def make_norm(normalization: str, epsilon: float, dtype: DType, name: str, zero_centered: bool = False) -> nn.Module:
+    """``LayerNorm`` or ``RMSNorm`` by Megatron's ``--normalization`` name; ``zero_centered``:
+    Megatron's ``--apply-layernorm-1p``."""
     cls = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[normalization]
-    return cls(epsilon=epsilon, dtype=dtype, name=name)
+    return cls(epsilon=epsilon, dtype=dtype, zero_centered=zero_centered, name=name)
 
 
 class Embed(nn.Module):

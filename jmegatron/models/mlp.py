@@ -19,21 +19,24 @@ from jmegatron.models.transformer_config import ModelConfig
 Array = jax.Array
 
 
-def activation(h: Array, swiglu: bool, openai_gelu: bool) -> Array:
+def activation(h: Array, swiglu: bool, openai_gelu: bool, gated_linear_unit: bool = False) -> Array:
     """The MLP's activation on linear_fc1's output: SwiGLU ``silu(h[..., 0, :]) * h[..., 1, :]``
-    for ``[..., 2, ffn]`` (``swiglu``), else GELU on ``[..., ffn]``, the tanh approximation with
-    ``openai_gelu`` (:func:`jmegatron.fusions.fused_gelu.gelu_tanh`) and the exact erf form
-    otherwise (:func:`jmegatron.fusions.fused_gelu.gelu`). Megatron-Core's
-    ``activation_func`` / ``gated_linear_unit`` of megatron/core/transformer/mlp.py."""
+    for ``[..., 2, ffn]`` (``swiglu``), else GELU, the tanh approximation with ``openai_gelu``
+    (:func:`jmegatron.fusions.fused_gelu.gelu_tanh`) and the exact erf form otherwise
+    (:func:`jmegatron.fusions.fused_gelu.gelu`), on ``[..., ffn]`` or, with
+    ``gated_linear_unit``, gating ``[..., 2, ffn]`` as ``gelu(h[..., 0, :]) * h[..., 1, :]``
+    (GeGLU, Shazeer 2020; Gemma). Megatron-Core's ``activation_func`` /
+    ``gated_linear_unit`` of megatron/core/transformer/mlp.py."""
     if swiglu:
         return nn.silu(h[..., 0, :]) * h[..., 1, :]
-    return fused_gelu.gelu_tanh(h) if openai_gelu else fused_gelu.gelu(h)
+    gelu = fused_gelu.gelu_tanh if openai_gelu else fused_gelu.gelu
+    return gelu(h[..., 0, :]) * h[..., 1, :] if gated_linear_unit else gelu(h)
 
 
 class MLP(nn.Module):
-    """``[b, s, h]`` -> ``[b, s, h]``: linear_fc1 (column-parallel) -> GELU or SwiGLU ->
-    linear_fc2 (row-parallel). With SwiGLU, linear_fc1 is ``[h, 2, ffn]`` (index 0 the
-    gate, 1 the up projection), one matmul as Megatron's fused fc1."""
+    """``[b, s, h]`` -> ``[b, s, h]``: linear_fc1 (column-parallel) -> GELU, SwiGLU or GeGLU
+    -> linear_fc2 (row-parallel). Gated (SwiGLU, ``gated_linear_unit``), linear_fc1 is
+    ``[h, 2, ffn]`` (index 0 the gate, 1 the up projection), one matmul as Megatron's fused fc1."""
 
     cfg: ModelConfig
     dot_general: Callable = dense_dot_general_fn
@@ -45,13 +48,13 @@ class MLP(nn.Module):
         out_init = nn.initializers.normal(c.init_method_std / math.sqrt(2.0 * c.num_layers))
         dense = functools.partial(Linear, use_bias=c.add_bias_linear, dtype=c.dtype,
                                   dot_general=self.dot_general)
-        if c.swiglu:
+        if c.gated_mlp:
             h = dense((2, c.ffn_hidden_size), ("embed", None, "mlp"), kernel_init=init, tp_mode="column",
                       tp_dim=2, name="linear_fc1")(x)
         else:
             h = dense((c.ffn_hidden_size,), ("embed", "mlp"), kernel_init=init, tp_mode="column", tp_dim=1,
                       name="linear_fc1")(x)
-        h = activation(h, c.swiglu, c.openai_gelu)
+        h = activation(h, c.swiglu, c.openai_gelu, c.gated_linear_unit)
         h = nn.with_logical_constraint(h, ("batch", "length", "activation_mlp"))
         return dense((c.hidden_size,), ("mlp", "embed"), kernel_init=out_init, tp_mode="row", tp_dim=0,
                      name="linear_fc2")(h)

@@ -11,10 +11,11 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jmegatron.config import ConfigError, JMegatronConfig, moe_layer_pattern
+from jmegatron.config import ConfigError, JMegatronConfig, moe_layer_pattern, window_layer_pattern
 from jmegatron.kernels.cpu.ops import blas_dot_general, grouped_matmul
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.backend import Backend
+from jmegatron.models.core_attention import CORE_ATTENTION_FEATURES, attention_features
 from jmegatron.models.fp8 import Fp8DotGeneral
 from jmegatron.models.moe.moe_utils import MoEConfig
 from jmegatron.models.rope import RotaryEmbedding
@@ -48,6 +49,17 @@ class ModelConfig:
     init_method_std: float
     qk_layernorm: bool = False
     openai_gelu: bool = False  # the MLP's GELU as the tanh approximation
+    # Gemma's blocks (the JMegatronConfig fields of the same names)
+    apply_layernorm_1p: bool = False
+    gated_linear_unit: bool = False
+    softmax_scale: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    window_size: Optional[tuple[int, int]] = None
+    window_attn_skip_freq: Any = None
+    rotary_base_local: Optional[int] = None
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
     scan_layers: bool = False
     recompute_granularity: str = "none"
     dropout_impl: str = "hash"
@@ -74,6 +86,7 @@ class ModelConfig:
         Transformer Engine runs it, or with ``sequence_parallel`` (not built in pure JAX)."""
         backend = Backend.from_config(cfg)
         _check_fp8(cfg, backend)
+        _check_attention_features(cfg, backend)
         names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe", "backend", "rope"}
         fields = {n: getattr(cfg, n) for n in names}
         if cfg.pipeline_model_parallel_size > 1:  # stages hold slices of the stacked layers
@@ -87,6 +100,30 @@ class ModelConfig:
         ``position_embedding_type`` / ``rotary_base`` / ``kv_channels``; None without rotary
         positions."""
         return self.rope if self.rope is not None else RotaryEmbedding.from_config(self)
+
+    def local_rotary_embedding(self) -> Optional[RotaryEmbedding]:
+        """The rotary embedding of the sliding-window layers: the unscaled RoPE at
+        ``rotary_base_local`` (Gemma-3's local base; Hugging Face scales the global layers
+        only), or None when the windowed layers share :meth:`rotary_embedding`."""
+        if self.rotary_base_local is None:
+            return None
+        return RotaryEmbedding(kv_channels=self.kv_channels, rotary_base=self.rotary_base_local)
+
+    def window_layers(self) -> tuple[int, ...]:
+        """1 for each decoder layer whose attention slides (``window_size``,
+        ``window_attn_skip_freq``: :func:`jmegatron.config.window_layer_pattern`), else 0."""
+        return window_layer_pattern(self.window_size, self.window_attn_skip_freq, self.num_layers)
+
+    @property
+    def attention_window(self) -> Optional[int]:
+        """The sliding window's width W in keys, the query's own included (``window_size[0] +
+        1``, Hugging Face's ``sliding_window``); None without ``window_size``."""
+        return None if self.window_size is None else self.window_size[0] + 1
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether linear_fc1 is ``[h, 2, ffn]`` (gate, up): SwiGLU or ``gated_linear_unit``."""
+        return self.swiglu or self.gated_linear_unit
 
     @property
     def attention_impl(self) -> str:
@@ -140,3 +177,11 @@ def _check_fp8(cfg: JMegatronConfig, backend: Backend) -> None:
                           "(jmegatron.models.fp8); set sequence_parallel=False.")
 
 
+
+
+def _check_attention_features(cfg: JMegatronConfig, backend: Backend) -> None:
+    missing = [n for n in attention_features(cfg) if n not in CORE_ATTENTION_FEATURES.get(backend.attention, ())]
+    if missing:
+        raise ConfigError(f"config.attention_impl={backend.attention!r} does not build {', '.join(missing)}; "
+                          f"set config.attention_impl='auto' (or one of "
+                          f"{sorted(k for k, v in CORE_ATTENTION_FEATURES.items() if set(missing) <= set(v))}).")

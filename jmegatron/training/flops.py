@@ -20,6 +20,8 @@ Conventions (Megatron's; all are *model* FLOPs, not hardware FLOPs):
 * ``2`` FLOPs per multiply-accumulate (``fma_expansion_factor``) and ``3`` for forward +
   backward (``forward_backward_expansion_factor``: forward GEMM, weight-gradient GEMM,
   data-gradient GEMM). Activation recomputation is not counted.
+* Sliding-window layers (``window_size``) are counted as full causal attention, as
+  Megatron counts them.
 * Causal core attention counts half the ``s x s`` score matrix: ``QK^T`` and
   ``softmax(QK^T) V`` together cost ``2 * q_proj * s / 2 * 2`` FLOPs per token and layer,
   i.e. ``q_proj * s`` multiply-accumulates. Megatron counts it this way since commit
@@ -48,7 +50,7 @@ def _token_linear_flops(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     key_projection_size = cfg.kv_channels * cfg.num_query_groups
     value_projection_size = cfg.kv_channels * cfg.num_query_groups
     # 3 GEMM-widths of ffn with SwiGLU (h -> 2*ffn, ffn -> h), 2 without (h -> ffn, ffn -> h).
-    ffn_expansion_factor = 3 if cfg.swiglu else 2
+    ffn_expansion_factor = 3 if cfg.gated_mlp else 2
     num_moe_layers = _num_moe_layers(cfg)
     num_dense_layers = cfg.num_layers - num_moe_layers
     mlp = h * cfg.ffn_hidden_size * ffn_expansion_factor * num_dense_layers
@@ -198,7 +200,7 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
 
     * ``word_embeddings``: ``V_padded * h``; ``position_embeddings``:
       ``max_position_embeddings * h`` if ``position_embedding_type == "learned_absolute"``.
-    * per layer: two norms; the fused ``linear_qkv`` ``h*(nq + 2*ng)*d``
+    * per layer: two norms (four with ``sandwich_norms``); the fused ``linear_qkv`` ``h*(nq + 2*ng)*d``
       each, with biases (``nq*d``, ``ng*d``) if ``add_bias_linear or add_qkv_bias``;
       ``linear_proj`` ``nq*d*h`` (+ ``h`` bias if ``add_bias_linear``); with ``qk_layernorm``
       the ``q_layernorm`` and ``k_layernorm`` of ``kv_channels`` (``2d`` each for LayerNorm); ``linear_fc1``
@@ -218,20 +220,21 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     d, nq, ng = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
     qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
-    fc1_width = 2 * ffn if cfg.swiglu else ffn
+    fc1_width = 2 * ffn if cfg.gated_mlp else ffn
 
     qk_norms = 2 * (2 * d if cfg.normalization == "LayerNorm" else d) if cfg.qk_layernorm else 0
     attention = (h * nq * d + 2 * h * ng * d + (nq * d + 2 * ng * d if qkv_bias else 0)
                  + nq * d * h + (h if cfg.add_bias_linear else 0) + qk_norms)
     mlp = (h * fc1_width + ffn * h + (fc1_width + h if cfg.add_bias_linear else 0))
-    layer = 2 * norm + attention + mlp
+    layer_norms = (4 if cfg.sandwich_norms else 2) * norm  # + post_self_attn / post_mlp_layernorm
+    layer = layer_norms + attention + mlp
     num_moe_layers = _num_moe_layers(cfg)
     moe_layer = 0
     if num_moe_layers:
         def ffn_params(width):
-            return h * (2 * width if cfg.swiglu else width) + width * h
+            return h * (2 * width if cfg.gated_mlp else width) + width * h
 
-        moe_layer = (2 * norm + attention + h * cfg.num_moe_experts
+        moe_layer = (layer_norms + attention + h * cfg.num_moe_experts
                      + cfg.num_moe_experts * ffn_params(cfg.moe_ffn_hidden_size)
                      + ffn_params(cfg.moe_shared_expert_intermediate_size or 0)
                      + (h if cfg.moe_shared_expert_gate else 0))
@@ -256,7 +259,7 @@ def num_active_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     if not num_moe_layers:
         return total
     h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size
-    expert = h * (2 * f if cfg.swiglu else f) + f * h
+    expert = h * (2 * f if cfg.gated_mlp else f) + f * h
     return total - num_moe_layers * (cfg.num_moe_experts - cfg.moe_router_topk) * expert
 
 

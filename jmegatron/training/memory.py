@@ -241,17 +241,17 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     bias = cfg.add_bias_linear
     qkv_bias = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels \
         if (bias or cfg.add_qkv_bias) else 0
-    fc1_bias = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size if bias else 0
+    fc1_bias = (2 if cfg.gated_mlp else 1) * cfg.ffn_hidden_size if bias else 0
     positions = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
     num_moe_layers = flops._num_moe_layers(cfg)
     router, experts = 0, 0
     if num_moe_layers:  # (MoE layers have no biases: validation refuses add_bias_linear)
         f = cfg.moe_ffn_hidden_size
         router = num_moe_layers * h * (cfg.num_moe_experts + (1 if cfg.moe_shared_expert_gate else 0))
-        experts = num_moe_layers * cfg.num_moe_experts * (h * (2 * f if cfg.swiglu else f) + f * h)
+        experts = num_moe_layers * cfg.num_moe_experts * (h * (2 * f if cfg.gated_mlp else f) + f * h)
     classes = {
         "tensor_replicated_fsdp_sharded": cfg.num_layers * (2 * h if bias else 0) + positions + router,
-        "replicated": cfg.num_layers * (2 * norm + qk_norms) + norm,
+        "replicated": cfg.num_layers * ((4 if cfg.sandwich_norms else 2) * norm + qk_norms) + norm,
         "tensor_sharded_fsdp_replicated": cfg.num_layers * (qkv_bias + fc1_bias),
         "expert": experts,
     }
@@ -379,7 +379,7 @@ def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vo
     over the stages with the layers)."""
     h = cfg.hidden_size
     norm_size = 1 if cfg.normalization == "RMSNorm" else 2
-    gated = 1.5 if cfg.swiglu else 1.0
+    gated = 1.5 if cfg.gated_mlp else 1.0
     q_ratio = cfg.kv_channels * cfg.num_attention_heads / h
     self_attn = 2 * h * h * ((1 + cfg.num_query_groups / cfg.num_attention_heads) * q_ratio)
     layer = 2 * h * (cfg.ffn_hidden_size * gated + norm_size) + self_attn
@@ -451,14 +451,14 @@ def _moe_mlp_bytes(cfg: JMegatronConfig, n: int, e: int, t: int) -> float:
     h, num_experts = cfg.hidden_size, cfg.num_moe_experts
     router_bytes = {"fp32": 4, "fp64": 8}.get(cfg.moe_router_dtype, e)
     f = cfg.moe_ffn_hidden_size
-    f1 = 2 * f if cfg.swiglu else f
+    f1 = 2 * f if cfg.gated_mlp else f
     r = moe_routed_tokens(cfg, n)
     routed = r * (e * h + e * f1 + 2 * e * f + 2 * FLOAT32_BYTES) / t
     router = 2 * router_bytes * n * num_experts
     shared = 0.0
     if cfg.moe_shared_expert_intermediate_size:
         fs = cfg.moe_shared_expert_intermediate_size
-        shared = n * e * ((2 * fs if cfg.swiglu else fs) + fs) / t
+        shared = n * e * ((2 * fs if cfg.gated_mlp else fs) + fs) / t
     return routed + router + shared
 
 
@@ -535,7 +535,7 @@ def activation_memory_per_layer(cfg: JMegatronConfig, micro_batch_size: int, lay
     q = cfg.kv_channels * cfg.num_attention_heads
     kv = cfg.kv_channels * cfg.num_query_groups
     ffn = cfg.ffn_hidden_size
-    fc1_width = 2 * ffn if cfg.swiglu else ffn
+    fc1_width = 2 * ffn if cfg.gated_mlp else ffn
     replicated = n * h * (2 * e + e + e + 2 * m)
     split = n * (e * (q + kv) + e * kv + e * q + e * fc1_width + e * ffn)
     moe_mlp = 0.0

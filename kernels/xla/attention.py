@@ -15,7 +15,11 @@ models and the context-parallel ring use are thin wrappers over it:
 
 Layout: q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]`` with ``nq % nkv == 0`` (GQA: query
 head ``i`` uses key/value group ``i // (nq // nkv)``, as Megatron and Hugging Face). Scores
-and softmax in float32, scale ``1/sqrt(d)``. Dropout masks are the counter hash of
+and softmax in float32, scale ``1/sqrt(d)`` unless ``softmax_scale`` is given (megatron-core's
+``softmax_scale``); ``softcap`` caps the scaled scores at ``c * tanh(s / c)`` before masking
+(Gemma-2's ``attn_logit_softcapping``, transformers' ``eager_attention_forward``); a sliding
+``window`` W keeps keys ``i - W < j <= i`` (W keys including the query's own: Hugging Face's
+``sliding_window``, megatron-core's ``window_size = (W - 1, 0)``). Dropout masks are the counter hash of
 :mod:`jmegatron.kernels.xla.dropout` over the probabilities' shape ``[b, nkv, g, sq, sk]``.
 """
 
@@ -53,8 +57,12 @@ def _softmax_jvp(primals, tangents):
 
 def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
               keep: Optional[Callable[[tuple], Array]] = None, dropout_rate: float = 0.0,
-              float32_values: bool = False) -> tuple[Array, Array]:
+              float32_values: bool = False, softmax_scale: Optional[float] = None,
+              softcap: Optional[float] = None) -> tuple[Array, Array]:
     """``softmax(q k^T / sqrt(d)) v`` of queries over keys where ``visible``.
+
+    ``softmax_scale`` replaces ``1 / sqrt(d)``; ``softcap`` (> 0) maps the scaled scores
+    ``s`` to ``softcap * tanh(s / softcap)`` before the mask.
 
     q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]``. ``visible``: bool broadcastable to
     ``[b, sq, sk]`` (key j visible to query i), or None (all visible). ``keep``: attention
@@ -72,7 +80,9 @@ def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
     nkv = k.shape[2]
     qg = q.reshape(b, sq, nkv, nq // nkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)))
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(d)) if softmax_scale is None else jnp.float32(softmax_scale))
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     if visible is not None:  # [b, sq, sk] against scores [b, nkv, g, sq, sk]
         scores = jnp.where(jnp.asarray(visible)[:, None, None], scores, -jnp.inf)
     probs = _softmax(scores)
@@ -88,12 +98,23 @@ def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
     return out.reshape(b, sq, nq, d), lse
 
 
-def causal_mask(s: int, segment_ids: Optional[Array] = None) -> Array:
+def within_window(q_positions: Array, k_positions: Array, window: Any) -> Array:
+    """bool, broadcast of ``q_positions[..., :, None]`` against ``k_positions[..., None, :]``:
+    the key lies in the query's sliding window, ``q - k < window`` (``window``: int, may be
+    traced; the causal ``k <= q`` is the caller's)."""
+    return q_positions[..., :, None] - k_positions[..., None, :] < window
+
+
+def causal_mask(s: int, segment_ids: Optional[Array] = None, window: Any = None) -> Array:
     """bool ``[s, s]`` (``[b, s, s]`` with ``segment_ids`` int ``[b, s]``): query i sees key j
     iff ``j <= i`` (and ``segment_ids[:, i] == segment_ids[:, j]``: Megatron's block-diagonal
     causal ``attention_mask``, megatron/core/datasets/gpt_dataset.py
-    ``_get_ltor_masks_and_position_ids``)."""
+    ``_get_ltor_masks_and_position_ids``; and ``i - j < window`` with a sliding ``window``,
+    an int that may be traced)."""
     visible = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))
+    if window is not None:
+        positions = jnp.arange(s, dtype=jnp.int32)
+        visible = visible & within_window(positions, positions, window)
     if segment_ids is not None:
         visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
     return visible
@@ -106,8 +127,12 @@ def _keep(key, rate: float, impl: str, sample_offset, shape):
 
 def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                   dropout_rng: Optional[Array] = None, deterministic: bool = True,
-                  dropout_impl: str = "hash", sample_offset=0, segment_ids: Optional[Array] = None) -> Array:
+                  dropout_impl: str = "hash", sample_offset=0, segment_ids: Optional[Array] = None,
+                  softmax_scale: Optional[float] = None, softcap: Optional[float] = None,
+                  window: Any = None) -> Array:
     """Causal attention of a whole sequence (:func:`attention` under :func:`causal_mask`).
+    ``softmax_scale``, ``softcap`` and the sliding ``window`` (int, may be traced; None: off)
+    as the module docstring says.
 
     q ``[b, s, nq, d]``, k/v ``[b, s, nkv, d]``; returns ``[b, s, nq, d]`` in q's dtype.
     Attention dropout (unless ``deterministic`` or ``dropout_rate == 0``) draws
@@ -120,23 +145,31 @@ def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     keep = None
     if not deterministic and dropout_rate > 0.0:
         keep = functools.partial(_keep, dropout_rng, dropout_rate, dropout_impl, sample_offset)
-    visible = causal_mask(q.shape[1], segment_ids)
+    visible = causal_mask(q.shape[1], segment_ids, window)
     visible = visible[None] if segment_ids is None else visible
-    out, _ = attention(q, k, v, visible, keep=keep, dropout_rate=dropout_rate)
+    out, _ = attention(q, k, v, visible, keep=keep, dropout_rate=dropout_rate, softmax_scale=softmax_scale,
+                       softcap=softcap)
     return out.astype(q.dtype)
 
 
-def cached_attention(q: Array, k_cache: Array, v_cache: Array, q_positions: Array) -> Array:
+def cached_attention(q: Array, k_cache: Array, v_cache: Array, q_positions: Array, *,
+                     softmax_scale: Optional[float] = None, softcap: Optional[float] = None,
+                     window: Any = None) -> Array:
     """Causal attention of ``q [b, s, nq, d]`` over a KV cache ``[b, L, nkv, d]``.
 
     Query ``(i, t)`` at position ``q_positions[i, t]`` (int ``[b, s]``) sees cache slots
     ``0 .. q_positions[i, t]`` (slot = position), so stale or padded slots beyond a row's
-    length never contribute. :func:`attention` with the cache cast to q's dtype; no dropout
-    (inference). Returns ``[b, s, nq, d]`` in q's dtype.
+    length never contribute; with a sliding ``window`` only the last ``window`` of them.
+    :func:`attention` with the cache cast to q's dtype (``softmax_scale``, ``softcap`` as
+    there); no dropout (inference). Returns ``[b, s, nq, d]`` in q's dtype.
     """
     length = k_cache.shape[1]
-    visible = jnp.arange(length, dtype=jnp.int32)[None, None, :] <= q_positions[:, :, None]  # [b, s, L]
-    out, _ = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), visible)
+    slots = jnp.arange(length, dtype=jnp.int32)
+    visible = slots[None, None, :] <= q_positions[:, :, None]  # [b, s, L]
+    if window is not None:
+        visible = visible & within_window(q_positions, slots[None], window)
+    out, _ = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), visible, softmax_scale=softmax_scale,
+                       softcap=softcap)
     return out
 
 
