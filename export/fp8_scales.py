@@ -69,7 +69,7 @@ from jmegatron.export.common import ExportError, saved_params_metadata, tree_pat
 from jmegatron.export.hf import unstack_layers
 from jmegatron.training.checkpointing import CheckpointError, has_checkpoint
 
-__all__ = ["FP8_E4M3_MAX", "FP8_LINEARS", "FP8_META", "WEIGHT_SCALES", "LinearScales", "saved_fp8_meta_paths",
+__all__ = ["FP8_E4M3_MAX", "FP8_LINEARS", "UNIFIED_LINEARS", "unified_modules", "FP8_META", "WEIGHT_SCALES", "LinearScales", "saved_fp8_meta_paths",
            "has_fp8_meta", "layer_fp8_meta", "history_amax", "checkpoint_fp8_scales", "quantize_weight",
            "strip_fp8_meta"]
 
@@ -78,6 +78,22 @@ FP8_META = "fp8_meta"
 # jmegatron FP8 linear (path in a decoder layer) -> TensorRT-LLM linears it becomes (+ "mlp.gate" with SwiGLU)
 FP8_LINEARS = {"self_attention/linear_qkv": ("attention.qkv",), "self_attention/linear_proj": ("attention.dense",),
                "mlp/linear_fc1": ("mlp.fc",), "mlp/linear_fc2": ("mlp.proj",)}
+# ... -> the Hugging Face modules of the unified checkpoint that see its input (one scale pair each)
+UNIFIED_LINEARS = {"self_attention/linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                   "self_attention/linear_proj": ("self_attn.o_proj",),
+                   "mlp/linear_fc1": ("mlp.gate_proj", "mlp.up_proj"), "mlp/linear_fc2": ("mlp.down_proj",)}
+UNIFIED_LINEARS_GPT2 = {"self_attention/linear_qkv": ("attn.c_attn",), "self_attention/linear_proj": ("attn.c_proj",),
+                        "mlp/linear_fc1": ("mlp.c_fc",), "mlp/linear_fc2": ("mlp.c_proj",)}
+
+
+def unified_modules(cfg, layer: int, path: str) -> tuple[str, ...]:
+    """The Hugging Face module names (in the unified checkpoint) of decoder layer ``layer``'s
+    FP8 linear ``path`` (a key of :data:`FP8_LINEARS`): GPT-2's ``transformer.h.{i}.attn.c_attn``
+    ..., else the Llama layout's ``model.layers.{i}.self_attn.{q,k,v}_proj`` ... (a gated
+    fc1 is ``gate_proj`` and ``up_proj``)."""
+    if cfg.position_embedding_type == "learned_absolute":
+        return tuple(f"transformer.h.{layer}.{n}" for n in UNIFIED_LINEARS_GPT2[path])
+    return tuple(f"model.layers.{layer}.{n}" for n in UNIFIED_LINEARS[path])
 META_LEAVES = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history", "input_scale",
                "kernel_scale", "output_grad_scale")
 WEIGHT_SCALES = ("checkpoint", "amax")

@@ -1026,6 +1026,8 @@ def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
     conf = hf_config_dict(cfg, v, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     arch = conf["architectures"][0]
     config = hf_config_class(arch).from_dict(conf)
+    if cfg.attn_logit_softcapping is not None:  # transformers' SDPA path drops Gemma-2's soft-cap
+        config._attn_implementation = "eager"
     model = getattr(transformers, arch)(config).to(torch.float32)
     if arch in MOE_ARCHITECTURES:  # transformers 5 holds the experts fused in memory
         sd = hf_moe.to_module_layout(sd, arch, set(model.state_dict()))

@@ -86,7 +86,10 @@ from jmegatron.data.indexed_dataset import IndexedDataset
 from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.export.common import (ExportError, ExportSource, checkpoint_config, hf_model, load_checkpoint,
                                      load_source_tokenizer)
-from jmegatron.export.hf import hf_architecture
+from jmegatron.export.fp8_scales import (FP8_E4M3_MAX, WEIGHT_SCALES, checkpoint_fp8_scales, layer_fp8_meta,
+                                         quantize_weight, saved_fp8_meta_paths, strip_fp8_meta, unified_modules)
+from jmegatron.export.hf import hf_architecture, to_hf_state_dict
+from jmegatron.export.unified import check_unified, unified_model
 from jmegatron.inference.generate import generate_text
 
 __all__ = [
@@ -94,7 +97,7 @@ __all__ = [
     "MANIFEST", "register", "run", "quantize", "load_quantized", "parse_quant_cfgs",
     "build_quant_config", "portion_dataset", "make_batches", "perplexity", "quantize_model",
     "enabled_quantizers", "moe_router_modules", "greedy_continuation", "save_quantized", "weight_block_size",
-    "check_block_sizes", "quantized_source_config",
+    "check_block_sizes", "quantized_source_config", "SCALES", "checkpoint_scaled_model", "reloaded_perplexity",
 ]
 
 # --quant-cfg name -> ModelOpt config (names as Megatron-LM's text_generation_ptq.py / hf_ptq.py)
@@ -116,6 +119,7 @@ UNIFIED_HF_DIR = "unified_hf"
 INFO_FILE = "quantize_info.json"
 MANIFEST = "quantize.json"
 EXPORT_DTYPES = ("float16", "bfloat16", "float32")
+SCALES = ("calibrate", "from-checkpoint")
 _SPLITS = {"train": 0, "valid": 1, "test": 2}
 
 
@@ -149,6 +153,12 @@ def register(sub) -> None:
     p.add_argument("--export-dtype", choices=EXPORT_DTYPES, default=None,
                    help="dtype of the unquantized tensors in the unified HF checkpoint "
                         "(default: bfloat16 if the run trained in bf16, else float16, as Megatron)")
+    p.add_argument("--scales", choices=SCALES, default="calibrate",
+                   help="where the fp8 config's scales come from: calibrate (ModelOpt's PTQ, default) or "
+                        "from-checkpoint (an FP8-trained checkpoint's own delayed-scaling scales, no calibration)")
+    p.add_argument("--weight-scales", choices=WEIGHT_SCALES, default="checkpoint",
+                   help="with --scales from-checkpoint: the weights' scale, the training's kernel_scale (checkpoint, "
+                        "default: the training forward's FP8 codes) or amax(w)/448 (amax, ModelOpt's rule)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
     p.set_defaults(func=run)
@@ -161,7 +171,7 @@ def run(args) -> int:
              calib_batch_size=args.calib_batch_size, calib_seq_length=args.calib_seq_length,
              eval_data=args.eval_data, eval_samples=args.eval_samples, eval_seq_length=args.eval_seq_length,
              split=args.split, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-             export_dtype=args.export_dtype, device=args.device)
+             export_dtype=args.export_dtype, device=args.device, scales=args.scales, weight_scales=args.weight_scales)
     return 0
 
 
@@ -395,6 +405,105 @@ def quantize_model(model, name: str, kv_cache_quant: str, calib_batches: Sequenc
         calib_batches, device))
 
 
+def checkpoint_scaled_model(model, params, cfg, kv_cache_quant: str = "none", weight_scales: str = "checkpoint"):
+    """``(model, provenance)``: ``model`` (the float32 transformers model of ``params``)
+    quantized with the ``fp8`` config and **no calibration**, its quantizers holding the
+    FP8-trained checkpoint's own scales (:func:`jmegatron.export.fp8_scales.checkpoint_fp8_scales`):
+    each HF linear's input amax is ``activation_scaling_factor * 448`` of the jmegatron linear
+    whose input it sees (q/k/v share linear_qkv's, gate/up linear_fc1's), its weight amax
+    ``448 / kernel_scale`` (``weight_scales="checkpoint"``) or ModelOpt's ``amax(w)`` of the
+    weight (``"amax"``). ``provenance``: the rule, margin, amax algorithm, history length,
+    where the activation scales came from, and per module the float32 ``(weight_scale,
+    input_scale)`` written. Raises ExportError as ``checkpoint_fp8_scales`` (no FP8 meta, MoE),
+    RuntimeError if an enabled input quantizer is left without an amax (the export would
+    silently drop its ``input_scale``)."""
+    import modelopt.torch.quantization as mtq
+    import torch
+
+    scales = checkpoint_fp8_scales(params, cfg, weight_scales)
+    model = mtq.quantize(model, build_quant_config("fp8", kv_cache_quant), forward_loop=None)  # weight amax only
+    written = {}
+    for i, linears in scales.items():
+        for path, sc in linears.items():
+            for name in unified_modules(cfg, i, path):
+                module = model.get_submodule(name)
+                module.input_quantizer.amax = torch.tensor(float(sc.activation_scaling_factor) * FP8_E4M3_MAX)
+                if weight_scales == "checkpoint":
+                    module.weight_quantizer.amax = torch.tensor(float(sc.weights_scaling_factor) * FP8_E4M3_MAX)
+                written[name] = {"path": f"decoder_layers_{i}/{path}", "kernel_scale": float(sc.kernel_scale)}
+    unset = [n for n, m in model.named_modules() if n.endswith("input_quantizer") and m.is_enabled
+             and getattr(m, "amax", None) is None and not n.endswith(("k_bmm_quantizer", "v_bmm_quantizer"))]
+    if unset:
+        raise RuntimeError(f"--scales from-checkpoint: no training scale for {unset[:4]} (the unified export would "
+                           f"drop their input_scale)")
+    provenance = {"scales": "from-checkpoint", "weight_scales": weight_scales, "fp8": cfg.fp8,
+                  "fp8_margin": int(cfg.fp8_margin), "fp8_amax_compute_algo": cfg.fp8_amax_compute_algo,
+                  "fp8_amax_history_len": int(cfg.fp8_amax_history_len),
+                  "activation_scales_from": sorted({s.activation_source for layer in scales.values()
+                                                    for s in layer.values()}), "modules": written}
+    return model, provenance
+
+
+def _amaxes(model) -> dict:
+    """Every ModelOpt quantizer's amax (float32 copies), by quantizer."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    return {m: m._amax.detach().float().clone() for m in model.modules()
+            if isinstance(m, TensorQuantizer) and getattr(m, "_amax", None) is not None}
+
+
+def _restore_amaxes(amaxes: dict) -> None:
+    """Re-register the amaxes of :func:`_amaxes` in float32 after the model's cast to the export
+    dtype, so ``weight_scale`` / ``input_scale`` are the float32 scales, not rounded to bf16 / fp16."""
+    for quantizer, value in amaxes.items():
+        del quantizer._amax
+        quantizer.amax = value
+
+
+def _rewrite_fp8_weights(hf_dir: str, params, cfg, vocab_size: int, modules: dict) -> int:
+    """Replace the float8 weights of ``modules`` (name -> its record with ``kernel_scale``) in
+    ``hf_dir``'s safetensors by the training forward's codes ``cast(clip(w * kernel_scale))`` of
+    the float32 weights (GPT-2's ``[in, out]`` Conv1D weights transposed to the exported
+    ``[out, in]``); returns the count of values clipped at +-448."""
+    import glob
+
+    from safetensors.torch import load_file, save_file
+
+    weights = to_hf_state_dict(strip_fp8_meta(params), cfg, vocab_size)
+    gpt2 = cfg.position_embedding_type == "learned_absolute"
+    saturated = 0
+    for path in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
+        tensors = load_file(path)
+        hit = False
+        for name, record in modules.items():
+            key = f"{name}.weight"
+            if key in tensors:
+                w = weights[key].T if gpt2 else weights[key]
+                codes, sat = quantize_weight(w, None, np.float32(record["kernel_scale"]))
+                if tuple(codes.shape) != tuple(tensors[key].shape):
+                    raise RuntimeError(f"{key}: codes {tuple(codes.shape)} vs exported {tuple(tensors[key].shape)}")
+                tensors[key], hit = codes, True
+                saturated += sat
+        if hit:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    return saturated
+
+
+def reloaded_perplexity(hf_dir: str, batches, device="cpu") -> Optional[dict]:
+    """Perplexity of the unified checkpoint ``hf_dir`` as a server computes it
+    (:func:`jmegatron.export.unified.unified_model`: dequantized weights, inputs cast to E4M3
+    at their ``input_scale``), or None for a ``quant_algo`` that reader does not dequantize.
+    Raises RuntimeError listing what :func:`jmegatron.export.unified.check_unified` finds wrong."""
+    with open(os.path.join(hf_dir, "hf_quant_config.json")) as f:
+        if json.load(f)["quantization"].get("quant_algo") != "FP8":
+            return None
+    problems = check_unified(hf_dir)
+    if problems:
+        raise RuntimeError(f"{hf_dir}: the unified checkpoint would not load as written: " + "; ".join(problems[:6]))
+    model, _ = unified_model(hf_dir)
+    return perplexity(model.to(device), batches, device)
+
+
 def enabled_quantizers(model, prefix: str) -> list[str]:
     """Names of the enabled ModelOpt ``TensorQuantizer`` s under module ``prefix`` (e.g.
     ``"lm_head"``); [] means that module runs unquantized."""
@@ -576,14 +685,16 @@ def _quality_markdown(report: dict) -> str:
         f"{report['kv_cache_quant']}. Quantized rows are ModelOpt fake quantization (simulated in "
         "float32), the output layer unquantized.",
         "",
-        "| model | ModelOpt config | quant_algo | loss (nats) | perplexity | relative change | calibrate (s) |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| model | ModelOpt config | quant_algo | scales | loss (nats) | perplexity | relative change | "
+        "unified checkpoint read back | calibrate (s) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
         rel = "" if row["relative_change"] is None else f"{100 * row['relative_change']:+.2f}%"
         cal_s = "" if row.get("calibration_seconds") is None else f"{row['calibration_seconds']:.1f}"
+        back = "" if row.get("reloaded_ppl") is None else f"{row['reloaded_ppl']:.3f}"
         lines.append(f"| {row['name']} | {row.get('modelopt_config') or '-'} | {row.get('quant_algo') or '-'} | "
-                     f"{row['loss']:.4f} | {row['ppl']:.3f} | {rel} | {cal_s} |")
+                     f"{row.get('scales') or '-'} | {row['loss']:.4f} | {row['ppl']:.3f} | {rel} | {back} | {cal_s} |")
     return "\n".join(lines) + "\n"
 
 
@@ -593,6 +704,8 @@ class _Plan:
 
     names: list
     kv: str
+    scales: str
+    weight_scales: str
     cfg: Any
     arch: str
     split: str
@@ -605,9 +718,21 @@ class _Plan:
 
 def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_size, calib_batch_size,
           calib_seq_length, eval_data, eval_samples, eval_seq_length, split, prompt, max_new_tokens,
-          export_dtype) -> _Plan:
+          export_dtype, scales="calibrate", weight_scales="checkpoint") -> _Plan:
     names = parse_quant_cfgs(",".join(quant_cfgs) if isinstance(quant_cfgs, (list, tuple)) else quant_cfgs)
     kv = _check_kv_cache_quant(kv_cache_quant)
+    if scales not in SCALES:
+        raise ExportError(f"--scales {scales!r}: choose from {', '.join(SCALES)}")
+    if weight_scales not in WEIGHT_SCALES:
+        raise ExportError(f"--weight-scales {weight_scales!r}: choose from {', '.join(WEIGHT_SCALES)}")
+    if scales == "from-checkpoint":
+        if "fp8" not in names:
+            raise ExportError(f"--scales from-checkpoint sets the fp8 config's scales, but --quant-cfg is {names}; "
+                              "add fp8")
+        if kv != "none":
+            raise ExportError("--scales from-checkpoint with --kv-cache-quant fp8: training keeps no KV-cache amax "
+                              "(jmegatron's attention is not FP8); drop --kv-cache-quant or calibrate (--scales "
+                              "calibrate)")
     for value, flag in ((calib_size, "--calib-size"), (calib_batch_size, "--calib-batch-size"),
                         (calib_seq_length, "--calib-seq-length"), (eval_samples, "--eval-samples"),
                         (eval_seq_length, "--eval-seq-length")):
@@ -625,6 +750,12 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
         arch = hf_architecture(cfg)
     except ValueError as e:
         raise ExportError(f"--load {load}: {e}") from e
+    if scales == "from-checkpoint":
+        if cfg.num_moe_experts is not None:
+            layer_fp8_meta({}, cfg)  # refuses MoE by name: the experts carry no FP8 scales
+        if not saved_fp8_meta_paths(load, iteration):
+            raise ExportError(f"--scales from-checkpoint: {os.path.abspath(load)} holds no FP8 scales (no fp8_meta: "
+                              f"it was trained without config.fp8, fp8={cfg.fp8!r}); use --scales calibrate")
     for name in names:
         check_block_sizes(name, cfg)
     tokenizer = None
@@ -644,7 +775,7 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
     if len(held_out.dataset) < eval_samples:
         _warn(f"the test portion of {eval_prefix} holds {len(held_out.dataset)} samples of {eval_len} tokens; "
               f"evaluating on those instead of --eval-samples {eval_samples}")
-    return _Plan(names, kv, cfg, arch, split, calib, held_out, tokenizer, eod,
+    return _Plan(names, kv, scales, weight_scales, cfg, arch, split, calib, held_out, tokenizer, eod,
                  export_dtype or ("bfloat16" if cfg.bf16 else "float16"))
 
 
@@ -655,13 +786,19 @@ def _portion_record(portion: Portion, batches: Sequence[dict], **extra) -> dict:
             "samples": sum(len(b["tokens"]) for b in batches), "seq_length": ds.seq_length, "seed": ds.seed, **extra}
 
 
-def save_quantized(model, cfg_dir: str, src: ExportSource, export_dtype: str, info: dict) -> dict:
+def save_quantized(model, cfg_dir: str, src: ExportSource, export_dtype: str, info: dict,
+                   fp8_codes: Optional[dict] = None) -> dict:
     """Write one quantized model: ``cfg_dir/modelopt_state.pth`` (``mto.save``), then the
     unified HF checkpoint ``cfg_dir/unified_hf`` (``export_hf_checkpoint``; the unquantized
     tensors in ``export_dtype``, plus the tokenizer when ``src`` has one), then
     ``cfg_dir/quantize_info.json`` = ``info`` + ``quant_algo``/``kv_cache_quant_algo``/
     ``exclude_modules`` from ``hf_quant_config.json``. Returns that info. The export casts
-    ``model`` to ``export_dtype`` and packs its weights: use the model no further."""
+    ``model`` to ``export_dtype`` and packs its weights: use the model no further.
+
+    ``fp8_codes`` (``--scales from-checkpoint``: :func:`checkpoint_scaled_model`'s
+    ``provenance["modules"]`` when the weight scales are the checkpoint's): the amaxes stay
+    float32 through the cast, and those modules' float8 weights are rewritten as the
+    training forward's codes (``info["saturated_weight_values"]``)."""
     import modelopt.torch.opt as mto
     import torch
     from modelopt.torch.export import export_hf_checkpoint
@@ -672,10 +809,15 @@ def save_quantized(model, cfg_dir: str, src: ExportSource, export_dtype: str, in
     dtype = getattr(torch, export_dtype)
     # as from a model loaded in that dtype (hf_ptq.py); a few quantized codes can move by one
     # step against the float32 fake quantization
+    amaxes = _amaxes(model) if fp8_codes is not None else {}
     model.to(dtype)
     model.config.dtype = dtype
+    _restore_amaxes(amaxes)
     with torch.inference_mode():
         export_hf_checkpoint(model, dtype=dtype, export_dir=hf_dir)
+    if fp8_codes:
+        info = {**info, "saturated_weight_values": _rewrite_fp8_weights(hf_dir, src.params, src.cfg, src.vocab_size,
+                                                                        fp8_codes)}
     with open(os.path.join(hf_dir, "hf_quant_config.json")) as f:
         hf_quant = json.load(f)["quantization"]
     info = {**info, "quant_algo": hf_quant.get("quant_algo"),
@@ -726,7 +868,8 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
              kv_cache_quant: str = "none", calib_size: int = 512, calib_batch_size: int = 4,
              calib_seq_length: int = 512, eval_data: Optional[str] = None, eval_samples: int = 256,
              eval_seq_length: Optional[int] = None, split: Optional[str] = None, prompt: Optional[str] = None,
-             max_new_tokens: int = 24, export_dtype: Optional[str] = None, device: Optional[str] = None) -> dict:
+             max_new_tokens: int = 24, export_dtype: Optional[str] = None, device: Optional[str] = None,
+             scales: str = "calibrate", weight_scales: str = "checkpoint") -> dict:
     """Quantize checkpoint ``load`` with each of ``quant_cfgs`` (names or a comma string) and
     write ``out`` (layout in the module docstring). Returns the quality report (also
     ``out/quality.json``): ``rows`` = fp32 then one per config with ``loss`` (nats/token),
@@ -736,17 +879,24 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
     ``calib_batch_size`` also batches the evaluation. Sequence lengths above
     ``max_position_embeddings`` are clamped to it with a warning.
 
+    ``scales="from-checkpoint"``: the ``fp8`` config takes the FP8-trained checkpoint's own
+    scales (:func:`checkpoint_scaled_model`, ``weight_scales`` as there), no calibration;
+    its ``quantize_info.json`` records where they came from. Every FP8 row also reports the
+    perplexity of its unified checkpoint read back (:func:`reloaded_perplexity`).
+
     Raises:
         ExportError, before any array is restored: unknown ``--quant-cfg`` / ``--kv-cache-quant``,
             non-positive sizes, a non-empty ``out``, a missing ``PREFIX.bin/.idx``, a
             missing or unreadable checkpoint, an architecture with no Hugging Face target (the
             config fields are named), a split portion without text, ``--prompt`` without a
-            tokenizer; after loading: token ids outside the vocabulary.
+            tokenizer, ``--scales from-checkpoint`` without ``fp8`` among the configs, with FP8 KV
+            cache, for an MoE checkpoint or one without FP8 scales; after loading: token ids
+            outside the vocabulary.
     """
     t_start = time.time()
     plan = _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_size, calib_batch_size,
                  calib_seq_length, eval_data, eval_samples, eval_seq_length, split, prompt, max_new_tokens,
-                 export_dtype)
+                 export_dtype, scales, weight_scales)
 
     # ---- work starts: restore the arrays, build the torch model
     import modelopt.torch.quantization as mtq
@@ -783,9 +933,16 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
     os.makedirs(out, exist_ok=True)
     for name in plan.names:
         t0 = time.time()
-        model = quantize_model(copy.deepcopy(base), name, plan.kv, calib_batches, device)
+        provenance = None
+        if name == "fp8" and plan.scales == "from-checkpoint":
+            model, provenance = checkpoint_scaled_model(copy.deepcopy(base), src.params, src.cfg, plan.kv,
+                                                        plan.weight_scales)
+            _log(f"{name} ({QUANT_CFG_CHOICES[name]}): the checkpoint's own FP8 scales (weights: "
+                 f"{plan.weight_scales}), no calibration")
+        else:
+            model = quantize_model(copy.deepcopy(base), name, plan.kv, calib_batches, device)
+            _log(f"{name} ({QUANT_CFG_CHOICES[name]}, KV cache {plan.kv}): calibrated in {time.time() - t0:.1f}s")
         calib_seconds = time.time() - t0
-        _log(f"{name} ({QUANT_CFG_CHOICES[name]}, KV cache {plan.kv}): calibrated in {calib_seconds:.1f}s")
         mtq.print_quant_summary(model)
         left_on = enabled_quantizers(model, OUTPUT_LAYER)
         if left_on:
@@ -803,17 +960,26 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
         _log(f"{name}: held-out loss {q['loss']:.4f}, perplexity {q['ppl']:.3f} ({100 * rel:+.2f}% vs fp32)")
         sanity.add(name, model)
         t0 = time.time()
+        codes = provenance["modules"] if provenance and plan.weight_scales == "checkpoint" else \
+            ({} if provenance else None)
         info = save_quantized(model, os.path.join(out, name), src, plan.export_dtype, {
             "quant_cfg": name, "modelopt_config": QUANT_CFG_CHOICES[name], "kv_cache_quant": plan.kv,
-            "source": source, "perplexity": q, "fp32_perplexity": fp32, "relative_change": rel, **data})
+            "scales": provenance or {"scales": "calibrate"}, "source": source, "perplexity": q,
+            "fp32_perplexity": fp32, "relative_change": rel, **data}, fp8_codes=codes)
         export_seconds = time.time() - t0
+        hf_dir = os.path.join(out, name, UNIFIED_HF_DIR)
         _log(f"{name}: {info['quant_algo']} unified HF checkpoint ({plan.export_dtype}) -> "
-             f"{os.path.abspath(os.path.join(out, name, UNIFIED_HF_DIR))} ({export_seconds:.1f}s)")
-        rows.append({"name": name, "modelopt_config": QUANT_CFG_CHOICES[name], "quant_algo": info["quant_algo"],
-                     "kv_cache_quant_algo": info["kv_cache_quant_algo"], "loss": q["loss"], "ppl": q["ppl"],
-                     "relative_change": rel, "calibration_seconds": calib_seconds, "eval_seconds": eval_seconds,
-                     "export_seconds": export_seconds})
+             f"{os.path.abspath(hf_dir)} ({export_seconds:.1f}s)")
         del model
+        reloaded = reloaded_perplexity(hf_dir, eval_batches, device)
+        if reloaded is not None:
+            _log(f"{name}: the unified checkpoint read back: perplexity {reloaded['ppl']:.3f}")
+        rows.append({"name": name, "modelopt_config": QUANT_CFG_CHOICES[name], "quant_algo": info["quant_algo"],
+                     "kv_cache_quant_algo": info["kv_cache_quant_algo"], "scales": plan.scales if name == "fp8"
+                     else "calibrate", "loss": q["loss"], "ppl": q["ppl"], "relative_change": rel,
+                     "reloaded_ppl": None if reloaded is None else reloaded["ppl"],
+                     "calibration_seconds": calib_seconds, "eval_seconds": eval_seconds,
+                     "export_seconds": export_seconds})
 
     report = {"source": source, "kv_cache_quant": plan.kv, "export_dtype": plan.export_dtype, "device": str(device),
               **data, "rows": rows, "samples": sanity.samples, "total_seconds": time.time() - t_start}

@@ -357,3 +357,90 @@ def test_gpt_layout_matches_modelopt(tmp_path):
             assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), k
             if k.endswith("weights_scaling_factor"):
                 np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), rtol=1e-6, err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def token_data(tmp_path_factory):
+    """A tokenized prefix of random documents (ids < VOCAB) for `quantize`'s data flags."""
+    from jmegatron.data.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path_factory.mktemp("fp8_data") / "random")
+    builder = IndexedDatasetBuilder(prefix + ".bin")
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        builder.add_item(rng.integers(0, VOCAB, 80))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def quantize_fp8(load, prefix, out, **kw):
+    from jmegatron.export.quantize import quantize
+
+    return quantize(load, "fp8", prefix, str(out), calib_size=4, calib_batch_size=2, calib_seq_length=32,
+                    eval_samples=8, split="4,1,1", max_new_tokens=0, export_dtype="float16", **kw)
+
+
+def test_unified_checkpoint_from_training_scales_matches_modelopt_and_loads_back(ckpts, token_data, tmp_path):
+    """`quantize --quant-cfg fp8 --scales from-checkpoint`: ModelOpt's unified checkpoint with
+    the training's own scales and no calibration. Against ModelOpt's PTQ export of the same
+    weights: the same tensor names, dtypes and shapes, the same hf_quant_config.json; its
+    weight_scale is 1 / kernel_scale (q/k/v and gate/up sharing one), its input_scale the
+    history amax / 448 (to an ulp: ModelOpt divides the amax we set by 448), its float8 weights the training forward's codes. Read back as a
+    server computes it (dequantized weights, inputs cast at input_scale), its perplexity is the
+    fake-quantized model's, and check_unified finds a removed input_scale."""
+    from safetensors.torch import save_file
+
+    from jmegatron.export.unified import check_unified
+
+    base, fp8 = ckpts
+    ours = quantize_fp8(fp8, token_data, tmp_path / "ours", scales="from-checkpoint")
+    ptq = quantize_fp8(fp8, token_data, tmp_path / "ptq")
+    row, ptq_row = ours["rows"][1], ptq["rows"][1]
+    assert row["scales"] == "from-checkpoint" and ptq_row["scales"] == "calibrate"
+    for r in (row, ptq_row):  # the folder read back computes what the fake-quantized model computed
+        assert abs(r["reloaded_ppl"] / r["ppl"] - 1) < 2e-3, r
+    assert abs(row["ppl"] / ours["rows"][0]["ppl"] - 1) < 0.05  # FP8 costs little over fp32
+
+    folder, ptq_folder = (str(tmp_path / d / "fp8" / "unified_hf") for d in ("ours", "ptq"))
+    a, b = load_file(os.path.join(folder, "model.safetensors")), load_file(os.path.join(ptq_folder, "model.safetensors"))
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in a.items()} == {k: (v.dtype, tuple(v.shape)) for k, v in b.items()}
+    assert json.load(open(os.path.join(folder, "hf_quant_config.json")))["quantization"] == \
+        json.load(open(os.path.join(ptq_folder, "hf_quant_config.json")))["quantization"]
+    assert json.load(open(os.path.join(folder, "config.json")))["quantization_config"]["quant_method"] == "modelopt"
+
+    src = load_checkpoint(fp8)
+    scales = checkpoint_fp8_scales(src.params, src.cfg)
+    weights = hf.to_hf_state_dict(fp8_scales.strip_fp8_meta(src.params), src.cfg, src.vocab_size)
+    for i, linears in scales.items():
+        for path, sc in linears.items():
+            for name in fp8_scales.unified_modules(src.cfg, i, path):
+                # (amax * 448 / 448 in float32: within an ulp)
+                np.testing.assert_allclose(float(a[f"{name}.weight_scale"]), np.float32(1.0) / sc.kernel_scale,
+                                           rtol=2e-7, err_msg=name)
+                np.testing.assert_allclose(float(a[f"{name}.input_scale"]), sc.activation_scaling_factor, rtol=2e-7,
+                                           err_msg=name)
+                codes, _ = fp8_scales.quantize_weight(weights[f"{name}.weight"], None, sc.kernel_scale)
+                assert torch.equal(a[f"{name}.weight"].view(torch.uint8), codes.view(torch.uint8)), name
+                ratio = float(a[f"{name}.input_scale"]) / float(b[f"{name}.input_scale"])
+                assert 0.5 <= ratio <= 2.0, (name, ratio)  # training amaxes vs calibration amaxes
+    info = json.load(open(tmp_path / "ours" / "fp8" / "quantize_info.json"))
+    assert info["scales"]["scales"] == "from-checkpoint" and info["scales"]["activation_scales_from"] == ["history"]
+
+    assert check_unified(folder) == []
+    a.pop("model.layers.0.mlp.down_proj.input_scale")
+    save_file(a, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    assert any("model.layers.0.mlp.down_proj.input_scale" in p for p in check_unified(folder))
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--quant-cfg", "fp8", "--scales", "from-checkpoint"], "holds no FP8 scales"),
+    (["--quant-cfg", "int8_sq", "--scales", "from-checkpoint"], "sets the fp8 config's scales, but --quant-cfg is"),
+    (["--quant-cfg", "fp8", "--scales", "from-checkpoint", "--kv-cache-quant", "fp8"], "keeps no KV-cache amax"),
+])
+def test_cli_from_checkpoint_refusals(ckpts, token_data, tmp_path, capsys, args, match):
+    base, fp8 = ckpts
+    load = base if "holds no" in match else fp8
+    assert main(["quantize", "--load", load, "--calib-data", token_data, "--out", str(tmp_path / "q"), *args]) == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()

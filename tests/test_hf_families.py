@@ -8,6 +8,9 @@ property on all of them. The families' blocks under tensor, sequence and context
 parallelism are tests/test_parallel_equivalence.py's ``test_family_blocks_match_one_device``.
 """
 
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -171,11 +174,52 @@ def test_export_gives_back_the_source(imported):
 
 
 # Trained through the real step: the families whose training path differs. Llama-3.x's,
-# Mistral's and Qwen3's is Gemma-3's with fewer blocks (rotary frequencies are constants),
+# Mistral's, Qwen2's and Qwen3's is Gemma-3's with fewer blocks (rotary frequencies are
+# constants; Qwen2's Q/K/V bias gradients are test_family_blocks_match_one_device's),
 # Gemma-2's is Gemma-3's with the attention soft-cap (tests/test_attention_variants.py checks
 # its gradient against transformers'), Mixtral's is Qwen3-MoE's without QK-norm (and
 # tests/test_moe_e2e.py trains it end to end).
-TRAINED = ("qwen2", "gemma3", "qwen2_moe", "qwen3_moe", "gpt2")
+TRAINED = ("gemma3", "qwen2_moe", "qwen3_moe", "gpt2")
+
+
+def test_fp8_unified_checkpoint_loads_back(imported, tmp_path):
+    """Each family exported to transformers (``to_hf_model``, what ``export quantize`` starts
+    from), FP8 PTQ by ModelOpt, written as the unified checkpoint: ``check_unified`` finds
+    nothing wrong (every float8 weight with its scales, every unquantized linear excluded:
+    the output layer, MoE routers and Qwen2-MoE's shared-expert gate), and read back as a
+    server computes it (dequantized weights, inputs cast at their input_scale; the fused MoE
+    experts without input casts) its loss is the fake-quantized model's within 1%."""
+    from modelopt.torch.export import export_hf_checkpoint
+
+    from jmegatron.export.quantize import moe_router_modules, quantize_model
+    from jmegatron.export.unified import check_unified, unified_model
+
+    toks = torch.from_numpy(tokens().astype(np.int64))
+    calib = [{"tokens": tokens(5).astype(np.int64),
+              "position_ids": np.broadcast_to(np.arange(SEQ), (2, SEQ)).astype(np.int64)}]
+
+    def loss(logits):
+        return float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                       toks[:, 1:].reshape(-1)))
+
+    for family, (_, _, cfg, params) in imported.items():
+        quantized = quantize_model(hf.to_hf_model(params, cfg, VOCAB), "fp8", "none", calib)
+        with torch.no_grad():
+            fake_quant = loss(quantized(toks).logits)
+        folder = str(tmp_path / family)
+        with torch.inference_mode():
+            export_hf_checkpoint(quantized, dtype=torch.float32, export_dir=folder)
+        assert check_unified(folder) == [], family
+        excluded = json.load(open(os.path.join(folder, "hf_quant_config.json")))["quantization"]["exclude_modules"]
+        routers = [r.replace(".mlp.gate", ".block_sparse_moe.gate") if family == "mixtral" else r
+                   for r in moe_router_modules(quantized)]
+        assert "lm_head" in excluded and set(routers) <= set(excluded), (family, excluded)
+        model, ckpt = unified_model(folder)
+        with torch.no_grad():
+            back = loss(model(toks).logits)
+        print(f"{family}: FP8 unified {ckpt.quant['quant_algo']}, {len(ckpt.input_scales)} quantized linears, "
+              f"loss fake-quant {fake_quant:.4f} / read back {back:.4f}")
+        assert abs(back / fake_quant - 1) < 0.01, family
 
 
 def test_imported_models_train(imported):
@@ -191,7 +235,7 @@ def test_imported_models_train(imported):
         state = state.replace(params=jax.device_put(params, run.state_shardings.params))
         b = run.put_batch({k: v.reshape(run.num_microbatches, -1, SEQ) for k, v in batch.items()})
         losses = []
-        for _ in range(4):
+        for _ in range(3):
             state, metrics = run.train_step(state, b)
             losses.append(float(metrics["lm_loss"]))
         print(f"{family}: losses {np.round(losses, 3).tolist()}")
@@ -242,9 +286,9 @@ def test_gemma3_layer_types_under_scanned_layers(imported):
     model, conf, cfg, params = imported["gemma3"]
     assert (cfg.window_size, cfg.window_attn_skip_freq, cfg.rotary_base_local) == ((7, 0), 3, 100)
     toks = tokens()
-    loop = GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size())).apply({"params": params}, toks)
+    loop = jax.jit(GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size())).apply)({"params": params}, toks)
     scanned_cfg = jmegatron_cfg(hf.config_fields_from_hf(conf), scan_layers=True)
-    scanned = GPTModel(ModelConfig.from_config(scanned_cfg, cfg.padded_vocab_size())).apply(
+    scanned = jax.jit(GPTModel(ModelConfig.from_config(scanned_cfg, cfg.padded_vocab_size())).apply)(
         {"params": hf.stack_layers(params, cfg.num_layers)}, toks)
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(loop), atol=2e-5)
 
@@ -258,7 +302,6 @@ def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp
     (``use_checkpoint_args``; no config file), where a contradicting override is refused
     naming both values."""
     import io
-    import json
 
     from jmegatron import evaluate
     from jmegatron.config import ConfigError, load_config_file
