@@ -298,6 +298,9 @@ def hf_architecture(cfg) -> str:
         return arch
     if cfg.position_embedding_type == "learned_absolute":
         arch, problems = GPT2, _gpt2_problems(cfg)
+    elif cfg.multi_latent_attention:
+        raise ValueError(f"config.multi_latent_attention=True without num_moe_experts has no Hugging Face export "
+                         f"target (DeepSeek-V3, {hf_moe.DEEPSEEK_V3}, is a mixture of experts).")
     elif cfg.position_embedding_type in ("rope", "yarn") and cfg.sandwich_norms:
         arch = GEMMA3 if cfg.qk_layernorm else GEMMA2
         problems = _gemma_problems(cfg, arch)
@@ -743,6 +746,8 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
 
     def layer_tree(i: int) -> dict:
         L = f"decoder_layers_{i}"
+        if cfg.multi_latent_attention:
+            return {L: _plain_inner(layer(i))}
         return _split_fused_qkv({L: _plain_inner(layer(i))}, cfg, layers=(i,))
 
     if arch == GPT2:
@@ -787,17 +792,21 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
             gl = lambda path: _get(lp, path, cfg)  # noqa: E731
             for name, hf_name in norms.items():
                 yield f"{o}.{hf_name}.weight", c(_check_shape(f"{L}/{name}/scale", gl(f"{L}/{name}/scale"), (h,)))
-            for n, heads in (("q", nq), ("k", nkv), ("v", nkv)):
+            if cfg.multi_latent_attention:
+                for key, value in _mla_to_hf(gl, cfg, A, f"{o}.self_attn"):
+                    yield key, c(value)
+            for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
                 k = _check_shape(f"{A}/linear_{n}/kernel", gl(f"{A}/linear_{n}/kernel"), (h, heads, d))
                 yield f"{o}.self_attn.{n}_proj.weight", c(k.reshape(h, heads * d).T)
                 if bias or cfg.add_qkv_bias:
                     yield f"{o}.self_attn.{n}_proj.bias", c(gl(f"{A}/linear_{n}/bias").reshape(heads * d))
-            if cfg.qk_layernorm:
+            if cfg.qk_layernorm and not cfg.multi_latent_attention:
                 for n in "qk":
                     yield f"{o}.self_attn.{n}_norm.weight", c(_check_shape(
                         f"{A}/{n}_layernorm/scale", gl(f"{A}/{n}_layernorm/scale"), (d,)))
-            k = _check_shape(f"{A}/linear_proj/kernel", gl(f"{A}/linear_proj/kernel"), (nq, d, h))
-            yield f"{o}.self_attn.o_proj.weight", c(k.reshape(nq * d, h).T)
+            dv = cfg.v_head_dim if cfg.multi_latent_attention else d
+            k = _check_shape(f"{A}/linear_proj/kernel", gl(f"{A}/linear_proj/kernel"), (nq, dv, h))
+            yield f"{o}.self_attn.o_proj.weight", c(k.reshape(nq * dv, h).T)
             if bias:
                 yield f"{o}.self_attn.o_proj.bias", c(gl(f"{A}/linear_proj/bias"))
             if moe_layers[i]:
@@ -819,6 +828,46 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
     if cfg.untie_embeddings_and_output_weights:
         out = _check_shape("output_layer/kernel", g("output_layer/kernel"), (h, rows))
         yield "lm_head.weight", c(out[:, :v].T)
+
+
+# multi-latent attention: jmegatron param (under self_attention) -> HF module (under self_attn)
+_MLA_NAMES = {"linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm", "linear_q_up_proj": "q_b_proj",
+              "linear_q_proj": "q_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa",
+              "kv_layernorm": "kv_a_layernorm", "linear_kv_up_proj": "kv_b_proj"}
+
+
+def _mla_shapes(cfg) -> dict[str, tuple]:
+    """The MLA params' shapes (``o_proj`` aside), jmegatron layout."""
+    h, n, rq, rkv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    dqk, dr, dv = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    shapes = {"linear_kv_down_proj": (h, rkv + dr), "kv_layernorm": (rkv,), "linear_kv_up_proj": (rkv, n, cfg.qk_head_dim + dv)}
+    if rq is None:
+        shapes["linear_q_proj"] = (h, n, dqk)
+    else:
+        shapes.update(linear_q_down_proj=(h, rq), q_layernorm=(rq,), linear_q_up_proj=(rq, n, dqk))
+    return shapes
+
+
+def _mla_to_hf(get: Callable, cfg, prefix: str, o: str) -> Iterator[tuple[str, np.ndarray]]:
+    """DeepSeek-V3's attention tensors (``o`` = ``model.layers.{i}.self_attn``) of the MLA
+    params under ``prefix``; kernels ``[in, *out]`` become ``[prod(out), in]``."""
+    for name, shape in _mla_shapes(cfg).items():
+        leaf = "scale" if name.endswith("layernorm") else "kernel"
+        a = _check_shape(f"{prefix}/{name}/{leaf}", get(f"{prefix}/{name}/{leaf}"), shape)
+        yield f"{o}.{_MLA_NAMES[name]}.weight", a if leaf == "scale" else a.reshape(shape[0], -1).T
+
+
+def _mla_from_hf(t: Callable, cfg, o: str) -> dict:
+    """The inverse of :func:`_mla_to_hf` (``t(key, shape)``: a float32 HF tensor)."""
+    out = {}
+    for name, shape in _mla_shapes(cfg).items():
+        if name.endswith("layernorm"):
+            out[name] = {"scale": t(f"{o}.{_MLA_NAMES[name]}.weight", shape)}
+        else:
+            flat = int(np.prod(shape[1:]))
+            out[name] = {"kernel": np.ascontiguousarray(t(f"{o}.{_MLA_NAMES[name]}.weight", (flat, shape[0])).T
+                                                        .reshape(shape))}
+    return out
 
 
 def _moe_layers(cfg) -> tuple[int, ...]:
@@ -957,13 +1006,14 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
         norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
         for i in range(cfg.num_layers):
             o = f"model.layers.{i}"
-            attn = {}
-            for n, heads in (("q", nq), ("k", nkv), ("v", nkv)):
+            attn = _mla_from_hf(t, cfg, f"{o}.self_attn") if cfg.multi_latent_attention else {}
+            for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
                 attn[f"linear_{n}"] = {"kernel": t(f"{o}.self_attn.{n}_proj.weight", (heads * d, h)).T.reshape(h, heads, d)}
                 if bias or cfg.add_qkv_bias:
                     attn[f"linear_{n}"]["bias"] = t(f"{o}.self_attn.{n}_proj.bias", (heads * d,)).reshape(heads, d)
-            attn["linear_proj"] = {"kernel": t(f"{o}.self_attn.o_proj.weight", (h, nq * d)).T.reshape(nq, d, h)}
-            if cfg.qk_layernorm:
+            dv = cfg.v_head_dim if cfg.multi_latent_attention else d
+            attn["linear_proj"] = {"kernel": t(f"{o}.self_attn.o_proj.weight", (h, nq * dv)).T.reshape(nq, dv, h)}
+            if cfg.qk_layernorm and not cfg.multi_latent_attention:
                 for n in "qk":
                     attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
             layer_norms = {name: {"scale": t(f"{o}.{hf_name}.weight", (h,))} for name, hf_name in norms.items()}
@@ -989,7 +1039,7 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     if unused:
         raise ValueError(f"Hugging Face state dict has tensors this config does not use: {unused[:8]}"
                          + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else ""))
-    p = _map_leaves(np.ascontiguousarray, _fuse_qkv(p, cfg))
+    p = _map_leaves(np.ascontiguousarray, p if cfg.multi_latent_attention else _fuse_qkv(p, cfg))
     if cfg.scan_layers:
         p = stack_layers(p, cfg.num_layers)
     return p

@@ -18,6 +18,14 @@ Llama mapping is reused for everything but the MLP):
   gate-less config only when its gate is zero (ValueError naming the tensor otherwise).
 * ``Qwen3MoeForCausalLM`` (``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's attention
   (``qk_layernorm``) with Qwen2-MoE's experts and router, no shared expert.
+* ``DeepseekV3ForCausalLM`` (``models/deepseek_v3/modeling_deepseek_v3.py``): multi-latent
+  attention (its mapping is :mod:`jmegatron.export.hf`'s), first-k dense layers
+  (``moe_layer_freq`` a dense prefix), sigmoid routing with the expert bias for the choice
+  (``e_score_correction_bias`` = ``router/expert_bias``), weights normalised over the top-k
+  and scaled (``routed_scaling_factor``), group-limited routing (``n_group`` /
+  ``topk_group``: transformers scores a group by its top 2, Megatron by its top ``topk //
+  group_topk``, so that quotient must be 2), ungated shared experts of ``n_shared_experts *
+  moe_intermediate_size``.
 
 Checkpoint keys (what ``save_pretrained`` writes and the Hub holds; ``o`` =
 ``model.layers.{i}``, ``W^T`` = the jmegatron kernel transposed to ``nn.Linear``'s
@@ -33,6 +41,9 @@ Checkpoint keys (what ``save_pretrained`` writes and the Hub holds; ``o`` =
               o.mlp.shared_expert.down_proj.weight      [h, Fs]  shared_experts/linear_fc2/kernel^T (x 2 without a gate)
               o.mlp.shared_expert_gate.weight           [1, h]   shared_expert_gate/gate/kernel^T (zeros without a gate)
     Qwen3MoE  as Qwen2MoE without the shared expert and its gate
+    DeepSeek  o.mlp.gate.weight [E, h], o.mlp.gate.e_score_correction_bias [E] (router/expert_bias)
+              o.mlp.experts.{e}.{gate,up,down}_proj.weight (as Qwen2MoE)
+              o.mlp.shared_experts.{gate,up,down}_proj.weight (no gate)
               (dense layers: o.mlp.{gate,up,down}_proj.weight as Llama)
 
 transformers 5 keeps experts fused in memory (``o.mlp.experts.gate_up_proj [E, 2F, h]``,
@@ -57,8 +68,11 @@ from jmegatron.config import moe_layer_pattern
 MIXTRAL = "MixtralForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
-MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
-MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE}
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3)
+MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
+# HF's DeepSeek-V3 router scores a group by the sum of its top 2 experts (Megatron: topk // group_topk)
+DEEPSEEK_GROUP_TOP = 2
 
 _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
@@ -71,9 +85,14 @@ def _pattern(cfg) -> tuple[int, ...]:
 def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
     """(the HF class for an MoE ``cfg``, the config fields it cannot represent).
     ``llama_problems``: the attention/norm problems of the Llama mapping."""
+    if cfg.multi_latent_attention:
+        return DEEPSEEK_V3, _deepseek_problems(cfg, llama_problems)
     shared = cfg.moe_shared_expert_intermediate_size is not None
     arch = QWEN2_MOE if shared else QWEN3_MOE if cfg.qk_layernorm else MIXTRAL
     problems = list(llama_problems)
+    if cfg.moe_router_num_groups is not None:
+        problems.append(f"config.moe_router_num_groups={cfg.moe_router_num_groups} ({arch} has no group-limited "
+                        f"routing)")
     if arch == QWEN2_MOE and cfg.qk_layernorm:
         problems.append("config.qk_layernorm=True with a shared expert (Qwen2-MoE has no QK-norm; Qwen3-MoE, "
                         "which has, no shared expert)")
@@ -106,6 +125,41 @@ def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
     return arch, problems
 
 
+def _deepseek_problems(cfg, llama_problems: list[str]) -> list[str]:
+    """The fields of an MLA + MoE ``cfg`` that ``DeepseekV3ForCausalLM`` cannot represent."""
+    problems = [p for p in llama_problems if "hidden_size" not in p]
+    k, pattern = cfg.moe_router_topk, _pattern(cfg)
+    first = pattern.index(1) if 1 in pattern else len(pattern)
+    if any(pattern[first:]) and not all(pattern[first:]):
+        problems.append(f"config.moe_layer_freq={cfg.moe_layer_freq!r} (DeepSeek-V3's dense layers are a prefix: "
+                        f"first_k_dense_replace)")
+    if cfg.moe_router_score_function != "sigmoid":
+        problems.append(f"config.moe_router_score_function={cfg.moe_router_score_function!r} (DeepSeek-V3 routes "
+                        f"with sigmoid scores)")
+    if k == 1:
+        problems.append("config.moe_router_topk=1 (transformers' DeepSeek-V3 weights the one expert by the "
+                        "scaling factor alone; Megatron by its score)")
+    if cfg.moe_router_num_groups is not None and k // cfg.moe_router_group_topk != DEEPSEEK_GROUP_TOP:
+        problems.append(f"config.moe_router_topk={k} // moe_router_group_topk={cfg.moe_router_group_topk} != "
+                        f"{DEEPSEEK_GROUP_TOP} (transformers scores each expert group by its top "
+                        f"{DEEPSEEK_GROUP_TOP})")
+    shared, f = cfg.moe_shared_expert_intermediate_size, cfg.moe_ffn_hidden_size
+    if not shared or shared % f:
+        problems.append(f"config.moe_shared_expert_intermediate_size={shared} (DeepSeek-V3 has n_shared_experts "
+                        f"of moe_ffn_hidden_size={f}: a positive multiple)")
+    if cfg.moe_shared_expert_gate:
+        problems.append("config.moe_shared_expert_gate=True (DeepSeek-V3's shared experts are ungated)")
+    if not cfg.qk_layernorm:
+        problems.append("config.qk_layernorm=False (DeepSeek-V3 always norms the q and kv latents)")
+    if cfg.norm_epsilon != 1e-6:
+        problems.append(f"config.norm_epsilon={cfg.norm_epsilon} (transformers fixes the latent norms' at 1e-6 and "
+                        f"jmegatron's norms share one epsilon)")
+    if cfg.add_qkv_bias or cfg.add_bias_linear:
+        problems.append("config.add_qkv_bias / add_bias_linear (DeepSeek-V3's attention_bias biases other "
+                        "projections)")
+    return problems
+
+
 def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
     """The transformers ``config.json`` of an MoE ``cfg``, built on the Llama dict
     ``llama`` (:func:`jmegatron.export.hf.hf_config_dict`'s, which has the attention, RoPE,
@@ -116,6 +170,20 @@ def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
             "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "attention_dropout")
     conf = {k: llama[k] for k in keep}
     conf["architectures"] = [arch]
+    if arch == DEEPSEEK_V3:
+        pattern = _pattern(cfg)
+        return {"model_type": "deepseek_v3", **{k: v for k, v in conf.items() if k not in ("rope_theta", "rope_scaling")},
+                "head_dim": int(cfg.qk_pos_emb_head_dim), "intermediate_size": int(cfg.ffn_hidden_size),
+                "moe_intermediate_size": int(cfg.moe_ffn_hidden_size), "num_experts_per_tok": int(cfg.moe_router_topk),
+                "n_routed_experts": int(cfg.num_moe_experts),
+                "n_shared_experts": int(cfg.moe_shared_expert_intermediate_size // cfg.moe_ffn_hidden_size),
+                "routed_scaling_factor": float(cfg.moe_router_topk_scaling_factor or 1.0),
+                "n_group": int(cfg.moe_router_num_groups or 1), "topk_group": int(cfg.moe_router_group_topk or 1),
+                "first_k_dense_replace": pattern.index(1) if 1 in pattern else len(pattern), "norm_topk_prob": True,
+                "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": int(cfg.kv_lora_rank),
+                "qk_nope_head_dim": int(cfg.qk_head_dim), "qk_rope_head_dim": int(cfg.qk_pos_emb_head_dim),
+                "v_head_dim": int(cfg.v_head_dim), "rope_interleave": True, "attention_bias": False,
+                "num_nextn_predict_layers": 0, "pretraining_tp": 1}
     conf.update(num_experts_per_tok=int(cfg.moe_router_topk), router_aux_loss_coef=float(cfg.moe_aux_loss_coeff),
                 output_router_logits=False)
     if arch == MIXTRAL:
@@ -140,6 +208,8 @@ def moe_config_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str,
     jmegatron cannot represent to ``problems``."""
     model_type = conf["model_type"]
     layers = int(conf["num_hidden_layers"])
+    if model_type == "deepseek_v3":
+        return _deepseek_fields(conf, problems)
     fields: dict[str, Any] = dict(moe_router_topk=int(conf["num_experts_per_tok"]),
                                   moe_router_load_balancing_type="aux_loss",
                                   moe_aux_loss_coeff=float(conf.get("router_aux_loss_coef", 0.0)),
@@ -177,9 +247,56 @@ def moe_config_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str,
     return fields
 
 
+def _deepseek_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """jmegatron's MLA and MoE fields of a ``deepseek_v3`` ``config.json`` (see
+    :func:`moe_config_fields`); the import refusals name the HF field."""
+    layers, heads = int(conf["num_hidden_layers"]), int(conf["num_attention_heads"])
+    k, groups, group_topk = int(conf["num_experts_per_tok"]), int(conf.get("n_group") or 1), \
+        int(conf.get("topk_group") or 1)
+    if conf.get("num_key_value_heads") not in (None, heads):
+        problems.append(f"num_key_value_heads={conf['num_key_value_heads']} != num_attention_heads={heads} "
+                        f"(MLA has one key/value head per query head)")
+    if conf.get("attention_bias"):
+        problems.append("attention_bias=True (biases on q_a_proj / kv_a_proj_with_mqa / o_proj: not built)")
+    if not conf.get("rope_interleave", True):
+        problems.append("rope_interleave=False (jmegatron's MLA RoPE is Megatron's interleaved layout)")
+    if not conf.get("norm_topk_prob", True) and k > 1:
+        problems.append("norm_topk_prob=False (Megatron normalises the top-k sigmoid weights)")
+    if k == 1:
+        problems.append("num_experts_per_tok=1 (transformers weights the one expert by the scaling factor alone)")
+    if float(conf.get("rms_norm_eps", 1e-6)) != 1e-6:
+        problems.append(f"rms_norm_eps={conf.get('rms_norm_eps')} (the latent norms' epsilon is 1e-6 in "
+                        f"transformers; jmegatron's norms share one)")
+    if groups > 1 and k // group_topk != DEEPSEEK_GROUP_TOP and group_topk < groups:
+        problems.append(f"num_experts_per_tok={k} // topk_group={group_topk} != {DEEPSEEK_GROUP_TOP} (transformers "
+                        f"scores a group by its top {DEEPSEEK_GROUP_TOP} experts, Megatron by its top topk // "
+                        f"group_topk)")
+    shared = int(conf.get("n_shared_experts") or 0)
+    if shared <= 0:
+        problems.append(f"n_shared_experts={shared} (not built without a shared expert)")
+    first = int(conf.get("first_k_dense_replace") or 0)
+    pattern = (0,) * min(first, layers) + (1,) * max(layers - first, 0)
+    f = int(conf["moe_intermediate_size"])
+    return dict(num_moe_experts=int(conf["n_routed_experts"]), moe_router_topk=k, ffn_hidden_size=int(
+        conf["intermediate_size"]), moe_ffn_hidden_size=f, moe_layer_freq=1 if all(pattern) else pattern,
+        moe_shared_expert_intermediate_size=shared * f, moe_shared_expert_gate=False,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+        moe_router_topk_scaling_factor=float(conf.get("routed_scaling_factor") or 1.0),
+        moe_router_num_groups=groups if group_topk < groups else None,
+        moe_router_group_topk=group_topk if group_topk < groups else None,
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, add_bias_linear=False,
+        add_qkv_bias=False, multi_latent_attention=True, q_lora_rank=conf.get("q_lora_rank"),
+        kv_lora_rank=int(conf["kv_lora_rank"]), qk_head_dim=int(conf["qk_nope_head_dim"]),
+        qk_pos_emb_head_dim=int(conf["qk_rope_head_dim"]), v_head_dim=int(conf["v_head_dim"]), qk_layernorm=True)
+
+
 # ------------------------------------------------------------------------ state dicts
 def _moe_prefix(arch: str, i: int) -> str:
     return f"model.layers.{i}." + ("block_sparse_moe" if arch == MIXTRAL else "mlp")
+
+
+def _shared_prefix(arch: str) -> str:
+    return "shared_experts" if arch == DEEPSEEK_V3 else "shared_expert"
 
 
 def _expert_names(arch: str) -> tuple[str, str, str]:
@@ -200,10 +317,20 @@ def mlp_to_hf(mlp: Mapping, cfg, arch: str, i: int, check: Callable) -> dict[str
                          f"(num_moe_experts={e}, moe_layer_freq={cfg.moe_layer_freq!r})") from None
     gate, up, down = _expert_names(arch)
     sd = {f"{o}.gate.weight": router.T}
+    if arch == DEEPSEEK_V3:  # zeros for a model trained without the bias
+        sd[f"{o}.gate.e_score_correction_bias"] = np.asarray(
+            mlp["router"].get("expert_bias", np.zeros((e,), np.float32)), np.float32)
     for x in range(e):
         sd[f"{o}.experts.{x}.{gate}.weight"] = fc1[x, :, 0, :].T
         sd[f"{o}.experts.{x}.{up}.weight"] = fc1[x, :, 1, :].T
         sd[f"{o}.experts.{x}.{down}.weight"] = fc2[x].T
+    if arch == DEEPSEEK_V3:
+        fs = cfg.moe_shared_expert_intermediate_size
+        s1 = check(f"{L}/shared_experts/linear_fc1/kernel", mlp["shared_experts"]["linear_fc1"]["kernel"], (h, 2, fs))
+        s2 = check(f"{L}/shared_experts/linear_fc2/kernel", mlp["shared_experts"]["linear_fc2"]["kernel"], (fs, h))
+        sd[f"{o}.shared_experts.gate_proj.weight"] = s1[:, 0, :].T
+        sd[f"{o}.shared_experts.up_proj.weight"] = s1[:, 1, :].T
+        sd[f"{o}.shared_experts.down_proj.weight"] = s2.T
     if arch == QWEN2_MOE:
         fs = cfg.moe_shared_expert_intermediate_size
         s1 = check(f"{L}/shared_experts/linear_fc1/kernel", mlp["shared_experts"]["linear_fc1"]["kernel"], (h, 2, fs))
@@ -232,6 +359,13 @@ def mlp_from_hf(t: Callable, cfg, arch: str, i: int) -> dict:
     fc2 = np.stack([t(f"{o}.experts.{x}.{down}.weight", (h, f)).T for x in range(e)])
     mlp = {"router": {"kernel": t(f"{o}.gate.weight", (e, h)).T},
            "experts": {"linear_fc1": {"kernel": fc1}, "linear_fc2": {"kernel": fc2}}}
+    if arch == DEEPSEEK_V3:
+        mlp["router"]["expert_bias"] = t(f"{o}.gate.e_score_correction_bias", (e,))
+        fs = cfg.moe_shared_expert_intermediate_size
+        mlp["shared_experts"] = {
+            "linear_fc1": {"kernel": np.stack([t(f"{o}.shared_experts.gate_proj.weight", (fs, h)).T,
+                                               t(f"{o}.shared_experts.up_proj.weight", (fs, h)).T], axis=1)},
+            "linear_fc2": {"kernel": t(f"{o}.shared_experts.down_proj.weight", (h, fs)).T}}
     if arch == QWEN2_MOE:
         fs = cfg.moe_shared_expert_intermediate_size
         g = t(f"{o}.shared_expert_gate.weight", (1, h))

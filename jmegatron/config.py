@@ -198,6 +198,17 @@ class JMegatronConfig:
     # RMSNorm / LayerNorm (``normalization``) of each query and key head over kv_channels,
     # before RoPE (megatron-core's qk_layernorm; Qwen3, Gemma-3)
     qk_layernorm: bool = False
+    # multi-latent attention (DeepSeek-V2/V3; megatron-core's MLATransformerConfig and
+    # Megatron-LM's --multi-latent-attention, --q-lora-rank, ...): the queries through a rank
+    # q_lora_rank bottleneck (None: one projection), keys and values through kv_lora_rank, heads of
+    # qk_head_dim + qk_pos_emb_head_dim (the rotary part) for q and k and v_head_dim for v;
+    # qk_layernorm gives the latents their norms. kv_channels is unused with it
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     # Megatron's --apply-layernorm-1p (megatron-core's layernorm_zero_centered_gamma): every
     # norm multiplies by (1 + scale), its scale initialised to 0 (Gemma's RMSNorm)
     apply_layernorm_1p: bool = False
@@ -392,11 +403,16 @@ class JMegatronConfig:
     moe_router_score_function: str = "softmax"  # softmax | sigmoid
     moe_router_pre_softmax: bool = False  # softmax (sigmoid) over all experts before the top-k
     moe_router_topk_scaling_factor: Optional[float] = None  # multiplies the top-k weights
+    # group-limited (device-limited) routing, DeepSeek-V2/V3: the experts in
+    # moe_router_num_groups groups, each scored by the sum of its top topk // group_topk
+    # scores; the top-k is taken inside the best moe_router_group_topk groups. None: off
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | sinkhorn | none
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
-    # DeepSeek-V3's aux-loss-free balancing (sigmoid scores only); the train step does not yet
-    # carry the bias state, so True is refused at start-up (docs/MOE.md)
+    # DeepSeek-V3's aux-loss-free balancing (sigmoid scores only): a per-expert bias on the routing
+    # choice, moved by moe_router_bias_update_rate after each step (jmegatron.models.moe.moe_layer)
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
     moe_router_dtype: Optional[str] = None  # None (the activations' dtype) | fp32 | fp64 (needs jax x64)
@@ -608,7 +624,8 @@ class JMegatronConfig:
             raise ConfigError(
                 f"config.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"config.num_query_groups={self.num_query_groups}; choose a divisor of the heads.")
-        if self.position_embedding_type in ("rope", "yarn") and self.kv_channels % 2:
+        self._check_mla()
+        if self.position_embedding_type in ("rope", "yarn") and self.kv_channels % 2 and not self.multi_latent_attention:
             raise ConfigError(f"config.kv_channels={self.kv_channels} must be even for {self.position_embedding_type}.")
         self._check_rope()
         self._check_gemma_blocks()
@@ -783,6 +800,37 @@ class JMegatronConfig:
                 raise ConfigError("config.yarn_original_max_position_embeddings="
                                   f"{self.yarn_original_max_position_embeddings} must be > 0.")
 
+    def _check_mla(self):
+        """Multi-latent attention: what it needs and what is not built with it."""
+        if not self.multi_latent_attention:
+            return
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"config.{name}={getattr(self, name)} must be > 0.")
+        if self.position_embedding_type not in ("rope", "yarn") or self.qk_pos_emb_head_dim % 2:
+            raise ConfigError(f"config.multi_latent_attention=True rotates qk_pos_emb_head_dim="
+                              f"{self.qk_pos_emb_head_dim} dims (even) with position_embedding_type 'rope' or "
+                              f"'yarn', not {self.position_embedding_type!r}.")
+        if self.num_query_groups != self.num_attention_heads:
+            raise ConfigError(f"config.multi_latent_attention=True with num_query_groups={self.num_query_groups}: "
+                              f"MLA has one key/value head per query head (Megatron makes MLA and GQA exclusive); "
+                              f"unset num_query_groups.")
+        refused = dict(tensor_model_parallel_size=self.tensor_model_parallel_size > 1,
+                       context_parallel_size=self.context_parallel_size > 1,
+                       pipeline_model_parallel_size=self.pipeline_model_parallel_size > 1,
+                       softmax_scale=self.softmax_scale is not None, window_size=self.window_size is not None,
+                       attn_logit_softcapping=self.attn_logit_softcapping is not None,
+                       add_qkv_bias=self.add_qkv_bias, rope_scaling=self.rope_scaling,
+                       rotary_seq_len_interpolation_factor=self.rotary_seq_len_interpolation_factor is not None)
+        for name, bad in refused.items():
+            if bad:
+                raise ConfigError(f"config.multi_latent_attention=True with {name}={getattr(self, name)!r} is not "
+                                  f"built (multi-latent attention runs on one tensor / context / pipeline rank "
+                                  f"with its own score scale and RoPE); drop {name}.")
+        if self.transformer_impl == "transformer_engine":
+            raise ConfigError("config.multi_latent_attention=True with transformer_impl='transformer_engine' is not "
+                              "built; set transformer_impl='local' (or 'auto').")
+
     @property
     def gated_mlp(self) -> bool:
         """Whether the MLP's linear_fc1 is gated ``[h, 2, ffn]``: ``swiglu`` or ``gated_linear_unit``."""
@@ -884,6 +932,20 @@ class JMegatronConfig:
             raise ConfigError("config.moe_router_topk=1 with softmax scores needs "
                               "config.moe_router_pre_softmax=True (a softmax over one logit has no gradient; "
                               "Megatron's rule).")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ConfigError(f"config.moe_router_num_groups={groups} and moe_router_group_topk={group_topk}: "
+                              f"group-limited routing needs both (or neither).")
+        if groups is not None:
+            if groups <= 0 or e % groups:
+                raise ConfigError(f"config.moe_router_num_groups={groups} must divide num_moe_experts={e}.")
+            if not 0 < group_topk <= groups:
+                raise ConfigError(f"config.moe_router_group_topk={group_topk} must be in 1..moe_router_num_groups="
+                                  f"{groups}.")
+            if group_topk > k or k > group_topk * (e // groups):
+                raise ConfigError(f"config.moe_router_group_topk={group_topk} with moe_router_topk={k}: each kept "
+                                  f"group is scored by its top topk // group_topk experts (at least 1), and the "
+                                  f"{group_topk} groups of {e // groups} experts must hold the top-{k}.")
         if self.moe_router_enable_expert_bias:
             if self.moe_router_score_function != "sigmoid":
                 raise ConfigError("config.moe_router_enable_expert_bias=True needs "
@@ -1027,7 +1089,8 @@ MODEL_FIELDS = (
     "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
     "add_bias_linear", "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p", "gated_linear_unit", "softmax_scale",
     "attn_logit_softcapping", "final_logit_softcapping", "window_size", "window_attn_skip_freq",
-    "rotary_base_local", "sandwich_norms", "scale_embeddings",
+    "rotary_base_local", "sandwich_norms", "scale_embeddings", "multi_latent_attention", "q_lora_rank",
+    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
     "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",
 )
@@ -1068,7 +1131,7 @@ def base_config(family: Optional[str] = None) -> ml_collections.ConfigDict:
     """The defaults as a locked, type-safe ConfigDict for config files to modify.
 
     ``family`` (a key of :data:`jmegatron.presets.FAMILIES`: "gpt2", "llama", "llama3",
-    "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3")
+    "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "deepseek_v3")
     sets that family's architecture fields over the defaults (:func:`set_family`).
     Optional fields are typed placeholders, so ``--config.save=DIR`` type-checks.
     Raises ConfigError for an unknown family.

@@ -152,6 +152,30 @@ GEMMA3: dict[str, Any] = dict(
     final_logit_softcapping=None,
 )
 
+# DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437; Megatron-LM's DeepSeek-V3 recipe and
+# transformers' DeepseekV3Config): Llama's RMSNorm (eps 1e-6), SwiGLU, no biases or dropout and
+# untied output, with multi-latent attention (latent norms: qk_layernorm; YaRN RoPE on the
+# 64-dim rotary part), mixture-of-experts layers with one shared expert, sigmoid routing with
+# the aux-loss-free expert bias, top-8 weights scaled by 2.5, group-limited to 4 of 8 groups,
+# and the sequence-level balancing loss at 1e-4. The dense prefix (first_k_dense_replace),
+# the ranks and the expert sizes are per model.
+DEEPSEEK_V3: dict[str, Any] = dict(
+    LLAMA,
+    norm_epsilon=1e-6,
+    position_embedding_type="yarn",
+    multi_latent_attention=True,
+    qk_layernorm=True,
+    moe_router_topk=8,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_topk_scaling_factor=2.5,
+    moe_router_num_groups=8,
+    moe_router_group_topk=4,
+    moe_router_dtype="fp32",
+    moe_router_load_balancing_type="seq_aux_loss",
+    moe_aux_loss_coeff=1e-4,
+)
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": GPT2,
     "llama": LLAMA,
@@ -163,4 +187,5 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": QWEN3_MOE,
     "gemma2": GEMMA2,
     "gemma3": GEMMA3,
+    "deepseek_v3": DEEPSEEK_V3,
 }

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
-from jmegatron.fusions.fused_gelu import gelu
+from jmegatron.fusions.fused_gelu import gelu, gelu_tanh
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -46,3 +46,20 @@ def test_gelu_matches_jax():
     np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-6)
     xb = x.astype(jnp.bfloat16)
     assert gelu(xb).dtype == jnp.bfloat16 and jax.grad(lambda v: jnp.sum(gelu(v).astype(jnp.float32)))(xb).dtype == jnp.bfloat16
+
+
+def test_tanh_gelu_is_megatrons_bias_gelu():
+    """``gelu_tanh`` (``openai_gelu``, GPT-2's ``gelu_new``) against megatron-core's own fused
+    ``bias_gelu`` (megatron/core/fusions/fused_bias_gelu.py), forward and backward."""
+    torch = pytest.importorskip("torch")
+    fused = pytest.importorskip("megatron.core.fusions.fused_bias_gelu",
+                                reason="megatron-core (the reference) is not installed")
+    x = np.linspace(-8.0, 8.0, 2001).astype(np.float32)
+    w = np.cos(x).astype(np.float32)
+    t = torch.tensor(x, requires_grad=True)
+    y = fused.bias_gelu_impl(t, torch.zeros(()))
+    (y * torch.from_numpy(w)).sum().backward()
+    np.testing.assert_allclose(np.asarray(gelu_tanh(jnp.asarray(x))), y.detach().numpy(), atol=1e-6)
+    g = jax.grad(lambda v: jnp.sum(gelu_tanh(v) * w))(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(g), t.grad.numpy(), atol=1e-5)
+    assert float(jnp.max(jnp.abs(gelu_tanh(jnp.asarray(x)) - gelu(jnp.asarray(x))))) > 1e-4  # not the erf GELU

@@ -71,6 +71,15 @@ FAMILIES = {
                                         sliding_window=8, sliding_window_pattern=3, rope_local_base_freq=100.0,
                                         rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 4.0},
                                         final_logit_softcapping=2.0), hf.GEMMA3),
+    # DeepSeek-V3: multi-latent attention (q LoRA, YaRN with mscale), a dense first layer, sigmoid
+    # routing with the expert bias, top-4 of 8 limited to 2 of 4 groups, scaled by 2.5, a shared expert
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        SMALL, num_hidden_layers=3, max_position_embeddings=64, num_key_value_heads=4, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+            mscale_all_dim=1.0)), hf_moe.DEEPSEEK_V3),
     # GPT-2 as shipped: the tanh GELU "gelu_new"
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
                                 activation_function="gelu_new", bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -81,8 +90,8 @@ FAMILIES = {
 def hf_model(family: str):
     """The transformers model of ``family`` (float32, eval) with every parameter redrawn:
     norm scales 1 +- 0.2 (Gemma's ``1 + w`` norms: w 0 +- 0.2), biases 0 +- 0.2, embeddings
-    std 0.5 (Gemma, scaled by sqrt(hidden): 0.125) and kernels std 0.125, so each tensor
-    moves the logits."""
+    std 0.5 (Gemma, scaled by sqrt(hidden): 0.125), kernels std 0.125 and DeepSeek-V3's
+    expert bias std 0.05, so each tensor moves the logits."""
     config_cls, kwargs, _ = FAMILIES[family]
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(0)
@@ -99,6 +108,9 @@ def hf_model(family: str):
                 p.normal_(0.0, 0.125 if gemma else 0.5)
             else:
                 p.normal_(0.0, 0.125)
+        for name, b in model.named_buffers():  # DeepSeek-V3's expert bias (a buffer, zeros at init)
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
     return model
 
 
@@ -139,6 +151,15 @@ def test_logits_equal_transformers(imported):
         assert np.max(np.abs(theirs)) > 1.0 and diff <= TOL, family
 
 
+def test_parameter_count_is_the_models(imported):
+    """``flops.num_parameters`` (model_report's count) is the imported model's, every family
+    (MLA, sandwich norms, expert bias and shared-expert gate included)."""
+    from jmegatron.training.flops import num_parameters
+
+    for family, (_, _, cfg, params) in imported.items():
+        assert num_parameters(cfg, cfg.padded_vocab_size()) == sum(a.size for a in jax.tree.leaves(params)), family
+
+
 def test_greedy_generation_equals_transformers(imported):
     prompts = tokens(2)[:, :8]
     for family, (model, _, cfg, params) in imported.items():
@@ -177,9 +198,10 @@ def test_export_gives_back_the_source(imported):
 # Mistral's, Qwen2's and Qwen3's is Gemma-3's with fewer blocks (rotary frequencies are
 # constants; Qwen2's Q/K/V bias gradients are test_family_blocks_match_one_device's),
 # Gemma-2's is Gemma-3's with the attention soft-cap (tests/test_attention_variants.py checks
-# its gradient against transformers'), Mixtral's is Qwen3-MoE's without QK-norm (and
-# tests/test_moe_e2e.py trains it end to end).
-TRAINED = ("gemma3", "qwen2_moe", "qwen3_moe", "gpt2")
+# its gradient against transformers'), Qwen3-MoE's is Qwen2-MoE's MoE with Gemma-3's QK-norm,
+# Mixtral's Qwen2-MoE's without the shared expert (tests/test_moe_e2e.py trains it end to end),
+# and GPT-2's gpt_tiny's with the tanh GELU (its custom VJP: tests/test_fusions.py).
+TRAINED = ("gemma3", "qwen2_moe", "deepseek_v3")
 
 
 def test_fp8_unified_checkpoint_loads_back(imported, tmp_path):
@@ -263,6 +285,36 @@ def test_import_refuses_what_is_not_built_by_name(changes, match):
                      intermediate_size=96, max_position_embeddings=64, vocab_size=VOCAB), **changes)
     with pytest.raises(ValueError, match=match):
         hf.config_fields_from_hf(conf)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(topk_group=1), r"num_experts_per_tok=4 // topk_group=1 != 2 \(transformers scores a group by its top 2"),
+    (dict(rope_interleave=False), "rope_interleave=False"),
+    (dict(attention_bias=True), "attention_bias=True"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2 != num_attention_heads=4"),
+    (dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    (dict(n_shared_experts=0), "n_shared_experts=0"),
+])
+def test_deepseek_v3_import_refuses_what_megatron_routes_otherwise(imported, changes, match):
+    conf = dict(imported["deepseek_v3"][1], **changes)
+    with pytest.raises(ValueError, match=match):
+        hf.config_fields_from_hf(conf)
+
+
+def test_multi_latent_attention_refuses_the_layouts_not_built(imported):
+    from jmegatron.config import ConfigError
+
+    fields = hf.config_fields_from_hf(imported["deepseek_v3"][1])
+    for changes, match in ((dict(tensor_model_parallel_size=2), "tensor_model_parallel_size=2 is not built"),
+                           (dict(context_parallel_size=2), "context_parallel_size=2 is not built"),
+                           (dict(num_query_groups=2), "num_query_groups=2: MLA has one key/value head")):
+        with pytest.raises(ConfigError, match=match):
+            jmegatron_cfg(fields, **changes)
+    with pytest.raises(ConfigError, match="attention_impl='cpu' does not build multi_latent_attention"):
+        ModelConfig.from_config(jmegatron_cfg(fields, attention_impl="cpu"), VOCAB)
+    with pytest.raises(ValueError, match="multi_latent_attention=True without num_moe_experts has no Hugging Face"):
+        hf.hf_architecture(jmegatron_cfg(fields, num_moe_experts=None, moe_ffn_hidden_size=None,
+                                         moe_shared_expert_intermediate_size=None))
 
 
 def test_export_refuses_what_the_target_cannot_hold(imported):

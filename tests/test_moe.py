@@ -53,6 +53,9 @@ def _t(a):
     dict(topk=1, score_function="sigmoid"),
     dict(topk=2, score_function="sigmoid", expert_bias=True),
     dict(topk=4, score_function="sigmoid", use_pre_softmax=True, scaling_factor=1.8, expert_bias=True),
+    # DeepSeek-V3's group-limited routing: 4 groups of 2, the best 2 kept, groups scored by their top 2
+    dict(topk=4, score_function="sigmoid", scaling_factor=2.5, expert_bias=True, num_groups=4, group_topk=2),
+    dict(topk=2, score_function="softmax", num_groups=2, group_topk=1),
 ])
 def test_topk_routing_matches_megatron(kw):
     mu, torch = _megatron()
@@ -68,6 +71,11 @@ def test_topk_routing_matches_megatron(kw):
     np.testing.assert_array_equal(np.sort(np.asarray(top), 1), np.nonzero(ref_map.numpy())[1].reshape(T, -1))
     if bias is not None:  # the bias moved some choices, so the test exercises it
         plain = mu.topk_routing_with_score_function(_t(logits), **kw)[1].numpy()
+        assert (plain != ref_map.numpy()).any()
+    if "num_groups" in kw:  # so did the group limit
+        free = {k: v for k, v in kw.items() if k not in ("num_groups", "group_topk")}
+        plain = mu.topk_routing_with_score_function(_t(logits), expert_bias=None if bias is None else _t(bias),
+                                                    **free)[1].numpy()
         assert (plain != ref_map.numpy()).any()
 
 

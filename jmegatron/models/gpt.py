@@ -26,6 +26,7 @@ from jmegatron.models.attention import SelfAttention
 from jmegatron.models.dropout import Dropout
 from jmegatron.models.layers import Embed, Linear, make_norm
 from jmegatron.models.mlp import MLP
+from jmegatron.models.multi_latent_attention import MLASelfAttention
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, MoELayer
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel.context_parallel import context_positions
@@ -69,7 +70,16 @@ class TransformerLayer(nn.Module):
 
         h = norm("input_layernorm")(x)
         self.sow("intermediates", "input_layernorm_output", h)
-        attention = SelfAttention(
+        attention = MLASelfAttention(
+            num_attention_heads=c.num_attention_heads, hidden_size=c.hidden_size, q_lora_rank=c.q_lora_rank,
+            kv_lora_rank=c.kv_lora_rank, qk_head_dim=c.qk_head_dim, qk_pos_emb_head_dim=c.qk_pos_emb_head_dim,
+            v_head_dim=c.v_head_dim, rope=c.rotary_embedding(), attention_dropout=c.attention_dropout,
+            init_std=c.init_method_std, output_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
+            use_bias=c.add_bias_linear, qk_layernorm=c.qk_layernorm, normalization=c.normalization,
+            norm_epsilon=c.norm_epsilon, zero_centered_norms=c.apply_layernorm_1p,
+            recompute_core_attention=c.recompute_granularity == "selective", dtype=c.dtype,
+            dropout_impl=c.dropout_impl, dot_general=linear_dot, name="self_attention",
+        ) if c.multi_latent_attention else SelfAttention(
             num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
             kv_channels=c.kv_channels, hidden_size=c.hidden_size, use_bias=c.add_bias_linear,
             qkv_bias=c.add_qkv_bias, rope=c.rotary_embedding(),
@@ -356,16 +366,20 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_length: int, dtype: Any = No
     compute dtype ``cfg.dtype``).
 
     Per layer, keys and values ``[batch, max_length, num_query_groups, kv_channels]``
-    (grouped-query attention caches one head per group). Structure: a tuple of
+    (grouped-query attention caches one head per group); with multi-latent attention keys
+    ``[batch, max_length, heads, qk_head_dim + qk_pos_emb_head_dim]`` and values
+    ``[..., v_head_dim]``. Structure: a tuple of
     ``num_layers`` ``(k, v)`` pairs, or with ``scan_layers`` one ``(k, v)`` pair stacked
     ``[num_layers, batch, max_length, ...]`` (the layout of the scanned params).
     """
     dtype = dtype or cfg.dtype
-    shape = (batch, max_length, cfg.num_query_groups, cfg.kv_channels)
+    k_shape = v_shape = (batch, max_length, cfg.num_query_groups, cfg.kv_channels)
+    if cfg.multi_latent_attention:  # full keys and values per head (Megatron's static context)
+        k_shape = (batch, max_length, cfg.num_attention_heads, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
+        v_shape = (batch, max_length, cfg.num_attention_heads, cfg.v_head_dim)
     if cfg.scan_layers:
-        stacked = jnp.zeros((cfg.num_layers,) + shape, dtype)
-        return (stacked, stacked)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+        return (jnp.zeros((cfg.num_layers,) + k_shape, dtype), jnp.zeros((cfg.num_layers,) + v_shape, dtype))
+    return tuple((jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)) for _ in range(cfg.num_layers))
 
 
 # ------------------------------------------------------------------ pipeline stages

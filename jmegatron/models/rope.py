@@ -142,8 +142,9 @@ def yarn_concentration_factor(scale: float, mscale: float, mscale_all_dim: float
     """YaRN's attention factor for scaling factor ``scale``:
     ``(0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)``, 1 for ``s <= 1``
     (megatron-core ``_yarn_get_concentration_factor``; transformers' ``attention_factor``)."""
-    return _yarn_get_mscale(scale, mscale) / _yarn_get_mscale(scale, mscale_all_dim)
+    return yarn_get_mscale(scale, mscale) / yarn_get_mscale(scale, mscale_all_dim)
 
 
-def _yarn_get_mscale(scale: float, mscale: float) -> float:
+def yarn_get_mscale(scale: float, mscale: float) -> float:
+    """YaRN's ``0.1 mscale ln(scale) + 1``, 1 for ``scale <= 1`` (megatron-core ``_yarn_get_mscale``)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

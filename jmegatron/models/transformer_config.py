@@ -60,6 +60,13 @@ class ModelConfig:
     rotary_base_local: Optional[int] = None
     sandwich_norms: bool = False
     scale_embeddings: bool = False
+    # multi-latent attention (jmegatron.models.multi_latent_attention)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     scan_layers: bool = False
     recompute_granularity: str = "none"
     dropout_impl: str = "hash"

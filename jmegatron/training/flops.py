@@ -60,6 +60,11 @@ def _token_linear_flops(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
         mlp += h * moe_ffn * ffn_expansion_factor * num_moe_layers
     self_attn = (h * (query_projection_size + key_projection_size + value_projection_size)
                  + query_projection_size * h)
+    if cfg.multi_latent_attention:  # Megatron's MLA term (a latent norm counted as a width-1 GEMM)
+        n, dn, dr, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
+        q_term = h * n * (dn + dr) if rq is None else rq * (h + n * (dn + dr) + 1)
+        self_attn = q_term + rkv * (h + n * (dn + dv) + 1) + h * dr + n * dv * h
     logits = h * padded_vocab_size
     return (FORWARD_BACKWARD_EXPANSION_FACTOR * FMA_EXPANSION_FACTOR
             * (mlp + cfg.num_layers * self_attn + logits))
@@ -78,6 +83,9 @@ def _core_attention_flops_per_squared_token(cfg: JMegatronConfig, causal: bool) 
     query_projection_size = cfg.kv_channels * cfg.num_attention_heads
     # Megatron: query_projection_size / 2 (causal mask) * 2 (QK^T and (QK^T)V).
     per_layer = query_projection_size * 2 // (2 if causal else 1)
+    if cfg.multi_latent_attention:  # QK^T over dn + dr, (QK^T)V over dv
+        n = cfg.num_attention_heads
+        per_layer = n * (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim) // (2 if causal else 1)
     return FORWARD_BACKWARD_EXPANSION_FACTOR * FMA_EXPANSION_FACTOR * per_layer * cfg.num_layers
 
 
@@ -210,7 +218,9 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     * an MoE layer (``moe_layer_freq``) has, instead of the MLP, ``router`` ``h*E``,
       ``E`` experts of ``moe_ffn_hidden_size`` (no biases) and the shared expert of
       ``moe_shared_expert_intermediate_size`` with its ``[h, 1]`` gate under
-      ``moe_shared_expert_gate`` (jmegatron.models.moe).
+      ``moe_shared_expert_gate`` (jmegatron.models.moe), and the router's ``expert_bias [E]``
+      under ``moe_router_enable_expert_bias``.
+    * multi-latent attention: :func:`mla_parameters` instead of the QKV / proj / QK-norm terms.
 
     Megatron's ``theoretical_memory_usage.compute_weight_and_optimizer_memory`` uses the
     same terms but drops biases and position embeddings; Llama-2-7B (no biases, rope)
@@ -225,6 +235,8 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     qk_norms = 2 * (2 * d if cfg.normalization == "LayerNorm" else d) if cfg.qk_layernorm else 0
     attention = (h * nq * d + 2 * h * ng * d + (nq * d + 2 * ng * d if qkv_bias else 0)
                  + nq * d * h + (h if cfg.add_bias_linear else 0) + qk_norms)
+    if cfg.multi_latent_attention:
+        attention = mla_parameters(cfg) + (h if cfg.add_bias_linear else 0)
     mlp = (h * fc1_width + ffn * h + (fc1_width + h if cfg.add_bias_linear else 0))
     layer_norms = (4 if cfg.sandwich_norms else 2) * norm  # + post_self_attn / post_mlp_layernorm
     layer = layer_norms + attention + mlp
@@ -237,13 +249,28 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
         moe_layer = (layer_norms + attention + h * cfg.num_moe_experts
                      + cfg.num_moe_experts * ffn_params(cfg.moe_ffn_hidden_size)
                      + ffn_params(cfg.moe_shared_expert_intermediate_size or 0)
-                     + (h if cfg.moe_shared_expert_gate else 0))
+                     + (h if cfg.moe_shared_expert_gate else 0)
+                     + (cfg.num_moe_experts if cfg.moe_router_enable_expert_bias else 0))
 
     embeddings = padded_vocab_size * h
     if cfg.position_embedding_type == "learned_absolute":
         embeddings += cfg.max_position_embeddings * h
     output = h * padded_vocab_size if cfg.untie_embeddings_and_output_weights else 0
     return embeddings + (cfg.num_layers - num_moe_layers) * layer + num_moe_layers * moe_layer + norm + output
+
+
+def mla_parameters(cfg: JMegatronConfig) -> int:
+    """Parameters of one multi-latent attention (:mod:`jmegatron.models.multi_latent_attention`,
+    no bias): ``h rq + rq n (dn + dr)`` for the queries (``h n (dn + dr)`` without
+    ``q_lora_rank``), ``h (rkv + dr) + rkv n (dn + dv)`` for keys and values, ``n dv h`` out,
+    and with ``qk_layernorm`` the latent norms (``rq``, ``rkv``; doubled for LayerNorm), as
+    Megatron-LM's theoretical_memory_usage.py counts them."""
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    dn, dr, dv, rq, rkv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
+    per_norm = 2 if cfg.normalization == "LayerNorm" else 1
+    q = h * n * (dn + dr) if rq is None else h * rq + rq * n * (dn + dr)
+    norms = per_norm * ((rq or 0) + rkv) if cfg.qk_layernorm else 0
+    return q + h * (rkv + dr) + rkv * n * (dn + dv) + n * dv * h + norms
 
 
 def num_active_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:

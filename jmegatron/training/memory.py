@@ -238,6 +238,9 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     h = cfg.hidden_size
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
     qk_norms = 2 * (2 if cfg.normalization == "LayerNorm" else 1) * cfg.kv_channels if cfg.qk_layernorm else 0
+    if cfg.multi_latent_attention:  # the latent norms (the down projections count as sharded: tp 1 only)
+        qk_norms = (2 if cfg.normalization == "LayerNorm" else 1) * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank) \
+            if cfg.qk_layernorm else 0
     bias = cfg.add_bias_linear
     qkv_bias = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels \
         if (bias or cfg.add_qkv_bias) else 0
@@ -247,7 +250,8 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     router, experts = 0, 0
     if num_moe_layers:  # (MoE layers have no biases: validation refuses add_bias_linear)
         f = cfg.moe_ffn_hidden_size
-        router = num_moe_layers * h * (cfg.num_moe_experts + (1 if cfg.moe_shared_expert_gate else 0))
+        router = num_moe_layers * (h * (cfg.num_moe_experts + (1 if cfg.moe_shared_expert_gate else 0))
+                                   + (cfg.num_moe_experts if cfg.moe_router_enable_expert_bias else 0))
         experts = num_moe_layers * cfg.num_moe_experts * (h * (2 * f if cfg.gated_mlp else f) + f * h)
     classes = {
         "tensor_replicated_fsdp_sharded": cfg.num_layers * (2 * h if bias else 0) + positions + router,

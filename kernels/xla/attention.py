@@ -64,7 +64,8 @@ def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
     ``softmax_scale`` replaces ``1 / sqrt(d)``; ``softcap`` (> 0) maps the scaled scores
     ``s`` to ``softcap * tanh(s / softcap)`` before the mask.
 
-    q ``[b, sq, nq, d]``, k/v ``[b, sk, nkv, d]``. ``visible``: bool broadcastable to
+    q/k ``[b, sq | sk, nq | nkv, d]``, v ``[b, sk, nkv, dv]`` (``dv`` may differ from ``d``:
+    multi-latent attention). ``visible``: bool broadcastable to
     ``[b, sq, sk]`` (key j visible to query i), or None (all visible). ``keep``: attention
     dropout (Megatron's ``attention_dropout`` on the probabilities), a function of the
     probabilities' shape ``[b, nkv, g, sq, sk]`` returning the bool mask of kept elements,
@@ -72,7 +73,7 @@ def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
     runs in v's dtype (the probabilities cast to it), or in float32 with
     ``float32_values``.
 
-    Returns (out ``[b, sq, nq, d]`` in v's dtype or float32; lse float32 ``[b, sq, nq]``, the
+    Returns (out ``[b, sq, nq, dv]`` in v's dtype or float32; lse float32 ``[b, sq, nq]``, the
     log-sum-exp of the visible scaled scores, the undropped one). A query that sees no key
     gets output 0 and lse -inf.
     """
@@ -95,7 +96,7 @@ def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(values_dtype), v.astype(values_dtype))
     lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + safe, -jnp.inf)  # [b, h, g, q, 1]
     lse = jnp.moveaxis(lse[..., 0], 3, 1).reshape(b, sq, nq)
-    return out.reshape(b, sq, nq, d), lse
+    return out.reshape(b, sq, nq, v.shape[-1]), lse
 
 
 def within_window(q_positions: Array, k_positions: Array, window: Any) -> Array:

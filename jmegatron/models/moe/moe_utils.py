@@ -40,6 +40,8 @@ class MoEConfig:
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
@@ -134,35 +136,58 @@ def _dense(num_experts: int, top_indices: Array, values: Array) -> Array:
     return jnp.einsum("tk,tke->te", values, onehot)
 
 
+def group_limited_topk(scores: Array, topk: int, num_groups: int, group_topk: int) -> tuple[Array, Array]:
+    """Megatron's ``group_limited_topk`` (DeepSeek-V2/V3 device-limited routing): the ``E``
+    experts of ``scores [T, E]`` in ``num_groups`` contiguous groups, each scored by the sum
+    of its top ``topk // group_topk`` scores; the top ``group_topk`` groups are kept and the
+    top-k taken among their experts. Returns (values, int32 indices) ``[T, topk]``."""
+    t, e = scores.shape
+    per_group = topk // group_topk
+    grouped = scores.reshape(t, num_groups, e // num_groups)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, per_group)[0], axis=-1)  # [T, groups]
+    _, top_groups = jax.lax.top_k(group_scores, group_topk)
+    keep = jnp.any(jax.nn.one_hot(top_groups, num_groups, dtype=jnp.bool_), axis=1)  # [T, groups]
+    masked = jnp.where(jnp.repeat(keep, e // num_groups, axis=1), scores, -jnp.inf)
+    return _topk(masked, topk)
+
+
 def topk_routing_with_score_function(logits: Array, topk: int, use_pre_softmax: bool = False,
                                      scaling_factor: Optional[float] = None, score_function: str = "softmax",
-                                     expert_bias: Optional[Array] = None) -> tuple[Array, Array, Array]:
-    """Top-k routing (Megatron's ``topk_routing_with_score_function``, without group-limited
-    routing).
+                                     expert_bias: Optional[Array] = None, num_groups: Optional[int] = None,
+                                     group_topk: Optional[int] = None) -> tuple[Array, Array, Array]:
+    """Top-k routing (Megatron's ``topk_routing_with_score_function``,
+    megatron/core/transformer/moe/moe_utils.py).
 
     logits ``[T, E]`` (the router dtype). softmax: top-k of the logits then softmax over the
     k (``use_pre_softmax``: softmax over all E, then top-k); sigmoid: top-k of
     ``sigmoid(logits) (+ expert_bias [E] for the choice only)``, weights normalised over the
-    k when k > 1. ``scaling_factor`` multiplies the weights.
+    k when k > 1. ``scaling_factor`` multiplies the weights. ``num_groups`` /
+    ``group_topk``: the top-k is group-limited (:func:`group_limited_topk`).
 
     Returns (routing_probs ``[T, E]`` logits' dtype, zero outside the top-k; routing_map
     ``[T, E]`` bool; top_indices ``[T, k]`` int32).
     """
     num_experts = logits.shape[-1]
+
+    def top(scores):
+        if num_groups is None:
+            return _topk(scores, topk)
+        return group_limited_topk(scores, topk, num_groups, group_topk)
+
     if score_function == "softmax":
         if use_pre_softmax:
             scores = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
-            probs, top_indices = _topk(scores, topk)
+            probs, top_indices = top(scores)
         else:
-            scores, top_indices = _topk(logits, topk)
+            scores, top_indices = top(logits)
             probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(logits.dtype)
     elif score_function == "sigmoid":
         scores = jax.nn.sigmoid(logits.astype(jnp.float32)).astype(logits.dtype)
         if expert_bias is not None:
-            _, top_indices = _topk(scores + expert_bias.astype(scores.dtype), topk)
+            _, top_indices = top(scores + expert_bias.astype(scores.dtype))
             scores = jnp.take_along_axis(scores, top_indices, axis=1)
         else:
-            scores, top_indices = _topk(scores, topk)
+            scores, top_indices = top(scores)
         probs = scores / (jnp.sum(scores, axis=-1, keepdims=True) + 1e-20) if topk > 1 else scores
     else:
         raise ValueError(f"moe_router_score_function={score_function!r} must be one of {SCORE_FUNCTIONS}")

@@ -117,7 +117,7 @@ class TopKRouter(nn.Module):
             probs, routing_map, top_indices = moe_utils.topk_routing_with_score_function(
                 logits, k, use_pre_softmax=c.moe_router_pre_softmax,
                 scaling_factor=c.moe_router_topk_scaling_factor, score_function=c.moe_router_score_function,
-                expert_bias=expert_bias)
+                expert_bias=expert_bias, num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk)
         routed = routing_map
         if c.moe_expert_capacity_factor is not None:
             probs, routing_map = moe_utils.apply_router_token_dropping(
