@@ -198,10 +198,11 @@ def test_export_gives_back_the_source(imported):
 # Mistral's, Qwen2's and Qwen3's is Gemma-3's with fewer blocks (rotary frequencies are
 # constants; Qwen2's Q/K/V bias gradients are test_family_blocks_match_one_device's),
 # Gemma-2's is Gemma-3's with the attention soft-cap (tests/test_attention_variants.py checks
-# its gradient against transformers'), Qwen3-MoE's is Qwen2-MoE's MoE with Gemma-3's QK-norm,
-# Mixtral's Qwen2-MoE's without the shared expert (tests/test_moe_e2e.py trains it end to end),
+# its gradient against transformers'), the Qwen MoE models' and Mixtral's are DeepSeek-V3's MoE
+# with softmax routing (tests/test_moe_e2e.py trains Mixtral end to end; Qwen2-MoE's shared-
+# expert gate gradients are tests/test_expert_parallel.py's),
 # and GPT-2's gpt_tiny's with the tanh GELU (its custom VJP: tests/test_fusions.py).
-TRAINED = ("gemma3", "qwen2_moe", "deepseek_v3")
+TRAINED = ("gemma3", "deepseek_v3")
 
 
 def test_fp8_unified_checkpoint_loads_back(imported, tmp_path):
