@@ -324,19 +324,15 @@ def mlp_to_hf(mlp: Mapping, cfg, arch: str, i: int, check: Callable) -> dict[str
         sd[f"{o}.experts.{x}.{gate}.weight"] = fc1[x, :, 0, :].T
         sd[f"{o}.experts.{x}.{up}.weight"] = fc1[x, :, 1, :].T
         sd[f"{o}.experts.{x}.{down}.weight"] = fc2[x].T
-    if arch == DEEPSEEK_V3:
-        fs = cfg.moe_shared_expert_intermediate_size
+    if arch in (QWEN2_MOE, DEEPSEEK_V3):
+        fs, shared = cfg.moe_shared_expert_intermediate_size, f"{o}.{_shared_prefix(arch)}"
         s1 = check(f"{L}/shared_experts/linear_fc1/kernel", mlp["shared_experts"]["linear_fc1"]["kernel"], (h, 2, fs))
         s2 = check(f"{L}/shared_experts/linear_fc2/kernel", mlp["shared_experts"]["linear_fc2"]["kernel"], (fs, h))
-        sd[f"{o}.shared_experts.gate_proj.weight"] = s1[:, 0, :].T
-        sd[f"{o}.shared_experts.up_proj.weight"] = s1[:, 1, :].T
-        sd[f"{o}.shared_experts.down_proj.weight"] = s2.T
+        sd[f"{shared}.gate_proj.weight"] = s1[:, 0, :].T
+        sd[f"{shared}.up_proj.weight"] = s1[:, 1, :].T
+        if arch == DEEPSEEK_V3:  # ungated
+            sd[f"{shared}.down_proj.weight"] = s2.T
     if arch == QWEN2_MOE:
-        fs = cfg.moe_shared_expert_intermediate_size
-        s1 = check(f"{L}/shared_experts/linear_fc1/kernel", mlp["shared_experts"]["linear_fc1"]["kernel"], (h, 2, fs))
-        s2 = check(f"{L}/shared_experts/linear_fc2/kernel", mlp["shared_experts"]["linear_fc2"]["kernel"], (fs, h))
-        sd[f"{o}.shared_expert.gate_proj.weight"] = s1[:, 0, :].T
-        sd[f"{o}.shared_expert.up_proj.weight"] = s1[:, 1, :].T
         if cfg.moe_shared_expert_gate:
             sd[f"{o}.shared_expert.down_proj.weight"] = s2.T
             sd[f"{o}.shared_expert_gate.weight"] = check(
@@ -361,31 +357,29 @@ def mlp_from_hf(t: Callable, cfg, arch: str, i: int) -> dict:
            "experts": {"linear_fc1": {"kernel": fc1}, "linear_fc2": {"kernel": fc2}}}
     if arch == DEEPSEEK_V3:
         mlp["router"]["expert_bias"] = t(f"{o}.gate.e_score_correction_bias", (e,))
-        fs = cfg.moe_shared_expert_intermediate_size
-        mlp["shared_experts"] = {
-            "linear_fc1": {"kernel": np.stack([t(f"{o}.shared_experts.gate_proj.weight", (fs, h)).T,
-                                               t(f"{o}.shared_experts.up_proj.weight", (fs, h)).T], axis=1)},
-            "linear_fc2": {"kernel": t(f"{o}.shared_experts.down_proj.weight", (h, fs)).T}}
+        mlp["shared_experts"] = _shared_from_hf(t, cfg, f"{o}.shared_experts")
     if arch == QWEN2_MOE:
-        fs = cfg.moe_shared_expert_intermediate_size
         g = t(f"{o}.shared_expert_gate.weight", (1, h))
         if cfg.moe_shared_expert_gate:
             mlp["shared_expert_gate"] = {"gate": {"kernel": np.ascontiguousarray(g.T)}}
-            mlp["shared_experts"] = {
-                "linear_fc1": {"kernel": np.stack([t(f"{o}.shared_expert.gate_proj.weight", (fs, h)).T,
-                                                   t(f"{o}.shared_expert.up_proj.weight", (fs, h)).T], axis=1)},
-                "linear_fc2": {"kernel": t(f"{o}.shared_expert.down_proj.weight", (h, fs)).T}}
-            return mlp
-        if np.any(g):
+        elif np.any(g):
             raise ValueError(
                 f"{o}.shared_expert_gate.weight is not zero but config.moe_shared_expert_gate=False: Qwen2-MoE "
                 f"scales the shared expert by sigmoid(x W_g); set moe_shared_expert_gate=True (the import "
                 f"from a config.json does)")
-        mlp["shared_experts"] = {
-            "linear_fc1": {"kernel": np.stack([t(f"{o}.shared_expert.gate_proj.weight", (fs, h)).T,
-                                               t(f"{o}.shared_expert.up_proj.weight", (fs, h)).T], axis=1)},
-            "linear_fc2": {"kernel": t(f"{o}.shared_expert.down_proj.weight", (h, fs)).T / 2}}
+        # without the gate, the export doubled down_proj (sigmoid(0) = 1/2)
+        mlp["shared_experts"] = _shared_from_hf(t, cfg, f"{o}.shared_expert",
+                                                down_scale=1.0 if cfg.moe_shared_expert_gate else 0.5)
     return mlp
+
+
+def _shared_from_hf(t: Callable, cfg, prefix: str, down_scale: float = 1.0) -> dict:
+    """The ``shared_experts`` subtree from the SwiGLU ``{gate,up,down}_proj`` under ``prefix``
+    (``t(key, shape)``: a float32 HF tensor); ``down_proj`` times ``down_scale``."""
+    h, fs = cfg.hidden_size, cfg.moe_shared_expert_intermediate_size
+    return {"linear_fc1": {"kernel": np.stack([t(f"{prefix}.gate_proj.weight", (fs, h)).T,
+                                               t(f"{prefix}.up_proj.weight", (fs, h)).T], axis=1)},
+            "linear_fc2": {"kernel": t(f"{prefix}.down_proj.weight", (h, fs)).T * np.float32(down_scale)}}
 
 
 def from_module_layout(sd: Mapping[str, Any], arch: str, to_numpy: Callable) -> dict:
