@@ -27,7 +27,7 @@ from jmegatron.export.hf import to_hf_model
 from jmegatron.training import checkpointing
 from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
 
-__all__ = ["ExportError", "ExportSource", "checkpoint_config", "export_config", "load_checkpoint", "hf_model",
+__all__ = ["ExportError", "ExportSource", "check_out_dir", "checkpoint_config", "export_config", "load_checkpoint", "hf_model",
            "load_source_tokenizer", "map_tree", "read_saved_params", "refuse_moe", "saved_params_metadata",
            "source_vocab_size", "tokenizer_path", "tree_paths"]
 
@@ -60,6 +60,15 @@ class ExportSource:
     tokenizer_path: Optional[str]
     iteration: int
     load_dir: str
+
+
+def check_out_dir(out: str) -> None:
+    """Refuse (ExportError) an ``--out`` that is missing, a file, or a non-empty folder:
+    nothing is overwritten."""
+    if not out:
+        raise ExportError("--out is required: a new folder")
+    if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out)):
+        raise ExportError(f"--out {out} exists and is not empty; choose a new folder (nothing is overwritten)")
 
 
 def checkpoint_config(load_dir: str, iteration: Optional[int] = None):

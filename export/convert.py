@@ -30,9 +30,11 @@ import os
 import shutil
 from typing import Any
 
+import numpy as np
+
 from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
 from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
-from jmegatron.export.common import ExportError, checkpoint_config
+from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config
 from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict, hf_architecture
 from jmegatron.export.stream import export_hf_streaming, parse_size
 from jmegatron.parallel.mesh import create_mesh
@@ -76,11 +78,6 @@ def _run_import_hf(args) -> int:
     return 0
 
 
-def _check_out_dir(out: str) -> None:
-    if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out)):
-        raise ExportError(f"--out {out} exists and is not empty; choose a new folder (nothing is overwritten)")
-
-
 def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None = None,
               max_shard_size: Any = "5GB") -> dict[str, Any]:
     """Write the Hugging Face folder of checkpoint ``load`` to ``out`` in ``dtype``.
@@ -96,7 +93,7 @@ def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None
     """
     if dtype not in TORCH_DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of {TORCH_DTYPES}")
-    _check_out_dir(out)
+    check_out_dir(out)
     try:
         arch = hf_architecture(checkpoint_config(load, iteration))
     except ValueError as e:
@@ -157,18 +154,56 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
     folder or config.json, an architecture jmegatron cannot represent (HF fields named), a
     tensor that is missing or of the wrong shape, or an ``out`` that already holds files.
     """
-    import jax
-
     conf_path = os.path.join(folder, "config.json")
     if not os.path.isfile(conf_path):
         raise ExportError(f"--hf {folder}: no config.json (expected a save_pretrained folder)")
-    _check_out_dir(out)
+    check_out_dir(out)
     with open(conf_path) as f:
         hf_conf = json.load(f)
     try:
         fields = config_fields_from_hf(hf_conf)
     except (KeyError, ValueError) as e:
         raise ExportError(f"--hf {folder}: {e}") from e
+    tok_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    tokenizer = None
+    if "tokenizer.json" in tok_files:
+        tokenizer = os.path.join(os.path.abspath(out), "tokenizer")
+        try:  # refused before any work without an end-of-document token
+            load_tokenizer(folder)
+        except ValueError as e:
+            raise ExportError(f"--hf {folder}: {e}") from e
+
+    def copy_files(cfg) -> None:
+        if tokenizer:
+            os.makedirs(cfg.tokenizer_model)
+            for name in tok_files:
+                shutil.copyfile(os.path.join(folder, name), os.path.join(cfg.tokenizer_model, name))
+        os.makedirs(os.path.join(out, HF_SOURCE))
+        for name in ("config.json", "generation_config.json"):  # what export hf gives back (bos/eos ids, generation)
+            if os.path.isfile(os.path.join(folder, name)):
+                shutil.copyfile(os.path.join(folder, name), os.path.join(out, HF_SOURCE, name))
+
+    return save_imported(fields, out, config_file, lambda cfg, padded: from_hf_state_dict(_read_hf_state_dict(folder), cfg, padded),
+                         source=f"{hf_conf.get('architectures', ['?'])[0]} from {os.path.abspath(folder)}",
+                         seq_length=seq_length, tokenizer_model=tokenizer, before_save=copy_files, what=f"--hf {folder}")
+
+
+def save_imported(fields: dict, out: str, config_file: str | None, to_params, *, iteration: int = 0,
+                  source: str, seq_length: int | None = None, tokenizer_model: str | None = None,
+                  before_save=None, what: str = "the import"):
+    """Write a jmegatron checkpoint of imported weights (the end of ``import-hf`` and
+    ``import-megatron``).
+
+    ``fields``: the architecture (config fields with ``vocab_size`` and
+    ``max_position_embeddings``), laid over ``config_file``'s settings (default: jmegatron's
+    defaults with mock data), one device, ``save=out``; ``to_params(cfg, padded_vocab_size)``
+    gives the parameters; ``before_save(cfg)`` writes side files (tokenizer, sources).
+    The checkpoint is saved at ``iteration`` with fresh optimizer state and ``config.json``.
+    Returns the resolved config. Raises ExportError (prefixed by ``what``) for a bad
+    ``config_file``, an invalid resulting config or weights that do not fit it.
+    """
+    import jax
+
     try:
         base = load_config_file(config_file).to_dict() if config_file else base_config().to_dict()
     except (ConfigError, FileNotFoundError) as e:
@@ -179,42 +214,30 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
     base["seq_length"] = min(seq_length or base["seq_length"], fields["max_position_embeddings"])
     base.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
                 expert_model_parallel_size=1, sequence_parallel=False, save=os.path.abspath(out), load=None,
-                kd_teacher_load=None, kd_cfg=None, kd_finalize=False, micro_batch_size=1, global_batch_size=1)
-    tok_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
-    if "tokenizer.json" in tok_files:
-        base["tokenizer_model"] = os.path.join(os.path.abspath(out), "tokenizer")
-        try:  # refused before any work without an end-of-document token
-            load_tokenizer(folder)
-        except ValueError as e:
-            raise ExportError(f"--hf {folder}: {e}") from e
+                kd_teacher_load=None, kd_cfg=None, kd_finalize=False, micro_batch_size=1, global_batch_size=1,
+                virtual_pipeline_model_parallel_size=None)
+    if tokenizer_model:
+        base["tokenizer_model"] = tokenizer_model
     try:
         cfg = from_configdict(base)
     except ConfigError as e:
-        raise ExportError(f"--hf {folder}: the imported config is invalid: {e}") from e
-
-    sd = _read_hf_state_dict(folder)
+        raise ExportError(f"{what}: the imported config is invalid: {e}") from e
     run = build(cfg, create_mesh(cfg, jax.devices()[:1]), vocab_size=fields["vocab_size"])
     try:
-        params = from_hf_state_dict(sd, cfg, run.padded_vocab_size)
+        params = to_params(cfg, run.padded_vocab_size)
     except ValueError as e:
-        raise ExportError(f"--hf {folder}: {e}") from e
+        raise ExportError(f"{what}: {e}") from e
     state = run.init_state()
-    state = state.replace(params=jax.device_put(params, run.state_shardings.params))
+    state = state.replace(params=jax.device_put(params, run.state_shardings.params),
+                          step=jax.device_put(np.int32(iteration), state.step.sharding))
     os.makedirs(out, exist_ok=True)
-    if "tokenizer.json" in tok_files:
-        os.makedirs(cfg.tokenizer_model)
-        for name in tok_files:
-            shutil.copyfile(os.path.join(folder, name), os.path.join(cfg.tokenizer_model, name))
-    os.makedirs(os.path.join(out, HF_SOURCE))
-    for name in ("config.json", "generation_config.json"):  # what export hf gives back (bos/eos ids, generation)
-        if os.path.isfile(os.path.join(folder, name)):
-            shutil.copyfile(os.path.join(folder, name), os.path.join(out, HF_SOURCE, name))
+    if before_save:
+        before_save(cfg)
     with open(os.path.join(out, "config.json"), "w") as f:
         f.write(cfg.to_json())
     ckpt = checkpointing.Checkpointer(out)
-    ckpt.save(0, state, checkpoint_meta(cfg, run, 0, 0))
+    ckpt.save(iteration, state, checkpoint_meta(cfg, run, iteration, 0))
     ckpt.wait()
     ckpt.close()
-    print(f"[jmegatron.export import-hf] {hf_conf.get('architectures', ['?'])[0]} from {os.path.abspath(folder)} "
-          f"-> jmegatron checkpoint {os.path.abspath(out)} (iteration 0)")
+    print(f"[jmegatron.export] {source} -> jmegatron checkpoint {os.path.abspath(out)} (iteration {iteration})")
     return cfg

@@ -84,7 +84,7 @@ from jmegatron.data.blended_dataset import convert_split_vector_to_split_matrix,
 from jmegatron.data.gpt_dataset import GPTDataset
 from jmegatron.data.indexed_dataset import IndexedDataset
 from jmegatron.data.tokenizer import load_tokenizer
-from jmegatron.export.common import (ExportError, ExportSource, checkpoint_config, hf_model, load_checkpoint,
+from jmegatron.export.common import (ExportError, ExportSource, check_out_dir, checkpoint_config, hf_model, load_checkpoint,
                                      load_source_tokenizer)
 from jmegatron.export.fp8_scales import (FP8_E4M3_MAX, WEIGHT_SCALES, checkpoint_fp8_scales, layer_fp8_meta,
                                          quantize_weight, saved_fp8_meta_paths, strip_fp8_meta, unified_modules)
@@ -641,13 +641,6 @@ def _warn(msg: str) -> None:
     print(f"[jmegatron.export quantize] warning: {msg}", file=sys.stderr, flush=True)
 
 
-def _check_out_dir(out: str) -> None:
-    if not out:
-        raise ExportError("--out is required: a new folder for the quantized checkpoints and the report")
-    if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out)):
-        raise ExportError(f"--out {out} exists and is not empty; choose a new folder (nothing is overwritten)")
-
-
 def _positive(value: Optional[int], flag: str) -> None:
     if value is not None and (isinstance(value, bool) or int(value) < 1):
         raise ExportError(f"{flag} must be an integer >= 1, got {value}")
@@ -741,7 +734,7 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
         raise ExportError(f"--max-new-tokens must be >= 0 (0: no sanity continuations), got {max_new_tokens}")
     if export_dtype is not None and export_dtype not in EXPORT_DTYPES:
         raise ExportError(f"--export-dtype {export_dtype!r}: choose from {', '.join(EXPORT_DTYPES)}")
-    _check_out_dir(out)
+    check_out_dir(out)
     calib_prefix = _check_prefix(calib_data, "--calib-data")
     eval_prefix = _check_prefix(eval_data or calib_data, "--eval-data" if eval_data else "--calib-data")
     cfg = checkpoint_config(load, iteration)
