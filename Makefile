@@ -19,16 +19,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Test files run in TEST_WORKERS processes (pytest-xdist; one file per worker, so module
-# fixtures are built once): most of a case's time is single-threaded XLA compilation.
+# fixtures are built once): most of a case's time is single-threaded XLA compilation. Files
+# go out heaviest first (tests/durations.json, ordered by tests/conftest.py; xdist's own
+# reorder by test count is turned off).
 TEST_WORKERS ?= 2
 
 # The whole suite, slow cases included (CI runs exactly this).
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # Everything but the cases marked slow.
 test-fast: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests -m "not slow"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests -m "not slow"
 
 demo: $(STAMP)
 	$(PY) -m jmegatron.tools.demo --workdir $(DEMO_DIR)

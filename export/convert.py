@@ -24,7 +24,6 @@ defaults). JAX -> HF -> JAX gives identical arrays (tests/test_export_hf.py).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ import numpy as np
 from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
 from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config
-from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict, hf_architecture
+from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict, hf_architecture, read_hf_state_dict
 from jmegatron.export.stream import export_hf_streaming, parse_size
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
@@ -128,19 +127,6 @@ def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None
     return summary
 
 
-def _read_hf_state_dict(folder: str) -> dict:
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise ExportError(f"--hf {folder}: no *.safetensors file (PyTorch .bin checkpoints are not read; "
-                          f"re-save with save_pretrained(safe_serialization=True))")
-    sd = {}
-    for path in files:
-        sd.update({k: v.float().numpy() for k, v in load_file(path).items()})
-    return sd
-
-
 def import_hf(folder: str, out: str, config_file: str | None = None, seq_length: int | None = None):
     """Write a jmegatron checkpoint (iteration 0) holding the Hugging Face model of ``folder``.
 
@@ -183,7 +169,8 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
             if os.path.isfile(os.path.join(folder, name)):
                 shutil.copyfile(os.path.join(folder, name), os.path.join(out, HF_SOURCE, name))
 
-    return save_imported(fields, out, config_file, lambda cfg, padded: from_hf_state_dict(_read_hf_state_dict(folder), cfg, padded),
+    return save_imported(fields, out, config_file,
+                         lambda cfg, padded: from_hf_state_dict(read_hf_state_dict(folder), cfg, padded),
                          source=f"{hf_conf.get('architectures', ['?'])[0]} from {os.path.abspath(folder)}",
                          seq_length=seq_length, tokenizer_model=tokenizer, before_save=copy_files, what=f"--hf {folder}")
 

@@ -1045,6 +1045,39 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     return p
 
 
+def is_hf_folder(path: str) -> bool:
+    """True for a Hugging Face ``save_pretrained`` folder: a ``config.json`` with a
+    ``model_type`` (a jmegatron checkpoint's config.json has ``num_layers`` instead)."""
+    import json
+    import os
+
+    conf = os.path.join(path, "config.json")
+    if not os.path.isfile(conf):
+        return False
+    with open(conf) as f:
+        saved = json.load(f)
+    return "model_type" in saved and "num_layers" not in saved
+
+
+def read_hf_state_dict(folder: str) -> dict:
+    """Every tensor of a Hugging Face folder's ``*.safetensors`` files (sharded or not) as
+    float32 numpy. Raises ValueError when the folder has none (PyTorch ``.bin`` files are
+    not read)."""
+    import glob
+    import os
+
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{folder}: no *.safetensors file (PyTorch .bin checkpoints are not read; "
+                         f"re-save with save_pretrained(safe_serialization=True))")
+    sd = {}
+    for path in files:
+        sd.update({k: v.float().numpy() for k, v in load_file(path).items()})
+    return sd
+
+
 # ------------------------------------------------------------------------ transformers model
 def hf_config_class(arch: str):
     """The transformers config class of architecture ``arch`` (a class name

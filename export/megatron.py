@@ -82,6 +82,7 @@ import contextlib
 import glob
 import os
 import re
+import shutil
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
@@ -105,6 +106,12 @@ _TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.wei
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
              "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+# the MoE fields that define the model, under the same name in Megatron's args, megatron-core's
+# TransformerConfig and jmegatron's config
+_MOE_MODEL_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
+                     "moe_shared_expert_gate", "moe_router_score_function", "moe_router_pre_softmax",
+                     "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_num_groups",
+                     "moe_router_group_topk")
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_KEY = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _TE_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TEGroupedMLP's per-expert weights
@@ -169,20 +176,15 @@ def megatron_args(cfg, padded_vocab_size: int, vocab_size: int, *, tensor_model_
         micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32,
         iteration=iteration, ckpt_format=ckpt_format, no_save_optim=True, no_save_rng=True,
-        consumed_train_samples=0, consumed_valid_samples=0, tokenizer_type=None, seed=cfg.seed,
+        consumed_train_samples=0, consumed_valid_samples=0, seed=cfg.seed,
+        tokenizer_type=cfg.tokenizer_type or ("HuggingFaceTokenizer" if cfg.tokenizer_model else None),
+        tokenizer_model=cfg.tokenizer_model, vocab_file=cfg.vocab_file, merge_file=cfg.merge_file,
         num_experts=cfg.num_moe_experts,
     )
     if moe:
         freq = cfg.moe_layer_freq
-        a.update(moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_router_topk=cfg.moe_router_topk,
+        a.update({k: getattr(cfg, k) for k in _MOE_MODEL_FIELDS},
                  moe_layer_freq=list(_moe_layers(cfg)) if not isinstance(freq, int) else freq,
-                 moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-                 moe_shared_expert_gate=cfg.moe_shared_expert_gate,
-                 moe_router_score_function=cfg.moe_router_score_function,
-                 moe_router_pre_softmax=cfg.moe_router_pre_softmax,
-                 moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
-                 moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
-                 moe_router_num_groups=cfg.moe_router_num_groups, moe_router_group_topk=cfg.moe_router_group_topk,
                  moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
                  moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_grouped_gemm=False,
                  moe_token_dispatcher_type=cfg.moe_token_dispatcher_type)
@@ -195,18 +197,17 @@ _SAME_NAME = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "rotary_seq_len_interpolation_factor", "rope_scaling_factor", "normalization", "norm_epsilon", "swiglu",
               "openai_gelu", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights",
               "make_vocab_size_divisible_by", "init_method_std")
-_MOE_SAME_NAME = ("moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size",
-                  "moe_shared_expert_gate", "moe_router_score_function", "moe_router_pre_softmax",
-                  "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_num_groups",
-                  "moe_router_group_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
+_MOE_SAME_NAME = _MOE_MODEL_FIELDS + ("moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff")
 
 
 def config_fields_from_megatron_args(args: Any) -> dict[str, Any]:
-    """jmegatron config fields (architecture only) from a checkpoint's ``args``.
+    """jmegatron config fields (architecture and tokenizer) from a checkpoint's ``args``.
 
     ``args``: the ``argparse.Namespace`` (or a mapping) Megatron-LM saved. Returns a dict
     of :class:`jmegatron.config.JMegatronConfig` fields, ``vocab_size`` included when the
-    args know it (``None`` otherwise). Raises ValueError naming every argument jmegatron
+    args know it (``None`` otherwise), and ``tokenizer_type`` with its files
+    (``tokenizer_model`` or ``vocab_file`` / ``merge_file``, absolute) when the args name a
+    HuggingFaceTokenizer or GPT2BPETokenizer whose files exist on this machine. Raises ValueError naming every argument jmegatron
     cannot represent (multi-latent attention, multi-token prediction, partial or
     interleaved RoPE, ``apply_layernorm_1p``, ``squared_relu``, an expert tensor size other
     than the tensor size, uneven or hybrid layer layouts).
@@ -248,6 +249,10 @@ def config_fields_from_megatron_args(args: Any) -> dict[str, Any]:
         if isinstance(fields.get("moe_layer_freq"), list):
             fields["moe_layer_freq"] = tuple(fields["moe_layer_freq"])
     fields["vocab_size"] = get("vocab_size")
+    kind = get("tokenizer_type")
+    files = {"HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}.get(kind)
+    if files and all(get(n) and os.path.exists(get(n)) for n in files):  # the tokenizer, when its files are here
+        fields.update({"tokenizer_type": kind, **{n: os.path.abspath(get(n)) for n in files}})
     return fields
 
 
@@ -916,16 +921,9 @@ def megatron_core_model(cfg, padded_vocab_size: int, initialize: bool = False):
               expert_tensor_parallel_size=ps.get_tensor_model_parallel_world_size(),
               sequence_parallel=False)
     if cfg.num_moe_experts is not None:
-        kw.update(num_moe_experts=cfg.num_moe_experts, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-                  moe_router_topk=cfg.moe_router_topk, moe_layer_freq=list(_moe_layers(cfg)),
-                  moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-                  moe_shared_expert_gate=cfg.moe_shared_expert_gate,
-                  moe_router_score_function=cfg.moe_router_score_function,
-                  moe_router_pre_softmax=cfg.moe_router_pre_softmax,
-                  moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
-                  moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
-                  moe_router_num_groups=cfg.moe_router_num_groups, moe_router_group_topk=cfg.moe_router_group_topk,
-                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather")
+        kw.update({k: getattr(cfg, k) for k in _MOE_MODEL_FIELDS}, num_moe_experts=cfg.num_moe_experts,
+                  moe_layer_freq=list(_moe_layers(cfg)), moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                  moe_token_dispatcher_type="allgather")
     config = TransformerConfig(**kw)
     if cfg.num_moe_experts is not None:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=cfg.normalization)
@@ -1018,8 +1016,25 @@ def import_megatron(load: str, out: str, config_file: Optional[str] = None, iter
     v = vocab_size or fields.pop("vocab_size", None) or rows
     fields.pop("vocab_size", None)
     fields["vocab_size"] = v
+    copies = {}  # the tokenizer's files travel into out/tokenizer/, as import-hf's do
+    for name in ("tokenizer_model", "vocab_file", "merge_file"):
+        if fields.get(name):
+            src = fields[name]
+            fields[name] = os.path.join(os.path.abspath(out), "tokenizer",
+                                        "" if os.path.isdir(src) else os.path.basename(src)).rstrip("/")
+            copies[src] = fields[name]
+
+    def copy_tokenizer(cfg) -> None:
+        for src, dst in copies.items():
+            if os.path.isdir(src):
+                shutil.copytree(src, dst)
+            else:
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.copyfile(src, dst)
+
     cfg = save_imported(fields, out, config_file, lambda cfg, padded: from_megatron_state_dict(sd, cfg, padded, v),
-                        iteration=it, source=f"Megatron-LM {fmt} checkpoint {os.path.abspath(load)}")
+                        iteration=it, source=f"Megatron-LM {fmt} checkpoint {os.path.abspath(load)}",
+                        before_save=copy_tokenizer)
     return cfg
 
 

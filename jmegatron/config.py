@@ -32,6 +32,13 @@ from jmegatron.num_microbatches_calculator import NumMicroBatchesCalculatorError
 from jmegatron.parallel.pipeline_layout import PipelineLayout
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
+# Megatron's --tokenizer-type values read (jmegatron.data.tokenizer.build_tokenizer), those
+# refused, and the fields that name a run's tokenizer
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+REFUSED_TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer",
+                           "BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer", "SFTTokenizer",
+                           "NullMultimodalTokenizer")
+TOKENIZER_FIELDS = ("tokenizer_model", "tokenizer_type", "vocab_file", "merge_file")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD", "multi-step")  # multi-step: ByteMLPerf
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -349,6 +356,13 @@ class JMegatronConfig:
     data_path: Optional[str] = None  # "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's --data-path, space separated)
     split: str = "969,30,1"
     tokenizer_model: Optional[str] = None  # path of a tokenizers tokenizer.json
+    # Megatron's --tokenizer-type (jmegatron.data.tokenizer.build_tokenizer): HuggingFaceTokenizer
+    # (tokenizer_model), GPT2BPETokenizer (vocab_file + merge_file) or NullTokenizer (space-separated
+    # ids, the last of vocab_size the end of document: Megatron's --vocab-size V is V + 1 here);
+    # None: HuggingFaceTokenizer when tokenizer_model is set
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None  # GPT2BPETokenizer: GPT-2's vocab.json
+    merge_file: Optional[str] = None  # GPT2BPETokenizer: GPT-2's merges.txt
     mock_data: bool = False
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
@@ -647,11 +661,25 @@ class JMegatronConfig:
         if not self.mock_data and self.data_path is None:
             raise ConfigError("config.data_path is not set; give a preprocessed prefix "
                               "(python -m jmegatron.tools.preprocess_data) or set config.mock_data=True.")
-        if self.mock_data and self.vocab_size is None and self.tokenizer_model is None:
+        has_tokenizer = self.tokenizer_model is not None or self.tokenizer_type is not None
+        if self.tokenizer_type is not None and self.tokenizer_type not in TOKENIZER_TYPES:
+            close = difflib.get_close_matches(self.tokenizer_type, TOKENIZER_TYPES + REFUSED_TOKENIZER_TYPES, 1, 0.5)
+            known = f"; Megatron's {self.tokenizer_type} is not read" if self.tokenizer_type in REFUSED_TOKENIZER_TYPES \
+                else (f'; did you mean "{close[0]}"?' if close else "")
+            raise ConfigError(f"config.tokenizer_type={self.tokenizer_type!r} is not one of {list(TOKENIZER_TYPES)}"
+                              f"{known} (a transformers save_pretrained folder of any tokenizer loads as "
+                              f"HuggingFaceTokenizer with tokenizer_model=DIR).")
+        needs = {"HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+                 "NullTokenizer": ("vocab_size",)}.get(self.tokenizer_type, ())
+        for name in needs:
+            if getattr(self, name) is None:
+                raise ConfigError(f"config.tokenizer_type={self.tokenizer_type!r} needs config.{name}.")
+        if self.mock_data and self.vocab_size is None and not has_tokenizer:
             raise ConfigError("config.mock_data=True needs config.vocab_size (or config.tokenizer_model).")
-        if not self.mock_data and self.tokenizer_model is None:
+        if not self.mock_data and not has_tokenizer:
             raise ConfigError("config.tokenizer_model is not set; give the tokenizer.json used by "
-                              "preprocess_data (its end-of-document id separates documents).")
+                              "preprocess_data (its end-of-document id separates documents), or Megatron's "
+                              "config.tokenizer_type with its files.")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("config.sequence_parallel=True needs config.tensor_model_parallel_size > 1 "
                               "(Megatron disables it otherwise); set sequence_parallel=False.")
@@ -1230,8 +1258,9 @@ def load_config_file(path: Optional[str], overrides: Optional[dict[str, Any]] = 
         if load is None:
             raise ConfigError("config.use_checkpoint_args=True needs config.load (the checkpoint whose architecture "
                               "the run takes); set --config.load=CKPT.")
+        given = any(getattr(cd, n) is not None for n in TOKENIZER_FIELDS)
         for name, value in checkpoint_args(load).items():
-            if name == "tokenizer_model" and cd.tokenizer_model is not None:
+            if name in TOKENIZER_FIELDS and given:
                 continue  # a tokenizer given here wins (the data's)
             if name in overrides and overrides[name] != value:
                 raise ConfigError(f"config.{name}={overrides[name]!r} contradicts the checkpoint {load} "
@@ -1245,7 +1274,7 @@ def load_config_file(path: Optional[str], overrides: Optional[dict[str, Any]] = 
 
 
 def checkpoint_args(load_dir: str) -> dict[str, Any]:
-    """The architecture fields (:data:`MODEL_FIELDS`, ``vocab_size``) and ``tokenizer_model``
+    """The architecture fields (:data:`MODEL_FIELDS`, ``vocab_size``) and the tokenizer (:data:`TOKENIZER_FIELDS`)
     of the jmegatron checkpoint at ``load_dir``, from the ``config.json`` that training and
     ``import-hf`` write beside it (Megatron's ``load_args_from_checkpoint``).
 
@@ -1264,5 +1293,5 @@ def checkpoint_args(load_dir: str) -> dict[str, Any]:
         raise ConfigError(f"config.load={load_dir!r} is a Hugging Face folder (model_type {saved['model_type']!r}); "
                           f"convert it first: python -m jmegatron.export import-hf --hf {load_dir} --out CKPT, then "
                           f"--config.load=CKPT.")
-    names = MODEL_FIELDS + ("vocab_size", "tokenizer_model")
+    names = MODEL_FIELDS + ("vocab_size",) + TOKENIZER_FIELDS
     return {name: saved[name] for name in names if name in saved}

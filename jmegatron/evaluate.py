@@ -91,7 +91,7 @@ def data_overrides(saved: dict, data_path: Optional[str], data_split: Optional[s
         out["split"] = data_split
     if tokenizer_model is not None:
         out["tokenizer_model"] = tokenizer_model
-    elif saved.get("tokenizer_model") is None:
+    elif saved.get("tokenizer_model") is None and saved.get("tokenizer_type") is None:
         raise ConfigError("--data-path needs the tokenizer the data was preprocessed with: the checkpoint names "
                           "none, so give --tokenizer-model (its end-of-document id separates documents)")
     return out

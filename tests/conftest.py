@@ -1,5 +1,6 @@
 """Test set-up: 8 simulated CPU devices, set before JAX is imported anywhere."""
 
+import json
 import os
 import pathlib
 
@@ -12,13 +13,53 @@ _flags = os.environ.get("XLA_FLAGS", "").split()
 _flags.append("--xla_force_host_platform_device_count=8")
 if not any(f.startswith("--xla_backend_optimization_level") for f in _flags):
     _flags.append("--xla_backend_optimization_level=0")
+# JAX's persistent compilation cache, for this test session only (one folder shared by the
+# xdist workers, removed at the end): the suite compiles the same programs again and again
+# (every resumed run, every one-device reference), and a hit skips XLA's compile. XLA:CPU's
+# concurrency-optimized scheduler is off: with it, a multi-device program read back from the
+# cache deadlocks in its all-reduces on jaxlib 0.10.2 (devices reach them in different orders;
+# a fresh compile does not). The cache is set in this process's jax.config, not in the
+# environment, so subprocesses (which set their own XLA_FLAGS) never read it.
+if not any(f.startswith("--xla_cpu_enable_concurrency_optimized_scheduler") for f in _flags):
+    _flags.append("--xla_cpu_enable_concurrency_optimized_scheduler=false")
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import uuid  # noqa: E402
+
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# the controller sets the run's name before it starts the xdist workers, which inherit it
+_RUN = os.environ.setdefault("JMEGATRON_TEST_RUN", uuid.uuid4().hex)
+JAX_CACHE = pathlib.Path(tempfile.gettempdir()) / f"jmegatron-test-jax-cache-{_RUN}"
+if not os.environ.get("JMEGATRON_TEST_NO_JAX_CACHE"):  # set it to compare timings or debug without
+    jax.config.update("jax_compilation_cache_dir", str(JAX_CACHE))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        shutil.rmtree(JAX_CACHE, ignore_errors=True)
+
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "shakespeare"
+
+
+_DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Heaviest test files first (tests/durations.json, written by tests/update_durations.py;
+    a file not in it counts as the median), tests kept in file order: with ``make test``'s
+    ``--dist loadfile --no-loadscope-reorder`` each worker takes the next-longest file, so the
+    two finish close together instead of one running a long file alone at the end."""
+    weights = json.loads(_DURATIONS.read_text()) if _DURATIONS.is_file() else {}
+    default = sorted(weights.values())[len(weights) // 2] if weights else 0.0
+    items.sort(key=lambda item: -weights.get(item.nodeid.split("::")[0], default))
 
 
 @pytest.fixture(scope="session")

@@ -388,10 +388,10 @@ CASES = [
     C("export-bad-iteration", "`python -m jmegatron.export hf --load RUN --iteration 7`",
       lambda w: export(w, "hf", "--load", w.run, "--out", w.p("hf_new"), "--iteration", "7"), 2,
       (r"iteration 7", r"available: \[2\]")),
-    C("preprocess-unknown-flag", "`python -m jmegatron.tools.preprocess_data ... --vocab-file V`",
+    C("preprocess-flag-of-another-tokenizer", "`python -m jmegatron.tools.preprocess_data ... --vocab-file V`",
       lambda w: preprocess(w, "--input", w.p("raw"), "--output-prefix", w.p("data", "corpus"),
                            "--tokenizer-model", w.tokenizer, "--vocab-file", "v.txt"), 2,
-      (r"--vocab-file", r"usage")),
+      (r"--vocab-file is GPT2BPETokenizer's", r"usage")),
     C("preprocess-workers-0", "`preprocess_data ... --workers 0`",
       lambda w: preprocess(w, "--input", w.p("raw"), "--output-prefix", w.p("data", "corpus"),
                            "--tokenizer-model", w.tokenizer, "--workers", "0"), 1, (r"--workers", r">= 1")),
@@ -463,7 +463,7 @@ def test_world_is_good_but_for_the_planted_faults(world):
     (["jmegatron.evaluate", "--load", "x", "--iters", "5"], "unrecognized arguments: --iters 5"),
     (["jmegatron.export", "hf", "--load", "x", "--out", "y", "--fp16"], "unrecognized arguments: --fp16"),
     (["jmegatron.tools.preprocess_data", "--input", "x", "--output-prefix", "y", "--tokenizer-model", "z",
-      "--vocab-file", "v"], "unrecognized arguments: --vocab-file v"),
+      "--split-sentences"], "unrecognized arguments: --split-sentences"),
 ], ids=["train", "evaluate", "export", "preprocess_data"])
 def test_python_dash_m_exits_2(tmp_path, argv, message):
     """The real entry points (``python -m ...``): exit status 2, the message on stderr, nothing

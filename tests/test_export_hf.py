@@ -89,6 +89,35 @@ def test_round_trip_gives_identical_arrays(gpt_tp2_ckpt, tmp_path):
     assert out["iteration"] == 2 and all(np.isfinite(v) for v in out["losses"].values())
 
 
+def test_hugging_face_folder_as_the_teacher(llama_ckpt, tmp_path):
+    # config.kd_teacher_load = an HF folder: the teacher is the checkpoint it was exported from,
+    # read with no import step, in the student's layout
+    from jmegatron.distill.teacher import load_teacher
+    from jmegatron.parallel.mesh import create_mesh
+
+    export_hf(llama_ckpt, str(tmp_path / "hf"))
+    student = cfg_for(tmp_path / "s", scan_layers=True, **llama_changes())
+    mesh = create_mesh(student, jax.devices())
+    from_hf, from_ckpt = (load_teacher(d, student, 384, mesh) for d in (str(tmp_path / "hf"), llama_ckpt))
+    assert from_hf.cfg.num_query_groups == 2 and from_hf.iteration == 0
+    flat_hf = dict(jax.tree_util.tree_leaves_with_path(from_hf.params))
+    for path, x in jax.tree_util.tree_leaves_with_path(from_ckpt.params):
+        name = jax.tree_util.keystr(path)
+        assert flat_hf[path].sharding == x.sharding, name
+        got, want = np.asarray(flat_hf[path]), np.asarray(x)
+        if "output_layer" in name:  # the HF folder holds the 300 true columns, the padding comes back zero
+            got, want = got[:, :300], want[:, :300]
+        elif "word_embeddings" in name:
+            got, want = got[:300], want[:300]
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    # a tensor-parallel student: the HF teacher is padded by the student's rule (300 -> 512)
+    tp2 = cfg_for(tmp_path / "t", tensor_model_parallel_size=2, **llama_changes())
+    t = load_teacher(str(tmp_path / "hf"), tp2, 512, create_mesh(tp2, jax.devices()))
+    emb = np.asarray(t.params["word_embeddings"]["embedding"])
+    assert emb.shape[0] == 512 and not emb[300:].any()
+    np.testing.assert_array_equal(emb[:300], np.asarray(from_ckpt.params["word_embeddings"]["embedding"])[:300])
+
+
 def test_padded_vocabulary_round_trip(llama_ckpt, tmp_path):
     # 300 true rows are exported; importing pads back to 384 with zero rows
     export_hf(llama_ckpt, str(tmp_path / "hf"), dtype="bfloat16")

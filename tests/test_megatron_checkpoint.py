@@ -23,6 +23,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from jmegatron.config import base_config, from_configdict  # noqa: E402
 from jmegatron.export import megatron as M  # noqa: E402
+from jmegatron.data.tokenizer import build_tokenizer, gpt2_bpe_tokenizer, train_bpe_tokenizer  # noqa: E402
 from jmegatron.export.common import ExportError, load_checkpoint  # noqa: E402
 from jmegatron.models.gpt import GPTModel, ModelConfig  # noqa: E402
 
@@ -95,6 +96,10 @@ def written(mcore, tmp_path_factory):
     from megatron.core import dist_checkpointing
 
     base = tmp_path_factory.mktemp("megatron")
+    (base / "corpus.txt").write_text("the lord of the isle spake to the king of the sea and the sea was still\n" * 50)
+    (base / "gpt2").mkdir()
+    vocab, merges = train_bpe_tokenizer([base / "corpus.txt"], 280, base / "tokenizer.json").tokenizer.model.save(
+        str(base / "gpt2"))
     out = {}
     for i, kind in enumerate(KINDS):
         cfg = cfg_of(kind)
@@ -107,6 +112,8 @@ def written(mcore, tmp_path_factory):
                 if name.endswith("expert_bias"):
                     b.normal_(0.0, 0.1)
         args = M.megatron_args(cfg, cfg.padded_vocab_size(), VOCAB, iteration=7)
+        if kind == "moe":  # Megatron-LM's GPT-2 tokenizer arguments, as its launch scripts pass them
+            args.tokenizer_type, args.vocab_file, args.merge_file = "GPT2BPETokenizer", vocab, merges
         legacy = base / kind / "legacy"
         os.makedirs(legacy / "iter_0000007" / "mp_rank_00")
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 7, "model": model.state_dict()},
@@ -119,7 +126,7 @@ def written(mcore, tmp_path_factory):
                                      "iteration": 7}, str(dist / "iter_0000007"))
         (dist / "latest_checkpointed_iteration.txt").write_text("7")
         out[kind] = dict(cfg=cfg, logits=mcore_logits(model), legacy=str(legacy), dist=str(dist), base=base / kind,
-                         state=model.state_dict())
+                         state=model.state_dict(), args=args)
     return out
 
 
@@ -150,6 +157,10 @@ def test_import_export_round_trip_loads_into_megatron_core(written, mcore, tmp_p
     M.import_megatron(w["legacy"], str(jm))
     src = load_checkpoint(str(jm))
     assert src.iteration == 7 and src.vocab_size == VOCAB
+    # the tokenizer came along: Megatron's GPT2BPETokenizer files copied into the checkpoint
+    assert src.cfg.tokenizer_type == "GPT2BPETokenizer" and src.cfg.vocab_file == str(jm / "tokenizer" / "vocab.json")
+    assert build_tokenizer(src.cfg).tokenize("the king") == gpt2_bpe_tokenizer(*(
+        written["moe"]["args"].vocab_file, written["moe"]["args"].merge_file)).tokenize("the king")
     for fmt in ("torch", "torch_dist"):
         out = tmp_path / fmt
         M.export_megatron(str(jm), str(out), fmt)
@@ -160,6 +171,7 @@ def test_import_export_round_trip_loads_into_megatron_core(written, mcore, tmp_p
             saved = torch.load(os.path.join(folder, "mp_rank_00", "model_optim_rng.pt"), weights_only=True)
             assert saved["checkpoint_version"] == 3.0 and saved["iteration"] == 7
             assert isinstance(saved["args"], argparse.Namespace) and saved["args"].num_experts == 4
+            assert saved["args"].tokenizer_type == "GPT2BPETokenizer"
             assert set(saved["model"]) == set(w["state"])  # megatron-core's own key set, _extra_state included
             model.load_state_dict(saved["model"], strict=True)
         else:

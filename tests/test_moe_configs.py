@@ -223,3 +223,14 @@ def test_parameter_classes_with_experts():
     assert memory.parameter_classes(c, 1024, 2, 0) == memory.parameter_classes(all_moe, 1024, 2, 0)
     ep2 = ParallelLayout(1, 1, expert_model_parallel_size=2)
     assert memory.parameters_per_device(c, 1024, ep2) == flops.num_parameters(c, 1024) - classes["expert"] / 2
+
+
+def test_deepseek_v3_megatron_count_uses_the_mla_term():
+    # Megatron-LM's theoretical_memory_usage.py with multi_latent_attention: its count is every
+    # parameter but the routers and their expert biases (h E + E per MoE layer), MLA included
+    c = load_config_file(str(REPO / "configs" / "deepseek_v3.py"))
+    h, E, V = c.hidden_size, c.num_moe_experts, c.padded_vocab_size()
+    moe_layers = flops._num_moe_layers(c)
+    total = flops.num_parameters(c, V)
+    assert total == 671_026_419_200
+    assert memory.megatron_num_parameters_on_most_loaded_shard(c, V) == total - moe_layers * (h * E + E)

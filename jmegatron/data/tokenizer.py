@@ -1,10 +1,22 @@
-"""Tokenizer wrapper over a HuggingFace ``tokenizers`` tokenizer.json, with Megatron's interface.
+"""Tokenizers with Megatron's interface, chosen by Megatron's ``tokenizer_type`` names.
 
-Megatron-LM's tokenizers (``megatron/core/tokenizers`` / ``megatron/training/tokenizer``) expose
-``vocab_size``, ``eod``, ``tokenize(text) -> list[int]`` and ``detokenize(ids) -> str``; this
-module offers the same surface for a ``tokenizer.json`` or a transformers ``save_pretrained``
-folder (the kind ``--tokenizer-type HuggingFaceTokenizer`` loads in Megatron; its end-of-document
-token is the folder's ``eos_token``), plus a small trainer for a byte-level BPE one.
+Megatron-LM's tokenizers (``megatron/training/tokenizer/tokenizer.py``, ``build_tokenizer``)
+expose ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]`` and ``detokenize(ids) -> str``;
+this module offers the same surface for
+
+* ``HuggingFaceTokenizer``: a ``tokenizer.json`` or a transformers ``save_pretrained`` folder
+  (``tokenizer_model``; its end-of-document token is the folder's ``eos_token``);
+* ``GPT2BPETokenizer``: GPT-2's byte-level BPE from ``vocab_file`` (``vocab.json``) and
+  ``merge_file`` (``merges.txt``), end of document ``<|endoftext|>`` (Megatron's
+  ``_GPT2BPETokenizer``; built on ``tokenizers``' BPE with GPT-2's byte-level split, held to
+  transformers' ``GPT2Tokenizer`` by tests/test_tokenizer.py);
+* ``NullTokenizer``: ids written as space-separated integers, end of document = ``vocab_size``
+  (Megatron's ``_NullTokenizer``, for mock and pre-tokenized data);
+
+plus a small trainer for a byte-level BPE ``tokenizer.json``. Megatron's SentencePiece,
+Llama-2, TikToken and BERT word-piece types are refused by name (their libraries are not
+dependencies; a transformers ``save_pretrained`` folder of the same tokenizer loads as
+``HuggingFaceTokenizer``).
 """
 
 from __future__ import annotations
@@ -13,8 +25,10 @@ import json
 import os
 from typing import Iterable, Iterator, List, Optional, Sequence, Union
 
-__all__ = ["EOD_TOKEN", "HFTokenizer", "TOKENIZER_FILES", "load_tokenizer", "special_tokens",
-           "train_bpe_tokenizer", "iter_documents"]
+from jmegatron.config import TOKENIZER_TYPES
+
+__all__ = ["EOD_TOKEN", "HFTokenizer", "NullTokenizer", "TOKENIZER_FILES", "build_tokenizer",
+           "gpt2_bpe_tokenizer", "load_tokenizer", "special_tokens", "train_bpe_tokenizer", "iter_documents"]
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -120,6 +134,94 @@ def load_tokenizer(path: Union[str, os.PathLike], eod_token: Optional[str] = Non
             )
         eod_token = EOD_TOKEN
     return HFTokenizer(tok, eod_token=eod_token, path=path, bos_token=special.get("bos_token"))
+
+
+class NullTokenizer:
+    """Megatron's ``_NullTokenizer`` (megatron/training/tokenizer/tokenizer.py): text is a
+    space-separated list of integer ids; ``vocab_size`` ids plus the end-of-document id
+    ``vocab_size`` itself, so ``.vocab_size`` is ``vocab_size + 1``.
+
+    Raises:
+        ValueError: ``tokenize`` of a word that is not an integer in ``[0, vocab_size]``.
+    """
+
+    def __init__(self, vocab_size: int):
+        self._n = int(vocab_size)
+        self.eod = self._n
+        self.bos = None
+        self.eod_token = str(self._n)
+        self.vocab_size = self._n + 1
+        self.path = None
+
+    def tokenize(self, text: str) -> List[int]:
+        ids = []
+        for word in text.split():
+            if not word.lstrip("-").isdigit() or not 0 <= int(word) <= self._n:
+                raise ValueError(f"NullTokenizer: {word[:20]!r} is not a token id in [0, {self._n}] (its text is "
+                                 f"space-separated integer ids)")
+            ids.append(int(word))
+        return ids
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def gpt2_bpe_tokenizer(vocab_file: Union[str, os.PathLike], merge_file: Union[str, os.PathLike]) -> HFTokenizer:
+    """GPT-2's tokenizer from its ``vocab.json`` and ``merges.txt`` (Megatron's
+    ``--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file``): byte-level BPE with
+    GPT-2's pre-tokenizing regex and no prefix space; ``<|endoftext|>`` (which must be in the
+    vocabulary) is the end of document and is not matched inside text, as in Megatron.
+
+    Raises:
+        FileNotFoundError: a missing file.  ValueError: files ``tokenizers`` cannot read, or
+        no ``<|endoftext|>`` in the vocabulary.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    for name, path in (("vocab_file", vocab_file), ("merge_file", merge_file)):
+        if not path or not os.path.isfile(path):
+            raise FileNotFoundError(f"config.{name}={os.fspath(path) if path else path!r}: no such file "
+                                    f"(GPT2BPETokenizer reads GPT-2's vocab.json and merges.txt)")
+    try:
+        bpe = models.BPE.from_file(os.fspath(vocab_file), os.fspath(merge_file))
+    except Exception as err:  # tokenizers raises a bare Exception
+        raise ValueError(f"{vocab_file} / {merge_file}: not a GPT-2 vocab.json / merges.txt pair ({err})") from None
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return HFTokenizer(tok, eod_token=EOD_TOKEN, path=os.fspath(vocab_file))
+
+
+def build_tokenizer(cfg) -> Union[HFTokenizer, NullTokenizer]:
+    """The tokenizer of a run (Megatron's ``build_tokenizer(args)``), from ``cfg.tokenizer_type``
+    (None: ``HuggingFaceTokenizer`` when ``cfg.tokenizer_model`` is set) and its files:
+    ``tokenizer_model`` (HuggingFaceTokenizer), ``vocab_file`` + ``merge_file``
+    (GPT2BPETokenizer) or ``vocab_size`` (NullTokenizer).
+
+    The NullTokenizer's vocabulary is ``cfg.vocab_size`` (the model's, as everywhere in
+    jmegatron), its end of document the last id: Megatron's ``--vocab-size V`` with
+    ``--tokenizer-type NullTokenizer`` is jmegatron's ``vocab_size=V + 1`` (Megatron adds the
+    end-of-document id to the count).
+
+    Raises:
+        ValueError: an unknown or unsupported type (the config refuses those first), or its
+        file missing from the config.  FileNotFoundError: a file that does not exist.
+    """
+    kind = cfg.tokenizer_type or ("HuggingFaceTokenizer" if cfg.tokenizer_model else None)
+    if kind == "HuggingFaceTokenizer":
+        if not cfg.tokenizer_model:
+            raise ValueError("config.tokenizer_type='HuggingFaceTokenizer' needs config.tokenizer_model (a "
+                             "tokenizer.json or a save_pretrained folder)")
+        return load_tokenizer(cfg.tokenizer_model)
+    if kind == "GPT2BPETokenizer":
+        return gpt2_bpe_tokenizer(cfg.vocab_file, cfg.merge_file)
+    if kind == "NullTokenizer":
+        if cfg.vocab_size is None:
+            raise ValueError("config.tokenizer_type='NullTokenizer' needs config.vocab_size")
+        return NullTokenizer(cfg.vocab_size - 1)
+    raise ValueError(f"config.tokenizer_type={kind!r} is not one of {TOKENIZER_TYPES} (a transformers "
+                     f"save_pretrained folder of any tokenizer loads as HuggingFaceTokenizer)"
+                     if kind else "no tokenizer: set config.tokenizer_model (or tokenizer_type with its files)")
 
 
 def special_tokens(folder: Union[str, os.PathLike]) -> dict:

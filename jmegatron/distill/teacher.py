@@ -1,4 +1,4 @@
-"""The frozen teacher: config and parameters from a jmegatron checkpoint.
+"""The frozen teacher: config and parameters from a jmegatron checkpoint or a Hugging Face folder.
 
 Megatron's ``_teacher_provider`` (megatron/post_training/model_provider.py) builds the
 teacher from ``--export-kd-teacher-load`` with the teacher checkpoint's own arguments;
@@ -10,6 +10,11 @@ the params of a float32 one: Orbax partial restore,
 :func:`jmegatron.training.checkpoint_layout.restore_params`), never its optimizer
 moments, each device reading its own shards. The teacher is not in the optimizer and not
 in the student's checkpoints; it only runs forward.
+
+A Hugging Face ``save_pretrained`` folder as ``kd_teacher_load`` (a ``config.json`` with a
+``model_type``) is read as ``import-hf`` reads it (:mod:`jmegatron.export.hf`: the
+architecture from its config.json, the weights from its safetensors, on the host) and
+placed in the same shardings; no conversion step and no copy on disk.
 
 An MoE teacher (``num_moe_experts`` in its checkpoint's config) runs in evaluation mode
 (``deterministic=True``: no dropout, its router computes and sows no losses, as
@@ -24,16 +29,24 @@ teacher is replicated over ``expert`` (its config keeps expert_model_parallel_si
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, from_configdict
+from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, base_config, from_configdict
+from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict, is_hf_folder, read_hf_state_dict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.training import checkpoint_layout, checkpointing
 from jmegatron.training.run import build
+
+
+def _close(ckpt) -> None:
+    if ckpt is not None:
+        ckpt.close()
 
 
 @dataclasses.dataclass
@@ -58,16 +71,39 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     sizes are used for the teacher (one mesh); an MoE teacher's experts split over the
     student's expert_model_parallel_size (module doc), a dense teacher keeps 1.
 
+    ``load_dir`` may be a Hugging Face folder (module doc); its padded vocabulary follows
+    the student's padding rule.
+
     Raises CheckpointError for a missing or unreadable checkpoint; ConfigError (naming the
     teacher's field) for an MoE teacher under pipeline parallelism (not built), an MoE
     teacher whose expert count the student's expert_model_parallel_size does not divide,
-    or any other teacher setting the student's layout cannot run.
+    a Hugging Face architecture jmegatron cannot represent, or any other teacher setting
+    the student's layout cannot run.
     """
-    if not checkpointing.has_checkpoint(load_dir):
-        raise checkpointing.CheckpointError(f"config.kd_teacher_load={load_dir!r} holds no checkpoint")
-    ckpt = checkpointing.Checkpointer(load_dir, create=False)
-    meta = ckpt.read_meta()
-    saved = dict(meta["config"])
+    hf = is_hf_folder(load_dir) and not checkpointing.has_checkpoint(load_dir)
+    ckpt = None
+    if hf:
+        with open(os.path.join(load_dir, "config.json")) as f:
+            hf_conf = json.load(f)
+        try:
+            fields = config_fields_from_hf(hf_conf)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"config.kd_teacher_load={load_dir!r} (a Hugging Face folder): {e}") from None
+        saved = dict(base_config().to_dict(), **fields, mock_data=True,
+                     seq_length=min(student_cfg.seq_length, fields["max_position_embeddings"]),
+                     make_vocab_size_divisible_by=student_cfg.make_vocab_size_divisible_by,
+                     scan_layers=student_cfg.scan_layers)
+        from_configdict(saved)  # the teacher's own fields are valid before the student's layout applies
+        meta = {"padded_vocab_size": from_configdict(dict(saved, tensor_model_parallel_size=student_cfg.
+                                                            tensor_model_parallel_size)).padded_vocab_size(),
+                "iteration": 0}
+    else:
+        if not checkpointing.has_checkpoint(load_dir):
+            raise checkpointing.CheckpointError(f"config.kd_teacher_load={load_dir!r} holds no checkpoint (a "
+                                                f"jmegatron checkpoint or a Hugging Face folder)")
+        ckpt = checkpointing.Checkpointer(load_dir, create=False)
+        meta = ckpt.read_meta()
+        saved = dict(meta["config"])
     parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                 "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
                 "use_megatron_fsdp", "micro_batch_size", "global_batch_size")
@@ -77,13 +113,13 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     if experts is None:  # dense: replicated over the expert axis
         saved.update(expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     elif student_cfg.pipeline_model_parallel_size > 1:
-        ckpt.close()
+        _close(ckpt)
         raise ConfigError(f"teacher {load_dir} is an MoE model (num_moe_experts={experts}) and the student runs with "
                           f"pipeline_model_parallel_size={student_cfg.pipeline_model_parallel_size}: the pipelined "
                           f"distillation stages do not run MoE layers yet; set pipeline_model_parallel_size=1 or "
                           f"distil from a dense teacher (config.kd_teacher_load).")
     elif experts % ep:
-        ckpt.close()
+        _close(ckpt)
         raise ConfigError(f"teacher {load_dir} has num_moe_experts={experts}, not divisible by the student's "
                           f"expert_model_parallel_size={ep} (the teacher's experts split over the same expert "
                           f"ranks); choose an expert_model_parallel_size that divides both expert counts.")
@@ -97,12 +133,13 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     try:
         tcfg = from_configdict(saved)
     except ConfigError as e:
-        ckpt.close()
+        _close(ckpt)
         raise ConfigError(f"teacher {load_dir} (config.kd_teacher_load) under the student's parallel layout: "
                           f"{e}") from None
     if meta["padded_vocab_size"] != padded_vocab_size:
+        _close(ckpt)
         raise checkpointing.CheckpointError(
-            f"teacher {ckpt.directory} has a padded vocabulary of {meta['padded_vocab_size']} but the student "
+            f"teacher {load_dir} has a padded vocabulary of {meta['padded_vocab_size']} but the student "
             f"has {padded_vocab_size}; teacher and student must share the tokenizer (config.tokenizer_model) "
             f"and make_vocab_size_divisible_by")
     run = build(tcfg, mesh, vocab_size=meta["padded_vocab_size"])
@@ -111,10 +148,16 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
         lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype,
                                           sharding=s),
         run.abstract_state.params, run.state_shardings.params)
-    try:
-        params, meta = checkpoint_layout.restore_params(ckpt, target, tcfg, source="main")
-    finally:
-        ckpt.close()
+    if hf:
+        host = from_hf_state_dict(read_hf_state_dict(load_dir), tcfg, meta["padded_vocab_size"])
+        host = checkpoint_layout.convert_layers(host, checkpoint_layout.LayerLayout(bool(tcfg.scan_layers)),
+                                                checkpoint_layout.LayerLayout.of_config(tcfg), tcfg.num_layers)
+        params = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), host, target)
+    else:
+        try:
+            params, meta = checkpoint_layout.restore_params(ckpt, target, tcfg, source="main")
+        finally:
+            ckpt.close()
     if bf16:
         params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
     return Teacher(cfg=tcfg, model=run.model, params=params, shardings=run.state_shardings.params,

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmegatron.data.tokenizer import load_tokenizer
+from jmegatron.data.tokenizer import build_tokenizer, load_tokenizer
 from jmegatron.models.gpt import init_kv_cache
 from jmegatron.training.run import restore_run_params
 
@@ -247,11 +247,13 @@ def generate_text(load_dir: str, prompts: Sequence[str], max_new_tokens: int, *,
         FileNotFoundError: the tokenizer file does not exist.
     """
     run, params, _ = restore_run_params(load_dir)
-    path = tokenizer_model or run.cfg.tokenizer_model
-    if not path:
+    if tokenizer_model:
+        tok = load_tokenizer(tokenizer_model)
+    elif run.cfg.tokenizer_model or run.cfg.tokenizer_type:
+        tok = build_tokenizer(run.cfg)
+    else:
         raise GenerateError(f"the checkpoint in {load_dir} has no tokenizer_model in its config; "
                             "pass tokenizer_model= (--tokenizer-model)")
-    tok = load_tokenizer(path)
     sampling.setdefault("eod_id", tok.eod)
     outs = generate(run.model, params, [tok.tokenize(t) for t in prompts], max_new_tokens, **sampling)
     return [tok.detokenize(o) for o in outs]

@@ -33,10 +33,12 @@ import multiprocessing
 import os
 import sys
 import time
+import types
 from typing import List, Optional, Sequence, Tuple
 
 from jmegatron.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
-from jmegatron.data.tokenizer import load_tokenizer
+from jmegatron.config import TOKENIZER_TYPES
+from jmegatron.data.tokenizer import build_tokenizer
 
 __all__ = ["main", "resolve_inputs", "preprocess", "get_args"]
 
@@ -87,9 +89,9 @@ def _is_json(path: str) -> bool:
 _WORKER = {}
 
 
-def _init_worker(tokenizer_path: str) -> None:
+def _init_worker(tokenizer) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
+    _WORKER["tokenizer"] = tokenizer  # pickled by the pool (HFTokenizer: its tokenizer.json)
 
 
 def _iter_shard_docs(files: Sequence[Tuple[str, int, int]], lo: int, hi: int):
@@ -176,21 +178,28 @@ def _shard_bounds(files: Sequence[Tuple[str, int, int]], num_shards: int) -> Lis
     return bounds
 
 
-def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: str,
+def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: Optional[str] = None,
                json_keys: Sequence[str] = ("text",), append_eod: bool = False,
-               workers: int = 1, log=sys.stderr) -> List[str]:
+               workers: int = 1, log=sys.stderr, *, tokenizer_type: Optional[str] = None,
+               vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+               vocab_size: Optional[int] = None) -> List[str]:
     """Library entry point of the tool (Megatron ``tools/preprocess_data.py: main`` without
     sentence splitting or partitions); returns the output prefixes
-    ``{output_prefix}_{key}_document``, one per json key, in ``json_keys`` order.
+    ``{output_prefix}_{key}_document``, one per json key, in ``json_keys`` order. The
+    tokenizer is Megatron's ``tokenizer_type`` (default HuggingFaceTokenizer with
+    ``tokenizer_model``; GPT2BPETokenizer with ``vocab_file`` / ``merge_file``; NullTokenizer
+    with ``vocab_size``; :func:`jmegatron.data.tokenizer.build_tokenizer`).
 
     Raises:
         FileNotFoundError: missing input/tokenizer.  ValueError: bad JSON, missing keys,
-        non-UTF-8 input, workers < 1.
+        non-UTF-8 input, workers < 1, a tokenizer type without its files.
     """
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     paths = resolve_inputs(inputs)
-    tok = load_tokenizer(tokenizer_model)  # fail early, and pick the dtype
+    spec = types.SimpleNamespace(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
+                                 vocab_file=vocab_file, merge_file=merge_file, vocab_size=vocab_size)
+    tok = build_tokenizer(spec)  # fail early, and pick the dtype
     dtype = DType.optimal_dtype(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     made_dir = not os.path.isdir(out_dir)
@@ -249,7 +258,7 @@ def _preprocess_into(files, finals, tok, dtype, json_keys, append_eod, workers) 
         try:
             # spawn, not fork: the parent may hold JAX / tokenizers threads.
             ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(tok.path,)) as pool:
+            with ctx.Pool(workers, initializer=_init_worker, initargs=(tok,)) as pool:
                 results = pool.map(_encode_shard, tasks, chunksize=1)
             n_docs = sum(r[0] for r in results)
             n_tokens = sum(r[1] for r in results)
@@ -283,10 +292,14 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="keys to extract from each JSON line (default: text)")
     g = parser.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default="HuggingFaceTokenizer",
-                   choices=["HuggingFaceTokenizer"],
-                   help="only HuggingFace tokenizer.json files are supported")
-    g.add_argument("--tokenizer-model", required=True, help="path to a tokenizer.json")
+    g.add_argument("--tokenizer-type", default="HuggingFaceTokenizer", choices=TOKENIZER_TYPES,
+                   help="Megatron's names: HuggingFaceTokenizer (--tokenizer-model), GPT2BPETokenizer "
+                        "(--vocab-file, --merge-file), NullTokenizer (--vocab-size)")
+    g.add_argument("--tokenizer-model", default=None, help="a tokenizer.json or a save_pretrained folder")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer: the vocabulary, its last id the end of document")
     g.add_argument("--append-eod", action="store_true",
                    help="append the <|endoftext|> id to every non-empty document")
     g = parser.add_argument_group("output data")
@@ -294,7 +307,15 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="writes {prefix}_{key}_document.bin/.idx")
     g = parser.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    uses = {"HuggingFaceTokenizer": {"tokenizer_model"}, "GPT2BPETokenizer": {"vocab_file", "merge_file"},
+            "NullTokenizer": {"vocab_size"}}
+    for name in ("tokenizer_model", "vocab_file", "merge_file", "vocab_size"):
+        if getattr(args, name) is not None and name not in uses[args.tokenizer_type]:
+            owner = next(t for t, names in uses.items() if name in names)
+            parser.error(f"--{name.replace('_', '-')} is {owner}'s; --tokenizer-type is {args.tokenizer_type} "
+                         f"(give --tokenizer-type {owner}, or drop --{name.replace('_', '-')})")
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[str]:
@@ -306,7 +327,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     args = get_args(argv)
     try:
         prefixes = preprocess(args.input, args.output_prefix, args.tokenizer_model,
-                              args.json_keys, args.append_eod, args.workers)
+                              args.json_keys, args.append_eod, args.workers, tokenizer_type=args.tokenizer_type,
+                              vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"preprocess_data: error: {err}")
     for p in prefixes:

@@ -26,7 +26,7 @@ from jmegatron.config import JMegatronConfig
 from jmegatron.data.blended_dataset import build_train_valid_test_datasets
 from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
 from jmegatron.data.loader import BatchLoader
-from jmegatron.data.tokenizer import load_tokenizer
+from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.parallel.rules import data_parallel_size
 from jmegatron.training import checkpointing, flops, memory
 from jmegatron.training.float16_optimizer import Float16OptimizerState, all_finite
@@ -57,8 +57,8 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
     missing prefixes."""
     num_samples = get_train_valid_test_num_samples(cfg, global_batch_size)
     eod = None
-    if cfg.tokenizer_model:
-        eod = load_tokenizer(cfg.tokenizer_model).eod
+    if cfg.tokenizer_model or cfg.tokenizer_type:
+        eod = build_tokenizer(cfg).eod
     data_path = cfg.data_path.split() if cfg.data_path else []
     splits = build_train_valid_test_datasets(
         data_path=data_path, split=cfg.split, train_valid_test_num_samples=num_samples,

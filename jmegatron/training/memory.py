@@ -380,12 +380,21 @@ def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vo
     h``, ``A = 2h^2 (1 + groups/heads) q/h``, ``g = 3/2`` for SwiGLU, ``norm = 2`` for
     LayerNorm (1 for RMSNorm); no biases, no position embeddings and no router, and the
     experts not divided by expert parallelism, as Megatron counts (its final norm is split
-    over the stages with the layers)."""
+    over the stages with the layers). With ``multi_latent_attention``, ``A`` is Megatron's
+    MLA term: ``q_lora (h + heads (dk + dr) + norm)`` (``h heads (dk + dr)`` without q-LoRA)
+    ``+ kv_lora (h + heads (dk + dv) + norm) + h dr + heads dv h``."""
     h = cfg.hidden_size
     norm_size = 1 if cfg.normalization == "RMSNorm" else 2
     gated = 1.5 if cfg.gated_mlp else 1.0
-    q_ratio = cfg.kv_channels * cfg.num_attention_heads / h
-    self_attn = 2 * h * h * ((1 + cfg.num_query_groups / cfg.num_attention_heads) * q_ratio)
+    nq = cfg.num_attention_heads
+    if cfg.multi_latent_attention:
+        qk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+        q_term = h * nq * qk if cfg.q_lora_rank is None else cfg.q_lora_rank * (h + nq * qk + norm_size)
+        self_attn = (q_term + cfg.kv_lora_rank * (h + nq * (cfg.qk_head_dim + cfg.v_head_dim) + norm_size)
+                     + h * cfg.qk_pos_emb_head_dim + nq * cfg.v_head_dim * h)
+    else:
+        q_ratio = cfg.kv_channels * nq / h
+        self_attn = 2 * h * h * ((1 + cfg.num_query_groups / nq) * q_ratio)
     layer = 2 * h * (cfg.ffn_hidden_size * gated + norm_size) + self_attn
     num_moe_layers = flops._num_moe_layers(cfg)
     moe_layer = 0.0

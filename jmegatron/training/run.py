@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
-from jmegatron.data.tokenizer import load_tokenizer
+from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.parallel import pipeline_layout, rules as rules_lib
 from jmegatron.parallel.context_parallel import load_balance_index
 from jmegatron.parallel.grad_sync import StepLayout
@@ -150,7 +150,7 @@ def vocab_size_of(cfg: JMegatronConfig) -> int:
     """The unpadded vocabulary: ``cfg.vocab_size`` or the tokenizer's."""
     if cfg.vocab_size is not None:
         return cfg.vocab_size
-    return load_tokenizer(cfg.tokenizer_model).vocab_size
+    return build_tokenizer(cfg).vocab_size
 
 
 def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optional[int] = None,
