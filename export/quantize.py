@@ -83,7 +83,7 @@ from jmegatron.config import moe_layer_pattern
 from jmegatron.data.blended_dataset import convert_split_vector_to_split_matrix, parse_and_normalize_split
 from jmegatron.data.gpt_dataset import GPTDataset
 from jmegatron.data.indexed_dataset import IndexedDataset
-from jmegatron.data.tokenizer import load_tokenizer
+from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.export.common import (ExportError, ExportSource, check_out_dir, checkpoint_config, hf_model, load_checkpoint,
                                      load_source_tokenizer)
 from jmegatron.export.fp8_scales import (FP8_E4M3_MAX, WEIGHT_SCALES, checkpoint_fp8_scales, layer_fp8_meta,
@@ -752,9 +752,10 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
     for name in names:
         check_block_sizes(name, cfg)
     tokenizer = None
-    if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model):
-
-        tokenizer = load_tokenizer(cfg.tokenizer_model)
+    if (cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model)) or \
+            (cfg.tokenizer_type == "GPT2BPETokenizer" and all(os.path.exists(f or "") for f in (cfg.vocab_file,
+                                                                                              cfg.merge_file))):
+        tokenizer = build_tokenizer(cfg)
     elif cfg.eod_mask_loss or cfg.reset_position_ids or prompt is not None:
         raise ExportError(f"--load {load}: the checkpoint's tokenizer_model {cfg.tokenizer_model!r} is missing; "
                           "--prompt, eod_mask_loss and reset_position_ids need it")
