@@ -40,6 +40,18 @@ if not os.environ.get("JMEGATRON_TEST_NO_JAX_CACHE"):  # set it to compare timin
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def subprocess_env(devices: int, cache: bool = True) -> dict:
+    """``os.environ`` for a one-process JAX subprocess of a test: ``devices`` simulated CPU
+    devices with this suite's compile flags (above), and this run's compilation cache unless
+    ``cache=False`` (never for multi-process runs: their collectives are not this process's)."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                                     "--xla_backend_optimization_level=0 "
+                                     "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    if cache and not os.environ.get("JMEGATRON_TEST_NO_JAX_CACHE"):
+        env.update(JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+    return env
+
+
 def pytest_sessionfinish(session):
     if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
         shutil.rmtree(JAX_CACHE, ignore_errors=True)

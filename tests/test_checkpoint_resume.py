@@ -14,7 +14,7 @@ from jmegatron.config import base_config, from_configdict
 from jmegatron.training import checkpointing
 from jmegatron.training.loop import pretrain
 
-from conftest import REPO
+from conftest import REPO, subprocess_env
 
 
 def cfg_for(save, **kw):
@@ -82,7 +82,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
            "--config.max_position_embeddings=32", "--config.micro_batch_size=2",
            "--config.global_batch_size=2", "--config.train_iters=100000", "--config.log_interval=1",
            "--config.peak_tflops=1.0", f"--config.save={save}", "--config.save_interval=None"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = subprocess_env(1)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     deadline = time.time() + 180

@@ -4,7 +4,6 @@ numpy (ml_dtypes) emulation, the amax / scale update against a float32 reference
 steps, max-combination of the observed amaxes through gradient accumulation, scan_layers,
 data parallelism, ZeRO-1 and the pipeline, exact resume and the CLI."""
 
-import os
 import subprocess
 import sys
 
@@ -23,7 +22,7 @@ from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training.optimizer import make_optimizer
 from jmegatron.training.run import build
 
-from conftest import REPO
+from conftest import REPO, subprocess_env
 from test_train_step import random_batches, tiny_cfg
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0  # the formats' largest finite values (OCP FP8 spec)
@@ -386,7 +385,7 @@ def test_cli_trains_in_fp8(tmp_path):
            "--config.max_position_embeddings=32", "--config.micro_batch_size=2", "--config.global_batch_size=4",
            "--config.train_iters=3", "--config.lr_warmup_iters=1", "--config.log_interval=1", "--config.eval_interval=0",
            "--config.peak_tflops=1.0", f"--config.save={tmp_path}", "--config.fp8_amax_history_len=4"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = subprocess_env(1)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "iteration        3/" in proc.stdout

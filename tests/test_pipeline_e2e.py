@@ -23,7 +23,7 @@ from jmegatron.train import main as train_main
 from jmegatron.training.loop import pretrain
 from jmegatron.training.run import restore_run
 
-from conftest import REPO
+from conftest import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,8 @@ PP2 = dict(pipeline_model_parallel_size=2, pipeline_schedule="1f1b")
 
 
 def cli(args, devices=8):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    r = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=subprocess_env(devices), capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r.stdout
 

@@ -2,20 +2,19 @@
 (CLI) -> evaluate -> sample, each through its command-line entry point."""
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow
 
 
 def run(args, **kw):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = subprocess_env(1)
     r = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=600, **kw)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
