@@ -49,6 +49,21 @@ class CorruptCheckpointError(CheckpointError):
 
 
 FINGERPRINTS_KEY = "fingerprints"
+# Orbax splits the write of an array replicated on several devices across its replicas,
+# each slice cut by a compiled ``slice`` program per array shape (the default off GPUs).
+# Below this many bytes per slice the compile costs more than the write it shares.
+MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL = 1 << 20
+
+
+def _register_array_handler() -> None:
+    """Orbax's ``jax.Array`` handler with :data:`MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL`.
+    Orbax's ``StandardCheckpointHandler`` reads its type handlers from the process-wide
+    registry only, so the handler is registered there (once; other Orbax users in the
+    process save their arrays the same way)."""
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if getattr(handler, "_min_slice_bytes_for_replica_parallel", None) != MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL:
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
 KILL_ENV = "JMEGATRON_CHECKPOINT_KILL"
 
 
@@ -136,6 +151,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.incomplete = incomplete_saves(self.directory)  # before a writer removes them
         # A writer removes the leftovers of killed saves (Orbax ignores them when listing steps).
+        _register_array_handler()
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
                                                enable_async_checkpointing=async_save,
                                                cleanup_tmp_directories=create)

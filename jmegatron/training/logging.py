@@ -110,6 +110,22 @@ def memory_line(iteration: int, m: dict, source: Optional[str]) -> str:
     return text + (f" | source: {source}" if source else "")
 
 
+
+def _summary_writer(logdir: str):
+    """tensorboardX's ``SummaryWriter`` for ``logdir``. tensorboardX imports torch, when it is
+    installed, only to accept torch tensors (about 1 s of every run's start); this logger
+    writes floats and numpy arrays, so torch is hidden from that import unless the process
+    has already imported it."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+    else:
+        sys.modules["torch"] = None  # makes ``import torch`` raise ImportError
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+    return SummaryWriter(logdir)
+
 class MetricsLogger:
     """Writes training and validation metrics.
 
@@ -150,9 +166,7 @@ class MetricsLogger:
             self._jsonl = open(os.path.join(save_dir, "metrics.jsonl"), "a", buffering=1)
         self._tb = None
         if tensorboard_dir:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(tensorboard_dir)
+            self._tb = _summary_writer(tensorboard_dir)
 
     def log_train(self, iteration: int, step_metrics: list[dict[str, Any]], elapsed_s: float,
                   consumed_samples: Optional[int] = None, global_batch_size: Optional[int] = None,
