@@ -1,4 +1,4 @@
-"""One rank of tests/test_data_loader_multiprocess.py (not a test module): trains a tiny
+"""One rank of tests/test_multiprocess.py (not a test module): trains a tiny
 GPT with ``jmegatron.training.loop.pretrain`` while recording every train-split sample
 index this process reads, and writes ``{out}/rank{process}.json``.
 

@@ -2,7 +2,7 @@
 rows from the batch shardings, variable-length padding agreed without reading tokens,
 Megatron's end of the data (single / cyclic), and the prefetch thread (order, errors at
 the batch they concern, exact positions, clean close). Two real processes:
-tests/test_data_loader_multiprocess.py."""
+tests/test_multiprocess.py."""
 
 import threading
 import time

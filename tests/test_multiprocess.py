@@ -1,6 +1,7 @@
 """Multi-process runs on JAX's own runtime (jax.distributed, gloo CPU collectives on
-127.0.0.1): 2 processes x 2 devices train like 1 process x 4 devices; a dead rank stops
-the run within a bounded time; checkpoints are written once and resume."""
+127.0.0.1): 2 processes x 2 devices train like 1 process x 4 devices, each process reading
+only the rows its devices hold; a dead rank stops the run within a bounded time;
+checkpoints are written once and resume."""
 
 import json
 import os
@@ -36,20 +37,39 @@ def _losses(save):
     return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
 
 
-def test_two_processes_match_one(tmp_path):
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    args = ["--config.train_iters=6", "--config.save_interval=3"]
-    subprocess.run(TRAIN + args + [f"--config.save={one}"], cwd=REPO, env=_env(4), check=True,
-                   timeout=300, capture_output=True)
-    r = subprocess.run([sys.executable, "-m", "jmegatron.launch", "--nproc", "2", "--devices-per-proc", "2",
-                        "--"] + TRAIN + args + [f"--config.save={two}"],
+def test_two_processes_match_one_and_each_reads_only_its_rows(tmp_path):
+    """2 processes x 2 devices (tp2 inside a process, dp2 across them) under the launcher
+    train like 1 process x 4 devices; each process reads only the rows its devices hold
+    (tests/data_loader_worker.py records the reads); one metrics file and one set of
+    checkpoint steps are written by the processes together."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    iters, gbs, rows = 4, 16, 4  # micro_batch_size 2 x dp 2: rows per micro-batch
+    args = [f"--config.train_iters={iters}", "--config.save_interval=2", "--config.num_workers=2"]
+    worker = [sys.executable, "tests/data_loader_worker.py"]
+    r = subprocess.run([sys.executable, "-m", "jmegatron.launch", "--nproc", "2", "--devices-per-proc", "2", "--"]
+                       + worker + [str(two)] + TRAIN[3:] + args + [f"--config.save={two / 'run'}"],
                        cwd=REPO, env=_env(1), timeout=300, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = _losses(one), _losses(two)
-    assert sorted(a) == sorted(b) == list(range(1, 7))
-    np.testing.assert_allclose([b[i] for i in range(1, 7)], [a[i] for i in range(1, 7)], rtol=1e-6)
-    # one metrics file and one set of checkpoint steps, written by the processes together
-    assert sorted(os.listdir(two)) == ["3", "6", "config.json", "metrics.jsonl", "tensorboard"]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    r1 = subprocess.run(worker + [str(one)] + TRAIN[3:] + args + [f"--config.save={one / 'run'}"], cwd=REPO,
+                        env=_env(4), timeout=300, capture_output=True, text=True)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    ranks = [json.load(open(two / f"rank{p}.json")) for p in (0, 1)]
+    single = json.load(open(one / "rank0.json"))
+    trained = iters * gbs  # samples the iterations consume (the prefetch thread may read further)
+    assert single["rows"] is None and set(range(trained)) <= set(single["read"])
+    for p, rank in enumerate(ranks):
+        # process p holds data rank p (its 2 devices are one tensor-parallel pair) = rows 2p, 2p+1
+        assert rank["rows"] == [2 * p, 2 * p + 1] and rank["rows_per_microbatch"] == rows
+        read = np.array(rank["read"])
+        assert np.all(np.isin(read % rows, rank["rows"])), "a process read a row it does not hold"
+        mine = [i for i in range(trained) if i % rows in rank["rows"]]
+        assert sorted(read[read < trained].tolist()) == mine  # each of its samples exactly once
+    assert not set(ranks[0]["read"]) & set(ranks[1]["read"])
+    a, b = _losses(one / "run"), _losses(two / "run")
+    assert sorted(a) == sorted(b) == list(range(1, iters + 1))
+    np.testing.assert_allclose([b[i] for i in range(1, iters + 1)], [a[i] for i in range(1, iters + 1)], rtol=1e-6)
+    assert sorted(os.listdir(two / "run")) == ["2", "4", "config.json", "metrics.jsonl", "tensorboard"]
     # (one process resuming a 2-process checkpoint: tests/test_stop.py's SIGTERM test)
 
 
