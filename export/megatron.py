@@ -113,6 +113,7 @@ _MOE_MODEL_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_shared_exper
                      "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_num_groups",
                      "moe_router_group_topk")
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER_KEY = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")  # an MTP depth's transformer layer
 _EXPERT_KEY = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _TE_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TEGroupedMLP's per-expert weights
 
@@ -166,7 +167,8 @@ def megatron_args(cfg, padded_vocab_size: int, vocab_size: int, *, tensor_model_
         swiglu=cfg.swiglu, squared_relu=False, openai_gelu=cfg.openai_gelu, add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias or cfg.add_bias_linear, qk_layernorm=cfg.qk_layernorm,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
-        multi_latent_attention=False, mtp_num_layers=None,
+        multi_latent_attention=False, mtp_num_layers=cfg.mtp_num_layers,
+        mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
         vocab_size=vocab_size, padded_vocab_size=padded_vocab_size,
         make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout, init_method_std=cfg.init_method_std,
@@ -208,7 +210,7 @@ def config_fields_from_megatron_args(args: Any) -> dict[str, Any]:
     args know it (``None`` otherwise), and ``tokenizer_type`` with its files
     (``tokenizer_model`` or ``vocab_file`` / ``merge_file``, absolute) when the args name a
     HuggingFaceTokenizer or GPT2BPETokenizer whose files exist on this machine. Raises ValueError naming every argument jmegatron
-    cannot represent (multi-latent attention, multi-token prediction, partial or
+    cannot represent (multi-latent attention, partial or
     interleaved RoPE, ``apply_layernorm_1p``, ``squared_relu``, an expert tensor size other
     than the tensor size, uneven or hybrid layer layouts).
     """
@@ -222,8 +224,6 @@ def config_fields_from_megatron_args(args: Any) -> dict[str, Any]:
         v = get(name)
         if (bad is None and v is not None) or (bad is not None and v in bad):
             problems.append(f"{name}={v!r}")
-    if get("mtp_num_layers"):
-        problems.append(f"mtp_num_layers={get('mtp_num_layers')} (multi-token prediction)")
     if get("rotary_percent", 1.0) not in (None, 1.0):
         problems.append(f"rotary_percent={get('rotary_percent')} (partial RoPE)")
     if get("num_experts") and get("expert_tensor_parallel_size") not in (None, get("tensor_model_parallel_size", 1)):
@@ -248,6 +248,8 @@ def config_fields_from_megatron_args(args: Any) -> dict[str, Any]:
         fields.update({k: get(k) for k in _MOE_SAME_NAME if get(k) is not None})
         if isinstance(fields.get("moe_layer_freq"), list):
             fields["moe_layer_freq"] = tuple(fields["moe_layer_freq"])
+    if get("mtp_num_layers"):
+        fields.update(mtp_num_layers=get("mtp_num_layers"), mtp_loss_scaling_factor=get("mtp_loss_scaling_factor", 0.1))
     fields["vocab_size"] = get("vocab_size")
     kind = get("tokenizer_type")
     files = {"HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}.get(kind)
@@ -356,6 +358,15 @@ def to_megatron_state_dict(params: Mapping, cfg, padded_vocab_size: Optional[int
     sd["decoder.final_layernorm.weight"] = p["final_layernorm"]["scale"]
     if "bias" in p["final_layernorm"]:
         sd["decoder.final_layernorm.bias"] = p["final_layernorm"]["bias"]
+    for k in range(cfg.mtp_num_layers or 0):  # megatron-core's MultiTokenPredictionLayer
+        m, o = p[f"mtp_layers_{k}"], f"mtp.layers.{k}"
+        for norm in ("enorm", "hnorm", "final_layernorm"):
+            sd[f"{o}.{norm}.weight"] = m[norm]["scale"]
+            if "bias" in m[norm]:
+                sd[f"{o}.{norm}.bias"] = m[norm]["bias"]
+        sd[f"{o}.eh_proj.weight"] = np.ascontiguousarray(m["eh_proj"]["kernel"].T)
+        for key, t in _layer_to_megatron(m["transformer_layer"], cfg, bool(moe_layers[-1])).items():
+            sd[f"{o}.transformer_layer.{key}"] = t
     if cfg.untie_embeddings_and_output_weights:
         sd["output_layer.weight"] = repad(np.ascontiguousarray(p["output_layer"]["kernel"].T))
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}
@@ -366,14 +377,17 @@ def _canonical(key: str) -> Optional[str]:
     if key.endswith("_extra_state") or "._extra_state" in key:
         return None
     m = _LAYER_KEY.match(key)
+    prefix = f"decoder.layers.{m[1]}" if m else None
     if not m:
-        return key
-    i, rest = m.groups()
-    rest = _TE_NORMS.get(rest, rest)
+        m = _MTP_LAYER_KEY.match(key)
+        if not m:
+            return key
+        prefix = m[1]
+    rest = _TE_NORMS.get(m[2], m[2])
     g = _TE_GROUPED.match(rest)
     if g:
         rest = f"mlp.experts.local_experts.{g[2]}.{g[1]}.weight"
-    return f"decoder.layers.{i}.{rest}"
+    return f"{prefix}.{rest}"
 
 
 def from_megatron_state_dict(state_dict: Mapping[str, Any], cfg, padded_vocab_size: Optional[int] = None,
@@ -441,8 +455,8 @@ def from_megatron_state_dict(state_dict: Mapping[str, Any], cfg, padded_vocab_si
         p["position_embeddings"] = {"embedding": t("embedding.position_embeddings.weight",
                                                     (cfg.max_position_embeddings, h))}
     moe_layers = _moe_layers(cfg)
-    for i in range(cfg.num_layers):
-        o = f"decoder.layers.{i}"
+
+    def transformer_layer(o: str, moe: bool) -> dict:
         qkv = {"kernel": np.ascontiguousarray(
             t(f"{o}.self_attention.linear_qkv.weight", (ng * (r + 2) * d, h)).reshape(ng, r + 2, d, h)
             .transpose(3, 0, 1, 2))}
@@ -458,7 +472,7 @@ def from_megatron_state_dict(state_dict: Mapping[str, Any], cfg, padded_vocab_si
                 attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attention.{n}_layernorm.weight", (d,))}
         layer = {"input_layernorm": norm(f"{o}.input_layernorm"), "self_attention": attn,
                  "pre_mlp_layernorm": norm(f"{o}.pre_mlp_layernorm")}
-        if not moe_layers[i]:
+        if not moe:
             layer["mlp"] = dense(f"{o}.mlp", cfg.ffn_hidden_size)
         else:
             e, f = cfg.num_moe_experts, cfg.moe_ffn_hidden_size
@@ -476,8 +490,17 @@ def from_megatron_state_dict(state_dict: Mapping[str, Any], cfg, padded_vocab_si
                     mlp["shared_expert_gate"] = {"gate": {"kernel": np.ascontiguousarray(
                         t(f"{o}.mlp.shared_experts.gate_weight", (1, h)).T)}}
             layer["mlp"] = mlp
-        p[f"decoder_layers_{i}"] = layer
+        return layer
+
+    for i in range(cfg.num_layers):
+        p[f"decoder_layers_{i}"] = transformer_layer(f"decoder.layers.{i}", bool(moe_layers[i]))
     p["final_layernorm"] = norm("decoder.final_layernorm")
+    for k in range(cfg.mtp_num_layers or 0):  # megatron-core's MultiTokenPredictionLayer
+        o = f"mtp.layers.{k}"
+        p[f"mtp_layers_{k}"] = {
+            "enorm": norm(f"{o}.enorm"), "hnorm": norm(f"{o}.hnorm"), "final_layernorm": norm(f"{o}.final_layernorm"),
+            "eh_proj": {"kernel": np.ascontiguousarray(t(f"{o}.eh_proj.weight", (h, 2 * h)).T)},
+            "transformer_layer": transformer_layer(f"{o}.transformer_layer", bool(moe_layers[-1]))}
     if cfg.untie_embeddings_and_output_weights:
         p["output_layer"] = {"kernel": np.ascontiguousarray(repad(t("output_layer.weight", (emb.shape[0], h))).T)}
     else:
@@ -491,7 +514,7 @@ def from_megatron_state_dict(state_dict: Mapping[str, Any], cfg, padded_vocab_si
 
 
 # ----------------------------------------------------------------------------- tensor / pipeline / expert shards
-_COLUMN = re.compile(r"(linear_qkv\.(weight|bias)|word_embeddings\.weight|^output_layer\.weight)$")
+_COLUMN = re.compile(r"(linear_qkv\.(weight|bias)|word_embeddings\.weight|^output_layer\.weight|eh_proj\.weight)$")
 _ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
 _FC1 = re.compile(r"linear_fc1\.(weight|bias)$")
 
@@ -583,10 +606,17 @@ def shard_state_dict(sd: Mapping[str, np.ndarray], cfg, tp: int = 1, pp: int = 1
                     if s != 0:
                         continue
                     name = key
-                else:  # final norm, output layer
+                else:  # final norm, output layer, multi-token prediction
                     if s != pp - 1:
                         continue
                     name = key
+                    mm = _MTP_LAYER_KEY.match(key)
+                    em = _EXPERT_KEY.match(mm[2]) if mm else None
+                    if em:
+                        j = int(em[1])
+                        if j // (e // ep) != x:
+                            continue
+                        name = f"{mm[1]}.mlp.experts.local_experts.{j % (e // ep)}.{em[2]}"
                 for t, piece in enumerate(_tp_split(name, a, tp, glu)):
                     local[t][name] = piece
             if pp > 1 and s == pp - 1 and not cfg.untie_embeddings_and_output_weights:
@@ -633,6 +663,10 @@ def merge_shards(shards: Mapping[tuple[int, int, int], Mapping[str, Any]], cfg, 
                         if em:
                             rest = f"mlp.experts.local_experts.{x * (e // ep) + int(em[1])}.{em[2]}"
                         c = f"decoder.layers.{i}.{rest}"
+                    elif _MTP_LAYER_KEY.match(c) and _EXPERT_KEY.match(_MTP_LAYER_KEY.match(c)[2]):
+                        mm = _MTP_LAYER_KEY.match(c)
+                        em = _EXPERT_KEY.match(mm[2])
+                        c = f"{mm[1]}.mlp.experts.local_experts.{x * (e // ep) + int(em[1])}.{em[2]}"
                     elif x > 0:
                         continue  # expert ranks repeat the dense tensors
                     elif c == "output_layer.weight" and pp > 1 and s == pp - 1 and \
@@ -898,11 +932,13 @@ def megatron_core_model(cfg, padded_vocab_size: int, initialize: bool = False):
 
     The modules megatron-core builds for Megatron-LM's ``pretrain_gpt.py`` with
     ``--transformer-impl local``: ``get_gpt_layer_local_spec`` for dense models,
-    ``get_gpt_decoder_block_spec`` for mixture-of-experts ones."""
+    ``get_gpt_decoder_block_spec`` for mixture-of-experts ones, ``get_gpt_mtp_block_spec``
+    for the multi-token prediction layers."""
     import torch
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                          get_gpt_mtp_block_spec)
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -919,7 +955,8 @@ def megatron_core_model(cfg, padded_vocab_size: int, initialize: bool = False):
               pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(), pipeline_dtype=torch.float32,
               expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
               expert_tensor_parallel_size=ps.get_tensor_model_parallel_world_size(),
-              sequence_parallel=False)
+              sequence_parallel=False, mtp_num_layers=cfg.mtp_num_layers,
+              mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor)
     if cfg.num_moe_experts is not None:
         kw.update({k: getattr(cfg, k) for k in _MOE_MODEL_FIELDS}, num_moe_experts=cfg.num_moe_experts,
                   moe_layer_freq=list(_moe_layers(cfg)), moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
@@ -931,11 +968,13 @@ def megatron_core_model(cfg, padded_vocab_size: int, initialize: bool = False):
         spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
     rope = dict(rotary_base=cfg.rotary_base, seq_len_interpolation_factor=cfg.rotary_seq_len_interpolation_factor,
                 rope_scaling=cfg.rope_scaling, rope_scaling_factor=cfg.rope_scaling_factor)
+    mtp = None if not cfg.mtp_num_layers else get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     with cpu_megatron_core():  # the router's expert-bias buffers are made on torch.cuda.current_device()
         return GPTModel(config, spec, vocab_size=padded_vocab_size, max_sequence_length=cfg.max_position_embeddings,
                         position_embedding_type=cfg.position_embedding_type,
                         share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
-                        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(), **rope)
+                        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                        mtp_block_spec=mtp, **rope)
 
 
 def torch_state_dict(sd: Mapping[str, np.ndarray], model, dtype: str = "float32") -> dict:

@@ -216,6 +216,12 @@ class JMegatronConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # multi-token prediction (DeepSeek-V3; Megatron-LM's --mtp-num-layers, --mtp-loss-scaling-factor):
+    # mtp_num_layers depths, depth k predicting the token k + 1 ahead with one more transformer
+    # layer of the last decoder layer's kind; their losses are reported as "mtp_k loss" and add
+    # mtp_loss_scaling_factor / mtp_num_layers times their sum to the optimised loss. None: off
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
     # Megatron's --apply-layernorm-1p (megatron-core's layernorm_zero_centered_gamma): every
     # norm multiplies by (1 + scale), its scale initialised to 0 (Gemma's RMSNorm)
     apply_layernorm_1p: bool = False
@@ -639,6 +645,7 @@ class JMegatronConfig:
                 f"config.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"config.num_query_groups={self.num_query_groups}; choose a divisor of the heads.")
         self._check_mla()
+        self._check_mtp()
         if self.position_embedding_type in ("rope", "yarn") and self.kv_channels % 2 and not self.multi_latent_attention:
             raise ConfigError(f"config.kv_channels={self.kv_channels} must be even for {self.position_embedding_type}.")
         self._check_rope()
@@ -858,6 +865,24 @@ class JMegatronConfig:
         if self.transformer_impl == "transformer_engine":
             raise ConfigError("config.multi_latent_attention=True with transformer_impl='transformer_engine' is not "
                               "built; set transformer_impl='local' (or 'auto').")
+
+    def _check_mtp(self):
+        """Multi-token prediction: its depth, its factor, and the layouts it is not built for."""
+        if self.mtp_num_layers is None:
+            return
+        if self.mtp_num_layers < 1:
+            raise ConfigError(f"config.mtp_num_layers={self.mtp_num_layers} must be >= 1 (None: no multi-token "
+                              f"prediction).")
+        if not self.mtp_loss_scaling_factor >= 0:
+            raise ConfigError(f"config.mtp_loss_scaling_factor={self.mtp_loss_scaling_factor} must be >= 0.")
+        refused = dict(pipeline_model_parallel_size=self.pipeline_model_parallel_size > 1,
+                       context_parallel_size=self.context_parallel_size > 1,
+                       kd_teacher_load=self.kd_teacher_load is not None)
+        for name, bad in refused.items():
+            if bad:
+                raise ConfigError(f"config.mtp_num_layers={self.mtp_num_layers} with {name}={getattr(self, name)!r} "
+                                  f"is not built (multi-token prediction runs unpipelined, without context "
+                                  f"parallelism, in language-model training); unset mtp_num_layers or {name}.")
 
     @property
     def gated_mlp(self) -> bool:
@@ -1118,7 +1143,7 @@ MODEL_FIELDS = (
     "add_bias_linear", "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p", "gated_linear_unit", "softmax_scale",
     "attn_logit_softcapping", "final_logit_softcapping", "window_size", "window_attn_skip_freq",
     "rotary_base_local", "sandwich_norms", "scale_embeddings", "multi_latent_attention", "q_lora_rank",
-    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
     "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",
 )

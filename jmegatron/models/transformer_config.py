@@ -67,6 +67,9 @@ class ModelConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # multi-token prediction (jmegatron.models.multi_token_prediction); None: off
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
     scan_layers: bool = False
     recompute_granularity: str = "none"
     dropout_impl: str = "hash"
@@ -154,6 +157,11 @@ class ModelConfig:
         if self.moe is None:
             return (0,) * self.num_layers
         return moe_layer_pattern(self.moe.moe_layer_freq, self.num_layers)
+
+    def mtp_moe_layers(self) -> tuple[int, ...]:
+        """1 for each multi-token prediction depth whose layer is an MoE layer (each takes the
+        last decoder layer's kind, as megatron-core's), else 0; empty without ``mtp_num_layers``."""
+        return (self.moe_layers()[-1],) * (self.mtp_num_layers or 0)
 
     def dense_dot_general(self) -> Callable:
         """The dense layers' ``dot_general`` for ``backend.matmul``."""

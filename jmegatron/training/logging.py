@@ -35,6 +35,7 @@ import datetime
 import json
 import math
 import os
+import re
 import resource
 import sys
 from typing import Any, Callable, Optional
@@ -54,6 +55,23 @@ REPORT_NAMES = {
     "seq_load_balancing_loss": "seq_load_balancing_loss",
     "z_loss": "z_loss",
 }
+
+
+def report_name(key: str) -> str:
+    """The console name of report ``key``: :data:`REPORT_NAMES`, or Megatron's ``mtp_{k} loss``
+    for a multi-token prediction depth's ``mtp_{k}_loss``."""
+    if key in REPORT_NAMES:
+        return REPORT_NAMES[key]
+    return key[:-len("_loss")] + " loss"
+
+
+def reported_keys(metrics: dict) -> list:
+    """The report keys of ``metrics`` that the console line prints, in :data:`REPORT_NAMES`
+    order, then the multi-token prediction depths (``mtp_1_loss``, ``mtp_2_loss``, ...)."""
+    mtp = sorted((k for k in metrics if re.fullmatch(r"mtp_\d+_loss", k)), key=lambda k: int(k.split("_")[1]))
+    return [k for k in REPORT_NAMES if k in metrics] + mtp
+
+
 MB = 1024.0 * 1024.0  # Megatron's report_memory "MB" (mega_bytes = 1024 * 1024)
 # The " | source: ..." suffix of the memory line: which figures it holds (log_memory's docstring).
 SOURCE_DEVICE = "device memory_stats"
@@ -187,7 +205,7 @@ class MetricsLogger:
         tokens = float(sum(float(m["num_tokens"]) for m in step_metrics))
         flops = self.flops_per_iteration * n if flops is None else float(flops)
         tflops = flops / max(elapsed_s, 1e-9) / self.num_devices / 1e12
-        reported = [k for k in REPORT_NAMES if k in step_metrics[0]]
+        reported = reported_keys(step_metrics[0])
         record = {
             "iteration": iteration,
             "consumed_samples": consumed_samples,
@@ -259,7 +277,7 @@ class MetricsLogger:
         text += f" learning rate: {r['lr']:.6E} |"
         if gbs is not None:
             text += f" global batch size: {gbs:5d} |"
-        text += "".join(f" {REPORT_NAMES[k]}: {r[k]:.6E} |" for k in reported)
+        text += "".join(f" {report_name(k)}: {r[k]:.6E} |" for k in reported)
         text += f" loss scale: {r['loss_scale']:.1f} |"
         text += f" grad norm: {r['grad_norm']:.3f} |"
         if "num_zeros" in r:

@@ -14,6 +14,7 @@ from jmegatron.fusions.fused_cross_entropy import softmax_cross_entropy
 from jmegatron.kernels.pallas.cross_entropy import lm_cross_entropy
 from jmegatron.models.backend import resolve_cross_entropy_impl
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
+from jmegatron.models.multi_token_prediction import MTP_COLLECTION, mtp_losses
 
 
 def token_cross_entropy(logits: jax.Array, labels: jax.Array, impl: str = "xla") -> jax.Array:
@@ -53,20 +54,30 @@ def lm_loss_fn(model, cross_entropy_impl: str = "xla") -> Callable:
     of the local sums over ``num_tokens``; float32), reported as ``lm_loss`` (Megatron's
     ``loss_func`` in pretrain_gpt.py; ``cross_entropy_impl``: :func:`token_cross_entropy`).
     An MoE model's router losses are added to it and reported beside ``lm_loss``
-    (:func:`jmegatron.models.moe.moe_layer.add_moe_losses`)."""
-    moe = getattr(getattr(model, "cfg", None), "moe", None)
+    (:func:`jmegatron.models.moe.moe_layer.add_moe_losses`); so are a model's multi-token
+    prediction losses (``mtp_{k}_loss``, :func:`jmegatron.models.multi_token_prediction.mtp_losses`)."""
+    cfg = getattr(model, "cfg", None)
+    moe = getattr(cfg, "moe", None)
+    mtp = bool(getattr(cfg, "mtp_num_layers", None))
+    mutable = (list(MOE_COLLECTIONS) if moe is not None else []) + ([MTP_COLLECTION] if mtp else [])
+
+    def cross_entropy(logits, labels, mask):
+        return masked_cross_entropy(logits, labels, mask, cross_entropy_impl)
 
     def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
         out = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
                           deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"],
-                          segment_ids=micro.get("segment_ids"),
-                          mutable=list(MOE_COLLECTIONS) if moe is not None else False)
-        logits, sown = out if moe is not None else (out, {})
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"], cross_entropy_impl)
+                          segment_ids=micro.get("segment_ids"), mutable=mutable or False)
+        logits, sown = out if mutable else (out, {})
+        total, _ = cross_entropy(logits, micro["labels"], micro["loss_mask"])
         loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
         report = {"lm_loss": loss}
         if moe is not None:
-            loss, report = add_moe_losses(model.cfg, loss, report, sown, micro, data_sum)
+            loss, report = add_moe_losses(cfg, loss, report, sown, micro, data_sum)
+        if mtp:
+            added, mtp_report = mtp_losses(sown[MTP_COLLECTION]["logits"], micro["labels"], micro["loss_mask"],
+                                           data_sum, cross_entropy, cfg.mtp_loss_scaling_factor)
+            loss, report = loss + added, {**report, **mtp_report}
         return loss, report
 
     return loss_fn

@@ -177,7 +177,7 @@ def add_moe_losses(cfg: ModelConfig, loss: Array, report: dict, sown: Any, micro
     losses are its estimate of its sequences' whole loss (the router's module doc), so the
     mean over data x context ranks is Megatron's sum of per-rank shares over context.
     """
-    aux, moe_report = moe_loss_terms(sown, cfg.moe, sum(cfg.moe_layers()))
+    aux, moe_report = moe_loss_terms(sown, cfg.moe, sum(cfg.moe_layers()) + sum(cfg.mtp_moe_layers()))
     local = jnp.sum(jnp.ones_like(micro["loss_mask"], jnp.float32))
     tokens = data_sum(local)
 
@@ -199,7 +199,8 @@ def update_expert_bias(params: Any, tokens_per_expert: Array, update_rate: float
 
     ``tokens_per_expert`` float32 ``[num_moe_layers, E]``: the tokens each expert received
     in the step, over every micro-batch and rank (the train step's ``moe_tokens_per_expert``
-    report, in MoE-layer order; any positive scale, the update takes its sign).
+    report, in MoE-layer order, the multi-token prediction layers' ``mtp_layers_<k>`` rows
+    after the decoder's; any positive scale, the update takes its sign).
     ``moe_pattern``: one 0/1 per model layer (``ModelConfig.moe_layers()``). Per-layer
     parameters (``decoder_layers_{i}``) take the row of their MoE layer; stacked ones
     (``decoder_layers``, leaves ``[slots, E]``) the row of the model layer at each slot,
@@ -224,8 +225,11 @@ def update_expert_bias(params: Any, tokens_per_expert: Array, update_rate: float
         if top.startswith("decoder_layers_"):
             return moe_utils.get_updated_expert_bias(tokens_per_expert[moe_row[int(top.rsplit("_", 1)[1])]],
                                                      leaf, update_rate)
-        raise ValueError(f"update_expert_bias: an expert_bias under {top!r}: expected decoder_layers or "
-                         f"decoder_layers_<i>")
+        if top.startswith("mtp_layers_"):  # the MoE rows after the decoder's
+            return moe_utils.get_updated_expert_bias(tokens_per_expert[int(pattern.sum()) + int(top.rsplit("_", 1)[1])],
+                                                     leaf, update_rate)
+        raise ValueError(f"update_expert_bias: an expert_bias under {top!r}: expected decoder_layers, "
+                         f"decoder_layers_<i> or mtp_layers_<k>")
 
     return jax.tree_util.tree_map_with_path(update, params)
 
