@@ -8,9 +8,9 @@ Megatron-LM's DeepSeek-V3 recipe (the Hub's config.json is not read here): 61 la
 4, scaling 2.5) plus one shared expert of 2048; hidden 7168, 128 heads of multi-latent
 attention (q_lora_rank 1536, kv_lora_rank 512, qk_head_dim 128 + qk_pos_emb_head_dim 64,
 v_head_dim 128), YaRN factor 40 over a 4096-token original context (mscale 1, mscale_all_dim
-1), vocabulary 129280, untied output, sequences of 4096. Multi-token prediction (one depth,
-about 11.6B more parameters) is not built yet and not counted. The optimizer and schedule
-stand in from configs/llama2_7b.py.
+1), vocabulary 129280, untied output, sequences of 4096, and one multi-token prediction depth
+(an MoE layer, 11.6B more parameters; its loss weighted 0.1, Megatron-LM's recipe). The
+optimizer and schedule stand in from configs/llama2_7b.py.
 """
 
 import os
@@ -42,4 +42,6 @@ def get_config():
     c.seq_length = 4096
     c.max_position_embeddings = 163840
     c.vocab_size = 129280
+    c.mtp_num_layers = 1
+    c.mtp_loss_scaling_factor = 0.1
     return c

@@ -227,10 +227,14 @@ def test_parameter_classes_with_experts():
 
 def test_deepseek_v3_megatron_count_uses_the_mla_term():
     # Megatron-LM's theoretical_memory_usage.py with multi_latent_attention: its count is every
-    # parameter but the routers and their expert biases (h E + E per MoE layer), MLA included
+    # parameter but the routers and their expert biases (h E + E per MoE layer), MLA included,
+    # and of the multi-token prediction depth its layer alone (not eh_proj [2h, h] and 3 norms)
     c = load_config_file(str(REPO / "configs" / "deepseek_v3.py"))
     h, E, V = c.hidden_size, c.num_moe_experts, c.padded_vocab_size()
-    moe_layers = flops._num_moe_layers(c)
+    moe_layers = flops._num_moe_layers(c, mtp=True)
+    assert (c.mtp_num_layers, moe_layers) == (1, 59)  # 58 decoder MoE layers and the MTP layer
     total = flops.num_parameters(c, V)
-    assert total == 671_026_419_200
-    assert memory.megatron_num_parameters_on_most_loaded_shard(c, V) == total - moe_layers * (h * E + E)
+    assert total == 671_026_419_200 + 11_610_068_224  # the main model + the MTP depth
+    assert flops.num_parameters(c.replace(mtp_num_layers=None), V) == 671_026_419_200
+    assert memory.megatron_num_parameters_on_most_loaded_shard(c, V) == \
+        total - moe_layers * (h * E + E) - (2 * h * h + 3 * h)

@@ -153,3 +153,29 @@ def test_roll_left_zero_fills_the_end():
 def test_refusals_name_the_field(kw, match):
     with pytest.raises(ConfigError, match=match):
         cfg_of(**kw)
+
+
+def test_parameter_count_is_megatron_cores(reference):
+    from jmegatron.training import flops
+
+    cfg = reference["cfg"]
+    mcore = sum(v.numel() for v in reference["state"].values())  # parameters and the routers' expert biases
+    assert flops.num_parameters(cfg, cfg.padded_vocab_size()) == mcore
+    assert flops.num_parameters(cfg, cfg.padded_vocab_size()) > flops.num_parameters(
+        cfg.replace(mtp_num_layers=None), cfg.padded_vocab_size())
+
+
+def test_training_reports_each_depth_and_moves_the_mtp_routers_bias(capsys):
+    from jmegatron.training.loop import pretrain
+
+    rate = 1e-3
+    cfg = cfg_of(train_iters=3, log_interval=1, eval_interval=0, micro_batch_size=2, global_batch_size=16,
+                 lr_warmup_iters=0, moe_router_bias_update_rate=rate, peak_tflops=1.0)
+    out = pretrain(cfg)
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    assert len(lines) == 3 and all("mtp_1 loss:" in line and "mtp_2 loss:" in line for line in lines)
+    bias = np.asarray(jax.device_get(out["state"].params["mtp_layers_1"]["transformer_layer"]["mlp"]["router"]
+                                     ["expert_bias"]))
+    steps = bias / rate  # three sign(mean - t_e) updates of +-rate (or 0) each, from zero
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+    assert np.any(bias != 0) and np.all(np.abs(steps) <= 3 + 1e-3)

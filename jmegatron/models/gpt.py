@@ -100,7 +100,9 @@ class GPTModel(nn.Module):
     ``decoder_layers_{i}/...`` (or one
     ``decoder_layers/...`` stacked ``[num_layers, ...]`` with ``scan_layers``),
     ``final_layernorm``, and ``output_layer/kernel [h, vocab]`` when untied (layout in
-    jmegatron/export/hf.py).
+    jmegatron/export/hf.py); with ``mtp_num_layers`` D, ``mtp_layers_{0..D-1}/...``
+    (:class:`jmegatron.models.multi_token_prediction.MultiTokenPredictionLayer`), run only
+    when the ``mtp`` collection is mutable (:meth:`multi_token_prediction`).
 
     Keys: decoder layer ``i`` is initialised from ``fold_in(make_rng("params"), i)`` and
     draws its dropout masks from :func:`layer_dropout_rng` ``(rng, i)`` (``rng``: the

@@ -224,6 +224,10 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
       of the MoE layers: split over the expert axis as well as tensor (and data under
       FSDP). An MoE layer's router ``[h, E]`` (and shared-expert gate ``[h, 1]``) is ``tensor_replicated_fsdp_sharded``.
 
+    Multi-token prediction layers count as layers of the last decoder layer's kind, their
+    ``eh_proj`` ``[2h, h]`` as ``tensor_replicated_fsdp_sharded`` and their three norms as
+    ``replicated``.
+
     The five add up to :func:`flops.num_parameters`. With ``pipeline_model_parallel_size``
     = ``p`` > 1, the classes of pipeline stage ``pipeline_stage`` (0-based): ``L / p``
     layers, plus the embeddings on stage 0 and the final norm and output layer (``V h``,
@@ -246,7 +250,8 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
         if (bias or cfg.add_qkv_bias) else 0
     fc1_bias = (2 if cfg.gated_mlp else 1) * cfg.ffn_hidden_size if bias else 0
     positions = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
-    num_moe_layers = flops._num_moe_layers(cfg)
+    num_moe_layers = flops._num_moe_layers(cfg, mtp=True)
+    layers_all, mtp = flops._num_layers(cfg), flops._mtp_depths(cfg)  # the MTP layers (pp 1 only) count too
     router, experts = 0, 0
     if num_moe_layers:  # (MoE layers have no biases: validation refuses add_bias_linear)
         f = cfg.moe_ffn_hidden_size
@@ -254,9 +259,11 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
                                    + (cfg.num_moe_experts if cfg.moe_router_enable_expert_bias else 0))
         experts = num_moe_layers * cfg.num_moe_experts * (h * (2 * f if cfg.gated_mlp else f) + f * h)
     classes = {
-        "tensor_replicated_fsdp_sharded": cfg.num_layers * (2 * h if bias else 0) + positions + router,
-        "replicated": cfg.num_layers * ((4 if cfg.sandwich_norms else 2) * norm + qk_norms) + norm,
-        "tensor_sharded_fsdp_replicated": cfg.num_layers * (qkv_bias + fc1_bias),
+        "tensor_replicated_fsdp_sharded": layers_all * (2 * h if bias else 0) + positions + router
+                                          + mtp * 2 * h * h,  # + MTP's eh_proj [2h, h]
+        "replicated": layers_all * ((4 if cfg.sandwich_norms else 2) * norm + qk_norms) + norm
+                      + mtp * 3 * norm,  # + MTP's enorm, hnorm, final_layernorm
+        "tensor_sharded_fsdp_replicated": layers_all * (qkv_bias + fc1_bias),
         "expert": experts,
     }
     classes["sharded"] = flops.num_parameters(cfg, padded_vocab_size) - sum(classes.values())
@@ -382,7 +389,9 @@ def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vo
     experts not divided by expert parallelism, as Megatron counts (its final norm is split
     over the stages with the layers). With ``multi_latent_attention``, ``A`` is Megatron's
     MLA term: ``q_lora (h + heads (dk + dr) + norm)`` (``h heads (dk + dr)`` without q-LoRA)
-    ``+ kv_lora (h + heads (dk + dv) + norm) + h dr + heads dv h``."""
+    ``+ kv_lora (h + heads (dk + dv) + norm) + h dr + heads dv h``. Each multi-token
+    prediction depth adds one layer of the last decoder layer's kind (Megatron counts the
+    layer alone, not its ``eh_proj`` and norms)."""
     h = cfg.hidden_size
     norm_size = 1 if cfg.normalization == "RMSNorm" else 2
     gated = 1.5 if cfg.gated_mlp else 1.0
@@ -396,13 +405,13 @@ def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vo
         q_ratio = cfg.kv_channels * nq / h
         self_attn = 2 * h * h * ((1 + cfg.num_query_groups / nq) * q_ratio)
     layer = 2 * h * (cfg.ffn_hidden_size * gated + norm_size) + self_attn
-    num_moe_layers = flops._num_moe_layers(cfg)
+    num_moe_layers = flops._num_moe_layers(cfg, mtp=True)
     moe_layer = 0.0
     if num_moe_layers:
         moe_mlp = cfg.moe_ffn_hidden_size * cfg.num_moe_experts + (cfg.moe_shared_expert_intermediate_size or 0)
         moe_layer = 2 * h * (moe_mlp * gated + norm_size) + self_attn
     embedding = h * padded_vocab_size
-    block = (cfg.num_layers - num_moe_layers) * layer + num_moe_layers * moe_layer + norm_size * h
+    block = (flops._num_layers(cfg) - num_moe_layers) * layer + num_moe_layers * moe_layer + norm_size * h
     shard = block / pipeline_model_parallel_size + embedding
     if cfg.untie_embeddings_and_output_weights and pipeline_model_parallel_size == 1:
         shard += embedding
