@@ -34,7 +34,8 @@ import numpy as np
 from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
 from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config
-from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict, hf_architecture, read_hf_state_dict
+from jmegatron.export.hf import (config_fields_from_hf, from_hf_state_dict, hf_architecture, hf_mtp_depths,
+                                 hf_tensor_names, read_hf_state_dict)
 from jmegatron.export.stream import export_hf_streaming, parse_size
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
@@ -150,6 +151,8 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
         fields = config_fields_from_hf(hf_conf)
     except (KeyError, ValueError) as e:
         raise ExportError(f"--hf {folder}: {e}") from e
+    if hf_conf.get("model_type") == "deepseek_v3":  # the MTP depths the files hold (not num_nextn_predict_layers)
+        fields["mtp_num_layers"] = hf_mtp_depths(hf_tensor_names(folder), fields["num_layers"]) or None
     tok_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
     tokenizer = None
     if "tokenizer.json" in tok_files:

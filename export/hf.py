@@ -293,6 +293,9 @@ def hf_architecture(cfg) -> str:
     """
     if cfg.num_moe_experts is not None:
         arch, problems = hf_moe.moe_architecture(cfg, [p for p in _llama_problems(cfg) if "add_qkv_bias" not in p])
+        if cfg.mtp_num_layers and arch != hf_moe.DEEPSEEK_V3:
+            problems.append(f"config.mtp_num_layers={cfg.mtp_num_layers} (only {hf_moe.DEEPSEEK_V3} holds "
+                            f"multi-token prediction layers)")
         if problems:
             raise ValueError(f"this MoE config cannot be exported as Hugging Face {arch}: " + "; ".join(problems) + ".")
         return arch
@@ -312,6 +315,9 @@ def hf_architecture(cfg) -> str:
         raise ValueError(
             f"config.position_embedding_type={cfg.position_embedding_type!r} has no Hugging Face "
             f"export target: {GPT2} needs 'learned_absolute', {LLAMA} needs 'rope' or 'yarn'.")
+    if cfg.mtp_num_layers:
+        problems.append(f"config.mtp_num_layers={cfg.mtp_num_layers} (only {hf_moe.DEEPSEEK_V3} holds multi-token "
+                        f"prediction layers)")
     if problems:
         raise ValueError(f"this config cannot be exported as Hugging Face {arch} "
                          f"(chosen by position_embedding_type={cfg.position_embedding_type!r}"
@@ -785,10 +791,11 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
         yield "model.embed_tokens.weight", c(wte[:v])
         moe_layers = _moe_layers(cfg)
         norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
-        for i in range(cfg.num_layers):
+
+        def llama_layer(i: int, lp: Mapping, moe: bool) -> Iterator[tuple[str, np.ndarray]]:
+            """HF tensors of ``model.layers.{i}`` from ``lp`` = ``{"decoder_layers_{i}": subtree}``."""
             L, o = f"decoder_layers_{i}", f"model.layers.{i}"
             A = f"{L}/self_attention"
-            lp = layer_tree(i)
             gl = lambda path: _get(lp, path, cfg)  # noqa: E731
             for name, hf_name in norms.items():
                 yield f"{o}.{hf_name}.weight", c(_check_shape(f"{L}/{name}/scale", gl(f"{L}/{name}/scale"), (h,)))
@@ -809,10 +816,9 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
             yield f"{o}.self_attn.o_proj.weight", c(k.reshape(nq * dv, h).T)
             if bias:
                 yield f"{o}.self_attn.o_proj.bias", c(gl(f"{A}/linear_proj/bias"))
-            if moe_layers[i]:
+            if moe:
                 yield from hf_moe.mlp_to_hf(gl(f"{L}/mlp"), cfg, arch, i, _check_shape).items()
-                del lp
-                continue
+                return
             fc1 = _check_shape(f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, 2, ffn))
             yield f"{o}.mlp.gate_proj.weight", c(fc1[:, 0, :].T)
             yield f"{o}.mlp.up_proj.weight", c(fc1[:, 1, :].T)
@@ -823,7 +829,20 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
                 yield f"{o}.mlp.gate_proj.bias", c(b1[0])
                 yield f"{o}.mlp.up_proj.bias", c(b1[1])
                 yield f"{o}.mlp.down_proj.bias", c(gl(f"{L}/mlp/linear_fc2/bias"))
-            del lp, fc1, fc2, k
+
+        for i in range(cfg.num_layers):
+            yield from llama_layer(i, layer_tree(i), bool(moe_layers[i]))
+        for k in range(cfg.mtp_num_layers or 0):  # DeepSeek-V3's Hub layout: depth k is layer L + k
+            n, M = cfg.num_layers + k, f"mtp_layers_{k}"
+            o = f"model.layers.{n}"
+            for name, hf_name in (("enorm", "enorm"), ("hnorm", "hnorm"), ("final_layernorm", "shared_head.norm")):
+                yield f"{o}.{hf_name}.weight", c(_check_shape(f"{M}/{name}/scale", g(f"{M}/{name}/scale"), (h,)))
+            yield f"{o}.eh_proj.weight", c(_check_shape(f"{M}/eh_proj/kernel", g(f"{M}/eh_proj/kernel"), (2 * h, h)).T)
+            yield f"{o}.embed_tokens.weight", c(wte[:v])  # the Hub's copies of the shared embedding and head
+            yield f"{o}.shared_head.head.weight", c((g("output_layer/kernel") if cfg.untie_embeddings_and_output_weights
+                                                     else wte.T)[:, :v].T)
+            yield from llama_layer(n, {f"decoder_layers_{n}": _plain_inner(g(f"{M}/transformer_layer"))},
+                                   bool(moe_layers[-1]))
         yield "model.norm.weight", c(g("final_layernorm/scale"))
     if cfg.untie_embeddings_and_output_weights:
         out = _check_shape("output_layer/kernel", g("output_layer/kernel"), (h, rows))
@@ -1004,7 +1023,9 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     else:
         moe_layers = _moe_layers(cfg)
         norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
-        for i in range(cfg.num_layers):
+
+        def hf_layer(i: int, moe: bool) -> dict:
+            """The jmegatron layer subtree of ``model.layers.{i}``."""
             o = f"model.layers.{i}"
             attn = _mla_from_hf(t, cfg, f"{o}.self_attn") if cfg.multi_latent_attention else {}
             for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
@@ -1017,10 +1038,8 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
                 for n in "qk":
                     attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
             layer_norms = {name: {"scale": t(f"{o}.{hf_name}.weight", (h,))} for name, hf_name in norms.items()}
-            if moe_layers[i]:
-                p[f"decoder_layers_{i}"] = {**layer_norms, "self_attention": attn,
-                                            "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i)}
-                continue
+            if moe:
+                return {**layer_norms, "self_attention": attn, "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i)}
             fc1 = {"kernel": np.stack([t(f"{o}.mlp.gate_proj.weight", (ffn, h)).T,
                                        t(f"{o}.mlp.up_proj.weight", (ffn, h)).T], axis=1)}
             fc2 = {"kernel": t(f"{o}.mlp.down_proj.weight", (h, ffn)).T}
@@ -1028,9 +1047,25 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
                 attn["linear_proj"]["bias"] = t(f"{o}.self_attn.o_proj.bias", (h,))
                 fc1["bias"] = np.stack([t(f"{o}.mlp.gate_proj.bias", (ffn,)), t(f"{o}.mlp.up_proj.bias", (ffn,))])
                 fc2["bias"] = t(f"{o}.mlp.down_proj.bias", (h,))
-            p[f"decoder_layers_{i}"] = {**layer_norms, "self_attention": attn,
-                                        "mlp": {"linear_fc1": fc1, "linear_fc2": fc2}}
+            return {**layer_norms, "self_attention": attn, "mlp": {"linear_fc1": fc1, "linear_fc2": fc2}}
+
+        for i in range(cfg.num_layers):
+            p[f"decoder_layers_{i}"] = hf_layer(i, bool(moe_layers[i]))
         p["final_layernorm"] = {"scale": t("model.norm.weight", (h,))}
+        for k in range(cfg.mtp_num_layers or 0):  # DeepSeek-V3's Hub layout: depth k is layer L + k
+            n = cfg.num_layers + k
+            o = f"model.layers.{n}"
+            used.update({f"{o}.embed_tokens.weight", f"{o}.shared_head.head.weight"})  # copies of the shared ones
+            p[f"mtp_layers_{k}"] = {"enorm": {"scale": t(f"{o}.enorm.weight", (h,))},
+                                    "hnorm": {"scale": t(f"{o}.hnorm.weight", (h,))},
+                                    "final_layernorm": {"scale": t(f"{o}.shared_head.norm.weight", (h,))},
+                                    "eh_proj": {"kernel": np.ascontiguousarray(t(f"{o}.eh_proj.weight", (h, 2 * h)).T)},
+                                    "transformer_layer": hf_layer(n, bool(moe_layers[-1]))}
+        # MTP depths the config leaves out (a teacher, a model without MTP): dropped, as
+        # transformers' DeepseekV3ForCausalLM drops them
+        first_extra = cfg.num_layers + (cfg.mtp_num_layers or 0)
+        used.update(k for k in sd if _layer_index(k) is not None and _layer_index(k) >= first_extra
+                    and arch == hf_moe.DEEPSEEK_V3)
     if cfg.untie_embeddings_and_output_weights:
         p["output_layer"] = {"kernel": np.ascontiguousarray(pad_rows(t("lm_head.weight", (v, h))).T)}
     else:
@@ -1043,6 +1078,37 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     if cfg.scan_layers:
         p = stack_layers(p, cfg.num_layers)
     return p
+
+
+def _layer_index(key: str) -> Optional[int]:
+    """``i`` of a ``model.layers.{i}.*`` key, else None."""
+    m = re.match(r"model\.layers\.(\d+)\.", key)
+    return int(m[1]) if m else None
+
+
+def hf_mtp_depths(names, num_layers: int) -> int:
+    """The multi-token prediction depths a DeepSeek-V3 checkpoint holds (tensor ``names``):
+    depth ``k`` is ``model.layers.{num_layers + k}.eh_proj.weight``, present or not whatever
+    ``num_nextn_predict_layers`` says (``save_pretrained`` writes 1 but no MTP tensors)."""
+    names = set(names)
+    k = 0
+    while f"model.layers.{num_layers + k}.eh_proj.weight" in names:
+        k += 1
+    return k
+
+
+def hf_tensor_names(folder: str) -> list[str]:
+    """The tensor names of a Hugging Face folder's ``*.safetensors`` files (no data read)."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(path, "np") as f:
+            names.extend(f.keys())
+    return names
 
 
 def is_hf_folder(path: str) -> bool:

@@ -183,7 +183,7 @@ def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
                 "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": int(cfg.kv_lora_rank),
                 "qk_nope_head_dim": int(cfg.qk_head_dim), "qk_rope_head_dim": int(cfg.qk_pos_emb_head_dim),
                 "v_head_dim": int(cfg.v_head_dim), "rope_interleave": True, "attention_bias": False,
-                "num_nextn_predict_layers": 0, "pretraining_tp": 1}
+                "num_nextn_predict_layers": int(cfg.mtp_num_layers or 0), "pretraining_tp": 1}
     conf.update(num_experts_per_tok=int(cfg.moe_router_topk), router_aux_loss_coef=float(cfg.moe_aux_loss_coeff),
                 output_router_logits=False)
     if arch == MIXTRAL:

@@ -194,6 +194,76 @@ def test_export_gives_back_the_source(imported):
         getattr(transformers, FAMILIES[family][0]).from_dict(back)
 
 
+def test_deepseek_v3_mtp_depth_in_the_hub_layout(imported, tmp_path):
+    """DeepSeek-V3's multi-token prediction depth as the Hub lays it out (``model.layers.{L}``:
+    ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the copies of ``embed_tokens`` and
+    ``shared_head.head``, and a decoder layer of the last layer's kind, MoE): written, read back
+    exactly, dropped by a config without MTP, and its logits equal a reference built from
+    transformers' own DeepSeek-V3 blocks holding the written tensors (transformers'
+    DeepseekV3ForCausalLM has no MTP module)."""
+    from flax.linen import unbox
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    model, _, cfg0, params0 = imported["deepseek_v3"]
+    cfg = cfg0.replace(mtp_num_layers=1)
+    m = GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size()))
+    toks = tokens()
+    mtp = unbox(jax.jit(m.init)({"params": jax.random.key(5)}, toks)["params"])["mtp_layers_0"]
+    noise = iter(jax.random.split(jax.random.key(6), len(jax.tree.leaves(mtp))))
+    mtp = jax.tree.map(lambda x: np.asarray(x + 0.1 * jax.random.normal(next(noise), x.shape)), mtp)
+    params = dict(params0, mtp_layers_0=mtp)
+    sd = hf.to_hf_state_dict(params, cfg, VOCAB)
+    L, h = cfg.num_layers, cfg.hidden_size
+    o = f"model.layers.{L}"
+    assert hf.hf_mtp_depths(sd, L) == 1 and hf.hf_config_dict(cfg, VOCAB)["num_nextn_predict_layers"] == 1
+    np.testing.assert_array_equal(sd[f"{o}.shared_head.head.weight"], sd["lm_head.weight"])
+    np.testing.assert_array_equal(sd[f"{o}.embed_tokens.weight"], sd["model.embed_tokens.weight"])
+    back = hf.from_hf_state_dict(sd, cfg)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), b, err_msg=jax.tree_util.keystr(path))
+    assert "mtp_layers_0" not in hf.from_hf_state_dict(sd, cfg0)  # without MTP: dropped, as transformers does
+    # import-hf decides on the tensors the files hold (save_pretrained writes num_nextn_predict_layers=1 and none)
+    from safetensors.numpy import save_file
+
+    from jmegatron.export.common import load_checkpoint
+    from jmegatron.export.convert import import_hf
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in sd.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(hf.hf_config_dict(cfg, VOCAB)))
+    import_hf(str(folder), str(tmp_path / "ckpt"))
+    src = load_checkpoint(str(tmp_path / "ckpt"))
+    assert src.cfg.mtp_num_layers == 1
+    np.testing.assert_array_equal(np.asarray(src.params["mtp_layers_0"]["eh_proj"]["kernel"]), mtp["eh_proj"]["kernel"])
+
+    layer = ds.DeepseekV3DecoderLayer(model.config, layer_idx=L).float().eval()  # MoE: L >= first_k_dense_replace
+    mine = {k: v for k, v in sd.items() if k.startswith(o + ".") and not k.startswith(
+        tuple(f"{o}.{n}" for n in ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")))}
+    mine = hf_moe.to_module_layout(mine, hf_moe.DEEPSEEK_V3, {f"{o}.{k}" for k in layer.state_dict()})
+    layer.load_state_dict({k[len(o) + 1:]: torch.from_numpy(v) for k, v in mine.items()}, strict=True)
+    norms = {}
+    for n, key in (("enorm", "enorm"), ("hnorm", "hnorm"), ("final", "shared_head.norm")):
+        norms[n] = ds.DeepseekV3RMSNorm(h, eps=model.config.rms_norm_eps)
+        norms[n].weight.data = torch.from_numpy(sd[f"{o}.{key}.weight"])
+    ids = torch.from_numpy(toks.astype(np.int64))
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state  # after the final norm
+        rolled = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+        x = torch.cat([norms["enorm"](model.model.embed_tokens(rolled)), norms["hnorm"](hidden)], dim=-1)
+        x = x @ torch.from_numpy(sd[f"{o}.eh_proj.weight"]).T
+        pos = torch.arange(SEQ)[None].expand(2, SEQ)
+        mask = torch.full((SEQ, SEQ), float("-inf")).triu(1)[None, None].expand(2, 1, SEQ, SEQ)
+        out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos))
+        out = out[0] if isinstance(out, tuple) else out
+        theirs = model.lm_head(norms["final"](out)).numpy()
+    _, sown = jax.jit(lambda p, t: m.apply({"params": p}, t, mutable=["mtp"]))(params, toks)
+    ours = np.asarray(sown["mtp"]["logits"][0])[..., :VOCAB]
+    diff = float(np.max(np.abs(ours - theirs)))
+    print(f"deepseek_v3 MTP depth 1: max |logit diff| {diff:.2e} (max |logit| {np.max(np.abs(theirs)):.2f})")
+    assert np.max(np.abs(theirs)) > 1.0 and diff <= TOL
+
+
 # Trained through the real step: the families whose training path differs. Llama-3.x's,
 # Mistral's, Qwen2's and Qwen3's is Gemma-3's with fewer blocks (rotary frequencies are
 # constants; Qwen2's Q/K/V bias gradients are test_family_blocks_match_one_device's),
