@@ -179,3 +179,29 @@ def test_training_reports_each_depth_and_moves_the_mtp_routers_bias(capsys):
     steps = bias / rate  # three sign(mean - t_e) updates of +-rate (or 0) each, from zero
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
     assert np.any(bias != 0) and np.all(np.abs(steps) <= 3 + 1e-3)
+
+
+def test_megatron_checkpoint_holds_the_depths_in_every_layout(reference):
+    # megatron-core's key set back exactly; the MTP layers' experts split over expert ranks and
+    # eh_proj over tensor ranks (column-parallel), all of them on the last pipeline stage
+    r = reference
+    cfg = r["cfg"]
+    sd = M.to_megatron_state_dict(M.from_megatron_state_dict(r["state"], cfg, vocab_size=VOCAB), cfg)
+    assert set(sd) == set(r["state"])
+    for k, v in r["state"].items():
+        np.testing.assert_array_equal(sd[k], v.numpy(), err_msg=k)
+    for tp, pp, ep in ((2, 1, 2), (1, 2, 1)):
+        shards = M.shard_state_dict(sd, cfg, tp, pp, ep)
+        if pp > 1:
+            assert not any(k.startswith("mtp.") for k in shards[M._rank_dir(0, 0, 0, pp, ep)])
+        if tp > 1:
+            assert shards[M._rank_dir(1, 0, 1, pp, ep)]["mtp.layers.0.eh_proj.weight"].shape == (32, 128)
+            assert "mtp.layers.1.transformer_layer.mlp.experts.local_experts.1.linear_fc2.weight" in \
+                shards[M._rank_dir(0, 0, 1, pp, ep)]
+        merged = M.merge_shards({(t, s, x): shards[M._rank_dir(t, s, x, pp, ep)] for t in range(tp)
+                                 for s in range(pp) for x in range(ep)}, cfg, tp, pp, ep)
+        assert set(merged) == set(sd)
+        for k, v in sd.items():
+            np.testing.assert_array_equal(merged[k], v, err_msg=f"{(tp, pp, ep)} {k}")
+    fields = M.config_fields_from_megatron_args(M.megatron_args(cfg, cfg.padded_vocab_size(), VOCAB))
+    assert (fields["mtp_num_layers"], fields["mtp_loss_scaling_factor"]) == (D, 0.3)
