@@ -50,6 +50,9 @@ torch ``[out, in]`` weight, ``K`` the jmegatron kernel, names as in :mod:`jmegat
                 mlp.shared_experts.linear_fc{1,2}.weight, mlp.shared_experts.gate_weight [1, h]
     decoder.final_layernorm.{weight,bias}            [h]
     output_layer.weight                              [Vp, h]     (untied only)
+    mtp.layers.{k}.{enorm,hnorm,final_layernorm}.weight [h]      (mtp_num_layers; last stage)
+    mtp.layers.{k}.eh_proj.weight                    [h, 2h]     (column-parallel)
+    mtp.layers.{k}.transformer_layer.*               a decoder layer's names
 
 Tensor parallelism (megatron/core/tensor_parallel/layers.py): column-parallel weights
 (``linear_qkv``, ``linear_fc1``, the embedding and ``output_layer``) split their rows,
@@ -64,7 +67,7 @@ pipeline stages hold their layers under local indices (uniform stages; virtual s
 The Transformer Engine spec's names also import: ``self_attention.linear_qkv.layer_norm_*``
 (the input norm fused into ``linear_qkv``), ``mlp.linear_fc1.layer_norm_*`` (the pre-MLP
 norm), ``_extra_state`` entries are ignored. Refused, by name: multi-latent attention,
-multi-token prediction, ``rotary_percent`` below 1, interleaved RoPE, ``apply_layernorm_1p``,
+``rotary_percent`` below 1, interleaved RoPE, ``apply_layernorm_1p``,
 ``squared_relu``, ``expert_tensor_parallel_size`` other than the tensor size, uneven pipeline
 stages, heterogeneous or hybrid layers.
 
