@@ -850,8 +850,7 @@ class JMegatronConfig:
             raise ConfigError(f"config.multi_latent_attention=True with num_query_groups={self.num_query_groups}: "
                               f"MLA has one key/value head per query head (Megatron makes MLA and GQA exclusive); "
                               f"unset num_query_groups.")
-        refused = dict(tensor_model_parallel_size=self.tensor_model_parallel_size > 1,
-                       context_parallel_size=self.context_parallel_size > 1,
+        refused = dict(context_parallel_size=self.context_parallel_size > 1,
                        pipeline_model_parallel_size=self.pipeline_model_parallel_size > 1,
                        softmax_scale=self.softmax_scale is not None, window_size=self.window_size is not None,
                        attn_logit_softcapping=self.attn_logit_softcapping is not None,
@@ -860,8 +859,8 @@ class JMegatronConfig:
         for name, bad in refused.items():
             if bad:
                 raise ConfigError(f"config.multi_latent_attention=True with {name}={getattr(self, name)!r} is not "
-                                  f"built (multi-latent attention runs on one tensor / context / pipeline rank "
-                                  f"with its own score scale and RoPE); drop {name}.")
+                                  f"built (multi-latent attention runs on one context / pipeline rank with its "
+                                  f"own score scale and RoPE); drop {name}.")
         if self.transformer_impl == "transformer_engine":
             raise ConfigError("config.multi_latent_attention=True with transformer_impl='transformer_engine' is not "
                               "built; set transformer_impl='local' (or 'auto').")

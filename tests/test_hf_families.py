@@ -376,7 +376,7 @@ def test_multi_latent_attention_refuses_the_layouts_not_built(imported):
     from jmegatron.config import ConfigError
 
     fields = hf.config_fields_from_hf(imported["deepseek_v3"][1])
-    for changes, match in ((dict(tensor_model_parallel_size=2), "tensor_model_parallel_size=2 is not built"),
+    for changes, match in ((dict(pipeline_model_parallel_size=3), "pipeline_model_parallel_size=3 is not built"),
                            (dict(context_parallel_size=2), "context_parallel_size=2 is not built"),
                            (dict(num_query_groups=2), "num_query_groups=2: MLA has one key/value head")):
         with pytest.raises(ConfigError, match=match):

@@ -4,6 +4,8 @@ as one device (float32, relative 1e-5, 3 steps), with dropout on (hidden and att
 from the rank. Layouts without tensor parallelism run the CPU kernels as the one-device
 reference does ("auto"); tensor-parallel ones run XLA's attention and matmuls."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from jmegatron.config import ConfigError
 from jmegatron.kernels import cpu
 from jmegatron.parallel.mesh import create_mesh
+from jmegatron.training import memory
 from jmegatron.training.run import build
 
 from test_train_step import random_batches, tiny_cfg
@@ -30,6 +33,15 @@ BLOCKS = dict(family="llama", num_attention_heads=4, num_query_groups=2, kv_chan
               add_qkv_bias=True, qk_layernorm=True, position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
               yarn_original_max_position_embeddings=16)
 ARCHS = {"gpt": {}, "llama": LLAMA}
+# DeepSeek-V3's blocks in one model: multi-latent attention (q LoRA, latent norms, YaRN), a dense
+# first layer then MoE layers with sigmoid routing, the expert bias, 2-of-4 group-limited
+# top-4, scaling and a shared expert, and two multi-token prediction depths (MoE layers)
+DEEPSEEK = dict(family="deepseek_v3", num_attention_heads=4, num_query_groups=4, ffn_hidden_size=96,
+                q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=16, num_layers=2,
+                moe_layer_freq=(0, 1), num_moe_experts=8, moe_ffn_hidden_size=32, moe_router_topk=4,
+                moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                moe_shared_expert_intermediate_size=32, mtp_num_layers=2)
 
 
 def trajectory(cfg, num_devices, steps=3):
@@ -127,3 +139,25 @@ def test_tensor_parallel_alone_matches_one_device(kw, reference):
     for a, b in zip(jax.tree.leaves(grads[-1]), jax.tree.leaves(ref_grads[-1])):
         scale = np.max(np.abs(b)) + 1e-12
         np.testing.assert_allclose(a / scale, b / scale, rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek_v3_blocks_match_one_device():
+    """Multi-latent attention (its down projections replicated over tensor ranks, the up
+    projections column-parallel), DeepSeek-V3's routing with expert parallelism and the
+    multi-token prediction losses under tp2 + SP x ep2 x dp4: one step's loss, each MTP loss
+    and every gradient equal one device's."""
+    from test_context_parallel import grads_of
+
+    kw = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2)
+    g, report, tokens, run = grads_of(tiny_cfg(**DROPOUT, **DEEPSEEK, **kw, micro_batch_size=2, global_batch_size=8), 8)
+    assert dict(run.mesh.shape) == {"pipeline": 1, "data": 2, "expert": 2, "context": 1, "tensor": 2}
+    assert run.model.cfg.attention_impl == "xla"
+    # model_report's per-device parameters (MLA's replicated down projections, the MTP layers) are the layout's
+    shards = [math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(run.abstract_with_shardings().params)]
+    assert sum(shards) == memory.parameters_per_device(run.cfg, run.cfg.padded_vocab_size(),
+                                                        memory.ParallelLayout.from_config(run.cfg, 4))
+    g1, report1, tokens1, _ = grads_of(tiny_cfg(**DROPOUT, **DEEPSEEK, micro_batch_size=8, global_batch_size=8), 1)
+    assert tokens == tokens1
+    for k in ("mtp_1_loss", "mtp_2_loss"):
+        np.testing.assert_allclose(report[k], report1[k], rtol=1e-5)
+    assert_same_trajectory([report["lm_loss"]], [g], [report1["lm_loss"]], [g1])

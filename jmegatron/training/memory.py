@@ -213,8 +213,8 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     """Parameter counts by how jmegatron's logical-axis rules lay them out:
 
     * ``tensor_replicated_fsdp_sharded``: no tensor axis but a hidden (``embed``) axis: the
-      ``[h]`` biases of the row-parallel ``linear_proj`` and ``linear_fc2``, and learned
-      position embeddings;
+      ``[h]`` biases of the row-parallel ``linear_proj`` and ``linear_fc2``, learned
+      position embeddings, and multi-latent attention's down projections;
     * ``replicated``: neither: the norms;
     * ``tensor_sharded_fsdp_replicated``: a tensor axis but no hidden axis: the
       ``linear_qkv`` and ``linear_fc1`` biases;
@@ -242,9 +242,11 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     h = cfg.hidden_size
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
     qk_norms = 2 * (2 if cfg.normalization == "LayerNorm" else 1) * cfg.kv_channels if cfg.qk_layernorm else 0
-    if cfg.multi_latent_attention:  # the latent norms (the down projections count as sharded: tp 1 only)
+    down = 0  # MLA's down projections [h, rq], [h, rkv + dr]: replicated over tensor ranks, a hidden axis
+    if cfg.multi_latent_attention:  # the latent norms
         qk_norms = (2 if cfg.normalization == "LayerNorm" else 1) * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank) \
             if cfg.qk_layernorm else 0
+        down = h * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim)
     bias = cfg.add_bias_linear
     qkv_bias = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels \
         if (bias or cfg.add_qkv_bias) else 0
@@ -259,7 +261,7 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
                                    + (cfg.num_moe_experts if cfg.moe_router_enable_expert_bias else 0))
         experts = num_moe_layers * cfg.num_moe_experts * (h * (2 * f if cfg.gated_mlp else f) + f * h)
     classes = {
-        "tensor_replicated_fsdp_sharded": layers_all * (2 * h if bias else 0) + positions + router
+        "tensor_replicated_fsdp_sharded": layers_all * ((2 * h if bias else 0) + down) + positions + router
                                           + mtp * 2 * h * h,  # + MTP's eh_proj [2h, h]
         "replicated": layers_all * ((4 if cfg.sandwich_norms else 2) * norm + qk_norms) + norm
                       + mtp * 3 * norm,  # + MTP's enorm, hnorm, final_layernorm
