@@ -24,10 +24,13 @@ defaults). JAX -> HF -> JAX gives identical arrays (tests/test_export_hf.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from typing import Any
+import tempfile
+import time
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -35,13 +38,13 @@ from jmegatron.config import ConfigError, base_config, from_configdict, load_con
 from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config
 from jmegatron.export.hf import (config_fields_from_hf, from_hf_state_dict, hf_architecture, hf_mtp_depths,
-                                 hf_tensor_names, read_hf_state_dict)
+                                 hf_tensor_names, is_hf_folder, read_hf_state_dict)
 from jmegatron.export.stream import export_hf_streaming, parse_size
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
 from jmegatron.training.run import build, checkpoint_meta
 
-__all__ = ["register", "export_hf", "import_hf"]
+__all__ = ["register", "export_hf", "import_hf", "hf_checkpoint", "checkpoint_of"]
 
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 HF_SOURCE = "hf_source"  # import-hf's copy of the source config.json / generation_config.json
@@ -176,6 +179,60 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
                          lambda cfg, padded: from_hf_state_dict(read_hf_state_dict(folder), cfg, padded),
                          source=f"{hf_conf.get('architectures', ['?'])[0]} from {os.path.abspath(folder)}",
                          seq_length=seq_length, tokenizer_model=tokenizer, before_save=copy_files, what=f"--hf {folder}")
+
+
+IMPORTED_MARKER = "imported_from.json"  # written last by hf_checkpoint: the import is complete
+
+
+def hf_checkpoint(folder: str, out: str, timeout_s: float = 3600.0) -> str:
+    """``out``, holding the jmegatron checkpoint of the Hugging Face folder ``folder``
+    (:func:`import_hf`), imported unless ``out`` already holds this folder's import (its
+    :data:`IMPORTED_MARKER`, written when the import is complete; a partial one is redone).
+    In a multi-process run only process 0 (``JMEGATRON_PROCESS_ID``, set by
+    ``jmegatron.launch``) imports; the others wait for the marker, up to ``timeout_s``
+    seconds. Raises ExportError as :func:`import_hf`, for a marker naming another folder, or
+    on the timeout."""
+    marker = os.path.join(out, IMPORTED_MARKER)
+    source = os.path.abspath(folder)
+
+    def done() -> bool:
+        if not os.path.isfile(marker):
+            return False
+        with open(marker) as f:
+            recorded = json.load(f)["hf"]
+        if recorded != source:
+            raise ExportError(f"{out} holds the import of {recorded}, not of {source}; remove it or choose "
+                              f"another config.save")
+        return True
+
+    if done():
+        return out
+    if int(os.environ.get("JMEGATRON_PROCESS_ID") or 0):
+        deadline = time.time() + timeout_s
+        while not done():
+            if time.time() > deadline:
+                raise ExportError(f"waited {timeout_s:.0f} s for process 0 to import {source} into {out}")
+            time.sleep(1.0)
+        return out
+    shutil.rmtree(out, ignore_errors=True)  # a partial import (killed before its marker)
+    import_hf(folder, out)
+    with open(marker, "w") as f:
+        json.dump({"hf": source}, f)
+    return out
+
+
+@contextlib.contextmanager
+def checkpoint_of(load: str) -> Iterator[str]:
+    """``load`` when it is a jmegatron checkpoint; for a Hugging Face folder (a
+    ``config.json`` with ``model_type``), its import (:func:`import_hf`) into a temporary
+    directory removed on exit: how ``evaluate`` and ``generate`` take an HF folder as
+    ``--load``."""
+    if not is_hf_folder(load):
+        yield load
+        return
+    with tempfile.TemporaryDirectory(prefix="jmegatron-hf-") as tmp:
+        print(f"[jmegatron] {load} is a Hugging Face folder: importing it (import-hf) into {tmp}", flush=True)
+        yield hf_checkpoint(load, os.path.join(tmp, "checkpoint"))
 
 
 def save_imported(fields: dict, out: str, config_file: str | None, to_params, *, iteration: int = 0,

@@ -7,6 +7,8 @@ of its own config's data, or of ``--data-path`` (a preprocess_data prefix, split
 ``evaluate_and_print_results``). A checkpoint whose config names no data (``mock_data``:
 an ``import-hf`` checkpoint, a mock-data run) needs ``--data-path``, or ``--mock-data`` to
 measure those random tokens on purpose (smoke tests): they are never measured silently.
+``--load`` may also be a Hugging Face folder: it is imported into a temporary checkpoint
+(``import-hf``) for the evaluation.
 
 Only the checkpoint's parameters are restored (no optimizer state:
 :func:`jmegatron.training.run.restore_run_params`), straight into the evaluation mesh's
@@ -26,6 +28,8 @@ import sys
 from typing import Optional, Sequence
 
 from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, from_configdict
+from jmegatron.export.common import ExportError
+from jmegatron.export.convert import checkpoint_of
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
 from jmegatron.training.checkpointing import CheckpointError
@@ -116,12 +120,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--mock-data", action="store_true",
                    help="measure a mock-data checkpoint's random tokens (a smoke test; refused otherwise)")
     args = p.parse_args(argv)
-
     try:
-        data = data_overrides(saved_config(args.load), args.data_path, args.data_split, args.tokenizer_model,
+        with checkpoint_of(args.load) as load:
+            return _evaluate(args, load)
+    except ExportError as e:  # an HF folder that does not import
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _evaluate(args: argparse.Namespace, load: str) -> int:
+    """``main`` on the jmegatron checkpoint ``load`` (``args.load`` or its import)."""
+    try:
+        data = data_overrides(saved_config(load), args.data_path, args.data_split, args.tokenizer_model,
                               args.mock_data)
-        mesh = evaluation_mesh(args.load, args.devices)
-        run, params, meta = restore_run_params(args.load, mesh, source=args.params, hidden_dropout=0.0,
+        mesh = evaluation_mesh(load, args.devices)
+        run, params, meta = restore_run_params(load, mesh, source=args.params, hidden_dropout=0.0,
                                                attention_dropout=0.0, **data)
     except CheckpointError as e:
         print(f"error: {e} (--load takes a training run's config.save directory)", file=sys.stderr)

@@ -5,7 +5,8 @@ generator (jmegatron.inference.generate), all prompts in one batch.
 
 Sampling defaults are Megatron's (temperature 1, no top-k, no top-p); top-k and top-p
 cannot be combined (Megatron's rule). Each sample is printed as the prompt followed by
-its continuation, generation stops per prompt at the tokenizer's EOD. A missing
+its continuation, generation stops per prompt at the tokenizer's EOD. ``--load`` may be a
+Hugging Face folder (imported into a temporary checkpoint, ``import-hf``). A missing
 checkpoint, an unknown tokenizer or bad settings exit with status 2 and a one-line
 ``error: ...`` message.
 """
@@ -16,6 +17,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.export.convert import checkpoint_of
 from jmegatron.inference.generate import generate_text
 from jmegatron.training.checkpointing import CheckpointError
 
@@ -39,9 +41,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
 
     try:
-        outs = generate_text(args.load, args.prompt, args.max_new_tokens, tokenizer_model=args.tokenizer_model,
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                             greedy=args.greedy, seed=args.seed, max_length=args.max_length)
+        with checkpoint_of(args.load) as load:  # a Hugging Face folder: imported for the run
+            outs = generate_text(load, args.prompt, args.max_new_tokens, tokenizer_model=args.tokenizer_model,
+                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                 greedy=args.greedy, seed=args.seed, max_length=args.max_length)
     except (CheckpointError, ValueError, FileNotFoundError) as e:  # GenerateError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@ Arguments: ``--config PATH`` (a Python file with ``get_config()``), then any num
 ``--config.<field>=<value>`` (or ``--config.<field> <value>``) overrides, the
 ml_collections convention. ``--config.load=CKPT --config.use_checkpoint_args=True`` takes
 the architecture from a checkpoint (an ``import-hf`` one too), and then ``--config`` may be
-left out (jmegatron's defaults for the rest). Values are parsed by the field's type (``True``/``False``,
+left out (jmegatron's defaults for the rest). ``--config.load`` may also be a Hugging Face
+folder: it is imported once into ``<config.save>/hf_import`` (``import-hf``), which becomes
+``load``, with ``use_checkpoint_args`` unless it is given. Values are parsed by the field's type (``True``/``False``,
 ints, floats, ``None``). Every field is validated before anything compiles; an unknown
 field fails with the closest valid names. SIGTERM or Ctrl-C saves a checkpoint and exits 0.
 """
@@ -12,11 +14,12 @@ field fails with the closest valid names. SIGTERM or Ctrl-C saves a checkpoint a
 from __future__ import annotations
 
 import ast
+import os
 import sys
 import typing
 from typing import Any, Optional, Sequence
 
-from jmegatron.config import ConfigError, JMegatronConfig, _check_names, load_config_file
+from jmegatron.config import ConfigError, JMegatronConfig, _check_names, get_config_of, load_config_file
 from jmegatron.distributed import initialize_from_env
 from jmegatron.runtime import reexec_with_host_allocator
 
@@ -98,18 +101,49 @@ def parse_args(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]:
 def config_from_argv(argv: Sequence[str]) -> JMegatronConfig:
     """``--config F [--config.<field>=<value> ...]`` -> a validated config (every CLI that
     takes a training config uses this). Raises ConfigError or FileNotFoundError."""
-    path, overrides = parse_args(argv)
+    return _config(*parse_args(argv))
+
+
+def _config(path: Optional[str], overrides: dict[str, Any]) -> JMegatronConfig:
     if path is None and not overrides.get("use_checkpoint_args"):
         raise ConfigError(f"--config is required (or --config.load=CKPT --config.use_checkpoint_args=True); {USAGE}")
     return load_config_file(path, overrides)
 
 
+def _import_hf_load(path: Optional[str], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` with a Hugging Face folder given as ``load`` replaced by its jmegatron
+    checkpoint, imported once into ``<save>/hf_import``
+    (:func:`jmegatron.export.convert.hf_checkpoint`), and ``use_checkpoint_args`` True unless
+    given (the architecture comes from the folder). Other ``load`` values pass unchanged.
+    Raises ConfigError without a ``save`` (from the overrides or the config file)."""
+    load = overrides.get("load")
+    if not load or not os.path.isfile(os.path.join(load, "config.json")):
+        return overrides
+    from jmegatron.export.convert import hf_checkpoint
+    from jmegatron.export.hf import is_hf_folder
+
+    if not is_hf_folder(load):
+        return overrides
+    save = overrides.get("save") or (get_config_of(path).get("save") if path else None)
+    if not save:
+        raise ConfigError(f"config.load={load!r} is a Hugging Face folder: set config.save (the run's directory; "
+                          f"the folder is imported into <save>/hf_import once, and the run starts from it)")
+    out = os.path.join(save, "hf_import")
+    print(f"[jmegatron] config.load={load} is a Hugging Face folder: its jmegatron checkpoint is {out} "
+          f"(import-hf, once)", flush=True)
+    return dict(overrides, load=hf_checkpoint(load, out),
+                use_checkpoint_args=overrides.get("use_checkpoint_args", True))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The training CLI; returns the exit status (0, 1 for a non-finite loss, 2 for bad input)."""
     argv = sys.argv[1:] if argv is None else argv
+    from jmegatron.export.common import ExportError
+
     try:
-        cfg = config_from_argv(argv)
-    except (ConfigError, FileNotFoundError) as e:
+        path, overrides = parse_args(argv)
+        cfg = _config(path, _import_hf_load(path, overrides))
+    except (ConfigError, FileNotFoundError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from jmegatron.training.checkpointing import CheckpointError

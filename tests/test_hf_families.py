@@ -423,10 +423,11 @@ def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp
     logits -> ``evaluate``, which refuses to measure the import's mock data and takes
     ``--data-path`` -> ``train`` with the architecture from the checkpoint
     (``use_checkpoint_args``; no config file), where a contradicting override is refused
-    naming both values."""
+    naming both values; ``train`` and ``evaluate`` also take the Hugging Face folder itself
+    as ``load`` (imported on the way in)."""
     import io
 
-    from jmegatron import evaluate
+    from jmegatron import evaluate, train
     from jmegatron.config import ConfigError, load_config_file
     from jmegatron.data.tokenizer import load_tokenizer, train_bpe_tokenizer
     from jmegatron.export.convert import export_hf, import_hf
@@ -470,6 +471,10 @@ def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp
                           "--eval-iters", "2"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert np.isfinite(result["loss"]) and result["iteration"] == 0
+    # the HF folder itself as --load: imported into a temporary checkpoint, the same loss
+    assert evaluate.main(["--load", str(tmp_path / "hf"), "--data-path", prefix, "--tokenizer-model", tok,
+                          "--data-split", "0,0,100", "--eval-iters", "2"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"] == result["loss"]
 
     run = dict(load=ckpt, use_checkpoint_args=True, data_path=prefix, tokenizer_model=tok, seq_length=SEQ,
                micro_batch_size=2, global_batch_size=16, train_iters=3, lr=3e-3, lr_warmup_iters=0, eval_interval=0,
@@ -478,7 +483,14 @@ def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp
         load_config_file(None, dict(run, num_layers=3))
     with pytest.raises(ConfigError, match="is a Hugging Face folder .* import-hf --hf"):
         load_config_file(None, dict(run, load=str(tmp_path / "hf")))
-    trained = load_config_file(None, run)
+    # the training CLI takes the HF folder as load: imported once into <save>/hf_import, the architecture from it
+    overrides = train._import_hf_load(None, {k: v for k, v in dict(run, load=str(tmp_path / "hf")).items()
+                                             if k != "use_checkpoint_args"})
+    assert overrides["load"] == str(tmp_path / "run" / "hf_import") and overrides["use_checkpoint_args"]
+    assert train._import_hf_load(None, dict(run, load=str(tmp_path / "hf")))["load"] == overrides["load"]  # once
+    with pytest.raises(ConfigError, match="is a Hugging Face folder: set config.save"):
+        train._import_hf_load(None, {"load": str(tmp_path / "hf")})
+    trained = load_config_file(None, overrides)
     assert (trained.qk_layernorm, trained.kv_channels, trained.num_layers) == (True, 32, 2)
     summary = pretrain(trained)
     losses = [summary["losses"][i] for i in sorted(summary["losses"])]
