@@ -168,6 +168,15 @@ def test_175b_layout_from_config_and_flags(capsys):
     assert "layout tp4-pp8-dp4-zero1 (128 devices)" in out
 
 
+def test_moe_config_in_a_tensor_parallel_layout(capsys):
+    # a MoE config resolved at tp 1 reported at tp 4 x ep 2: the expert tensor size follows the tensor size
+    # (Qwen3-30B-A3B fits 8 x 80 GB so, with selective recomputation)
+    code, out, err = _run(capsys, "--config", str(REPO / "configs" / "qwen3_30b_a3b.py"), "--tp", "4", "--sp",
+                          "--ep", "2", "--config.recompute_granularity=selective")
+    assert code == 0, err
+    assert "layout tp4-sp-ep2-dp1 (8 devices)" in out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--pp", "3"], "pipeline_model_parallel_size=3 must be >= 1 and divide num_layers=2"),
     (["--cp", "0"], "--cp 0: parallel sizes must be >= 1"),

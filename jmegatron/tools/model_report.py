@@ -199,8 +199,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              f"(each expert rank holds the same number of experts)")
         # The tensor size pads the vocabulary; pipeline stages stay out of the config
         # (validation refuses them: the trainer has none), in the layout only.
+        # (the expert tensor size follows: the config resolved it to the file's tensor size, and only
+        # equal sizes are built)
         cfg = cfg.replace(tensor_model_parallel_size=tp, sequence_parallel=sp, use_distributed_optimizer=zero1,
-                          use_megatron_fsdp=fsdp)
+                          use_megatron_fsdp=fsdp,
+                          expert_tensor_parallel_size=tp if cfg.num_moe_experts is not None else None)
         cfg.check_parallel_divisibility(cfg.padded_vocab_size(), dp)
         if cp > 1 and cfg.seq_length % (2 * cp):
             raise ValueError(f"--cp {cp}: seq_length={cfg.seq_length} must be divisible by 2 x {cp} (Megatron's "
