@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 
 def default_interpret() -> bool:
     """True (Pallas interpret mode: the kernel code evaluated by XLA) unless JAX's default
     backend is a GPU, where the kernels compile through Triton."""
     return jax.default_backend() != "gpu"
+
+
+def triton_params(head_dim: int, num_stages: int = 2) -> pltriton.CompilerParams:
+    """The Triton compiler parameters of a kernel whose tiles are ``head_dim`` wide: 4 warps
+    up to 64, else 8, and ``num_stages`` software-pipelining stages, as JAX's reference
+    Pallas flash attention (``jax/experimental/pallas/ops/gpu/attention.py``) chooses them.
+    Passing them also selects the Triton lowering on a GPU whatever JAX's default: where
+    ``jax_pallas_use_mosaic_gpu`` is on (jax 0.10.2's default) a ``pallas_call`` without
+    compiler parameters lowers through Mosaic GPU, which these kernels are not written for.
+    Interpret mode ignores them."""
+    return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=num_stages)
 
 
 def same_vma(*xs):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jmegatron.kernels.pallas.common import default_interpret, fori_loop, out_struct, same_vma
+from jmegatron.kernels.pallas.common import default_interpret, fori_loop, out_struct, same_vma, triton_params
 
 Array = jax.Array
 
@@ -90,7 +90,7 @@ def _partials(cfg: _Config, logits: Array, labels: Array) -> tuple[Array, Array,
         functools.partial(_fwd_kernel, block_vocab=bv, vocab=vocab), grid=(n // br,),
         in_specs=[pl.BlockSpec((br, vocab), lambda i: (i, 0)), row], out_specs=[row] * 3,
         out_shape=[out_struct((n,), jnp.float32, logits)] * 3,
-        interpret=cfg.interpret, name="jmegatron_cross_entropy_fwd",
+        interpret=cfg.interpret, compiler_params=triton_params(bv), name="jmegatron_cross_entropy_fwd",
     )(logits, labels)
 
 
@@ -106,7 +106,7 @@ def _grad(cfg: _Config, logits: Array, labels: Array, m: Array, dsum: Array, dta
         functools.partial(_bwd_kernel, block_vocab=bv, vocab=vocab), grid=(n // br,),
         in_specs=[whole, row, row, row, row], out_specs=whole,
         out_shape=out_struct(logits.shape, logits.dtype, logits),
-        interpret=cfg.interpret, name="jmegatron_cross_entropy_bwd",
+        interpret=cfg.interpret, compiler_params=triton_params(bv), name="jmegatron_cross_entropy_bwd",
     )(logits, labels, m, dsum, dtarget)
 
 

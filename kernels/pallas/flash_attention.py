@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jmegatron.kernels.pallas.common import default_interpret, fori_loop, out_struct, same_vma
+from jmegatron.kernels.pallas.common import default_interpret, fori_loop, out_struct, same_vma, triton_params
 from jmegatron.kernels.xla.dropout import check_hash_extent, key_words, mask_hash
 
 Array = jax.Array
@@ -264,7 +264,7 @@ def _fwd_call(cfg: _Config, q, k, v, qpos, kpos, qseg, kseg, qidx, kidx, seed, o
     return pl.pallas_call(
         kernel, grid=(b, nq, sq // bq), in_specs=in_specs, out_specs=out_specs,
         out_shape=[out_struct(q.shape, out_dtype, q), out_struct((b, nq, sq), jnp.float32, q)],
-        interpret=cfg.interpret, name="jmegatron_flash_fwd",
+        interpret=cfg.interpret, compiler_params=triton_params(d), name="jmegatron_flash_fwd",
     )(q, k, v, qpos, kpos, qseg, kseg, qidx, kidx, seed)
 
 
@@ -298,7 +298,7 @@ def _bwd_call(cfg: _Config, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, qid
         ],
         out_specs=pl.BlockSpec((None, bq, None, d), lambda bi, h, i: (bi, i, h, 0)),
         out_shape=out_struct(q.shape, jnp.float32, q),
-        interpret=cfg.interpret, name="jmegatron_flash_bwd_dq",
+        interpret=cfg.interpret, compiler_params=triton_params(d), name="jmegatron_flash_bwd_dq",
     )(*operands)
 
     # dK, dV: grid over (batch, key/value head, key block), looping over the group's query
@@ -321,7 +321,7 @@ def _bwd_call(cfg: _Config, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, qid
         ],
         out_specs=[pl.BlockSpec((None, bk, None, d), lambda bi, h, j: (bi, j, h, 0))] * 2,
         out_shape=[out_struct(k.shape, jnp.float32, q)] * 2,
-        interpret=cfg.interpret, name="jmegatron_flash_bwd_dkv",
+        interpret=cfg.interpret, compiler_params=triton_params(d), name="jmegatron_flash_bwd_dkv",
     )(*operands)
     return dq, dk, dv
 

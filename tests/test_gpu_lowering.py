@@ -1,0 +1,55 @@
+"""The Pallas kernels lower for an NVIDIA GPU on this CPU machine: ``jax.jit(f).trace(...)
+.lower(lowering_platforms=("cuda",))`` gives Triton custom calls (``__gpu$xla.gpu.triton``).
+
+Without compiler parameters jax 0.10.2 lowers a ``pallas_call`` through Mosaic GPU
+(``jax_pallas_use_mosaic_gpu`` defaults to True there), which rejects these kernels ("Failed
+to infer the output layout of the iota"): the kernels pass Triton's
+(:func:`jmegatron.kernels.pallas.common.triton_params`). Lowering only: Triton's own
+compile to PTX happens on the GPU."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jmegatron.kernels.pallas.common import triton_params
+from jmegatron.kernels.pallas.cross_entropy import pallas_softmax_cross_entropy
+from jmegatron.kernels.pallas.flash_attention import pallas_attention
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _triton_calls(fn, *shapes) -> int:
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text().count(TRITON)
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim", [
+    (jnp.bfloat16, 8, 2, 128),  # Llama-style GQA at head_dim 128
+    (jnp.float32, 4, 4, 64),
+])
+def test_flash_attention_forward_and_backward_lower_to_triton(dtype, heads, kv_heads, head_dim):
+    q = jax.ShapeDtypeStruct((2, 256, heads, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((2, 256, kv_heads, head_dim), dtype)
+
+    def attention(q, k, v):
+        return pallas_attention(q, k, v, interpret=False, tensor_axis=None)
+
+    def grads(q, k, v):
+        return jax.grad(lambda *a: attention(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+    assert _triton_calls(attention, q, kv, kv) == 1
+    assert _triton_calls(grads, q, kv, kv) == 3  # the forward, dQ, dK/dV
+
+
+def test_cross_entropy_lowers_to_triton():
+    logits = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((64,), jnp.int32)
+
+    def loss(z, y):
+        return pallas_softmax_cross_entropy(z, y, interpret=False).sum()
+
+    assert _triton_calls(loss, logits, labels) == 1
+    assert _triton_calls(jax.grad(loss), logits, labels) == 2
+
+
+def test_warps_follow_the_tile_width():
+    assert (triton_params(64).num_warps, triton_params(128).num_warps, triton_params(128).num_stages) == (4, 8, 2)
