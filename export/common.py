@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, from_configdict
-from jmegatron.data.tokenizer import load_tokenizer
+from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 from jmegatron.export.hf import to_hf_model
 from jmegatron.training import checkpointing
 from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
@@ -172,6 +172,28 @@ def load_source_tokenizer(src: ExportSource):
         return None
 
     return load_tokenizer(src.tokenizer_path)
+
+
+def write_hf_tokenizer(tokenizer: str, out: str, model_max_length: int) -> None:
+    """The checkpoint's tokenizer as a transformers tokenizer in ``out``: a transformers
+    tokenizer folder (``import-hf`` carries the source's, with ``tokenizer_config.json``) is
+    copied file by file (its special tokens and chat template kept); a ``tokenizer.json``
+    (or a folder with only that) is saved as ``PreTrainedTokenizerFast`` with the
+    end-of-document token as bos and eos."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    if os.path.isdir(tokenizer) and os.path.isfile(os.path.join(tokenizer, "tokenizer_config.json")):
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(tokenizer, name)):
+                shutil.copyfile(os.path.join(tokenizer, name), os.path.join(out, name))
+        return
+    eod = load_tokenizer(tokenizer).eod_token
+    tok_file = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
+    tok = PreTrainedTokenizerFast(tokenizer_file=tok_file, bos_token=eod, eos_token=eod, unk_token=None,
+                                  model_max_length=model_max_length)
+    tok.save_pretrained(out)
 
 
 def hf_model(src: ExportSource):

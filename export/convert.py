@@ -36,7 +36,7 @@ import numpy as np
 
 from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
 from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
-from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config
+from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config, write_hf_tokenizer
 from jmegatron.export.hf import (config_fields_from_hf, from_hf_state_dict, hf_architecture, hf_mtp_depths,
                                  hf_tensor_names, is_hf_folder, read_hf_state_dict)
 from jmegatron.export.stream import export_hf_streaming, parse_size
@@ -107,19 +107,8 @@ def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None
     parse_size(max_shard_size)  # bad input refused before any work
     os.makedirs(out, exist_ok=True)
     src = export_hf_streaming(load, out, dtype, iteration, max_shard_size)
-    tok_folder = src["tokenizer"] if src["tokenizer"] and os.path.isdir(src["tokenizer"]) else None
-    if tok_folder and os.path.isfile(os.path.join(tok_folder, "tokenizer_config.json")):
-        for name in TOKENIZER_FILES:  # a transformers tokenizer (import-hf's): its own files, chat template kept
-            if os.path.isfile(os.path.join(tok_folder, name)):
-                shutil.copyfile(os.path.join(tok_folder, name), os.path.join(out, name))
-    elif src["tokenizer"]:
-        from transformers import PreTrainedTokenizerFast
-
-        eod = load_tokenizer(src["tokenizer"]).eod_token
-        tok_file = os.path.join(tok_folder, "tokenizer.json") if tok_folder else src["tokenizer"]
-        tok = PreTrainedTokenizerFast(tokenizer_file=tok_file, bos_token=eod, eos_token=eod,
-                                      unk_token=None, model_max_length=src["cfg"].max_position_embeddings)
-        tok.save_pretrained(out)
+    if src["tokenizer"]:
+        write_hf_tokenizer(src["tokenizer"], out, src["cfg"].max_position_embeddings)
     summary = {"architecture": arch, "source": src["source"], "iteration": src["iteration"], "dtype": dtype,
                "vocab_size": src["vocab_size"], "padded_vocab_size": src["padded_vocab_size"],
                "tokenizer": src["tokenizer"], "files": src["files"]}

@@ -85,7 +85,7 @@ from jmegatron.data.gpt_dataset import GPTDataset
 from jmegatron.data.indexed_dataset import IndexedDataset
 from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.export.common import (ExportError, ExportSource, check_out_dir, checkpoint_config, hf_model, load_checkpoint,
-                                     load_source_tokenizer)
+                                     write_hf_tokenizer)
 from jmegatron.export.fp8_scales import (FP8_E4M3_MAX, WEIGHT_SCALES, checkpoint_fp8_scales, layer_fp8_meta,
                                          quantize_weight, saved_fp8_meta_paths, strip_fp8_meta, unified_modules)
 from jmegatron.export.hf import hf_architecture, to_hf_state_dict
@@ -550,12 +550,7 @@ def _write_json(path: str, obj: Any) -> None:
 def _save_tokenizer(src: ExportSource, folder: str) -> bool:
     if not src.tokenizer_path:
         return False
-    from transformers import PreTrainedTokenizerFast
-
-    eod = load_source_tokenizer(src).eod_token
-    tok = PreTrainedTokenizerFast(tokenizer_file=src.tokenizer_path, bos_token=eod, eos_token=eod,
-                                  unk_token=None, model_max_length=src.cfg.max_position_embeddings)
-    tok.save_pretrained(folder)
+    write_hf_tokenizer(src.tokenizer_path, folder, src.cfg.max_position_embeddings)
     return True
 
 

@@ -84,3 +84,23 @@ def test_preprocess_data_takes_megatrons_flags(gpt2_files, shakespeare_dir, tmp_
     with pytest.raises(SystemExit, match="merge_file"):
         preprocess_data.main(["--input", str(src), "--output-prefix", str(tmp_path / "bad"),
                               "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab])
+
+
+def test_exports_write_the_checkpoints_tokenizer_as_transformers_reads_it(gpt2_files, tmp_path):
+    # export hf and quantize's unified folder (export.common.write_hf_tokenizer): a tokenizer.json
+    # becomes PreTrainedTokenizerFast with the end-of-document token as bos/eos; a transformers
+    # folder (import-hf's copy of the source's, chat template included) is copied as it is
+    from jmegatron.export.common import write_hf_tokenizer
+
+    tok_json = os.path.join(os.path.dirname(os.path.dirname(gpt2_files[0])), "tokenizer.json")
+    (tmp_path / "a").mkdir()
+    write_hf_tokenizer(tok_json, str(tmp_path / "a"), 128)
+    a = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "a"))
+    assert a.eos_token == a.bos_token == "<|endoftext|>" and a.model_max_length == 128
+    template = "{% for m in messages %}{{ m['content'] }}<|endoftext|>{% endfor %}"
+    a.chat_template = template
+    a.save_pretrained(str(tmp_path / "src"))
+    (tmp_path / "b").mkdir()
+    write_hf_tokenizer(str(tmp_path / "src"), str(tmp_path / "b"), 64)
+    b = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "b"))
+    assert b.chat_template == template and b.encode("to be or not") == a.encode("to be or not")
