@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 import signal
 import threading
@@ -62,8 +63,14 @@ def _register_array_handler() -> None:
     process save their arrays the same way)."""
     handler = ocp.type_handlers.get_type_handler(jax.Array)
     if getattr(handler, "_min_slice_bytes_for_replica_parallel", None) != MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL:
-        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-            min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
+        absl = logging.getLogger("absl")  # Orbax warns of the override it was asked for
+        level = absl.level
+        absl.setLevel(logging.ERROR)
+        try:
+            ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+                min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES_FOR_REPLICA_PARALLEL), override=True)
+        finally:
+            absl.setLevel(level)
 KILL_ENV = "JMEGATRON_CHECKPOINT_KILL"
 
 
