@@ -53,3 +53,9 @@ def test_cross_entropy_lowers_to_triton():
 
 def test_warps_follow_the_tile_width():
     assert (triton_params(64).num_warps, triton_params(128).num_warps, triton_params(128).num_stages) == (4, 8, 2)
+
+
+@pytest.mark.parametrize("head_dim", [96, 192])  # configs/bytemlperf/moe.py's 192: padded to 256
+def test_head_dims_that_are_not_powers_of_two_lower(head_dim):
+    q = jax.ShapeDtypeStruct((1, 128, 4, head_dim), jnp.bfloat16)
+    assert _triton_calls(lambda q, k, v: pallas_attention(q, k, v, interpret=False, tensor_axis=None), q, q, q) == 1

@@ -20,7 +20,10 @@ On a GPU the kernels compile through Triton; elsewhere (``interpret=None`` and
 ``jax.default_backend() != "gpu"``) they run in Pallas interpret mode, the same kernel code
 evaluated by XLA (slow: for tests). Sequence lengths must be multiples of the block sizes
 (ValueError otherwise); a block size larger than the sequence is cut to it. On a GPU block
-sizes and the head dimension should be powers of two >= 16 (Triton's tiles).
+sizes should be powers of two >= 16 (Triton's tiles); a head dimension that is not a power
+of two (96, 192) runs zero-padded to the next one, its scores still scaled by
+``1 / sqrt(head_dim)``. The kernels pass Triton's compiler parameters
+(:func:`jmegatron.kernels.pallas.common.triton_params`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class _Config(NamedTuple):
     block_q: int
     block_k: int
     interpret: bool
+    scale: float = 0.0  # the score scale, 1 / sqrt(head dim before padding); 0: 1 / sqrt(the operands')
 
 
 def _keep(seed_ref, batch, head, q_index, k_index, dropout) -> Array:
@@ -260,7 +264,7 @@ def _fwd_call(cfg: _Config, q, k, v, qpos, kpos, qseg, kseg, qidx, kidx, seed, o
     out_specs = [pl.BlockSpec((None, bq, None, d), lambda bi, h, i: (bi, i, h, 0)),
                  pl.BlockSpec((None, None, bq), lambda bi, h, i: (bi, h, i))]
     q, k, v, qpos, kpos, qseg, kseg, qidx, kidx, seed = same_vma(q, k, v, qpos, kpos, qseg, kseg, qidx, kidx, seed)
-    kernel = functools.partial(_fwd_kernel, cfg=cfg, scale=float(np.float32(1.0) / np.sqrt(np.float32(d))), seq_k=sk)
+    kernel = functools.partial(_fwd_kernel, cfg=cfg, scale=cfg.scale or _scale(d), seq_k=sk)
     return pl.pallas_call(
         kernel, grid=(b, nq, sq // bq), in_specs=in_specs, out_specs=out_specs,
         out_shape=[out_struct(q.shape, out_dtype, q), out_struct((b, nq, sq), jnp.float32, q)],
@@ -274,7 +278,7 @@ def _bwd_call(cfg: _Config, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, qid
     sk, nkv = k.shape[1], k.shape[2]
     group = nq // nkv
     bq, bk = cfg.block_q, cfg.block_k
-    scale = float(np.float32(1.0) / np.sqrt(np.float32(d)))
+    scale = cfg.scale or _scale(d)
     ids = lambda x, shape, im: None if x is None else pl.BlockSpec(shape, im)  # noqa: E731
     operands = same_vma(q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, qidx, kidx, seed)
     q = operands[0]
@@ -327,6 +331,22 @@ def _bwd_call(cfg: _Config, q, k, v, do, lse, delta, qpos, kpos, qseg, kseg, qid
 
 
 # ----------------------------------------------------------------------------- checks
+
+
+def _scale(head_dim: int) -> float:
+    """``1 / sqrt(head_dim)`` rounded to float32, the scores' scale."""
+    return float(np.float32(1.0) / np.sqrt(np.float32(head_dim)))
+
+
+def _pad_head_dim(*xs: Optional[Array]) -> tuple:
+    """``xs`` (``[..., d]`` arrays or None) zero-padded to the next power of two of ``d``:
+    Triton's tiles are powers of two (head dims 96, 192, ... would not lower). Zero columns
+    add nothing to ``q k^T`` and give zero output columns, which the callers cut off."""
+    d = next(x for x in xs if x is not None).shape[-1]
+    width = 1 << max(d - 1, 0).bit_length()
+    if width == d:
+        return xs
+    return tuple(None if x is None else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - d)]) for x in xs)
 
 
 def _block_size(name: str, block: Optional[int], default: int, seq: int, dtype=None) -> int:
@@ -507,17 +527,19 @@ def pallas_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
         raise ValueError("pallas_attention: dropout_rate > 0 in training needs dropout_rng")
     size, manual = _head_split(tensor_axis, k.shape[2])
     heads = q.shape[2] * (size if manual else 1)  # global query heads (the hash's row word)
+    d = q.shape[-1]
     cfg = _Config(causal="index", segments=segment_ids is not None, dropout=_dropout_cfg(rate, s, "index", heads),
                   block_q=_block_size("block_q", block_q, BLOCK_Q, s, q.dtype),
                   block_k=_block_size("block_k", block_k, BLOCK_K, s, q.dtype),
-                  interpret=default_interpret() if interpret is None else bool(interpret))
+                  interpret=default_interpret() if interpret is None else bool(interpret), scale=_scale(d))
     segments = _ids("pallas_attention: segment_ids", segment_ids, (b, s))
     seed = _seed(dropout_rng, sample_offset) if rate > 0.0 else None
+    q, k, v = _pad_head_dim(q, k, v)
     if size > 1 and not manual:
-        return _flash_heads(q, k, v, segments, seed, cfg, tensor_axis)
+        return _flash_heads(q, k, v, segments, seed, cfg, tensor_axis)[..., :d]
     if manual:  # q/k/v are this rank's heads already
         seed = _with_head_offset(seed, tensor_axis, q.shape[2])
-    return _flash(q, k, v, segments, seed, cfg)
+    return _flash(q, k, v, segments, seed, cfg)[..., :d]
 
 
 # ----------------------------------------------------------------------------- block forms
@@ -544,7 +566,7 @@ def _block_setup(fn, q, k, v, q_positions, k_positions, q_segments, k_segments, 
     cfg = _Config(causal="positions" if q_positions is not None else "none", segments=q_segments is not None,
                   dropout=drop, block_q=_block_size("block_q", block_q, BLOCK_Q, sq, q.dtype),
                   block_k=_block_size("block_k", block_k, BLOCK_K, sk, q.dtype),
-                  interpret=default_interpret() if interpret is None else bool(interpret))
+                  interpret=default_interpret() if interpret is None else bool(interpret), scale=_scale(q.shape[-1]))
     return cfg, tuple(ids) + (seed,)
 
 
@@ -569,8 +591,9 @@ def pallas_attention_block(q: Array, k: Array, v: Array, q_positions: Optional[A
     """
     cfg, ids = _block_setup("pallas_attention_block", q, k, v, q_positions, k_positions, q_segments, k_segments,
                             dropout, block_q, block_k, interpret)
-    out, lse = _fwd_call(cfg, q, k, v, *ids, jnp.float32)
-    return out, jnp.swapaxes(lse, 1, 2)
+    d = q.shape[-1]
+    out, lse = _fwd_call(cfg, *_pad_head_dim(q, k, v), *ids, jnp.float32)
+    return out[..., :d], jnp.swapaxes(lse, 1, 2)
 
 
 def pallas_block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, delta: Array,
@@ -596,5 +619,8 @@ def pallas_block_grads(q: Array, k: Array, v: Array, dout: Array, lse: Array, de
             raise ValueError(f"pallas_block_grads: {name} must be [b, sq, nq] = {[b, sq, nq]}, got {list(x.shape)}")
     if dout.shape != q.shape:
         raise ValueError(f"pallas_block_grads: dout must have q's shape {list(q.shape)}, got {list(dout.shape)}")
-    return _bwd_call(cfg, q, k, v, dout.astype(q.dtype), jnp.swapaxes(lse.astype(jnp.float32), 1, 2),
-                     jnp.swapaxes(delta.astype(jnp.float32), 1, 2), *ids)
+    d = q.shape[-1]
+    q, k, v, dout = _pad_head_dim(q, k, v, dout.astype(q.dtype))
+    dq, dk, dv = _bwd_call(cfg, q, k, v, dout, jnp.swapaxes(lse.astype(jnp.float32), 1, 2),
+                           jnp.swapaxes(delta.astype(jnp.float32), 1, 2), *ids)
+    return dq[..., :d], dk[..., :d], dv[..., :d]
