@@ -59,3 +59,30 @@ def test_warps_follow_the_tile_width():
 def test_head_dims_that_are_not_powers_of_two_lower(head_dim):
     q = jax.ShapeDtypeStruct((1, 128, 4, head_dim), jnp.bfloat16)
     assert _triton_calls(lambda q, k, v: pallas_attention(q, k, v, interpret=False, tensor_axis=None), q, q, q) == 1
+
+
+def test_gpu_check_lower_only_lowers_every_shipped_shape(capsys):
+    """``gpu_check --lower-only``: gpt_tiny, ByteMLPerf's GPT-3 345M and MoE (head_dim 192) and
+    Llama-3-8B (head_dim 128, GQA), bf16 and FP8, each train step lowered for cuda with the
+    Pallas kernels as Triton calls (2 layers x forward, dQ, dK/dV + the cross-entropy's 2) and
+    the FP8 rows' dots on f8E4M3FN / f8E5M2 operands."""
+    from jmegatron.tools import gpu_check
+
+    assert gpu_check.main(["--lower-only"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| configs/")]
+    assert len(rows) == 8
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3] == "lowered" and cells[4] == "8", row
+        assert (cells[5] == "f8E4M3FN f8E5M2") == (cells[1] == "fp8"), row
+    assert {c.split("|")[3].strip() for c in rows} == {"64", "192", "128"}
+
+
+def test_a_row_that_does_not_lower_is_reported_and_the_table_goes_on(capsys):
+    from jmegatron.tools import gpu_lower
+
+    # 100 tokens: one 100-row tile, which Triton cannot lower (its tiles are powers of two)
+    bad = gpu_lower.lowering_row(gpu_lower.DEFAULT_CONFIGS[0], "bf16", {"seq_length": 100})
+    assert bad.status.startswith("ERROR: ValueError: The Pallas Triton lowering currently requires"), bad.status
+    assert gpu_lower.main([gpu_lower.DEFAULT_CONFIGS[0]], {"seq_length": 100}) == 1
+    assert capsys.readouterr().out.count("ERROR: ValueError") == 2  # both precisions, both printed

@@ -1,4 +1,6 @@
-"""``python -m jmegatron.tools.gpu_check [--steps N] [--platform gpu|cpu] [--tiny]``
+"""``python -m jmegatron.tools.gpu_check [--steps N] [--platform gpu|cpu] [--tiny]``, or
+``python -m jmegatron.tools.gpu_check --lower-only [--config C [--config.FIELD=VALUE ...]]``
+(no GPU needed: :mod:`jmegatron.tools.gpu_lower`)
 
 Trains a few steps of a small config (configs/gpt_tiny.py, mock data, no dropout) once per
 kernel and precision on one device, compares each loss curve with the XLA float32 path's
@@ -38,6 +40,8 @@ from jmegatron.models import te
 from jmegatron.models.core_attention import CORE_ATTENTIONS
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel.mesh import create_mesh
+from jmegatron.tools import gpu_lower
+from jmegatron.train import parse_args
 from jmegatron.training import flops, forward_step, peak
 from jmegatron.training.run import build
 
@@ -240,10 +244,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
                    help="gpu: the first NVIDIA GPU (exit 0 without one); cpu: the CPU-possible variants")
     p.add_argument("--steps", type=int, default=10, help="training iterations per variant (>= 2; default 10)")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="config file (default configs/gpt_tiny.py)")
+    p.add_argument("--config", default=None, help="config file (default configs/gpt_tiny.py; with --lower-only "
+                                                 "the shipped shapes of jmegatron.tools.gpu_lower)")
+    p.add_argument("--lower-only", action="store_true",
+                   help="lower the train steps for an NVIDIA GPU on this machine (no GPU needed; "
+                        "jmegatron.tools.gpu_lower); --config.FIELD=VALUE overrides apply")
     p.add_argument("--tiny", action="store_true", help="1 layer x 64 hidden, seq 32, batch 4 (tests)")
     p.add_argument("--only", nargs="*", default=None, help="variant names containing any of these words")
-    args = p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    if args.lower_only:
+        bad = [a for a in rest if not a.startswith("--config.")]
+        if bad:
+            p.error(f"unrecognized arguments: {' '.join(bad)}")
+        _, overrides = parse_args(rest)
+        return gpu_lower.main([args.config] if args.config else gpu_lower.DEFAULT_CONFIGS, overrides)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)} (--config.FIELD=VALUE goes with --lower-only)")
+    args.config = args.config or DEFAULT_CONFIG
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step compiles)")
     import jax
