@@ -856,11 +856,8 @@ class JMegatronConfig:
                        attn_logit_softcapping=self.attn_logit_softcapping is not None,
                        add_qkv_bias=self.add_qkv_bias, rope_scaling=self.rope_scaling,
                        rotary_seq_len_interpolation_factor=self.rotary_seq_len_interpolation_factor is not None)
-        for name, bad in refused.items():
-            if bad:
-                raise ConfigError(f"config.multi_latent_attention=True with {name}={getattr(self, name)!r} is not "
-                                  f"built (multi-latent attention runs on one context / pipeline rank with its "
-                                  f"own score scale and RoPE); drop {name}.")
+        self._refuse_with("multi_latent_attention=True", refused, "multi-latent attention runs on one context / "
+                          "pipeline rank with its own score scale and RoPE", "drop {name}.")
         if self.transformer_impl == "transformer_engine":
             raise ConfigError("config.multi_latent_attention=True with transformer_impl='transformer_engine' is not "
                               "built; set transformer_impl='local' (or 'auto').")
@@ -877,11 +874,18 @@ class JMegatronConfig:
         refused = dict(pipeline_model_parallel_size=self.pipeline_model_parallel_size > 1,
                        context_parallel_size=self.context_parallel_size > 1,
                        kd_teacher_load=self.kd_teacher_load is not None)
+        self._refuse_with(f"mtp_num_layers={self.mtp_num_layers}", refused, "multi-token prediction runs "
+                          "unpipelined, without context parallelism, in language-model training",
+                          "unset mtp_num_layers or {name}.")
+
+    def _refuse_with(self, feature: str, refused: dict, why: str, fix: str) -> None:
+        """ConfigError for the first field of ``refused`` (name -> whether its value is
+        refused) that is: ``config.<feature> with <name>=<value> is not built (<why>); <fix>``
+        (``{name}`` in ``fix`` becomes the field's name)."""
         for name, bad in refused.items():
             if bad:
-                raise ConfigError(f"config.mtp_num_layers={self.mtp_num_layers} with {name}={getattr(self, name)!r} "
-                                  f"is not built (multi-token prediction runs unpipelined, without context "
-                                  f"parallelism, in language-model training); unset mtp_num_layers or {name}.")
+                raise ConfigError(f"config.{feature} with {name}={getattr(self, name)!r} is not built ({why}); "
+                                  + fix.format(name=name))
 
     @property
     def gated_mlp(self) -> bool:

@@ -92,3 +92,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    """megatron-core on the CPU for a test module (one process, gloo): its parallel state
+    initialised (``export.megatron.init_megatron_core_cpu``) and the three CUDA assumptions
+    of its forward pass made CPU no-ops (RoPE's ``inv_freq`` moved to
+    ``torch.cuda.current_device()``, the dropout RNG tracker's fork, the router's
+    ``te_general_gemm`` name without Transformer Engine)."""
+    import contextlib
+
+    import torch
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils
+
+    from jmegatron.export import megatron as M
+
+    M.init_megatron_core_cpu()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+        mp.setattr(tp_random.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
+        mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
+        yield

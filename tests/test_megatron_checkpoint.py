@@ -4,12 +4,11 @@ imported, loads the ones exported, and computes the reference logits.
 
 megatron-core 0.16 assumes CUDA in three places of a forward pass (RoPE's ``inv_freq``
 moved to ``torch.cuda.current_device()``, the dropout RNG tracker's fork, the router's
-``te_general_gemm`` name without Transformer Engine); the ``mcore`` fixture makes them
+``te_general_gemm`` name without Transformer Engine); the ``mcore`` fixture (tests/conftest.py) makes them
 CPU no-ops for this module. Dropout is 0, so the forward is megatron-core's math.
 """
 
 import argparse
-import contextlib
 import glob
 import os
 import subprocess
@@ -58,17 +57,15 @@ def cfg_of(kind, **kw):
     return from_configdict(c)
 
 
-@pytest.fixture(scope="module")
-def mcore():
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.moe import moe_utils
-
-    M.init_megatron_core_cpu()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        mp.setattr(tp_random.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
-        mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
-        yield
+def randomize(model) -> None:
+    """Every weight of a megatron-core model drawn (norms around 1, the rest around 0) and
+    every router's expert bias, so each tensor moves the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.normal_(0.0, 0.1)
 
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ))
@@ -105,12 +102,7 @@ def written(mcore, tmp_path_factory):
         cfg = cfg_of(kind)
         torch.manual_seed(i)
         model = M.megatron_core_model(cfg, cfg.padded_vocab_size())
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.05)
-            for name, b in model.named_buffers():
-                if name.endswith("expert_bias"):
-                    b.normal_(0.0, 0.1)
+        randomize(model)
         args = M.megatron_args(cfg, cfg.padded_vocab_size(), VOCAB, iteration=7)
         if kind == "moe":  # Megatron-LM's GPT-2 tokenizer arguments, as its launch scripts pass them
             args.tokenizer_type, args.vocab_file, args.merge_file = "GPT2BPETokenizer", vocab, merges

@@ -6,8 +6,6 @@ values megatron-core's ``MTPLossLoggingHelper`` tracks) and the gradient of ever
 the optimised loss equal megatron-core's backward (whose ``MTPLossAutoScaler`` injects the
 MTP losses' gradient, scaled by ``mtp_loss_scaling_factor / mtp_num_layers``)."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +19,8 @@ from jmegatron.export import megatron as M  # noqa: E402
 from jmegatron.models.gpt import GPTModel, ModelConfig  # noqa: E402
 from jmegatron.models.multi_token_prediction import roll_left  # noqa: E402
 from jmegatron.training.losses import lm_loss_fn  # noqa: E402
+
+from test_megatron_checkpoint import randomize  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,19 +43,6 @@ def cfg_of(**kw):
 
 
 @pytest.fixture(scope="module")
-def mcore():
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.moe import moe_utils
-
-    M.init_megatron_core_cpu()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        mp.setattr(tp_random.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
-        mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
-        yield
-
-
-@pytest.fixture(scope="module")
 def reference(mcore):
     """megatron-core's model (random weights), one training forward and backward of its
     language-model loss on a batch with a masked position, its tracked MTP losses and its
@@ -65,12 +52,8 @@ def reference(mcore):
     cfg = cfg_of()
     torch.manual_seed(0)
     model = M.megatron_core_model(cfg, cfg.padded_vocab_size())
+    randomize(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.05)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
-                b.normal_(0.0, 0.1)
         for name in ("embedding.word_embeddings.weight", "output_layer.weight"):  # the vocabulary padding rows
             model.get_parameter(name)[VOCAB:] = 0.0                             # zero, as import pads them
     state = {k: v.clone() for k, v in model.state_dict().items() if v is not None and not k.endswith("_extra_state")}
