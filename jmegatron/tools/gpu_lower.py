@@ -40,6 +40,10 @@ PRECISIONS = {"bf16": dict(bf16=True), "fp8": dict(bf16=True, fp8="hybrid")}
 
 @dataclasses.dataclass
 class LoweringRow:
+    """One config x precision of the table: the config file (relative to the repository),
+    the head dimension (``kv_channels``), the status, the number of Triton custom calls, the
+    FP8 operand types found, and the seconds the build, trace and lowering took."""
+
     config: str
     precision: str
     head_dim: int
@@ -92,6 +96,7 @@ def lowering_row(path: str, precision: str, overrides: Optional[dict] = None) ->
 
 
 def format_rows(rows: Sequence[LoweringRow]) -> str:
+    """The rows as a Markdown table (the one docs/GPU.md quotes)."""
     lines = ["| config | precision | head dim | lowered for cuda | Triton calls | FP8 operand types | seconds |",
              "|---|---|---:|---|---:|---|---:|"]
     for r in rows:
