@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jmegatron.config import JMegatronConfig, load_config_file
+from jmegatron.config import JMegatronConfig, get_config_of, load_config_file
 from jmegatron.kernels.pallas.common import emit_triton
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training.run import build
@@ -54,17 +54,20 @@ class LoweringRow:
 
 
 def lowering_config(path: str, precision: str, overrides: Optional[dict] = None) -> JMegatronConfig:
-    """``path``'s config for a lowering row: mock data, two layers, one micro-batch of one
-    sequence, Pallas attention and cross-entropy, no dropout, ``precision``'s fields."""
-    fields = dict(mock_data=True, num_layers=2, micro_batch_size=1, global_batch_size=1, attention_impl="pallas",
+    """``path``'s config for a lowering row: mock data (the config's vocabulary, else GPT-2's
+    padded 50304), two layers (an MoE config's layers all MoE: its dense/MoE pattern names
+    more layers), one micro-batch of one sequence, one device, Pallas attention and
+    cross-entropy, no dropout, ``precision``'s fields, then ``overrides``. Raises
+    ConfigError / FileNotFoundError as :func:`jmegatron.config.load_config_file`."""
+    vocab = get_config_of(path).get("vocab_size") or 50304
+    fields = dict(mock_data=True, vocab_size=vocab, num_layers=2, micro_batch_size=1, global_batch_size=1, attention_impl="pallas",
                   cross_entropy_impl="pallas", hidden_dropout=0.0, attention_dropout=0.0,
                   tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
                   expert_model_parallel_size=1, sequence_parallel=False, use_distributed_optimizer=False,
                   **PRECISIONS[precision], **(overrides or {}))
-    cfg = load_config_file(path, {"vocab_size": 50304, **fields})
-    if cfg.moe_layer_freq != 1 and cfg.num_moe_experts is not None:
-        cfg = cfg.replace(moe_layer_freq=1)
-    return cfg
+    if get_config_of(path).get("num_moe_experts") is not None:
+        fields.setdefault("moe_layer_freq", 1)
+    return load_config_file(path, fields)
 
 
 def lower_train_step(cfg: JMegatronConfig) -> tuple[str, float]:
