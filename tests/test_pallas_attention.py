@@ -230,6 +230,26 @@ def test_cp2_step_with_pallas_attention_equals_one_device():
     assert_tree_close(g, g1)
 
 
+@pytest.mark.parametrize("s", [20, 100])
+def test_sequences_that_are_not_a_power_of_two_are_padded(s):
+    """With the default tiles, 20 tokens run as one 32-row tile and 100 tokens as 128 (the
+    float32 tile is 64: two tiles): the sequence is zero-padded, the padded keys hidden by
+    causality, document masks and dropout unchanged; values and gradients equal
+    xla_attention's."""
+    rs = np.random.RandomState(5)
+    q, k, v, w = (jnp.asarray(rs.randn(1, s, n, D).astype(np.float32)) for n in (4, 2, 2, 4))
+    seg = jnp.asarray((np.arange(s) >= s // 3).astype(np.int32))[None]
+    kw = dict(segment_ids=seg, **DROPOUT)
+    out, vjp = jax.vjp(functools.partial(fa.pallas_attention, **kw), q, k, v)
+    want, want_vjp = jax.vjp(functools.partial(xla_attention, **kw), q, k, v)
+    assert out.shape == (1, s, 4, D)
+    assert_close(out, want)
+    for a, e in zip(vjp(w), want_vjp(w)):
+        assert_close(a, e)
+    assert fa._default_tiles(s, jnp.float32) == {20: (32, 32), 100: (64, 128)}[s]
+    assert fa._default_tiles(s, jnp.bfloat16) == {20: (32, 32), 100: (128, 128)}[s]
+
+
 def test_head_dims_that_are_not_powers_of_two_are_padded():
     """Triton's tiles are powers of two: a head dimension of 24 runs padded to 32 with zero
     columns (the scores' scale stays 1 / sqrt(24)); values and gradients equal xla_attention's,

@@ -156,6 +156,11 @@ def test_cudnn_support_reasons():
     assert not ok and "kv_channels=132" in why
     ok, why = cudnn_attention_supported(tiny_cfg(bf16=True, reset_attention_mask=True, seq_length=33))
     assert not ok and "seq_length=33" in why
+    # cuDNN's head-dim bound per architecture (JAX's check_is_flash_attention): 256 from Hopper, 128 before
+    hd192 = tiny_cfg(bf16=True, kv_channels=192)
+    assert cudnn_attention_supported(hd192, (9, 0)) == (True, "")
+    ok, why = cudnn_attention_supported(hd192, (8, 0))
+    assert not ok and "<= 128" in why
 
 
 def _qkv(dtype=jnp.bfloat16, b=2, s=16, nq=4, nkv=2, d=16):

@@ -17,32 +17,47 @@ import jax
 
 from jmegatron.config import JMegatronConfig
 from jmegatron.kernels import cpu as cpu_kernels
+from jmegatron.kernels import gpu_target
 from jmegatron.models import te
 from jmegatron.models.core_attention import CORE_ATTENTION_FEATURES, attention_features
 
 
 def detect_backend() -> str:
     """JAX's default backend as :func:`resolve_impls` names it: ``"cpu"``, ``"gpu"`` (NVIDIA,
-    CUDA), ``"rocm"`` (an AMD GPU: no cuDNN) or ``"tpu"``."""
+    CUDA), ``"rocm"`` (an AMD GPU: no cuDNN) or ``"tpu"``; ``"gpu"`` inside
+    :func:`jmegatron.kernels.gpu_target.lowering_for` (traced for a named GPU)."""
+    if gpu_target.current() is not None:
+        return "gpu"
     backend = jax.default_backend()
     if backend == "gpu" and "rocm" in getattr(jax.devices()[0].client, "platform_version", "").lower():
         return "rocm"
     return backend
 
 
-CUDNN_MAX_HEAD_DIM = 128  # cuDNN flash attention before Hopper (256 from sm90; kept at the common bound)
+def cudnn_max_head_dim(compute_capability: Optional[tuple[int, int]] = None) -> int:
+    """The largest head dimension cuDNN's flash attention takes on a GPU of
+    ``compute_capability`` (None: :func:`jmegatron.kernels.gpu_target.compute_capability`):
+    256 from Hopper (9.0) on, 128 before it or when unknown, as JAX's
+    ``check_is_flash_attention`` (jax/_src/cudnn/fused_attention_stablehlo.py) states
+    cuDNN's limits."""
+    cc = compute_capability or gpu_target.compute_capability()
+    return 256 if cc is not None and tuple(cc) >= (9, 0) else 128
 
 
-def cudnn_attention_supported(cfg: JMegatronConfig) -> tuple[bool, str]:
+def cudnn_attention_supported(cfg: JMegatronConfig, compute_capability: Optional[tuple[int, int]] = None
+                              ) -> tuple[bool, str]:
     """Whether ``jax.nn.dot_product_attention(implementation="cudnn")`` can run ``cfg``'s
-    attention (its checks in jax/_src/cudnn/fused_attention_stablehlo.py): bfloat16 /
-    float16 compute, ``kv_channels`` a multiple of 8 and <= 128, no attention dropout
-    (jax.nn exposes none), an even ``seq_length`` under document masking (the mask becomes
-    a bias). Returns ``(ok, reason)``; reason "" when ok."""
+    attention on a GPU of ``compute_capability`` (None: the local or named GPU's; its checks
+    in jax/_src/cudnn/fused_attention_stablehlo.py): bfloat16 / float16 compute,
+    ``kv_channels`` a multiple of 8 and at most :func:`cudnn_max_head_dim` (128 before
+    Hopper, 256 from it), no attention dropout (jax.nn exposes none), an even
+    ``seq_length`` under document masking (the mask becomes a bias). Returns ``(ok,
+    reason)``; reason "" when ok."""
+    limit = cudnn_max_head_dim(compute_capability)
     if not (cfg.bf16 or cfg.fp16):
         return False, "cuDNN attention runs bfloat16 / float16 only (config.bf16 / fp16 unset)"
-    if cfg.kv_channels % 8 or cfg.kv_channels > CUDNN_MAX_HEAD_DIM:
-        return False, f"kv_channels={cfg.kv_channels} (cuDNN: a multiple of 8, <= {CUDNN_MAX_HEAD_DIM})"
+    if cfg.kv_channels % 8 or cfg.kv_channels > limit:
+        return False, f"kv_channels={cfg.kv_channels} (cuDNN: a multiple of 8, <= {limit} on this GPU)"
     if cfg.attention_dropout > 0.0:
         return False, f"attention_dropout={cfg.attention_dropout} (jax.nn's cuDNN attention has no dropout)"
     if cfg.reset_attention_mask and cfg.seq_length % 2:

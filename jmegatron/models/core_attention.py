@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jmegatron.config import ConfigError
+from jmegatron.kernels import gpu_target
 from jmegatron.kernels.cpu import ops as cpu_ops
 from jmegatron.kernels.pallas import flash_attention
 from jmegatron.kernels.xla.attention import xla_attention
@@ -76,13 +77,13 @@ def cudnn_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     jmegatron's dropout masks are its own hash: use ``attention_dropout=0`` or
     ``attention_impl="pallas"`` / ``"xla"``), when JAX's backend is not a GPU, when the
     dtype is float32, or when cuDNN refuses the shape (head dim > 128 before Hopper, or
-    not a multiple of 8; cuDNN missing)."""
+    not a multiple of 8; cuDNN missing); a named GPU
+    (:func:`jmegatron.kernels.gpu_target.lowering_for`) counts as one."""
     if not deterministic and dropout_rate > 0.0:
         raise ConfigError(f"attention_impl='cudnn' has no attention dropout (attention_dropout={dropout_rate}): "
                           "set config.attention_dropout=0.0, or attention_impl='pallas' or 'xla'.")
-    backend = jax.default_backend()
-    if backend != "gpu":
-        raise ConfigError(f"attention_impl='cudnn' needs an NVIDIA GPU; JAX's backend is {backend!r}: "
+    if not gpu_target.is_gpu():
+        raise ConfigError(f"attention_impl='cudnn' needs an NVIDIA GPU; JAX's backend is {jax.default_backend()!r}: "
                           "set config.attention_impl='auto' (or 'xla').")
     if q.dtype not in CUDNN_DTYPES:
         raise ConfigError(f"attention_impl='cudnn' runs bfloat16 / float16 only, got {q.dtype}: set config.bf16=True "

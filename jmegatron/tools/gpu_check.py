@@ -1,6 +1,7 @@
 """``python -m jmegatron.tools.gpu_check [--steps N] [--platform gpu|cpu] [--tiny]``, or
-``python -m jmegatron.tools.gpu_check --lower-only [--config C [--config.FIELD=VALUE ...]]``
-(no GPU needed: :mod:`jmegatron.tools.gpu_lower`)
+``python -m jmegatron.tools.gpu_check --lower-only [--device-kind KIND] [--config C
+[--config.FIELD=VALUE ...]]`` (no GPU needed: :mod:`jmegatron.tools.gpu_lower`; run as a
+command it gives the CPU platform two devices for the tp2 / cp2 rows)
 
 Trains a few steps of a small config (configs/gpt_tiny.py, mock data, no dropout) once per
 kernel and precision on one device, compares each loss curve with the XLA float32 path's
@@ -33,8 +34,13 @@ import time
 import traceback
 from typing import Callable, Optional, Sequence
 
+if __name__ == "__main__" and "--lower-only" in sys.argv and "jax" not in sys.modules:
+    # the tp2 / cp2 lowering rows need two CPU devices, set before JAX starts
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+
 from jmegatron.config import ConfigError, load_config_file
 from jmegatron.data.gpt_dataset import MockGPTDataset
+from jmegatron.kernels import gpu_target
 from jmegatron.data.loader import BatchLoader
 from jmegatron.models import te
 from jmegatron.models.core_attention import CORE_ATTENTIONS
@@ -246,6 +252,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="training iterations per variant (>= 2; default 10)")
     p.add_argument("--config", default=None, help="config file (default configs/gpt_tiny.py; with --lower-only "
                                                  "the shipped shapes of jmegatron.tools.gpu_lower)")
+    p.add_argument("--device-kind", default=gpu_target.DEFAULT_DEVICE_KIND,
+                   help="with --lower-only: the NVIDIA GPU to lower for, as jax names it (default %(default)r)")
     p.add_argument("--lower-only", action="store_true",
                    help="lower the train steps for an NVIDIA GPU on this machine (no GPU needed; "
                         "jmegatron.tools.gpu_lower); --config.FIELD=VALUE overrides apply")
@@ -257,7 +265,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if bad:
             p.error(f"unrecognized arguments: {' '.join(bad)}")
         _, overrides = parse_args(rest)
-        return gpu_lower.main([args.config] if args.config else gpu_lower.DEFAULT_CONFIGS, overrides)
+        try:
+            gpu_target.compute_capability_of(args.device_kind)
+        except ValueError as e:
+            p.error(f"--device-kind: {e}")
+        cases = gpu_lower.default_cases([args.config] if args.config else gpu_lower.DEFAULT_CONFIGS)
+        return gpu_lower.main(cases, overrides, args.device_kind)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)} (--config.FIELD=VALUE goes with --lower-only)")
     args.config = args.config or DEFAULT_CONFIG

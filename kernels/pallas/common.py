@@ -2,35 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-
-_EMIT_TRITON = contextvars.ContextVar("jmegatron_pallas_emit_triton", default=False)
+from jmegatron.kernels import gpu_target
 
 
 def default_interpret() -> bool:
     """True (Pallas interpret mode: the kernel code evaluated by XLA) unless JAX's default
-    backend is a GPU, where the kernels compile through Triton, or inside :func:`emit_triton`."""
-    return not _EMIT_TRITON.get() and jax.default_backend() != "gpu"
-
-
-@contextlib.contextmanager
-def emit_triton():
-    """Inside, the kernels traced with ``interpret=None`` emit Triton whatever JAX's default
-    backend: to lower them for a GPU on a machine without one
-    (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``, ``gpu_check --lower-only``).
-    What is traced inside does not run here. Functions must be traced afresh inside (a
-    ``jit`` traced before keeps its interpret-mode kernels)."""
-    token = _EMIT_TRITON.set(True)
-    try:
-        yield
-    finally:
-        _EMIT_TRITON.reset(token)
+    backend is a GPU, where the kernels compile through Triton, or inside
+    :func:`jmegatron.kernels.gpu_target.lowering_for` (traced for a named GPU)."""
+    return not gpu_target.is_gpu()
 
 
 def triton_params(head_dim: int, num_stages: int = 2) -> pltriton.CompilerParams:

@@ -47,6 +47,7 @@ Array = jax.Array
 BLOCK_Q = 128
 BLOCK_K = 128
 BLOCK_F32 = 64
+MIN_BLOCK = 16  # Triton's dot needs tiles of at least 16 rows
 
 _U = jnp.uint32
 
@@ -359,6 +360,16 @@ def _block_size(name: str, block: Optional[int], default: int, seq: int, dtype=N
     return block
 
 
+def _default_tiles(s: int, dtype) -> tuple[int, int]:
+    """(tile, padded length) for a length-``s`` sequence with the default tiles: the tile is
+    the default (:data:`BLOCK_Q`, or :data:`BLOCK_F32` for float32) cut to the next power of
+    two of ``s`` (at least :data:`MIN_BLOCK`); the length is padded to a multiple of it, so
+    Triton's power-of-two tiles cover any ``s``."""
+    default = min(BLOCK_Q, BLOCK_F32) if jnp.dtype(dtype).itemsize >= 4 else BLOCK_Q
+    block = min(default, max(MIN_BLOCK, 1 << max(s - 1, 0).bit_length()))
+    return block, -(-s // block) * block
+
+
 def _check_qkv(fn: str, q, k, v) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -503,13 +514,15 @@ def pallas_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     :func:`jmegatron.kernels.xla.dropout.keep_mask` over ``[b, nkv, nq // nkv, s, s]``, drawn in
     the kernel, batch row ``i`` the global sample ``sample_offset + i``. Saves q, k, v, the
     output and the log-sum-exp ``[b, nq, s]``; the backward recomputes the probabilities.
-    ``block_q`` / ``block_k``: tiles (default :data:`BLOCK_Q` / :data:`BLOCK_K`, at most
-    :data:`BLOCK_F32` for float32 inputs, cut to ``s``); ``interpret``: None = :func:`default_interpret`. ``tensor_axis``: where this mesh
+    ``block_q`` / ``block_k``: tiles, which must divide ``s``; both None (the default):
+    :data:`BLOCK_Q` (:data:`BLOCK_F32` for float32 inputs) cut to the next power of two of
+    ``s``, the sequence zero-padded to a multiple of it (padded keys come after every real
+    query, so the causal mask hides them; padded query rows are cut off); ``interpret``: None = :func:`default_interpret`. ``tensor_axis``: where this mesh
     axis has size > 1 the heads are split over it (Megatron's tensor-parallel attention): an
     automatic (GSPMD) axis gets shard_maps around the kernels, a manual one means q/k/v
     already hold this rank's heads; either way the dropout hash sees global head numbers.
 
-    Raises ValueError for ``s`` not a multiple of a block, mis-shaped inputs or segment ids,
+    Raises ValueError for ``s`` not a multiple of a given block, mis-shaped inputs or segment ids,
     a rate outside [0, 1), or dropout with ``dropout_impl="threefry"`` (its masks cannot be
     drawn inside a kernel: use ``"hash"`` or ``attention_impl="xla"``).
     """
@@ -528,18 +541,28 @@ def pallas_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     size, manual = _head_split(tensor_axis, k.shape[2])
     heads = q.shape[2] * (size if manual else 1)  # global query heads (the hash's row word)
     d = q.shape[-1]
+    if block_q is None and block_k is None:
+        bq, padded = _default_tiles(s, q.dtype)
+        bk = bq
+    else:
+        bq = _block_size("block_q", block_q, BLOCK_Q, s, q.dtype)
+        bk, padded = _block_size("block_k", block_k, BLOCK_K, s, q.dtype), s
     cfg = _Config(causal="index", segments=segment_ids is not None, dropout=_dropout_cfg(rate, s, "index", heads),
-                  block_q=_block_size("block_q", block_q, BLOCK_Q, s, q.dtype),
-                  block_k=_block_size("block_k", block_k, BLOCK_K, s, q.dtype),
-                  interpret=default_interpret() if interpret is None else bool(interpret), scale=_scale(d))
+                  block_q=bq, block_k=bk, interpret=default_interpret() if interpret is None else bool(interpret),
+                  scale=_scale(d))
     segments = _ids("pallas_attention: segment_ids", segment_ids, (b, s))
     seed = _seed(dropout_rng, sample_offset) if rate > 0.0 else None
     q, k, v = _pad_head_dim(q, k, v)
+    if padded != s:  # the padded keys come after every real query: causality hides them
+        q, k, v = (jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0))) for x in (q, k, v))
+        segments = None if segments is None else jnp.pad(segments, ((0, 0), (0, padded - s)), constant_values=-1)
     if size > 1 and not manual:
-        return _flash_heads(q, k, v, segments, seed, cfg, tensor_axis)[..., :d]
-    if manual:  # q/k/v are this rank's heads already
-        seed = _with_head_offset(seed, tensor_axis, q.shape[2])
-    return _flash(q, k, v, segments, seed, cfg)[..., :d]
+        out = _flash_heads(q, k, v, segments, seed, cfg, tensor_axis)
+    else:
+        if manual:  # q/k/v are this rank's heads already
+            seed = _with_head_offset(seed, tensor_axis, q.shape[2])
+        out = _flash(q, k, v, segments, seed, cfg)
+    return out[:, :s, :, :d]
 
 
 # ----------------------------------------------------------------------------- block forms
