@@ -52,7 +52,7 @@ def test_cpu_platform_compares_every_cpu_variant_with_the_xla_float32_curve(caps
 def test_a_loss_curve_outside_its_tolerance_fails_the_check(capsys, monkeypatch):
     # the curves are given (training itself is the test above's): bf16's second loss 10% off
     def curves(cfg, device, steps):
-        return ([6.0, 5.5] if cfg.bf16 else [6.0, 5.0]), 1.0, 0
+        return ([6.0, 5.5] if cfg.bf16 else [6.0, 5.0]), 1.0, 0, None
     monkeypatch.setattr(gpu_check, "train_losses", curves)
     assert gpu_check.main(["--platform", "cpu", "--tiny", "--steps", "2", "--only", "xla bf16"]) == 1
     captured = capsys.readouterr()
@@ -65,7 +65,7 @@ def test_a_compile_failure_fails_its_row_and_the_table_goes_on(capsys, monkeypat
     def curves(cfg, device, steps):
         if cfg.bf16:
             raise RuntimeError("INTERNAL: Failed to compile Triton kernel\nmore detail")
-        return [6.0, 5.0], 1.0, 0
+        return [6.0, 5.0], 1.0, 0, None
     monkeypatch.setattr(gpu_check, "train_losses", curves)
     assert gpu_check.main(["--platform", "cpu", "--tiny", "--steps", "2", "--only", "xla"]) == 1
     captured = capsys.readouterr()
@@ -79,8 +79,29 @@ def test_steps_the_optimizer_skipped_fail_the_row(capsys, monkeypatch):
     # an fp16 curve that matches only because nothing trained: every step skipped on overflow
     def curves(cfg, device, steps):
         assert not cfg.fp16 or cfg.initial_loss_scale == gpu_check.FP16["initial_loss_scale"]
-        return [6.0, 5.0], 1.0, (steps if cfg.fp16 else 0)
+        return [6.0, 5.0], 1.0, (steps if cfg.fp16 else 0), None
     monkeypatch.setattr(gpu_check, "train_losses", curves)
     assert gpu_check.main(["--platform", "cpu", "--tiny", "--steps", "2", "--only", "xla fp16"]) == 1
     row = _table_rows(capsys.readouterr().out)["xla fp16"]
     assert "FAIL (2 of 2 steps skipped by the optimizer)" in row
+
+
+def test_float32_rows_state_tf32_and_take_its_peak():
+    """A float32 row on a Hopper GPU computes its dots in TF32 under JAX's default precision
+    (MFU against TF32's tensor-core peak) and in float32 under HIGHEST (the SIMT peak); the
+    CPU computes float32."""
+    class H100:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA H100 80GB HBM3", "9.0"
+
+    gpu = H100()
+    assert gpu_check.dot_precision(gpu, "float32") == "TF32"
+    assert gpu_check.dot_precision(gpu, "float32", "highest") == "float32"
+    assert gpu_check.dot_precision(gpu, "bfloat16") == "bf16"
+    assert gpu_check._peak_tflops(gpu, "float32", "TF32")[0] == 494.7
+    assert gpu_check._peak_tflops(gpu, "float32", "float32")[0] == 67.0
+    import jax
+    cpu = jax.devices("cpu")[0]
+    assert gpu_check.dot_precision(cpu, "float32") == "float32"
+    assert gpu_check.allocator_memory(cpu) is None  # the CPU keeps no allocator statistics
+    highest = [v for v in gpu_check.VARIANTS if v.matmul_precision == "highest"]
+    assert highest and all(v.platforms == ("gpu",) for v in highest)

@@ -38,6 +38,9 @@ if __name__ == "__main__" and "--lower-only" in sys.argv and "jax" not in sys.mo
     # the tp2 / cp2 lowering rows need two CPU devices, set before JAX starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
 
+import jax
+import jax.numpy as jnp
+
 from jmegatron.config import ConfigError, load_config_file
 from jmegatron.data.gpt_dataset import MockGPTDataset
 from jmegatron.kernels import gpu_target
@@ -63,13 +66,15 @@ TINY = dict(num_layers=1, hidden_size=64, ffn_hidden_size=256, num_attention_hea
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One row: config overrides on the reference's, its precision (the tolerance and the
-    peak used), the platforms it runs on, and an optional ``check(cfg) -> skip reason``."""
+    peak used), the platforms it runs on, an optional ``check(cfg) -> skip reason``, and
+    the float32 matmul precision it runs under (``"highest"``: no TF32)."""
 
     name: str
     overrides: dict
     precision: str
     platforms: tuple[str, ...] = ("gpu", "cpu")
     check: Optional[Callable] = None
+    matmul_precision: Optional[str] = None  # jax.default_matmul_precision for the row; None: JAX's default
 
 
 # fp16 rows start dynamic loss scaling at 2^12, not Megatron's 2^32: at 2^32 the gradients
@@ -95,7 +100,6 @@ def _pallas_cross_entropy_wired(cfg) -> Optional[str]:
 
 
 def _compute_dtype_wired(cfg) -> Optional[str]:
-    import jax.numpy as jnp
     want = jnp.float16 if cfg.fp16 else jnp.bfloat16 if cfg.bf16 else jnp.float32
     got = ModelConfig.from_config(cfg, cfg.vocab_size).dtype
     return None if got == want else f"compute dtype {jnp.dtype(want).name} not built in this branch (model runs {jnp.dtype(got).name})"
@@ -118,6 +122,7 @@ def _te_fp8(cfg) -> Optional[str]:
 
 VARIANTS: tuple[Variant, ...] = (
     Variant("xla float32 (reference)", {}, "float32"),
+    Variant("xla float32 HIGHEST (no TF32)", {}, "float32", ("gpu",), matmul_precision="highest"),
     Variant("cpu kernels float32", dict(attention_impl="cpu", matmul_impl="hybrid"), "float32", ("cpu",)),
     Variant("cudnn attention bf16", dict(attention_impl="cudnn", bf16=True), "bfloat16", ("gpu",)),
     Variant("cudnn attention fp16", dict(attention_impl="cudnn", **FP16), "float16", ("gpu",), _compute_dtype_wired),
@@ -145,11 +150,12 @@ class Row:
     tolerance: Optional[float] = None
     tokens_per_s: Optional[float] = None
     mfu: Optional[float] = None
+    dots: str = ""  # what the dense layers' dots compute in: "TF32", "float32", "bf16", "fp16", "fp8"
+    memory: Optional[tuple] = None  # the device allocator's (bytes in use after the last step, peak so far)
 
 
 def nvidia_devices() -> list:
     """``jax.devices()`` that are NVIDIA GPUs (CUDA), empty on a CPU-only (or ROCm) machine."""
-    import jax
     try:
         devices = jax.devices()
     except RuntimeError:
@@ -157,23 +163,49 @@ def nvidia_devices() -> list:
     return [d for d in devices if d.platform == "gpu" and "rocm" not in getattr(d.client, "platform_version", "")]
 
 
-def _peak_tflops(device, precision: str) -> tuple[Optional[float], str]:
-    """The spec-sheet (GPU) or theoretical (CPU) peak of ``device`` for ``precision``."""
+def dot_precision(device, precision: str, matmul_precision: Optional[str] = None) -> str:
+    """What a row's dense dots compute in: float32 rows run "TF32" on an NVIDIA GPU of
+    compute capability 8.0 or newer under JAX's default matmul precision (docs.jax.dev
+    "Matmul precision"), else "float32"; the other precisions name their operand type."""
+    if precision != "float32":
+        return {"bfloat16": "bf16", "float16": "fp16", "float8": "fp8"}[precision]
+    cc = getattr(device, "compute_capability", None)
+    tensor_cores = device.platform == "gpu" and cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) >= (8, 0)
+    full = matmul_precision in ("highest", "float32")
+    return "TF32" if tensor_cores and not full else "float32"
+
+
+def _peak_tflops(device, precision: str, dots: str = "") -> tuple[Optional[float], str]:
+    """The spec-sheet (GPU) or theoretical (CPU) peak of ``device`` for ``precision``: a GPU's
+    float32 at TF32's tensor-core figure when its dots run in TF32, else its SIMT figure."""
     try:
         if device.platform == "cpu":
             dtype = "float32" if precision == "float32" else "bfloat16"
             theo = peak.theoretical_peak("cpu", device.device_kind)
             return theo.tflops[dtype], theo.summary
         dtype = {"float16": "bfloat16"}.get(precision, precision)  # fp16 tensor cores run at bf16's rate
+        if precision == "float32" and dots == "float32":
+            dtype = "float32_simt"
         return peak.accelerator_peak(device.device_kind, dtype)
     except peak.PeakUnavailable as e:
         return None, str(e)
 
 
-def train_losses(cfg, device, steps: int) -> tuple[list[float], float, int]:
+def allocator_memory(device) -> Optional[tuple[int, int]]:
+    """(bytes in use, peak bytes in use) of ``device``'s allocator (``Device.memory_stats()``;
+    the peak is the process's so far: XLA's allocator cannot reset it), None where the
+    backend keeps none (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_in_use" not in stats:
+        return None
+    return int(stats["bytes_in_use"]), int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))
+
+
+def train_losses(cfg, device, steps: int) -> tuple[list[float], float, int, Optional[tuple]]:
     """``steps`` iterations of ``cfg`` on one ``device``: the lm losses, the seconds the
-    steps after the first (compilation) took, and how many steps the optimizer skipped
-    (fp16 overflow, non-finite gradients)."""
+    steps after the first (compilation) took, how many steps the optimizer skipped (fp16
+    overflow, non-finite gradients), and :func:`allocator_memory` after the last step with
+    the state alive."""
     run = build(cfg, create_mesh(cfg, [device]))
     state = run.init_state()
     data = MockGPTDataset(num_samples=steps * run.global_batch_size, seq_length=cfg.seq_length,
@@ -186,7 +218,7 @@ def train_losses(cfg, device, steps: int) -> tuple[list[float], float, int]:
         skipped += int(float(metrics.get("skipped", 0.0)) > 0)
         if it == 0:
             start = time.perf_counter()
-    return losses, time.perf_counter() - start, skipped
+    return losses, time.perf_counter() - start, skipped, allocator_memory(device)
 
 
 def _first_line(e: BaseException) -> str:
@@ -196,14 +228,16 @@ def _first_line(e: BaseException) -> str:
 
 def run_variant(variant: Variant, base: dict, device, steps: int, reference: Optional[list]) -> Row:
     """Prepare, check, train and compare one variant."""
-    row = Row(variant.name, "ok", variant.precision)
+    row = Row(variant.name, "ok", variant.precision, dots=dot_precision(device, variant.precision,
+                                                                        variant.matmul_precision))
     try:
         cfg = load_config_file(base["config"], {**base["overrides"], **REFERENCE, **variant.overrides})
         reason = variant.check(cfg) if variant.check else None
         if reason:
             row.status = f"skipped: {reason}"
             return row
-        row.losses, seconds, skipped = train_losses(cfg, device, steps)
+        with jax.default_matmul_precision(variant.matmul_precision):
+            row.losses, seconds, skipped, row.memory = train_losses(cfg, device, steps)
     except (ConfigError, ImportError, NotImplementedError) as e:
         row.status = f"skipped: {type(e).__name__}: {_first_line(e)}"
         return row
@@ -214,7 +248,7 @@ def run_variant(variant: Variant, base: dict, device, steps: int, reference: Opt
     gbs = cfg.global_batch_size
     if steps > 1 and seconds > 0:
         row.tokens_per_s = (steps - 1) * gbs * cfg.seq_length / seconds
-        peak_tflops, _ = _peak_tflops(device, variant.precision)
+        peak_tflops, _ = _peak_tflops(device, variant.precision, row.dots)
         if peak_tflops:
             achieved = flops.num_floating_point_operations(cfg, gbs, cfg.vocab_size) * (steps - 1) / seconds
             row.mfu = achieved / (peak_tflops * 1e12)
@@ -231,16 +265,21 @@ def run_variant(variant: Variant, base: dict, device, steps: int, reference: Opt
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """The rows as a fixed-width table."""
+    """The rows as a fixed-width table. "dots": what the dense dots compute in (TF32 or
+    not for float32); "GB live/peak": the allocator's bytes in use after the row's last step
+    and its peak so far (10^9 bytes; "-" on the CPU)."""
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
-    lines = [f"{'variant':34} {'precision':9} {'final loss':>10} {'max rel diff':>12} {'tol':>7} "
-             f"{'tokens/s':>10} {'MFU':>7}  status"]
+
+    def gb(m):
+        return "-" if m is None else f"{m[0] / 1e9:.2f}/{m[1] / 1e9:.2f}"
+    lines = [f"{'variant':34} {'precision':9} {'dots':7} {'final loss':>10} {'max rel diff':>12} {'tol':>7} "
+             f"{'tokens/s':>10} {'MFU':>7} {'GB live/peak':>13}  status"]
     for r in rows:
-        lines.append(f"{r.name:34} {r.precision:9} {num(r.losses[-1] if r.losses else None, '.4f'):>10} "
+        lines.append(f"{r.name:34} {r.precision:9} {r.dots:7} {num(r.losses[-1] if r.losses else None, '.4f'):>10} "
                      f"{num(r.max_rel_diff, '.2e'):>12} {num(r.tolerance, '.0e'):>7} "
-                     f"{num(r.tokens_per_s, ',.0f'):>10} {num(None if r.mfu is None else 100 * r.mfu, '.1f'):>7}  "
-                     f"{r.status}")
+                     f"{num(r.tokens_per_s, ',.0f'):>10} {num(None if r.mfu is None else 100 * r.mfu, '.1f'):>7} "
+                     f"{gb(r.memory):>13}  {r.status}")
     return "\n".join(lines)
 
 
@@ -276,7 +315,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.config = args.config or DEFAULT_CONFIG
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step compiles)")
-    import jax
     if args.platform == "gpu":
         gpus = nvidia_devices()
         if not gpus:
