@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Where the demo keeps its corpus, tokenizer, dataset and checkpoints.
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test test-fast test-next demo clean
 
 setup: $(STAMP)
 
@@ -32,8 +32,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests -m "not slow"
 
+# A subset on Python >= 3.12 and a newer JAX (default: Python 3.13, the newest JAX; JAX_NEXT=0.11.2
+# PYTHON_NEXT=3.12 is the GPU image's pair): .ci/test-next, its venvs under build/.
+test-next:
+	bash .ci/test-next
+
 demo: $(STAMP)
 	$(PY) -m jmegatron.tools.demo --workdir $(DEMO_DIR)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs build

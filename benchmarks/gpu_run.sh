@@ -3,19 +3,22 @@
 # three wheels of ../shared/gpu/whl/ copied into .whl/ and carried (an ignored path):
 #
 #   bash benchmarks/gpu_run.sh [STAGE ...]      # default: env check 345m_cudnn 7b_cudnn 345m_fp8 7b_fp8
-#   bash benchmarks/gpu_run.sh check_pl 345m_pl  # the Pallas stages (a second command)
+#   bash benchmarks/gpu_run.sh check_pl 345m_pl 7b_pl  # the Pallas stages (a second command)
 #
 # Stages (each a separate process under its own timeout, so one crash or hang costs only
 # itself; logs in $OUT/<stage>.log, a summary on stdout at the end):
 #   env        nvidia-smi, versions, the resolved backend, TE, FP8 dtypes in the compiled HLO
-#   check      gpu_check: XLA float32 / bf16 / fp16, cuDNN attention, pure-JAX FP8 (gpt_tiny)
+#   check      gpu_check: XLA float32 (TF32, and HIGHEST) / bf16 / fp16, cuDNN attention, pure-JAX FP8
+#              (gpt_tiny; per row the dots' precision, MFU against that dtype's peak, allocator memory)
 #   check_pl   gpu_check: Pallas attention and cross-entropy
 #   345m_cudnn gpt3_345m bf16, cuDNN attention (no attention dropout: cuDNN's dropout differs)
 #   345m_pl    gpt3_345m bf16, Pallas attention
 #   345m_fp8   gpt3_345m bf16 + FP8 (hybrid, delayed scaling, pure JAX)
 #   7b_cudnn   Llama-2-7B's layer shape (hidden 4096, seq 4096), 4 of its 32 layers, bf16
 #   7b_fp8     the same with FP8
-# The default stages take about 8 minutes (timeouts bound them at 9.5); the Pallas pair 3.5.
+#   7b_pl      the same in bf16 with Pallas attention
+# The default stages take about 8 minutes (their timeouts add to 10: the last stage may be cut); the
+# Pallas three about 5.
 # Measured on an H200 (docs/GPU.md): a gpt3_345m process spends ~35 s before its first step
 # and ~35 s compiling it; gpu_check ~20 s per variant.
 set -u
@@ -48,13 +51,14 @@ for st in $STAGES; do
   case $st in
     env) nvidia-smi >"$O/smi.txt" 2>&1
          run env 60 python3 benchmarks/gpu_env.py ;;
-    check) run check 160 $CHECK --only xla cudnn fp8 ;;
+    check) run check 180 $CHECK --only xla cudnn fp8 ;;
     check_pl) run check_pl 100 $CHECK --only pallas ;;
     345m_cudnn) run 345m_cudnn 100 $T345 --config.attention_impl=cudnn ;;
     345m_pl) run 345m_pl 100 $T345 --config.attention_impl=pallas ;;
     345m_fp8) run 345m_fp8 100 $T345 --config.attention_impl=cudnn --config.fp8=hybrid ;;
     7b_cudnn) run 7b_cudnn 60 $T7B --config.attention_impl=cudnn ;;
     7b_fp8) run 7b_fp8 120 $T7B --config.attention_impl=cudnn --config.fp8=hybrid ;;
+    7b_pl) run 7b_pl 100 $T7B --config.attention_impl=pallas ;;
     *) echo "unknown stage $st" ;;
   esac
 done

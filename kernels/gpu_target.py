@@ -87,13 +87,17 @@ def lowering_for(device_kind: str = DEFAULT_DEVICE_KIND) -> Iterator[GpuTarget]:
     be traced afresh inside: a ``jit`` traced before keeps what it chose then. JAX's cuDNN
     checks (``jax._src.cudnn.fused_attention_stablehlo``: the cuDNN version and the compute
     capability, read from the local GPU) are replaced for the duration, where this JAX has
-    them; elsewhere cuDNN attention fails to trace without a GPU, by JAX's own error.
+    them; elsewhere cuDNN attention fails to trace without a GPU, by JAX's own error. From
+    jax 0.11 on, Pallas's Triton lowering asks for the GPU's hardware info
+    (``jax._src.pallas.triton.gpu_info.get_gpu_info``, read from the local or abstract
+    device): it is answered for ``device_kind``.
     Raises ValueError for an unknown ``device_kind``."""
     target = GpuTarget(device_kind, compute_capability_of(device_kind))
     token = _TARGET.set(target)
     try:
         with contextlib.ExitStack() as stack:
             _patch_cudnn_checks(stack, target.compute_capability)
+            _patch_triton_gpu_info(stack, device_kind)
             yield target
     finally:
         _TARGET.reset(token)
@@ -110,6 +114,20 @@ def _patch_cudnn_checks(stack: contextlib.ExitStack, cc: tuple[int, int]) -> Non
     for name, fn in checks.items():
         if hasattr(fa, name):
             stack.enter_context(mock.patch.object(fa, name, fn))
+
+
+def _patch_triton_gpu_info(stack: contextlib.ExitStack, device_kind: str) -> None:
+    try:  # JAX's private module, jax >= 0.11 (0.10's Triton lowering needs no GPU info)
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        return
+    names = ("get_gpu_info", "gpu_version_from_device_kind", "get_gpu_info_from_version")
+    if not all(hasattr(gpu_info, n) for n in names):
+        return
+    version = gpu_info.gpu_version_from_device_kind(device_kind)
+    if version is not None:
+        stack.enter_context(mock.patch.object(gpu_info, "get_gpu_info",
+                                              lambda: gpu_info.get_gpu_info_from_version(version)))
 
 
 def _parse(capability: str) -> tuple[int, ...]:

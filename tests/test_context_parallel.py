@@ -16,7 +16,8 @@ from jmegatron.parallel import context_parallel as cpl
 
 
 def _megatron_split(seq, cp, rank, monkeypatch):
-    import torch
+    torch = pytest.importorskip("torch")  # (make test-next's Python 3.13 has no CPU torch)
+    pytest.importorskip("megatron.core")
     from megatron.core import parallel_state, utils
 
     monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
@@ -66,7 +67,8 @@ def _ring(cp, q, k, v, kind="p2p", block="xla"):
     fn = jax.shard_map(functools.partial(cpl.CP_ATTENTIONS[kind], axis_name="context", axis_size=cp, block=block),
                        mesh=mesh,
                        in_specs=(spec, spec, spec, spec), out_specs=spec)
-    return fn(q[:, index], k[:, index], v[:, index], pos)[:, inverse]
+    # jitted: jaxlib 0.11.2 XLA:CPU crashes on a CPU FFI kernel inside an eager shard_map (docs/GPU.md)
+    return jax.jit(fn)(q[:, index], k[:, index], v[:, index], pos)[:, inverse]
 
 
 @pytest.mark.parametrize("block", ["xla", "cpu"])

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jmegatron.kernels import gpu_target
 from jmegatron.kernels.pallas.common import triton_params
 from jmegatron.kernels.pallas.cross_entropy import pallas_softmax_cross_entropy
 from jmegatron.kernels.pallas.flash_attention import pallas_attention
@@ -21,7 +22,8 @@ TRITON = "__gpu$xla.gpu.triton"
 
 
 def _triton_calls(fn, *shapes) -> int:
-    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text().count(TRITON)
+    with gpu_target.lowering_for():  # from jax 0.11 the Triton lowering reads the GPU's info
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text().count(TRITON)
 
 
 @pytest.mark.parametrize("dtype,heads,kv_heads,head_dim", [
@@ -93,7 +95,6 @@ def test_gpu_check_lower_only_lowers_every_shipped_shape(capsys):
 def test_cudnn_head_dim_limit_follows_the_named_gpu():
     """auto attention for head_dim 192 (ByteMLPerf's MoE) is cuDNN on Hopper (<= 256) and
     Pallas on an A100 (cuDNN <= 128 there), as JAX's cuDNN checks state the limits."""
-    from jmegatron.kernels import gpu_target
     from jmegatron.models.backend import resolve_impls
     from jmegatron.tools import gpu_lower
 
