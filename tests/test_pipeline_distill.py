@@ -58,10 +58,14 @@ _UNPIPELINED = {}  # the one-device reference per distillation YAML, shared by t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("yaml,pp,v,tp", [(None, 2, 1, 1), (PAIRS, 2, 1, 1), (None, 2, 2, 1), (PAIRS, 2, 1, 2)],
-                         ids=["logits-pp2", "pairs-pp2", "logits-pp2-v2", "pairs-pp2-tp2"])
-def test_pipelined_distillation_matches_unpipelined(teacher_dir, tmp_path, yaml, pp, v, tp):
-    kw = dict(kd_teacher_load=teacher_dir, micro_batch_size=4, global_batch_size=16,
+@pytest.mark.parametrize("yaml,pp,v,tp,dp,cp", [(None, 2, 1, 1, 1, 1), (None, 2, 2, 1, 1, 1), (PAIRS, 2, 1, 2, 1, 1),
+                                                (PAIRS, 2, 1, 1, 2, 1), (PAIRS, 2, 1, 1, 1, 2)],
+                         ids=["logits-pp2", "logits-pp2-v2", "pairs-pp2-tp2", "pairs-pp2-dp2", "pairs-pp2-cp2"])
+def test_pipelined_distillation_matches_unpipelined(teacher_dir, tmp_path, yaml, pp, v, tp, dp, cp):
+    """dp2 and cp2: the last stage sums each KD loss over the data / context ranks before the
+    balancer (its ratios need the micro-batch's global losses); the ranks' token counts differ
+    (the loss mask is random)."""
+    kw = dict(kd_teacher_load=teacher_dir, micro_batch_size=4 // dp, global_batch_size=16,
               hidden_dropout=0.0, attention_dropout=0.0)
     if yaml:
         kw["kd_cfg"] = yaml_file(tmp_path, yaml)
@@ -69,7 +73,9 @@ def test_pipelined_distillation_matches_unpipelined(teacher_dir, tmp_path, yaml,
         _UNPIPELINED[yaml] = grads(cfg_for(tmp_path / "a", **kw), 1)
     g1, r1 = _UNPIPELINED[yaml]
     g2, r2 = grads(cfg_for(tmp_path / "b", pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
-                           virtual_pipeline_model_parallel_size=v if v > 1 else None, **kw), pp * tp)
+                           context_parallel_size=cp, cp_comm_type="all_gather" if cp > 1 else "p2p",
+                           virtual_pipeline_model_parallel_size=v if v > 1 else None,
+                           **kw), pp * tp * dp * cp)
     assert set(r2) == set(r1)
     for k in r1:
         np.testing.assert_allclose(r2[k], r1[k], rtol=1e-5, err_msg=k)
@@ -81,7 +87,7 @@ def test_pipelined_distillation_matches_unpipelined(teacher_dir, tmp_path, yaml,
         np.testing.assert_allclose(a / scale, b / scale, rtol=1e-5, atol=1e-5)
 
 
-def test_pairs_off_the_last_stage_and_data_parallel_are_refused(teacher_dir, tmp_path):
+def test_pairs_off_the_last_stage_and_uneven_stages_are_refused(teacher_dir, tmp_path):
     bad = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.input_layernorm, "
                               "decoder.layers.3.input_layernorm]\n")
     cfg = cfg_for(tmp_path / "c", kd_teacher_load=teacher_dir, kd_cfg=bad, pipeline_model_parallel_size=2,
@@ -89,6 +95,6 @@ def test_pairs_off_the_last_stage_and_data_parallel_are_refused(teacher_dir, tmp
     with pytest.raises(DistillConfigError, match="last pipeline stage only.*student layers 2..3"):
         grads(cfg, 2)
     cfg = cfg_for(tmp_path / "d", kd_teacher_load=teacher_dir, pipeline_model_parallel_size=2,
-                  micro_batch_size=2, global_batch_size=16)
-    with pytest.raises(ConfigError, match="one data-parallel rank"):
+                  decoder_first_pipeline_num_layers=1, micro_batch_size=2, global_batch_size=16)
+    with pytest.raises(ConfigError, match="uneven pipeline stages"):
         build(cfg, create_mesh(cfg, jax.devices()[:4]))

@@ -155,9 +155,10 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
     the last pipeline stage only, so both layers of a pair must live in the last model
     chunk (or be ``decoder.final_layernorm``); any other pair raises DistillConfigError
     naming the layers that do. The teacher's layer count must split into the student's
-    (pipeline_model_parallel_size x virtual size) chunks. One data-parallel rank only (the
-    balancer's normalisation needs the losses summed over data inside the last stage's
-    conditional: not built); :func:`jmegatron.distill.model_provider.distillation_forward_step` refuses more.
+    (pipeline_model_parallel_size x virtual size) chunks. Under data parallelism the last
+    stage sums each loss over the data ranks (``ctx.data_sum``, inside the stage's
+    conditional: every data rank of a stage takes the same branch) before the balancer, whose
+    ratios need the micro-batch's global losses.
     Dense models only: raises ConfigError when the student or the teacher is an MoE model
     (the stages do not collect the router losses; the config and the teacher loader refuse
     it first).
@@ -235,10 +236,10 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
             logits_s = output_logits(s_cfg, prm, normed_s, s_dot, normed=True)
             logits_t = jax.lax.stop_gradient(output_logits(t_cfg, teacher_params, normed_t, t_dot, normed=True))
             mask = micro["loss_mask"].astype(jnp.float32)
-            num_tokens = ctx.tokens[micro["microbatch"]]
+            num_tokens = ctx.tokens[micro["microbatch"]]  # over every data (and context) rank
 
-            def masked_mean(per_token):
-                return jnp.sum(per_token * mask) / jnp.maximum(num_tokens, 1.0)
+            def masked_mean(per_token):  # the micro-batch's global mean, as the balancer needs it
+                return ctx.data_sum(jnp.sum(per_token * mask)) / jnp.maximum(num_tokens, 1.0)
 
             losses = {"logits_loss": masked_mean(logits_kl_loss(logits_s, logits_t, dcfg.logit_kl_temperature))}
             for k, (s_layer, t_layer, fn) in enumerate(pairs):
@@ -250,11 +251,15 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
             report = {}
             if need_lm:
                 total, _ = masked_cross_entropy(logits_s, micro["labels"], mask, s_cfg.backend.cross_entropy)
-                losses["student_loss"] = report["lm_loss"] = total / jnp.maximum(num_tokens, 1.0)
+                losses["student_loss"] = report["lm_loss"] = ctx.data_sum(total) / jnp.maximum(num_tokens, 1.0)
             total, rep = balancer(losses)
             report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],
                           intermediate_distillation_loss=rep["intermediate_loss"])
-            return total, report
+            # every data rank holds the global values; the schedule sums the head's loss and report
+            # over the data ranks and seeds each rank's backward with 1 (summed over the ranks by the
+            # transpose of the data sum): a share of 1 / dp gives the global value and gradient once
+            share = 1.0 / ctx.data_parallel_size
+            return total * share, {k: r * share for k, r in report.items()}
 
         activation = (jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, s_cfg.hidden_size), s_cfg.dtype),
                       jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, t_cfg.hidden_size), t_cfg.dtype))

@@ -31,24 +31,13 @@ def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vo
     loss: :mod:`jmegatron.distill.loss_func`; an MoE teacher's experts split over the
     student's ``expert`` axis: :mod:`jmegatron.distill.teacher`).
 
-    Raises ConfigError under pipeline parallelism with more than one data-parallel rank,
-    with context parallelism or with an MoE teacher, or for a teacher the student's layout
+    Raises ConfigError under pipeline parallelism with uneven stages or an MoE teacher, or for a teacher the student's layout
     cannot run, DistillConfigError for a bad distillation YAML or a layer pair the layout cannot place, CheckpointError
     for a missing teacher or one with another vocabulary.
     """
     if not cfg.kd_teacher_load or cfg.kd_finalize:
         return gpt_forward_step(cfg, model, mesh, padded_vocab_size)
     pipelined = cfg.pipeline_model_parallel_size > 1
-    dp = mesh.shape["data"]
-    if pipelined and dp > 1:
-        raise ConfigError(f"distillation under pipeline parallelism runs with one data-parallel rank (the "
-                          f"balancer's data-parallel sums are not built there); this layout has {dp}: use "
-                          f"pipeline_model_parallel_size x tensor_model_parallel_size = the device count.")
-    if pipelined and cfg.context_parallel_size > 1:
-        raise ConfigError(f"distillation under pipeline parallelism with context_parallel_size="
-                          f"{cfg.context_parallel_size} is not built (the last stage's KD losses are not summed over "
-                          f"the context ranks before the balancer); set context_parallel_size=1 or "
-                          f"pipeline_model_parallel_size=1.")
     if cfg.decoder_first_pipeline_num_layers is not None or cfg.decoder_last_pipeline_num_layers is not None:
         raise ConfigError("distillation with uneven pipeline stages (decoder_first/last_pipeline_num_layers) is "
                           "not built (the teacher's layers would need their own uneven split); unset them.")

@@ -104,7 +104,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
         ckpt = checkpointing.Checkpointer(load_dir, create=False)
         meta = ckpt.read_meta()
         saved = dict(meta["config"])
-    parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "cp_comm_type",
                 "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
                 "use_megatron_fsdp", "micro_batch_size", "global_batch_size")
     saved.update({k: getattr(student_cfg, k) for k in parallel})
