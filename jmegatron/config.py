@@ -951,11 +951,6 @@ class JMegatronConfig:
         if k > e:
             raise ConfigError(f"config.moe_router_topk={k} exceeds config.num_moe_experts={e}; "
                               f"a token cannot choose more experts than there are.")
-        if self.kd_teacher_load is not None and not self.kd_finalize and self.pipeline_model_parallel_size > 1:
-            raise ConfigError("config.num_moe_experts with config.kd_teacher_load and "
-                              "pipeline_model_parallel_size > 1: the pipelined distillation stages do not add the "
-                              "student's router losses yet; distil an MoE student with "
-                              "pipeline_model_parallel_size=1 (data, tensor and expert parallelism work).")
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be >= 0.")

@@ -3,7 +3,8 @@ an MoE student's distillation loss and gradients equal a reference assembled by 
 the distill losses, the balancer and the student's sown router losses (added after the
 balancer, as Megatron's MoEAuxLossAutoScaler); an MoE teacher trains a dense student; MoE
 student + MoE teacher under ep2 x dp2 equal one device; the console line carries
-load_balancing_loss beside the KD losses; pipeline + MoE distillation is refused."""
+load_balancing_loss beside the KD losses; MoE student and teacher under pp2 x dp2 equal one
+device."""
 
 import json
 
@@ -202,23 +203,33 @@ def test_moe_student_console_line_and_a_dense_teacher_under_ep2(tmp_path, capsys
     assert specs and not any("expert" in str(s) for s in specs)
 
 
-def test_pipeline_and_bad_teacher_layouts_are_refused(tmp_path, moe_teacher_dir):
-    with pytest.raises(ConfigError, match="num_moe_experts with config.kd_teacher_load and "
-                                          "pipeline_model_parallel_size > 1"):
-        cfg_for(tmp_path / "a", **MOE, pipeline_model_parallel_size=2, kd_teacher_load=moe_teacher_dir)
-    cfg_for(tmp_path / "b", **MOE, kd_teacher_load=moe_teacher_dir)  # without the pipeline: accepted
-    dense_pp = cfg_for(tmp_path / "c", pipeline_model_parallel_size=2, kd_teacher_load=moe_teacher_dir)
-    with pytest.raises(ConfigError, match="is an MoE model .*pipeline_model_parallel_size=2"):
-        load_teacher(moe_teacher_dir, dense_pp, 512, create_mesh(dense_pp))
+def test_moe_student_and_teacher_under_pp2_dp2_equal_one_device(tmp_path, moe_teacher_dir):
+    """The pipelined stages with an MoE student (its router losses chunk losses on each
+    stage, outside the balancer) and an MoE teacher, pp2 x dp2 with an intermediate pair on
+    the last stage: loss, KD and router losses, tokens per expert and every gradient equal
+    one device."""
+    from jmegatron.parallel.pipeline_layout import stage_layer_order
+
+    kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
+                             "decoder.layers.1.input_layernorm, mse]\nskip_lm_loss: false\n")
+    kw = dict(MOE, moe_aux_loss_coeff=0.0, num_layers=2, scan_layers=True, hidden_dropout=0.0, attention_dropout=0.0,
+              kd_teacher_load=moe_teacher_dir, kd_cfg=kd)
+    g, r, run, _, _ = grads_of(cfg_for(tmp_path / "pp", pipeline_model_parallel_size=2, micro_batch_size=2,
+                                       global_batch_size=8, **kw), 4)
+    assert dict(run.mesh.shape)["pipeline"] == 2 and dict(run.mesh.shape)["data"] == 2
+    g1, r1, _, _, _ = grads_of(cfg_for(tmp_path / "one", micro_batch_size=4, global_batch_size=8, **kw), 1)
+    for name in ("loss", "kd_loss", "lm_loss", "logits_distillation_loss", "intermediate_distillation_loss",
+                 "z_loss"):
+        np.testing.assert_allclose(r[name], r1[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(r["moe_tokens_per_expert"], r1["moe_tokens_per_expert"])
+    order = stage_layer_order(2, 2, 1)
+    g1 = dict(g1, decoder_layers=jax.tree.map(lambda a: a[order], g1["decoder_layers"]))
+    assert_close(g, g1)
+
+
+def test_bad_teacher_layouts_are_refused(tmp_path, moe_teacher_dir):
     ep8 = cfg_for(tmp_path / "d", **dict(MOE, num_moe_experts=8), expert_model_parallel_size=8,
                   kd_teacher_load=moe_teacher_dir)
     with pytest.raises(ConfigError, match="num_moe_experts=4, not divisible by the student's "
                                           "expert_model_parallel_size=8"):
         load_teacher(moe_teacher_dir, ep8, 512, create_mesh(ep8))
-    # the pipelined stages themselves refuse MoE models too (should the config checks be lifted)
-    from jmegatron.distill.config import DistillConfig
-    from jmegatron.distill.loss_func import distillation_pipeline_stages
-
-    moe_model = build(cfg_for(tmp_path / "e", **MOE)).model
-    with pytest.raises(ConfigError, match="pipeline parallelism with an MoE student"):
-        distillation_pipeline_stages(moe_model, moe_model, DistillConfig())

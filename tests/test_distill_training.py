@@ -99,6 +99,18 @@ def test_teacher_must_share_the_vocabulary(tmp_path, teacher_dir):
         pretrain(cfg_for(tmp_path / "v", vocab_size=1000, kd_teacher_load=teacher_dir))
 
 
+def _grads(cfg, n):
+    run = build(cfg, create_mesh(cfg, jax.devices()[:n]))
+    state = run.init_state()
+    rs = np.random.RandomState(0)
+    toks = rs.randint(0, 512, size=(run.global_batch_size, 33)).astype(np.int32)
+    b = {"tokens": toks[:, :-1], "labels": toks[:, 1:], "loss_mask": np.ones((run.global_batch_size, 32), np.float32),
+         "position_ids": np.broadcast_to(np.arange(32, dtype=np.int32), (run.global_batch_size, 32)).copy()}
+    b = run.put_batch({k: v.reshape(run.num_microbatches, -1, 32) for k, v in b.items()})
+    g, report, _ = run.compute_grads(state, b, *run.extra_args)
+    return jax.device_get(g), jax.device_get(report)
+
+
 _ONE_DEVICE = {}  # the one-device gradients, the same for every layout below
 
 
@@ -108,26 +120,35 @@ def test_distillation_gradients_match_one_device(teacher_dir, layout, tmp_path):
     # the student's dropout on: its masks follow global sample numbers, as in plain training
     kw = dict(hidden_dropout=0.1, attention_dropout=0.1, num_attention_heads=4, kd_teacher_load=teacher_dir)
 
-    def grads(cfg, n):
-        run = build(cfg, create_mesh(cfg, jax.devices()[:n]))
-        state = run.init_state()
-        rs = np.random.RandomState(0)
-        toks = rs.randint(0, 512, size=(run.global_batch_size, 33)).astype(np.int32)
-        b = {"tokens": toks[:, :-1], "labels": toks[:, 1:], "loss_mask": np.ones((run.global_batch_size, 32), np.float32),
-             "position_ids": np.broadcast_to(np.arange(32, dtype=np.int32), (run.global_batch_size, 32)).copy()}
-        b = run.put_batch({k: v.reshape(run.num_microbatches, -1, 32) for k, v in b.items()})
-        g, report, _ = run.compute_grads(state, b, *run.extra_args)
-        return jax.device_get(g), jax.device_get(report)
-
     tp = layout.get("tensor_model_parallel_size", 1)
     if not _ONE_DEVICE:
-        _ONE_DEVICE["grads"] = grads(cfg_for(tmp_path / "a", micro_batch_size=8, **kw), 1)
+        _ONE_DEVICE["grads"] = _grads(cfg_for(tmp_path / "a", micro_batch_size=8, **kw), 1)
     g1, r1 = _ONE_DEVICE["grads"]
-    g8, r8 = grads(cfg_for(tmp_path / "b", micro_batch_size=tp, **layout, **kw), 8)
+    g8, r8 = _grads(cfg_for(tmp_path / "b", micro_batch_size=tp, **layout, **kw), 8)
     np.testing.assert_allclose(r8["kd_loss"], r1["kd_loss"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
         scale = np.max(np.abs(b)) + 1e-12
         np.testing.assert_allclose(a / scale, b / scale, atol=1e-5)
+
+
+def test_top_k_distillation_under_tp2_matches_one_device(teacher_dir, tmp_path):
+    """``logit_kl_topk: 16`` (the KL over the teacher's 16 most likely tokens, selected per
+    tensor rank and then across them) under tp2 x dp4 equals one device, loss and gradients,
+    and differs from the full-vocabulary KL."""
+    kd = tmp_path / "kd.yaml"
+    kd.write_text("logit_kl_topk: 16\nskip_lm_loss: false\n")
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, num_attention_heads=4, kd_teacher_load=teacher_dir)
+    g1, r1 = _grads(cfg_for(tmp_path / "a", micro_batch_size=8, kd_cfg=str(kd), **kw), 1)
+    g8, r8 = _grads(cfg_for(tmp_path / "b", micro_batch_size=2, tensor_model_parallel_size=2, kd_cfg=str(kd), **kw), 8)
+    for k in ("kd_loss", "logits_distillation_loss", "lm_loss"):
+        np.testing.assert_allclose(r8[k], r1[k], rtol=1e-5, err_msg=k)
+    for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+        scale = np.max(np.abs(b)) + 1e-12
+        np.testing.assert_allclose(a / scale, b / scale, atol=1e-5)
+    full = tmp_path / "full.yaml"
+    full.write_text("skip_lm_loss: false\n")
+    _, rf = _grads(cfg_for(tmp_path / "c", micro_batch_size=8, kd_cfg=str(full), **kw), 1)
+    assert 0 < r1["logits_distillation_loss"] < rf["logits_distillation_loss"]  # the 16-token KL drops the tail
 
 
 def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, teacher_dir):

@@ -408,8 +408,6 @@ def _cfg(**kw):
     (dict(expert_model_parallel_size=3), "is not divisible by config.expert_model_parallel_size=3"),
     (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size"),
     (dict(moe_aux_loss_coeff=-1.0), "moe_aux_loss_coeff"),
-    (dict(kd_teacher_load="/tmp/teacher", pipeline_model_parallel_size=2),
-     "kd_teacher_load and pipeline_model_parallel_size > 1"),
     (dict(moe_layer_freq=2, pipeline_model_parallel_size=2), "mixes dense and MoE layers, but "
      "pipeline_model_parallel_size=2"),
 ])

@@ -10,8 +10,11 @@ Schema (megatron/post_training/algos/distillation.py, ``load_distillation_config
     kd_loss_scale: 1.0
     logit_kl_temperature: 1.0
     kd_loss_alpha: 0.5          # optional: (1 - a) * lm + a * kd instead of the balancer
+    logit_kl_topk: 1024         # optional: the KL over the teacher's top-K tokens only
 
-Missing keys take Megatron's defaults (logits only, ``skip_lm_loss: true``,
+``logit_kl_topk`` is ModelOpt's ``DistillationConfig.logit_kl_topk`` (its
+``TopKLogitsKLLoss``: :func:`jmegatron.distill.losses.top_k_kl_loss`). Missing keys take
+Megatron's defaults (logits only, ``skip_lm_loss: true``,
 ``kd_loss_scale: 1.0``, temperature 1). The third entry of a pair selects the loss, in
 either spelling in use: ``hidden_cosine`` (Megatron-LM 48d7275's
 ``load_distillation_config``) or ``cosine`` (ModelOpt's
@@ -46,7 +49,7 @@ import yaml
 OUTPUT_LAYER = "output_layer"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(input_layernorm|pre_mlp_layernorm)$")
 KEYS = ("logit_layers", "intermediate_layer_pairs", "skip_lm_loss", "kd_loss_scale",
-        "logit_kl_temperature", "kd_loss_alpha")
+        "logit_kl_temperature", "kd_loss_alpha", "logit_kl_topk")
 # every intermediate-loss spelling Megatron-LM or ModelOpt accepts (jmegatron.distill.losses
 # maps each to its loss)
 LOSS_NAMES = ("cosine", "hidden_cosine", "mse")
@@ -75,6 +78,7 @@ class DistillConfig:
     kd_loss_scale: float = 1.0
     logit_kl_temperature: float = 1.0
     kd_loss_alpha: Optional[float] = None
+    logit_kl_topk: Optional[int] = None  # None: the KL over the whole vocabulary
 
 
 def valid_layer_names(num_layers: int) -> list[str]:
@@ -134,6 +138,11 @@ def parse_distill_config(data: Optional[dict[str, Any]]) -> DistillConfig:
         if not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
             raise DistillConfigError(f"kd_loss_alpha={a!r} must be a number in [0, 1]")
         out["kd_loss_alpha"] = float(a)
+    if data.get("logit_kl_topk") is not None:
+        k = data["logit_kl_topk"]
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise DistillConfigError(f"logit_kl_topk={k!r} must be a positive integer (or null: the whole vocabulary)")
+        out["logit_kl_topk"] = k
     if out.get("logit_kl_temperature", 1.0) <= 0 or out.get("kd_loss_scale", 1.0) <= 0:
         raise DistillConfigError("logit_kl_temperature and kd_loss_scale must be > 0")
     return DistillConfig(**out)

@@ -42,12 +42,11 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jmegatron.config import ConfigError
 from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
 from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
-from jmegatron.distill.losses import ProjectionLayer, intermediate_loss_from_name, logits_kl_loss
+from jmegatron.distill.losses import ProjectionLayer, intermediate_loss_from_name, logits_kl_loss, top_k_logits_kl_loss
 from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
-from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses
+from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses, chunk_moe_losses, chunk_report_zeros
 from jmegatron.training.losses import masked_cross_entropy
 
 
@@ -64,6 +63,16 @@ def _pick(intermediates: dict, layer: tuple, scanned: bool) -> jax.Array:
 PROJECTION = "kd_projection"  # the params entry of the shared student -> teacher projection
 
 
+def logits_loss(dcfg: DistillConfig, logits_s: jax.Array, logits_t: jax.Array, vocab_shards: int = 1) -> jax.Array:
+    """The per-token logits loss ``[b, s]`` the YAML names: the KL over the whole vocabulary,
+    or over the teacher's ``logit_kl_topk`` tokens (ModelOpt's ``TopKLogitsKLLoss``),
+    vocabulary-parallel over ``vocab_shards`` tensor ranks."""
+    if dcfg.logit_kl_topk is None:
+        return logits_kl_loss(logits_s, logits_t, dcfg.logit_kl_temperature)
+    return top_k_logits_kl_loss(logits_s, logits_t, dcfg.logit_kl_topk, dcfg.logit_kl_temperature,
+                                vocab_shards=vocab_shards)
+
+
 def projection_aux(student_cfg, teacher_hidden_size: int, dcfg: DistillConfig) -> dict:
     """The auxiliary trainable modules of a distillation run, for
     :func:`jmegatron.training.state.param_logical_specs`: ``{"kd_projection":
@@ -78,8 +87,11 @@ def projection_aux(student_cfg, teacher_hidden_size: int, dcfg: DistillConfig) -
                          (1, 1, student_cfg.hidden_size))}
 
 
-def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[dict] = None) -> Callable:
+def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[dict] = None,
+                         vocab_shards: int = 1) -> Callable:
     """The ``loss_fn`` for make_train_step; ``extra`` is the teacher's parameters.
+    ``vocab_shards``: the tensor ranks the logits' vocabulary is split over (the top-K
+    selection's shards, :func:`logits_loss`).
 
     ``aux`` is :func:`projection_aux`'s result: with a ``kd_projection`` the student's
     intermediate outputs ``[b, s, student_hidden]`` are projected to ``[b, s,
@@ -121,7 +133,7 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
         def masked_mean(per_token):
             return data_sum(jnp.sum(per_token * mask)) / jnp.maximum(num_tokens, 1.0)
 
-        losses = {"logits_loss": masked_mean(logits_kl_loss(logits_s, logits_t, dcfg.logit_kl_temperature))}
+        losses = {"logits_loss": masked_mean(logits_loss(dcfg, logits_s, logits_t, vocab_shards))}
         for k, (s_layer, t_layer, fn) in enumerate(pairs):
             hs = _pick(inter_s["intermediates"], s_layer, s_cfg.scan_layers)
             if projection is not None:
@@ -142,7 +154,8 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
     return loss_fn
 
 
-def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Optional[dict] = None) -> Callable:
+def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Optional[dict] = None,
+                                 vocab_shards: int = 1) -> Callable:
     """The pipelined counterpart of :func:`distillation_loss_fn`: a stage provider for
     :func:`jmegatron.training.step.make_train_step` (``pipeline_stages``).
 
@@ -159,17 +172,14 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
     stage sums each loss over the data ranks (``ctx.data_sum``, inside the stage's
     conditional: every data rank of a stage takes the same branch) before the balancer, whose
     ratios need the micro-batch's global losses.
-    Dense models only: raises ConfigError when the student or the teacher is an MoE model
-    (the stages do not collect the router losses; the config and the teacher loader refuse
-    it first).
+    An MoE student's chunks return their layers' router losses as chunk losses
+    (:func:`jmegatron.models.moe.moe_layer.chunk_moe_losses`, each data rank's share) on
+    every stage, added outside the balancer as :func:`distillation_loss_fn` adds them; an
+    MoE teacher runs its layers deterministic (its router sows nothing).
     """
 
     s_cfg, t_cfg = student.cfg, teacher.cfg
-    for role, c in (("student", s_cfg), ("teacher", t_cfg)):
-        if c.moe is not None:
-            raise ConfigError(f"distillation under pipeline parallelism with an MoE {role} is not built (the "
-                              f"pipelined stages do not collect the router losses); set "
-                              f"pipeline_model_parallel_size=1.")
+    moe_student = s_cfg.moe is not None
     check_layers(dcfg, s_cfg.num_layers, t_cfg.num_layers)
     projection = (aux or {}).get(PROJECTION, (None,))[0]
     need_lm = (not dcfg.skip_lm_loss) or dcfg.kd_loss_alpha is not None
@@ -216,12 +226,17 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
             xs, xt = x
             layers, first, _ = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers)
             out_s = apply_layers(s_cfg, layers, xs, micro["position_ids"], first_layer=first, deterministic=False,
-                                 rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=s_dot, sow=s_sow)
+                                 rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=s_dot, sow=s_sow,
+                                 moe_sown=moe_student)
             t_layers, t_first, _ = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers)
             out_t = apply_layers(t_cfg, t_layers, jax.lax.stop_gradient(xt), micro["position_ids"], first_layer=t_first,
                                  deterministic=True, rng=None, sample_offset=0, dot_general=t_dot, sow=t_sow)
-            (ys, side_s), (yt, side_t) = (out_s if s_sow else (out_s, {})), (out_t if t_sow else (out_t, {}))
-            return (ys, jax.lax.stop_gradient(yt)), (side_s, jax.lax.stop_gradient(side_t))
+            (ys, side_s), (yt, side_t) = (out_s if s_sow or moe_student else (out_s, {})), (out_t if t_sow else (out_t, {}))
+            sown = {k: side_s.pop(k) for k in MOE_COLLECTIONS if k in side_s}
+            out = (ys, jax.lax.stop_gradient(yt)), (side_s, jax.lax.stop_gradient(side_t))
+            if not moe_student:
+                return out
+            return out + (chunk_moe_losses(s_cfg, sown, first, None, 1.0 / ctx.data_parallel_size),)
 
         def pick(side, layer, num_layers, normed):
             index, name = layer
@@ -241,7 +256,7 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
             def masked_mean(per_token):  # the micro-batch's global mean, as the balancer needs it
                 return ctx.data_sum(jnp.sum(per_token * mask)) / jnp.maximum(num_tokens, 1.0)
 
-            losses = {"logits_loss": masked_mean(logits_kl_loss(logits_s, logits_t, dcfg.logit_kl_temperature))}
+            losses = {"logits_loss": masked_mean(logits_loss(dcfg, logits_s, logits_t, vocab_shards))}
             for k, (s_layer, t_layer, fn) in enumerate(pairs):
                 hs = pick(side[0], s_layer, s_cfg.num_layers, normed_s)
                 if projection is not None:
@@ -259,13 +274,15 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
             # over the data ranks and seeds each rank's backward with 1 (summed over the ranks by the
             # transpose of the data sum): a share of 1 / dp gives the global value and gradient once
             share = 1.0 / ctx.data_parallel_size
-            return total * share, {k: r * share for k, r in report.items()}
+            return total * share, dict(report_zeros, **{k: r * share for k, r in report.items()})
 
         activation = (jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, s_cfg.hidden_size), s_cfg.dtype),
                       jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, t_cfg.hidden_size), t_cfg.dtype))
         report_zeros = {k: jnp.float32(0.0) for k in
                         (["lm_loss"] if need_lm else []) + ["kd_loss", "logits_distillation_loss",
                                                              "intermediate_distillation_loss"]}
+        if moe_student:
+            report_zeros.update(chunk_report_zeros(s_cfg))
         return dict(embed=embed, chunk=chunk, head=head, activation=activation, report_zeros=report_zeros)
 
     return stages

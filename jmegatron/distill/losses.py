@@ -159,6 +159,80 @@ def logits_kl_loss(student_logits: Array, teacher_logits: Array, temperature: fl
     return _axis_sum(jnp.sum(terms, axis=-1), tensor_axis)
 
 
+def teacher_top_k(teacher_logits: Array, top_k: int, vocab_shards: int = 1) -> tuple[Array, Array]:
+    """The teacher's ``top_k`` largest logits per token and their vocabulary ids:
+    ``([..., k] logits in their dtype, [..., k] int32 ids)``, largest first.
+
+    Vocabulary-parallel as ModelOpt's ``TopKLogitsKLLoss`` (the top-K each tensor rank
+    holds, then the top-K of those candidates): the vocabulary axis is viewed as
+    ``[vocab_shards, vocab / vocab_shards]`` (under GSPMD, the split of a vocab-sharded
+    axis over ``vocab_shards`` tensor ranks), each shard's ``min(top_k, vocab /
+    vocab_shards)`` are taken where they lie, and only those candidates are compared
+    across shards. The result equals ``jax.lax.top_k`` over the whole vocabulary (ties
+    aside). Raises ValueError for ``top_k`` < 1 or above the vocabulary, or a vocabulary
+    ``vocab_shards`` does not divide."""
+    vocab = teacher_logits.shape[-1]
+    if not 1 <= top_k <= vocab:
+        raise ValueError(f"logit_kl_topk={top_k} must be in [1, vocabulary {vocab}]")
+    if vocab % vocab_shards:
+        raise ValueError(f"vocabulary {vocab} does not split into {vocab_shards} shards")
+    per = vocab // vocab_shards
+    local = min(top_k, per)
+    shards = teacher_logits.reshape(teacher_logits.shape[:-1] + (vocab_shards, per))
+    vals, idx = jax.lax.top_k(shards, local)  # [..., shards, local], within each shard
+    idx = idx + (jnp.arange(vocab_shards, dtype=idx.dtype) * per)[:, None]
+    vals = vals.reshape(vals.shape[:-2] + (vocab_shards * local,))
+    idx = idx.reshape(idx.shape[:-2] + (vocab_shards * local,))
+    vals, pick = jax.lax.top_k(vals, top_k)
+    return vals, jnp.take_along_axis(idx, pick, axis=-1).astype(jnp.int32)
+
+
+def top_k_kl_loss(student_logits: Array, teacher_values: Array, teacher_ids: Array, temperature: float = 1.0,
+                  reverse: bool = False) -> Array:
+    """Per-token KL over the teacher's top-K vocabulary entries, ModelOpt's
+    ``TopKLogitsKLLoss`` (modelopt/torch/distill/plugins/megatron.py, the top-K loss
+    Megatron-LM's distillation runs with ``logit_kl_topk``): the student's logits at the
+    teacher's ids and the teacher's values, each divided by ``temperature`` and
+    log-softmax'ed over those K entries, then ``KL(teacher || student)`` summed over them
+    (``reverse``: ``KL(student || teacher)``). The tail mass outside the K entries is
+    dropped on both sides (both distributions are renormalised over the K ids), and there
+    is no ``T**2`` factor, as there.
+
+    ``teacher_values`` may be the teacher's logits or its log-probabilities at those ids
+    (they differ by a per-token constant, which the renormalisation removes): the same
+    function serves online (:func:`teacher_top_k`) and offline (cached top-K
+    log-probabilities) distillation.
+
+    Args:
+      student_logits: ``[..., vocab]``, any float dtype (vocabulary-sharded under GSPMD:
+        the gather at K ids per token is what crosses the shards).
+      teacher_values: ``[..., K]`` logits or log-probabilities (``stop_gradient``).
+      teacher_ids: ``[..., K]`` integer vocabulary ids.
+
+    Returns ``[...]`` float32 (float64 for float64 inputs). Raises ValueError for
+    mismatched shapes or ``temperature <= 0``, TypeError for non-float logits."""
+    student_logits, teacher_values = jnp.asarray(student_logits), jnp.asarray(teacher_values)
+    if teacher_values.shape != teacher_ids.shape or student_logits.shape[:-1] != teacher_values.shape[:-1]:
+        raise ValueError(f"top_k_kl_loss: student {student_logits.shape}, teacher values {teacher_values.shape} and "
+                         f"ids {teacher_ids.shape} must agree on the leading axes (values and ids [..., K])")
+    _check_temperature(temperature)
+    dtype = _compute_dtype(student_logits, teacher_values)
+    student = jnp.take_along_axis(student_logits, teacher_ids.astype(jnp.int32), axis=-1).astype(dtype) / temperature
+    teacher = jax.lax.stop_gradient(teacher_values.astype(dtype) / temperature)
+    log_s, log_t = _log_softmax(student, None), _log_softmax(teacher, None)
+    terms = _kl_terms(log_s, log_t) if reverse else _kl_terms(log_t, log_s)
+    return jnp.sum(terms, axis=-1)
+
+
+def top_k_logits_kl_loss(student_logits: Array, teacher_logits: Array, top_k: int, temperature: float = 1.0,
+                         reverse: bool = False, vocab_shards: int = 1) -> Array:
+    """:func:`top_k_kl_loss` over :func:`teacher_top_k` of ``teacher_logits`` (online
+    top-K distillation). Shapes and errors as theirs; ``[...]`` float32."""
+    _check_pair("top_k_logits_kl_loss", student_logits, teacher_logits)
+    values, ids = teacher_top_k(jax.lax.stop_gradient(jnp.asarray(teacher_logits)), top_k, vocab_shards)
+    return top_k_kl_loss(student_logits, values, ids, temperature, reverse)
+
+
 def hidden_state_cosine_loss(student_hidden: Array, teacher_hidden: Array) -> Array:
     """Per-token ``1 - cos(student, teacher)`` over the last (hidden) axis.
 

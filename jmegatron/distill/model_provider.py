@@ -44,8 +44,9 @@ def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vo
     dcfg = load_distill_config(cfg.kd_cfg)
     teacher = load_teacher(cfg.kd_teacher_load, cfg, padded_vocab_size, mesh, cfg.kd_teacher_bf16)
     aux = projection_aux(cfg, teacher.cfg.hidden_size, dcfg)
-    return ForwardStep(loss_fn=distillation_loss_fn(model, teacher.model, dcfg, aux),
-                       pipeline_stages=distillation_pipeline_stages(model, teacher.model, dcfg, aux) if pipelined
+    tp = cfg.tensor_model_parallel_size
+    return ForwardStep(loss_fn=distillation_loss_fn(model, teacher.model, dcfg, aux, tp),
+                       pipeline_stages=distillation_pipeline_stages(model, teacher.model, dcfg, aux, tp) if pipelined
                        else None,
                        extra_args=(teacher.params,), extra_shardings=teacher.shardings, aux_modules=aux,
                        owner=teacher, buffers=model_buffers(cfg, model))  # the student's expert bias

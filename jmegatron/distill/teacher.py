@@ -75,8 +75,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     the student's padding rule.
 
     Raises CheckpointError for a missing or unreadable checkpoint; ConfigError (naming the
-    teacher's field) for an MoE teacher under pipeline parallelism (not built), an MoE
-    teacher whose expert count the student's expert_model_parallel_size does not divide,
+    teacher's field) for an MoE teacher whose expert count the student's expert_model_parallel_size does not divide,
     a Hugging Face architecture jmegatron cannot represent, or any other teacher setting
     the student's layout cannot run.
     """
@@ -112,12 +111,6 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     ep = student_cfg.expert_model_parallel_size
     if experts is None:  # dense: replicated over the expert axis
         saved.update(expert_model_parallel_size=1, expert_tensor_parallel_size=None)
-    elif student_cfg.pipeline_model_parallel_size > 1:
-        _close(ckpt)
-        raise ConfigError(f"teacher {load_dir} is an MoE model (num_moe_experts={experts}) and the student runs with "
-                          f"pipeline_model_parallel_size={student_cfg.pipeline_model_parallel_size}: the pipelined "
-                          f"distillation stages do not run MoE layers yet; set pipeline_model_parallel_size=1 or "
-                          f"distil from a dense teacher (config.kd_teacher_load).")
     elif experts % ep:
         _close(ckpt)
         raise ConfigError(f"teacher {load_dir} has num_moe_experts={experts}, not divisible by the student's "
