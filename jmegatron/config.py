@@ -389,6 +389,9 @@ class JMegatronConfig:
     kd_cfg: Optional[str] = None  # distillation YAML; None: logits-only with Megatron's defaults
     kd_finalize: bool = False  # save a plain student (no kd settings): load the distilled run, save elsewhere
     kd_teacher_bf16: bool = False  # run the frozen teacher in bf16 (params cast at load)
+    # offline distillation: a cache of the teacher's top-K log-probabilities per training sample
+    # (python -m jmegatron.tools.cache_teacher_logits); the teacher does not run
+    kd_teacher_logits_path: Optional[str] = None
 
     # --- parallelism (sizes; see jmegatron.parallel.mesh) ---
     tensor_model_parallel_size: int = 1
@@ -724,7 +727,18 @@ class JMegatronConfig:
                                  os.path.abspath(self.load) == os.path.abspath(self.save)):
             raise ConfigError("config.kd_finalize=True writes a plain student to a new directory: set "
                               "config.load to the distilled run and config.save to another directory.")
-        if self.kd_cfg is not None and self.kd_teacher_load is None and not self.kd_finalize:
+        if self.kd_teacher_logits_path is not None and not self.kd_finalize:
+            if self.kd_teacher_load is not None:
+                raise ConfigError("config.kd_teacher_logits_path (offline distillation: the teacher's cached top-K) and "
+                                  "config.kd_teacher_load (online: the teacher runs) are both set; keep one.")
+            self._refuse_with("kd_teacher_logits_path", dict(
+                pipeline_model_parallel_size=self.pipeline_model_parallel_size > 1,
+                context_parallel_size=self.context_parallel_size > 1,
+                reset_attention_mask=self.reset_attention_mask, variable_data=self.variable_data),
+                "offline distillation reads the cached rows into the unpipelined step's batch",
+                "unset {name} or distil online (config.kd_teacher_load).")
+        if self.kd_cfg is not None and self.kd_teacher_load is None and self.kd_teacher_logits_path is None \
+                and not self.kd_finalize:
             raise ConfigError("config.kd_cfg is set but config.kd_teacher_load is not; give the teacher's "
                               "checkpoint directory.")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
@@ -873,7 +887,8 @@ class JMegatronConfig:
             raise ConfigError(f"config.mtp_loss_scaling_factor={self.mtp_loss_scaling_factor} must be >= 0.")
         refused = dict(pipeline_model_parallel_size=self.pipeline_model_parallel_size > 1,
                        context_parallel_size=self.context_parallel_size > 1,
-                       kd_teacher_load=self.kd_teacher_load is not None)
+                       kd_teacher_load=self.kd_teacher_load is not None,
+                       kd_teacher_logits_path=self.kd_teacher_logits_path is not None)
         self._refuse_with(f"mtp_num_layers={self.mtp_num_layers}", refused, "multi-token prediction runs "
                           "unpipelined, without context parallelism, in language-model training",
                           "unset mtp_num_layers or {name}.")
@@ -1125,7 +1140,7 @@ class JMegatronConfig:
 # What a saved run's config resets when its checkpoint is only read (evaluation, generation,
 # export, a distillation teacher): its teacher, and where that run saved and loaded from
 # (with what it did at its start: finetune, no_load_optim, no_load_rng, use_checkpoint_args).
-READ_CHECKPOINT_RESETS = dict(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, save=None, load=None,
+READ_CHECKPOINT_RESETS = dict(kd_teacher_load=None, kd_teacher_logits_path=None, kd_cfg=None, kd_finalize=False, save=None, load=None,
                               finetune=False, no_load_optim=False, no_load_rng=False, use_checkpoint_args=False)
 
 # Fields that describe the network's parameters: resuming with a different value fails.

@@ -21,9 +21,10 @@ from jmegatron.training.forward_step import gpt_forward_step
 
 
 def forward_step_provider(cfg: JMegatronConfig) -> run_lib.ForwardStepProvider:
-    """Distillation's provider when ``cfg.kd_teacher_load`` is set (and not ``kd_finalize``),
-    else the language model's."""
-    if cfg.kd_teacher_load and not cfg.kd_finalize:
+    """Distillation's provider when ``cfg.kd_teacher_load`` (online) or
+    ``cfg.kd_teacher_logits_path`` (offline) is set (and not ``kd_finalize``), else the
+    language model's."""
+    if (cfg.kd_teacher_load or cfg.kd_teacher_logits_path) and not cfg.kd_finalize:
         return distillation_forward_step
     return gpt_forward_step
 

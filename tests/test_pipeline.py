@@ -66,14 +66,13 @@ def reference(arch: str, m: int):
     return _REFERENCES[arch, m]
 
 
-# (1F1B at pp2 and interleaved at pp2 x v2 without another axis are the tp2 + SP and dp2 +
-# ZeRO-1 cases below with that axis at 1: each schedule's bare form runs at pp4)
-CASES = [  # (arch, schedule, pp, v, m, other layout)
+# (arch, schedule, pp, v, m, other layout): gpt runs each schedule's bare form at pp4; llama
+# (RoPE, GQA, SwiGLU) each schedule beside tp2 + SP, data2 + ZeRO-1 or data2 (the pp2 1F1B and
+# pp2 x v2 interleaved forms are those cases with the other axis at 1)
+CASES = [
     ("gpt", "1f1b", 4, 1, 8, {}),
     ("gpt", "gpipe", 4, 1, 4, {}),
     ("gpt", "interleaved_1f1b", 4, 2, 8, {}),
-    ("gpt", "1f1b", 2, 1, 4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
-    ("gpt", "interleaved_1f1b", 2, 2, 4, dict(data=2, use_distributed_optimizer=True)),
     ("llama", "1f1b", 2, 1, 4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     ("llama", "interleaved_1f1b", 2, 2, 8, dict(data=2, use_distributed_optimizer=True)),
     ("llama", "gpipe", 4, 1, 4, dict(data=2)),

@@ -240,8 +240,9 @@ def stack_samples(samples: list[Mapping[str, np.ndarray]], num_microbatches: int
     ``seq = length`` or ``max_i len_i``. Shorter samples are right-padded as ByteMLPerf's
     ``batch_pad``: tokens and labels 0, loss mask 0, position ids continuing ``len_i, len_i
     + 1, ...``, and segment ids (when the samples carry them) one past the sample's last,
-    so padding is a document of its own. Raises ValueError when a sample is longer than
-    ``length``."""
+    so padding is a document of its own. Any other key (a forward step's ``batch_keys``,
+    e.g. cached teacher top-K ``[len_i, K]``) is stacked the same way with its trailing axes,
+    padding positions 0. Raises ValueError when a sample is longer than ``length``."""
     longest = max(len(s["tokens"]) for s in samples)
     if length is not None:
         if longest > length:
@@ -260,4 +261,11 @@ def stack_samples(samples: list[Mapping[str, np.ndarray]], num_microbatches: int
             if key == SEGMENT_KEY and len(value) < longest:
                 arr[i, len(value):] = value[-1] + 1 if len(value) else 0
         out[key] = arr.reshape(num_microbatches, -1, longest)
+    for key in (k for k in samples[0] if k not in KEYS and k != SEGMENT_KEY):
+        first = np.asarray(samples[0][key])
+        arr = np.zeros((len(samples), longest) + first.shape[1:], first.dtype)
+        for i, s in enumerate(samples):
+            value = np.asarray(s[key])
+            arr[i, :len(value)] = value
+        out[key] = arr.reshape((num_microbatches, -1, longest) + first.shape[1:])
     return out

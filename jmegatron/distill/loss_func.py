@@ -44,7 +44,9 @@ import jax.numpy as jnp
 
 from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
 from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
-from jmegatron.distill.losses import ProjectionLayer, intermediate_loss_from_name, logits_kl_loss, top_k_logits_kl_loss
+from jmegatron.data.teacher_logits import IDS_KEY, LOGPROBS_KEY
+from jmegatron.distill.losses import (ProjectionLayer, intermediate_loss_from_name, logits_kl_loss, top_k_kl_loss,
+                                      top_k_logits_kl_loss)
 from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses, chunk_moe_losses, chunk_report_zeros
 from jmegatron.training.losses import masked_cross_entropy
@@ -98,10 +100,21 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
     teacher_hidden]`` by ``params["kd_projection"]`` before the intermediate losses.
     Either model may be an MoE model (module doc): an MoE student's router losses are
     added to the returned float32 scalar loss and its report gains the MoE entries.
-    Raises DistillConfigError for unknown layer names, or for intermediate pairs between
-    different hidden sizes without a projection in ``aux``.
+    ``teacher`` None: offline distillation; ``micro`` carries the teacher's cached top-K
+    (:data:`jmegatron.data.teacher_logits.IDS_KEY` / ``LOGPROBS_KEY``, ``[b, s, K]``) and the
+    logits loss is :func:`jmegatron.distill.losses.top_k_kl_loss` over them (no teacher
+    parameters: ``extra`` is unused).
+    Raises DistillConfigError for unknown layer names, for intermediate pairs between
+    different hidden sizes without a projection in ``aux``, or for intermediate pairs
+    offline.
     """
-    s_cfg, t_cfg = student.cfg, teacher.cfg
+    offline = teacher is None
+    if offline and dcfg.intermediate_layer_pairs:
+        raise DistillConfigError("intermediate_layer_pairs with offline distillation (config.kd_teacher_logits_path): "
+                                 "the cache holds the teacher's top-K log-probabilities only; drop the pairs or "
+                                 "distil online (config.kd_teacher_load)")
+    s_cfg = student.cfg
+    t_cfg = s_cfg if offline else teacher.cfg
     check_layers(dcfg, s_cfg.num_layers, t_cfg.num_layers)
     projection = (aux or {}).get(PROJECTION, (None,))[0]
     pairs = []
@@ -124,16 +137,20 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
         args = (micro["tokens"], micro["position_ids"])
         out_s = student.apply({"params": params}, *args, deterministic=False, rngs={"dropout": rng},
                               sample_offset=micro["sample_offset"], mutable=mutable_s or False)
-        out_t = teacher.apply({"params": teacher_params}, *args, deterministic=True, mutable=mutable_t)
         logits_s, inter_s = out_s if mutable_s else (out_s, {})
-        logits_t, inter_t = out_t if pairs else (out_t, {})
-        logits_t = jax.lax.stop_gradient(logits_t.astype(jnp.float32))
         mask = micro["loss_mask"].astype(jnp.float32)
 
         def masked_mean(per_token):
             return data_sum(jnp.sum(per_token * mask)) / jnp.maximum(num_tokens, 1.0)
 
-        losses = {"logits_loss": masked_mean(logits_loss(dcfg, logits_s, logits_t, vocab_shards))}
+        if offline:
+            kl = top_k_kl_loss(logits_s, micro[LOGPROBS_KEY], micro[IDS_KEY], dcfg.logit_kl_temperature)
+            inter_t = {}
+        else:
+            out_t = teacher.apply({"params": teacher_params}, *args, deterministic=True, mutable=mutable_t)
+            logits_t, inter_t = out_t if pairs else (out_t, {})
+            kl = logits_loss(dcfg, logits_s, jax.lax.stop_gradient(logits_t.astype(jnp.float32)), vocab_shards)
+        losses = {"logits_loss": masked_mean(kl)}
         for k, (s_layer, t_layer, fn) in enumerate(pairs):
             hs = _pick(inter_s["intermediates"], s_layer, s_cfg.scan_layers)
             if projection is not None:

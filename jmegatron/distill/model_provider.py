@@ -18,6 +18,7 @@ from jmegatron.config import ConfigError, JMegatronConfig
 from jmegatron.distill.config import load_distill_config
 from jmegatron.distill.loss_func import distillation_loss_fn, distillation_pipeline_stages, projection_aux
 from jmegatron.distill.teacher import load_teacher
+from jmegatron.data.teacher_logits import KEYS as CACHE_KEYS, CacheMismatchError, read_meta
 from jmegatron.training.forward_step import ForwardStep, gpt_forward_step, model_buffers
 
 
@@ -35,6 +36,8 @@ def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vo
     cannot run, DistillConfigError for a bad distillation YAML or a layer pair the layout cannot place, CheckpointError
     for a missing teacher or one with another vocabulary.
     """
+    if cfg.kd_teacher_logits_path and not cfg.kd_finalize:
+        return offline_distillation_forward_step(cfg, model, padded_vocab_size)
     if not cfg.kd_teacher_load or cfg.kd_finalize:
         return gpt_forward_step(cfg, model, mesh, padded_vocab_size)
     pipelined = cfg.pipeline_model_parallel_size > 1
@@ -50,3 +53,25 @@ def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vo
                        else None,
                        extra_args=(teacher.params,), extra_shardings=teacher.shardings, aux_modules=aux,
                        owner=teacher, buffers=model_buffers(cfg, model))  # the student's expert bias
+
+
+def offline_distillation_forward_step(cfg: JMegatronConfig, model, padded_vocab_size: int) -> ForwardStep:
+    """Offline distillation (``cfg.kd_teacher_logits_path``): the KD loss of
+    :func:`distillation_loss_fn` with the teacher's top-K log-probabilities read from the
+    cache (:mod:`jmegatron.data.teacher_logits`, carried in the batch: ``batch_keys``)
+    instead of a teacher's forward: the top-K KL over the cache's K tokens
+    (:func:`jmegatron.distill.losses.top_k_kl_loss`), the LM loss and the balancer as
+    online. Raises CacheMismatchError when the cache's teacher vocabulary is not the
+    student's or the YAML's ``logit_kl_topk`` is not the cache's K, DistillConfigError for
+    intermediate pairs (the cache holds logits only), FileNotFoundError without a cache."""
+    dcfg = load_distill_config(cfg.kd_cfg)
+    meta = read_meta(cfg.kd_teacher_logits_path)
+    if meta["vocab"] != padded_vocab_size:
+        raise CacheMismatchError(f"config.kd_teacher_logits_path={cfg.kd_teacher_logits_path!r}: the teacher's padded "
+                                 f"vocabulary is {meta['vocab']}, the student's {padded_vocab_size}")
+    if dcfg.logit_kl_topk is not None and dcfg.logit_kl_topk != meta["top_k"]:
+        raise CacheMismatchError(f"config.kd_teacher_logits_path={cfg.kd_teacher_logits_path!r} holds the teacher's "
+                                 f"top {meta['top_k']} tokens; the distillation YAML asks logit_kl_topk="
+                                 f"{dcfg.logit_kl_topk}: build a cache of that K or drop the key")
+    return ForwardStep(loss_fn=distillation_loss_fn(model, None, dcfg), batch_keys=CACHE_KEYS,
+                       buffers=model_buffers(cfg, model))

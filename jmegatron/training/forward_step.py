@@ -52,7 +52,10 @@ class ForwardStep:
     model's parameters (name -> (module, example input shape)), saved in checkpoints.
     ``owner``: whatever the provider wants kept alive with the run (e.g. the teacher).
     ``buffers``: the model's :class:`ModelBuffers` (None: it has none), see
-    :func:`model_buffers`.
+    :func:`model_buffers`. ``batch_keys``: per-sample arrays beyond the language model's
+    the loss reads from ``micro`` (each sample ``[seq, ...]``, a batch ``[num_micro, rows,
+    seq, ...]``, split over the data ranks like the tokens): the training dataset must carry
+    them (e.g. offline distillation's cached teacher top-K).
     """
 
     loss_fn: Callable
@@ -62,6 +65,7 @@ class ForwardStep:
     aux_modules: dict = dataclasses.field(default_factory=dict)
     owner: Any = None
     buffers: Optional["ModelBuffers"] = None
+    batch_keys: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +184,9 @@ def gpt_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vocab_size:
     :func:`jmegatron.pretrain_gpt.pretrain` and ``python -m jmegatron.train`` choose.
     """
     del mesh, padded_vocab_size
-    if cfg.kd_teacher_load and not cfg.kd_finalize:
+    if (cfg.kd_teacher_load or cfg.kd_teacher_logits_path) and not cfg.kd_finalize:
         raise ConfigError(
-            "config.kd_teacher_load is set but this run was built with the plain language-model forward step: "
+            "config.kd_teacher_load / kd_teacher_logits_path is set but this run was built with the plain language-model forward step: "
             "train it with python -m jmegatron.train or jmegatron.pretrain_gpt.pretrain(cfg), or pass "
             "forward_step_provider=jmegatron.distill.model_provider.distillation_forward_step")
     ce = model.cfg.backend.cross_entropy

@@ -26,6 +26,7 @@ from jmegatron.config import JMegatronConfig
 from jmegatron.data.blended_dataset import build_train_valid_test_datasets
 from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
 from jmegatron.data.loader import BatchLoader
+from jmegatron.data.teacher_logits import TeacherLogitsDataset
 from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.parallel.rules import data_parallel_size
 from jmegatron.training import checkpointing, flops, memory
@@ -53,8 +54,10 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
     """(train, valid, test) datasets sized by :func:`get_train_valid_test_num_samples`; with
     ``cfg.variable_data`` each is wrapped in ByteMLPerf's
     :class:`~jmegatron.data.gpt_variable_dataset.GPTVariableDataset` (ByteMLPerf uses it for
-    all three splits). Raises ValueError (data_path, split) or FileNotFoundError for
-    missing prefixes."""
+    all three splits). With ``cfg.kd_teacher_logits_path`` the training split carries the
+    cached teacher top-K (:class:`jmegatron.data.teacher_logits.TeacherLogitsDataset`).
+    Raises ValueError (data_path, split; CacheMismatchError for a cache of other data) or
+    FileNotFoundError for missing prefixes or cache."""
     num_samples = get_train_valid_test_num_samples(cfg, global_batch_size)
     eod = None
     if cfg.tokenizer_model or cfg.tokenizer_type:
@@ -65,6 +68,8 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
         seq_length=cfg.seq_length, seed=cfg.seed, eod_id=eod, mock=cfg.mock_data,
         vocab_size=vocab_size_of(cfg), eod_mask_loss=cfg.eod_mask_loss,
         reset_position_ids=cfg.reset_position_ids, reset_attention_mask=cfg.reset_attention_mask)
+    if cfg.kd_teacher_logits_path and not cfg.kd_finalize:  # offline distillation: the cached teacher top-K
+        splits = (TeacherLogitsDataset(splits[0], cfg.kd_teacher_logits_path, cfg, num_samples[0]),) + tuple(splits[1:])
     if not cfg.variable_data:
         return splits
     return tuple(None if ds is None else GPTVariableDataset(ds, cfg.seq_length, cfg.seq_length_step, cfg.seed,

@@ -113,7 +113,12 @@ class Run:
         if train and cp > 1:
             index = load_balance_index(next(iter(batch.values())).shape[-1], cp)
             batch = {k: np.asarray(v)[..., index] for k, v in batch.items()}
-        shardings = rules_lib.batch_shardings(self.mesh, self.cfg.reset_attention_mask)
+        extra = self.forward_step.batch_keys if self.forward_step is not None else ()
+        shardings = rules_lib.batch_shardings(self.mesh, self.cfg.reset_attention_mask, extra)
+        unknown = sorted(set(batch) - set(shardings))
+        if unknown:
+            raise ValueError(f"the batch has keys {unknown} that this run's forward step does not read "
+                             f"(ForwardStep.batch_keys: {list(extra)})")
         if rows is None:
             return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
                     for k, v in batch.items()}
@@ -126,9 +131,9 @@ class Run:
             if (held < 0).any():
                 raise ValueError(f"process {jax.process_index()} holds rows {np.arange(total)[idx[1]].tolist()} of "
                                  f"the batch but read only rows {np.asarray(rows).tolist()}: read Run.batch_rows()")
-            return v[idx[0]][:, held][..., idx[2]]
+            return v[idx[0]][:, held][(slice(None), slice(None)) + tuple(idx[2:])]
 
-        return {k: jax.make_array_from_callback((v.shape[0], total, v.shape[2]), shardings[k],
+        return {k: jax.make_array_from_callback((v.shape[0], total) + v.shape[2:], shardings[k],
                                                 lambda idx, v=v: local(v, idx))
                 for k, v in batch.items()}
 
@@ -197,7 +202,8 @@ def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optiona
                         accumulate_grads_in_fp32=cfg.accumulate_allreduce_grads_in_fp32 or not cfg.fp16)
     step_fn = step_lib.make_train_step(model, fwd, tx, optimizer.lr_schedule(cfg, gbs), layout,
                                        cfg.log_num_zeros_in_grad, cfg.check_for_nan_in_loss_and_grad)
-    train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings, cfg.reset_attention_mask)
+    train_step = step_lib.jit_train_step(step_fn, mesh, shardings, fwd.extra_shardings, cfg.reset_attention_mask,
+                                         fwd.batch_keys)
     # eval runs the whole model (GSPMD gathers each stage's layers), in the model's layer order
     canonical = pipeline_layout.gather_index(cfg.pipeline_layout(), pipeline_layout.PipelineLayout(cfg.num_layers))
     eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(model, masked_cross_entropy, rules, canonical), mesh, shardings.params,

@@ -270,11 +270,12 @@ class TrainStep:
 
 
 def jit_train_step(step_fn, mesh: Mesh, state_shardings: TrainState, extra_shardings: Any = None,
-                   segment_ids: bool = False) -> TrainStep:
+                   segment_ids: bool = False, batch_keys: tuple = ()) -> TrainStep:
     """jit with the state donated and laid out by ``state_shardings``; ``segment_ids``: the
-    batch has that key (:func:`jmegatron.parallel.rules.batch_shardings`). The stop flags (:class:`TrainStep`) go
+    batch has that key, ``batch_keys`` the forward step's own ones
+    (:func:`jmegatron.parallel.rules.batch_shardings`). The stop flags (:class:`TrainStep`) go
     in last, laid out by :func:`jmegatron.parallel.rules.stop_flag_sharding`."""
-    in_shardings = (state_shardings, batch_shardings(mesh, segment_ids))
+    in_shardings = (state_shardings, batch_shardings(mesh, segment_ids, batch_keys))
     if extra_shardings is not None:
         in_shardings += (extra_shardings,)
         fn = step_fn

@@ -1,0 +1,154 @@
+"""``python -m jmegatron.tools.cache_teacher_logits --config C [--config.FIELD=VALUE ...]
+--output DIR --top-k K [--batch-size B]``: a teacher's top-K log-probabilities over a
+training run's samples, written once, for offline distillation.
+
+The config is the student's training config: its data fields (``data_path`` / blend,
+``split``, ``seq_length``, ``seed``, ``mock_data``, the tokenizer, ``train_iters`` x
+``global_batch_size``) define the training split exactly as
+:func:`jmegatron.training.loop.build_datasets` builds it, and ``kd_teacher_load`` names the
+teacher (a jmegatron checkpoint or a Hugging Face folder). The teacher runs forward only,
+on the config's parallel layout over the local devices, ``B`` samples per call.
+
+Output, ``DIR``:
+
+* ``ids.npy`` int32 ``[N, seq_length, K]`` and ``logprobs.npy`` float32 ``[N,
+  seq_length, K]`` (``numpy.lib.format``; read with ``mmap_mode="r"``): for training
+  sample ``i`` (the index :class:`jmegatron.data.loader.BatchLoader` reads at
+  ``consumed_samples + row``, blends included) and position ``t``, the teacher's K most
+  likely next tokens and their log-probabilities ``log softmax(teacher logits)``, largest
+  first (:func:`jmegatron.distill.losses.teacher_top_k`);
+* ``meta.json``: the format version, K, N, the sequence length, the vocabulary, the
+  teacher (its path and iteration) and the data (the fields above and a SHA-256 of the
+  first samples' tokens): :func:`jmegatron.data.teacher_logits.check_cache` refuses a
+  cache built for other data or another K, naming the field;
+* ``progress.json``: the samples written so far. It is replaced (written, fsynced,
+  renamed) only after the arrays up to it are flushed, so a killed run loses at most the
+  batch in flight: run the same command again and it goes on from there.
+
+Raises ConfigError (no ``kd_teacher_load``, a bad argument), CacheMismatchError (an
+existing ``DIR`` for other data, teacher or K), CheckpointError (the teacher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmegatron.config import ConfigError, JMegatronConfig, load_config_file
+from jmegatron.data.teacher_logits import (FORMAT_VERSION, CacheMismatchError, check_cache, data_fingerprint,
+                                           samples_done)
+from jmegatron.distill.losses import teacher_top_k
+from jmegatron.distill.teacher import load_teacher
+from jmegatron.parallel.mesh import create_mesh
+from jmegatron.train import parse_args
+from jmegatron.training.loop import build_datasets, get_train_valid_test_num_samples
+from jmegatron.training.run import vocab_size_of
+
+def cache_meta(cfg: JMegatronConfig, dataset: Any, num_samples: int, top_k: int, vocab: int,
+               teacher_iteration: Optional[int]) -> dict:
+    """What identifies a cache (:mod:`jmegatron.data.teacher_logits`): the format, K, N, the
+    sequence length, the teacher's padded vocabulary, the teacher and the data."""
+    return {"format_version": FORMAT_VERSION, "top_k": int(top_k), "num_samples": int(num_samples),
+            "seq_length": int(cfg.seq_length), "vocab": int(vocab),
+            "teacher": {"load": os.path.abspath(cfg.kd_teacher_load), "iteration": teacher_iteration},
+            "data": data_fingerprint(cfg, dataset)}
+
+
+def _write_json(path: str, value: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def teacher_top_k_fn(teacher, top_k: int, vocab_shards: int):
+    """``(params, tokens [b, s], position_ids [b, s]) -> (ids, logprobs)`` ``[b, s, K]``: the
+    teacher's forward (deterministic) and its top-K log-probabilities, jitted."""
+    def fn(params, tokens, position_ids):
+        logits = teacher.model.apply({"params": params}, tokens, position_ids, deterministic=True)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        values, ids = teacher_top_k(logp, top_k, vocab_shards)
+        return ids, values
+    return jax.jit(fn)
+
+
+def build_cache(cfg: JMegatronConfig, output: str, top_k: int, batch_size: int = 8,
+                stop_after: Optional[int] = None) -> dict:
+    """Write (or go on writing) the cache of ``cfg``'s training samples in ``output`` (see the
+    module docstring); returns its meta with ``samples_done``. ``stop_after``: stop once
+    that many samples are done (tests). Raises as the module docstring says."""
+    if not cfg.kd_teacher_load:
+        raise ConfigError("cache_teacher_logits needs the teacher: set --config.kd_teacher_load=CHECKPOINT "
+                          "(a jmegatron checkpoint or a Hugging Face folder)")
+    if top_k < 1:
+        raise ConfigError(f"--top-k={top_k} must be >= 1")
+    train, _, _ = build_datasets(cfg, cfg.global_batch_size)
+    num_samples = get_train_valid_test_num_samples(cfg, cfg.global_batch_size)[0]
+    mesh = create_mesh(cfg)
+    vocab = cfg.padded_vocab_size(vocab_size_of(cfg))
+    teacher = load_teacher(cfg.kd_teacher_load, cfg, vocab, mesh, cfg.kd_teacher_bf16)
+    if top_k > vocab:
+        raise ConfigError(f"--top-k={top_k} exceeds the teacher's vocabulary {vocab}")
+    meta = cache_meta(cfg, train, num_samples, top_k, vocab, teacher.iteration)
+    os.makedirs(output, exist_ok=True)
+    ids_path, logp_path = os.path.join(output, "ids.npy"), os.path.join(output, "logprobs.npy")
+    shape = (num_samples, cfg.seq_length, top_k)
+    if os.path.isfile(os.path.join(output, "meta.json")):
+        check_cache(output, meta)
+        ids = np.lib.format.open_memmap(ids_path, mode="r+")
+        logp = np.lib.format.open_memmap(logp_path, mode="r+")
+    else:
+        ids = np.lib.format.open_memmap(ids_path, mode="w+", dtype=np.int32, shape=shape)
+        logp = np.lib.format.open_memmap(logp_path, mode="w+", dtype=np.float32, shape=shape)
+        _write_json(os.path.join(output, "meta.json"), meta)
+    fn = teacher_top_k_fn(teacher, top_k, cfg.tensor_model_parallel_size)
+    done = samples_done(output)
+    rows = max(batch_size, 1)
+    while done < num_samples and (stop_after is None or done < stop_after):
+        index = np.arange(done, done + rows) % num_samples  # the last batch padded with samples again
+        samples = [train[int(i)] for i in index]
+        tokens = np.stack([np.asarray(s["tokens"], np.int32) for s in samples])
+        positions = np.stack([np.asarray(s["position_ids"], np.int32) for s in samples])
+        got_ids, got_logp = jax.device_get(fn(teacher.params, tokens, positions))
+        n = min(rows, num_samples - done)
+        ids[done:done + n], logp[done:done + n] = got_ids[:n], got_logp[:n]
+        ids.flush()
+        logp.flush()
+        done += n
+        _write_json(os.path.join(output, "progress.json"), {"samples_done": done})
+        print(f"cache_teacher_logits: {done}/{num_samples} samples", flush=True)
+    return dict(meta, samples_done=done)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jmegatron.tools.cache_teacher_logits", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", required=True, help="the cache directory (created; an existing one is continued)")
+    p.add_argument("--top-k", type=int, required=True, help="tokens kept per position (ModelOpt's logit_kl_topk)")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per teacher forward (default 8)")
+    args, rest = p.parse_known_args(argv)
+    try:
+        path, overrides = parse_args(rest)
+        if path is None:
+            raise ConfigError("give the student's training config: --config CONFIG_FILE")
+        cfg = load_config_file(path, overrides)
+        meta = build_cache(cfg, args.output, args.top_k, args.batch_size)
+    except (ConfigError, CacheMismatchError, FileNotFoundError) as e:
+        print(f"cache_teacher_logits: {e}", file=sys.stderr)
+        return 2
+    print(f"cache_teacher_logits: {args.output}: {meta['samples_done']} samples x {meta['seq_length']} positions x "
+          f"top {meta['top_k']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

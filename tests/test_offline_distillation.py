@@ -1,0 +1,121 @@
+"""Offline distillation: ``python -m jmegatron.tools.cache_teacher_logits`` writes a teacher's
+top-K log-probabilities per training sample, and a run with ``kd_teacher_logits_path``
+reads them instead of running the teacher. Offline equals online top-K distillation on the
+same samples (loss and every gradient); the cache resumes after a SIGKILL with the same
+contents as one written in one go; a cache built for other data or another K is refused,
+naming the field."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jmegatron.data.loader import BatchLoader
+from jmegatron.data.teacher_logits import IDS_KEY, LOGPROBS_KEY, CacheMismatchError, samples_done
+from jmegatron.parallel.mesh import create_mesh
+from jmegatron.pretrain_gpt import build
+from jmegatron.tools.cache_teacher_logits import build_cache
+from jmegatron.training.loop import build_datasets
+
+from test_checkpoint_resume import cfg_for as _cfg_for
+from test_distill_moe import save_teacher
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K = 16
+
+
+def cfg_for(save, **kw):
+    return _cfg_for(save, **{"vocab_size": 512, "train_iters": 2, "global_batch_size": 8, "micro_batch_size": 1,
+                             "hidden_dropout": 0.0, "attention_dropout": 0.0, "eval_interval": 0, "lr_warmup_iters": 1,
+                             **kw})
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A teacher of fresh weights with init std 0.3 (logits far from uniform), saved once."""
+    return save_teacher(tmp_path_factory.mktemp("teacher"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, teacher_dir):
+    d = str(tmp_path_factory.mktemp("cache"))
+    meta = build_cache(cfg_for(d + "_run", kd_teacher_load=teacher_dir), d, K, batch_size=4)
+    assert meta["samples_done"] == meta["num_samples"] == 16
+    return d
+
+
+def grads_of(cfg, n=1):
+    run = build(cfg, create_mesh(cfg, jax.devices()[:n]))
+    train, _, _ = build_datasets(cfg, run.global_batch_size)
+    batch = next(iter(BatchLoader(train, run.global_batch_size, run.num_microbatches)))
+    g, report, _ = run.compute_grads(run.init_state(), run.put_batch(batch), *run.extra_args)
+    return jax.device_get(g), jax.device_get(report), batch
+
+
+def test_offline_equals_online_top_k_distillation(tmp_path, teacher_dir, cache_dir):
+    kd = tmp_path / "kd.yaml"
+    kd.write_text(f"logit_kl_topk: {K}\nskip_lm_loss: false\n")
+    g_on, r_on, _ = grads_of(cfg_for(tmp_path / "on", kd_teacher_load=teacher_dir, kd_cfg=str(kd)))
+    g_off, r_off, batch = grads_of(cfg_for(tmp_path / "off", kd_teacher_logits_path=cache_dir, kd_cfg=str(kd)))
+    assert batch[IDS_KEY].shape == (8, 1, 32, K) and batch[LOGPROBS_KEY].dtype == np.float32
+    for k in ("loss", "kd_loss", "logits_distillation_loss", "lm_loss"):
+        np.testing.assert_allclose(r_off[k], r_on[k], rtol=1e-6, err_msg=k)
+    assert r_off["logits_distillation_loss"] > 0.1
+    # gradients: float32 rounding of the cached log-probabilities (logits - log-sum-exp): 2e-6
+    # of each weight's largest entry at most, seen
+    for a, b in zip(jax.tree.leaves(g_off), jax.tree.leaves(g_on)):
+        scale = np.max(np.abs(b)) + 1e-12
+        np.testing.assert_allclose(a / scale, b / scale, atol=5e-6)
+    # under dp 4 the rows arrive split over the data ranks: the same loss
+    _, r4, _ = grads_of(cfg_for(tmp_path / "off4", kd_teacher_logits_path=cache_dir, kd_cfg=str(kd)), 4)
+    np.testing.assert_allclose(r4["kd_loss"], r_off["kd_loss"], rtol=1e-5)
+
+
+def test_cache_resumes_after_a_kill(tmp_path, teacher_dir, cache_dir):
+    """SIGKILL once progress.json counts a batch; the same command again finishes the cache,
+    which equals the one written in one go."""
+    out = str(tmp_path / "killed")
+    argv = [sys.executable, "-m", "jmegatron.tools.cache_teacher_logits", "--config",
+            os.path.join(REPO, "configs", "gpt_tiny.py"), "--output", out, "--top-k", str(K), "--batch-size", "1"]
+    cfg = cfg_for(tmp_path / "run", kd_teacher_load=teacher_dir)
+    fields = dict(mock_data=True, vocab_size=512, num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=32,
+                  max_position_embeddings=32, micro_batch_size=1, global_batch_size=8, train_iters=2, seed=cfg.seed,
+                  lr_warmup_iters=1, kd_teacher_load=teacher_dir, save=None)
+    argv += [f"--config.{k}={v}" for k, v in fields.items()]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=REPO)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while samples_done(out) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = samples_done(out)
+    assert 2 <= killed_at < 16, proc.stdout.read().decode()[-2000:]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    progress = [line for line in done.stdout.splitlines() if line.endswith("/16 samples")]
+    assert progress[0] == f"cache_teacher_logits: {killed_at + 1}/16 samples", progress  # went on, did not restart
+    one_go = str(tmp_path / "one_go")
+    assert subprocess.run(argv[:6] + [one_go] + argv[7:], env=env, capture_output=True, timeout=300).returncode == 0
+    for name in ("ids.npy", "logprobs.npy"):
+        np.testing.assert_array_equal(np.load(os.path.join(out, name)), np.load(os.path.join(one_go, name)))
+
+
+def test_a_cache_for_other_data_or_another_k_is_refused(tmp_path, teacher_dir, cache_dir):
+    with pytest.raises(CacheMismatchError, match=r"data\.seed: the cache has 1234, this run 7"):
+        build_datasets(cfg_for(tmp_path / "s", kd_teacher_logits_path=cache_dir, seed=7), 8)
+    with pytest.raises(CacheMismatchError, match="holds 16 complete samples of 16; this run reads 24"):
+        build_datasets(cfg_for(tmp_path / "n", kd_teacher_logits_path=cache_dir, train_iters=3), 8)
+    kd = tmp_path / "kd.yaml"
+    kd.write_text("logit_kl_topk: 8\n")
+    with pytest.raises(CacheMismatchError, match="top 16 tokens; the distillation YAML asks logit_kl_topk=8"):
+        build(cfg_for(tmp_path / "k", kd_teacher_logits_path=cache_dir, kd_cfg=str(kd)))
+    with pytest.raises(CacheMismatchError, match="top_k: the cache has 16, this run 8"):
+        build_cache(cfg_for(tmp_path / "c", kd_teacher_load=teacher_dir), cache_dir, 8)
+    assert json.load(open(os.path.join(cache_dir, "progress.json")))["samples_done"] == 16  # untouched
