@@ -102,7 +102,7 @@ def test_a_provider_without_stages_refuses_the_pipeline():
 
 def test_the_plain_provider_refuses_a_distillation_config():
     cfg = tiny_cfg(kd_teacher_load="/nonexistent/teacher")
-    with pytest.raises(ConfigError, match="kd_teacher_load is set.*pretrain_gpt"):
+    with pytest.raises(ConfigError, match="kd_teacher_load / kd_teacher_logits_path is set.*pretrain_gpt"):
         gpt_forward_step(cfg, None, None, 512)
     from jmegatron.pretrain_gpt import forward_step_provider
 

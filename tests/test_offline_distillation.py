@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -77,32 +76,46 @@ def test_offline_equals_online_top_k_distillation(tmp_path, teacher_dir, cache_d
     np.testing.assert_allclose(r4["kd_loss"], r_off["kd_loss"], rtol=1e-5)
 
 
+# runs the tool, SIGKILLing itself at its 3rd progress commit: batch 3 is in the flushed
+# arrays, progress.json still says 2 (the worst moment to die)
+KILLED_AT_THIRD_COMMIT = """
+import os, signal, sys
+from jmegatron.tools import cache_teacher_logits as tool
+real, commits = tool._write_json, []
+def write(path, value):
+    if path.endswith("progress.json"):
+        commits.append(value)
+        if len(commits) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+    real(path, value)
+tool._write_json = write
+sys.exit(tool.main(sys.argv[1:]))
+"""
+
+
 def test_cache_resumes_after_a_kill(tmp_path, teacher_dir, cache_dir):
-    """SIGKILL once progress.json counts a batch; the same command again finishes the cache,
-    which equals the one written in one go."""
+    """SIGKILL between a batch's flush and its progress commit; the same command again goes
+    on from the last committed batch, and the cache equals one written in one go."""
     out = str(tmp_path / "killed")
-    argv = [sys.executable, "-m", "jmegatron.tools.cache_teacher_logits", "--config",
-            os.path.join(REPO, "configs", "gpt_tiny.py"), "--output", out, "--top-k", str(K), "--batch-size", "1"]
-    cfg = cfg_for(tmp_path / "run", kd_teacher_load=teacher_dir)
+    args = ["--config", os.path.join(REPO, "configs", "gpt_tiny.py"), "--output", out, "--top-k", str(K),
+            "--batch-size", "1"]
     fields = dict(mock_data=True, vocab_size=512, num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=32,
-                  max_position_embeddings=32, micro_batch_size=1, global_batch_size=8, train_iters=2, seed=cfg.seed,
-                  lr_warmup_iters=1, kd_teacher_load=teacher_dir, save=None)
-    argv += [f"--config.{k}={v}" for k, v in fields.items()]
+                  max_position_embeddings=32, micro_batch_size=1, global_batch_size=8, train_iters=2,
+                  seed=cfg_for(tmp_path).seed, lr_warmup_iters=1, kd_teacher_load=teacher_dir, save=None)
+    args += [f"--config.{k}={v}" for k, v in fields.items()]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=REPO)
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while samples_done(out) < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = samples_done(out)
-    assert 2 <= killed_at < 16, proc.stdout.read().decode()[-2000:]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_THIRD_COMMIT] + args, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-2000:]
+    assert samples_done(out) == 2
+    tool = [sys.executable, "-m", "jmegatron.tools.cache_teacher_logits"]
+    done = subprocess.run(tool + args, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     progress = [line for line in done.stdout.splitlines() if line.endswith("/16 samples")]
-    assert progress[0] == f"cache_teacher_logits: {killed_at + 1}/16 samples", progress  # went on, did not restart
+    assert progress[0] == "cache_teacher_logits: 3/16 samples", progress  # went on, did not restart
     one_go = str(tmp_path / "one_go")
-    assert subprocess.run(argv[:6] + [one_go] + argv[7:], env=env, capture_output=True, timeout=300).returncode == 0
+    assert subprocess.run(tool + [a if a != out else one_go for a in args], env=env, capture_output=True,
+                          timeout=300).returncode == 0
     for name in ("ids.npy", "logprobs.npy"):
         np.testing.assert_array_equal(np.load(os.path.join(out, name)), np.load(os.path.join(one_go, name)))
 

@@ -1,0 +1,35 @@
+#!/bin/bash
+# Distillation on Shakespeare (issue 29's table): a 6 x 384 teacher, then the 4 x 256
+# gpt_tiny student for the same iterations four ways -- from scratch, online KD (the full
+# vocabulary KL), online top-K KD (K=64) and offline top-K KD (the teacher's top 64 cached
+# by tools/cache_teacher_logits) -- each evaluated on the held-out test split. Data and
+# tokenizer: runs/chain/llama3_tiny (benchmarks/families_chain.sh). Logs in runs/distill_chain/.
+set -x
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1
+PY=.venv/bin/python
+W=runs/distill_chain; D=runs/chain/llama3_tiny
+ITERS=${ITERS:-300}
+mkdir -p $W
+DATA="--config.data_path=$D/shakespeare_text_document --config.tokenizer_model=$D/tokenizer.json
+      --config.train_iters=$ITERS --config.eval_interval=0 --config.log_interval=50 --config.save_interval=$ITERS"
+printf 'logit_kl_topk: 64\n' > $W/topk.yaml
+train() {  # train NAME CONFIG ARGS...
+  local n=$1 c=$2; shift 2
+  [ -d $W/$n/$ITERS ] || \
+    $PY -m jmegatron.train --config $c $DATA --config.save=$W/$n "$@" > $W/$n.log 2>&1 || { tail -20 $W/$n.log; exit 1; }
+}
+train teacher configs/gpt_teacher.py
+train scratch configs/gpt_tiny.py
+train online configs/distill_gpt_tiny.py --config.kd_teacher_load=$W/teacher
+train online_top64 configs/distill_gpt_tiny.py --config.kd_teacher_load=$W/teacher --config.kd_cfg=$W/topk.yaml
+[ -f $W/cache/progress.json ] && grep -q "\"samples_done\": $((ITERS * 8))" $W/cache/progress.json || \
+  $PY -m jmegatron.tools.cache_teacher_logits --config configs/distill_gpt_tiny.py $DATA \
+      --config.kd_teacher_load=$W/teacher --output $W/cache --top-k 64 --batch-size 16 > $W/cache.log 2>&1 || exit 1
+train offline_top64 configs/distill_gpt_tiny.py --config.kd_teacher_logits_path=$W/cache --config.kd_cfg=$W/topk.yaml
+SPLIT=$($PY -c "import json;print(json.load(open('$W/scratch/config.json'))['split'])" 2>/dev/null || echo "90,5,5")
+for n in teacher scratch online online_top64 offline_top64; do
+  $PY -m jmegatron.evaluate --load $W/$n --split test --data-path $D/shakespeare_text_document \
+      --tokenizer-model $D/tokenizer.json --data-split "$SPLIT" > $W/$n.eval 2>&1
+  echo "$n: $(grep -E 'loss' $W/$n.eval | tail -1 | cut -c1-200) | $(grep -E ' iteration +[0-9]+/' $W/$n.log | tail -1 | grep -oE 'tokens/s: [0-9.]+')"
+done
