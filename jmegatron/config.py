@@ -719,10 +719,6 @@ class JMegatronConfig:
         if ep > 1 and self.use_megatron_fsdp:
             raise ConfigError("config.use_megatron_fsdp=True with expert_model_parallel_size > 1 is not built; use "
                               "use_distributed_optimizer=True (ZeRO-1) with expert parallelism.")
-        if self.reset_attention_mask and self.kd_teacher_load and not self.kd_finalize:
-            raise ConfigError("config.reset_attention_mask=True with distillation (config.kd_teacher_load) is not "
-                              "built: the distillation loss runs student and teacher without the document mask; "
-                              "set reset_attention_mask=False.")
         if self.kd_finalize and (not self.save or not self.load or
                                  os.path.abspath(self.load) == os.path.abspath(self.save)):
             raise ConfigError("config.kd_finalize=True writes a plain student to a new directory: set "

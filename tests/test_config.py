@@ -119,7 +119,6 @@ def test_distillation_configs_extend_gpt_tiny():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(reset_attention_mask=True, kd_teacher_load="T"), "reset_attention_mask=True with distillation"),
     (dict(kd_finalize=True, save="/tmp/a"), "kd_finalize=True writes a plain student to a new directory"),
 ])
 def test_unsupported_or_inconsistent_settings(kw, match):

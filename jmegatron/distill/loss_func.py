@@ -41,6 +41,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
 from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
@@ -49,6 +50,8 @@ from jmegatron.distill.losses import (ProjectionLayer, intermediate_loss_from_na
                                       top_k_logits_kl_loss)
 from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses, chunk_moe_losses, chunk_report_zeros
+from jmegatron.parallel.pipeline_layout import PipelineLayout
+from jmegatron.parallel.schedules import as_varying, manual_axes
 from jmegatron.training.losses import masked_cross_entropy
 
 
@@ -135,8 +138,10 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
 
     def loss_fn(params, micro, rng, num_tokens, teacher_params, data_sum):
         args = (micro["tokens"], micro["position_ids"])
+        segment_ids = micro.get("segment_ids")  # document masks (reset_attention_mask), both models
         out_s = student.apply({"params": params}, *args, deterministic=False, rngs={"dropout": rng},
-                              sample_offset=micro["sample_offset"], mutable=mutable_s or False)
+                              sample_offset=micro["sample_offset"], mutable=mutable_s or False,
+                              segment_ids=segment_ids)
         logits_s, inter_s = out_s if mutable_s else (out_s, {})
         mask = micro["loss_mask"].astype(jnp.float32)
 
@@ -147,7 +152,8 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
             kl = top_k_kl_loss(logits_s, micro[LOGPROBS_KEY], micro[IDS_KEY], dcfg.logit_kl_temperature)
             inter_t = {}
         else:
-            out_t = teacher.apply({"params": teacher_params}, *args, deterministic=True, mutable=mutable_t)
+            out_t = teacher.apply({"params": teacher_params}, *args, deterministic=True, mutable=mutable_t,
+                                  segment_ids=segment_ids)
             logits_t, inter_t = out_t if pairs else (out_t, {})
             kl = logits_loss(dcfg, logits_s, jax.lax.stop_gradient(logits_t.astype(jnp.float32)), vocab_shards)
         losses = {"logits_loss": masked_mean(kl)}
@@ -171,28 +177,47 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
     return loss_fn
 
 
+def _chunk_of(layout: PipelineLayout, layer: int) -> tuple[int, int, int]:
+    """(stage, chunk, index inside the chunk) of model layer ``layer`` under ``layout``."""
+    first, count = layout.chunk_first_layer(), layout.chunk_layers()
+    stage, chunk = np.nonzero((first <= layer) & (layer < first + count))
+    return int(stage[0]), int(chunk[0]), int(layer - first[stage[0], chunk[0]])
+
+
 def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Optional[dict] = None,
-                                 vocab_shards: int = 1) -> Callable:
+                                 vocab_shards: int = 1, teacher_layout: Optional[PipelineLayout] = None) -> Callable:
     """The pipelined counterpart of :func:`distillation_loss_fn`: a stage provider for
     :func:`jmegatron.training.step.make_train_step` (``pipeline_stages``).
 
-    The teacher is split into the same pipeline stages as the student and runs beside it
-    on every stage (forward only, deterministic): what a stage sends on is the pair
-    (student hidden ``[b, s, h_s]``, teacher hidden ``[b, s, h_t]``), Megatron's upstream
-    approach of widening the tensors between stages by the teacher's hidden size. The
-    logits loss, the LM loss and the balancer run on the last stage. Intermediate pairs
-    follow Megatron's post-training rule under pipeline parallelism: they are computed on
-    the last pipeline stage only, so both layers of a pair must live in the last model
-    chunk (or be ``decoder.final_layernorm``); any other pair raises DistillConfigError
-    naming the layers that do. The teacher's layer count must split into the student's
-    (pipeline_model_parallel_size x virtual size) chunks. Under data parallelism the last
-    stage sums each loss over the data ranks (``ctx.data_sum``, inside the stage's
-    conditional: every data rank of a stage takes the same branch) before the balancer, whose
-    ratios need the micro-batch's global losses.
+    The teacher is split into the same pipeline stages and chunks as the student and runs
+    beside it on every stage (forward only, deterministic): what a stage sends on is the
+    student's hidden ``[b, s, h_s]``, the teacher's ``[b, s, h_t]`` (Megatron's upstream
+    approach of widening the tensors between stages by the teacher's hidden size) and, with
+    intermediate pairs, their running masked token sums (float32 ``[pairs]``). The logits
+    loss, the LM loss and the balancer run on the last stage.
+
+    Intermediate pairs on any stage, interleaved chunks included (Megatron and ModelOpt
+    compute them on the last pipeline stage only): a pair of decoder layers is computed
+    in the model chunk that holds both (``teacher_layout``: the teacher's
+    :class:`~jmegatron.parallel.pipeline_layout.PipelineLayout`, the student's scaled to
+    its depth, :func:`jmegatron.distill.teacher.teacher_stage_layers`; default the even
+    one), its masked token sum added to the sums the stages send on; the last stage's
+    balancer reads them (its ratios ``O / kd`` and ``logits / intermediate`` are taken from
+    values, ``stop_gradient``), and the backward carries each pair's coefficient back to
+    its chunk through the activations' gradients, so loss and gradients equal the
+    unpipelined step's. ``decoder.final_layernorm`` pairs are computed on the last stage.
+    A pair whose layers sit in different chunks, or that names ``output_layer``, raises
+    DistillConfigError naming the chunks. Uneven stages (the student's
+    ``decoder_first/last_pipeline_num_layers``) skip the padding slots of both models.
+
+    Under data (and context) parallelism the last stage sums each loss over those ranks
+    (``ctx.data_sum``, inside the stage's conditional: every data rank of a stage takes the
+    same branch) before the balancer, whose ratios need the micro-batch's global losses.
     An MoE student's chunks return their layers' router losses as chunk losses
     (:func:`jmegatron.models.moe.moe_layer.chunk_moe_losses`, each data rank's share) on
     every stage, added outside the balancer as :func:`distillation_loss_fn` adds them; an
-    MoE teacher runs its layers deterministic (its router sows nothing).
+    MoE teacher runs its layers deterministic (its router sows nothing). Document masks
+    (``segment_ids`` in the batch) apply to both models.
     """
 
     s_cfg, t_cfg = student.cfg, teacher.cfg
@@ -207,83 +232,113 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
                  for p in dcfg.intermediate_layer_pairs]
 
     def stages(ctx):
-        pv = ctx.pipeline_size * ctx.virtual_size
-        if t_cfg.num_layers % pv:
-            raise DistillConfigError(f"the teacher's {t_cfg.num_layers} layers do not split into the student's "
-                                     f"{ctx.pipeline_size} x {ctx.virtual_size} pipeline chunks")
-        s_last, t_last = s_cfg.num_layers - s_cfg.num_layers // pv, t_cfg.num_layers - t_cfg.num_layers // pv
-        pairs = []
-        for s_layer, t_layer, fn, p in raw_pairs:
-            ok_s = s_layer[0] is None or s_layer[0] >= s_last
-            ok_t = t_layer[0] is None or t_layer[0] >= t_last
-            if not (ok_s and ok_t) or OUTPUT_LAYER in (s_layer[1], t_layer[1]):
-                raise DistillConfigError(
-                    f"intermediate pair {p.student} -> {p.teacher}: under pipeline parallelism intermediate losses "
-                    f"are computed on the last pipeline stage only (Megatron's post-training rule), so both layers "
-                    f"must be in the last model chunk: student layers {s_last}..{s_cfg.num_layers - 1}, teacher "
-                    f"layers {t_last}..{t_cfg.num_layers - 1}, or decoder.final_layernorm")
+        p, v = ctx.pipeline_size, ctx.virtual_size
+        s_layout = ctx.layout or PipelineLayout(s_cfg.num_layers, p, v)
+        t_layout = teacher_layout or PipelineLayout(t_cfg.num_layers, p, v)
+        if (t_layout.num_layers, t_layout.pipeline_size, t_layout.virtual_size) != (t_cfg.num_layers, p, v):
+            raise DistillConfigError(f"teacher layout {t_layout} does not split the teacher's {t_cfg.num_layers} "
+                                     f"layers into the student's {p} x {v} pipeline chunks")
+        # pairs[k] = (fn, student (stage, chunk, index) or None for final_layernorm, teacher ditto, names)
+        in_chunk, in_head = [], []
+        for k, (s_layer, t_layer, fn, pair) in enumerate(raw_pairs):
+            if OUTPUT_LAYER in (s_layer[1], t_layer[1]):
+                raise DistillConfigError(f"intermediate pair {pair.student} -> {pair.teacher}: {OUTPUT_LAYER} is "
+                                         f"not an intermediate layer under pipeline parallelism")
             if s_cfg.hidden_size != t_cfg.hidden_size and projection is None:
                 raise DistillConfigError(
-                    f"intermediate pair {p.student} -> {p.teacher}: student hidden {s_cfg.hidden_size} != teacher "
-                    f"hidden {t_cfg.hidden_size} needs the {PROJECTION} module (see projection_aux)")
-            pairs.append((s_layer, t_layer, fn))
-        s_sow = tuple(sorted({f"{name}_output" for (i, name), _, _ in pairs if i is not None}))
-        t_sow = tuple(sorted({f"{name}_output" for _, (i, name), _ in pairs if i is not None}))
+                    f"intermediate pair {pair.student} -> {pair.teacher}: student hidden {s_cfg.hidden_size} != "
+                    f"teacher hidden {t_cfg.hidden_size} needs the {PROJECTION} module (see projection_aux)")
+            if s_layer[0] is None and t_layer[0] is None:
+                in_head.append((k, fn))
+                continue
+            where_s = _chunk_of(s_layout, s_layer[0]) if s_layer[0] is not None else "the last stage's head"
+            where_t = _chunk_of(t_layout, t_layer[0]) if t_layer[0] is not None else "the last stage's head"
+            if s_layer[0] is None or t_layer[0] is None or where_s[:2] != where_t[:2]:
+                def name(w):
+                    return w if isinstance(w, str) else f"stage {w[0]} chunk {w[1]}"
+                raise DistillConfigError(
+                    f"intermediate pair {pair.student} -> {pair.teacher}: under pipeline parallelism a pair is "
+                    f"computed in the model chunk that holds both layers, but the student's is in "
+                    f"{name(where_s)} and the teacher's in {name(where_t)} (student chunks hold layers "
+                    f"{_chunk_ranges(s_layout)}, teacher chunks {_chunk_ranges(t_layout)}); pair layers of the "
+                    f"same chunk")
+            in_chunk.append((k, fn, where_s, where_t, s_layer[1] + "_output", t_layer[1] + "_output"))
+        s_sow = tuple(sorted({c[4] for c in in_chunk}))
+        t_sow = tuple(sorted({c[5] for c in in_chunk}))
         s_dot, t_dot = s_cfg.dense_dot_general(), t_cfg.dense_dot_general()
         teacher_params = ctx.extra
+        n_sums = len(in_chunk)
 
         def embed(prm, micro):
             xs = embed_tokens(s_cfg, prm, micro["tokens"], micro["position_ids"], deterministic=False,
                               rng=jax.random.fold_in(ctx.rng, s_cfg.num_layers), sample_offset=ctx.sample_offset(micro))
             xt = embed_tokens(t_cfg, teacher_params, micro["tokens"], micro["position_ids"], deterministic=True,
                               rng=None, sample_offset=0)
-            return xs, jax.lax.stop_gradient(xt)
+            x = (xs, jax.lax.stop_gradient(xt))
+            return x + (jnp.zeros((n_sums,), jnp.float32),) if n_sums else x
 
         def chunk(prm, x, micro, ci):
-            xs, xt = x
-            layers, first, _ = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers)
-            out_s = apply_layers(s_cfg, layers, xs, micro["position_ids"], first_layer=first, deterministic=False,
-                                 rng=ctx.rng, sample_offset=ctx.sample_offset(micro), dot_general=s_dot, sow=s_sow,
-                                 moe_sown=moe_student)
-            t_layers, t_first, _ = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers)
-            out_t = apply_layers(t_cfg, t_layers, jax.lax.stop_gradient(xt), micro["position_ids"], first_layer=t_first,
-                                 deterministic=True, rng=None, sample_offset=0, dot_general=t_dot, sow=t_sow)
+            xs, xt = x[:2]
+            segment_ids = micro.get("segment_ids")
+            layers, first, count = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers, s_layout)
+            out_s = apply_layers(s_cfg, layers, xs, micro["position_ids"], first_layer=first, num_valid=count,
+                                 deterministic=False, rng=ctx.rng, sample_offset=ctx.sample_offset(micro),
+                                 dot_general=s_dot, sow=s_sow, moe_sown=moe_student, segment_ids=segment_ids)
+            t_layers, t_first, t_count = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers,
+                                                          t_layout)
+            out_t = apply_layers(t_cfg, t_layers, jax.lax.stop_gradient(xt), micro["position_ids"],
+                                 first_layer=t_first, num_valid=t_count, deterministic=True, rng=None,
+                                 sample_offset=0, dot_general=t_dot, sow=t_sow, segment_ids=segment_ids)
             (ys, side_s), (yt, side_t) = (out_s if s_sow or moe_student else (out_s, {})), (out_t if t_sow else (out_t, {}))
             sown = {k: side_s.pop(k) for k in MOE_COLLECTIONS if k in side_s}
-            out = (ys, jax.lax.stop_gradient(yt)), (side_s, jax.lax.stop_gradient(side_t))
-            if not moe_student:
-                return out
-            return out + (chunk_moe_losses(s_cfg, sown, first, None, 1.0 / ctx.data_parallel_size),)
+            y = (ys, jax.lax.stop_gradient(yt))
+            if n_sums:
+                axes = manual_axes(ys)
+                mask = micro["loss_mask"].astype(jnp.float32)
 
-        def pick(side, layer, num_layers, normed):
-            index, name = layer
-            if index is None:  # decoder.final_layernorm
-                return normed
-            per_chunk = num_layers // pv
-            return side[f"{name}_output"][index - (num_layers - per_chunk)]
+                def pair_sum(fn, i, j, s_name, t_name):
+                    hs = side_s[s_name][i]
+                    if projection is not None:
+                        hs = projection.apply({"params": prm[PROJECTION]}, hs.astype(jnp.float32))
+                    ht = jax.lax.stop_gradient(side_t[t_name][j]).astype(jnp.float32)
+                    return as_varying(jnp.sum(fn(hs, ht) * mask), axes)
+
+                sums = x[2]
+                for slot, (_, fn, (st, c, i), (_, _, j), s_name, t_name) in enumerate(in_chunk):
+                    here = (ctx.stage == st) & (ci == c)
+                    add = jax.lax.cond(here, lambda: pair_sum(fn, i, j, s_name, t_name),
+                                       lambda: as_varying(jnp.float32(0.0), axes))
+                    sums = sums.at[slot].add(add)
+                y = y + (sums,)
+            if not moe_student:
+                return y, None
+            return y, None, chunk_moe_losses(s_cfg, sown, first, count, 1.0 / ctx.data_parallel_size)
 
         def head(prm, y, side, micro):
-            ys, yt = y
+            ys, yt = y[:2]
             normed_s, normed_t = final_layernorm(s_cfg, prm, ys), final_layernorm(t_cfg, teacher_params, yt)
             logits_s = output_logits(s_cfg, prm, normed_s, s_dot, normed=True)
             logits_t = jax.lax.stop_gradient(output_logits(t_cfg, teacher_params, normed_t, t_dot, normed=True))
             mask = micro["loss_mask"].astype(jnp.float32)
             num_tokens = ctx.tokens[micro["microbatch"]]  # over every data (and context) rank
 
-            def masked_mean(per_token):  # the micro-batch's global mean, as the balancer needs it
-                return ctx.data_sum(jnp.sum(per_token * mask)) / jnp.maximum(num_tokens, 1.0)
+            def global_mean(local_sum):  # the micro-batch's global mean, as the balancer needs it
+                return ctx.data_sum(local_sum) / jnp.maximum(num_tokens, 1.0)
 
-            losses = {"logits_loss": masked_mean(logits_loss(dcfg, logits_s, logits_t, vocab_shards))}
-            for k, (s_layer, t_layer, fn) in enumerate(pairs):
-                hs = pick(side[0], s_layer, s_cfg.num_layers, normed_s)
+            losses = {"logits_loss": global_mean(jnp.sum(logits_loss(dcfg, logits_s, logits_t, vocab_shards) * mask))}
+            for slot, (k, *_rest) in enumerate(in_chunk):
+                losses[f"intermediate_{k}"] = global_mean(y[2][slot])
+            for k, fn in in_head:  # decoder.final_layernorm
+                hs = normed_s
                 if projection is not None:
                     hs = projection.apply({"params": prm[PROJECTION]}, hs.astype(jnp.float32))
-                ht = jax.lax.stop_gradient(pick(side[1], t_layer, t_cfg.num_layers, normed_t))
-                losses[f"intermediate_{k}"] = masked_mean(fn(hs, ht.astype(jnp.float32)))
+                losses[f"intermediate_{k}"] = global_mean(
+                    jnp.sum(fn(hs, jax.lax.stop_gradient(normed_t).astype(jnp.float32)) * mask))
+            losses = {k: losses[k] for k in ["logits_loss"] + [f"intermediate_{k}" for k in range(len(raw_pairs))]}
             report = {}
             if need_lm:
                 total, _ = masked_cross_entropy(logits_s, micro["labels"], mask, s_cfg.backend.cross_entropy)
-                losses["student_loss"] = report["lm_loss"] = ctx.data_sum(total) / jnp.maximum(num_tokens, 1.0)
+                losses["student_loss"] = report["lm_loss"] = global_mean(total)
             total, rep = balancer(losses)
             report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],
                           intermediate_distillation_loss=rep["intermediate_loss"])
@@ -295,6 +350,8 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
 
         activation = (jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, s_cfg.hidden_size), s_cfg.dtype),
                       jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, t_cfg.hidden_size), t_cfg.dtype))
+        if n_sums:
+            activation += (jax.ShapeDtypeStruct((n_sums,), jnp.float32),)
         report_zeros = {k: jnp.float32(0.0) for k in
                         (["lm_loss"] if need_lm else []) + ["kd_loss", "logits_distillation_loss",
                                                              "intermediate_distillation_loss"]}
@@ -303,3 +360,10 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
         return dict(embed=embed, chunk=chunk, head=head, activation=activation, report_zeros=report_zeros)
 
     return stages
+
+
+def _chunk_ranges(layout: PipelineLayout) -> str:
+    """``"s0c0: 0-1, s1c0: 2-3"``: the model layers of each (stage, chunk)."""
+    first, count = layout.chunk_first_layer(), layout.chunk_layers()
+    return ", ".join(f"s{st}c{c}: {first[st, c]}-{first[st, c] + count[st, c] - 1}"
+                     for st in range(layout.pipeline_size) for c in range(layout.virtual_size))

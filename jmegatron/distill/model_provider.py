@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from jmegatron.config import ConfigError, JMegatronConfig
+from jmegatron.config import JMegatronConfig
 from jmegatron.distill.config import load_distill_config
 from jmegatron.distill.loss_func import distillation_loss_fn, distillation_pipeline_stages, projection_aux
 from jmegatron.distill.teacher import load_teacher
@@ -32,8 +32,9 @@ def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vo
     loss: :mod:`jmegatron.distill.loss_func`; an MoE teacher's experts split over the
     student's ``expert`` axis: :mod:`jmegatron.distill.teacher`).
 
-    Raises ConfigError under pipeline parallelism with uneven stages or an MoE teacher, or for a teacher the student's layout
-    cannot run, DistillConfigError for a bad distillation YAML or a layer pair the layout cannot place, CheckpointError
+    Raises ConfigError for a teacher the student's layout cannot run (e.g. uneven stages
+    that do not scale to its depth: :func:`jmegatron.distill.teacher.teacher_stage_layers`),
+    DistillConfigError for a bad distillation YAML or a layer pair the layout cannot place, CheckpointError
     for a missing teacher or one with another vocabulary.
     """
     if cfg.kd_teacher_logits_path and not cfg.kd_finalize:
@@ -41,15 +42,13 @@ def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vo
     if not cfg.kd_teacher_load or cfg.kd_finalize:
         return gpt_forward_step(cfg, model, mesh, padded_vocab_size)
     pipelined = cfg.pipeline_model_parallel_size > 1
-    if cfg.decoder_first_pipeline_num_layers is not None or cfg.decoder_last_pipeline_num_layers is not None:
-        raise ConfigError("distillation with uneven pipeline stages (decoder_first/last_pipeline_num_layers) is "
-                          "not built (the teacher's layers would need their own uneven split); unset them.")
     dcfg = load_distill_config(cfg.kd_cfg)
     teacher = load_teacher(cfg.kd_teacher_load, cfg, padded_vocab_size, mesh, cfg.kd_teacher_bf16)
     aux = projection_aux(cfg, teacher.cfg.hidden_size, dcfg)
     tp = cfg.tensor_model_parallel_size
     return ForwardStep(loss_fn=distillation_loss_fn(model, teacher.model, dcfg, aux, tp),
-                       pipeline_stages=distillation_pipeline_stages(model, teacher.model, dcfg, aux, tp) if pipelined
+                       pipeline_stages=distillation_pipeline_stages(model, teacher.model, dcfg, aux, tp,
+                                                                    teacher.cfg.pipeline_layout()) if pipelined
                        else None,
                        extra_args=(teacher.params,), extra_shardings=teacher.shardings, aux_modules=aux,
                        owner=teacher, buffers=model_buffers(cfg, model))  # the student's expert bias

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,29 @@ class Teacher:
     iteration: int
 
 
+def teacher_stage_layers(student_cfg: JMegatronConfig, teacher_layers: int,
+                         load_dir: str = "the teacher") -> tuple[Optional[int], Optional[int]]:
+    """The teacher's ``(decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers)``
+    under the student's pipeline layout: the student's uneven first / last stage sizes
+    scaled by ``teacher_layers / student num_layers``, so every pipeline chunk holds the
+    same fraction of both models (what lets a chunk compute its intermediate pairs and the
+    stages send the two hidden states together); (None, None) for an even student.
+
+    Raises ConfigError naming the student's field when a scaled size is not a whole number
+    of layers."""
+    out = []
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        n = getattr(student_cfg, name)
+        if n is not None and (n * teacher_layers) % student_cfg.num_layers:
+            raise ConfigError(
+                f"config.{name}={n} of the student's {student_cfg.num_layers} layers gives {load_dir}'s "
+                f"{teacher_layers} layers {n * teacher_layers / student_cfg.num_layers:g} on that stage (the teacher "
+                f"splits in the student's proportions); choose {name} so that {name} x {teacher_layers} / "
+                f"{student_cfg.num_layers} is a whole number")
+        out.append(None if n is None else n * teacher_layers // student_cfg.num_layers)
+    return out[0], out[1]
+
+
 def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size: int, mesh: Mesh,
                  bf16: bool = False) -> Teacher:
     """Load the teacher of ``load_dir`` onto ``mesh``.
@@ -69,7 +92,9 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     dense or MoE whatever the student is, but must share the vocabulary: a different
     padded vocabulary raises CheckpointError naming both sizes. The student's parallel
     sizes are used for the teacher (one mesh); an MoE teacher's experts split over the
-    student's expert_model_parallel_size (module doc), a dense teacher keeps 1.
+    student's expert_model_parallel_size (module doc), a dense teacher keeps 1. Under uneven
+    pipeline stages the teacher's stages are the student's scaled to its depth
+    (:func:`teacher_stage_layers`).
 
     ``load_dir`` may be a Hugging Face folder (module doc); its padded vocabulary follows
     the student's padding rule.
@@ -118,9 +143,10 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
                           f"ranks); choose an expert_model_parallel_size that divides both expert counts.")
     # the same pipeline chunks per stage as the student (its stacked layers in that stage order)
     v = student_cfg.virtual_pipeline_size()
+    first, last = teacher_stage_layers(student_cfg, int(saved["num_layers"]), load_dir)
     saved.update(virtual_pipeline_model_parallel_size=v if v > 1 else None,
                  num_layers_per_virtual_pipeline_stage=None, pipeline_schedule=student_cfg.pipeline_schedule,
-                 decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
+                 decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
     saved.update(READ_CHECKPOINT_RESETS)
     saved.update(hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, use_distributed_optimizer=False)
     try:

@@ -27,6 +27,7 @@ from jmegatron.models.multi_token_prediction import MTP_COLLECTION, MultiTokenPr
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.models.transformer_layer import TransformerLayer
 from jmegatron.parallel.context_parallel import context_positions
+from jmegatron.parallel.schedules import as_varying, manual_axes
 
 Array = jax.Array
 
@@ -371,7 +372,9 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
         def body(h, xs):
             def skip(h, xs):
                 out = jax.eval_shape(layer_body, h, xs)[1]
-                return h, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out)
+                # inside a shard_map the sown values vary over what the layer's inputs vary over
+                axes = frozenset().union(*(manual_axes(a) for a in jax.tree.leaves((h, xs))))
+                return h, as_varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out), axes)
 
             return jax.lax.cond(xs[1] < num_valid, layer_body, skip, h, xs)
     n = jax.tree.leaves(layer_params)[0].shape[0]

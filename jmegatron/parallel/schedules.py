@@ -174,18 +174,19 @@ def build_schedule(name: str, pipeline_size: int, num_microbatches: int, virtual
     return PipelineSchedule(name, p, m, v, table, num_slots)
 
 
-def _vma(x) -> frozenset:
-    """The manual mesh axes ``x`` varies over (empty outside shard_map's type checking)."""
+def manual_axes(x) -> frozenset:
+    """The manual mesh axes array ``x`` varies over (empty outside shard_map's type checking)."""
     return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
-def _varying(tree, axes: frozenset):
-    """``tree`` with every leaf varying over ``axes`` (shard_map's type check: both branches
-    of a ``lax.cond`` must agree)."""
+def as_varying(tree, axes: frozenset):
+    """``tree`` with every leaf varying over the manual mesh ``axes`` (shard_map's type
+    check: both branches of a ``lax.cond`` must agree)."""
     def cast(x):
-        missing = tuple(sorted(axes - _vma(x)))
+        missing = tuple(sorted(axes - manual_axes(x)))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
     return jax.tree.map(cast, tree)
+
 
 
 def _add_grads(acc: Any, d: Any) -> Any:
@@ -229,7 +230,7 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
     table = jnp.asarray(schedule.table)
     fwd_perm = [(i, (i + 1) % p) for i in range(p)]
     bwd_perm = [(i, (i - 1) % p) for i in range(p)]
-    axes = frozenset().union(*(_vma(a) for a in jax.tree.leaves(params)))  # the manual axes in play
+    axes = frozenset().union(*(manual_axes(a) for a in jax.tree.leaves(params)))  # the manual axes in play
     zeros_x = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), activation)
 
     def micro_at(mb):
@@ -242,12 +243,12 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
         last = (stage == p - 1) & (c == v - 1)
         # under cond: the other stages neither gather nor scatter-add into the embedding
         x = jax.lax.cond(first,
-                         lambda: _varying(jax.tree.map(lambda e, a: e.astype(a.dtype), embed(prm, micro), x_in), axes),
-                         lambda: _varying(x_in, axes))
+                         lambda: as_varying(jax.tree.map(lambda e, a: e.astype(a.dtype), embed(prm, micro), x_in), axes),
+                         lambda: as_varying(x_in, axes))
         out = chunk(prm, x, micro, c)
         y, side = out[:2]
-        loss, report = jax.lax.cond(last, lambda: _varying(head(prm, y, side, micro), axes),
-                                    lambda: _varying((jnp.float32(0.0), report_zeros), axes))
+        loss, report = jax.lax.cond(last, lambda: as_varying(head(prm, y, side, micro), axes),
+                                    lambda: as_varying((jnp.float32(0.0), report_zeros), axes))
         if len(out) == 3:  # the chunk's own loss terms (every stage)
             chunk_loss, chunk_report = out[2]
             loss = loss + chunk_loss
@@ -267,11 +268,11 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
             x_in, stash, prm = operands
             (y, loss), report = stage_fn(prm, x_in, f_mb, f_c)
             stash = jax.tree.map(
-                lambda buf, a: jax.lax.dynamic_update_index_in_dim(buf, _varying(a, _vma(buf)), f_slot, 0), stash, x_in)
-            return _varying((y, loss, report, stash), axes)
+                lambda buf, a: jax.lax.dynamic_update_index_in_dim(buf, as_varying(a, manual_axes(buf)), f_slot, 0), stash, x_in)
+            return as_varying((y, loss, report, stash), axes)
 
         def skip_forward(operands):
-            return _varying((zeros_x, jnp.float32(0.0), report_zeros, operands[1]), axes)
+            return as_varying((zeros_x, jnp.float32(0.0), report_zeros, operands[1]), axes)
 
         y, loss, report, stash = jax.lax.cond(f_mb >= 0, do_forward, skip_forward, (act_in, stash, params))
         loss_sum = loss_sum + loss
@@ -286,12 +287,12 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
             # d loss = 1 on every stage: chunk losses (router losses) count wherever they arise;
             # elsewhere than the last chunk the head's loss is the constant 0 of its cond
             seed = jnp.float32(1.0) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
-            dparams, dx = vjp_fn((dy, _varying(seed, axes)))
+            dparams, dx = vjp_fn((dy, as_varying(seed, axes)))
             dx = jax.tree.map(lambda d, g: d.astype(g.dtype), dx, g_in)
-            return _varying((dx, (combine or _add_grads)(grads, dparams)), axes)
+            return as_varying((dx, (combine or _add_grads)(grads, dparams)), axes)
 
         def skip_backward(operands):
-            return _varying((zeros_x, operands[2]), axes)
+            return as_varying((zeros_x, operands[2]), axes)
 
         dx, grads = jax.lax.cond(b_mb >= 0, do_backward, skip_backward, (grad_in, stash, grads, params))
         act_next = jax.tree.map(lambda a: jax.lax.ppermute(a, PIPELINE_AXIS, fwd_perm), y)
@@ -299,7 +300,7 @@ def run_schedule(schedule: PipelineSchedule, params: Any, batch: Any, *,
         return (act_next, grad_next, stash, grads, loss_sum, report_sum), None
 
     grads0 = jax.tree.map(grad_zeros or jnp.zeros_like, params)
-    carry = _varying((zeros_x, zeros_x, stash0, grads0, jnp.float32(0.0), report_zeros), axes)
+    carry = as_varying((zeros_x, zeros_x, stash0, grads0, jnp.float32(0.0), report_zeros), axes)
     (_, _, _, grads, loss_sum, report_sum), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
     return grads, loss_sum, report_sum
 
