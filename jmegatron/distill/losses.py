@@ -233,6 +233,46 @@ def top_k_logits_kl_loss(student_logits: Array, teacher_logits: Array, top_k: in
     return top_k_kl_loss(student_logits, values, ids, temperature, reverse)
 
 
+def uld_loss(student_logits: Array, teacher_logprobs: Array, vocab_shards: int = 1) -> Array:
+    """Per-token Universal Logit Distillation distance (Boizard, El Haddad, Hudelot and
+    Colombo 2024, "Towards Cross-Tokenizer Distillation: the Universal Logit Distillation
+    Loss for LLMs", arXiv 2402.12030, section 3): the Wasserstein-1 distance between the
+    student's and the teacher's next-token distributions under a uniform transport cost,
+    which in closed form is the L1 distance of the two probability vectors each sorted in
+    decreasing order, the smaller vocabulary padded with zeros:
+    ``sum_i |p_s[sigma_s(i)] - p_t[sigma_t(i)]|``. It compares the distributions' shapes
+    only, so the two vocabularies need share no token.
+
+    The teacher is given by its ``K`` largest probabilities (log, decreasing; a cache holds
+    those): the student's ``K`` largest are compared rank by rank and the mass outside
+    each side's ``K`` as one more entry, ``|(1 - sum_K p_s) - (1 - sum_K p_t)|``. With ``K``
+    at least both vocabularies this is the paper's formula exactly; with a smaller ``K`` it
+    is a lower bound of it (the tails' entries merged). Temperature 1, as the teacher's
+    cached probabilities are.
+
+    Args:
+      student_logits: ``[..., vocab_s]`` (vocabulary-parallel over ``vocab_shards``
+        tensor ranks: the student's top K is taken as :func:`teacher_top_k` takes it;
+        ``K > vocab_s``: padded with zeros).
+      teacher_logprobs: ``[..., K]`` the teacher's K largest log-probabilities, decreasing
+        (``stop_gradient``).
+
+    Returns ``[...]`` float32. Raises ValueError for mismatched leading axes."""
+    student_logits, teacher_logprobs = jnp.asarray(student_logits), jnp.asarray(teacher_logprobs)
+    if student_logits.shape[:-1] != teacher_logprobs.shape[:-1]:
+        raise ValueError(f"uld_loss: student {student_logits.shape} and teacher {teacher_logprobs.shape} must agree "
+                         f"on the leading axes")
+    k, vocab = teacher_logprobs.shape[-1], student_logits.shape[-1]
+    dtype = _compute_dtype(student_logits, teacher_logprobs)
+    p_s = jnp.exp(_log_softmax(student_logits.astype(dtype), None))
+    top_s, _ = teacher_top_k(p_s, min(k, vocab), vocab_shards)
+    if k > vocab:  # the smaller vocabulary padded with zeros
+        top_s = jnp.pad(top_s, [(0, 0)] * (top_s.ndim - 1) + [(0, k - vocab)])
+    p_t = jax.lax.stop_gradient(jnp.exp(teacher_logprobs.astype(dtype)))
+    tails = (1.0 - jnp.sum(top_s, axis=-1)) - (1.0 - jnp.sum(p_t, axis=-1))
+    return jnp.sum(jnp.abs(top_s - p_t), axis=-1) + jnp.abs(tails)
+
+
 def hidden_state_cosine_loss(student_hidden: Array, teacher_hidden: Array) -> Array:
     """Per-token ``1 - cos(student, teacher)`` over the last (hidden) axis.
 

@@ -60,11 +60,23 @@ def offline_distillation_forward_step(cfg: JMegatronConfig, model, padded_vocab_
     cache (:mod:`jmegatron.data.teacher_logits`, carried in the batch: ``batch_keys``)
     instead of a teacher's forward: the top-K KL over the cache's K tokens
     (:func:`jmegatron.distill.losses.top_k_kl_loss`), the LM loss and the balancer as
-    online. Raises CacheMismatchError when the cache's teacher vocabulary is not the
-    student's or the YAML's ``logit_kl_topk`` is not the cache's K, DistillConfigError for
+    online. A cache built across tokenizers (``cross_tokenizer`` in its meta,
+    :mod:`jmegatron.tools.cache_teacher_logits`) gives Universal Logit Distillation
+    (:func:`jmegatron.distill.losses.uld_loss`) on the positions it matched. Raises
+    CacheMismatchError when the cache's teacher vocabulary is not the student's (same
+    tokenizer), the YAML's ``logit_kl_topk`` is not the cache's K, or a cross-tokenizer
+    cache meets ``logit_kl_topk`` / a temperature other than 1, DistillConfigError for
     intermediate pairs (the cache holds logits only), FileNotFoundError without a cache."""
     dcfg = load_distill_config(cfg.kd_cfg)
     meta = read_meta(cfg.kd_teacher_logits_path)
+    if meta.get("cross_tokenizer"):
+        if dcfg.logit_kl_topk is not None or dcfg.logit_kl_temperature != 1.0:
+            raise CacheMismatchError(
+                f"config.kd_teacher_logits_path={cfg.kd_teacher_logits_path!r} was built across tokenizers (the "
+                f"teacher's tokenizer {meta['teacher_tokenizer']!r}): its loss is Universal Logit Distillation at "
+                f"temperature 1; drop logit_kl_topk / logit_kl_temperature from the distillation YAML")
+        return ForwardStep(loss_fn=distillation_loss_fn(model, None, dcfg, cross_tokenizer=True),
+                           batch_keys=CACHE_KEYS, buffers=model_buffers(cfg, model))
     if meta["vocab"] != padded_vocab_size:
         raise CacheMismatchError(f"config.kd_teacher_logits_path={cfg.kd_teacher_logits_path!r}: the teacher's padded "
                                  f"vocabulary is {meta['vocab']}, the student's {padded_vocab_size}")

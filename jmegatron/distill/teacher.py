@@ -84,13 +84,15 @@ def teacher_stage_layers(student_cfg: JMegatronConfig, teacher_layers: int,
     return out[0], out[1]
 
 
-def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size: int, mesh: Mesh,
+def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size: Optional[int], mesh: Mesh,
                  bf16: bool = False) -> Teacher:
     """Load the teacher of ``load_dir`` onto ``mesh``.
 
     The teacher may differ from the student in depth, width, heads and FFN size, and be
     dense or MoE whatever the student is, but must share the vocabulary: a different
-    padded vocabulary raises CheckpointError naming both sizes. The student's parallel
+    padded vocabulary raises CheckpointError naming both sizes (``padded_vocab_size`` None:
+    the teacher keeps its own, for distillation across tokenizers,
+    :mod:`jmegatron.distill.cross_tokenizer`). The student's parallel
     sizes are used for the teacher (one mesh); an MoE teacher's experts split over the
     student's expert_model_parallel_size (module doc), a dense teacher keeps 1. Under uneven
     pipeline stages the teacher's stages are the student's scaled to its depth
@@ -155,7 +157,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
         _close(ckpt)
         raise ConfigError(f"teacher {load_dir} (config.kd_teacher_load) under the student's parallel layout: "
                           f"{e}") from None
-    if meta["padded_vocab_size"] != padded_vocab_size:
+    if padded_vocab_size is not None and meta["padded_vocab_size"] != padded_vocab_size:
         _close(ckpt)
         raise checkpointing.CheckpointError(
             f"teacher {load_dir} has a padded vocabulary of {meta['padded_vocab_size']} but the student "

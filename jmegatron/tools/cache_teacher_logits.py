@@ -25,6 +25,16 @@ Output, ``DIR``:
   renamed) only after the arrays up to it are flushed, so a killed run loses at most the
   batch in flight: run the same command again and it goes on from there.
 
+**Across tokenizers** (``--teacher-tokenizer PATH``, the teacher's tokenizer.json or
+folder): each student sample's text (its tokens decoded by the config's tokenizer) is
+tokenized by the teacher's tokenizer and run through the teacher, and student position
+``t`` gets the teacher's K largest log-probabilities at the teacher position whose token
+ends at the same character (:func:`jmegatron.distill.cross_tokenizer.align_positions`);
+``ids`` are the teacher's own token ids there, all -1 at positions without a match.
+``meta.json`` records ``"cross_tokenizer": true`` and the teacher's tokenizer and
+vocabulary; training reads it with Universal Logit Distillation
+(:func:`jmegatron.distill.losses.uld_loss`).
+
 Raises ConfigError (no ``kd_teacher_load``, a bad argument), CacheMismatchError (an
 existing ``DIR`` for other data, teacher or K), CheckpointError (the teacher).
 """
@@ -44,6 +54,8 @@ import numpy as np
 from jmegatron.config import ConfigError, JMegatronConfig, load_config_file
 from jmegatron.data.teacher_logits import (FORMAT_VERSION, CacheMismatchError, check_cache, data_fingerprint,
                                            samples_done)
+from jmegatron.data.tokenizer import build_tokenizer, load_tokenizer
+from jmegatron.distill.cross_tokenizer import align_positions
 from jmegatron.distill.losses import teacher_top_k
 from jmegatron.distill.teacher import load_teacher
 from jmegatron.parallel.mesh import create_mesh
@@ -52,13 +64,17 @@ from jmegatron.training.loop import build_datasets, get_train_valid_test_num_sam
 from jmegatron.training.run import vocab_size_of
 
 def cache_meta(cfg: JMegatronConfig, dataset: Any, num_samples: int, top_k: int, vocab: int,
-               teacher_iteration: Optional[int]) -> dict:
+               teacher_iteration: Optional[int], teacher_tokenizer: Optional[str] = None) -> dict:
     """What identifies a cache (:mod:`jmegatron.data.teacher_logits`): the format, K, N, the
-    sequence length, the teacher's padded vocabulary, the teacher and the data."""
-    return {"format_version": FORMAT_VERSION, "top_k": int(top_k), "num_samples": int(num_samples),
+    sequence length, the teacher's padded vocabulary, the teacher (and its tokenizer when it
+    is not the student's) and the data."""
+    meta = {"format_version": FORMAT_VERSION, "top_k": int(top_k), "num_samples": int(num_samples),
             "seq_length": int(cfg.seq_length), "vocab": int(vocab),
             "teacher": {"load": os.path.abspath(cfg.kd_teacher_load), "iteration": teacher_iteration},
             "data": data_fingerprint(cfg, dataset)}
+    if teacher_tokenizer is not None:
+        meta.update(cross_tokenizer=True, teacher_tokenizer=os.path.abspath(teacher_tokenizer))
+    return meta
 
 
 def _write_json(path: str, value: dict) -> None:
@@ -81,11 +97,25 @@ def teacher_top_k_fn(teacher, top_k: int, vocab_shards: int):
     return jax.jit(fn)
 
 
+def aligned_top_k_fn(teacher, top_k: int, vocab_shards: int):
+    """Across tokenizers: ``(params, teacher_tokens [b, s_t], index [b, s]) -> (ids,
+    logprobs)`` ``[b, s, K]``, the teacher's top-K at teacher position ``index`` of each
+    student position (ids -1 where ``index`` is -1), jitted."""
+    def fn(params, tokens, index):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        logits = teacher.model.apply({"params": params}, tokens, positions, deterministic=True)
+        logits = jnp.take_along_axis(logits, jnp.maximum(index, 0)[..., None], axis=1)
+        values, ids = teacher_top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), top_k, vocab_shards)
+        return jnp.where(index[..., None] >= 0, ids, -1), values
+    return jax.jit(fn)
+
+
 def build_cache(cfg: JMegatronConfig, output: str, top_k: int, batch_size: int = 8,
-                stop_after: Optional[int] = None) -> dict:
+                stop_after: Optional[int] = None, teacher_tokenizer: Optional[str] = None) -> dict:
     """Write (or go on writing) the cache of ``cfg``'s training samples in ``output`` (see the
     module docstring); returns its meta with ``samples_done``. ``stop_after``: stop once
-    that many samples are done (tests). Raises as the module docstring says."""
+    that many samples are done (tests). ``teacher_tokenizer``: the teacher's tokenizer when
+    it is not the student's (module docstring). Raises as the module docstring says."""
     if not cfg.kd_teacher_load:
         raise ConfigError("cache_teacher_logits needs the teacher: set --config.kd_teacher_load=CHECKPOINT "
                           "(a jmegatron checkpoint or a Hugging Face folder)")
@@ -95,10 +125,14 @@ def build_cache(cfg: JMegatronConfig, output: str, top_k: int, batch_size: int =
     num_samples = get_train_valid_test_num_samples(cfg, cfg.global_batch_size)[0]
     mesh = create_mesh(cfg)
     vocab = cfg.padded_vocab_size(vocab_size_of(cfg))
-    teacher = load_teacher(cfg.kd_teacher_load, cfg, vocab, mesh, cfg.kd_teacher_bf16)
+    cross = teacher_tokenizer is not None
+    if cross:
+        student_tok, teacher_tok = build_tokenizer(cfg), load_tokenizer(teacher_tokenizer)
+    teacher = load_teacher(cfg.kd_teacher_load, cfg, None if cross else vocab, mesh, cfg.kd_teacher_bf16)
+    vocab = int(teacher.model.cfg.vocab_size) if cross else vocab  # the padded vocabulary
     if top_k > vocab:
         raise ConfigError(f"--top-k={top_k} exceeds the teacher's vocabulary {vocab}")
-    meta = cache_meta(cfg, train, num_samples, top_k, vocab, teacher.iteration)
+    meta = cache_meta(cfg, train, num_samples, top_k, vocab, teacher.iteration, teacher_tokenizer)
     os.makedirs(output, exist_ok=True)
     ids_path, logp_path = os.path.join(output, "ids.npy"), os.path.join(output, "logprobs.npy")
     shape = (num_samples, cfg.seq_length, top_k)
@@ -110,15 +144,21 @@ def build_cache(cfg: JMegatronConfig, output: str, top_k: int, batch_size: int =
         ids = np.lib.format.open_memmap(ids_path, mode="w+", dtype=np.int32, shape=shape)
         logp = np.lib.format.open_memmap(logp_path, mode="w+", dtype=np.float32, shape=shape)
         _write_json(os.path.join(output, "meta.json"), meta)
-    fn = teacher_top_k_fn(teacher, top_k, cfg.tensor_model_parallel_size)
+    tp = cfg.tensor_model_parallel_size
+    fn = aligned_top_k_fn(teacher, top_k, tp) if cross else teacher_top_k_fn(teacher, top_k, tp)
     done = samples_done(output)
     rows = max(batch_size, 1)
     while done < num_samples and (stop_after is None or done < stop_after):
         index = np.arange(done, done + rows) % num_samples  # the last batch padded with samples again
         samples = [train[int(i)] for i in index]
         tokens = np.stack([np.asarray(s["tokens"], np.int32) for s in samples])
-        positions = np.stack([np.asarray(s["position_ids"], np.int32) for s in samples])
-        got_ids, got_logp = jax.device_get(fn(teacher.params, tokens, positions))
+        if cross:
+            pairs = [align_positions(student_tok, teacher_tok, t, cfg.seq_length) for t in tokens]
+            second = np.stack([index for _, index in pairs])
+            tokens = np.stack([t for t, _ in pairs])
+        else:
+            second = np.stack([np.asarray(s["position_ids"], np.int32) for s in samples])
+        got_ids, got_logp = jax.device_get(fn(teacher.params, tokens, second))
         n = min(rows, num_samples - done)
         ids[done:done + n], logp[done:done + n] = got_ids[:n], got_logp[:n]
         ids.flush()
@@ -135,13 +175,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--output", required=True, help="the cache directory (created; an existing one is continued)")
     p.add_argument("--top-k", type=int, required=True, help="tokens kept per position (ModelOpt's logit_kl_topk)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per teacher forward (default 8)")
+    p.add_argument("--teacher-tokenizer", default=None,
+                   help="the teacher's tokenizer (tokenizer.json or its folder) when it is not the student's: "
+                        "positions are matched by text (cross-tokenizer distillation, Universal Logit Distillation)")
     args, rest = p.parse_known_args(argv)
     try:
         path, overrides = parse_args(rest)
         if path is None:
             raise ConfigError("give the student's training config: --config CONFIG_FILE")
         cfg = load_config_file(path, overrides)
-        meta = build_cache(cfg, args.output, args.top_k, args.batch_size)
+        meta = build_cache(cfg, args.output, args.top_k, args.batch_size, teacher_tokenizer=args.teacher_tokenizer)
     except (ConfigError, CacheMismatchError, FileNotFoundError) as e:
         print(f"cache_teacher_logits: {e}", file=sys.stderr)
         return 2
