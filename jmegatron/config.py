@@ -392,6 +392,10 @@ class JMegatronConfig:
     # offline distillation: a cache of the teacher's top-K log-probabilities per training sample
     # (python -m jmegatron.tools.cache_teacher_logits); the teacher does not run
     kd_teacher_logits_path: Optional[str] = None
+    # the teacher on its own layout: its parameters sharded over the data ranks (ZeRO-3, whatever
+    # the student's use_megatron_fsdp), its top-K computed before the student's micro-batch loop
+    # under GSPMD (jmegatron.distill.loss_func.teacher_top_k_prologue); None: the student's layout
+    kd_teacher_use_megatron_fsdp: Optional[bool] = None
 
     # --- parallelism (sizes; see jmegatron.parallel.mesh) ---
     tensor_model_parallel_size: int = 1
@@ -733,6 +737,15 @@ class JMegatronConfig:
                 reset_attention_mask=self.reset_attention_mask, variable_data=self.variable_data),
                 "offline distillation reads the cached rows into the unpipelined step's batch",
                 "unset {name} or distil online (config.kd_teacher_load).")
+        if self.kd_teacher_use_megatron_fsdp is not None and not self.kd_finalize:
+            if self.kd_teacher_load is None:
+                raise ConfigError("config.kd_teacher_use_megatron_fsdp lays out the teacher of config.kd_teacher_load, "
+                                  "which is not set; set it or unset kd_teacher_use_megatron_fsdp.")
+            self._refuse_with("kd_teacher_use_megatron_fsdp", dict(
+                pipeline_model_parallel_size=self.pipeline_model_parallel_size > 1,
+                context_parallel_size=self.context_parallel_size > 1),
+                "the teacher on its own layout runs before the student's unpipelined micro-batch loop",
+                "unset {name} or kd_teacher_use_megatron_fsdp (the teacher then takes the student's layout).")
         if self.kd_cfg is not None and self.kd_teacher_load is None and self.kd_teacher_logits_path is None \
                 and not self.kd_finalize:
             raise ConfigError("config.kd_cfg is set but config.kd_teacher_load is not; give the teacher's "

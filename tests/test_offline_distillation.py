@@ -17,6 +17,7 @@ import pytest
 
 from jmegatron.data.loader import BatchLoader
 from jmegatron.data.teacher_logits import IDS_KEY, LOGPROBS_KEY, CacheMismatchError, samples_done
+from jmegatron.distill.config import DistillConfigError
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.pretrain_gpt import build
 from jmegatron.tools.cache_teacher_logits import build_cache
@@ -132,3 +133,28 @@ def test_a_cache_for_other_data_or_another_k_is_refused(tmp_path, teacher_dir, c
     with pytest.raises(CacheMismatchError, match="top_k: the cache has 16, this run 8"):
         build_cache(cfg_for(tmp_path / "c", kd_teacher_load=teacher_dir), cache_dir, 8)
     assert json.load(open(os.path.join(cache_dir, "progress.json")))["samples_done"] == 16  # untouched
+
+
+def test_a_teacher_on_its_own_layout_equals_one_device(tmp_path, teacher_dir):
+    """kd_teacher_use_megatron_fsdp: the teacher's parameters sharded over the data ranks
+    (the student's are not), its top-K computed before the student's loop under GSPMD; tp2 x
+    dp4 equals one device in loss and every gradient (the same micro-batches of 4 rows)."""
+    kd = tmp_path / "kd.yaml"
+    kd.write_text(f"logit_kl_topk: {K}\nskip_lm_loss: false\n")
+    g1, r1, _ = grads_of(cfg_for(tmp_path / "one", kd_teacher_load=teacher_dir, kd_cfg=str(kd), micro_batch_size=4))
+    cfg = cfg_for(tmp_path / "own", kd_teacher_load=teacher_dir, kd_cfg=str(kd), kd_teacher_use_megatron_fsdp=True,
+                  tensor_model_parallel_size=2)
+    run = build(cfg, create_mesh(cfg, jax.devices()[:8]))
+    # the teacher's weights are split over the data ranks, the student's are whole on each
+    fc1 = run.extra_args[0]["decoder_layers"]["mlp"]["linear_fc1"]["kernel"]  # scanned: [layers, h, ffn]
+    assert "data" in str(fc1.sharding.spec) and fc1.addressable_shards[0].data.size * 8 == fc1.size
+    assert "data" not in str(run.state_shardings.params["decoder_layers_0"]["mlp"]["linear_fc1"]["kernel"].spec)
+    g2, r2, _ = grads_of(cfg, 8)
+    for k in ("loss", "kd_loss", "logits_distillation_loss", "lm_loss"):
+        np.testing.assert_allclose(r2[k], r1[k], rtol=1e-5, err_msg=k)
+    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)):
+        scale = np.max(np.abs(b)) + 1e-12
+        np.testing.assert_allclose(a / scale, b / scale, atol=1e-5)
+    kd.write_text("skip_lm_loss: false\n")  # the full-vocabulary KL needs the teacher's logits in the loop
+    with pytest.raises(DistillConfigError, match="kd_teacher_use_megatron_fsdp .* set logit_kl_topk"):
+        build(cfg, create_mesh(cfg, jax.devices()[:8]))

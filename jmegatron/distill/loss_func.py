@@ -39,15 +39,17 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
 from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
 from jmegatron.data.teacher_logits import IDS_KEY, LOGPROBS_KEY
-from jmegatron.distill.losses import (ProjectionLayer, intermediate_loss_from_name, logits_kl_loss, top_k_kl_loss,
-                                      top_k_logits_kl_loss, uld_loss)
+from jmegatron.distill.losses import (ProjectionLayer, intermediate_loss_from_name, logits_kl_loss, teacher_top_k,
+                                      top_k_kl_loss, top_k_logits_kl_loss, uld_loss)
 from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses, chunk_moe_losses, chunk_report_zeros
 from jmegatron.parallel.pipeline_layout import PipelineLayout
@@ -181,6 +183,42 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
         return total, report
 
     return loss_fn
+
+
+def teacher_top_k_prologue(teacher, rules, mesh, top_k: int, vocab_shards: int = 1) -> Callable:
+    """A teacher on its own layout (``kd_teacher_use_megatron_fsdp``), for
+    :attr:`jmegatron.training.forward_step.ForwardStep.prepare`: ``(teacher_params, batch)
+    -> {IDS_KEY, LOGPROBS_KEY}``, the teacher's ``top_k`` log-probabilities and ids
+    ``[num_micro, rows, seq, K]`` of every micro-batch (one after another, ``lax.map``),
+    computed before the student's micro-batch loop under GSPMD with the teacher's own
+    logical-axis ``rules`` and parameter shardings on ``mesh`` (the model's logical
+    constraints are applied: activations keep the batch split over the data ranks, so XLA
+    gathers each scanned layer's sharded weights inside the layer loop instead of gathering
+    the batch). The train step lays the
+    result out as the batch (rows over the data ranks), which is where it meets the
+    student's logits: :func:`distillation_loss_fn` then reads it as offline distillation
+    reads a cache. Document masks (``segment_ids``) apply."""
+    rows = dict(rules)["batch"]  # the mesh axes the batch rows are split over
+    manual = {rows} if isinstance(rows, str) else set(rows)
+
+    def local_top_k(logits):
+        return teacher_top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), top_k, vocab_shards)
+
+    # each data rank selects from its own rows (GSPMD would gather the rows for the sort)
+    select = jax.shard_map(local_top_k, mesh=mesh, in_specs=PartitionSpec(rows), out_specs=PartitionSpec(rows),
+                           axis_names=manual)
+
+    def prepare(teacher_params, batch):
+        def one(micro):
+            with nn.logical_axis_rules(list(rules)), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                logits = teacher.apply({"params": teacher_params}, micro["tokens"], micro["position_ids"],
+                                       deterministic=True, segment_ids=micro.get("segment_ids"))
+            values, ids = select(logits)
+            return {IDS_KEY: ids, LOGPROBS_KEY: values}
+
+        return jax.lax.map(one, {k: v for k, v in batch.items() if k in ("tokens", "position_ids", "segment_ids")})
+
+    return prepare
 
 
 def _chunk_of(layout: PipelineLayout, layer: int) -> tuple[int, int, int]:

@@ -15,9 +15,11 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from jmegatron.config import JMegatronConfig
-from jmegatron.distill.config import load_distill_config
-from jmegatron.distill.loss_func import distillation_loss_fn, distillation_pipeline_stages, projection_aux
+from jmegatron.distill.config import DistillConfigError, load_distill_config
+from jmegatron.distill.loss_func import (distillation_loss_fn, distillation_pipeline_stages, projection_aux,
+                                        teacher_top_k_prologue)
 from jmegatron.distill.teacher import load_teacher
+from jmegatron.parallel.rules import make_rules
 from jmegatron.data.teacher_logits import KEYS as CACHE_KEYS, CacheMismatchError, read_meta
 from jmegatron.training.forward_step import ForwardStep, gpt_forward_step, model_buffers
 
@@ -43,9 +45,20 @@ def distillation_forward_step(cfg: JMegatronConfig, model, mesh: Mesh, padded_vo
         return gpt_forward_step(cfg, model, mesh, padded_vocab_size)
     pipelined = cfg.pipeline_model_parallel_size > 1
     dcfg = load_distill_config(cfg.kd_cfg)
+    if cfg.kd_teacher_use_megatron_fsdp is not None and (dcfg.logit_kl_topk is None or dcfg.intermediate_layer_pairs):
+        raise DistillConfigError(
+            "config.kd_teacher_use_megatron_fsdp (the teacher on its own layout) gives the student the teacher's top-K "
+            "log-probabilities: set logit_kl_topk in the distillation YAML and drop intermediate_layer_pairs, or unset "
+            "kd_teacher_use_megatron_fsdp")
     teacher = load_teacher(cfg.kd_teacher_load, cfg, padded_vocab_size, mesh, cfg.kd_teacher_bf16)
-    aux = projection_aux(cfg, teacher.cfg.hidden_size, dcfg)
     tp = cfg.tensor_model_parallel_size
+    if cfg.kd_teacher_use_megatron_fsdp is not None:
+        return ForwardStep(loss_fn=distillation_loss_fn(model, None, dcfg, vocab_shards=tp),
+                           prepare=teacher_top_k_prologue(teacher.model, make_rules(teacher.cfg), mesh, dcfg.logit_kl_topk,
+                                                          tp),
+                           extra_args=(teacher.params,), extra_shardings=teacher.shardings, owner=teacher,
+                           buffers=model_buffers(cfg, model))
+    aux = projection_aux(cfg, teacher.cfg.hidden_size, dcfg)
     return ForwardStep(loss_fn=distillation_loss_fn(model, teacher.model, dcfg, aux, tp),
                        pipeline_stages=distillation_pipeline_stages(model, teacher.model, dcfg, aux, tp,
                                                                     teacher.cfg.pipeline_layout()) if pipelined

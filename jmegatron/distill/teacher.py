@@ -94,7 +94,10 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     the teacher keeps its own, for distillation across tokenizers,
     :mod:`jmegatron.distill.cross_tokenizer`). The student's parallel
     sizes are used for the teacher (one mesh); an MoE teacher's experts split over the
-    student's expert_model_parallel_size (module doc), a dense teacher keeps 1. Under uneven
+    student's expert_model_parallel_size (module doc), a dense teacher keeps 1;
+    ``kd_teacher_use_megatron_fsdp`` (not None) replaces the student's
+    ``use_megatron_fsdp`` for the teacher, whose layers are then scanned (``scan_layers``)
+    and run XLA's attention and matmuls (GSPMD partitions them). Under uneven
     pipeline stages the teacher's stages are the student's scaled to its depth
     (:func:`teacher_stage_layers`).
 
@@ -134,6 +137,12 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
                 "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
                 "use_megatron_fsdp", "micro_batch_size", "global_batch_size")
     saved.update({k: getattr(student_cfg, k) for k in parallel})
+    if student_cfg.kd_teacher_use_megatron_fsdp is not None:  # the teacher's own layout
+        # its layers scanned: under GSPMD each layer's sharded weights are gathered inside the loop;
+        # XLA's attention and matmuls, which GSPMD partitions (a custom-call kernel, CPU FFI or
+        # Pallas, would have its operands gathered whole)
+        saved.update(use_megatron_fsdp=bool(student_cfg.kd_teacher_use_megatron_fsdp), scan_layers=True,
+                     attention_impl="xla", matmul_impl="xla")
     experts = saved.get("num_moe_experts")
     ep = student_cfg.expert_model_parallel_size
     if experts is None:  # dense: replicated over the expert axis

@@ -333,10 +333,13 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
         est = memory.theoretical_memory(cfg, run.padded_vocab_size,
                                         memory.ParallelLayout.from_config(cfg, run.mesh.shape["data"]))
         mib = 1024 ** 2
+        # the forward step's frozen inputs (a distillation teacher's parameters), as laid out
+        frozen = memory.bytes_per_device(run.extra_args)
         print(f"[jmegatron] theoretical memory per device (MiB): weights {est.weights / mib:.1f}, gradients "
               f"{est.gradients / mib:.1f}, optimizer {est.optimizer_state / mib:.1f}, activations "
-              f"{est.activations / mib:.1f} (recompute {cfg.recompute_granularity}), total {est.total / mib:.1f}",
-              flush=True)
+              f"{est.activations / mib:.1f} (recompute {cfg.recompute_granularity})"
+              + (f", frozen inputs {frozen / mib:.1f} (e.g. a teacher)" if frozen else "")
+              + f", total {(est.total + frozen) / mib:.1f}", flush=True)
     stop = _StopRequest(cfg.exit_signal_handler)
     summary = {"losses": {}, "val_loss": None, "interrupted": False}
     pending: list[tuple[int, dict, int, float]] = []  # (iteration, metrics, global batch, FLOPs)

@@ -77,7 +77,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
+from typing import Any, Optional
+
+import jax
 
 from jmegatron.config import JMegatronConfig, moe_layer_pattern
 from jmegatron.models.backend import resolve_impls
@@ -190,6 +192,17 @@ class ParallelLayout:
 
 
 # ------------------------------------------------------------------ parameters
+def bytes_per_device(tree: Any) -> int:
+    """The bytes of the arrays in ``tree`` on its most loaded device (each leaf's largest
+    addressable shard; a leaf without shards counts whole), e.g. a teacher's parameters
+    in their shardings."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shards = getattr(leaf, "addressable_shards", None)
+        total += max(s.data.nbytes for s in shards) if shards else int(getattr(leaf, "nbytes", 0))
+    return total
+
+
 def stage_layers(cfg: JMegatronConfig, pipeline_model_parallel_size: int) -> tuple[int, int]:
     """(layers the first pipeline stage computes, layer slots every stage stores) for ``p``
     stages: ``(L / p, L / p)`` for Megatron's even split; with ``cfg``'s own uneven split

@@ -26,6 +26,7 @@ the same masks.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
@@ -80,7 +81,10 @@ def make_train_step(model: nn.Module, forward_step: Any, tx: optax.GradientTrans
         raise ValueError("make_train_step: layout.pipeline is set but the forward step has no pipeline_stages")
     mixed = isinstance(tx, Float16Optimizer)
     buffers = forward_step.buffers
-    sync = GradSync(layout, buffers.is_max if buffers is not None else (lambda path: False))
+    # with a prepare step the extra input is used there only: it does not enter the shard_map
+    prepared = forward_step.prepare is not None
+    sync = GradSync(dataclasses.replace(layout, extra_shardings=None) if prepared else layout,
+                    buffers.is_max if buffers is not None else (lambda path: False))
 
     def micro_loss(local_params, micro, rng, num_tokens, extra, loss_scale):
         params, extra = sync.gather(local_params, extra)
@@ -115,7 +119,13 @@ def make_train_step(model: nn.Module, forward_step: Any, tx: optax.GradientTrans
         """(grads, report, tokens); under fp16 the gradients are still multiplied by the loss scale."""
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         loss_scale = tx.loss_scale(state.opt_state) if mixed else None
-        grads, report, tokens = sharded_grads(state.params, batch, step_rng, extra, loss_scale)
+        if forward_step.prepare is not None:  # before the micro-batch loop, GSPMD over the whole mesh
+            added = forward_step.prepare(extra, batch)
+            batch = dict(batch, **jax.lax.with_sharding_constraint(
+                added, {k: NamedSharding(layout.mesh, PartitionSpec(*batch_shardings(layout.mesh)["tokens"].spec,
+                                                                     *([None] * (a.ndim - 3))))
+                        for k, a in added.items()}))
+        grads, report, tokens = sharded_grads(state.params, batch, step_rng, None if prepared else extra, loss_scale)
         return sync.reduce_scatter(grads), report, tokens
 
     def step(state: TrainState, batch: Batch, extra: Any = None, stop: Any = None):
