@@ -21,6 +21,7 @@ from jmegatron.distill.config import DistillConfigError
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.pretrain_gpt import build
 from jmegatron.tools.cache_teacher_logits import build_cache
+from jmegatron.training import memory
 from jmegatron.training.loop import build_datasets
 
 from test_checkpoint_resume import cfg_for as _cfg_for
@@ -149,6 +150,9 @@ def test_a_teacher_on_its_own_layout_equals_one_device(tmp_path, teacher_dir):
     fc1 = run.extra_args[0]["decoder_layers"]["mlp"]["linear_fc1"]["kernel"]  # scanned: [layers, h, ffn]
     assert "data" in str(fc1.sharding.spec) and fc1.addressable_shards[0].data.size * 8 == fc1.size
     assert "data" not in str(run.state_shardings.params["decoder_layers_0"]["mlp"]["linear_fc1"]["kernel"].spec)
+    # the memory line's "frozen inputs": the teacher's bytes on one device, as laid out
+    whole = sum(a.nbytes for a in jax.tree.leaves(run.extra_args))
+    assert whole / 8 <= memory.bytes_per_device(run.extra_args) < whole / 4
     g2, r2, _ = grads_of(cfg, 8)
     for k in ("loss", "kd_loss", "logits_distillation_loss", "lm_loss"):
         np.testing.assert_allclose(r2[k], r1[k], rtol=1e-5, err_msg=k)
@@ -158,3 +162,21 @@ def test_a_teacher_on_its_own_layout_equals_one_device(tmp_path, teacher_dir):
     kd.write_text("skip_lm_loss: false\n")  # the full-vocabulary KL needs the teacher's logits in the loop
     with pytest.raises(DistillConfigError, match="kd_teacher_use_megatron_fsdp .* set logit_kl_topk"):
         build(cfg, create_mesh(cfg, jax.devices()[:8]))
+
+
+def test_model_report_counts_the_teacher_in_its_layout(tmp_path, teacher_dir, capsys):
+    from jmegatron.tools import model_report
+
+    def teacher_line(*extra):
+        out = str(tmp_path / "r.json")
+        assert model_report.main(["--config", os.path.join(REPO, "configs", "gpt_tiny.py"), "--dp", "4", "--json", out, "--config.mock_data=True",
+                                  "--config.vocab_size=512", "--config.micro_batch_size=2",
+                                  f"--config.kd_teacher_load={teacher_dir}", *extra]) == 0
+        text = capsys.readouterr().out
+        assert "teacher (frozen)" in text
+        return json.load(open(out))["teacher"]
+
+    same, own = teacher_line(), teacher_line("--config.kd_teacher_use_megatron_fsdp=True")
+    assert same["layout"] == "the student's" and own["layout"].startswith("its own")
+    assert same["num_parameters"] == own["num_parameters"] > 0
+    assert own["bytes_per_device"] < same["bytes_per_device"] / 2  # split over the 4 data ranks (norms whole)

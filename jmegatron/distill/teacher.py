@@ -44,11 +44,6 @@ from jmegatron.training import checkpoint_layout, checkpointing
 from jmegatron.training.run import build
 
 
-def _close(ckpt) -> None:
-    if ckpt is not None:
-        ckpt.close()
-
-
 @dataclasses.dataclass
 class Teacher:
     """The frozen teacher: its resolved config, model, parameters (float32 or bf16) in
@@ -84,6 +79,72 @@ def teacher_stage_layers(student_cfg: JMegatronConfig, teacher_layers: int,
     return out[0], out[1]
 
 
+def teacher_config(load_dir: str, student_cfg: JMegatronConfig, bf16: bool = False) -> tuple[JMegatronConfig, dict]:
+    """The teacher's resolved config under the student's layout (see :func:`load_teacher`)
+    and ``{"padded_vocab_size", "iteration", "hf"}`` of ``load_dir``, reading only its
+    config (a jmegatron checkpoint's meta or a Hugging Face ``config.json``): what
+    :func:`load_teacher` builds and ``model_report`` counts. Raises as
+    :func:`load_teacher`."""
+    hf = is_hf_folder(load_dir) and not checkpointing.has_checkpoint(load_dir)
+    if hf:
+        with open(os.path.join(load_dir, "config.json")) as f:
+            hf_conf = json.load(f)
+        try:
+            fields = config_fields_from_hf(hf_conf)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"config.kd_teacher_load={load_dir!r} (a Hugging Face folder): {e}") from None
+        saved = dict(base_config().to_dict(), **fields, mock_data=True,
+                     seq_length=min(student_cfg.seq_length, fields["max_position_embeddings"]),
+                     make_vocab_size_divisible_by=student_cfg.make_vocab_size_divisible_by,
+                     scan_layers=student_cfg.scan_layers)
+        from_configdict(saved)  # the teacher's own fields are valid before the student's layout applies
+        meta = {"padded_vocab_size": from_configdict(dict(saved, tensor_model_parallel_size=student_cfg.
+                                                            tensor_model_parallel_size)).padded_vocab_size(),
+                "iteration": 0}
+    else:
+        if not checkpointing.has_checkpoint(load_dir):
+            raise checkpointing.CheckpointError(f"config.kd_teacher_load={load_dir!r} holds no checkpoint (a "
+                                                f"jmegatron checkpoint or a Hugging Face folder)")
+        ckpt = checkpointing.Checkpointer(load_dir, create=False)
+        try:
+            meta = ckpt.read_meta()
+        finally:
+            ckpt.close()
+        saved = dict(meta["config"])
+    parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "cp_comm_type",
+                "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+                "use_megatron_fsdp", "micro_batch_size", "global_batch_size")
+    saved.update({k: getattr(student_cfg, k) for k in parallel})
+    if student_cfg.kd_teacher_use_megatron_fsdp is not None:  # the teacher's own layout
+        # its layers scanned: under GSPMD each layer's sharded weights are gathered inside the loop;
+        # XLA's attention and matmuls, which GSPMD partitions (a custom-call kernel, CPU FFI or
+        # Pallas, would have its operands gathered whole)
+        saved.update(use_megatron_fsdp=bool(student_cfg.kd_teacher_use_megatron_fsdp), scan_layers=True,
+                     attention_impl="xla", matmul_impl="xla")
+    experts = saved.get("num_moe_experts")
+    ep = student_cfg.expert_model_parallel_size
+    if experts is None:  # dense: replicated over the expert axis
+        saved.update(expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    elif experts % ep:
+        raise ConfigError(f"teacher {load_dir} has num_moe_experts={experts}, not divisible by the student's "
+                          f"expert_model_parallel_size={ep} (the teacher's experts split over the same expert "
+                          f"ranks); choose an expert_model_parallel_size that divides both expert counts.")
+    # the same pipeline chunks per stage as the student (its stacked layers in that stage order)
+    v = student_cfg.virtual_pipeline_size()
+    first, last = teacher_stage_layers(student_cfg, int(saved["num_layers"]), load_dir)
+    saved.update(virtual_pipeline_model_parallel_size=v if v > 1 else None,
+                 num_layers_per_virtual_pipeline_stage=None, pipeline_schedule=student_cfg.pipeline_schedule,
+                 decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
+    saved.update(READ_CHECKPOINT_RESETS)
+    saved.update(hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, use_distributed_optimizer=False)
+    try:
+        tcfg = from_configdict(saved)
+    except ConfigError as e:
+        raise ConfigError(f"teacher {load_dir} (config.kd_teacher_load) under the student's parallel layout: "
+                          f"{e}") from None
+    return tcfg, dict(meta, hf=hf)
+
+
 def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size: Optional[int], mesh: Mesh,
                  bf16: bool = False) -> Teacher:
     """Load the teacher of ``load_dir`` onto ``mesh``.
@@ -109,65 +170,9 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     a Hugging Face architecture jmegatron cannot represent, or any other teacher setting
     the student's layout cannot run.
     """
-    hf = is_hf_folder(load_dir) and not checkpointing.has_checkpoint(load_dir)
-    ckpt = None
-    if hf:
-        with open(os.path.join(load_dir, "config.json")) as f:
-            hf_conf = json.load(f)
-        try:
-            fields = config_fields_from_hf(hf_conf)
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"config.kd_teacher_load={load_dir!r} (a Hugging Face folder): {e}") from None
-        saved = dict(base_config().to_dict(), **fields, mock_data=True,
-                     seq_length=min(student_cfg.seq_length, fields["max_position_embeddings"]),
-                     make_vocab_size_divisible_by=student_cfg.make_vocab_size_divisible_by,
-                     scan_layers=student_cfg.scan_layers)
-        from_configdict(saved)  # the teacher's own fields are valid before the student's layout applies
-        meta = {"padded_vocab_size": from_configdict(dict(saved, tensor_model_parallel_size=student_cfg.
-                                                            tensor_model_parallel_size)).padded_vocab_size(),
-                "iteration": 0}
-    else:
-        if not checkpointing.has_checkpoint(load_dir):
-            raise checkpointing.CheckpointError(f"config.kd_teacher_load={load_dir!r} holds no checkpoint (a "
-                                                f"jmegatron checkpoint or a Hugging Face folder)")
-        ckpt = checkpointing.Checkpointer(load_dir, create=False)
-        meta = ckpt.read_meta()
-        saved = dict(meta["config"])
-    parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "cp_comm_type",
-                "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
-                "use_megatron_fsdp", "micro_batch_size", "global_batch_size")
-    saved.update({k: getattr(student_cfg, k) for k in parallel})
-    if student_cfg.kd_teacher_use_megatron_fsdp is not None:  # the teacher's own layout
-        # its layers scanned: under GSPMD each layer's sharded weights are gathered inside the loop;
-        # XLA's attention and matmuls, which GSPMD partitions (a custom-call kernel, CPU FFI or
-        # Pallas, would have its operands gathered whole)
-        saved.update(use_megatron_fsdp=bool(student_cfg.kd_teacher_use_megatron_fsdp), scan_layers=True,
-                     attention_impl="xla", matmul_impl="xla")
-    experts = saved.get("num_moe_experts")
-    ep = student_cfg.expert_model_parallel_size
-    if experts is None:  # dense: replicated over the expert axis
-        saved.update(expert_model_parallel_size=1, expert_tensor_parallel_size=None)
-    elif experts % ep:
-        _close(ckpt)
-        raise ConfigError(f"teacher {load_dir} has num_moe_experts={experts}, not divisible by the student's "
-                          f"expert_model_parallel_size={ep} (the teacher's experts split over the same expert "
-                          f"ranks); choose an expert_model_parallel_size that divides both expert counts.")
-    # the same pipeline chunks per stage as the student (its stacked layers in that stage order)
-    v = student_cfg.virtual_pipeline_size()
-    first, last = teacher_stage_layers(student_cfg, int(saved["num_layers"]), load_dir)
-    saved.update(virtual_pipeline_model_parallel_size=v if v > 1 else None,
-                 num_layers_per_virtual_pipeline_stage=None, pipeline_schedule=student_cfg.pipeline_schedule,
-                 decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
-    saved.update(READ_CHECKPOINT_RESETS)
-    saved.update(hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, use_distributed_optimizer=False)
-    try:
-        tcfg = from_configdict(saved)
-    except ConfigError as e:
-        _close(ckpt)
-        raise ConfigError(f"teacher {load_dir} (config.kd_teacher_load) under the student's parallel layout: "
-                          f"{e}") from None
+    tcfg, meta = teacher_config(load_dir, student_cfg, bf16)
+    hf = meta["hf"]
     if padded_vocab_size is not None and meta["padded_vocab_size"] != padded_vocab_size:
-        _close(ckpt)
         raise checkpointing.CheckpointError(
             f"teacher {load_dir} has a padded vocabulary of {meta['padded_vocab_size']} but the student "
             f"has {padded_vocab_size}; teacher and student must share the tokenizer (config.tokenizer_model) "
@@ -184,6 +189,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
                                                 checkpoint_layout.LayerLayout.of_config(tcfg), tcfg.num_layers)
         params = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), host, target)
     else:
+        ckpt = checkpointing.Checkpointer(load_dir, create=False)
         try:
             params, meta = checkpoint_layout.restore_params(ckpt, target, tcfg, source="main")
         finally:

@@ -34,6 +34,7 @@ field or flag named.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -41,6 +42,7 @@ import sys
 from typing import Optional, Sequence
 
 from jmegatron.config import load_config_file
+from jmegatron.distill.teacher import teacher_config
 from jmegatron.models.backend import resolve_impls
 from jmegatron.train import parse_args
 from jmegatron.training import flops, memory
@@ -84,6 +86,7 @@ def report(cfg, layout, num_microbatches: int) -> dict:
                       + ("CPU kernel" if kernel else "XLA") + (" blocks" if cp > 1 else ""))
     attention_flops = flops.core_attention_flops(cfg, global_batch)
     return {
+        "teacher": teacher_report(cfg, layout),
         "layout": layout.name, "num_devices": layout.num_devices,
         "context_parallel_size": layout.context_parallel_size,
         "micro_batch_size": cfg.micro_batch_size, "num_microbatches": num_microbatches,
@@ -105,6 +108,24 @@ def report(cfg, layout, num_microbatches: int) -> dict:
         "megatron_memory": {"weight_and_optimizer": megatron_state, "activations": megatron_act,
                             "total": megatron_state + megatron_act},
     }
+
+
+def teacher_report(cfg, layout) -> Optional[dict]:
+    """A distillation config's teacher (``kd_teacher_load``, read for its config only:
+    :func:`jmegatron.distill.teacher.teacher_config`): its parameters and their bytes per
+    device in the layout the run gives it (the student's, or its own with
+    ``kd_teacher_use_megatron_fsdp``: split over the data ranks); None without a teacher."""
+    if not cfg.kd_teacher_load or cfg.kd_finalize:
+        return None
+    tcfg, meta = teacher_config(cfg.kd_teacher_load, cfg, cfg.kd_teacher_bf16)
+    padded = meta["padded_vocab_size"]
+    t_layout = dataclasses.replace(layout, use_megatron_fsdp=tcfg.use_megatron_fsdp, use_distributed_optimizer=False,
+                                   expert_model_parallel_size=tcfg.expert_model_parallel_size)
+    per_device = memory.parameters_per_device(tcfg, padded, t_layout)
+    return {"load": cfg.kd_teacher_load, "num_parameters": flops.num_parameters(tcfg, padded),
+            "parameters_per_device": per_device, "bytes_per_device": per_device * (2 if cfg.kd_teacher_bf16 else 4),
+            "layout": "its own: split over the data ranks" if tcfg.use_megatron_fsdp and not cfg.use_megatron_fsdp
+            else "the student's"}
 
 
 def format_report(r: dict, config_path: str, bf16: bool, recompute: str) -> str:
@@ -149,8 +170,13 @@ def format_report(r: dict, config_path: str, bf16: bool, recompute: str) -> str:
     ]
     if m.get("fsdp_gathered"):
         lines.append(f"  FSDP gathered        {m['fsdp_gathered'] / GIB:10.3f} GiB")
+    t = r.get("teacher")
+    if t:
+        lines.append(f"  teacher (frozen)     {t['bytes_per_device'] / GIB:10.3f} GiB  ({t['num_parameters']:,} "
+                     f"parameters, {t['parameters_per_device']:,.0f} per device in {t['layout']} layout: "
+                     f"{t['load']})")
     lines += [
-        f"  total                {m['total'] / GIB:10.3f} GiB",
+        f"  total                {(m['total'] + (t['bytes_per_device'] if t else 0)) / GIB:10.3f} GiB",
         "Megatron's theoretical_memory_usage.py (18 B/param or 6 + 12/dp; activations with SP + selective"
         + ("; it has no context-parallel term" if r.get("context_parallel_size", 1) > 1 else "") + "):",
         f"  weight and optimizer {mm['weight_and_optimizer'] / GIB:10.3f} GiB ({mm['weight_and_optimizer'] / MIB:.2f} MB)",
