@@ -59,12 +59,16 @@ printf 'kd_loss_alpha: 0.5\n' > $W/uld_a05.yaml
 train offline_uld_a05 configs/distill_gpt_tiny.py --config.kd_teacher_logits_path=$W/cache_uld --config.kd_cfg=$W/uld_a05.yaml
 printf 'kd_loss_alpha: 0.2\n' > $W/uld_a02.yaml
 train offline_uld_a02 configs/distill_gpt_tiny.py --config.kd_teacher_logits_path=$W/cache_uld --config.kd_cfg=$W/uld_a02.yaml
+# GOLD's hybrid: the KL over the teacher's tokens the student's vocabulary has, + ULD
+printf 'cross_tokenizer_loss: hybrid\nkd_loss_alpha: 0.5\n' > $W/hybrid_a05.yaml
+train offline_hybrid_a05 configs/distill_gpt_tiny.py --config.kd_teacher_logits_path=$W/cache_uld \
+    --config.kd_cfg=$W/hybrid_a05.yaml
 SPLIT=$($PY -c "import json;print(json.load(open('$W/scratch/config.json'))['split'])" 2>/dev/null || echo "90,5,5")
 $PY -m jmegatron.evaluate --load $W/teacher_xtok --split test --data-path $X/shakespeare_text_document \
     --tokenizer-model $X/tokenizer.json --data-split "$SPLIT" > $W/teacher_xtok.eval 2>&1
 echo "teacher_xtok (its own tokens): $(grep -E 'loss' $W/teacher_xtok.eval | tail -1 | cut -c1-200)"
 for n in teacher scratch online online_top64 offline_top64 online_top64_lm offline_top64_lm offline_top64_a05 \
-         offline_uld offline_uld_a05 offline_uld_a02; do
+         offline_uld offline_uld_a05 offline_uld_a02 offline_hybrid_a05; do
   $PY -m jmegatron.evaluate --load $W/$n --split test --data-path $D/shakespeare_text_document \
       --tokenizer-model $D/tokenizer.json --data-split "$SPLIT" > $W/$n.eval 2>&1
   echo "$n: $(grep -E 'loss' $W/$n.eval | tail -1 | cut -c1-200) | $(grep -E ' iteration +[0-9]+/' $W/$n.log | tail -1 | grep -oE 'tokens/s: [0-9.]+')"

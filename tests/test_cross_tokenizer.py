@@ -12,8 +12,8 @@ import pytest
 from jmegatron.data.loader import BatchLoader
 from jmegatron.data.teacher_logits import IDS_KEY, LOGPROBS_KEY, CacheMismatchError
 from jmegatron.data.tokenizer import train_bpe_tokenizer
-from jmegatron.distill.cross_tokenizer import align_positions, token_end_offsets
-from jmegatron.distill.losses import uld_loss
+from jmegatron.distill.cross_tokenizer import align_positions, token_end_offsets, vocabulary_map
+from jmegatron.distill.losses import matched_top_k_kl_loss, top_k_kl_loss, uld_loss
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.pretrain_gpt import build
 from jmegatron.tools.cache_teacher_logits import build_cache
@@ -63,6 +63,23 @@ def test_uld_top_k_merges_the_tails_and_bounds_the_full_distance():
     assert np.all(np.isfinite(g)) and np.count_nonzero(np.asarray(g)) == g.size
 
 
+def test_matched_top_k_kl_is_the_top_k_kl_over_the_shared_tokens():
+    rs = np.random.RandomState(5)
+    s, t = jnp.asarray(rs.randn(3, 4, 20), jnp.float32), sorted_logprobs(rs.randn(3, 4, 30) * 2, 6)
+    ids = jnp.asarray(rs.randint(0, 20, size=(3, 4, 6)), jnp.int32)
+    np.testing.assert_allclose(matched_top_k_kl_loss(s, t, ids), top_k_kl_loss(s, t, ids), rtol=1e-5, atol=1e-7)
+    # unmatched entries (-1) leave both sides' renormalisation: the KL over the matched subset
+    mask = np.asarray(rs.rand(3, 4, 6) > 0.4)
+    mask[0, 0] = False  # a position where nothing matches: 0
+    got = matched_top_k_kl_loss(s, t, jnp.where(mask, ids, -1))
+    for i, j in np.ndindex(3, 4):
+        keep = mask[i, j]
+        want = 0.0 if not keep.any() else float(top_k_kl_loss(s[i, j], t[i, j][keep], ids[i, j][keep]))
+        np.testing.assert_allclose(got[i, j], want, rtol=1e-5, atol=1e-7)
+    g = jax.grad(lambda x: matched_top_k_kl_loss(x, t, jnp.where(mask, ids, -1)).sum())(s)
+    assert np.all(np.isfinite(g)) and not np.any(np.asarray(g)[0, 0])
+
+
 @pytest.fixture(scope="module")
 def two_tokenizers(tmp_path_factory, shakespeare_dir):
     """Two byte-level BPEs of different sizes trained on two plays, and the plays' text."""
@@ -87,6 +104,11 @@ def test_positions_are_matched_where_both_tokenizers_end_a_token(two_tokenizers)
     shared = {int(e) for e in s_ends} & {int(e) for e in t_ends}
     assert {int(s_ends[t]) for t in range(len(ids)) if index[t] >= 0} == shared
     assert 0.5 < np.mean(index >= 0) < 1.0  # another tokenizer: most, not all, positions match
+    # the teacher's tokens that the student's vocabulary has, by string
+    vmap = vocabulary_map(teacher, student, teacher.vocab_size + 3)
+    assert np.all(vmap[-3:] == -1) and 0 < np.mean(vmap >= 0) < 1
+    for i in np.nonzero(vmap >= 0)[0][::37]:
+        assert teacher.tokenizer.decode([int(i)]) == student.tokenizer.decode([int(vmap[i])])
 
 
 def test_a_teacher_with_another_tokenizer_is_cached_and_distilled_with_uld(two_tokenizers, tmp_path):
@@ -125,7 +147,22 @@ def test_a_teacher_with_another_tokenizer_is_cached_and_distilled_with_uld(two_t
     assert IDS_KEY in batch and LOGPROBS_KEY in batch
     _, report, _ = run.compute_grads(run.init_state(), run.put_batch(batch), *run.extra_args)
     assert 0 < float(report["logits_distillation_loss"]) < 2  # ULD distances lie in [0, 2]
+    # GOLD's hybrid adds the KL over the shared tokens to the same rows' ULD
+    hybrid = tmp_path / "hybrid.yaml"
+    hybrid.write_text("cross_tokenizer_loss: hybrid\n")
+    run_h = build(run_cfg.replace(kd_cfg=str(hybrid)), create_mesh(run_cfg, jax.devices()[:2]))
+    _, report_h, _ = run_h.compute_grads(run_h.init_state(), run_h.put_batch(batch), *run_h.extra_args)
+    assert float(report_h["logits_distillation_loss"]) > float(report["logits_distillation_loss"])
     yaml = tmp_path / "topk.yaml"
     yaml.write_text("logit_kl_topk: 8\n")
     with pytest.raises(CacheMismatchError, match="across tokenizers .* Universal Logit Distillation"):
         build(run_cfg.replace(kd_cfg=str(yaml)), create_mesh(run_cfg, jax.devices()[:1]))
+
+
+def test_cross_tokenizer_loss_key_is_checked():
+    from jmegatron.distill.config import DistillConfigError, parse_distill_config
+
+    assert parse_distill_config({"cross_tokenizer_loss": "hybrid"}).cross_tokenizer_loss == "hybrid"
+    assert parse_distill_config(None).cross_tokenizer_loss == "uld"
+    with pytest.raises(DistillConfigError, match=r"cross_tokenizer_loss='gold' must be one of \['uld', 'hybrid'\]"):
+        parse_distill_config({"cross_tokenizer_loss": "gold"})

@@ -11,9 +11,15 @@ Schema (megatron/post_training/algos/distillation.py, ``load_distillation_config
     logit_kl_temperature: 1.0
     kd_loss_alpha: 0.5          # optional: (1 - a) * lm + a * kd instead of the balancer
     logit_kl_topk: 1024         # optional: the KL over the teacher's top-K tokens only
+    cross_tokenizer_loss: uld   # jmegatron: across tokenizers, "uld" or "hybrid" (GOLD)
 
 ``logit_kl_topk`` is ModelOpt's ``DistillationConfig.logit_kl_topk`` (its
-``TopKLogitsKLLoss``: :func:`jmegatron.distill.losses.top_k_kl_loss`). Missing keys take
+``TopKLogitsKLLoss``: :func:`jmegatron.distill.losses.top_k_kl_loss`).
+``cross_tokenizer_loss`` (jmegatron's; a cache built across tokenizers,
+:mod:`jmegatron.distill.cross_tokenizer`): ``uld`` (Universal Logit Distillation,
+:func:`jmegatron.distill.losses.uld_loss`) or ``hybrid`` (TRL GOLD's: the KL over the
+teacher's top-K tokens that the student's vocabulary also has, plus ULD,
+:func:`jmegatron.distill.losses.matched_top_k_kl_loss`). Missing keys take
 Megatron's defaults (logits only, ``skip_lm_loss: true``,
 ``kd_loss_scale: 1.0``, temperature 1). The third entry of a pair selects the loss, in
 either spelling in use: ``hidden_cosine`` (Megatron-LM 48d7275's
@@ -49,7 +55,8 @@ import yaml
 OUTPUT_LAYER = "output_layer"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(input_layernorm|pre_mlp_layernorm)$")
 KEYS = ("logit_layers", "intermediate_layer_pairs", "skip_lm_loss", "kd_loss_scale",
-        "logit_kl_temperature", "kd_loss_alpha", "logit_kl_topk")
+        "logit_kl_temperature", "kd_loss_alpha", "logit_kl_topk", "cross_tokenizer_loss")
+CROSS_TOKENIZER_LOSSES = ("uld", "hybrid")
 # every intermediate-loss spelling Megatron-LM or ModelOpt accepts (jmegatron.distill.losses
 # maps each to its loss)
 LOSS_NAMES = ("cosine", "hidden_cosine", "mse")
@@ -79,6 +86,7 @@ class DistillConfig:
     logit_kl_temperature: float = 1.0
     kd_loss_alpha: Optional[float] = None
     logit_kl_topk: Optional[int] = None  # None: the KL over the whole vocabulary
+    cross_tokenizer_loss: str = "uld"  # a cache built across tokenizers: "uld" or "hybrid"
 
 
 def valid_layer_names(num_layers: int) -> list[str]:
@@ -143,6 +151,11 @@ def parse_distill_config(data: Optional[dict[str, Any]]) -> DistillConfig:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise DistillConfigError(f"logit_kl_topk={k!r} must be a positive integer (or null: the whole vocabulary)")
         out["logit_kl_topk"] = k
+    if "cross_tokenizer_loss" in data:
+        if data["cross_tokenizer_loss"] not in CROSS_TOKENIZER_LOSSES:
+            raise DistillConfigError(f"cross_tokenizer_loss={data['cross_tokenizer_loss']!r} must be one of "
+                                     f"{list(CROSS_TOKENIZER_LOSSES)}")
+        out["cross_tokenizer_loss"] = data["cross_tokenizer_loss"]
     if out.get("logit_kl_temperature", 1.0) <= 0 or out.get("kd_loss_scale", 1.0) <= 0:
         raise DistillConfigError("logit_kl_temperature and kd_loss_scale must be > 0")
     return DistillConfig(**out)

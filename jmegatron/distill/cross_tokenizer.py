@@ -38,6 +38,19 @@ def token_end_offsets(tokenizer: Any, ids: np.ndarray) -> tuple[str, np.ndarray]
     return text, ends
 
 
+def vocabulary_map(teacher_tokenizer: Any, student_tokenizer: Any, size: int) -> np.ndarray:
+    """int32 ``[size]`` (the teacher's padded vocabulary): each teacher token's id in the
+    student's vocabulary where a token of the same string exists (byte-level BPEs share
+    the byte alphabet, so equal strings are equal bytes), -1 elsewhere and for padding
+    ids: what TRL's GOLD matches tokens by."""
+    student = student_tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    out = np.full(size, -1, np.int32)
+    for token, i in teacher_tokenizer.tokenizer.get_vocab(with_added_tokens=True).items():
+        if i < size and token in student:
+            out[i] = student[token]
+    return out
+
+
 def align_positions(student_tokenizer: Any, teacher_tokenizer: Any, student_ids: np.ndarray,
                     teacher_length: int) -> tuple[np.ndarray, np.ndarray]:
     """The teacher's input for a student sample and the position pairing.

@@ -48,8 +48,9 @@ from jax.sharding import PartitionSpec
 from jmegatron.distill.balancer import LogitsAndIntermediatesLossBalancer
 from jmegatron.distill.config import OUTPUT_LAYER, DistillConfig, DistillConfigError, check_layers, resolve_layer
 from jmegatron.data.teacher_logits import IDS_KEY, LOGPROBS_KEY
-from jmegatron.distill.losses import (ProjectionLayer, intermediate_loss_from_name, logits_kl_loss, teacher_top_k,
-                                      top_k_kl_loss, top_k_logits_kl_loss, uld_loss)
+from jmegatron.distill.losses import (ProjectionLayer, intermediate_loss_from_name, logits_kl_loss,
+                                      matched_top_k_kl_loss, teacher_top_k, top_k_kl_loss, top_k_logits_kl_loss,
+                                      uld_loss)
 from jmegatron.models.gpt import apply_layers, embed_tokens, final_layernorm, output_logits
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS, add_moe_losses, chunk_moe_losses, chunk_report_zeros
 from jmegatron.parallel.pipeline_layout import PipelineLayout
@@ -95,7 +96,8 @@ def projection_aux(student_cfg, teacher_hidden_size: int, dcfg: DistillConfig) -
 
 
 def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[dict] = None,
-                         vocab_shards: int = 1, cross_tokenizer: bool = False) -> Callable:
+                         vocab_shards: int = 1, cross_tokenizer: bool = False,
+                         vocab_map: Optional[np.ndarray] = None) -> Callable:
     """The ``loss_fn`` for make_train_step; ``extra`` is the teacher's parameters.
     ``vocab_shards``: the tensor ranks the logits' vocabulary is split over (the top-K
     selection's shards, :func:`logits_loss`).
@@ -111,7 +113,10 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
     parameters: ``extra`` is unused); ``cross_tokenizer``: the cache comes from a teacher
     with another tokenizer (:mod:`jmegatron.distill.cross_tokenizer`), the logits loss is
     :func:`jmegatron.distill.losses.uld_loss` on the positions matched (ids >= 0), still
-    divided by the micro-batch's loss-mask tokens.
+    divided by the micro-batch's loss-mask tokens; ``vocab_map`` (int32 ``[teacher
+    vocab]``, :func:`jmegatron.distill.cross_tokenizer.vocabulary_map`) adds
+    :func:`jmegatron.distill.losses.matched_top_k_kl_loss` over the teacher's tokens the
+    student's vocabulary has (GOLD's hybrid).
     Raises DistillConfigError for unknown layer names, for intermediate pairs between
     different hidden sizes without a projection in ``aux``, or for intermediate pairs
     offline.
@@ -154,7 +159,12 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
             return data_sum(jnp.sum(per_token * mask)) / jnp.maximum(num_tokens, 1.0)
 
         if cross_tokenizer:  # unmatched positions (ids -1) are left out
-            kl = uld_loss(logits_s, micro[LOGPROBS_KEY], vocab_shards) * (micro[IDS_KEY][..., 0] >= 0)
+            ids = micro[IDS_KEY]
+            kl = uld_loss(logits_s, micro[LOGPROBS_KEY], vocab_shards)
+            if vocab_map is not None:
+                student_ids = jnp.where(ids >= 0, jnp.asarray(vocab_map)[jnp.maximum(ids, 0)], -1)
+                kl = kl + matched_top_k_kl_loss(logits_s, micro[LOGPROBS_KEY], student_ids)
+            kl = kl * (ids[..., 0] >= 0)
             inter_t = {}
         elif offline:
             kl = top_k_kl_loss(logits_s, micro[LOGPROBS_KEY], micro[IDS_KEY], dcfg.logit_kl_temperature)

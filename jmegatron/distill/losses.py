@@ -273,6 +273,36 @@ def uld_loss(student_logits: Array, teacher_logprobs: Array, vocab_shards: int =
     return jnp.sum(jnp.abs(top_s - p_t), axis=-1) + jnp.abs(tails)
 
 
+def matched_top_k_kl_loss(student_logits: Array, teacher_logprobs: Array, student_ids: Array) -> Array:
+    """Per-token ``KL(teacher || student)`` over the teacher's top-K tokens that the
+    student's vocabulary also has (``student_ids`` >= 0: the same token string), both
+    distributions renormalised over those entries, as :func:`top_k_kl_loss` over the
+    matched ids; 0 where none matches. With :func:`uld_loss` it is TRL's GOLD hybrid
+    (``trl/experimental/gold``: a KL on the tokens the two vocabularies share, ULD for the
+    distributions' shapes).
+
+    Args:
+      student_logits: ``[..., vocab_s]``.
+      teacher_logprobs: ``[..., K]`` (``stop_gradient``).
+      student_ids: ``[..., K]`` int, each teacher token's id in the student's vocabulary,
+        -1 where it has none.
+
+    Returns ``[...]`` float32; finite values and gradients whatever matches."""
+    student_logits, teacher_logprobs = jnp.asarray(student_logits), jnp.asarray(teacher_logprobs)
+    dtype = _compute_dtype(student_logits, teacher_logprobs)
+    valid = student_ids >= 0
+    some = jnp.any(valid, axis=-1, keepdims=True)
+    use = valid & some  # (rows without a match: every entry unused, safe values below)
+    neg = jnp.asarray(-jnp.inf, dtype)
+    s = jnp.take_along_axis(student_logits, jnp.maximum(student_ids, 0).astype(jnp.int32), axis=-1).astype(dtype)
+    s = jnp.where(use, s, neg)
+    t = jnp.where(use, jax.lax.stop_gradient(teacher_logprobs.astype(dtype)), neg)
+    s, t = jnp.where(some, s, 0.0), jnp.where(some, t, 0.0)
+    log_s, log_t = _log_softmax(s, None), _log_softmax(t, None)
+    log_s, log_t = jnp.where(use, log_s, 0.0), jnp.where(use, log_t, 0.0)
+    return jnp.sum(jnp.where(use, jnp.exp(log_t) * (log_t - log_s), 0.0), axis=-1)
+
+
 def hidden_state_cosine_loss(student_hidden: Array, teacher_hidden: Array) -> Array:
     """Per-token ``1 - cos(student, teacher)`` over the last (hidden) axis.
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from jmegatron.config import JMegatronConfig
+from jmegatron.data.tokenizer import build_tokenizer, load_tokenizer
 from jmegatron.distill.config import DistillConfigError, load_distill_config
+from jmegatron.distill.cross_tokenizer import vocabulary_map
 from jmegatron.distill.loss_func import (distillation_loss_fn, distillation_pipeline_stages, projection_aux,
                                         teacher_top_k_prologue)
 from jmegatron.distill.teacher import load_teacher
@@ -75,7 +77,9 @@ def offline_distillation_forward_step(cfg: JMegatronConfig, model, padded_vocab_
     (:func:`jmegatron.distill.losses.top_k_kl_loss`), the LM loss and the balancer as
     online. A cache built across tokenizers (``cross_tokenizer`` in its meta,
     :mod:`jmegatron.tools.cache_teacher_logits`) gives Universal Logit Distillation
-    (:func:`jmegatron.distill.losses.uld_loss`) on the positions it matched. Raises
+    (:func:`jmegatron.distill.losses.uld_loss`) on the positions it matched, plus with the
+    YAML's ``cross_tokenizer_loss: hybrid`` the KL over the teacher's tokens the student's
+    vocabulary shares (:func:`jmegatron.distill.losses.matched_top_k_kl_loss`). Raises
     CacheMismatchError when the cache's teacher vocabulary is not the student's (same
     tokenizer), the YAML's ``logit_kl_topk`` is not the cache's K, or a cross-tokenizer
     cache meets ``logit_kl_topk`` / a temperature other than 1, DistillConfigError for
@@ -88,8 +92,15 @@ def offline_distillation_forward_step(cfg: JMegatronConfig, model, padded_vocab_
                 f"config.kd_teacher_logits_path={cfg.kd_teacher_logits_path!r} was built across tokenizers (the "
                 f"teacher's tokenizer {meta['teacher_tokenizer']!r}): its loss is Universal Logit Distillation at "
                 f"temperature 1; drop logit_kl_topk / logit_kl_temperature from the distillation YAML")
-        return ForwardStep(loss_fn=distillation_loss_fn(model, None, dcfg, cross_tokenizer=True),
+        vocab_map = None
+        if dcfg.cross_tokenizer_loss == "hybrid":  # the teacher's ids in the student's vocabulary
+            vocab_map = vocabulary_map(load_tokenizer(meta["teacher_tokenizer"]), build_tokenizer(cfg), meta["vocab"])
+        return ForwardStep(loss_fn=distillation_loss_fn(model, None, dcfg, cross_tokenizer=True, vocab_map=vocab_map),
                            batch_keys=CACHE_KEYS, buffers=model_buffers(cfg, model))
+    if dcfg.cross_tokenizer_loss != "uld":
+        raise DistillConfigError(f"cross_tokenizer_loss={dcfg.cross_tokenizer_loss!r} applies to a cache built across "
+                                 f"tokenizers; config.kd_teacher_logits_path={cfg.kd_teacher_logits_path!r} was built "
+                                 f"with the student's: drop the key")
     if meta["vocab"] != padded_vocab_size:
         raise CacheMismatchError(f"config.kd_teacher_logits_path={cfg.kd_teacher_logits_path!r}: the teacher's padded "
                                  f"vocabulary is {meta['vocab']}, the student's {padded_vocab_size}")
