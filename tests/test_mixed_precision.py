@@ -207,25 +207,30 @@ def test_resume_keeps_main_params_and_is_bit_exact(tmp_path, flag):
 def test_restore_across_precisions(tmp_path):
     # float32 -> bf16 (fine-tuning in bf16): the float32 weights become the main params, the
     # moments carry over; bf16 -> float32 (and a float32 teacher / export of a bf16 run) take
-    # the main params
+    # the main params. The sources are saved initial states (what is read does not depend on
+    # training; tests/test_checkpoint_resume.py resumes trained runs)
     from test_checkpoint_resume import cfg_for
 
     from jmegatron.training import checkpointing
-    from jmegatron.training.run import restore_state
+    from jmegatron.training.run import checkpoint_meta, restore_state
 
     kw = {"train_iters": 3, "eval_interval": 0, "log_interval": 1, "lr_warmup_iters": 1}
-    pretrain(cfg_for(tmp_path / "f32", **kw))
-    pretrain(cfg_for(tmp_path / "b16", bf16=True, **kw))
+    sources, saved_states = {}, {}
+    for src, bf16 in (("f32", False), ("b16", True)):
+        cfg = cfg_for(tmp_path / src, bf16=bf16, **kw)
+        sources[src] = build(cfg, create_mesh(cfg, jax.devices()[:8]))
+        saved_states[src] = sources[src].init_state()
+        ckpt = checkpointing.Checkpointer(str(tmp_path / src))
+        ckpt.save(1, saved_states[src], checkpoint_meta(cfg, sources[src], 1, 0))
+        ckpt.wait()
+        ckpt.close()
     for src, flag in (("f32", True), ("b16", False)):
-        cfg = cfg_for(tmp_path / "x", bf16=flag, **kw)
-        run = build(cfg, create_mesh(cfg, jax.devices()[:8]))
+        run = sources["b16" if flag else "f32"]
+        cfg = run.cfg
         ckpt = checkpointing.Checkpointer(str(tmp_path / src), create=False)
         state, _ = restore_state(run, ckpt)
         ckpt.close()
-        ref_run = build(cfg_for(tmp_path / "y", bf16=not flag, **kw), create_mesh(cfg, jax.devices()[:8]))
-        ckpt = checkpointing.Checkpointer(str(tmp_path / src), create=False)
-        saved, _ = restore_state(ref_run, ckpt)
-        ckpt.close()
+        saved = saved_states[src]
         want_main = saved.params if flag else saved.opt_state.main_params
         got_main = state.opt_state.main_params if flag else state.params
         for a, b in zip(jax.tree.leaves(jax.device_get(got_main)), jax.tree.leaves(jax.device_get(want_main))):
