@@ -13,6 +13,11 @@ The cache (written by ``python -m jmegatron.tools.cache_teacher_logits``) is a d
 * ``progress.json``: ``{"samples_done": n}``, replaced atomically after the arrays up to
   ``n`` are flushed.
 
+A cache built across tokenizers (``cache_teacher_logits --teacher-tokenizer``) adds
+``"cross_tokenizer": true`` and ``teacher_tokenizer`` to the meta; ``vocab`` is then the
+teacher's own, the ids are the teacher's token ids, and a position the text matching left
+unpaired has every id -1 (:mod:`jmegatron.distill.cross_tokenizer`).
+
 :class:`TeacherLogitsDataset` adds sample ``i``'s rows to the sample under
 :data:`IDS_KEY` / :data:`LOGPROBS_KEY` after checking the cache against the run
 (:func:`check_cache`: another dataset, sequence length or too few samples are refused,
