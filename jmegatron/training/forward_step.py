@@ -56,7 +56,7 @@ class ForwardStep:
     the loss reads from ``micro`` (each sample ``[seq, ...]``, a batch ``[num_micro, rows,
     seq, ...]``, split over the data ranks like the tokens): the training dataset must carry
     them (e.g. offline distillation's cached teacher top-K). ``prepare(extra, batch) ->
-    dict``: arrays ``[num_micro, rows, seq, ...]`` computed from the whole step's batch
+    dict``: arrays ``[num_micro, rows, seq, K]`` computed from the whole step's batch
     before the micro-batch loop, in the step's program but outside its ``shard_map``
     (GSPMD over the whole mesh: the extra input keeps its own layout there), added to the
     batch the loss reads (e.g. a teacher on its own layout: its top-K); None: nothing.

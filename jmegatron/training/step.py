@@ -120,11 +120,9 @@ def make_train_step(model: nn.Module, forward_step: Any, tx: optax.GradientTrans
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         loss_scale = tx.loss_scale(state.opt_state) if mixed else None
         if forward_step.prepare is not None:  # before the micro-batch loop, GSPMD over the whole mesh
-            added = forward_step.prepare(extra, batch)
-            batch = dict(batch, **jax.lax.with_sharding_constraint(
-                added, {k: NamedSharding(layout.mesh, PartitionSpec(*batch_shardings(layout.mesh)["tokens"].spec,
-                                                                     *([None] * (a.ndim - 3))))
-                        for k, a in added.items()}))
+            added = forward_step.prepare(extra, batch)  # [m, rows, seq, K] arrays, laid out as batch_keys are
+            shardings = batch_shardings(layout.mesh, extra_keys=tuple(added))
+            batch = dict(batch, **jax.lax.with_sharding_constraint(added, {k: shardings[k] for k in added}))
         grads, report, tokens = sharded_grads(state.params, batch, step_rng, None if prepared else extra, loss_scale)
         return sync.reduce_scatter(grads), report, tokens
 
