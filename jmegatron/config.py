@@ -22,11 +22,13 @@ import difflib
 import functools
 import json
 import os
+import sys
 import typing
 from typing import Any, Optional
 
 import ml_collections
 
+from jmegatron.arguments import MegatronArgumentError, read_yaml
 from jmegatron.presets import FAMILIES
 from jmegatron.num_microbatches_calculator import NumMicroBatchesCalculatorError, update_train_iters
 from jmegatron.parallel.pipeline_layout import PipelineLayout
@@ -337,6 +339,10 @@ class JMegatronConfig:
     keep_checkpoints: int = 2  # jmegatron-only: Orbax max_to_keep
     async_save: bool = False  # Megatron: --async-save
     tensorboard_dir: Optional[str] = None  # None: <save>/tensorboard
+    wandb_project: Optional[str] = None  # Megatron: --wandb-project (log the TensorBoard scalars to this W&B project)
+    wandb_exp_name: Optional[str] = None  # Megatron: --wandb-exp-name (the W&B run name; needed with wandb_project)
+    wandb_save_dir: Optional[str] = None  # Megatron: --wandb-save-dir (W&B's local files; None: <save>/wandb)
+    wandb_entity: Optional[str] = None  # Megatron: --wandb-entity (W&B team or user; None: the account's default)
     exit_interval: Optional[int] = None  # Megatron: --exit-interval (save and stop when iteration % N == 0)
     exit_signal_handler: bool = True  # Megatron: --exit-signal-handler (SIGTERM/SIGINT save and exit 0)
     exit_duration_in_mins: Optional[float] = None  # Megatron: --exit-duration-in-mins (save and stop after N minutes)
@@ -344,6 +350,11 @@ class JMegatronConfig:
     # Megatron: --use-checkpoint-args: the architecture (MODEL_FIELDS, vocab_size, and the
     # tokenizer when none is given) comes from `load`'s config.json (load_config_file)
     use_checkpoint_args: bool = False
+    # Megatron's resume rule for the learning-rate schedule (optimizer_param_scheduler.py): a
+    # schedule (SCHEDULER_FIELDS) other than the checkpoint's is refused unless one of these says
+    # which wins (both: an error)
+    override_opt_param_scheduler: bool = False  # Megatron: --override-opt_param-scheduler (the config's schedule wins)
+    use_checkpoint_opt_param_scheduler: bool = False  # Megatron: --use-checkpoint-opt_param-scheduler (the checkpoint's wins)
     no_load_optim: bool = False  # Megatron: --no-load-optim (fresh optimizer moments, iteration kept)
     no_load_rng: bool = False  # Megatron: --no-load-rng (dropout base key from `seed`, not the checkpoint's)
     ckpt_fallback: bool = True  # jmegatron-only: a corrupt checkpoint is skipped (warning) for the previous one
@@ -377,6 +388,21 @@ class JMegatronConfig:
     # tokens, k in 1..9, padded to the batch's longest (jmegatron.data.gpt_variable_dataset)
     variable_data: bool = False
     seq_length_step: Optional[int] = None
+    # chat conversations (preprocess_data --apply-chat-template) packed several to a sample
+    # (jmegatron.data.sft_dataset)
+    sft: bool = False  # Megatron's --sft: SFT data, loss on assistant tokens only (needs reset_attention_mask)
+    # Megatron's fill-in-the-middle data (--fim-data ...; jmegatron.data.fim_dataset)
+    fim_data: bool = False  # FIM samples: segments reordered prefix/suffix/middle around sentinel tokens
+    fim_rate: float = 0.5  # probability to turn a segment (the text between EOD tokens) into FIM
+    fim_spm_rate: float = 0.5  # probability that a FIM segment is SPM rather than PSM
+    fim_split_sample: Optional[str] = None  # a token splitting segments into fragments, each FIM'd on its own
+    fim_fragment_rate: Optional[float] = None  # probability of FIM per fragment (with fim_split_sample)
+    fim_no_prefix: Optional[str] = None  # segments whose text starts with this are not FIM'd
+    fim_prefix_token: str = "<fim_prefix>"  # FIM sentinel token before the prefix
+    fim_middle_token: str = "<fim_middle>"  # FIM sentinel token before the middle
+    fim_suffix_token: str = "<fim_suffix>"  # FIM sentinel token before the suffix
+    fim_pad_token: str = "<fim_pad>"  # pads a FIM sample to seq_length (not in the loss)
+    fim_eod_token: str = "<|endoftext|>"  # the end-of-document token FIM splits samples at
     # Megatron's --num-workers: batches a background thread keeps ready (0: read in the training
     # thread); Megatron's --dataloader-type: "single" stops with an error at the end of a split,
     # "cyclic" starts it again (jmegatron.data.loader)
@@ -537,6 +563,21 @@ class JMegatronConfig:
                 f"config.variable_data=True needs config.seq_length_step > 0 with seq_length - 9 x "
                 f"seq_length_step >= 1 (samples have seq_length - k x step tokens, k in 1..9); got "
                 f"seq_length={self.seq_length}, seq_length_step={self.seq_length_step}.")
+        for name in ("sft", "fim_data"):
+            if getattr(self, name):
+                self._refuse_with(name, dict(mock_data=self.mock_data, variable_data=self.sft and self.variable_data,
+                                             fim_data=self.sft and self.fim_data),
+                                  "its samples come from preprocessed data_path prefixes", "unset {name}.")
+        if self.sft and not self.reset_attention_mask:
+            raise ConfigError("config.sft=True packs several conversations into a sample; set "
+                              "config.reset_attention_mask=True so that they do not attend to each other.")
+        for name in ("fim_rate", "fim_spm_rate", "fim_fragment_rate"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ConfigError(f"config.{name}={value} must be a probability in [0, 1].")
+        if self.fim_split_sample is not None and self.fim_fragment_rate is None:
+            raise ConfigError("config.fim_split_sample is set but config.fim_fragment_rate is not; give the "
+                              "probability to turn each fragment into FIM.")
 
     def _derived_train_iters(self) -> int:
         """train_iters as Megatron's update_train_iters derives it from train_samples."""
@@ -556,6 +597,10 @@ class JMegatronConfig:
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ConfigError(f"config.exit_duration_in_mins={self.exit_duration_in_mins} must be > 0 "
                               "(or None: no time limit).")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:  # Megatron's assert
+            raise ConfigError("config.override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True: "
+                              "the first keeps the config's learning-rate schedule, the second the checkpoint's; "
+                              "set one.")
         for name in ("finetune", "no_load_optim", "no_load_rng"):
             if getattr(self, name) and (not self.load or os.path.abspath(self.load) == os.path.abspath(self.save or "")):
                 where = f"config.load={self.load!r} is config.save" if self.load else "config.load is not set"
@@ -645,6 +690,12 @@ class JMegatronConfig:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be in [0, 1).")
         self._check_precision()
         self._check_checkpoint_loading()
+        if self.wandb_project and not self.wandb_exp_name:  # Megatron's _set_wandb_writer
+            raise ConfigError(f"config.wandb_project={self.wandb_project!r} needs config.wandb_exp_name (the W&B run "
+                              "name), as Megatron's --wandb-exp-name.")
+        if self.wandb_project and not (self.wandb_save_dir or self.save):
+            raise ConfigError("config.wandb_project needs config.wandb_save_dir or config.save (W&B writes its local "
+                              "files to <save>/wandb by default).")
         if self.min_lr > self.lr:
             raise ConfigError(f"config.min_lr={self.min_lr} exceeds config.lr={self.lr}; lower min_lr.")
         if self.num_attention_heads % self.num_query_groups:
@@ -1170,6 +1221,14 @@ MODEL_FIELDS = (
     "moe_shared_expert_gate",
 )
 
+# The learning-rate schedule Megatron's OptimizerParamScheduler checks on resume
+# (optimizer_param_scheduler.py _check_and_set: max/min lr, warm-up, decay length and style,
+# WSD) and use_checkpoint_opt_param_scheduler takes from the checkpoint, with the fields
+# jmegatron derives them from (jmegatron.training.checkpointing.schedule_of).
+SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_init", "lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_samples",
+                    "lr_decay_iters", "lr_decay_samples", "lr_decay_style", "lr_decay_multi_step",
+                    "lr_wsd_decay_style", "lr_wsd_decay_iters", "lr_wsd_decay_samples")
+
 
 @functools.cache
 def _field_types() -> dict[str, Any]:
@@ -1260,16 +1319,71 @@ def from_json(text: str) -> JMegatronConfig:
     return from_configdict(json.loads(text))
 
 
-def get_config_of(path: str) -> ml_collections.ConfigDict:
-    """``get_config()`` of another config file (for configs that extend one), unvalidated.
+def _configdict_with(values: dict, source: str) -> ml_collections.ConfigDict:
+    """:func:`base_config` with ``values`` set (JSON lists as tuples), unvalidated. Raises
+    ConfigError naming ``source`` and the key: an unknown field, a value of the wrong type."""
+    try:
+        _check_names(values)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    cd = base_config()
+    for key, value in values.items():
+        try:
+            setattr(cd, key, tuple(value) if isinstance(value, list) else value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: {key}={value!r} has the wrong type ({e}); give a "
+                              f"{_field_types()[key]} value.") from None
+    return cd
 
-    Raises FileNotFoundError for a missing file, ConfigError if it has no get_config().
+
+def _configdict_from_yaml(path: str) -> ml_collections.ConfigDict:
+    """Megatron's ``--yaml-cfg`` file as a ConfigDict (:func:`jmegatron.arguments.read_yaml`);
+    the keys that change nothing a run computes are named on stderr."""
+    try:
+        resolution = read_yaml(path, JMegatronConfig)
+        resolution.check()
+    except MegatronArgumentError as e:
+        raise ConfigError(str(e)) from None
+    note = resolution.ignored_note()
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    return _configdict_with(resolution.fields, f"config file {path!r}")
+
+
+def _configdict_from_json(path: str) -> ml_collections.ConfigDict:
+    """A run's or checkpoint's ``config.json`` (:meth:`JMegatronConfig.to_json`) as a ConfigDict."""
+    with open(path) as f:
+        try:
+            saved = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path!r} line {e.lineno}: not valid JSON ({e.msg}); a JSON config is "
+                              f"the config.json a run writes to its save directory.") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"config file {path!r} holds a {type(saved).__name__}, not a config's fields.")
+    if "num_layers" not in saved and "model_type" in saved:
+        raise ConfigError(f"config file {path!r} is a Hugging Face config (model_type {saved['model_type']!r}); "
+                          f"import the model first: python -m jmegatron.export import-hf --hf DIR --out CKPT, "
+                          f"then --config CKPT/config.json or --config.load=CKPT.")
+    return _configdict_with(saved, f"config file {path!r}")
+
+
+def get_config_of(path: str) -> ml_collections.ConfigDict:
+    """The fields of a config file, unvalidated: ``get_config()`` of a Python file (for
+    configs that extend one), Megatron's YAML layout (``.yaml`` / ``.yml``:
+    :func:`jmegatron.arguments.read_yaml`), or a run's ``config.json`` (``.json``).
+
+    Raises FileNotFoundError for a missing file, ConfigError for a Python file without
+    get_config(), bad YAML / JSON, or a key that is unknown, refused or of the wrong type.
     """
     import importlib.util
     import os
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path!r} does not exist (pass --config configs/gpt_tiny.py)")
+    if path.endswith((".yaml", ".yml")):
+        return _configdict_from_yaml(path)
+    if path.endswith(".json"):
+        return _configdict_from_json(path)
     spec = importlib.util.spec_from_file_location(f"_jmegatron_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -1283,14 +1397,18 @@ def get_config_of(path: str) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
-def load_config_file(path: Optional[str], overrides: Optional[dict[str, Any]] = None) -> JMegatronConfig:
-    """Load ``get_config()`` from a Python file (None: :func:`base_config`'s defaults), apply
-    ``overrides``, validate.
+def load_config_file(path: Optional[str], overrides: Optional[dict[str, Any]] = None,
+                     allow_no_file: bool = False) -> JMegatronConfig:
+    """Load a config file (:func:`get_config_of`: Python, YAML or config.json; None:
+    :func:`base_config`'s defaults, which needs ``use_checkpoint_args`` or ``allow_no_file``),
+    apply ``overrides``, validate.
 
     With ``use_checkpoint_args`` (Megatron's ``--use-checkpoint-args``) the architecture
     comes from the checkpoint at ``load`` (else ``save``): :func:`checkpoint_args` replaces
     the file's fields, and an override that contradicts the checkpoint is an error naming
-    both values.
+    both values. With ``use_checkpoint_opt_param_scheduler`` the learning-rate schedule
+    (:data:`SCHEDULER_FIELDS`) comes from the checkpoint the run resumes
+    (:func:`checkpoint_scheduler_args`), so the optimizer is built with it.
 
     Raises FileNotFoundError for a missing file, ConfigError for bad fields.
     """
@@ -1314,10 +1432,33 @@ def load_config_file(path: Optional[str], overrides: Optional[dict[str, Any]] = 
                                   f"({name}={value!r}) under use_checkpoint_args=True; drop --config.{name} "
                                   f"or set use_checkpoint_args=False.")
             setattr(cd, name, tuple(value) if isinstance(value, list) else value)
-    elif path is None:
+    elif path is None and not allow_no_file:
         raise ConfigError("--config is required (a Python config file), unless config.use_checkpoint_args=True takes "
                           "the architecture from config.load.")
+    if cd.use_checkpoint_opt_param_scheduler and not (cd.override_opt_param_scheduler or cd.finetune
+                                                      or cd.no_load_optim):  # these two start it afresh
+        for name, value in checkpoint_scheduler_args(cd.save, cd.load).items():
+            if name in overrides and overrides[name] != value:
+                raise ConfigError(f"config.{name}={overrides[name]!r} contradicts the checkpoint's learning-rate "
+                                  f"schedule ({name}={value!r}) under use_checkpoint_opt_param_scheduler=True; drop "
+                                  f"--config.{name} or use override_opt_param_scheduler=True instead.")
+            setattr(cd, name, tuple(value) if isinstance(value, list) else value)
     return from_configdict(cd)
+
+
+def checkpoint_scheduler_args(save: Optional[str], load: Optional[str]) -> dict[str, Any]:
+    """The learning-rate schedule (:data:`SCHEDULER_FIELDS`) of the run a config resumes,
+    from the ``config.json`` beside its checkpoints: ``save``'s when it has one (a rerun
+    continues its own save, as the training loop does), else ``load``'s; empty when neither
+    has one (a fresh run keeps its own schedule, as Megatron's with nothing to load)."""
+    for directory in (save, load):
+        path = os.path.join(directory, "config.json") if directory else None
+        if path and os.path.isfile(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if "num_layers" in saved:  # not a Hugging Face config.json
+                return {name: saved[name] for name in SCHEDULER_FIELDS if name in saved}
+    return {}
 
 
 def checkpoint_args(load_dir: str) -> dict[str, Any]:

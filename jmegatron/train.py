@@ -1,8 +1,14 @@
 """``python -m jmegatron.train --config configs/gpt_tiny.py --config.train_iters=200 ...``
 
-Arguments: ``--config PATH`` (a Python file with ``get_config()``), then any number of
+Arguments: ``--config PATH`` (a Python file with ``get_config()``, Megatron's YAML layout
+``.yaml`` (also ``--yaml-cfg PATH``), or a run's ``config.json``), then any number of
 ``--config.<field>=<value>`` (or ``--config.<field> <value>``) overrides, the
-ml_collections convention. ``--config.load=CKPT --config.use_checkpoint_args=True`` takes
+ml_collections convention, mixed freely with Megatron-LM's own flags as they are typed
+(``--num-layers 24 --bf16 --disable-bias-linear --data-path 1.0 PREFIX``;
+:mod:`jmegatron.arguments`): a flag for a feature jmegatron does not build is refused by
+name, one that changes only logging, launch or kernels is named as ignored. Megatron flags
+alone (no ``--config``) start from jmegatron's defaults. A field set both ways must agree.
+``--help`` lists every field with its type, default, flag and meaning. ``--config.load=CKPT --config.use_checkpoint_args=True`` takes
 the architecture from a checkpoint (an ``import-hf`` one too), and then ``--config`` may be
 left out (jmegatron's defaults for the rest). ``--config.load`` may also be a Hugging Face
 folder: it is imported once into ``<config.save>/hf_import`` (``import-hf``), which becomes
@@ -19,6 +25,7 @@ import sys
 import typing
 from typing import Any, Optional, Sequence
 
+from jmegatron.arguments import MegatronArgumentError, help_text, parse_flags
 from jmegatron.config import ConfigError, JMegatronConfig, _check_names, get_config_of, load_config_file
 from jmegatron.distributed import initialize_from_env
 from jmegatron.runtime import reexec_with_host_allocator
@@ -27,8 +34,10 @@ from jmegatron.runtime import reexec_with_host_allocator
 # the interpreter with the host allocator first, and this module stays light for the CLIs
 # and tools that only parse configs (parse_args, config_from_argv).
 
-USAGE = ("usage: python -m jmegatron.train --config CONFIG.py [--config.<field>=<value> ...]\n"
+USAGE = ("usage: python -m jmegatron.train --config CONFIG.py|.yaml|config.json [--config.<field>=<value> ...] "
+         "[MEGATRON FLAGS]\n"
          "       python -m jmegatron.train --config.load=CKPT --config.use_checkpoint_args=True [--config.<field>=<value> ...]")
+HINT = "python -m jmegatron.train --help lists every field (--config.<field>=<value>) and its Megatron flag"
 
 
 def _parse_value(name: str, text: str) -> Any:
@@ -67,19 +76,29 @@ def _parse_value(name: str, text: str) -> Any:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]:
-    """(config path or None, overrides) from ``argv``. Raises ConfigError on a bad argument."""
+    """(config path or None, overrides) from ``argv``: ``--config``, ``--config.<field>``
+    and Megatron's flags (their fields merged into the overrides). ``--help`` prints
+    :func:`jmegatron.arguments.help_text` and exits 0. Raises ConfigError on a bad argument."""
+    path, overrides, _ = _parse(argv)
+    return path, overrides
+
+
+def _parse(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any], bool]:
+    """(config path or None, overrides, whether Megatron flags were given)."""
     path: Optional[str] = None
     overrides: dict[str, Any] = {}
+    megatron: list[str] = []
     args = list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
         if arg in ("-h", "--help"):
-            raise SystemExit(USAGE + "\n\n" + __doc__)
-        if not arg.startswith("--config"):
-            field = arg.lstrip("-").partition("=")[0].replace("-", "_")
-            hint = f" (did you mean --config.{field}=...?)" if field in typing.get_type_hints(JMegatronConfig) else ""
-            raise ConfigError(f"unexpected argument {arg!r}{hint}; {USAGE}")
+            print(help_text(JMegatronConfig, USAGE))
+            raise SystemExit(0)
+        if not (arg == "--config" or arg.startswith(("--config=", "--config."))):
+            megatron.append(arg)  # Megatron's flags and their values
+            i += 1
+            continue
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(args):
@@ -88,26 +107,52 @@ def parse_args(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]:
             i += 1
         if key == "config":
             path = value
-        elif key.startswith("config."):
+        else:
             name = key[len("config."):]
             _check_names([name])
             overrides[name] = _parse_value(name, value)
-        else:
-            raise ConfigError(f"unexpected argument {arg!r}; {USAGE}")
         i += 1
-    return path, overrides
+    if megatron:
+        path = _merge_megatron(megatron, path, overrides)
+    return path, overrides, bool(megatron)
+
+
+def _merge_megatron(argv: list[str], path: Optional[str], overrides: dict[str, Any]) -> Optional[str]:
+    """Megatron's flags in ``argv`` into ``overrides`` (in place); returns the config path
+    (``--yaml-cfg`` stands for ``--config``). Prints the ignored flags on one line to stderr.
+    Raises ConfigError (one line) for unknown or refused flags, bad values, or a field given
+    two different values."""
+    try:
+        resolution = parse_flags(argv, JMegatronConfig)
+        resolution.check()
+    except MegatronArgumentError as e:
+        raise ConfigError(f"{e}. {HINT}") from None
+    for name, value in resolution.fields.items():
+        if name in overrides and overrides[name] != value:
+            raise ConfigError(f"config.{name} is given twice: --config.{name}={overrides[name]!r} and a Megatron flag "
+                              f"setting {value!r}; keep one.")
+        overrides[name] = value
+    if resolution.config_path is not None:
+        if path is not None and path != resolution.config_path:
+            raise ConfigError(f"--config {path} and --yaml-cfg {resolution.config_path} are both given; keep one.")
+        path = resolution.config_path
+    note = resolution.ignored_note()
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    return path
 
 
 def config_from_argv(argv: Sequence[str]) -> JMegatronConfig:
-    """``--config F [--config.<field>=<value> ...]`` -> a validated config (every CLI that
-    takes a training config uses this). Raises ConfigError or FileNotFoundError."""
-    return _config(*parse_args(argv))
+    """``--config F [--config.<field>=<value> ...] [Megatron flags]`` -> a validated config
+    (every CLI that takes a training config uses this). Raises ConfigError or FileNotFoundError."""
+    return _config(*_parse(argv))
 
 
-def _config(path: Optional[str], overrides: dict[str, Any]) -> JMegatronConfig:
-    if path is None and not overrides.get("use_checkpoint_args"):
-        raise ConfigError(f"--config is required (or --config.load=CKPT --config.use_checkpoint_args=True); {USAGE}")
-    return load_config_file(path, overrides)
+def _config(path: Optional[str], overrides: dict[str, Any], from_flags: bool = False) -> JMegatronConfig:
+    if path is None and not overrides.get("use_checkpoint_args") and not from_flags:
+        raise ConfigError(f"--config is required (or --config.load=CKPT --config.use_checkpoint_args=True, or "
+                          f"Megatron's flags); {USAGE}")
+    return load_config_file(path, overrides, allow_no_file=from_flags)
 
 
 def _import_hf_load(path: Optional[str], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -141,8 +186,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from jmegatron.export.common import ExportError
 
     try:
-        path, overrides = parse_args(argv)
-        cfg = _config(path, _import_hf_load(path, overrides))
+        path, overrides, from_flags = _parse(argv)
+        cfg = _config(path, _import_hf_load(path, overrides), from_flags)
     except (ConfigError, FileNotFoundError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

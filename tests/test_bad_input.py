@@ -344,8 +344,10 @@ CASES = [
       lambda w: train_cfg(w, f"--config.load={w.p('empty')}", f"--config.save={w.p('new_run')}"), 2,
       (r"config\.load=.*empty", r"holds no checkpoint")),
     # -- CLI arguments
-    C("train-unknown-flag", "`python -m jmegatron.train --config F --lr 1e-3`",
-      lambda w: train_cfg(w, "--lr", "1e-3"), 2, (r"'--lr'", r"did you mean --config\.lr=", r"--config\.<field>")),
+    C("train-unknown-flag", "`python -m jmegatron.train --config F --lrr 1e-3`",
+      lambda w: train_cfg(w, "--lrr", "1e-3"), 2, (r"unknown --lrr 1e-3", r"did you mean --lr\b", r"--config\.<field>")),
+    C("train-refused-flag", "`python -m jmegatron.train --config F --squared-relu` (a Megatron flag of no feature here)",
+      lambda w: train_cfg(w, "--squared-relu"), 2, (r"refused --squared-relu", r"not built", r"--swiglu")),
     C("train-no-config", "`python -m jmegatron.train --config.lr=0.1` (no --config)",
       lambda w: train(w, "--config.lr=0.1"), 2, (r"--config is required", r"usage")),
     C("evaluate-unknown-flag", "`python -m jmegatron.evaluate --load RUN --iters 5`",
@@ -459,7 +461,7 @@ def test_world_is_good_but_for_the_planted_faults(world):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["jmegatron.train", "--config", "configs/gpt_tiny.py", "--lr", "1e-3"], "did you mean --config.lr="),
+    (["jmegatron.train", "--config", "configs/gpt_tiny.py", "--lrr", "1e-3"], "did you mean --lr,"),
     (["jmegatron.evaluate", "--load", "x", "--iters", "5"], "unrecognized arguments: --iters 5"),
     (["jmegatron.export", "hf", "--load", "x", "--out", "y", "--fp16"], "unrecognized arguments: --fp16"),
     (["jmegatron.tools.preprocess_data", "--input", "x", "--output-prefix", "y", "--tokenizer-model", "z",

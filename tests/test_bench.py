@@ -264,3 +264,48 @@ def test_bad_input_exits_2(tmp_path):
     assert proc.returncode == 2 and "unknown part 'pp2'" in proc.stderr
     proc = _bench("mfu", "--config", "configs/gpt_tiny.py", "--config.mock_data=True", "--out", str(tmp_path))
     assert proc.returncode == 2 and "vocab_size" in proc.stderr
+
+
+# ------------------------------------------------------------ memory_chart as ByteMLPerf runs it
+def test_memory_chart_bytemlperf_flags(tmp_path, capsys):
+    """ByteMLPerf's run_345M_memory.sh passes memory_chart.py -s 50 -t 0.002 (plain,
+    --reserved, --fragment); both flags together judge reserved memory and fragmentation over
+    the first 50 iterations both logs report per rank."""
+    import re
+
+    from jmegatron.bench.__main__ import main as bench_main
+    from test_megatron_log import write_megatron_log
+
+    its = {i: 10.0 for i in range(1, 61)}
+    gpu = write_megatron_log(tmp_path / "gpu.log", its, ranks=2, memory_every=True)
+    near = write_megatron_log(tmp_path / "near.log", its, ranks=2, memory_every=True, rank_scale={1: 1.001})
+    flags = ["-s", "50", "-t", "0.002", "--reserved", "--fragment"]
+    out = tmp_path / "near_out"
+    assert bench_main(["memory_chart", "-b", str(gpu), "-i", str(near), "-o", str(out), *flags]) == 0
+    r = json.loads((out / "memory_chart.json").read_text())
+    assert r["metrics"] == ["reserved", "fragment"] and r["passed"] and r["metric"] == "reserved"
+    for name, c in r["comparisons"].items():  # 50 iterations x 2 ranks, 51..60 left out by -s
+        assert len(c["points"]) == 100 and max(p["iteration"] for p in c["points"]) == 50 and c["steps"] == 50
+    assert r["comparisons"]["reserved"]["per_rank"]["1"]["max_difference"] == pytest.approx(0.001)
+    assert r["comparisons"]["fragment"]["max_difference"] == pytest.approx(0.0, abs=1e-12)  # a uniform scale
+    md = (out / "memory_chart.md").read_text()
+    assert "## reserved: PASS" in md and "## fragment: PASS" in md and (out / "memory_chart.png").stat().st_size > 0
+
+    # Rank 0 allocates 2 % less at the same reserved memory: reserved passes, fragmentation fails.
+    def less_allocated(m):
+        return f"[Rank 0] {m.group(1)} | allocated: {float(m.group(2)) * 0.98}"
+    frag = tmp_path / "frag.log"
+    frag.write_text(re.sub(r"\[Rank 0\] (.*?) \| allocated: ([0-9.]+)", less_allocated, gpu.read_text()))
+    out = tmp_path / "frag_out"
+    assert bench_main(["memory_chart", "-b", str(gpu), "-i", str(frag), "-o", str(out), *flags]) == 1
+    r = json.loads((out / "memory_chart.json").read_text())
+    assert r["comparisons"]["reserved"]["passed"] and not r["comparisons"]["fragment"]["passed"] and not r["passed"]
+    assert r["comparisons"]["fragment"]["per_rank"]["0"]["max_difference"] > 0.01
+    capsys.readouterr()
+
+    # What cannot apply is refused, named: fewer shared iterations than -s; --max on --fragment alone.
+    short = write_megatron_log(tmp_path / "short.log", {i: 10.0 for i in range(1, 41)}, ranks=2, memory_every=True)
+    assert bench_main(["memory_chart", "-b", str(gpu), "-i", str(short), "-o", str(out), *flags]) == 2
+    assert "share 40 iterations with a memory line, -s asks 50" in capsys.readouterr().err
+    assert bench_main(["memory_chart", "-b", str(gpu), "-i", str(near), "-o", str(out), "--fragment", "--max"]) == 2
+    assert "--max" in capsys.readouterr().err

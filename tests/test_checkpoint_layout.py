@@ -123,7 +123,7 @@ def test_resume_across_scan_layers_is_bit_exact(runs, per_layer_ckpt, tmp_path):
     per_layer, scanned = runs
     full_losses, a_dir = per_layer_ckpt  # per-layer: 3 iterations uninterrupted; a checkpoint at 2
     # scan_layers run resumes from it (no step: train_iters=2) and saves stacked at 2
-    pretrain(tiny(tmp_path / "b", scan_layers=True, load=str(a_dir), train_iters=2))
+    pretrain(tiny(tmp_path / "b", scan_layers=True, load=str(a_dir), train_iters=2, override_opt_param_scheduler=True))
     a, _ = saved_state(per_layer, a_dir)
     b, meta_b = saved_state(scanned, tmp_path / "b")
     assert meta_b["config"]["scan_layers"] and "decoder_layers" in b.params
@@ -131,7 +131,7 @@ def test_resume_across_scan_layers_is_bit_exact(runs, per_layer_ckpt, tmp_path):
     # ... and back into a per-layer run
     assert_bit_equal(saved_state(per_layer, tmp_path / "b")[0], a)
     # the next step from the stacked checkpoint: the per-layer run's loss, bit for bit
-    e = pretrain(tiny(tmp_path / "e", load=str(tmp_path / "b")))
+    e = pretrain(tiny(tmp_path / "e", load=str(tmp_path / "b"), override_opt_param_scheduler=True))
     assert sorted(e["losses"]) == [3] and e["losses"][3] == full_losses[3]
     # (that a scanned run's step equals the per-layer run's is tests/test_layout_equivalence.py's)
 

@@ -155,7 +155,9 @@ def xla_dp8():
                                hidden_dropout=0.1, attention_dropout=0.1), 8)
 
 
-@pytest.mark.parametrize("layout,matmul", [(dict(), "blas"), (dict(), "hybrid"),
+# (dp 8 + "blas": the ZeRO-1 "blas" case runs the same kernels in the same data-parallel shard_map;
+# ZeRO-1 changes only the optimizer's layout, test_parallel_equivalence's dp8_distopt)
+@pytest.mark.parametrize("layout,matmul", [(dict(), "hybrid"),
                                            (dict(use_distributed_optimizer=True), "blas"),
                                            (dict(use_megatron_fsdp=True), "hybrid")])
 def test_train_step_with_kernels_matches_xla_on_8_devices(layout, matmul, xla_dp8):

@@ -174,7 +174,7 @@ def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, 
     meta = checkpointing.Checkpointer(str(kd_dir), create=False).read_meta()
     assert meta["aux_params"]["kd_projection"]["teacher_hidden_size"] == 48
     # rerunning with more iterations resumes the projection too (the resumed run restores it)
-    more = pretrain(cfg_for(kd_dir, train_iters=4, **kw))
+    more = pretrain(cfg_for(kd_dir, train_iters=4, override_opt_param_scheduler=True, **kw))
     assert sorted(more["losses"]) == [3, 4] and "kd_projection" in more["state"].params
     # evaluation / export read the student only
     run2, state2, _ = restore_run(str(kd_dir))
@@ -185,7 +185,7 @@ def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, 
     meta = checkpointing.Checkpointer(str(final), create=False).read_meta()
     assert "aux_params" not in meta and meta["config"]["kd_cfg"] is None and meta["config"]["kd_teacher_load"] is None
     # the finalized student trains on like any other run
-    plain = pretrain(cfg_for(final, train_iters=5, lr_warmup_iters=1, eval_interval=0))
+    plain = pretrain(cfg_for(final, train_iters=5, lr_warmup_iters=1, eval_interval=0, override_opt_param_scheduler=True))
     assert sorted(plain["losses"]) == [5] and "kd_projection" not in plain["state"].params
 
 
@@ -194,7 +194,7 @@ def test_distillation_from_a_pretrained_student_initialises_the_projection(tmp_p
     pretrain(cfg_for(pre, train_iters=2, lr_warmup_iters=1, eval_interval=0))
     kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.final_layernorm, decoder.final_layernorm]\n")
     out = pretrain(cfg_for(tmp_path / "kd", train_iters=3, lr_warmup_iters=1, eval_interval=0, load=str(pre),
-                           kd_teacher_load=teacher_dir, kd_cfg=kd))
+                           kd_teacher_load=teacher_dir, kd_cfg=kd, override_opt_param_scheduler=True))
     assert sorted(out["losses"]) == [3] and out["state"].params["kd_projection"]["Linear_0"]["kernel"].shape == (32, 48)
 
 

@@ -151,6 +151,10 @@ def test_truncated_and_foreign_logs_name_file_and_line(tmp_path):
     jsonl.write_text('{"iteration": 1, "lm_loss": 2.0, "step_losses": [2.0]}\n{"iteration": 2, "lm_lo')
     with pytest.raises(LogFormatError, match=r"metrics.jsonl:2 is not JSON"):
         read_log(str(jsonl))
+    # a non-finite loss is strict JSON's null in metrics.jsonl, read back as NaN
+    jsonl.write_text('{"iteration": 2, "lm_loss": null, "step_losses": [2.0, null], "val_loss": null}\n')
+    strict = read_log(str(jsonl))
+    assert strict.loss()[1] == 2.0 and math.isnan(strict.loss()[2]) and math.isnan(strict.validation["lm loss"][2])
     with pytest.raises(LogFormatError, match=r"'.*nothing.log' does not exist"):
         read_log(str(tmp_path / "nothing.log"))
     # the bench commands turn them into exit status 2

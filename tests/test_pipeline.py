@@ -66,12 +66,13 @@ def reference(arch: str, m: int):
     return _REFERENCES[arch, m]
 
 
-# (arch, schedule, pp, v, m, other layout): gpt runs each schedule's bare form at pp4; llama
+# (arch, schedule, pp, v, m, other layout): gpt runs the 1F1B schedules' bare form at pp4; llama
 # (RoPE, GQA, SwiGLU) each schedule beside tp2 + SP, data2 + ZeRO-1 or data2 (the pp2 1F1B and
 # pp2 x v2 interleaved forms are those cases with the other axis at 1)
 CASES = [
     ("gpt", "1f1b", 4, 1, 8, {}),
-    ("gpt", "gpipe", 4, 1, 4, {}),
+    # (gpt gpipe pp4 m4: llama-gpipe-pp4-v1-m4-data2 runs the same GPipe table, pp4 x m4; GPT's tied
+    # embedding across stages: the gpt 1F1B and interleaved cases)
     ("gpt", "interleaved_1f1b", 4, 2, 8, {}),
     ("llama", "1f1b", 2, 1, 4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     ("llama", "interleaved_1f1b", 2, 2, 8, dict(data=2, use_distributed_optimizer=True)),

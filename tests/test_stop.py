@@ -117,6 +117,7 @@ def test_sigterm_to_the_launcher_both_ranks_save_the_same_iteration_and_resume(t
     assert ckpt.all_steps() == [saved[0]]
     ckpt.close()
     more = subprocess.run(TRAIN + [f"--config.train_iters={saved[0] + 2}", "--config.log_interval=1",
+                                   "--config.override_opt_param_scheduler=True",
                                    f"--config.save={save}"], cwd=REPO, env=_env(2), timeout=300,
                           capture_output=True, text=True)
     assert more.returncode == 0, more.stderr[-3000:]

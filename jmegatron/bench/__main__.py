@@ -16,7 +16,9 @@ Commands (each module registers its own with ``register(subparsers)``; each writ
 * ``report`` (:mod:`jmegatron.bench.report`): one markdown page over the last results.
 * ``loss_chart`` (:mod:`jmegatron.bench.loss_chart`): two logs' loss curves (Megatron stdout
   or JSON Lines), ByteMLPerf's mean error over 50 steps; ``-b BASELINE -i INPUT -o OUTDIR``.
-* ``memory_chart`` (:mod:`jmegatron.bench.memory_chart`): two logs' memory lines per rank.
+* ``memory_chart`` (:mod:`jmegatron.bench.memory_chart`): two logs' memory lines per rank
+  (allocated, ``--reserved``, ``--fragment``, both together; ``-s 50 -t 0.002`` as
+  ByteMLPerf's scripts pass them).
 
 Commands that train take ``--config CONFIG.py`` followed by any ``--config.<field>=<value>``
 overrides, as ``python -m jmegatron.train``. ``--devices N`` (before the command) gives the

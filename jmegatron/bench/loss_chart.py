@@ -2,8 +2,11 @@
 training logs' loss curves, ByteMLPerf's loss-curve precision test.
 
 ByteMLPerf's training suite (byte_train_perf/README.md, section 1.2) compares a vendor run
-with a GPU run by "the mean loss error over 50 consecutive steps", passing under 0.2 %; it
-ships no script for it. This is that script. With ``b_i`` the baseline's and ``x_i`` the
+with a GPU run by "the mean loss error over 50 consecutive steps", passing under 0.2 %. Its
+scripts (byte_train_perf/Megatron-LM/examples/gpt3/run_345M.sh, run_857M.sh,
+mixtral/run_moe.sh) run ``loss_chart.py -b BASELINE -i INPUT -o DIR -s 50 -t 0.002``, but the
+repository ships no ``loss_chart.py``. This is that script, with the same arguments. With
+``b_i`` the baseline's and ``x_i`` the
 input's loss at iteration ``i``, over the first ``-s`` iterations both logs have (in
 iteration order), the relative error is ``e_i = |x_i - b_i| / |b_i|``; the run **passes
 when mean(e_i) < -t** (strictly, and every value finite). The largest single ``e_i`` is

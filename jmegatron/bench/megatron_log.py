@@ -197,6 +197,12 @@ def _read_text(path: str, text: list[str]) -> TrainingLog:
     return log
 
 
+def _jsonl_float(value) -> float:
+    """A metrics.jsonl value as a float: jmegatron writes a non-finite one as ``null``
+    (strict JSON), read back as NaN."""
+    return float("nan") if value is None else float(value)
+
+
 def _read_jsonl(path: str, text: list[str]) -> TrainingLog:
     log = TrainingLog(path, "jsonl", lines=len(text))
     for lineno, line in enumerate(text, 1):
@@ -216,20 +222,20 @@ def _read_jsonl(path: str, text: list[str]) -> TrainingLog:
                 int(m["rank"]), it, float(m["allocated_mb"]), float(m["max_allocated_mb"]), float(m["reserved_mb"]),
                 float(m["max_reserved_mb"]), m.get("source"), lineno))
         if "val_loss" in rec:
-            log.validation.setdefault("lm loss", {})[it] = float(rec["val_loss"])
+            log.validation.setdefault("lm loss", {})[it] = _jsonl_float(rec["val_loss"])
         if isinstance(rec.get("step_losses"), list):
             steps = rec["step_losses"]
             lm = log.losses.setdefault("lm loss", {})
             for k, value in enumerate(steps):
-                lm[it - len(steps) + 1 + k] = float(value)
+                lm[it - len(steps) + 1 + k] = _jsonl_float(value)
             for key, name in JSONL_LOSS_NAMES.items():
                 if key != "lm_loss" and key in rec:
-                    log.losses.setdefault(name, {})[it] = float(rec[key])
+                    log.losses.setdefault(name, {})[it] = _jsonl_float(rec[key])
             log.fields[it] = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k not in JSONL_LOSS_NAMES}
             continue
         key = next((k for k in JSONL_PLAIN_LOSS_KEYS if k in rec), None)
         if key is not None:
-            log.losses.setdefault("lm loss", {})[it] = float(rec[key])
+            log.losses.setdefault("lm loss", {})[it] = _jsonl_float(rec[key])
     return log
 
 

@@ -19,12 +19,14 @@ import math
 import os
 import re
 from array import array
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from jmegatron.data.fim_dataset import GPTFIMDataset
 from jmegatron.data.gpt_dataset import GPTDataset, MockGPTDataset, MockGPTLowLevelDataset, check_token_ids
 from jmegatron.data.indexed_dataset import IndexedDataset
+from jmegatron.data.sft_dataset import SFTDataset
 
 __all__ = [
     "BlendedDataset",
@@ -282,6 +284,8 @@ def build_train_valid_test_datasets(
     eod_mask_loss: bool = False,
     add_extra_token_to_sequence: bool = True,
     mid_level_dataset_surplus: float = MID_LEVEL_DATASET_SURPLUS,
+    sft: bool = False,
+    fim: Optional[Mapping[str, Any]] = None,
 ):
     """Build the train, valid and test datasets of Megatron's ``--data-path``/``--split``.
 
@@ -310,6 +314,12 @@ def build_train_valid_test_datasets(
         reset_position_ids, reset_attention_mask, eod_mask_loss,
         add_extra_token_to_sequence: passed to every ``GPTDataset``.
         mid_level_dataset_surplus: Megatron's 0.005.
+        sft: each prefix's splits are :class:`~jmegatron.data.sft_dataset.SFTDataset` (packed
+            chat conversations, padded with ``eod_id``; the GPT flags do not apply) instead of
+            ``GPTDataset`` (Megatron's ``SFTDataset`` as the builder's ``cls``).
+        fim: keyword arguments of :class:`~jmegatron.data.fim_dataset.GPTFIMDataset`
+            (``tokenizer``, ``fim_rate``, ...): fill-in-the-middle samples instead of
+            ``GPTDataset`` (Megatron's ``GPTFIMDataset`` as the builder's ``cls``).
 
     Returns:
         (train, valid, test): ``GPTDataset`` / ``BlendedDataset`` / ``MockGPTDataset``, or None
@@ -335,6 +345,8 @@ def build_train_valid_test_datasets(
                  add_extra_token_to_sequence=add_extra_token_to_sequence)
 
     if mock:
+        if sft or fim is not None:
+            raise ValueError("mock=True builds MockGPTDataset only; SFT and FIM samples need data_path")
         if vocab_size is None or int(vocab_size) < 2:
             raise ValueError("vocab_size is required (>= 2) when mock=True")
         eod = 0 if eod_id is None else int(eod_id)
@@ -383,8 +395,11 @@ def build_train_valid_test_datasets(
             )
         if int(np.sum(low_level[prefix].sequence_lengths[docs], dtype=np.int64)) == 0:
             raise ValueError(f"the {_SPLIT_NAMES[i]} documents of {prefix!r} hold no tokens")
-        return GPTDataset(low_level[prefix], docs, num_samples, seq_length, seed, eod_id,
-                          **flags)
+        if sft:  # the conversations bring their own loss mask, position and segment ids
+            return SFTDataset(low_level[prefix], docs, num_samples, seq_length, seed, pad_id=eod_id)
+        if fim is not None:
+            return GPTFIMDataset(low_level[prefix], docs, num_samples, seq_length, seed, eod_id, **fim, **flags)
+        return GPTDataset(low_level[prefix], docs, num_samples, seq_length, seed, eod_id, **flags)
 
     # one prefix, no weights: plain GPTDatasets
     if len(prefixes) == 1 and weights is None:

@@ -10,6 +10,14 @@ Usage::
     python -m jmegatron.tools.preprocess_data --input data/ --output-prefix out/corpus \\
         --tokenizer-model tokenizer.json --append-eod --workers 2
 
+Chat mode (``--json-keys messages --apply-chat-template``, Megatron's SFT data): each key holds
+a list of ``{"role": "system"|"user"|"assistant"|"tool", "content": str}`` messages, cut into
+conversations at every ``system`` message (Megatron's ``SFTDataset._split_conversations``); each
+conversation is rendered by the tokenizer's chat template (or ``--chat-template FILE``) and
+stored as one document, and the flags of its assistant tokens go into the uint8 dataset
+``{output_prefix}_{key}_document_loss_mask`` beside it
+(:class:`jmegatron.data.sft_dataset.ChatTemplateTokenizer`; needs transformers).
+
 Inputs (``--input``, one or more): a ``.jsonl``/``.json`` file (one JSON object per line; each
 ``--json-keys`` key is a document), any other file (the whole file is one ``text`` document), a
 directory (its ``*.txt`` and ``*.jsonl`` files, sorted by name, not recursive), or a glob
@@ -36,7 +44,10 @@ import time
 import types
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from jmegatron.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+from jmegatron.data.sft_dataset import ChatTemplateTokenizer, loss_mask_prefix, split_conversations
 from jmegatron.config import TOKENIZER_TYPES
 from jmegatron.data.tokenizer import build_tokenizer
 
@@ -89,9 +100,10 @@ def _is_json(path: str) -> bool:
 _WORKER = {}
 
 
-def _init_worker(tokenizer) -> None:
+def _init_worker(tokenizer, chat=None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _WORKER["tokenizer"] = tokenizer  # pickled by the pool (HFTokenizer: its tokenizer.json)
+    _WORKER["chat"] = chat  # ChatTemplateTokenizer (pickled as its paths) in chat mode
 
 
 def _iter_shard_docs(files: Sequence[Tuple[str, int, int]], lo: int, hi: int):
@@ -123,13 +135,13 @@ def _iter_shard_docs(files: Sequence[Tuple[str, int, int]], lo: int, hi: int):
 
 def _encode_shard(task) -> Tuple[int, int]:
     """Tokenize one shard into per-key part files; returns (documents, tokens)."""
-    import numpy as np
-
     files, lo, hi, part_prefixes, json_keys, append_eod = task
-    tok = _WORKER["tokenizer"]
+    tok, chat = _WORKER["tokenizer"], _WORKER.get("chat")
     dtype = DType.optimal_dtype(tok.vocab_size)
     builders = {k: IndexedDatasetBuilder(get_bin_path(p), dtype=dtype)
                 for k, p in part_prefixes.items()}
+    masks = {} if chat is None else {k: IndexedDatasetBuilder(get_bin_path(loss_mask_prefix(p)), dtype=np.uint8)
+                                     for k, p in part_prefixes.items()}
     n_docs = n_tokens = 0
     try:
         for path, where, raw in _iter_shard_docs(files, lo, hi):
@@ -157,6 +169,16 @@ def _encode_shard(task) -> Tuple[int, int]:
                         + f": no {key!r} key (plain-text files only provide 'text'; "
                         "check --json-keys)"
                     )
+                if chat is not None:
+                    line = f"{path} (line ending at byte {where})"
+                    if not isinstance(record[key], list):
+                        raise ValueError(f"{line}: {key!r} must be a list of messages with --apply-chat-template")
+                    for conversation in split_conversations(record[key]):
+                        ids, flags = chat.tokenize_conversation(conversation, where=line)
+                        builders[key].add_document(ids, [len(ids)])
+                        masks[key].add_document(flags, [len(flags)])
+                        n_tokens += len(ids)
+                    continue
                 ids = tok.tokenize(str(record[key]))
                 if ids and append_eod:
                     ids.append(tok.eod)
@@ -167,6 +189,8 @@ def _encode_shard(task) -> Tuple[int, int]:
     finally:
         for key, b in builders.items():
             b.finalize(get_idx_path(part_prefixes[key]))
+        for key, b in masks.items():
+            b.finalize(get_idx_path(loss_mask_prefix(part_prefixes[key])))
     return n_docs, n_tokens
 
 
@@ -182,20 +206,36 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: Optio
                json_keys: Sequence[str] = ("text",), append_eod: bool = False,
                workers: int = 1, log=sys.stderr, *, tokenizer_type: Optional[str] = None,
                vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-               vocab_size: Optional[int] = None) -> List[str]:
+               vocab_size: Optional[int] = None, apply_chat_template: bool = False,
+               chat_template: Optional[str] = None) -> List[str]:
     """Library entry point of the tool (Megatron ``tools/preprocess_data.py: main`` without
     sentence splitting or partitions); returns the output prefixes
     ``{output_prefix}_{key}_document``, one per json key, in ``json_keys`` order. The
     tokenizer is Megatron's ``tokenizer_type`` (default HuggingFaceTokenizer with
     ``tokenizer_model``; GPT2BPETokenizer with ``vocab_file`` / ``merge_file``; NullTokenizer
     with ``vocab_size``; :func:`jmegatron.data.tokenizer.build_tokenizer`).
+    ``apply_chat_template``: chat mode (module doc; ``chat_template`` a Jinja file replacing the
+    tokenizer's template); each prefix then has its ``_loss_mask`` dataset beside it.
 
     Raises:
         FileNotFoundError: missing input/tokenizer.  ValueError: bad JSON, missing keys,
-        non-UTF-8 input, workers < 1, a tokenizer type without its files.
+        non-UTF-8 input, workers < 1, a tokenizer type without its files, chat mode with
+        another tokenizer type than HuggingFaceTokenizer or with ``append_eod``, malformed messages.
+        ImportError: chat mode without transformers.
     """
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    if chat_template is not None and not apply_chat_template:
+        raise ValueError("--chat-template goes with --apply-chat-template")
+    chat = None
+    if apply_chat_template:
+        if tokenizer_type not in (None, "HuggingFaceTokenizer") or not tokenizer_model:
+            raise ValueError("--apply-chat-template needs a HuggingFaceTokenizer (--tokenizer-model, a "
+                             "save_pretrained folder with a chat template or a tokenizer.json with --chat-template)")
+        if append_eod:
+            raise ValueError("--apply-chat-template with --append-eod: the chat template renders the end of every "
+                             "turn; drop --append-eod")
+        chat = ChatTemplateTokenizer(tokenizer_model, chat_template)
     paths = resolve_inputs(inputs)
     spec = types.SimpleNamespace(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
                                  vocab_file=vocab_file, merge_file=merge_file, vocab_size=vocab_size)
@@ -208,21 +248,24 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_model: Optio
     # written under a temporary prefix and renamed at the end: bad input (a broken JSON line, a
     # missing key) leaves an existing dataset at the output prefix untouched
     outs = {k: f"{finals[k]}.partial{os.getpid()}" for k in json_keys}
+    written = [(outs[k], finals[k]) for k in json_keys]
+    if chat is not None:
+        written += [(loss_mask_prefix(outs[k]), loss_mask_prefix(finals[k])) for k in json_keys]
     t0 = time.time()
     try:
         n_docs, n_tokens = _preprocess_into(_files_of(paths), outs, tok, dtype, json_keys, append_eod,
-                                            workers)
+                                            workers, chat)
     except BaseException:
-        for prefix in outs.values():
+        for prefix, _ in written:
             for f in (get_bin_path(prefix), get_idx_path(prefix)):
                 if os.path.exists(f):
                     os.remove(f)
         if made_dir and not os.listdir(out_dir):
             os.rmdir(out_dir)
         raise
-    for key in json_keys:
+    for temporary, final in written:
         for path_of in (get_bin_path, get_idx_path):
-            os.replace(path_of(outs[key]), path_of(finals[key]))
+            os.replace(path_of(temporary), path_of(final))
     if log is not None:
         print(f"preprocess_data: {len(paths)} files, {n_docs} documents, {n_tokens} tokens "
               f"({len(json_keys)} key(s)), dtype {dtype.__name__}, {time.time() - t0:.2f}s",
@@ -240,13 +283,13 @@ def _files_of(paths: Sequence[str]) -> List[Tuple[str, int, int]]:
     return files
 
 
-def _preprocess_into(files, finals, tok, dtype, json_keys, append_eod, workers) -> Tuple[int, int]:
-    """Tokenize ``files`` (:func:`_files_of`) into the prefixes ``finals`` (json key -> prefix);
-    returns (documents, tokens)."""
+def _preprocess_into(files, finals, tok, dtype, json_keys, append_eod, workers, chat=None) -> Tuple[int, int]:
+    """Tokenize ``files`` (:func:`_files_of`) into the prefixes ``finals`` (json key -> prefix;
+    with ``chat`` also their loss masks); returns (documents, tokens)."""
     base = sum(size for _, _, size in files)
     if workers == 1:
         # one shard, written straight to the output prefixes
-        _WORKER["tokenizer"] = tok
+        _WORKER["tokenizer"], _WORKER["chat"] = tok, chat
         n_docs, n_tokens = _encode_shard((files, 0, base + 1, finals, list(json_keys),
                                           append_eod))
     else:
@@ -258,18 +301,22 @@ def _preprocess_into(files, finals, tok, dtype, json_keys, append_eod, workers) 
         try:
             # spawn, not fork: the parent may hold JAX / tokenizers threads.
             ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(tok,)) as pool:
+            with ctx.Pool(workers, initializer=_init_worker, initargs=(tok, chat)) as pool:
                 results = pool.map(_encode_shard, tasks, chunksize=1)
             n_docs = sum(r[0] for r in results)
             n_tokens = sum(r[1] for r in results)
-            for key in json_keys:
-                builder = IndexedDatasetBuilder(get_bin_path(finals[key]), dtype=dtype)
-                for part in parts:
-                    builder.add_index(part[key])
-                builder.finalize(get_idx_path(finals[key]))
+            outputs = [(finals[k], [part[k] for part in parts], dtype) for k in json_keys]
+            if chat is not None:
+                outputs += [(loss_mask_prefix(finals[k]), [loss_mask_prefix(part[k]) for part in parts], np.uint8)
+                            for k in json_keys]
+            for final, part_prefixes, out_dtype in outputs:
+                builder = IndexedDatasetBuilder(get_bin_path(final), dtype=out_dtype)
+                for part in part_prefixes:
+                    builder.add_index(part)
+                builder.finalize(get_idx_path(final))
         finally:
             for part in parts:
-                for p in part.values():
+                for p in [*part.values(), *(loss_mask_prefix(q) for q in part.values())]:
                     for f in (get_bin_path(p), get_idx_path(p)):
                         if os.path.exists(f):
                             os.remove(f)
@@ -302,6 +349,11 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="NullTokenizer: the vocabulary, its last id the end of document")
     g.add_argument("--append-eod", action="store_true",
                    help="append the <|endoftext|> id to every non-empty document")
+    g.add_argument("--apply-chat-template", action="store_true",
+                   help="SFT data: each --json-keys value is a list of chat messages, rendered by the "
+                        "tokenizer's chat template, with a _loss_mask dataset of the assistant tokens beside it")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file used instead of the tokenizer's (with --apply-chat-template)")
     g = parser.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True,
                    help="writes {prefix}_{key}_document.bin/.idx")
@@ -328,8 +380,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     try:
         prefixes = preprocess(args.input, args.output_prefix, args.tokenizer_model,
                               args.json_keys, args.append_eod, args.workers, tokenizer_type=args.tokenizer_type,
-                              vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
-    except (FileNotFoundError, ValueError) as err:
+                              vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                              apply_chat_template=args.apply_chat_template, chat_template=args.chat_template)
+    except (FileNotFoundError, ValueError, ImportError) as err:
         raise SystemExit(f"preprocess_data: error: {err}")
     for p in prefixes:
         print(p)

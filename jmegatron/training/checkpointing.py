@@ -5,7 +5,9 @@ One Orbax ``CheckpointManager`` per run directory; each step holds two items:
 restorable into any other sharding) and ``meta`` (JSON: iteration, consumed samples,
 the resolved config, the padded vocabulary size). Follows the roles of Megatron's
 megatron/training/checkpointing.py (save_checkpoint / load_checkpoint, the
-``latest_checkpointed_iteration`` tracker is Orbax's step listing).
+``latest_checkpointed_iteration`` tracker is Orbax's step listing). :func:`check_compatible`
+refuses a checkpoint of another model, or of another learning-rate schedule (Megatron's
+resume rule, :func:`check_schedule`).
 
 Integrity (docs/RELIABILITY.md, "checkpoints"): a save is atomic (Orbax writes into
 ``<step>.orbax-checkpoint-tmp*`` and renames it when every item is written, so a killed
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jmegatron.config import MODEL_FIELDS, JMegatronConfig
+from jmegatron.config import MODEL_FIELDS, SCHEDULER_FIELDS, JMegatronConfig
 
 
 class CheckpointError(RuntimeError):
@@ -275,8 +277,10 @@ def has_checkpoint(directory: Optional[str]) -> bool:
 
 
 def check_compatible(cfg: JMegatronConfig, saved_config: dict, padded_vocab: int,
-                     saved_padded_vocab: int, path: str) -> None:
-    """Raise CheckpointError naming each architecture field whose value differs."""
+                     saved_padded_vocab: int, path: str, iteration: Optional[int] = None) -> None:
+    """Raise CheckpointError naming each architecture field whose value differs, and each
+    learning-rate schedule value that differs (:func:`check_schedule`; ``iteration``: the
+    checkpoint's, None: the newest step in ``path``)."""
     defaults = {f.name: f.default for f in dataclasses.fields(JMegatronConfig)}
 
     def saved(k):  # a field newer than the checkpoint has its default; JSON turned tuples into lists
@@ -292,4 +296,77 @@ def check_compatible(cfg: JMegatronConfig, saved_config: dict, padded_vocab: int
     if diffs:
         raise CheckpointError(f"checkpoint {path} was saved with a different model; " + "; ".join(diffs)
                               + ". Use the checkpoint's config or a new --config.save directory.")
+    check_schedule(cfg, {k: saved(k) for k in SCHEDULER_FIELDS + ("train_samples",)}, path,
+                   _newest_step(path) if iteration is None else iteration)
 
+
+def schedule_of(config: dict) -> dict:
+    """The learning-rate schedule a config (field -> value, derived fields resolved) gives,
+    in its training unit, as Megatron's OptimizerParamScheduler holds it: ``lr``, ``min_lr``,
+    the warm-up length (``lr_warmup_fraction`` x the decay length, else
+    ``lr_warmup_iters`` / ``_samples``), the decay length (``lr_decay_iters``, which is
+    ``train_iters`` when not set; ``lr_decay_samples`` likewise), ``lr_decay_style``, and the
+    style's own values (WSD: ``lr_wsd_decay_style``, ``lr_wsd_decay_*``; multi-step: its
+    shares). Keys name the fields; ``"unit"`` is "iters" or "samples"."""
+    unit = "iters" if config.get("train_samples") is None else "samples"
+    decay = config[f"lr_decay_{unit}"]
+    fraction = config["lr_warmup_fraction"]
+    out = {"unit": unit, "lr": config["lr"], "min_lr": config["min_lr"],
+           f"lr_warmup_{unit}": fraction * decay if fraction is not None and decay is not None
+           else config[f"lr_warmup_{unit}"],
+           f"lr_decay_{unit}": decay, "lr_decay_style": config["lr_decay_style"]}
+    if config["lr_decay_style"] == "WSD":
+        out.update({"lr_wsd_decay_style": config["lr_wsd_decay_style"],
+                    f"lr_wsd_decay_{unit}": config[f"lr_wsd_decay_{unit}"]})
+    if config["lr_decay_style"] == "multi-step":
+        out["lr_decay_multi_step"] = tuple(config["lr_decay_multi_step"])
+    return out
+
+
+_SCHEDULE_NOTES = {"lr_warmup_iters": " (or lr_warmup_fraction x the decay)",
+                   "lr_warmup_samples": " (or lr_warmup_fraction x the decay)",
+                   "lr_decay_iters": " (train_iters when not set)",
+                   "lr_decay_samples": " (train_samples when not set)"}
+
+
+def check_schedule(cfg: JMegatronConfig, saved_config: dict, path: str, iteration: Optional[int]) -> None:
+    """Megatron's resume rule for the learning-rate schedule
+    (megatron/core/optimizer_param_scheduler.py ``load_state_dict`` / ``_check_and_set``):
+    raise CheckpointError naming each value of :func:`schedule_of` that differs between the
+    checkpoint (``saved_config``) and ``cfg``, both values, and the fix. Not checked:
+    ``override_opt_param_scheduler`` (the config's schedule wins), a checkpoint at iteration
+    0 (nothing of its schedule has run: an import-hf checkpoint), ``kd_finalize`` (no
+    training), and ``finetune`` / ``no_load_optim`` from ``load`` (the schedule starts afresh,
+    or Megatron does not load it). ``use_checkpoint_opt_param_scheduler`` took the
+    checkpoint's fields when the config was loaded, so it is checked too: a difference then
+    means the checkpoint is not the run whose config.json gave them."""
+    from_load = os.path.abspath(path) != os.path.abspath(cfg.save or "")
+    if (cfg.override_opt_param_scheduler or iteration == 0 or cfg.kd_finalize
+            or (from_load and (cfg.finetune or cfg.no_load_optim))):
+        return
+    mine, theirs = schedule_of(cfg.to_dict()), schedule_of(saved_config)
+    diffs = [f"{k}{_SCHEDULE_NOTES.get(k, '')}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}"
+             for k in dict.fromkeys([*theirs, *mine]) if theirs.get(k) != mine.get(k)]
+    if not diffs:
+        return
+    if cfg.use_checkpoint_opt_param_scheduler:
+        fix = ("use_checkpoint_opt_param_scheduler takes the checkpoint's schedule where the config is loaded "
+               "(load_config_file, from the config.json beside the checkpoints), and this config's differs from this "
+               "checkpoint's; load the config that way, or set the schedule fields to the checkpoint's values")
+    else:
+        fix = ("Megatron's rule: set --config.override_opt_param_scheduler=True (--override-opt_param-scheduler) to "
+               "train on with the config's schedule, --config.use_checkpoint_opt_param_scheduler=True "
+               "(--use-checkpoint-opt_param-scheduler) to keep the checkpoint's, or give the checkpoint's values")
+    at = f" (iteration {iteration})" if iteration is not None else ""
+    raise CheckpointError(f"checkpoint {path}{at} was saved with a different learning-rate schedule; "
+                          + "; ".join(diffs) + f". {fix}.")
+
+
+def _newest_step(path: str) -> Optional[int]:
+    """The largest finished step number in the Orbax directory ``path`` (its step folders
+    are named by the number), or None when there is none."""
+    try:
+        steps = [int(n) for n in os.listdir(path) if n.isdigit()]
+    except OSError:
+        return None
+    return max(steps) if steps else None

@@ -42,7 +42,10 @@ class ForwardStep:
 
     ``loss_fn(params, micro, rng, num_tokens, extra, data_sum) -> (loss, report)``: the
     unpipelined micro-batch loss (interface in ``make_train_step``; ``micro`` holds
-    ``segment_ids`` under ``reset_attention_mask``, which the model must receive).
+    ``segment_ids`` under ``reset_attention_mask``, which the model must receive). Every
+    scalar of ``report`` is logged under its key (the console line, ``metrics.jsonl``,
+    TensorBoard, W&B: :func:`jmegatron.training.logging.reported_keys`); the loop never
+    names them (examples/custom_loss.py).
     ``pipeline_stages(ctx:`` :class:`~jmegatron.parallel.schedules.StageContext` ``) -> {"embed",
     "chunk", "head", "activation", "report_zeros"}``: the same computation cut into pipeline stages
     (:func:`jmegatron.parallel.schedules.run_schedule`); None when the provider cannot

@@ -27,6 +27,19 @@ iteration's step metric ``loss_scale`` (fp16's; 1.0 without one, as Megatron pri
 skipped and nan iterations count step metrics ``skipped`` / ``nan`` when the step reports
 them, else 0: Megatron's meaning (an iteration whose update was not applied is skipped; a
 skipped one whose loss is inf/nan is also a nan iteration; docs/RELIABILITY.md).
+
+Every scalar the forward step's loss function reports (its ``report`` dict:
+:class:`jmegatron.training.forward_step.ForwardStep`) is printed as `` {name}: {:.6E} |``
+after the known losses, as Megatron's ``training_log`` prints every key of the loss dict,
+and reaches ``metrics.jsonl``, TensorBoard and W&B under its key: the loop passes the
+step's metrics through and never names them. What the train step adds itself
+(:data:`STEP_METRICS`) is not a report entry.
+
+Beyond Megatron: a ``[jmegatron] compiling the train step ...`` / ``... compiled in X s``
+pair around the first step, a progress line (tqdm's ``format_meter``: elapsed time,
+iterations/s, ETA) after each iteration line, and a closing summary line
+(:meth:`MetricsLogger.log_summary`). Each is a single ``\n``-terminated line, so a log
+file stays readable. ``metrics.jsonl`` is strict JSON: a non-finite value is ``null``.
 """
 
 from __future__ import annotations
@@ -38,9 +51,12 @@ import os
 import re
 import resource
 import sys
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
+
+from jmegatron.config import ConfigError
 
 
 # Report keys -> Megatron's console names (pretrain_gpt.py loss_func; the distillation
@@ -57,19 +73,49 @@ REPORT_NAMES = {
 }
 
 
+# What make_train_step adds to the forward step's report (jmegatron/training/step.py
+# _metrics and _apply_gradients): step-level figures, not losses of the forward step.
+STEP_METRICS = frozenset({"loss", "grad_norm", "lr", "num_tokens", "skipped", "nan", "loss_scale", "stop",
+                          "num_zeros"})
+# Report entries the record carries in their own form, not on the console line (the MoE
+# router's statistics: tokens per expert [MoE layers, experts], dropped-token fraction).
+RECORD_ONLY = frozenset({"moe_tokens_per_expert", "moe_dropped_token_fraction"})
+_MTP_LOSS = re.compile(r"mtp_(\d+)_loss")
+
+
 def report_name(key: str) -> str:
-    """The console name of report ``key``: :data:`REPORT_NAMES`, or Megatron's ``mtp_{k} loss``
-    for a multi-token prediction depth's ``mtp_{k}_loss``."""
+    """The console name of report ``key``: :data:`REPORT_NAMES`, Megatron's ``mtp_{k} loss``
+    for a multi-token prediction depth's ``mtp_{k}_loss``, else the key itself (a custom
+    forward step's metric, printed under the name its loss function gave it)."""
     if key in REPORT_NAMES:
         return REPORT_NAMES[key]
-    return key[:-len("_loss")] + " loss"
+    mtp = _MTP_LOSS.fullmatch(key)
+    return f"mtp_{mtp.group(1)} loss" if mtp else key
 
 
 def reported_keys(metrics: dict) -> list:
-    """The report keys of ``metrics`` that the console line prints, in :data:`REPORT_NAMES`
-    order, then the multi-token prediction depths (``mtp_1_loss``, ``mtp_2_loss``, ...)."""
-    mtp = sorted((k for k in metrics if re.fullmatch(r"mtp_\d+_loss", k)), key=lambda k: int(k.split("_")[1]))
-    return [k for k in REPORT_NAMES if k in metrics] + mtp
+    """The report keys of ``metrics`` (one step's metrics) that the console line prints: those
+    of :data:`REPORT_NAMES` in its order, the multi-token prediction depths (``mtp_1_loss``,
+    ``mtp_2_loss``, ...), then every other scalar entry in key order (what a custom forward
+    step's loss function reports), leaving out :data:`STEP_METRICS` and :data:`RECORD_ONLY`."""
+    mtp = sorted((k for k in metrics if _MTP_LOSS.fullmatch(k)), key=lambda k: int(k.split("_")[1]))
+    known = [k for k in REPORT_NAMES if k in metrics] + mtp
+    other = sorted(k for k in metrics if k not in known and k not in STEP_METRICS and k not in RECORD_ONLY
+                   and np.ndim(metrics[k]) == 0)
+    return known + other
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` (nested dicts / lists / tuples of numbers and strings) with every
+    non-finite float (NaN, +-inf) replaced by None, so ``json.dumps(..., allow_nan=False)``
+    writes RFC 8259 JSON (``null``) instead of Python's ``NaN`` / ``Infinity`` tokens."""
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        return None
+    return value
 
 
 MB = 1024.0 * 1024.0  # Megatron's report_memory "MB" (mega_bytes = 1024 * 1024)
@@ -144,6 +190,80 @@ def _summary_writer(logdir: str):
             del sys.modules["torch"]
     return SummaryWriter(logdir)
 
+def init_wandb(project: str, exp_name: str, save_dir: str, config: dict, entity: Optional[str] = None):
+    """A Weights & Biases run for the training scalars, as Megatron's ``_set_wandb_writer``
+    (megatron/training/global_vars.py): ``wandb.init(project, name=exp_name, dir=save_dir,
+    config=config[, entity])`` after creating ``save_dir`` (W&B writes its run under
+    ``save_dir/wandb/``). ``WANDB_MODE=offline`` writes the run there with no network
+    (``wandb sync`` uploads it later). Console capture is off and W&B's own closing report
+    is quiet: the trainer's stdout stays Megatron's log (W&B gets the scalars).
+
+    wandb is imported here only (an optional dependency). Raises ConfigError naming
+    ``pip install wandb`` when it is missing, and naming ``wandb login`` /
+    ``WANDB_MODE=offline`` when ``wandb.init`` fails (no credentials, no network)."""
+    wandb = import_wandb()
+    os.makedirs(save_dir, exist_ok=True)
+    kwargs = dict(project=project, name=exp_name, dir=save_dir, config=config,
+                  settings=wandb.Settings(console="off", quiet=True))
+    if entity:
+        kwargs["entity"] = entity
+    try:
+        return wandb.init(**kwargs)
+    except Exception as e:  # wandb raises its own UsageError / CommError types
+        raise ConfigError(f"config.wandb_project={project!r}: wandb.init failed ({type(e).__name__}: {e}); run "
+                          f"`wandb login`, or set WANDB_MODE=offline to write the run under {save_dir} and upload "
+                          "it later with `wandb sync`") from e
+
+
+def import_wandb():
+    """The ``wandb`` module; ConfigError naming ``pip install wandb`` when it is not installed."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError("config.wandb_project is set but the wandb package is not installed: pip install wandb "
+                          "(or unset config.wandb_project)") from e
+    return wandb
+
+
+class ProgressLine:
+    """The trainer's progress line: tqdm's ``format_meter`` (percentage, an ASCII bar,
+    ``iteration/total``, elapsed time, ETA, iterations/s), printed as one ordinary line per
+    log interval, so a log file gets no carriage returns.
+
+    ``total``: the run's last iteration; ``start_iteration``: where this run started (a
+    resumed run's rate counts its own iterations). Elapsed time is from construction; the
+    rate (and so the ETA) is measured from :meth:`start_rate` on (after the first step's
+    compilation), falling back to tqdm's own ``(n - start_iteration) / elapsed`` before it.
+    ``clock``: seconds (``time.perf_counter``)."""
+
+    def __init__(self, total: int, start_iteration: int = 0, clock: Callable[[], float] = time.perf_counter):
+        self.total, self.start_iteration, self.clock = total, start_iteration, clock
+        self.started = clock()
+        self._rate_from: Optional[tuple[int, float]] = None
+
+    def start_rate(self, iteration: int) -> None:
+        """Measure the rate from now and ``iteration`` on."""
+        self._rate_from = (iteration, self.clock())
+
+    def line(self, iteration: int) -> str:
+        """The progress line at ``iteration`` (no newline)."""
+        from tqdm import tqdm
+
+        now = self.clock()
+        rate = None
+        if self._rate_from is not None and iteration > self._rate_from[0] and now > self._rate_from[1]:
+            rate = (iteration - self._rate_from[0]) / (now - self._rate_from[1])
+        return tqdm.format_meter(iteration, self.total, now - self.started, prefix="[jmegatron] progress",
+                                 ascii=True, unit="it", rate=rate, initial=self.start_iteration)
+
+
+def _duration(seconds: float) -> str:
+    """``12.3 s`` below a minute, else tqdm's ``[H:]MM:SS``."""
+    from tqdm import tqdm
+
+    return f"{seconds:.1f} s" if seconds < 60 else tqdm.format_interval(seconds)
+
+
 class MetricsLogger:
     """Writes training and validation metrics.
 
@@ -162,14 +282,24 @@ class MetricsLogger:
     with a memory report has ``memory``: a list of ``{rank, allocated_mb,
     max_allocated_mb, reserved_mb, max_reserved_mb, source}``.
 
+    Every report entry of the forward step (:func:`reported_keys`: a custom loss function's
+    metrics too) is a key of the record, a TensorBoard scalar and a W&B scalar, the interval's
+    mean. Non-finite values (``mfu`` without a peak, a nan iteration's loss) are ``null`` in
+    the file (:func:`strict_json`), NaN in the returned record, and left out of TensorBoard
+    and W&B.
+
     ``flops_per_iteration`` (FLOPs of one iteration, all devices), ``peak_tflops`` and
     ``theoretical_peak_tflops`` (per device, TFLOP/s) give TFLOP/s and MFU; an MFU above
-    100 % means the peak is wrong, said once on stderr.
+    100 % means the peak is wrong, said once on stderr. ``wandb_run`` (a ``wandb`` run,
+    :func:`init_wandb`, or None) gets the TensorBoard scalars at the same steps and the
+    closing summary, and is finished by :meth:`close`. ``start_iteration``: where this run
+    starts (a resumed run's), for the progress line (:class:`ProgressLine`).
     """
 
     def __init__(self, save_dir: Optional[str], tensorboard_dir: Optional[str],
                  flops_per_iteration: float, num_devices: int, peak_tflops: float,
-                 train_iters: int, stream=None, theoretical_peak_tflops: Optional[float] = None):
+                 train_iters: int, stream=None, theoretical_peak_tflops: Optional[float] = None,
+                 wandb_run: Any = None, start_iteration: int = 0):
         self.flops_per_iteration = flops_per_iteration
         self.num_devices = num_devices
         self.peak_tflops = peak_tflops
@@ -178,13 +308,43 @@ class MetricsLogger:
         self.stream = stream or sys.stdout
         self._warned_mfu = False
         self._compiled_memory = None  # memory_analysis() of the train step, read once
+        self.metrics_path = self.tensorboard_dir = None
         self._jsonl = None
         if save_dir:
             os.makedirs(save_dir, exist_ok=True)
-            self._jsonl = open(os.path.join(save_dir, "metrics.jsonl"), "a", buffering=1)
+            self.metrics_path = os.path.join(save_dir, "metrics.jsonl")
+            self._jsonl = open(self.metrics_path, "a", buffering=1)
         self._tb = None
         if tensorboard_dir:
+            self.tensorboard_dir = tensorboard_dir
             self._tb = _summary_writer(tensorboard_dir)
+        self._wandb = wandb_run
+        self.progress = ProgressLine(train_iters, start_iteration)
+        self.start_iteration = start_iteration
+        # totals over the logged intervals, for log_summary
+        self._iterations = 0
+        self._elapsed = 0.0
+        self._tokens = 0.0
+        self._compile_s = 0.0
+        self._compiling_since: Optional[float] = None
+
+    def log_compiling(self) -> None:
+        """Say that the first step compiles (jit traces and compiles on the first call), and
+        start timing it."""
+        self.stream.write("[jmegatron] compiling the train step ...\n")
+        self.stream.flush()
+        self._compiling_since = time.perf_counter()
+
+    def log_compiled(self, iteration: int) -> float:
+        """After the first step's call returned (compiled, its execution dispatched): print
+        the compilation time, start the progress line's rate at ``iteration``; returns the
+        seconds."""
+        seconds = time.perf_counter() - (self._compiling_since or time.perf_counter())
+        self._compile_s += seconds
+        self.stream.write(f"[jmegatron] ... compiled in {seconds:.1f} s (the first call of the jitted train step)\n")
+        self.stream.flush()
+        self.progress.start_rate(iteration)
+        return seconds
 
     def log_train(self, iteration: int, step_metrics: list[dict[str, Any]], elapsed_s: float,
                   consumed_samples: Optional[int] = None, global_batch_size: Optional[int] = None,
@@ -242,7 +402,11 @@ class MetricsLogger:
                       f"{iteration}: that peak ({peak:.4g} TFLOP/s/device) is wrong (too low); set "
                       "config.peak_tflops or rerun python -m jmegatron.bench peak on a quiet machine",
                       file=sys.stderr, flush=True)
+        self._iterations += n
+        self._elapsed += elapsed_s
+        self._tokens += tokens
         self.stream.write(self._train_line(record, reported) + "\n")
+        self.stream.write(self.progress.line(iteration) + "\n")
         self.stream.flush()
         if memory_devices is not None:
             record["memory"] = self.log_memory(iteration, memory_devices, memory_rank, compiled_memory)
@@ -337,21 +501,69 @@ class MetricsLogger:
                                                   ("allocated", "max_allocated", "reserved", "max_reserved")},
                             "source": source})
         self.stream.flush()
-        if self._tb and stats:  # Megatron's --log-memory-to-tensorboard names (first rank)
-            for name, key in (("mem-allocated-bytes", "allocated"), ("mem-max-allocated-bytes", "max_allocated"),
-                              ("mem-reserved-bytes", "reserved"), ("mem-max-reserved-bytes", "max_reserved")):
-                self._tb.add_scalar(name, stats[0][key], iteration)
+        if stats:  # Megatron's --log-memory-to-tensorboard names (first rank)
+            self._scalars({name: float(stats[0][key]) for name, key in (
+                ("mem-allocated-bytes", "allocated"), ("mem-max-allocated-bytes", "max_allocated"),
+                ("mem-reserved-bytes", "reserved"), ("mem-max-reserved-bytes", "max_reserved"))}, iteration)
         return records
+
+    def log_summary(self, iteration: int, wall_s: float, final_loss: Optional[float] = None,
+                    val_loss: Optional[float] = None, checkpoint: Optional[str] = None,
+                    loss_name: str = "lm loss") -> dict:
+        """Print the closing line of a run and return its figures: ``iterations`` (this run's,
+        up to ``iteration``), ``wall_time_s`` (``wall_s``: the whole run, setup and
+        evaluations included), ``mean_step_time_s`` and ``tokens_per_sec`` (over the logged
+        intervals, the first step's compilation left out; None before any log),
+        ``final_loss``, ``val_loss``, ``checkpoint`` (the directory holding the last save, or
+        None) and where the metrics, TensorBoard events and W&B run are. W&B's run summary
+        gets the figures."""
+        train_s = max(self._elapsed - self._compile_s, 0.0)
+        out = {"iterations": iteration - self.start_iteration, "iteration": iteration, "wall_time_s": wall_s,
+               "compile_time_s": self._compile_s,
+               "mean_step_time_s": train_s / self._iterations if self._iterations and train_s else None,
+               "tokens_per_sec": self._tokens / train_s if train_s else None,
+               "final_loss": final_loss, "val_loss": val_loss, "checkpoint": checkpoint,
+               "metrics": self.metrics_path, "tensorboard": self.tensorboard_dir,
+               "wandb": os.path.dirname(self._wandb.dir.rstrip("/")) if self._wandb is not None else None}
+        text = f"[jmegatron] done: {out['iterations']} iterations"
+        if out["iterations"] != iteration:
+            text += f" ({self.start_iteration + 1}..{iteration})"
+        text += f" in {_duration(wall_s)}"
+        if out["mean_step_time_s"] is not None:
+            text += f", mean step {1e3 * out['mean_step_time_s']:.1f} ms, {out['tokens_per_sec']:,.0f} tokens/s"
+        text += f" | final {loss_name}: {final_loss:.6E}" if final_loss is not None else ""
+        text += f" | validation {loss_name}: {val_loss:.6E}" if val_loss is not None else " | no validation"
+        text += f" | checkpoint: {checkpoint}" if checkpoint else " | no checkpoint saved"
+        text += f" | metrics: {self.metrics_path}" if self.metrics_path else ""
+        text += f" | TensorBoard: {self.tensorboard_dir}" if self.tensorboard_dir else ""
+        if out["wandb"]:
+            offline = getattr(self._wandb, "offline", False)
+            text += f" | W&B{' (offline: wandb sync uploads it)' if offline else ''}: {out['wandb']}"
+        self.stream.write(text + "\n")
+        self.stream.flush()
+        if self._wandb is not None:
+            self._wandb.summary.update({k: v for k, v in out.items() if isinstance(v, (int, float))})
+        return out
 
     def _write(self, record: dict, scalars: dict, iteration: int) -> None:
         if self._jsonl:
-            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+        self._scalars(scalars, iteration)
+
+    def _scalars(self, scalars: dict, iteration: int) -> None:
+        """TensorBoard scalars and the same to W&B, at step ``iteration``."""
         if self._tb:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, iteration)
+        if self._wandb is not None and scalars:
+            self._wandb.log(dict(scalars), step=iteration)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the files; finish the W&B run (exit code 1 when ``failed``)."""
         if self._jsonl:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=1 if failed else 0)
+            self._wandb = None

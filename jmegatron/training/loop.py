@@ -11,6 +11,7 @@ the loop composes them and imports none of distillation, the pipeline schedule o
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -31,7 +32,7 @@ from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.parallel.rules import data_parallel_size
 from jmegatron.training import checkpointing, flops, memory
 from jmegatron.training.float16_optimizer import Float16OptimizerState, all_finite
-from jmegatron.training.logging import MetricsLogger
+from jmegatron.training.logging import MetricsLogger, init_wandb
 from jmegatron.training.peak import resolve_peak_for_config
 from jmegatron.training.run import ForwardStepProvider, Run, build, checkpoint_meta, restore_state, vocab_size_of
 
@@ -56,18 +57,29 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
     :class:`~jmegatron.data.gpt_variable_dataset.GPTVariableDataset` (ByteMLPerf uses it for
     all three splits). With ``cfg.kd_teacher_logits_path`` the training split carries the
     cached teacher top-K (:class:`jmegatron.data.teacher_logits.TeacherLogitsDataset`).
-    Raises ValueError (data_path, split; CacheMismatchError for a cache of other data) or
-    FileNotFoundError for missing prefixes or cache."""
+    ``cfg.sft``: every prefix's splits are packed chat conversations
+    (:class:`jmegatron.data.sft_dataset.SFTDataset`, padding with the tokenizer's eod);
+    ``cfg.fim_data``: fill-in-the-middle samples
+    (:class:`jmegatron.data.fim_dataset.GPTFIMDataset` with the ``fim_*`` fields).
+    Raises ValueError (data_path, split, FIM tokens; CacheMismatchError for a cache of other
+    data) or FileNotFoundError for missing prefixes, loss masks or cache."""
     num_samples = get_train_valid_test_num_samples(cfg, global_batch_size)
-    eod = None
-    if cfg.tokenizer_model or cfg.tokenizer_type:
-        eod = build_tokenizer(cfg).eod
+    tokenizer = build_tokenizer(cfg) if cfg.tokenizer_model or cfg.tokenizer_type else None
+    eod = None if tokenizer is None else tokenizer.eod
+    fim = None
+    if cfg.fim_data:
+        fim = dict(tokenizer=tokenizer, fim_rate=cfg.fim_rate, fim_spm_rate=cfg.fim_spm_rate,
+                   fim_split_sample=cfg.fim_split_sample, fim_fragment_rate=cfg.fim_fragment_rate,
+                   fim_no_prefix=cfg.fim_no_prefix,
+                   fim_extra_tokens=dict(prefix=cfg.fim_prefix_token, middle=cfg.fim_middle_token,
+                                         suffix=cfg.fim_suffix_token, pad=cfg.fim_pad_token, eod=cfg.fim_eod_token))
     data_path = cfg.data_path.split() if cfg.data_path else []
     splits = build_train_valid_test_datasets(
         data_path=data_path, split=cfg.split, train_valid_test_num_samples=num_samples,
         seq_length=cfg.seq_length, seed=cfg.seed, eod_id=eod, mock=cfg.mock_data,
         vocab_size=vocab_size_of(cfg), eod_mask_loss=cfg.eod_mask_loss,
-        reset_position_ids=cfg.reset_position_ids, reset_attention_mask=cfg.reset_attention_mask)
+        reset_position_ids=cfg.reset_position_ids, reset_attention_mask=cfg.reset_attention_mask,
+        sft=cfg.sft, fim=fim)
     if cfg.kd_teacher_logits_path and not cfg.kd_finalize:  # offline distillation: the cached teacher top-K
         splits = (TeacherLogitsDataset(splits[0], cfg.kd_teacher_logits_path, cfg, num_samples[0]),) + tuple(splits[1:])
     if not cfg.variable_data:
@@ -267,8 +279,6 @@ def _truncate_metrics(path: str, iteration: int) -> None:
     after its last checkpoint), so every iteration appears once."""
     if not os.path.exists(path):
         return
-    import json
-
     with open(path) as f:
         lines = [l for l in f if l.strip() and json.loads(l).get("iteration", 0) <= iteration]
     with open(path, "w") as f:
@@ -280,7 +290,11 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     """Train ``cfg.train_iters`` iterations (resuming from ``cfg.load``), evaluating every
     ``eval_interval``, saving every ``save_interval`` and at the end. Returns a summary
     dict: ``iteration``, ``losses`` (iteration -> loss of this process's run),
-    ``val_loss``, ``interrupted``. ``forward_step_provider``: what each micro-batch computes
+    ``val_loss``, ``interrupted``, ``summary`` (the closing line's figures:
+    :meth:`jmegatron.training.logging.MetricsLogger.log_summary`). With
+    ``cfg.wandb_project`` the main process also logs the TensorBoard scalars to a W&B run
+    (:func:`jmegatron.training.logging.init_wandb`; files under ``cfg.wandb_save_dir``,
+    default ``<save>/wandb``). ``forward_step_provider``: what each micro-batch computes
     (:class:`jmegatron.training.forward_step.ForwardStep`; default the language model;
     :func:`jmegatron.pretrain_gpt.pretrain` picks distillation's for a ``kd_teacher_load``
     config).
@@ -293,6 +307,12 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     # existing run's config.json, metrics.jsonl and checkpoints as they were.
     train_ds, valid_ds, _ = build_datasets(cfg, run.global_batch_size)
     state, iteration, consumed, consumed_valid = load_or_init(run, None)
+    start_iteration = iteration
+    wandb_run = None
+    if main_process and cfg.wandb_project:  # one process logs, as Megatron's _set_wandb_writer
+        wandb_run = init_wandb(cfg.wandb_project, cfg.wandb_exp_name,
+                               cfg.wandb_save_dir or os.path.join(cfg.save, "wandb"), json.loads(cfg.to_json()),
+                               cfg.wandb_entity)
     ckpt = None
     if cfg.save:
         os.makedirs(cfg.save, exist_ok=True)
@@ -322,7 +342,8 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     logger = MetricsLogger(cfg.save if main_process else None, tb_dir if main_process else None,
                            flops_per_iter, num_devices, peak_choice.tflops, cfg.train_iters,
                            stream=None if main_process else open(os.devnull, "w"),
-                           theoretical_peak_tflops=peak_choice.theoretical_tflops)
+                           theoretical_peak_tflops=peak_choice.theoretical_tflops, wandb_run=wandb_run,
+                           start_iteration=start_iteration)
     print(f"[jmegatron] process {jax.process_index()}/{jax.process_count()}, {num_devices} devices, mesh {dict(run.mesh.shape)}, "
           f"{flops.num_parameters(cfg, run.padded_vocab_size):,} parameters, global batch "
           f"{run.global_batch_size} = {run.num_microbatches} micro-batches x {cfg.micro_batch_size} x dp "
@@ -387,6 +408,8 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     consecutive_nan = 0
     unread = None  # (iteration, metrics) of the newest step whose flags are not read yet
     agreed = False  # every process asked to stop (several processes)
+    loss_name = "lm loss"  # the summary's name of summary["losses"]
+    failed = True  # until the loop ends normally (the W&B run is finished with its exit code)
 
     def read_flags(it: int, m: dict) -> bool:
         """Count step ``it``'s non-finite iteration; raise after max_consecutive_nan_iterations
@@ -413,9 +436,14 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
             # exit_duration_in_mins joins this process's stop request: with several processes the
             # step's 'stop' flag is their maximum (Megatron all-reduces the elapsed-time check MAX)
             out_of_time = _duration_exceeded(train_start, cfg.exit_duration_in_mins)
+            first = iteration == start_iteration
+            if first:  # jit traces and compiles on the first call, synchronously
+                logger.log_compiling()
             state, metrics = run.train_step(state, batch, *run.extra_args,
                                             stop=stop.requested(iteration + 1) or out_of_time)
             iteration += 1
+            if first:
+                logger.log_compiled(iteration)
             # this iteration's global batch and (padded) length: both vary under ramp-up / variable data
             gbs, seq = loader.last_global_batch_size, host_batch["tokens"].shape[-1]
             pending.append((iteration, metrics, gbs, iteration_flops(gbs, seq)))
@@ -437,6 +465,7 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
                 memory_reports += report_memory
                 for (it, _, _, _), m in zip(pending, host):
                     summary["losses"][it] = float(m.get("lm_loss", m["loss"]))
+                    loss_name = "lm loss" if "lm_loss" in m else "loss"
                     if not check and not math.isfinite(float(m["loss"])):  # (checked: skipped, counted)
                         raise FloatingPointError(f"loss is {m['loss']} at iteration {it}")
                 pending, last_log = [], time.perf_counter()
@@ -466,12 +495,17 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
         if iteration == cfg.train_iters and cfg.eval_interval and iteration % cfg.eval_interval:
             run_eval(iteration)
         save(iteration)
+        final = summary["losses"][max(summary["losses"])] if summary["losses"] else None
+        summary["summary"] = logger.log_summary(
+            iteration, time.time() - train_start, final, summary["val_loss"],
+            f"{cfg.save} (iteration {saved_at})" if ckpt and saved_at >= 0 else None, loss_name)
+        failed = False
     finally:
         loader.close()  # stops and joins the prefetch thread (errors, signals and normal ends alike)
         stop.restore()
         if ckpt:
             ckpt.close()
-        logger.close()
+        logger.close(failed)
     summary["iteration"] = iteration
     summary["state"] = state
     summary["run"] = run

@@ -502,11 +502,17 @@ class PeakChoice:
     dtype: str
 
     def describe(self) -> str:
-        """One line for the trainer's start-up: the peak, its source, and the theoretical one."""
-        peak = f"{self.tflops:.4g} TFLOP/s/device ({self.source})" if self.tflops else f"none ({self.source})"
+        """One line for the trainer's start-up: the peak, its source, and the theoretical one.
+        A peak that is not known is said in a few words with the command that measures one
+        (``python -m jmegatron.bench peak``, which also explains why none is stated); the
+        reasons stay in :attr:`source` / :attr:`theoretical_source`."""
+        measure = "python -m jmegatron.bench peak measures one, or set config.peak_tflops"
         theo = (f"{self.theoretical_tflops:.4g} TFLOP/s/device ({self.theoretical_source})"
-                if self.theoretical_tflops else f"unknown ({self.theoretical_source})")
-        return f"{self.dtype} peak for MFU: {peak}; theoretical peak: {theo}"
+                if self.theoretical_tflops else "unknown")
+        if not self.tflops:
+            return f"{self.dtype} peak for MFU: none, theoretical peak: {theo}: no MFU column ({measure})"
+        return (f"{self.dtype} peak for MFU: {self.tflops:.4g} TFLOP/s/device ({self.source}); theoretical peak: "
+                f"{theo}" + ("" if self.theoretical_tflops else " (python -m jmegatron.bench peak states it)"))
 
     def mfu_warning(self, mfu: float) -> str:
         """The text of the warning for an MFU above 100% of this peak."""
