@@ -16,14 +16,16 @@ each row writes its next token at its own length and attends to slots ``<=`` its
 position (padding and stale slots are masked). Prefill lengths are rounded up to a
 power of two (at least 16, at most ``max_length``), so there is one prefill compilation
 per (batch, bucket, max_length) and one decode-loop compilation per (batch, max_length,
-greedy, top_k, top-p on/off); temperature, top_p, seed, eod_id and max_new_tokens are
-traced values.
+greedy, top_k, top-p on/off); temperature, top_p, seed, eod_id and the per-row
+max_new_tokens are traced values. With ``return_log_probs`` the same two programs also
+give Megatron's ``output_log_probs`` (log-softmax of the unfiltered logits at each next
+token, megatron/inference/text_generation/generation.py), one more compilation of each.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -92,14 +94,22 @@ def _select(logits: Array, key: Array, temperature: Array, top_p: Array, *, gree
 
 
 # --------------------------------------------------------------------------- model steps
-@functools.partial(jax.jit, static_argnames=("model", "max_length"))
-def _prefill(model: Any, params: Any, tokens: Array, lengths: Array, max_length: int):
+def _token_log_probs(logits: Array, tokens: Array) -> Array:
+    """float32 ``log_softmax(logits)[..., tokens]``: logits ``[..., vocab]``, tokens ``[...]``."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_length", "log_probs"))
+def _prefill(model: Any, params: Any, tokens: Array, lengths: Array, max_length: int, log_probs: bool = False):
     batch, length = tokens.shape
     cache = init_kv_cache(model.cfg, batch, max_length)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), tokens.shape)
     logits, cache = model.apply({"params": params}, tokens, positions, kv_cache=cache)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return last, cache
+    if not log_probs:
+        return last, cache
+    return last, cache, _token_log_probs(logits[:, :-1], tokens[:, 1:])  # [b, s - 1]
 
 
 def prefill(model: Any, params: Any, tokens: Array, lengths: Array, max_length: int) -> tuple[Array, Any]:
@@ -123,42 +133,49 @@ def decode_step(model: Any, params: Any, cache: Any, tokens: Array, positions: A
     return _decode_step(model, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "greedy", "top_k", "use_top_p"))
+@functools.partial(jax.jit, static_argnames=("model", "greedy", "top_k", "use_top_p", "log_probs"))
 def _decode_loop(model: Any, params: Any, cache: Any, first_logits: Array, lengths: Array, key: Array,
                  temperature: Array, top_p: Array, max_new_tokens: Array, eod_id: Array, *,
-                 greedy: bool, top_k: int, use_top_p: bool):
-    """Tokens int32 ``[b, max_length]`` (row ``i`` valid for its first ``counts[i]``) and
-    counts int32 ``[b]``. Step ``t`` samples with ``fold_in(key, t)`` for the whole batch,
-    the key schedule of the reference sampler."""
+                 greedy: bool, top_k: int, use_top_p: bool, log_probs: bool = False):
+    """Tokens int32 ``[b, max_length]`` (row ``i`` valid for its first ``counts[i]``),
+    counts int32 ``[b]`` (at most ``max_new_tokens[i]``, int32 ``[b]``) and, with
+    ``log_probs``, each new token's float32 log-probability ``[b, max_length]`` (else
+    None). Step ``t`` samples with ``fold_in(key, t)`` for the whole batch, the key
+    schedule of the reference sampler."""
     select = functools.partial(_select, temperature=temperature, top_p=top_p, greedy=greedy, top_k=top_k,
                                use_top_p=use_top_p)
     batch = lengths.shape[0]
     max_length = jax.tree.leaves(cache)[0].shape[-3]
     tok = select(first_logits, jax.random.fold_in(key, 0))
     out = jnp.zeros((batch, max_length), jnp.int32).at[:, 0].set(tok)
+    lps = jnp.zeros((batch, max_length if log_probs else 0), jnp.float32)
+    if log_probs:
+        lps = lps.at[:, 0].set(_token_log_probs(first_logits, tok))
     # Each row's newest token sits at position ``pos``; a row is done after EOD, after
     # max_new_tokens, or when pos is the last slot (nothing more fits).
     pos = lengths
     done = (tok == eod_id) | (pos + 1 >= max_length) | (max_new_tokens <= 1)
 
     def cond(state):
-        t, _, _, done, _, _ = state
-        return (t < max_new_tokens) & ~jnp.all(done)
+        t, _, _, done, _, _, _ = state
+        return (t < jnp.max(max_new_tokens)) & ~jnp.all(done)
 
     def body(state):
-        t, tok, pos, done, out, cache = state
+        t, tok, pos, done, out, lps, cache = state
         logits, cache = model.apply({"params": params}, tok[:, None], pos[:, None], kv_cache=cache)
         new = select(logits[:, 0], jax.random.fold_in(key, t))
         active = ~done
         out = out.at[:, t].set(jnp.where(active, new, 0))
+        if log_probs:
+            lps = lps.at[:, t].set(jnp.where(active, _token_log_probs(logits[:, 0], new), 0.0))
         pos = jnp.where(active, pos + 1, pos)  # finished rows keep rewriting their last slot
         tok = jnp.where(active, new, tok)
         done = done | (new == eod_id) | (pos + 1 >= max_length) | (t + 1 >= max_new_tokens)
-        return t + 1, tok, pos, done, out, cache
+        return t + 1, tok, pos, done, out, lps, cache
 
-    state = (jnp.int32(1), tok, pos, done, out, cache)
-    _, _, pos, _, out, _ = jax.lax.while_loop(cond, body, state)
-    return out, pos - lengths + 1
+    state = (jnp.int32(1), tok, pos, done, out, lps, cache)
+    _, _, pos, _, out, lps, _ = jax.lax.while_loop(cond, body, state)
+    return out, jnp.minimum(pos - lengths + 1, max_new_tokens), lps if log_probs else None
 
 
 # --------------------------------------------------------------------------- public API
@@ -169,31 +186,43 @@ def _prefill_bucket(longest: int, max_length: int) -> int:
     return min(bucket, max_length)
 
 
-def generate(model: Any, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
-             seed: int = 0, eod_id: Optional[int] = None, max_length: Optional[int] = None) -> list[list[int]]:
+def generate(model: Any, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: Union[int, Sequence[int]],
+             *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+             seed: int = 0, eod_id: Optional[int] = None, max_length: Optional[int] = None,
+             return_log_probs: bool = False) -> Union[list[list[int]], tuple[list[list[int]], list[list[float]]]]:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens with
     a KV cache; returns the new tokens per prompt (including ``eod_id`` when it ends one).
 
     ``model`` is a :class:`jmegatron.models.gpt.GPTModel` (per-layer or ``scan_layers``
-    params ``params``). ``max_length`` (prompt + new tokens, the cache length) defaults to
-    the longest prompt + ``max_new_tokens``, capped at ``max_position_embeddings``; each
-    row stops when it fills ``max_length``; prompts longer than ``max_length - 1`` keep
-    their last tokens (as the reference sampler). Sampling: argmax with ``greedy``, else
-    ``softmax(filter_logits(logits, temperature, top_k, top_p))`` with the key
-    ``fold_in(key(seed), step)`` per step, the same draws as
+    params ``params``). ``max_new_tokens`` is one int for every prompt or one per prompt
+    (a row with 0 gets no token). ``max_length`` (prompt + new tokens, the cache length)
+    defaults to the largest prompt length + ``max_new_tokens`` of a row, capped at
+    ``max_position_embeddings``; each row stops when it fills ``max_length``; prompts longer
+    than ``max_length - 1`` keep their last tokens (as the reference sampler). Sampling:
+    argmax with ``greedy``, else ``softmax(filter_logits(logits, temperature, top_k, top_p))``
+    with the key ``fold_in(key(seed), step)`` per step, the same draws as
     :func:`jmegatron.inference.sample.sample`.
+
+    With ``return_log_probs``: ``(new tokens, log_probs)``, ``log_probs[i]`` the float
+    log-probabilities (log-softmax of the unfiltered logits, no temperature) of every
+    token after the first of (kept prompt ``i`` + its new tokens), ``len(prompt) +
+    len(new) - 1`` values: Megatron's ``output_log_probs``.
 
     Raises:
         GenerateError: empty prompt list or prompt, token ids outside ``[0, vocab)``,
-            ``max_new_tokens < 0``, ``max_length`` below 2 or beyond the learned position
-            table, or bad sampling settings (:func:`check_sampling`).
+            ``max_new_tokens < 0`` or not one per prompt, ``max_length`` below 2 or beyond
+            the learned position table, or bad sampling settings (:func:`check_sampling`).
     """
     cfg = model.cfg
-    if max_new_tokens < 0:
-        raise GenerateError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     if not prompts:
         raise GenerateError("prompts is empty: give at least one prompt (a list of token ids)")
+    new_tokens = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (len(prompts),)) \
+        if np.ndim(max_new_tokens) == 0 or len(max_new_tokens) == len(prompts) else None
+    if new_tokens is None:
+        raise GenerateError(f"max_new_tokens has {len(max_new_tokens)} values for {len(prompts)} prompts: "
+                            "give one int, or one per prompt")
+    if new_tokens.min() < 0:
+        raise GenerateError(f"max_new_tokens={int(new_tokens.min())}: must be >= 0")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise GenerateError(f"prompt {i} is empty: give at least one token (e.g. the EOD id as a start token)")
@@ -201,11 +230,11 @@ def generate(model: Any, params: Any, prompts: Sequence[Sequence[int]], max_new_
         if lo < 0 or hi >= cfg.vocab_size:
             raise GenerateError(f"prompt {i} has token id {lo if lo < 0 else hi} outside [0, {cfg.vocab_size})")
     check_sampling(temperature, top_k, top_p, greedy, cfg.vocab_size)
-    if max_new_tokens == 0:
+    if new_tokens.max() == 0 and not return_log_probs:
         return [[] for _ in prompts]
     learned = cfg.position_embedding_type == "learned_absolute"
     if max_length is None:
-        max_length = min(max(len(p) for p in prompts) + max_new_tokens, cfg.max_position_embeddings)
+        max_length = min(max(len(p) + int(n) for p, n in zip(prompts, new_tokens)), cfg.max_position_embeddings)
     if max_length < 2:
         raise GenerateError(f"max_length={max_length}: must be >= 2 (one prompt token and one new token)")
     if learned and max_length > cfg.max_position_embeddings:
@@ -219,15 +248,45 @@ def generate(model: Any, params: Any, prompts: Sequence[Sequence[int]], max_new_
     for i, p in enumerate(prompts):
         buf[i, :len(p)] = p
 
-    first_logits, cache = prefill(model, params, buf, lengths, max_length)
-    out, counts = _decode_loop(
+    first_logits, cache, *prompt_lps = _prefill(model, params, jnp.asarray(buf), jnp.asarray(lengths), max_length,
+                                                log_probs=return_log_probs)
+    out, counts, new_lps = _decode_loop(
         model, params, cache, first_logits, jnp.asarray(lengths), jax.random.key(seed),
-        jnp.float32(temperature), jnp.float32(top_p), jnp.int32(max_new_tokens),
+        jnp.float32(temperature), jnp.float32(top_p), jnp.asarray(new_tokens, jnp.int32),
         jnp.int32(-1 if eod_id is None else eod_id),
         # greedy ignores the filters: one compilation for every greedy call
-        greedy=bool(greedy), top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0)
+        greedy=bool(greedy), top_k=0 if greedy else int(top_k), use_top_p=not greedy and top_p < 1.0,
+        log_probs=return_log_probs)
     out, counts = np.asarray(out), np.asarray(counts)
-    return [out[i, :counts[i]].tolist() for i in range(len(prompts))]
+    tokens = [out[i, :counts[i]].tolist() for i in range(len(prompts))]
+    if not return_log_probs:
+        return tokens
+    prompt_lps, new_lps = np.asarray(prompt_lps[0]), np.asarray(new_lps)
+    log_probs = [prompt_lps[i, :lengths[i] - 1].tolist() + new_lps[i, :counts[i]].tolist()
+                 for i in range(len(prompts))]
+    return tokens, log_probs
+
+
+def load_generator(load_dir: str, tokenizer_model: Optional[str] = None) -> tuple[Any, Any, Any]:
+    """``(run, params, tokenizer)`` for generation from the checkpoint in ``load_dir``: the
+    model's parameters only (:func:`jmegatron.training.run.restore_run_params`, one device,
+    no optimizer state) and the tokenizer ``tokenizer_model`` or the checkpoint config's
+    (``tokenizer_model`` / ``tokenizer_type``).
+
+    Raises:
+        jmegatron.training.checkpointing.CheckpointError: no or unreadable checkpoint.
+        GenerateError: no tokenizer known.
+        FileNotFoundError: the tokenizer file does not exist.
+    """
+    run, params, _ = restore_run_params(load_dir)
+    if tokenizer_model:
+        tok = load_tokenizer(tokenizer_model)
+    elif run.cfg.tokenizer_model or run.cfg.tokenizer_type:
+        tok = build_tokenizer(run.cfg)
+    else:
+        raise GenerateError(f"the checkpoint in {load_dir} has no tokenizer_model in its config; "
+                            "pass tokenizer_model= (--tokenizer-model)")
+    return run, params, tok
 
 
 def generate_text(load_dir: str, prompts: Sequence[str], max_new_tokens: int, *,
@@ -246,14 +305,7 @@ def generate_text(load_dir: str, prompts: Sequence[str], max_new_tokens: int, *,
         GenerateError: no tokenizer known, or bad input (see :func:`generate`).
         FileNotFoundError: the tokenizer file does not exist.
     """
-    run, params, _ = restore_run_params(load_dir)
-    if tokenizer_model:
-        tok = load_tokenizer(tokenizer_model)
-    elif run.cfg.tokenizer_model or run.cfg.tokenizer_type:
-        tok = build_tokenizer(run.cfg)
-    else:
-        raise GenerateError(f"the checkpoint in {load_dir} has no tokenizer_model in its config; "
-                            "pass tokenizer_model= (--tokenizer-model)")
+    run, params, tok = load_generator(load_dir, tokenizer_model)
     sampling.setdefault("eod_id", tok.eod)
     outs = generate(run.model, params, [tok.tokenize(t) for t in prompts], max_new_tokens, **sampling)
     return [tok.detokenize(o) for o in outs]
