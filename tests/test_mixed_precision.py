@@ -74,10 +74,10 @@ def test_gradient_accumulation_dtype():
         cfg = tiny_cfg(micro_batch_size=4, initial_loss_scale=2.0 ** 10, **kw)
         run = build(cfg, create_mesh(cfg, jax.devices()[:2]))
         assert run.num_microbatches == 2
-        state = run.init_state()
         b = random_batches(1, run.global_batch_size, cfg.seq_length, 500)[0]
         b = {k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()}
-        grads, _, _ = run.compute_grads(state, run.put_batch(b))
+        # the traced step's output types (the values: the trajectory tests below compile it)
+        grads, _, _ = jax.eval_shape(run.compute_grads, run.abstract_state, run.put_batch(b))
         assert _float_dtypes(grads) == {np.dtype(want)}, kw
 
 

@@ -8,6 +8,7 @@ import math
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from jmegatron.config import ConfigError
@@ -45,25 +46,53 @@ DEEPSEEK = dict(family="deepseek_v3", num_attention_heads=4, num_query_groups=4,
 
 
 def trajectory(cfg, num_devices, steps=3):
+    """``steps`` train steps of ``cfg`` on the first ``num_devices`` devices: (losses
+    ``[steps]``, each step's gradients as numpy trees, the Run). The gradients are read back
+    from the optimizer state (:func:`step_gradients`), so only the train step is compiled."""
     run = build(cfg, create_mesh(cfg, jax.devices()[:num_devices]))
     state = run.init_state()
-    losses, grads = [], []
+    losses, grads, mu = [], [], None
     for b in random_batches(steps, run.global_batch_size, cfg.seq_length, 500):
         b = run.put_batch({k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()})
-        g, _, _ = run.compute_grads(state, b)
-        grads.append(jax.device_get(g))
         state, m = run.train_step(state, b)
         losses.append(float(m["lm_loss"]))
+        new_mu = jax.device_get(_adam_state(state.opt_state).mu)
+        grads.append(step_gradients(cfg, new_mu, mu, float(m["grad_norm"])))
+        mu = new_mu
     return np.array(losses), grads, run
 
 
-@pytest.fixture(scope="module")
-def reference(request):
-    arch = ARCHS[request.param]
-    # One device, the same 2 micro-batches of 8 sequences as every layout below.
-    ref = trajectory(tiny_cfg(micro_batch_size=8, **DROPOUT, **arch), 1)
-    assert ref[2].model.cfg.attention_impl == "cpu" or not cpu.available()
-    return arch, ref
+def _adam_state(opt_state):
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+             if isinstance(x, optax.ScaleByAdamState)]
+    assert len(found) == 1, opt_state
+    return found[0]
+
+
+def step_gradients(cfg, mu, prev_mu, grad_norm):
+    """One step's reduced gradients (float64 numpy tree) from Adam's first moment before
+    (``prev_mu``; None: the first step) and after the step: ``mu = b1 prev_mu + (1 - b1)
+    clip(g)`` (optax.scale_by_adam), ``clip(g) = g min(1, clip_grad / grad_norm)``
+    (optax.clip_by_global_norm; ``grad_norm``: the step's metric, before clipping)."""
+    b1 = cfg.adam_beta1
+    unclip = max(1.0, grad_norm / cfg.clip_grad) if cfg.clip_grad > 0 else 1.0
+    prev_mu = prev_mu if prev_mu is not None else jax.tree.map(np.zeros_like, mu)
+    return jax.tree.map(lambda m, p: (np.float64(m) - b1 * np.float64(p)) / (1 - b1) * unclip, mu, prev_mu)
+
+
+_REFERENCES = {}
+
+
+def reference(name):
+    """(the arch's fields, its one-device trajectory), built once per module (a module-scoped
+    fixture parametrized per test case is rebuilt for each case)."""
+    if name not in _REFERENCES:
+        arch = ARCHS[name]
+        # One device, the same 2 micro-batches of 8 sequences as every layout below.
+        ref = trajectory(tiny_cfg(micro_batch_size=8, **DROPOUT, **arch), 1)
+        assert ref[2].model.cfg.attention_impl == "cpu" or not cpu.available()
+        _REFERENCES[name] = arch, ref
+    return _REFERENCES[name]
 
 
 # pure data parallelism does not depend on the architecture: llama runs the layouts that split
@@ -71,11 +100,10 @@ def reference(request):
 # tp2_dp4_distopt does, its all-reduce is gpt's), gpt every layout but plain dp8 (tp2_dp4's
 # gradient all-reduce over the data axis is the same code at another size; dp8_distopt keeps
 # the 8-way data axis, with ZeRO-1's reduce-scatter)
-@pytest.mark.parametrize("reference,layout", [(arch, layout) for arch in ("gpt", "llama") for layout in LAYOUTS
-                                              if not (arch == "llama" and layout in ("dp8_distopt", "tp2_dp4"))],
-                         indirect=["reference"])
-def test_layout_matches_one_device(layout, reference):
-    arch, (ref_losses, ref_grads, _) = reference
+@pytest.mark.parametrize("name,layout", [(arch, layout) for arch in ("gpt", "llama") for layout in LAYOUTS
+                                         if not (arch == "llama" and layout in ("dp8_distopt", "tp2_dp4"))])
+def test_layout_matches_one_device(layout, name):
+    arch, (ref_losses, ref_grads, _) = reference(name)
     kw = dict(LAYOUTS[layout], **arch)
     tp = kw.get("tensor_model_parallel_size", 1)
     # dp = 8 / tp ranks of micro_batch_size tp: 2 micro-batches of 8 sequences, as the reference.
@@ -126,14 +154,14 @@ def test_bad_parallel_sizes_fail_at_start_up(kw, match):
         build(cfg, create_mesh(cfg, jax.devices()[:8]))
 
 
-@pytest.mark.parametrize("reference,kw", [
+@pytest.mark.parametrize("name,kw", [
     ("gpt", dict(tensor_model_parallel_size=2)),
     ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True)),
-], indirect=["reference"])
-def test_tensor_parallel_alone_matches_one_device(kw, reference):
+])
+def test_tensor_parallel_alone_matches_one_device(kw, name):
     # tp 2 on 2 devices: one data-parallel rank, so the data collectives are skipped (XLA's
     # partitioner rejects an all-reduce over a size-1 manual axis beside an automatic one)
-    arch, (ref_losses, ref_grads, _) = reference
+    arch, (ref_losses, ref_grads, _) = reference(name)
     losses, grads, run = trajectory(tiny_cfg(micro_batch_size=8, **DROPOUT, **kw, **arch), 2)
     assert run.mesh.shape["data"] == 1 and run.num_microbatches == 2
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

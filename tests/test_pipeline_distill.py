@@ -13,9 +13,10 @@ from jmegatron.distill.config import DistillConfigError
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.distill.teacher import teacher_stage_layers
 from jmegatron.parallel.pipeline_layout import PipelineLayout, gather_index, take_slots
-from jmegatron.pretrain_gpt import build, pretrain
+from jmegatron.pretrain_gpt import build
 
 from test_checkpoint_resume import cfg_for as _cfg_for
+from test_distill_moe import save_teacher
 
 LAYERS = 4
 
@@ -26,9 +27,9 @@ def cfg_for(save, **kw):
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("teacher4")
-    pretrain(cfg_for(d, hidden_size=48, num_attention_heads=4, ffn_hidden_size=96, train_iters=6, eval_interval=0))
-    return str(d)
+    # 4 scanned layers, 48 wide, saved at initialisation (tests/test_distill_moe.py's save_teacher):
+    # the tests compare layouts of one step, which do not need a trained teacher
+    return save_teacher(tmp_path_factory.mktemp("teacher4"), num_layers=LAYERS, scan_layers=True)
 
 
 def yaml_file(tmp_path, text):
