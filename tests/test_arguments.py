@@ -166,8 +166,6 @@ DIFFERENCES = {
                              "refuse it (the .py's docstring)",
         "tensor_model_parallel_size": "the .py keeps the layout in LAYOUT",
         "pipeline_model_parallel_size": "the .py keeps the layout in LAYOUT"},
-    "gpt3_345m_memory": {"test_memory": "the .py predates the test_memory field (its docstring says it has none)"},
-    "gpt3_345m_variable_memory": {"test_memory": "as gpt3_345m_memory"},
     "ds_like_2node": {"ffn_hidden_size": "Megatron derives int(4h x 2/3 / 64) x 64 = 13632 for --swiglu without "
                                          "--ffn-hidden-size; the .py keeps 4h. No layer is dense (moe_layer_freq 1), so "
                                          "no parameter differs"},

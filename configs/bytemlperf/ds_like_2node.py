@@ -21,8 +21,9 @@ Script arguments with no jmegatron field, and what stands for them:
   jmegatron refuses it).
 * ``--attention-softmax-in-fp32``: jmegatron's attention softmax is always float32.
   ``--use-cpu-initialization``: initialisation placement only.
-* ``--ffn-hidden-size`` is not given: Megatron's default 4h (20480) would size dense MLPs,
-  and there are none (``moe_layer_freq`` 1).
+* ``--ffn-hidden-size`` is not given: Megatron derives int(4h x 2/3 / 64) x 64 = 13632 for
+  ``--swiglu``, this file keeps jmegatron's default 4h (20480); neither sizes a layer, as
+  there are no dense MLPs (``moe_layer_freq`` 1).
 * ``--use-mcore-models``, ``--no-masked-softmax-fusion``, ``--no-position-embedding``,
   ``NCCL_ALGO`` / ``CUBLAS_WORKSPACE_CONFIG`` / ``PYTORCH_CUDA_ALLOC_CONF``,
   ``--data-cache-path``: no effect here.

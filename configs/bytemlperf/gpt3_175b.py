@@ -7,9 +7,10 @@ train_gpt3_175b_distributed.sh`` (commit a30b4f97b174; the same arguments as Meg
 ``examples/gpt3/train_gpt3_175b_distributed.sh``).
 
 For FLOPs and memory reports (``python -m jmegatron.tools.model_report --config
-configs/bytemlperf/gpt3_175b.py``); jmegatron cannot run pipeline parallelism yet, so the
-script's layout is in ``LAYOUT``, not in the config's parallel fields (validation refuses
-pipeline_model_parallel_size > 1).
+configs/bytemlperf/gpt3_175b.py``): the script's 128-GPU layout is in ``LAYOUT``, which
+model_report reads, not in the config's parallel fields, so the file loads on a machine of
+any size (``--config.tensor_model_parallel_size=8 --config.pipeline_model_parallel_size=16``
+sets it for a run).
 
 Script arguments not set here:
 

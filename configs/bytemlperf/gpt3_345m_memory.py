@@ -9,8 +9,8 @@ train_gpt3_345M_distributed_memory.sh`` (commit a30b4f97b174), run by
 Every other argument is the same as ``train_gpt3_345M_distributed.sh`` (gpt3_345m.py).
 
 ``--test-memory`` (ByteMLPerf's flag: print the ``[Rank r] (after N iterations) memory
-(MB) | allocated ...`` line) has no config field; jmegatron's memory line is a logging
-matter (training/logging.py).
+(MB) | allocated ...`` line at every logged iteration, not only the first) is
+``test_memory``.
 
 At 32768 tokens jmegatron's XLA attention keeps the ``[b, heads, s, s]`` scores, which
 Megatron's flash attention does not: see the recompute columns of model_report.
@@ -35,4 +35,5 @@ def get_config():
     c.save_interval = 10000
     c.eval_interval = 2000
     c.eval_iters = 2000
+    c.test_memory = True  # --test-memory
     return c
