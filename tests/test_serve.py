@@ -180,11 +180,14 @@ def test_bad_requests_are_answered_400_and_the_server_keeps_serving(served):
     assert r.status_code == 400 and "not JSON" in r.json()["message"]
     # still serving: scoring (tokens_to_generate 0) gives the prompt's log-probs, and a
     # seeded sampled request gives the same answer again (another seed another one)
-    row = served.tok.tokenize("ROMEO: But soft")
-    r = put(served, {"prompts": ["ROMEO: But soft"], "tokens_to_generate": 0, "logprobs": True})
+    # (two prompts of different lengths: each is scored alone, nothing generated for the shorter)
+    row, short = served.tok.tokenize("ROMEO: But soft"), served.tok.tokenize("ROMEO:")
+    assert len(short) < len(row)
+    r = put(served, {"prompts": ["ROMEO: But soft", "ROMEO:"], "tokens_to_generate": 0, "logprobs": True})
     assert r.status_code == 200
-    assert r.json()["text"] == ["ROMEO: But soft"]
+    assert r.json()["text"] == ["ROMEO: But soft", "ROMEO:"]
     np.testing.assert_allclose(r.json()["logprobs"][0], model_log_probs(served, row), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(r.json()["logprobs"][1], model_log_probs(served, short), rtol=1e-4, atol=1e-4)
     sampled = {"prompts": ["JULIET:"], "tokens_to_generate": 12, "top_k": 5, "temperature": 50.0,
                "random_seed": 5}
     a, b = put(served, sampled).json(), put(served, sampled).json()

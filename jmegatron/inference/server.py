@@ -248,6 +248,7 @@ class Batcher:
         self._lock = threading.Lock()
         self._stats = {"requests": 0, "rows": 0, "batches": 0, "padded_rows": 0, "errors": 0,
                        "max_rows_per_batch": 0, "batch_rows": collections.Counter()}
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="jmegatron-batcher", daemon=True)
         self._thread.start()
 
@@ -257,6 +258,8 @@ class Batcher:
         max_length``) for generation. ``top_p`` 1.0 is off; ``seed`` None: the batch's.
         Returns a Future of ``(new tokens per row, log-probs per row)`` as
         :func:`generate` with ``return_log_probs`` gives them (raises what it raises)."""
+        if self._closed:
+            raise GenerateError("the server is shutting down: no new requests are taken")
         if len(rows) > self.max_batch_size:
             raise GenerateError(f"{len(rows)} prompts: at most max_batch_size={self.max_batch_size} per request")
         check_sampling(temperature, top_k, top_p, greedy, self.model.cfg.vocab_size)
@@ -277,7 +280,9 @@ class Batcher:
             return dict(self._stats, batch_rows={str(k): v for k, v in sorted(self._stats["batch_rows"].items())})
 
     def close(self) -> None:
-        """Stop the worker after the batches already taken."""
+        """Stop the worker after the requests already queued; :meth:`submit` then raises
+        GenerateError."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=60)
 
@@ -312,7 +317,15 @@ class Batcher:
                 else:
                     rest.append(job)
             pending = rest
-            self._run(batch)
+            # a request whose client went away (its awaiting task cancelled) is dropped here
+            batch = [job for job in batch if job.future.set_running_or_notify_cancel()]
+            if batch:
+                try:
+                    self._run(batch)
+                except Exception as e:  # never lose the worker: what is unanswered gets the error
+                    for job in batch:
+                        if not job.future.done():
+                            job.future.set_exception(e)
 
     def _run(self, batch: list[_Job]) -> None:
         rows = [r for job in batch for r in job.rows]
@@ -405,9 +418,13 @@ class TextGenerationServer:
         except ValueError as e:
             raise RequestError(f"prompts: {e}") from e
         longest = max(len(r) for r in rows)
-        if longest + req.tokens_to_generate > self.max_length:
+        # the generator keeps one cache slot for the token it reads next, even when scoring
+        if longest + max(req.tokens_to_generate, 1) > self.max_length:
             raise RequestError(f"Length of prompt + tokens_to_generate longer than allowed "
-                               f"({longest} + {req.tokens_to_generate} > max_length {self.max_length})")
+                               f"({longest} + {req.tokens_to_generate} > max_length {self.max_length}"
+                               f"{' - 1 when scoring' if not req.tokens_to_generate else ''})")
+        if not req.tokens_to_generate:  # scoring: the prompts alone (Megatron's score_and_return_on_first_stage)
+            return req, rows, [0] * len(rows)
         # Megatron pads every prompt of a request to the longest + tokens_to_generate
         return req, rows, [longest + req.tokens_to_generate - len(r) for r in rows]
 
