@@ -307,12 +307,16 @@ class Row:
 @dataclasses.dataclass
 class Resolution:
     """What a Megatron command line or YAML file sets: ``fields`` (config field -> value),
-    ``rows`` (one per argument, in the order given), ``config_path`` (``--yaml-cfg``)."""
+    ``rows`` (one per argument, in the order given), ``config_path`` (``--yaml-cfg``),
+    ``derived`` (the fields of ``fields`` that Megatron's validate_args derives rather than
+    the arguments give: ``--swiglu``'s ffn_hidden_size, ``--group-query-attention``'s default
+    num_query_groups; a value given another way wins over them)."""
 
     source: str
     fields: dict
     rows: list
     config_path: Optional[str] = None
+    derived: frozenset = frozenset()
 
     def by_status(self, status: str) -> list:
         return [r for r in self.rows if r.status == status]
@@ -543,6 +547,16 @@ def _special(dest, value, raw, kind, put, status, hints) -> None:
         status[dest] = ("accepted", f"the config file {value} (as --config)")
 
 
+def _derived(raw, kind, fields) -> frozenset:
+    """The fields :func:`_megatron_rules` derived rather than took from an argument."""
+    out = set()
+    if kind == "flags" and raw.get("group_query_attention") and "num_query_groups" not in raw:
+        out.add("num_query_groups")
+    if fields.get("swiglu") and raw.get("ffn_hidden_size") is None and "ffn_hidden_size" in fields:
+        out.add("ffn_hidden_size")
+    return frozenset(out)
+
+
 def _megatron_rules(raw, kind, fields, status, put) -> None:
     """Megatron's validate_args derivations between arguments given together."""
     if kind == "flags" and "num_query_groups" in fields and not raw.get("group_query_attention"):
@@ -667,7 +681,7 @@ def parse_flags(argv: Sequence[str], config_cls, source: str = "command line") -
                   else "a value without a flag")
         rows.append(Row(" ".join(group), "unknown", detail))
     config_path = raw.get("yaml_cfg")
-    return Resolution(source, fields, rows, config_path)
+    return Resolution(source, fields, rows, config_path, _derived(raw, "flags", fields))
 
 
 def _given(parser, argv) -> list:

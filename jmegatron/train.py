@@ -128,6 +128,8 @@ def _merge_megatron(argv: list[str], path: Optional[str], overrides: dict[str, A
     except MegatronArgumentError as e:
         raise ConfigError(f"{e}. {HINT}") from None
     for name, value in resolution.fields.items():
+        if name in resolution.derived and name in overrides:  # a value given beats Megatron's derivation
+            continue
         if name in overrides and overrides[name] != value:
             raise ConfigError(f"config.{name} is given twice: --config.{name}={overrides[name]!r} and a Megatron flag "
                               f"setting {value!r}; keep one.")

@@ -111,6 +111,14 @@ def test_megatron_flag_semantics():
     alone = arguments.parse_flags(["--num-query-groups", "8"], JMegatronConfig)
     assert alone.fields == {} and "--group-query-attention" in alone.rows[0].detail
     assert arguments.parse_flags(["--yaml-cfg", "x.yaml"], JMegatronConfig).config_path == "x.yaml"
+    # what Megatron derives yields to a value given as --config.<field>; given alone it stands
+    tiny = ["--config", "configs/gpt_tiny.py", "--config.mock_data=True", "--config.vocab_size=512"]
+    assert config_from_argv(tiny + ["--hidden-size", "128", "--swiglu"]).ffn_hidden_size == 320
+    assert config_from_argv(tiny + ["--hidden-size", "128", "--swiglu", "--config.ffn_hidden_size=512"]
+                            ).ffn_hidden_size == 512
+    assert config_from_argv(tiny + ["--group-query-attention", "--config.num_query_groups=2"]).num_query_groups == 2
+    with pytest.raises(ConfigError, match="given twice"):  # two values the user typed still clash
+        config_from_argv(tiny + ["--hidden-size", "128", "--config.hidden_size=64"])
 
 
 @pytest.mark.parametrize("argv, named", [

@@ -253,6 +253,12 @@ def test_bad_input_is_refused(data, tmp_path):
     with pytest.raises(ValueError, match="append-eod"):
         preprocess([data["a_jsonl"]], str(tmp_path / "x"), data["tok"], ["messages"], append_eod=True,
                    apply_chat_template=True, log=None)
+    for bad, match in (([{"content": "no role"}], "message 0 must be"), ([], "non-empty list"),
+                       ("text", "non-empty list")):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": bad}) + "\n")
+        with pytest.raises(ValueError, match=match):
+            preprocess([str(tmp_path / "bad.jsonl")], str(tmp_path / "y"), data["tok"], ["messages"],
+                       apply_chat_template=True, log=None)
     with pytest.raises(ConfigError, match="reset_attention_mask=True"):
         load_config_file("configs/sft_tiny.py", dict(data_path=data["a"], tokenizer_model=data["tok"],
                                                      reset_attention_mask=False))

@@ -59,9 +59,12 @@ def loss_mask_prefix(prefix: str) -> str:
     return f"{os.fspath(prefix)}{LOSS_MASK_SUFFIX}"
 
 
-def split_conversations(messages: Sequence[dict]) -> List[List[dict]]:
+def split_conversations(messages: Sequence[dict], where: str = "messages") -> List[List[dict]]:
     """Cut a message list into conversations, a new one at every ``system`` message (Megatron's
-    ``SFTDataset._split_conversations``: one JSONL line may hold several conversations)."""
+    ``SFTDataset._split_conversations``: one JSONL line may hold several conversations).
+    Raises ValueError naming ``where`` for anything but a non-empty list of ``{"role",
+    "content"}`` messages."""
+    _check_messages(messages, where)
     out: List[List[dict]] = []
     for msg in messages:
         if msg["role"] == "system" or not out:

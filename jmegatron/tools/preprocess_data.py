@@ -171,9 +171,7 @@ def _encode_shard(task) -> Tuple[int, int]:
                     )
                 if chat is not None:
                     line = f"{path} (line ending at byte {where})"
-                    if not isinstance(record[key], list):
-                        raise ValueError(f"{line}: {key!r} must be a list of messages with --apply-chat-template")
-                    for conversation in split_conversations(record[key]):
+                    for conversation in split_conversations(record[key], where=line):
                         ids, flags = chat.tokenize_conversation(conversation, where=line)
                         builders[key].add_document(ids, [len(ids)])
                         masks[key].add_document(flags, [len(flags)])

@@ -280,7 +280,7 @@ def check_compatible(cfg: JMegatronConfig, saved_config: dict, padded_vocab: int
                      saved_padded_vocab: int, path: str, iteration: Optional[int] = None) -> None:
     """Raise CheckpointError naming each architecture field whose value differs, and each
     learning-rate schedule value that differs (:func:`check_schedule`; ``iteration``: the
-    checkpoint's, None: the newest step in ``path``)."""
+    checkpoint's; None: not known, checked as a trained one)."""
     defaults = {f.name: f.default for f in dataclasses.fields(JMegatronConfig)}
 
     def saved(k):  # a field newer than the checkpoint has its default; JSON turned tuples into lists
@@ -296,8 +296,7 @@ def check_compatible(cfg: JMegatronConfig, saved_config: dict, padded_vocab: int
     if diffs:
         raise CheckpointError(f"checkpoint {path} was saved with a different model; " + "; ".join(diffs)
                               + ". Use the checkpoint's config or a new --config.save directory.")
-    check_schedule(cfg, {k: saved(k) for k in SCHEDULER_FIELDS + ("train_samples",)}, path,
-                   _newest_step(path) if iteration is None else iteration)
+    check_schedule(cfg, {k: saved(k) for k in SCHEDULER_FIELDS + ("train_samples",)}, path, iteration)
 
 
 def schedule_of(config: dict) -> dict:
@@ -361,12 +360,3 @@ def check_schedule(cfg: JMegatronConfig, saved_config: dict, path: str, iteratio
     raise CheckpointError(f"checkpoint {path}{at} was saved with a different learning-rate schedule; "
                           + "; ".join(diffs) + f". {fix}.")
 
-
-def _newest_step(path: str) -> Optional[int]:
-    """The largest finished step number in the Orbax directory ``path`` (its step folders
-    are named by the number), or None when there is none."""
-    try:
-        steps = [int(n) for n in os.listdir(path) if n.isdigit()]
-    except OSError:
-        return None
-    return max(steps) if steps else None

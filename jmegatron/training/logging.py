@@ -55,6 +55,7 @@ import time
 from typing import Any, Callable, Optional
 
 import numpy as np
+from tqdm import tqdm
 
 from jmegatron.config import ConfigError
 
@@ -247,7 +248,6 @@ class ProgressLine:
 
     def line(self, iteration: int) -> str:
         """The progress line at ``iteration`` (no newline)."""
-        from tqdm import tqdm
 
         now = self.clock()
         rate = None
@@ -259,7 +259,6 @@ class ProgressLine:
 
 def _duration(seconds: float) -> str:
     """``12.3 s`` below a minute, else tqdm's ``[H:]MM:SS``."""
-    from tqdm import tqdm
 
     return f"{seconds:.1f} s" if seconds < 60 else tqdm.format_interval(seconds)
 
@@ -560,10 +559,12 @@ class MetricsLogger:
 
     def close(self, failed: bool = False) -> None:
         """Close the files; finish the W&B run (exit code 1 when ``failed``)."""
-        if self._jsonl:
-            self._jsonl.close()
-        if self._tb:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish(exit_code=1 if failed else 0)
-            self._wandb = None
+        try:
+            if self._jsonl:
+                self._jsonl.close()
+            if self._tb:
+                self._tb.close()
+        finally:
+            if self._wandb is not None:
+                self._wandb.finish(exit_code=1 if failed else 0)
+                self._wandb = None

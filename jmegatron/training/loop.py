@@ -227,7 +227,7 @@ def _restore_latest(run: Run, ckpt: checkpointing.Checkpointer) -> tuple[Any, di
         try:
             meta = ckpt.read_meta(step)
             checkpointing.check_compatible(cfg, meta["config"], run.padded_vocab_size,
-                                           meta["padded_vocab_size"], ckpt.directory)
+                                           meta["padded_vocab_size"], ckpt.directory, iteration=step)
             return restore_state(run, ckpt, step)
         except checkpointing.CorruptCheckpointError as e:
             if i + 1 == len(steps):
@@ -308,11 +308,6 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     train_ds, valid_ds, _ = build_datasets(cfg, run.global_batch_size)
     state, iteration, consumed, consumed_valid = load_or_init(run, None)
     start_iteration = iteration
-    wandb_run = None
-    if main_process and cfg.wandb_project:  # one process logs, as Megatron's _set_wandb_writer
-        wandb_run = init_wandb(cfg.wandb_project, cfg.wandb_exp_name,
-                               cfg.wandb_save_dir or os.path.join(cfg.save, "wandb"), json.loads(cfg.to_json()),
-                               cfg.wandb_entity)
     ckpt = None
     if cfg.save:
         os.makedirs(cfg.save, exist_ok=True)
@@ -339,11 +334,21 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     # CPU devices of this process share its cores: the host's peak is split among those in the mesh.
     peak_choice = resolve_peak_for_config(cfg, num_local_devices=sum(
         d.process_index == jax.process_index() for d in run.mesh.devices.flat))
-    logger = MetricsLogger(cfg.save if main_process else None, tb_dir if main_process else None,
-                           flops_per_iter, num_devices, peak_choice.tflops, cfg.train_iters,
-                           stream=None if main_process else open(os.devnull, "w"),
-                           theoretical_peak_tflops=peak_choice.theoretical_tflops, wandb_run=wandb_run,
-                           start_iteration=start_iteration)
+    wandb_run = None
+    if main_process and cfg.wandb_project:  # one process logs, as Megatron's _set_wandb_writer
+        wandb_run = init_wandb(cfg.wandb_project, cfg.wandb_exp_name,
+                               cfg.wandb_save_dir or os.path.join(cfg.save, "wandb"), json.loads(cfg.to_json()),
+                               cfg.wandb_entity)
+    try:
+        logger = MetricsLogger(cfg.save if main_process else None, tb_dir if main_process else None,
+                               flops_per_iter, num_devices, peak_choice.tflops, cfg.train_iters,
+                               stream=None if main_process else open(os.devnull, "w"),
+                               theoretical_peak_tflops=peak_choice.theoretical_tflops, wandb_run=wandb_run,
+                               start_iteration=start_iteration)
+    except BaseException:
+        if wandb_run is not None:  # (the logger finishes it from here on)
+            wandb_run.finish(exit_code=1)
+        raise
     print(f"[jmegatron] process {jax.process_index()}/{jax.process_count()}, {num_devices} devices, mesh {dict(run.mesh.shape)}, "
           f"{flops.num_parameters(cfg, run.padded_vocab_size):,} parameters, global batch "
           f"{run.global_batch_size} = {run.num_microbatches} micro-batches x {cfg.micro_batch_size} x dp "
