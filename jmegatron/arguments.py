@@ -319,6 +319,7 @@ class Resolution:
     derived: frozenset = frozenset()
 
     def by_status(self, status: str) -> list:
+        """The rows whose status is ``status`` ("accepted", "ignored", "refused", "unknown")."""
         return [r for r in self.rows if r.status == status]
 
     def check(self) -> None:

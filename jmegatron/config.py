@@ -1350,8 +1350,10 @@ def _configdict_from_yaml(path: str) -> ml_collections.ConfigDict:
     return _configdict_with(resolution.fields, f"config file {path!r}")
 
 
-def _configdict_from_json(path: str) -> ml_collections.ConfigDict:
-    """A run's or checkpoint's ``config.json`` (:meth:`JMegatronConfig.to_json`) as a ConfigDict."""
+def read_run_config(path: str) -> dict:
+    """The fields of a run's or checkpoint's ``config.json`` (:meth:`JMegatronConfig.to_json`),
+    as saved. Raises FileNotFoundError, ConfigError for a file that is not JSON, not an
+    object, or a Hugging Face ``config.json`` (import it first)."""
     with open(path) as f:
         try:
             saved = json.load(f)
@@ -1364,7 +1366,12 @@ def _configdict_from_json(path: str) -> ml_collections.ConfigDict:
         raise ConfigError(f"config file {path!r} is a Hugging Face config (model_type {saved['model_type']!r}); "
                           f"import the model first: python -m jmegatron.export import-hf --hf DIR --out CKPT, "
                           f"then --config CKPT/config.json or --config.load=CKPT.")
-    return _configdict_with(saved, f"config file {path!r}")
+    return saved
+
+
+def _configdict_from_json(path: str) -> ml_collections.ConfigDict:
+    """A run's or checkpoint's ``config.json`` (:func:`read_run_config`) as a ConfigDict."""
+    return _configdict_with(read_run_config(path), f"config file {path!r}")
 
 
 def get_config_of(path: str) -> ml_collections.ConfigDict:
@@ -1454,10 +1461,8 @@ def checkpoint_scheduler_args(save: Optional[str], load: Optional[str]) -> dict[
     for directory in (save, load):
         path = os.path.join(directory, "config.json") if directory else None
         if path and os.path.isfile(path):
-            with open(path) as f:
-                saved = json.load(f)
-            if "num_layers" in saved:  # not a Hugging Face config.json
-                return {name: saved[name] for name in SCHEDULER_FIELDS if name in saved}
+            saved = read_run_config(path)
+            return {name: saved[name] for name in SCHEDULER_FIELDS if name in saved}
     return {}
 
 
@@ -1468,9 +1473,6 @@ def checkpoint_args(load_dir: str) -> dict[str, Any]:
 
     Raises ConfigError for a folder without one, or with a Hugging Face config.json (convert
     it first with ``python -m jmegatron.export import-hf``)."""
-    import json
-    import os
-
     path = os.path.join(load_dir, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"config.use_checkpoint_args=True: {path} does not exist; config.load must be a "

@@ -448,11 +448,12 @@ class TextGenerationServer:
         return {"text": texts, "segments": segments, "logprobs": lps if req.logprobs else None}
 
     def close(self) -> None:
+        """Stop the batcher after the requests already queued (:meth:`Batcher.close`)."""
         self.batcher.close()
 
 
 def create_app(server: TextGenerationServer):
-    """The FastAPI application: ``PUT /api`` (Megatron's) and ``GET /metrics``
+    """A ``fastapi.FastAPI`` application: ``PUT /api`` (Megatron's) and ``GET /metrics``
     (:meth:`Batcher.stats` plus ``max_length`` and ``max_batch_size``)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
