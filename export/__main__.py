@@ -5,6 +5,7 @@ Commands (each module registers its own with ``register(subparsers)``):
 * ``hf`` / ``import-hf`` (:mod:`jmegatron.export.convert`): Hugging Face folders.
 * ``megatron`` / ``import-megatron`` (:mod:`jmegatron.export.megatron`): Megatron-LM checkpoints.
 * ``quantize`` (:mod:`jmegatron.export.quantize`): NVIDIA ModelOpt post-training quantization.
+* ``check-unified`` (:mod:`jmegatron.export.unified_check`): a unified checkpoint read back and measured.
 * ``trtllm`` / ``check-trtllm`` (:mod:`jmegatron.export.trtllm`): TensorRT-LLM checkpoints.
 
 Bad input raises :class:`jmegatron.export.common.ExportError`: the message is printed as
@@ -22,7 +23,8 @@ from jmegatron.export.common import ExportError
 from jmegatron.training.checkpointing import CheckpointError
 
 # modules with a ``register(subparsers)`` function; each sets ``func=run(args) -> int``
-COMMAND_MODULES = ("jmegatron.export.convert", "jmegatron.export.megatron", "jmegatron.export.quantize", "jmegatron.export.trtllm")
+COMMAND_MODULES = ("jmegatron.export.convert", "jmegatron.export.megatron", "jmegatron.export.quantize", "jmegatron.export.unified_check",
+                   "jmegatron.export.trtllm")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,8 +45,8 @@ class ExportSource:
             (distillation fields cleared, ``scan_layers=False``).
         params: nested dict of float32 ``np.ndarray`` in the per-layer layout (see
             ``jmegatron.export.hf`` for names and shapes; embedding rows = padded vocab).
-        vocab_size: the true vocabulary (``cfg.vocab_size``, else the tokenizer's, else
-            the padded size); exports drop the padding rows.
+        vocab_size: the true vocabulary (:func:`source_vocab_size`); exports drop the
+            padding rows.
         padded_vocab_size: rows of the embedding / output layer.
         tokenizer_path: the config's ``tokenizer_model`` if that file exists, else None.
         iteration: the checkpoint's iteration.
@@ -152,13 +152,16 @@ def export_config(load_dir: str, iteration: Optional[int] = None):
 
 
 def tokenizer_path(cfg) -> Optional[str]:
-    """The config's ``tokenizer_model`` if that file exists, else None."""
-    return cfg.tokenizer_model if cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model) else None
+    """The config's ``tokenizer_model`` if it is a Hugging Face tokenizer (tokenizer_type None or
+    HuggingFaceTokenizer) and exists, else None (a sentencepiece or TikTokenizer file is not one)."""
+    hf = getattr(cfg, "tokenizer_type", None) in (None, "HuggingFaceTokenizer")
+    return cfg.tokenizer_model if hf and cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model) else None
 
 
 def source_vocab_size(cfg, padded_vocab_size: int) -> int:
-    """The true vocabulary: ``cfg.vocab_size``, else the tokenizer's, else the padded size."""
-    vocab = cfg.vocab_size
+    """The true vocabulary: the config's (``cfg.unpadded_vocab_size()``: a NullTokenizer's
+    ``vocab_size + 1``), else the tokenizer's, else the padded size."""
+    vocab = cfg.unpadded_vocab_size()
     tok = tokenizer_path(cfg)
     if vocab is None and tok is not None:
 

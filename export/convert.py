@@ -34,17 +34,18 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
+from jmegatron.config import IMPORTED_FIELDS_FILE, ConfigError, base_config, from_configdict, load_config_file
 from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config, write_hf_tokenizer
-from jmegatron.export.hf import (config_fields_from_hf, from_hf_state_dict, hf_architecture, hf_mtp_depths,
-                                 hf_tensor_names, is_hf_folder, read_hf_state_dict)
+from jmegatron.export.hf import (ARCHITECTURES, config_fields_from_hf, from_hf_state_dict, hf_architecture,
+                                 hf_mtp_depths, hf_tensor_names, is_hf_folder, read_hf_state_dict)
 from jmegatron.export.stream import export_hf_streaming, parse_size
+from jmegatron.export.unified import is_unified_folder, jmegatron_fields, jmegatron_params, read_unified
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.training import checkpointing
 from jmegatron.training.run import build, checkpoint_meta
 
-__all__ = ["register", "export_hf", "import_hf", "hf_checkpoint", "checkpoint_of"]
+__all__ = ["register", "export_hf", "import_hf", "import_unified", "hf_checkpoint", "checkpoint_of"]
 
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 HF_SOURCE = "hf_source"  # import-hf's copy of the source config.json / generation_config.json
@@ -52,8 +53,7 @@ HF_SOURCE = "hf_source"  # import-hf's copy of the source config.json / generati
 
 def register(sub) -> None:
     """Add the ``hf`` and ``import-hf`` subcommands to an argparse subparsers object."""
-    p = sub.add_parser("hf", help="write a Hugging Face folder (GPT2LMHeadModel / LlamaForCausalLM / "
-                                  "Qwen2ForCausalLM / Qwen3ForCausalLM / MixtralForCausalLM / Qwen2MoeForCausalLM)")
+    p = sub.add_parser("hf", help=f"write a Hugging Face folder ({' / '.join(ARCHITECTURES)})")
     p.add_argument("--load", required=True, help="jmegatron checkpoint directory")
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
@@ -170,6 +170,24 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
                          seq_length=seq_length, tokenizer_model=tokenizer, before_save=copy_files, what=f"--hf {folder}")
 
 
+def import_unified(folder: str, out: str, config_file: str | None = None, seq_length: int | None = None):
+    """:func:`import_hf` for ModelOpt's unified checkpoint ``folder``
+    (:func:`jmegatron.export.unified.is_unified_folder`): the parameters compute what a server
+    computes (:func:`jmegatron.export.unified.jmegatron_params`: dequantized weights; FP8 through
+    jmegatron's FP8 linears at the folder's scales). A quantized KV cache is noted and not
+    modelled. Returns the resolved config. Raises ExportError as :func:`import_hf`, and for a
+    ``quant_algo`` jmegatron's model does not compute (named, with ``check-unified``)."""
+    check_out_dir(out)
+    ckpt = read_unified(folder)
+    fields = jmegatron_fields(ckpt)
+    if ckpt.quant.get("kv_cache_quant_algo"):
+        print(f"[jmegatron.export] note: {folder} quantizes the KV cache ({ckpt.quant['kv_cache_quant_algo']}); "
+              f"jmegatron keeps it in the compute dtype", flush=True)
+    return save_imported(fields, out, config_file, lambda cfg, padded: jmegatron_params(ckpt, cfg, padded),
+                         source=f"{ckpt.algo} unified checkpoint {os.path.abspath(folder)}", seq_length=seq_length,
+                         what=f"--load {folder}")
+
+
 IMPORTED_MARKER = "imported_from.json"  # written last by hf_checkpoint: the import is complete
 
 
@@ -204,7 +222,7 @@ def hf_checkpoint(folder: str, out: str, timeout_s: float = 3600.0) -> str:
             time.sleep(1.0)
         return out
     shutil.rmtree(out, ignore_errors=True)  # a partial import (killed before its marker)
-    import_hf(folder, out)
+    (import_unified if is_unified_folder(folder) else import_hf)(folder, out)
     with open(marker, "w") as f:
         json.dump({"hf": source}, f)
     return out
@@ -213,14 +231,16 @@ def hf_checkpoint(folder: str, out: str, timeout_s: float = 3600.0) -> str:
 @contextlib.contextmanager
 def checkpoint_of(load: str) -> Iterator[str]:
     """``load`` when it is a jmegatron checkpoint; for a Hugging Face folder (a
-    ``config.json`` with ``model_type``), its import (:func:`import_hf`) into a temporary
-    directory removed on exit: how ``evaluate`` and ``generate`` take an HF folder as
+    ``config.json`` with ``model_type``), its import (:func:`import_hf`, or
+    :func:`import_unified` for ModelOpt's unified checkpoint) into a temporary directory
+    removed on exit: how ``evaluate``, ``generate`` and ``serve`` take such a folder as
     ``--load``."""
-    if not is_hf_folder(load):
+    if not is_hf_folder(load) and not is_unified_folder(load):
         yield load
         return
     with tempfile.TemporaryDirectory(prefix="jmegatron-hf-") as tmp:
-        print(f"[jmegatron] {load} is a Hugging Face folder: importing it (import-hf) into {tmp}", flush=True)
+        kind = "ModelOpt unified checkpoint" if is_unified_folder(load) else "Hugging Face folder (import-hf)"
+        print(f"[jmegatron] {load} is a {kind}: importing it into {tmp}", flush=True)
         yield hf_checkpoint(load, os.path.join(tmp, "checkpoint"))
 
 
@@ -234,7 +254,9 @@ def save_imported(fields: dict, out: str, config_file: str | None, to_params, *,
     ``max_position_embeddings``), laid over ``config_file``'s settings (default: jmegatron's
     defaults with mock data), one device, ``save=out``; ``to_params(cfg, padded_vocab_size)``
     gives the parameters; ``before_save(cfg)`` writes side files (tokenizer, sources).
-    The checkpoint is saved at ``iteration`` with fresh optimizer state and ``config.json``.
+    The checkpoint is saved at ``iteration`` with fresh optimizer state, ``config.json`` and
+    the names of ``fields`` (:data:`jmegatron.config.IMPORTED_FIELDS_FILE`: a run that takes
+    its architecture from the import keeps these values, :func:`jmegatron.config.imported_args`).
     Returns the resolved config. Raises ExportError (prefixed by ``what``) for a bad
     ``config_file``, an invalid resulting config or weights that do not fit it.
     """
@@ -271,6 +293,8 @@ def save_imported(fields: dict, out: str, config_file: str | None, to_params, *,
         before_save(cfg)
     with open(os.path.join(out, "config.json"), "w") as f:
         f.write(cfg.to_json())
+    with open(os.path.join(out, IMPORTED_FIELDS_FILE), "w") as f:  # what a run from it keeps (imported_args)
+        json.dump({"fields": sorted(fields)}, f, indent=1)
     ckpt = checkpointing.Checkpointer(out)
     ckpt.save(iteration, state, checkpoint_meta(cfg, run, iteration, 0))
     ckpt.wait()

@@ -70,8 +70,8 @@ from jmegatron.export.hf import unstack_layers
 from jmegatron.training.checkpointing import CheckpointError, has_checkpoint
 
 __all__ = ["FP8_E4M3_MAX", "FP8_LINEARS", "UNIFIED_LINEARS", "unified_modules", "FP8_META", "WEIGHT_SCALES", "LinearScales", "saved_fp8_meta_paths",
-           "has_fp8_meta", "layer_fp8_meta", "history_amax", "checkpoint_fp8_scales", "quantize_weight",
-           "strip_fp8_meta"]
+           "check_fp8_exportable", "has_fp8_meta", "layer_fp8_meta", "history_amax", "checkpoint_fp8_scales",
+           "quantize_weight", "strip_fp8_meta"]
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_META = "fp8_meta"
@@ -143,6 +143,18 @@ class LinearScales:
     activation_source: str
 
 
+def check_fp8_exportable(cfg) -> None:
+    """Raise ExportError, naming ``config.num_moe_experts`` and the fix, for a mixture-of-experts
+    config: jmegatron's FP8 training leaves the experts unquantized (docs/PRECISION.md), so the
+    checkpoint holds no scales for the expert linears that ModelOpt's and TensorRT-LLM's FP8
+    formats quantize. Dense models (GPT-2, Llama, Mistral, Qwen2/3, Gemma layouts) pass."""
+    if cfg.num_moe_experts is not None:
+        raise ExportError(f"--scales from-checkpoint: config.num_moe_experts={cfg.num_moe_experts}: FP8 training "
+                          "leaves the MoE experts unquantized, so this checkpoint has no FP8 scales for them (only "
+                          "for the attention linears); calibrate instead: `python -m jmegatron.export quantize "
+                          "--quant-cfg fp8 --calib-data PREFIX` without --scales (then `trtllm --quantized`)")
+
+
 def layer_fp8_meta(params: Mapping, cfg) -> dict[int, dict[str, dict[str, np.ndarray]]]:
     """``{layer: {linear path: {leaf: float32 array}}}`` for every decoder layer and every
     linear of :data:`FP8_LINEARS`, from per-layer (or stacked ``decoder_layers``) params.
@@ -151,10 +163,8 @@ def layer_fp8_meta(params: Mapping, cfg) -> dict[int, dict[str, dict[str, np.nda
     (``decoder_layers_{i}/self_attention/linear_qkv/fp8_meta/...``); only that placement is
     read. Raises ExportError naming the first linear without ``fp8_meta``, a missing leaf,
     or a leaf of the wrong shape (histories ``[H]``, scales ``[]``), and for MoE configs
-    (their expert linears have no TensorRT-LLM FP8 layout here)."""
-    if cfg.num_moe_experts is not None:
-        raise ExportError("--scales from-checkpoint: mixture-of-experts checkpoints are not exported to the FP8 "
-                          "TensorRT-LLM checkpoint (dense GPT / Llama only); export without --scales")
+    (:func:`check_fp8_exportable`)."""
+    check_fp8_exportable(cfg)
     p = dict(params)
     if "decoder_layers" in p:
         p = unstack_layers(p, cfg.num_layers)

@@ -95,6 +95,8 @@ GEMMA3 = "Gemma3ForCausalLM"
 # Gemma3ForConditionalGeneration, whose text model imports as gemma3_text
 GEMMA_TYPES = {"gemma2": GEMMA2, "gemma3_text": GEMMA3, "gemma3": GEMMA3}
 _MODEL_TYPE.update({GEMMA2: "gemma2", GEMMA3: "gemma3_text"})
+# every class :func:`hf_architecture` exports to (`export hf --help` and the README list these)
+ARCHITECTURES = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3) + MOE_ARCHITECTURES
 # jmegatron's per-layer norm -> the HF norm of the Llama layout and of Gemma's
 _LLAMA_NORMS = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm"}
 _GEMMA_NORMS = {"input_layernorm": "input_layernorm", "post_self_attn_layernorm": "post_attention_layernorm",
@@ -496,7 +498,8 @@ def _gemma_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[
 
 def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
     """The jmegatron architecture fields (:data:`jmegatron.config.MODEL_FIELDS` plus
-    ``vocab_size``) and dropout rates of a transformers ``config.json`` mapping; the inverse
+    ``vocab_size``), dropout rates and ``init_method_std`` (``initializer_range``) of a
+    transformers ``config.json`` mapping; the inverse
     of :func:`hf_config_dict`. Dropout: GPT-2's ``resid_pdrop`` (jmegatron's one
     ``hidden_dropout`` also drops the embeddings, as Megatron's) and ``attn_pdrop``; the
     Llama layout's ``attention_dropout`` and no hidden dropout (it has none).
@@ -574,6 +577,8 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
     if problems:
         raise ValueError(f"this Hugging Face {model_type} config cannot be imported: " + "; ".join(problems))
     fields["untie_embeddings_and_output_weights"] = not bool(conf.get("tie_word_embeddings", True))
+    if conf.get("initializer_range") is not None:  # written back by hf_config_dict
+        fields["init_method_std"] = float(conf["initializer_range"])
     fields["vocab_size"] = int(conf["vocab_size"])
     return fields
 

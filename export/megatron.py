@@ -90,7 +90,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from jmegatron.config import from_configdict
+from jmegatron.config import from_configdict, tokenizer_type_of, tokenizer_vocab_size
 from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config, load_checkpoint
 from jmegatron.export.convert import save_imported
 from jmegatron.export.hf import _check_shape, _map_leaves, _moe_layers, _plain, _to_numpy, stack_layers, unstack_layers
@@ -145,6 +145,8 @@ def megatron_args(cfg, padded_vocab_size: int, vocab_size: int, *, tensor_model_
                   iteration: int = 0, ckpt_format: str = "torch") -> argparse.Namespace:
     """The ``args`` a Megatron-LM checkpoint carries, for ``cfg`` in layout (tp, pp, ep).
 
+    ``vocab_size``: the true vocabulary (ids counted); the args hold Megatron's ``--vocab-size``
+    (a NullTokenizer's is ``cfg.vocab_size``, one less: :func:`jmegatron.config.tokenizer_vocab_size`).
     Argument names and meanings are megatron/training/arguments.py's; the set covers what
     ``load_checkpoint``'s ``check_checkpoint_args`` compares and what ``--use-checkpoint-args``
     (``load_args_from_checkpoint``) copies, plus ``no_save_optim`` / ``no_save_rng`` (True:
@@ -172,7 +174,8 @@ def megatron_args(cfg, padded_vocab_size: int, vocab_size: int, *, tensor_model_
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         multi_latent_attention=False, mtp_num_layers=cfg.mtp_num_layers,
         mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
-        vocab_size=vocab_size, padded_vocab_size=padded_vocab_size,
+        vocab_size=cfg.vocab_size if tokenizer_vocab_size(cfg.tokenizer_type, cfg.vocab_size) else vocab_size,
+        padded_vocab_size=padded_vocab_size,
         make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout, init_method_std=cfg.init_method_std,
         tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -182,7 +185,7 @@ def megatron_args(cfg, padded_vocab_size: int, vocab_size: int, *, tensor_model_
         bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32,
         iteration=iteration, ckpt_format=ckpt_format, no_save_optim=True, no_save_rng=True,
         consumed_train_samples=0, consumed_valid_samples=0, seed=cfg.seed,
-        tokenizer_type=cfg.tokenizer_type or ("HuggingFaceTokenizer" if cfg.tokenizer_model else None),
+        tokenizer_type=tokenizer_type_of(cfg),
         tokenizer_model=cfg.tokenizer_model, vocab_file=cfg.vocab_file, merge_file=cfg.merge_file,
         num_experts=cfg.num_moe_experts,
     )
@@ -255,6 +258,8 @@ def config_fields_from_megatron_args(args: Any) -> dict[str, Any]:
         fields.update(mtp_num_layers=get("mtp_num_layers"), mtp_loss_scaling_factor=get("mtp_loss_scaling_factor", 0.1))
     fields["vocab_size"] = get("vocab_size")
     kind = get("tokenizer_type")
+    if kind == "NullTokenizer" and get("vocab_size") is not None:  # no file: the size is the tokenizer
+        fields["tokenizer_type"] = kind
     files = {"HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}.get(kind)
     if files and all(get(n) and os.path.exists(get(n)) for n in files):  # the tokenizer, when its files are here
         fields.update({"tokenizer_type": kind, **{n: os.path.abspath(get(n)) for n in files}})
@@ -1023,7 +1028,9 @@ def register(sub) -> None:
     q.add_argument("--out", required=True, help="jmegatron checkpoint directory to create (must hold none)")
     q.add_argument("--config", default=None, help="config file for the training settings (architecture from args)")
     q.add_argument("--vocab-size", type=int, default=None,
-                   help="the true vocabulary (default: the args' vocab_size, else the padded rows)")
+                   help="the true vocabulary, ids counted (default: the args' --tokenizer-type and --vocab-size by "
+                        "Megatron's rule of that type (NullTokenizer: vocab_size + 1, its end of document), else "
+                        "the args' vocab_size, else the padded rows)")
     q.add_argument("--trust-pickle", action="store_true",
                    help="torch.load with weights_only=False (only for checkpoints you trust)")
     q.set_defaults(func=lambda a: import_megatron(a.load, a.out, a.config, a.iteration, a.vocab_size,
@@ -1048,6 +1055,10 @@ def import_megatron(load: str, out: str, config_file: Optional[str] = None, iter
     """Write a jmegatron checkpoint holding the Megatron-LM checkpoint ``load`` (at its
     iteration; fresh optimizer state). The architecture comes from the checkpoint's args,
     the training settings from ``config_file`` (default: jmegatron's defaults, mock data).
+    The vocabulary (``vocab_size``: ids counted) defaults to the args' ``--tokenizer-type`` and
+    ``--vocab-size`` by Megatron's rule of that type (:func:`jmegatron.config.tokenizer_vocab_size`:
+    a NullTokenizer keeps its end-of-document row ``vocab_size``), else the args' ``vocab_size``,
+    else the embedding's rows.
     Returns the resolved config. Raises ExportError (naming the path or argument) for what
     :func:`read_megatron_checkpoint` refuses, a tensor that is missing, misshapen or unused,
     or an ``out`` that already holds files."""
@@ -1055,9 +1066,9 @@ def import_megatron(load: str, out: str, config_file: Optional[str] = None, iter
     args, sd, it, fmt = read_megatron_checkpoint(load, iteration, trust_pickle)
     fields = config_fields_from_megatron_args(args)
     rows = sd["embedding.word_embeddings.weight"].shape[0]
-    v = vocab_size or fields.pop("vocab_size", None) or rows
-    fields.pop("vocab_size", None)
-    fields["vocab_size"] = v
+    arg = fields.pop("vocab_size", None)  # Megatron's --vocab-size: its tokenizer type says what it counts
+    v = vocab_size or tokenizer_vocab_size(fields.get("tokenizer_type"), arg) or arg or rows
+    fields["vocab_size"] = v - 1 if fields.get("tokenizer_type") == "NullTokenizer" else v
     copies = {}  # the tokenizer's files travel into out/tokenizer/, as import-hf's do
     for name in ("tokenizer_model", "vocab_file", "merge_file"):
         if fields.get(name):

@@ -41,6 +41,8 @@ Output (``--out DIR``, which must be empty or absent)::
     DIR/quality.json, .md       held-out perplexity: fp32 row + one row per config
     DIR/<cfg>/modelopt_state.pth    ``mto.save`` of the fake-quantized model (architecture
                                     changes, quantizer amax/scales, smoothed weights)
+    DIR/<cfg>/quant_summary.txt     ModelOpt's quantizer table (``mtq.print_quant_summary``'s
+                                    lines: every TensorQuantizer, enabled or not, with its amax)
     DIR/<cfg>/quantize_info.json    what :func:`load_quantized` needs (source checkpoint,
                                     iteration, ModelOpt config, KV-cache quant, perplexity)
     DIR/<cfg>/unified_hf/       ModelOpt's unified Hugging Face checkpoint
@@ -79,15 +81,16 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from jmegatron.config import moe_layer_pattern
+from jmegatron.config import moe_layer_pattern, tokenizer_type_of
 from jmegatron.data.blended_dataset import convert_split_vector_to_split_matrix, parse_and_normalize_split
 from jmegatron.data.gpt_dataset import GPTDataset
 from jmegatron.data.indexed_dataset import IndexedDataset
 from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.export.common import (ExportError, ExportSource, check_out_dir, checkpoint_config, hf_model, load_checkpoint,
                                      write_hf_tokenizer)
-from jmegatron.export.fp8_scales import (FP8_E4M3_MAX, WEIGHT_SCALES, checkpoint_fp8_scales, layer_fp8_meta,
-                                         quantize_weight, saved_fp8_meta_paths, strip_fp8_meta, unified_modules)
+from jmegatron.export.fp8_scales import (FP8_E4M3_MAX, WEIGHT_SCALES, check_fp8_exportable, checkpoint_fp8_scales,
+                                         quantize_weight, saved_fp8_meta_paths, strip_fp8_meta,
+                                         unified_modules)
 from jmegatron.export.hf import hf_architecture, to_hf_state_dict
 from jmegatron.export.unified import check_unified, unified_model
 from jmegatron.inference.generate import generate_text
@@ -97,7 +100,8 @@ __all__ = [
     "MANIFEST", "register", "run", "quantize", "load_quantized", "parse_quant_cfgs",
     "build_quant_config", "portion_dataset", "make_batches", "perplexity", "quantize_model",
     "enabled_quantizers", "moe_router_modules", "greedy_continuation", "save_quantized", "weight_block_size",
-    "check_block_sizes", "quantized_source_config", "SCALES", "checkpoint_scaled_model", "reloaded_perplexity",
+    "check_block_sizes", "quantized_source_config", "SCALES", "QUANT_SUMMARY", "quantizer_table",
+    "checkpoint_scaled_model", "reloaded_perplexity",
 ]
 
 # --quant-cfg name -> ModelOpt config (names as Megatron-LM's text_generation_ptq.py / hf_ptq.py)
@@ -112,11 +116,18 @@ QUANT_CFG_CHOICES = {
 KV_CACHE_QUANT_CHOICES = {"none": None, "fp8": "FP8_KV_CFG"}
 # Megatron keeps the output layer in high precision (text_generation_ptq.py disables it)
 UNQUANTIZED_PATTERNS = ("*lm_head*", "*output_layer*")
+# ModelOpt 0.47 wraps nn.LayerNorm (GPT-2's ln_1 / ln_2 / ln_f) with an input quantizer that
+# "*input_quantizer" enables (modelopt/torch/quantization/nn/modules/quant_layernorm.py, for
+# its ONNX attention fusion); the unified and TensorRT-LLM exports write no scale for it, and
+# jmegatron's FP8 training leaves norms unquantized, so it is disabled: the fake-quantized
+# model then computes what the exported checkpoint computes
+UNQUANTIZED_PARENT_CLASSES = ("nn.LayerNorm",)
 OUTPUT_LAYER = "lm_head"
 
 MODELOPT_STATE = "modelopt_state.pth"
 UNIFIED_HF_DIR = "unified_hf"
 INFO_FILE = "quantize_info.json"
+QUANT_SUMMARY = "quant_summary.txt"
 MANIFEST = "quantize.json"
 EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 SCALES = ("calibrate", "from-checkpoint")
@@ -211,17 +222,29 @@ def _append_entries(quant_cfg, entries: Sequence[tuple[str, dict]]):
     return out
 
 
+def _disable_parent_classes(quant_cfg, classes: Sequence[str]):
+    """Disable every quantizer of modules of ``classes`` (ModelOpt names, e.g. ``"nn.LayerNorm"``):
+    ``{"quantizer_name": "*", "parent_class": C, "enable": False}`` entries (0.47's list), or
+    ``{C: {"*": {"enable": False}}}`` in the older dict form."""
+    if isinstance(quant_cfg, list):
+        return quant_cfg + [{"quantizer_name": "*", "parent_class": c, "enable": False} for c in classes]
+    return {**quant_cfg, **{c: {"*": {"enable": False}} for c in classes}}
+
+
 def build_quant_config(name: str, kv_cache_quant: str = "none") -> dict:
     """The ModelOpt config dict (``{"quant_cfg": ..., "algorithm": ...}``) for ``--quant-cfg name``:
-    a deep copy of ``mtq.<QUANT_CFG_CHOICES[name]>`` with the output layer disabled
-    (``*lm_head*``, ``*output_layer*``) and, for ``kv_cache_quant="fp8"``, ``mtq.FP8_KV_CFG``'s
-    ``*[kv]_bmm_quantizer`` entries appended (as hf_ptq.py merges them).
+    a deep copy of ``mtq.<QUANT_CFG_CHOICES[name]>`` with the quantizers ModelOpt puts on
+    ``nn.LayerNorm`` inputs disabled (:data:`UNQUANTIZED_PARENT_CLASSES`: no export writes their
+    scale), then the output layer (``*lm_head*``, ``*output_layer*``) and, for
+    ``kv_cache_quant="fp8"``, ``mtq.FP8_KV_CFG``'s ``*[kv]_bmm_quantizer`` entries appended
+    (as hf_ptq.py merges them).
     Raises ExportError for an unknown name or KV-cache choice."""
     import modelopt.torch.quantization as mtq
 
     parse_quant_cfgs(name)
     kv = _check_kv_cache_quant(kv_cache_quant)
     cfg = copy.deepcopy(getattr(mtq, QUANT_CFG_CHOICES[name]))
+    cfg["quant_cfg"] = _disable_parent_classes(cfg["quant_cfg"], UNQUANTIZED_PARENT_CLASSES)
     cfg["quant_cfg"] = _append_entries(cfg["quant_cfg"], [(p, {"enable": False}) for p in UNQUANTIZED_PATTERNS])
     if KV_CACHE_QUANT_CHOICES[kv] is not None:
         kv_cfg = copy.deepcopy(getattr(mtq, KV_CACHE_QUANT_CHOICES[kv])["quant_cfg"])
@@ -504,6 +527,25 @@ def reloaded_perplexity(hf_dir: str, batches, device="cpu") -> Optional[dict]:
     return perplexity(model.to(device), batches, device)
 
 
+def quantizer_table(model) -> tuple[str, dict]:
+    """``(table, counts)`` of a ModelOpt-quantized model: ``table`` holds the lines
+    ``mtq.print_quant_summary`` prints (each ``TensorQuantizer``'s name and repr, then the
+    count); ``counts``: ``total``, ``enabled`` and ``enabled_by_kind`` (``weight`` / ``input``
+    / ``output`` / ``bmm`` (attention's q/k/v/p) -> number enabled)."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    quantizers = [(n, m) for n, m in model.named_modules() if isinstance(m, TensorQuantizer)]
+    lines = [f"{n:80} {m}" for n, m in quantizers] + [f"{len(quantizers)} TensorQuantizers found in model"]
+    by_kind: dict[str, int] = {}
+    for n, m in quantizers:
+        if m.is_enabled:
+            kind = n.rsplit(".", 1)[-1].removesuffix("_quantizer")
+            kind = "bmm" if kind.endswith("_bmm") else kind
+            by_kind[kind] = by_kind.get(kind, 0) + 1
+    return "\n".join(lines) + "\n", {"total": len(quantizers), "enabled": sum(by_kind.values()),
+                                      "enabled_by_kind": dict(sorted(by_kind.items()))}
+
+
 def enabled_quantizers(model, prefix: str) -> list[str]:
     """Names of the enabled ModelOpt ``TensorQuantizer`` s under module ``prefix`` (e.g.
     ``"lm_head"``); [] means that module runs unquantized."""
@@ -739,8 +781,7 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
     except ValueError as e:
         raise ExportError(f"--load {load}: {e}") from e
     if scales == "from-checkpoint":
-        if cfg.num_moe_experts is not None:
-            layer_fp8_meta({}, cfg)  # refuses MoE by name: the experts carry no FP8 scales
+        check_fp8_exportable(cfg)  # refuses MoE by name: the experts carry no FP8 scales
         if not saved_fp8_meta_paths(load, iteration):
             raise ExportError(f"--scales from-checkpoint: {os.path.abspath(load)} holds no FP8 scales (no fp8_meta: "
                               f"it was trained without config.fp8, fp8={cfg.fp8!r}); use --scales calibrate")
@@ -748,7 +789,7 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
         check_block_sizes(name, cfg)
     tokenizer = None
     if (cfg.tokenizer_model and os.path.exists(cfg.tokenizer_model)) or \
-            (cfg.tokenizer_type == "GPT2BPETokenizer" and all(os.path.exists(f or "") for f in (cfg.vocab_file,
+            (tokenizer_type_of(cfg) == "GPT2BPETokenizer" and all(os.path.exists(f or "") for f in (cfg.vocab_file,
                                                                                               cfg.merge_file))):
         tokenizer = build_tokenizer(cfg)
     elif cfg.eod_mask_loss or cfg.reset_position_ids or prompt is not None:
@@ -888,7 +929,6 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
                  export_dtype, scales, weight_scales)
 
     # ---- work starts: restore the arrays, build the torch model
-    import modelopt.torch.quantization as mtq
     import torch
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -932,7 +972,10 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
             model = quantize_model(copy.deepcopy(base), name, plan.kv, calib_batches, device)
             _log(f"{name} ({QUANT_CFG_CHOICES[name]}, KV cache {plan.kv}): calibrated in {time.time() - t0:.1f}s")
         calib_seconds = time.time() - t0
-        mtq.print_quant_summary(model)
+        table, counts = quantizer_table(model)
+        _log(f"{name}: {counts['enabled']} of {counts['total']} ModelOpt quantizers enabled ("
+             + ", ".join(f"{n} {k}" for k, n in counts["enabled_by_kind"].items()) + "); the table -> "
+             + os.path.abspath(os.path.join(out, name, QUANT_SUMMARY)))
         left_on = enabled_quantizers(model, OUTPUT_LAYER)
         if left_on:
             raise RuntimeError(f"{name}: the output layer has enabled quantizers {left_on} (it must stay unquantized)")
@@ -956,6 +999,8 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
             "scales": provenance or {"scales": "calibrate"}, "source": source, "perplexity": q,
             "fp32_perplexity": fp32, "relative_change": rel, **data}, fp8_codes=codes)
         export_seconds = time.time() - t0
+        with open(os.path.join(out, name, QUANT_SUMMARY), "w") as f:
+            f.write(table)
         hf_dir = os.path.join(out, name, UNIFIED_HF_DIR)
         _log(f"{name}: {info['quant_algo']} unified HF checkpoint ({plan.export_dtype}) -> "
              f"{os.path.abspath(hf_dir)} ({export_seconds:.1f}s)")

@@ -142,7 +142,7 @@ import numpy as np
 
 from jmegatron.export import trtllm_check
 from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint, refuse_moe
-from jmegatron.export.fp8_scales import (FP8_LINEARS, WEIGHT_SCALES, checkpoint_fp8_scales, layer_fp8_meta,
+from jmegatron.export.fp8_scales import (FP8_LINEARS, WEIGHT_SCALES, check_fp8_exportable, checkpoint_fp8_scales,
                                          quantize_weight, saved_fp8_meta_paths, strip_fp8_meta)
 from jmegatron.export.hf import GPT2, QWEN2 as HF_QWEN2, _check_shape, _get, _plain, hf_architecture, unstack_layers
 from jmegatron.export.hf_moe import MIXTRAL as HF_MIXTRAL
@@ -718,8 +718,7 @@ def export_fp8_checkpoint(load: str, out: str, *, tp: int = 1, pp: int = 1, dtyp
         raise ExportError(f"--weight-scales {weight_scales!r}: choose from {', '.join(WEIGHT_SCALES)}")
     cfg = checkpoint_config(load, iteration)
     check_exportable(cfg, tp, dtype, pp)
-    if cfg.num_moe_experts is not None:
-        layer_fp8_meta({}, cfg)
+    check_fp8_exportable(cfg)
     _check_out(out, overwrite)
     if not saved_fp8_meta_paths(load, iteration):
         raise ExportError(
@@ -912,6 +911,19 @@ def register(sub) -> None:
     trtllm_check.register(sub)
 
 
+def _wrote_line(out: str, report) -> str:
+    """One line saying what ``trtllm`` wrote: folder, architecture, quantization or dtype, the
+    tp x pp layout and the rank files' total size."""
+    c = report.config if isinstance(report.config, dict) else {}
+    m = c.get("mapping") if isinstance(c.get("mapping"), dict) else {}
+    q = (c.get("quantization") or {}).get("quant_algo") if isinstance(c.get("quantization"), dict) else None
+    total = sum(rf.nbytes for rf in report.ranks)
+    return (f"[jmegatron.export trtllm] wrote {out}: {c.get('architecture')} "
+            f"{q + ' (unquantized tensors ' + str(c.get('dtype')) + ')' if q else c.get('dtype')}, "
+            f"tp {m.get('tp_size', 1)} x pp {m.get('pp_size', 1)}: config.json + {len(report.ranks)} rank "
+            f"file{'s' if len(report.ranks) != 1 else ''} ({total / 2**20:.1f} MiB)")
+
+
 def run(args) -> int:
     """The ``trtllm`` command: export, self-check with the checker, optionally build."""
     if args.build_engine:
@@ -968,6 +980,7 @@ def run(args) -> int:
     if not report.ok:
         print(f"error: the written checkpoint fails its own check ({len(report.errors)} errors)", file=sys.stderr)
         return 1
+    print(_wrote_line(os.path.abspath(args.out), report), flush=True)
     if args.build_engine:
         build_engine(os.path.abspath(args.out), os.path.abspath(args.engine_dir or os.path.join(args.out, "engine")))
     return 0

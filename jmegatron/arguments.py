@@ -205,7 +205,6 @@ IGNORED = {
     "no_save_optim": "jmegatron's checkpoints always hold the optimizer state (resume is exact)",
     "no_save_rng": "jmegatron's checkpoints always hold the RNG state (resume is exact)",
     "exit_on_missing_checkpoint": "jmegatron stops with an error when config.load holds no checkpoint anyway",
-    "seq_length_min": "ByteMLPerf's GPTVariableDataset never reads it (lengths are seq_length - k x seq_length_step)",
     "sgd_momentum": "used only with --optimizer sgd, which is refused",
     "yaml_cfg_version": "the YAML layout's version",
 }
@@ -266,9 +265,8 @@ REFUSED = {
     "data_args_path": ((None,), "use --data-path with --split"),
     "per_split_data_args_path": ((None,), "use --data-path with --split"),
     "renormalize_blend_weights": ((False,), "blend weights are used as given"),
-    "tiktoken_pattern": ((None,), "TikTokenizer is not read; use HuggingFaceTokenizer"),
-    "tiktoken_num_special_tokens": ((None, 1000), "TikTokenizer is not read; use HuggingFaceTokenizer"),
-    "tiktoken_special_tokens": ((None,), "TikTokenizer is not read; use HuggingFaceTokenizer"),
+    "tiktoken_special_tokens": ((None,), "TikTokenizer's special tokens are Megatron's default <unk>, <s>, </s> "
+                                         "and fillers"),
     "tokenizer_name_or_path": ((None,), "use --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR"),
     "pretrained_checkpoint": ((None,), "use --load CKPT (with --finetune for a fresh iteration count)"),
     "ckpt_step": ((None,), "jmegatron resumes the newest complete step of --load"),
@@ -468,9 +466,8 @@ def _translate(raw: dict, config_cls, kind: str) -> tuple[dict, dict]:
                 status[dest] = ("ignored", "null: Megatron's default")
                 continue
             if field == "tokenizer_type" and value in refused_tokenizers:
-                status[dest] = ("refused", f"{value} (SentencePiece / TikToken) is not read; the same tokenizer "
-                                f"saved by transformers loads as --tokenizer-type HuggingFaceTokenizer "
-                                f"--tokenizer-model DIR")
+                status[dest] = ("refused", f"{value} is not read; the same tokenizer saved by transformers loads "
+                                f"as --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR")
                 continue
             try:
                 put(dest, field, _coerce(field, value, hints[field]))
@@ -718,11 +715,27 @@ def _flag_order(parser, argv) -> dict:
     return order
 
 
-def read_args_file(path: str) -> list:
-    """The tokens of a stored argument list (``configs/bytemlperf/*.args``): shell words,
-    ``#`` comments dropped."""
+_SHELL_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def read_args_file(path: str, environ: Optional[dict] = None) -> list:
+    """The tokens of a stored argument list (``configs/bytemlperf/*.args``, what a ByteMLPerf
+    script passes to ``pretrain_gpt.py``): shell words, ``#`` comments dropped, ``$NAME`` and
+    ``${NAME}`` replaced by ``environ`` (default: the environment), as the script's shell does.
+    Raises MegatronArgumentError naming the file, the word and the first variable that is not
+    set; FileNotFoundError for a missing file."""
+    environ = os.environ if environ is None else environ
     with open(path) as f:
-        return shlex.split(f.read(), comments=True)
+        words = shlex.split(f.read(), comments=True)
+
+    def value(m):
+        name = m.group(1) or m.group(2)
+        if name not in environ:
+            raise MegatronArgumentError(f"args file {path!r}: {m.string!r} names the environment variable {name}, "
+                                        f"which is not set; export {name}=... (the script's variable) and run again")
+        return environ[name]
+
+    return [_SHELL_VAR.sub(value, w) for w in words]
 
 
 # ------------------------------------------------------------------ YAML

@@ -35,12 +35,50 @@ from jmegatron.parallel.pipeline_layout import PipelineLayout
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 # Megatron's --tokenizer-type values read (jmegatron.data.tokenizer.build_tokenizer), those
-# refused, and the fields that name a run's tokenizer
-TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
-REFUSED_TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer",
-                           "BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer", "SFTTokenizer",
+# refused, the fields that name a run's tokenizer (one of them set: a tokenizer is given) and all
+# the fields of its tokenizer (what a checkpoint carries: use_checkpoint_args)
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "SentencePieceTokenizer",
+                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer")
+REFUSED_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer", "SFTTokenizer",
                            "NullMultimodalTokenizer")
-TOKENIZER_FIELDS = ("tokenizer_model", "tokenizer_type", "vocab_file", "merge_file")
+TOKENIZER_NAME_FIELDS = ("tokenizer_model", "tokenizer_type", "vocab_file", "merge_file")
+TOKENIZER_FIELDS = TOKENIZER_NAME_FIELDS + ("tiktoken_pattern", "tiktoken_num_special_tokens")
+TIKTOKEN_DEFAULT_VOCAB_SIZE = 2 ** 17  # Megatron's TikTokenizer without --vocab-size
+
+
+def tokenizer_vocab_size(tokenizer_type: Optional[str], vocab_size: Optional[int]) -> Optional[int]:
+    """The vocabulary (ids before padding) of Megatron's ``--tokenizer-type tokenizer_type
+    --vocab-size vocab_size`` where that flag decides it, by each type's own rule
+    (megatron/training/tokenizer/tokenizer.py, ``build_tokenizer``): ``NullTokenizer``
+    ``vocab_size + 1`` (ids ``0 .. vocab_size - 1`` and the end of document ``vocab_size``:
+    ``_NullTokenizer.vocab_size``); ``TikTokenizer`` ``vocab_size`` (default 2^17: the special
+    tokens, then the first ``vocab_size - num_special_tokens`` ranks). None for the types whose
+    files decide it (``--vocab-size`` is not read by them: HuggingFaceTokenizer, GPT2BPETokenizer,
+    SentencePieceTokenizer, Llama2Tokenizer, ...) and for a NullTokenizer without a size."""
+    if tokenizer_type == "NullTokenizer":
+        return None if vocab_size is None else int(vocab_size) + 1
+    if tokenizer_type == "TikTokenizer":
+        return int(vocab_size) if vocab_size is not None else TIKTOKEN_DEFAULT_VOCAB_SIZE
+    return None
+
+
+def tokenizer_type_of(cfg: Any) -> Optional[str]:
+    """The ``--tokenizer-type`` a run uses: ``cfg.tokenizer_type`` when set; else
+    ``"HuggingFaceTokenizer"`` when ``tokenizer_model`` is set; else ``"GPT2BPETokenizer"`` when
+    ``vocab_file`` and ``merge_file`` are (Megatron's ``pretrain_gpt.py`` passes
+    ``args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}``, which ByteMLPerf's GPT scripts rely
+    on); None: no tokenizer is named. ``cfg``: a :class:`JMegatronConfig`, a ConfigDict or a
+    dict of its fields (a checkpoint's config.json)."""
+    get = cfg.get if isinstance(cfg, dict) else (lambda name: getattr(cfg, name, None))
+    if get("tokenizer_type"):
+        return get("tokenizer_type")
+    if get("tokenizer_model"):
+        return "HuggingFaceTokenizer"
+    if get("vocab_file") and get("merge_file"):
+        return "GPT2BPETokenizer"
+    return None
+
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD", "multi-step")  # multi-step: ByteMLPerf
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -336,7 +374,9 @@ class JMegatronConfig:
     save_interval: Optional[int] = None  # None: save only at the end
     save: Optional[str] = None
     load: Optional[str] = None  # None: = save (resume automatically)
-    keep_checkpoints: int = 2  # jmegatron-only: Orbax max_to_keep
+    # jmegatron-only: None keeps every save (Megatron); N: Orbax's max_to_keep, the newest N kept and
+    # each deletion of an older one printed
+    keep_checkpoints: Optional[int] = None
     async_save: bool = False  # Megatron: --async-save
     tensorboard_dir: Optional[str] = None  # None: <save>/tensorboard
     wandb_project: Optional[str] = None  # Megatron: --wandb-project (log the TensorBoard scalars to this W&B project)
@@ -372,12 +412,19 @@ class JMegatronConfig:
     # --- data (megatron/training/arguments.py: _add_data_args) ---
     data_path: Optional[str] = None  # "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's --data-path, space separated)
     split: str = "969,30,1"
-    tokenizer_model: Optional[str] = None  # path of a tokenizers tokenizer.json
+    tokenizer_model: Optional[str] = None  # a tokenizers tokenizer.json / save_pretrained folder, or the file of tokenizer_type
     # Megatron's --tokenizer-type (jmegatron.data.tokenizer.build_tokenizer): HuggingFaceTokenizer
     # (tokenizer_model), GPT2BPETokenizer (vocab_file + merge_file) or NullTokenizer (space-separated
-    # ids, the last of vocab_size the end of document: Megatron's --vocab-size V is V + 1 here);
-    # None: HuggingFaceTokenizer when tokenizer_model is set
+    # ids; vocab_size as Megatron's --vocab-size: ids 0 .. vocab_size - 1 and the end of document
+    # vocab_size, so the model has vocab_size + 1: tokenizer_vocab_size);
+    # None: HuggingFaceTokenizer when tokenizer_model is set, else GPT2BPETokenizer when vocab_file and
+    # merge_file are (Megatron's pretrain_gpt.py default; tokenizer_type_of)
     tokenizer_type: Optional[str] = None
+    # SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer: tokenizer_model is the
+    # sentencepiece .model; TikTokenizer: tokenizer_model is Megatron's JSON rank file, its vocabulary
+    # vocab_size (None: 2^17), Megatron's --tiktoken-pattern (v1 | v2) and --tiktoken-num-special-tokens
+    tiktoken_pattern: Optional[str] = None
+    tiktoken_num_special_tokens: int = 1000
     vocab_file: Optional[str] = None  # GPT2BPETokenizer: GPT-2's vocab.json
     merge_file: Optional[str] = None  # GPT2BPETokenizer: GPT-2's merges.txt
     mock_data: bool = False
@@ -388,6 +435,10 @@ class JMegatronConfig:
     # tokens, k in 1..9, padded to the batch's longest (jmegatron.data.gpt_variable_dataset)
     variable_data: bool = False
     seq_length_step: Optional[int] = None
+    # ByteMLPerf's --seq-length-min ("minimum sequence length to process", its default 128): under
+    # variable_data the shortest sample, seq_length - 9 * seq_length_step, must reach it (the draw
+    # itself is ByteMLPerf's, which never reads it)
+    seq_length_min: int = 128
     # chat conversations (preprocess_data --apply-chat-template) packed several to a sample
     # (jmegatron.data.sft_dataset)
     sft: bool = False  # Megatron's --sft: SFT data, loss on assistant tokens only (needs reset_attention_mask)
@@ -563,6 +614,12 @@ class JMegatronConfig:
                 f"config.variable_data=True needs config.seq_length_step > 0 with seq_length - 9 x "
                 f"seq_length_step >= 1 (samples have seq_length - k x step tokens, k in 1..9); got "
                 f"seq_length={self.seq_length}, seq_length_step={self.seq_length_step}.")
+        if self.variable_data and self.seq_length - 9 * self.seq_length_step < self.seq_length_min:
+            raise ConfigError(
+                f"config.seq_length_min={self.seq_length_min} exceeds the shortest variable_data sample, seq_length - "
+                f"9 x seq_length_step = {self.seq_length - 9 * self.seq_length_step} (seq_length={self.seq_length}, "
+                f"seq_length_step={self.seq_length_step}); lower seq_length_min or seq_length_step, or raise "
+                f"seq_length.")
         for name in ("sft", "fim_data"):
             if getattr(self, name):
                 self._refuse_with(name, dict(mock_data=self.mock_data, variable_data=self.sft and self.variable_data,
@@ -668,13 +725,16 @@ class JMegatronConfig:
     def _check_values(self):
         positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "micro_batch_size", "make_vocab_size_divisible_by", "log_interval",
-                    "eval_iters", "keep_checkpoints", "tensor_model_parallel_size",
+                    "eval_iters", "tensor_model_parallel_size",
                     "pipeline_model_parallel_size", "context_parallel_size",
                     "expert_model_parallel_size", "ffn_hidden_size", "num_query_groups",
                     "kv_channels", "max_position_embeddings")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config.{name}={getattr(self, name)} must be > 0.")
+        if self.keep_checkpoints is not None and self.keep_checkpoints <= 0:
+            raise ConfigError(f"config.keep_checkpoints={self.keep_checkpoints} must be > 0, or None to keep every "
+                              f"save (Megatron's behaviour).")
         nonneg = ("train_iters", "lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad",
                   "eval_interval", "adam_eps", "init_method_std", "lr_decay_iters", "lr_warmup_samples",
                   "lr_decay_samples", "lr_warmup_init",
@@ -723,10 +783,11 @@ class JMegatronConfig:
             raise ConfigError(f"config.lr_warmup_{unit}={warmup} exceeds config.lr_decay_{unit}={decay}.")
         if self.lr_decay_style == "WSD" and getattr(self, f"lr_wsd_decay_{unit}") is None:
             raise ConfigError(f"config.lr_decay_style='WSD' needs config.lr_wsd_decay_{unit} (the annealing length).")
-        if not self.mock_data and self.data_path is None:
+        if not self.mock_data and self.data_path is None and not self.kd_finalize:  # finalize reads no data
             raise ConfigError("config.data_path is not set; give a preprocessed prefix "
                               "(python -m jmegatron.tools.preprocess_data) or set config.mock_data=True.")
-        has_tokenizer = self.tokenizer_model is not None or self.tokenizer_type is not None
+        kind = tokenizer_type_of(self)
+        has_tokenizer = kind is not None
         if self.tokenizer_type is not None and self.tokenizer_type not in TOKENIZER_TYPES:
             close = difflib.get_close_matches(self.tokenizer_type, TOKENIZER_TYPES + REFUSED_TOKENIZER_TYPES, 1, 0.5)
             known = f"; Megatron's {self.tokenizer_type} is not read" if self.tokenizer_type in REFUSED_TOKENIZER_TYPES \
@@ -734,17 +795,18 @@ class JMegatronConfig:
             raise ConfigError(f"config.tokenizer_type={self.tokenizer_type!r} is not one of {list(TOKENIZER_TYPES)}"
                               f"{known} (a transformers save_pretrained folder of any tokenizer loads as "
                               f"HuggingFaceTokenizer with tokenizer_model=DIR).")
-        needs = {"HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-                 "NullTokenizer": ("vocab_size",)}.get(self.tokenizer_type, ())
+        needs = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "NullTokenizer": ("vocab_size",),
+                 "TikTokenizer": ("tokenizer_model", "tiktoken_pattern")}.get(kind, ("tokenizer_model",) if kind else ())
         for name in needs:
             if getattr(self, name) is None:
-                raise ConfigError(f"config.tokenizer_type={self.tokenizer_type!r} needs config.{name}.")
+                raise ConfigError(f"config.tokenizer_type={kind!r} needs config.{name}.")
         if self.mock_data and self.vocab_size is None and not has_tokenizer:
             raise ConfigError("config.mock_data=True needs config.vocab_size (or config.tokenizer_model).")
-        if not self.mock_data and not has_tokenizer:
+        if not self.mock_data and not has_tokenizer and not (self.kd_finalize and self.vocab_size):
             raise ConfigError("config.tokenizer_model is not set; give the tokenizer.json used by "
-                              "preprocess_data (its end-of-document id separates documents), or Megatron's "
-                              "config.tokenizer_type with its files.")
+                              "preprocess_data (its end-of-document id separates documents), GPT-2's "
+                              "config.vocab_file and config.merge_file, or Megatron's config.tokenizer_type with "
+                              "its files.")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("config.sequence_parallel=True needs config.tensor_model_parallel_size > 1 "
                               "(Megatron disables it otherwise); set sequence_parallel=False.")
@@ -807,13 +869,20 @@ class JMegatronConfig:
                 f"config.micro_batch_size={self.micro_batch_size}.")
 
     # --------------------------------------------------------------- derived
+    def unpadded_vocab_size(self) -> Optional[int]:
+        """The model's vocabulary before padding as far as the config knows it:
+        :func:`tokenizer_vocab_size` for the types whose ``vocab_size`` decides it
+        (NullTokenizer: ``vocab_size + 1``), else ``vocab_size`` (None: the tokenizer's files
+        decide)."""
+        return tokenizer_vocab_size(self.tokenizer_type, self.vocab_size) or self.vocab_size
+
     def padded_vocab_size(self, vocab_size: Optional[int] = None) -> int:
         """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``.
 
         Follows ``_vocab_size_with_padding`` in megatron/training/tokenizer/tokenizer.py.
         Raises ConfigError if no vocabulary size is known.
         """
-        v = vocab_size if vocab_size is not None else self.vocab_size
+        v = vocab_size if vocab_size is not None else self.unpadded_vocab_size()
         if v is None:
             raise ConfigError("config.vocab_size is unknown; set it or config.tokenizer_model.")
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
@@ -1413,13 +1482,17 @@ def load_config_file(path: Optional[str], overrides: Optional[dict[str, Any]] = 
     With ``use_checkpoint_args`` (Megatron's ``--use-checkpoint-args``) the architecture
     comes from the checkpoint at ``load`` (else ``save``): :func:`checkpoint_args` replaces
     the file's fields, and an override that contradicts the checkpoint is an error naming
-    both values. With ``use_checkpoint_opt_param_scheduler`` the learning-rate schedule
+    both values; for an imported checkpoint the other fields its source set
+    (:func:`imported_args`: e.g. a Hugging Face folder's dropouts) replace the defaults,
+    unless an override or the file sets them. With ``use_checkpoint_opt_param_scheduler`` the learning-rate schedule
     (:data:`SCHEDULER_FIELDS`) comes from the checkpoint the run resumes
     (:func:`checkpoint_scheduler_args`), so the optimizer is built with it.
 
     Raises FileNotFoundError for a missing file, ConfigError for bad fields.
     """
     cd = base_config() if path is None else get_config_of(path)
+    defaults = base_config()
+    from_file = set() if path is None else {k for k in cd.keys() if cd[k] != defaults[k]}
     overrides = dict(overrides or {})
     for key, value in overrides.items():
         if key not in cd:
@@ -1430,7 +1503,7 @@ def load_config_file(path: Optional[str], overrides: Optional[dict[str, Any]] = 
         if load is None:
             raise ConfigError("config.use_checkpoint_args=True needs config.load (the checkpoint whose architecture "
                               "the run takes); set --config.load=CKPT.")
-        given = any(getattr(cd, n) is not None for n in TOKENIZER_FIELDS)
+        given = any(getattr(cd, n) is not None for n in TOKENIZER_NAME_FIELDS)
         for name, value in checkpoint_args(load).items():
             if name in TOKENIZER_FIELDS and given:
                 continue  # a tokenizer given here wins (the data's)
@@ -1439,6 +1512,9 @@ def load_config_file(path: Optional[str], overrides: Optional[dict[str, Any]] = 
                                   f"({name}={value!r}) under use_checkpoint_args=True; drop --config.{name} "
                                   f"or set use_checkpoint_args=False.")
             setattr(cd, name, tuple(value) if isinstance(value, list) else value)
+        for name, value in imported_args(load).items():  # the import's source: the user's values win
+            if name not in overrides and name not in from_file:
+                setattr(cd, name, tuple(value) if isinstance(value, list) else value)
     elif path is None and not allow_no_file:
         raise ConfigError("--config is required (a Python config file), unless config.use_checkpoint_args=True takes "
                           "the architecture from config.load.")
@@ -1464,6 +1540,28 @@ def checkpoint_scheduler_args(save: Optional[str], load: Optional[str]) -> dict[
             saved = read_run_config(path)
             return {name: saved[name] for name in SCHEDULER_FIELDS if name in saved}
     return {}
+
+
+# Written beside an imported checkpoint (import-hf, import-megatron): the config fields its
+# source set ({"fields": [names]}), read back by imported_args.
+IMPORTED_FIELDS_FILE = "imported_fields.json"
+
+
+def imported_args(load_dir: str) -> dict[str, Any]:
+    """The fields an imported checkpoint's source set beyond :func:`checkpoint_args`' (a Hugging
+    Face folder's dropouts, ``init_method_std``, MoE router settings, ...), with the values of
+    the ``config.json`` beside it: under ``use_checkpoint_args`` they replace jmegatron's
+    defaults, a value the user gives (an override, or a config file's value other than
+    :func:`base_config`'s) wins. Empty for a checkpoint that is not an import (no
+    :data:`IMPORTED_FIELDS_FILE`)."""
+    record = os.path.join(load_dir, IMPORTED_FIELDS_FILE)
+    if not os.path.isfile(record):
+        return {}
+    with open(record) as f:
+        names = json.load(f)["fields"]
+    saved = read_run_config(os.path.join(load_dir, "config.json"))
+    forced = set(MODEL_FIELDS + ("vocab_size",) + TOKENIZER_FIELDS)
+    return {name: saved[name] for name in names if name in saved and name not in forced}
 
 
 def checkpoint_args(load_dir: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """``python -m jmegatron.evaluate --load CKPT [--eval-iters N] [--split valid|test]
-[--params model|main] [--devices N] [--data-path PREFIX [--data-split S] [--tokenizer-model T]]``
+[--params model|main] [--devices N] [--batch-size B [--micro-batch-size M]]
+[--data-path PREFIX [--data-split S] [--tokenizer-model T]]``
 
 Loss (nats per token) and perplexity of a checkpoint on the validation or test split
 of its own config's data, or of ``--data-path`` (a preprocess_data prefix, split by
@@ -27,10 +28,11 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, from_configdict
+from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, from_configdict, tokenizer_type_of
 from jmegatron.export.common import ExportError
 from jmegatron.export.convert import checkpoint_of
 from jmegatron.parallel.mesh import create_mesh
+from jmegatron.parallel.rules import data_parallel_size
 from jmegatron.training import checkpointing
 from jmegatron.training.checkpointing import CheckpointError
 from jmegatron.training.loop import build_datasets, evaluate
@@ -95,9 +97,29 @@ def data_overrides(saved: dict, data_path: Optional[str], data_split: Optional[s
         out["split"] = data_split
     if tokenizer_model is not None:
         out["tokenizer_model"] = tokenizer_model
-    elif saved.get("tokenizer_model") is None and saved.get("tokenizer_type") is None:
+    elif tokenizer_type_of(saved) is None:
         raise ConfigError("--data-path needs the tokenizer the data was preprocessed with: the checkpoint names "
                           "none, so give --tokenizer-model (its end-of-document id separates documents)")
+    return out
+
+
+def batch_overrides(batch_size: Optional[int], micro_batch_size: Optional[int], mesh) -> dict:
+    """The batch fields of ``--batch-size`` (the global batch, samples per evaluation
+    iteration; Megatron's ``--global-batch-size``) and ``--micro-batch-size`` (per
+    data-parallel rank; default: the batch over the ranks of ``mesh``, one micro-batch
+    each; None: one device). Empty when neither is given (the checkpoint's). Raises
+    ConfigError when the batch does not split into the ranks' micro-batches."""
+    if batch_size is None and micro_batch_size is None:
+        return {}
+    out = {"rampup_batch_size": None}
+    if batch_size is not None:
+        dp = 1 if mesh is None else data_parallel_size(mesh)
+        if micro_batch_size is None and batch_size % dp:
+            raise ConfigError(f"--batch-size {batch_size} does not split over the {dp} data-parallel ranks; "
+                              f"give a multiple of {dp}")
+        out.update(global_batch_size=batch_size, micro_batch_size=micro_batch_size or batch_size // dp)
+    else:
+        out["micro_batch_size"] = micro_batch_size
     return out
 
 
@@ -119,6 +141,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="the tokenizer --data-path was preprocessed with (default: the checkpoint's)")
     p.add_argument("--mock-data", action="store_true",
                    help="measure a mock-data checkpoint's random tokens (a smoke test; refused otherwise)")
+    p.add_argument("--batch-size", "--global-batch-size", type=_positive_int, default=None, dest="batch_size",
+                   help="samples per evaluation batch (default: the checkpoint's global_batch_size)")
+    p.add_argument("--micro-batch-size", type=_positive_int, default=None,
+                   help="samples per data-parallel rank and micro-batch (default: --batch-size over the "
+                        "data-parallel ranks, one micro-batch each)")
     args = p.parse_args(argv)
     try:
         with checkpoint_of(args.load) as load:
@@ -134,6 +161,7 @@ def _evaluate(args: argparse.Namespace, load: str) -> int:
         data = data_overrides(saved_config(load), args.data_path, args.data_split, args.tokenizer_model,
                               args.mock_data)
         mesh = evaluation_mesh(load, args.devices)
+        data.update(batch_overrides(args.batch_size, args.micro_batch_size, mesh))
         run, params, meta = restore_run_params(load, mesh, source=args.params, hidden_dropout=0.0,
                                                attention_dropout=0.0, **data)
     except CheckpointError as e:

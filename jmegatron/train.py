@@ -8,11 +8,17 @@ ml_collections convention, mixed freely with Megatron-LM's own flags as they are
 :mod:`jmegatron.arguments`): a flag for a feature jmegatron does not build is refused by
 name, one that changes only logging, launch or kernels is named as ignored. Megatron flags
 alone (no ``--config``) start from jmegatron's defaults. A field set both ways must agree.
+ByteMLPerf's argument lists run as they are: ``--args-file FILE.args`` or a bare ``FILE.args``
+stands for the file's flags (``${NAME}`` / ``$NAME`` from the environment, an unset one an
+error naming it), and flags after it win.
 ``--help`` lists every field with its type, default, flag and meaning. ``--config.load=CKPT --config.use_checkpoint_args=True`` takes
 the architecture from a checkpoint (an ``import-hf`` one too), and then ``--config`` may be
 left out (jmegatron's defaults for the rest). ``--config.load`` may also be a Hugging Face
 folder: it is imported once into ``<config.save>/hf_import`` (``import-hf``), which becomes
-``load``, with ``use_checkpoint_args`` unless it is given. Values are parsed by the field's type (``True``/``False``,
+``load``, with ``use_checkpoint_args`` unless it is given; the folder's other settings
+(dropouts, ``init_method_std``, router settings) are kept unless given
+(:func:`jmegatron.config.imported_args`). ``--config.kd_finalize=True --config.load=DISTILLED
+--config.save=OUT`` needs no ``--config`` and no data: the distilled run's config.json is the config. Values are parsed by the field's type (``True``/``False``,
 ints, floats, ``None``). Every field is validated before anything compiles; an unknown
 field fails with the closest valid names. SIGTERM or Ctrl-C saves a checkpoint and exits 0.
 """
@@ -25,8 +31,9 @@ import sys
 import typing
 from typing import Any, Optional, Sequence
 
-from jmegatron.arguments import MegatronArgumentError, help_text, parse_flags
-from jmegatron.config import ConfigError, JMegatronConfig, _check_names, get_config_of, load_config_file
+from jmegatron.arguments import MegatronArgumentError, help_text, parse_flags, read_args_file
+from jmegatron.config import (READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, _check_names, get_config_of,
+                              load_config_file)
 from jmegatron.distributed import initialize_from_env
 from jmegatron.runtime import reexec_with_host_allocator
 
@@ -36,6 +43,8 @@ from jmegatron.runtime import reexec_with_host_allocator
 
 USAGE = ("usage: python -m jmegatron.train --config CONFIG.py|.yaml|config.json [--config.<field>=<value> ...] "
          "[MEGATRON FLAGS]\n"
+         "       python -m jmegatron.train [--args-file] FILE.args [MEGATRON FLAGS]  (ByteMLPerf's arguments, "
+         "${NAME} from the environment)\n"
          "       python -m jmegatron.train --config.load=CKPT --config.use_checkpoint_args=True [--config.<field>=<value> ...]")
 HINT = "python -m jmegatron.train --help lists every field (--config.<field>=<value>) and its Megatron flag"
 
@@ -75,6 +84,38 @@ def _parse_value(name: str, text: str) -> Any:
     return value
 
 
+def expand_args_files(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each ``--args-file FILE`` (or ``--args-file=FILE``) and each bare ``FILE.args``
+    replaced by the file's arguments (:func:`jmegatron.arguments.read_args_file`: ByteMLPerf's
+    argument lists, ``${NAME}`` from the environment), in place, so flags after it win as
+    Megatron's argparse keeps the last. Raises ConfigError for a missing file or an unset
+    variable (naming it)."""
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg, path = args[i], None
+        if arg == "--args-file":
+            if i + 1 >= len(args):
+                raise ConfigError(f"--args-file needs a file; {USAGE}")
+            path, i = args[i + 1], i + 1
+        elif arg.startswith("--args-file="):
+            path = arg.split("=", 1)[1]
+        elif arg.endswith(".args") and not arg.startswith("-"):
+            path = arg
+        if path is None:
+            out.append(arg)
+        else:
+            if not os.path.isfile(path):
+                raise ConfigError(f"--args-file {path}: no such file")
+            try:
+                out += read_args_file(path)
+            except MegatronArgumentError as e:
+                raise ConfigError(str(e)) from None
+        i += 1
+    return out
+
+
 def parse_args(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any]]:
     """(config path or None, overrides) from ``argv``: ``--config``, ``--config.<field>``
     and Megatron's flags (their fields merged into the overrides). ``--help`` prints
@@ -88,7 +129,7 @@ def _parse(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any], bool]:
     path: Optional[str] = None
     overrides: dict[str, Any] = {}
     megatron: list[str] = []
-    args = list(argv)
+    args = expand_args_files(argv)
     i = 0
     while i < len(args):
         arg = args[i]
@@ -144,17 +185,40 @@ def _merge_megatron(argv: list[str], path: Optional[str], overrides: dict[str, A
     return path
 
 
-def config_from_argv(argv: Sequence[str]) -> JMegatronConfig:
-    """``--config F [--config.<field>=<value> ...] [Megatron flags]`` -> a validated config
-    (every CLI that takes a training config uses this). Raises ConfigError or FileNotFoundError."""
-    return _config(*_parse(argv))
+def config_from_argv(argv: Sequence[str], overrides: Optional[dict[str, Any]] = None) -> JMegatronConfig:
+    """``--config F [--config.<field>=<value> ...] [Megatron flags] [--args-file F.args | F.args]``
+    -> a validated config (every CLI that takes a training config uses this); ``overrides``
+    (field -> value) are applied last, before validation. Raises ConfigError or FileNotFoundError."""
+    path, parsed, from_flags = _parse(argv)
+    return _config(path, {**parsed, **(overrides or {})}, from_flags)
 
 
 def _config(path: Optional[str], overrides: dict[str, Any], from_flags: bool = False) -> JMegatronConfig:
+    path, overrides = _finalize_config(path, overrides)
     if path is None and not overrides.get("use_checkpoint_args") and not from_flags:
         raise ConfigError(f"--config is required (or --config.load=CKPT --config.use_checkpoint_args=True, or "
                           f"Megatron's flags); {USAGE}")
     return load_config_file(path, overrides, allow_no_file=from_flags)
+
+
+def _finalize_config(path: Optional[str], overrides: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
+    """``kd_finalize`` without ``--config``: the distilled run's own ``config.json`` (in
+    ``load``) is the config, so the student's architecture, precision and tokenizer are the
+    checkpoint's; its distillation settings and load options are reset
+    (:data:`jmegatron.config.READ_CHECKPOINT_RESETS`) and ``overrides`` apply on top. With
+    ``--config``: ``use_checkpoint_args`` unless given (the architecture and tokenizer from
+    ``load``). Other arguments pass unchanged."""
+    load = overrides.get("load")
+    if not overrides.get("kd_finalize") or not load:
+        return path, overrides
+    if path is not None:
+        return path, {"use_checkpoint_args": True, **overrides}
+    saved = os.path.join(load, "config.json")
+    if not os.path.isfile(saved):
+        raise ConfigError(f"config.kd_finalize=True without --config reads the student's config from "
+                          f"config.load={load!r}, which has no config.json (a distillation run's config.save); "
+                          f"give --config too")
+    return saved, {**READ_CHECKPOINT_RESETS, **overrides}
 
 
 def _import_hf_load(path: Optional[str], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 
 # --xla_backend_optimization_level=0: XLA:CPU's LLVM back end without its optimization passes.
 # The suite's models are tiny, so compiling dominates its time and running barely matters:
@@ -115,3 +116,63 @@ def mcore():
         mp.setattr(tp_random.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
         mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
         yield
+
+
+# ------------------------------------------------------------------------------- expected skips
+# The [test] extra (pyproject.toml) is imported by the tests that need it, never skipped: a
+# missing package fails its tests. What may skip is only what needs hardware or software this
+# machine does not have, listed here; any other skip fails the run (exit status 1) and is
+# listed under "unexpected skips". The check runs in the xdist controller, which sees every
+# worker's reports (a module skipped at collection included).
+EXPECTED_SKIPS = {
+    "Transformer Engine": re.compile(r"Transformer Engine unavailable: |Transformer Engine's kernels need an NVIDIA GPU"),
+    "cuDNN": re.compile(r"cuDNN attention needs an NVIDIA GPU"),
+    "the TensorRT-LLM engine": re.compile(r"tensorrt_llm is not importable here"),
+    "the no-GPU message of gpu_check (on a GPU machine)": re.compile(r"this machine has an NVIDIA GPU"),
+}
+
+
+class ExpectedSkips:
+    """Sorts each skip report by EXPECTED_SKIPS; an unmatched one fails the session."""
+
+    def __init__(self):
+        self.expected: dict[str, int] = {}
+        self.unexpected: list[tuple[str, str]] = []  # (node id, reason)
+
+    def _record(self, report):
+        if not report.skipped or hasattr(report, "wasxfail"):
+            return
+        longrepr = report.longrepr
+        reason = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)
+        for name, pattern in EXPECTED_SKIPS.items():
+            if pattern.search(reason):
+                self.expected[name] = self.expected.get(name, 0) + 1
+                return
+        self.unexpected.append((report.nodeid, reason))
+
+    def pytest_runtest_logreport(self, report):
+        self._record(report)
+
+    def pytest_collectreport(self, report):
+        self._record(report)
+
+    def pytest_sessionfinish(self, session):
+        if self.unexpected and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.expected:
+            terminalreporter.write_line("expected skips: " + ", ".join(f"{n} ({k})" for n, k in self.expected.items()))
+        if self.unexpected:
+            terminalreporter.section("unexpected skips", sep="=", red=True, bold=True)
+            for nodeid, reason in self.unexpected:
+                terminalreporter.write_line(f"{nodeid}: {reason}")
+            terminalreporter.write_line(
+                f"{len(self.unexpected)} skip(s) outside the expected set ({', '.join(EXPECTED_SKIPS)}) fail "
+                "the run: install the [test] extra (pip install -e '.[test]') or fix what the reason names "
+                "(tests/conftest.py, EXPECTED_SKIPS)", red=True)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+        config.pluginmanager.register(ExpectedSkips(), "jmegatron-expected-skips")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -123,7 +124,26 @@ def test_save_time_is_not_the_next_iterations(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpointing.Checkpointer, "save", save)
     # (exit_interval, not train_iters: test_resume_is_bit_exact's schedule, so its compiled step)
-    pretrain(cfg_for(tmp_path, exit_interval=2, log_interval=1, save_interval=1, eval_interval=0))
+    pretrain(cfg_for(tmp_path, exit_interval=3, log_interval=1, save_interval=1, eval_interval=0))
     rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    assert [r["iteration"] for r in rows] == [1, 2]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
     assert rows[1]["step_time_s"] < 2.0, rows[1]["step_time_s"]  # iteration 2 after the save at 1
+    # Megatron keeps every --save-interval checkpoint (config.keep_checkpoints None)
+    assert checkpointing.Checkpointer(str(tmp_path), create=False).all_steps() == [1, 2, 3]
+
+
+def test_keep_checkpoints_is_an_opt_in_that_names_what_it_deletes(tmp_path, capsys):
+    # every save stays by default (test_save_time_is_not_the_next_iterations runs the loop)
+    assert cfg_for(tmp_path).keep_checkpoints is None
+    ckpt = checkpointing.Checkpointer(str(tmp_path / "two"), max_to_keep=2)
+    said = []
+    for it in range(1, 5):
+        ckpt.save(it, {"w": jnp.full((4,), float(it))}, {"iteration": it})
+        said.append([l for l in capsys.readouterr().out.splitlines() if "deleting checkpoint" in l])
+        assert ckpt.all_steps() == list(range(max(1, it - 1), it + 1))
+    ckpt.close()
+    assert [len(s) for s in said] == [0, 0, 1, 1]
+    assert "keep_checkpoints=2: deleting checkpoint iteration(s) [1]" in said[2][0]
+    assert "iteration(s) [2]" in said[3][0] and "keep_checkpoints=None keeps every save" in said[3][0]
+    with pytest.raises(Exception, match=r"keep_checkpoints=0 must be > 0, or None"):
+        cfg_for(tmp_path, keep_checkpoints=0)

@@ -2,9 +2,10 @@
 simulated devices, float32, against the unsplit sequence:
 
 * distillation (dense teacher and student, the logits KL, an intermediate cosine loss and the
-  LM loss through the balancer) at cp2 (p2p) and cp2 x dp2 + ZeRO-1 gives the one-device
-  loss, KD report and gradients, with a loss mask that leaves the context ranks different
-  token counts (per-rank means would differ); three steps give the same parameters; so does
+  LM loss through the balancer) at cp2 (p2p) gives the one-device loss, KD report and
+  gradients, and cp2 x dp2 + ZeRO-1 those of dp2 (the balancer runs on each data rank's
+  micro-batch), with a loss mask that leaves the context ranks different token counts
+  (per-context-rank ratios would differ); three steps give the same parameters; so does
   cp2 x dp2 + FSDP, student and teacher sharded over data x context;
 * ZeRO-1 shards the optimizer state over data x context (Megatron's data-parallel group with
   context parallelism), as training/memory.py's theory counts it;
@@ -82,18 +83,26 @@ def kd_one_device(kd_setup):
     return grads_of(kd_setup(micro_batch_size=GBS // 2), 1)
 
 
+@pytest.fixture(scope="module")
+def kd_dp2(kd_setup):
+    """dp2 without context parallelism: each data rank's micro-batches of 2 rows balanced on
+    their own (the ranks' token counts differ, so no one-device run weights them alike)."""
+    return grads_of(kd_setup(micro_batch_size=GBS // 4), 2)
+
+
 KD_NAMES = ("loss", "kd_loss", "lm_loss", "logits_distillation_loss", "intermediate_distillation_loss")
 
 
 @pytest.mark.parametrize("devices,extra", [(2, {}), (4, dict(use_distributed_optimizer=True)),
                                            (4, dict(use_megatron_fsdp=True))],
                          ids=["cp2", "cp2-dp2-zero1", "cp2-dp2-fsdp"])
-def test_distillation_under_cp_equals_one_device(kd_setup, kd_one_device, devices, extra):
+def test_distillation_under_cp_equals_one_device(kd_setup, request, devices, extra):
     """The teacher runs inside the step with the student's ring attention (its layer-2 input
-    feeds the intermediate loss), and every KD loss is a token sum over all context ranks
-    divided by the global token count, so the balancer's O / kd ratio sees the global
-    values. A per-rank mean averaged over ranks would differ: the ranks' token counts do."""
-    g1, r1, tokens1, _ = kd_one_device
+    feeds the intermediate loss), and every KD loss is a token sum over the context ranks
+    divided by the data rank's token count, so the balancer's O / kd ratio sees the whole
+    sequences of that rank's micro-batch: cp2 equals one device, cp2 x dp2 equals dp2. A
+    per-context-rank ratio would differ: the context ranks' token counts do."""
+    g1, r1, tokens1, _ = request.getfixturevalue("kd_one_device" if devices == 2 else "kd_dp2")
     g, r, tokens, run = grads_of(kd_setup(micro_batch_size=GBS // devices, context_parallel_size=2, **extra),
                                  devices)
     assert dict(run.mesh.shape)["context"] == 2 and run.num_microbatches == 2
@@ -116,9 +125,10 @@ def test_distillation_under_cp_equals_one_device(kd_setup, kd_one_device, device
 
 
 @pytest.mark.slow
-def test_distillation_steps_under_cp2_dp2_zero1_equal_one_device(kd_setup):
+def test_distillation_steps_under_cp2_dp2_zero1_equal_dp2(kd_setup):
     """Three optimizer steps at cp2 x dp2 with ZeRO-1 over data x context: the same losses and
-    parameters as one device; the moments are sharded over data and context. (The student
+    parameters as dp2 without context parallelism (the balancer runs on each data rank's
+    micro-batch); the moments are sharded over data and context. (The student
     has no linear biases: the key bias's gradient is zero up to rounding, which Adam's
     normalisation turns into updates of either sign, whatever the layout.)"""
     def train(cfg, devices):
@@ -136,7 +146,7 @@ def test_distillation_steps_under_cp2_dp2_zero1_equal_one_device(kd_setup):
     for name in ("['word_embeddings']['embedding']", "['decoder_layers_0']['mlp']['linear_fc1']['kernel']"):
         (sharding,) = [s for path, s in moments.items() if path.endswith(name)]
         assert {"data", "context"} <= axes_of(sharding), (name, sharding)
-    losses1, params1, _ = train(kd_setup(micro_batch_size=GBS // 2, add_bias_linear=False), 1)
+    losses1, params1, _ = train(kd_setup(micro_batch_size=2, add_bias_linear=False), 2)
     np.testing.assert_allclose(losses, losses1, rtol=1e-5)
     assert_close(params, params1, rtol=2e-5)
 

@@ -2,9 +2,9 @@
 an MoE student's distillation loss and gradients equal a reference assembled by hand from
 the distill losses, the balancer and the student's sown router losses (added after the
 balancer, as Megatron's MoEAuxLossAutoScaler); an MoE teacher trains a dense student; MoE
-student + MoE teacher under ep2 x dp2 equal one device; the console line carries
-load_balancing_loss beside the KD losses; MoE student and teacher under pp2 x dp2 equal one
-device."""
+student + MoE teacher under ep2 x dp2 equal dp4 (the experts unsplit); the console line
+carries load_balancing_loss beside the KD losses; MoE student and teacher under pp2 x dp2
+equal dp2 unpipelined."""
 
 import json
 
@@ -158,7 +158,7 @@ def test_moe_teacher_trains_a_dense_student(tmp_path, moe_teacher_dir):
 
 
 @pytest.mark.slow
-def test_moe_student_and_teacher_under_ep2_dp2_equal_one_device(tmp_path, moe_teacher_dir):
+def test_moe_student_and_teacher_under_ep2_dp2_equal_dp4(tmp_path, moe_teacher_dir):
     """The student's z-loss on, its aux loss off: a per-rank token mean of a per-token loss
     is the global mean, the Switch aux loss is not (it is per data rank, as Megatron's)."""
     kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
@@ -171,7 +171,9 @@ def test_moe_student_and_teacher_under_ep2_dp2_equal_one_device(tmp_path, moe_te
     teacher = run.forward_step.owner
     assert teacher.cfg.expert_model_parallel_size == 2  # the teacher's experts split like the student's
     assert teacher.shardings["decoder_layers_0"]["mlp"]["experts"]["linear_fc2"]["kernel"].spec[0] == "expert"
-    g1, r1, _, _, _ = grads_of(cfg_for(tmp_path / "one", micro_batch_size=8, **kw), 1)
+    # dp4 (the experts whole on every rank), the same 4 ranks' micro-batches of 2 rows, each
+    # balanced on its own (the ranks' token counts differ: no one-device run has these weights)
+    g1, r1, _, _, _ = grads_of(cfg_for(tmp_path / "one", micro_batch_size=2, **kw), 4)
     for name in ("loss", "kd_loss", "lm_loss", "logits_distillation_loss", "intermediate_distillation_loss",
                  "z_loss"):
         np.testing.assert_allclose(r[name], r1[name], rtol=1e-5, err_msg=name)
@@ -203,11 +205,11 @@ def test_moe_student_console_line_and_a_dense_teacher_under_ep2(tmp_path, capsys
     assert specs and not any("expert" in str(s) for s in specs)
 
 
-def test_moe_student_and_teacher_under_pp2_dp2_equal_one_device(tmp_path, moe_teacher_dir):
+def test_moe_student_and_teacher_under_pp2_dp2_equal_dp2(tmp_path, moe_teacher_dir):
     """The pipelined stages with an MoE student (its router losses chunk losses on each
     stage, outside the balancer) and an MoE teacher, pp2 x dp2 with an intermediate pair on
     the last stage: loss, KD and router losses, tokens per expert and every gradient equal
-    one device."""
+    the unpipelined step at dp2."""
     from jmegatron.parallel.pipeline_layout import stage_layer_order
 
     kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
@@ -217,7 +219,8 @@ def test_moe_student_and_teacher_under_pp2_dp2_equal_one_device(tmp_path, moe_te
     g, r, run, _, _ = grads_of(cfg_for(tmp_path / "pp", pipeline_model_parallel_size=2, micro_batch_size=2,
                                        global_batch_size=8, **kw), 4)
     assert dict(run.mesh.shape)["pipeline"] == 2 and dict(run.mesh.shape)["data"] == 2
-    g1, r1, _, _, _ = grads_of(cfg_for(tmp_path / "one", micro_batch_size=4, global_batch_size=8, **kw), 1)
+    # unpipelined dp2: the balancer runs on each data rank's micro-batch
+    g1, r1, _, _, _ = grads_of(cfg_for(tmp_path / "one", micro_batch_size=2, global_batch_size=8, **kw), 2)
     for name in ("loss", "kd_loss", "lm_loss", "logits_distillation_loss", "intermediate_distillation_loss",
                  "z_loss"):
         np.testing.assert_allclose(r[name], r1[name], rtol=1e-5, err_msg=name)

@@ -2,9 +2,12 @@
 student-only checkpoints, kd_finalize, and the same result under data and tensor parallelism."""
 
 import json
+import os
+import re
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from jmegatron.distill.config import DistillConfigError, load_distill_config, parse_distill_config
@@ -66,12 +69,18 @@ def test_megatron_yaml_spelling_hidden_cosine(tmp_path):
     assert kinds == [HiddenStateCosineLoss, HiddenStateCosineLoss, MSELoss]
 
 
-def test_distillation_trains_and_reports(tmp_path, teacher_dir):
+def test_distillation_trains_and_reports(tmp_path, teacher_dir, capsys):
     kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
                              "decoder.layers.2.pre_mlp_layernorm, hidden_cosine]\nskip_lm_loss: false\n")
     save = tmp_path / "student"
     out = pretrain(cfg_for(save, hidden_size=48, num_attention_heads=4, train_iters=6, eval_interval=3,
                            kd_teacher_load=teacher_dir, kd_cfg=kd))
+    # the log names its teacher: path, family, size, parameter count, layout
+    teacher_line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[jmegatron] teacher: ")]
+    assert len(teacher_line) == 1, teacher_line
+    assert re.fullmatch(rf"\[jmegatron\] teacher: {re.escape(str(teacher_dir))} \(jmegatron checkpoint "
+                        rf"\(GPT2LMHeadModel layout\), iteration \d+\): 3 layers x 48 hidden, [\d,]+ parameters "
+                        rf"\(float32\), the student's layout, replicated over the data ranks", teacher_line[0])
     rows = [json.loads(l) for l in open(save / "metrics.jsonl")]
     train = [r for r in rows if "kd_loss" in r]
     assert train and all(k in train[0] for k in ("lm_loss", "kd_loss", "logits_distillation_loss",
@@ -112,7 +121,7 @@ _ONE_DEVICE = {}  # the one-device gradients, the same for every layout below
 
 
 # (tp2 x dp4: tp4 + ZeRO-1 splits the same layers at another size, and
-# test_top_k_distillation_under_tp2_matches_one_device runs the student and teacher at tp2 x dp4)
+# test_balanced_distillation_matches_one_device_micro_batches runs the student and teacher at tp2 x dp4)
 @pytest.mark.parametrize("layout", [dict(), dict(tensor_model_parallel_size=4, use_distributed_optimizer=True)])
 def test_distillation_gradients_match_one_device(teacher_dir, layout, tmp_path):
     # the student's dropout on: its masks follow global sample numbers, as in plain training
@@ -129,31 +138,52 @@ def test_distillation_gradients_match_one_device(teacher_dir, layout, tmp_path):
         np.testing.assert_allclose(a / scale, b / scale, atol=1e-5)
 
 
-def test_top_k_distillation_under_tp2_matches_one_device(teacher_dir, tmp_path):
-    """``logit_kl_topk: 16`` (the KL over the teacher's 16 most likely tokens, selected per
-    tensor rank and then across them) under tp2 x dp4 equals one device, loss and gradients,
-    and differs from the full-vocabulary KL."""
-    kd = tmp_path / "kd.yaml"
-    kd.write_text("logit_kl_topk: 16\nskip_lm_loss: false\n")
-    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, num_attention_heads=4, kd_teacher_load=teacher_dir)
-    g1, r1 = _grads(cfg_for(tmp_path / "a", micro_batch_size=8, kd_cfg=str(kd), **kw), 1)
-    g8, r8 = _grads(cfg_for(tmp_path / "b", micro_batch_size=2, tensor_model_parallel_size=2, kd_cfg=str(kd), **kw), 8)
+_BALANCED = {}  # logit_kl_topk -> (kd.yaml, one device's (gradients, report)), micro-batches of 2 rows
+
+
+def _balanced(teacher_dir, tmp_path, topk):
+    """The distillation YAML with the LM loss (``logit_kl_topk`` if given), its config
+    keywords, and one device's step on it, computed once per ``topk``."""
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, num_attention_heads=4, kd_teacher_load=teacher_dir,
+              micro_batch_size=2)
+    if topk not in _BALANCED:
+        kd = tmp_path / f"kd{topk}.yaml"
+        kd.write_text((f"logit_kl_topk: {topk}\n" if topk else "") + "skip_lm_loss: false\n")
+        _BALANCED[topk] = str(kd), _grads(cfg_for(tmp_path / f"one{topk}", kd_cfg=str(kd), **kw), 1)
+    kd, one = _BALANCED[topk]
+    return dict(kw, kd_cfg=kd), one
+
+
+@pytest.mark.parametrize("topk,layout", [(None, dict()), (16, dict(tensor_model_parallel_size=2))],
+                         ids=["kl-dp8", "topk16-tp2-dp4"])
+def test_balanced_distillation_matches_one_device_micro_batches(teacher_dir, tmp_path, topk, layout):
+    """With the LM loss (``skip_lm_loss: false``) the balancer scales the KD loss by
+    ``sg(O / kd)``, a ratio per micro-batch: Megatron takes it per rank, from that rank's
+    micro-batch (``.item()``), so data-parallel ranks with micro-batches of 2 rows equal one
+    device running 8 micro-batches of 2, loss, grad norm and every gradient: the full KL at
+    dp8, and ``logit_kl_topk: 16`` (the KL over the teacher's 16 most likely tokens,
+    selected per tensor rank and then across them) at tp2 x dp4. A ratio over the step's
+    whole micro-batch (every data rank's rows) moves gradients by 5% (KL) and 16% (top-K)."""
+    kw, (g1, r1) = _balanced(teacher_dir, tmp_path, topk)
+    g8, r8 = _grads(cfg_for(tmp_path / "b", **layout, **kw), 8)
     for k in ("kd_loss", "logits_distillation_loss", "lm_loss"):
         np.testing.assert_allclose(r8[k], r1[k], rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(optax.tree.norm(g8), optax.tree.norm(g1), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
         scale = np.max(np.abs(b)) + 1e-12
         np.testing.assert_allclose(a / scale, b / scale, atol=1e-5)
-    full = tmp_path / "full.yaml"
-    full.write_text("skip_lm_loss: false\n")
-    _, rf = _grads(cfg_for(tmp_path / "c", micro_batch_size=8, kd_cfg=str(full), **kw), 1)
-    assert 0 < r1["logits_distillation_loss"] < rf["logits_distillation_loss"]  # the 16-token KL drops the tail
+    if topk:  # the 16-token KL drops the tail
+        _, (_, full) = _balanced(teacher_dir, tmp_path, None)
+        assert 0 < r1["logits_distillation_loss"] < full["logits_distillation_loss"]
 
 
-def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, teacher_dir):
+def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, teacher_dir, capsys):
     # student hidden 32, teacher hidden 48: the shared kd_projection [32 -> 48] is trained with the
     # student, saved in its checkpoints (the rerun resumes), and dropped by kd_finalize / export
     from jmegatron.distill.losses import ProjectionLayer
     from jmegatron.export.common import load_checkpoint
+    from jmegatron.train import config_from_argv, main as train_main
+    from jmegatron.training.flops import num_parameters
     from jmegatron.training.run import restore_run
 
     kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
@@ -184,9 +214,19 @@ def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, 
     assert "kd_projection" not in state2.params
     assert "kd_projection" not in load_checkpoint(str(kd_dir)).params
     final = tmp_path / "final"
-    pretrain(cfg_for(final, train_iters=4, kd_finalize=True, load=str(kd_dir), **{**kw, "save_interval": 0}))
+    # the command line needs no config and no data: the student's config comes from its checkpoint
+    assert train_main(["--config.kd_finalize=True", f"--config.load={kd_dir}", f"--config.save={final}"]) == 0
+    wrote = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[jmegatron] kd_finalize: ")]
+    assert wrote == [f"[jmegatron] kd_finalize: wrote the plain student of {kd_dir} to {final}: iteration 4, "
+                     f"2 layers x 32 hidden, {num_parameters(cfg, 512):,} parameters, no distillation settings"]
     meta = checkpointing.Checkpointer(str(final), create=False).read_meta()
     assert "aux_params" not in meta and meta["config"]["kd_cfg"] is None and meta["config"]["kd_teacher_load"] is None
+    assert meta["iteration"] == 4 and json.load(open(final / "config.json")) == meta["config"]
+    # with a config file (gpt_tiny: 4 x 256) the student's architecture still comes from its checkpoint
+    tiny = config_from_argv(["--config", os.path.join(os.path.dirname(__file__), "..", "configs", "gpt_tiny.py"),
+                             "--config.seq_length=32", "--config.kd_finalize=True", f"--config.load={kd_dir}",
+                             f"--config.save={final}2"])
+    assert (tiny.num_layers, tiny.hidden_size, tiny.vocab_size, tiny.data_path) == (2, 32, 512, None)
     # the finalized student trains on like any other run (lm_student's schedule: its program)
     plain = pretrain(cfg_for(final, **KL_RUN, override_opt_param_scheduler=True))
     assert sorted(plain["losses"]) == list(range(5, KL_RUN["train_iters"] + 1))

@@ -19,14 +19,14 @@ import jax
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("modelopt")
+import modelopt  # noqa: E402,F401
+import torch  # noqa: E402
 
 from safetensors.torch import load_file  # noqa: E402
 
 from jmegatron.export import fp8_scales, hf  # noqa: E402
 from jmegatron.export.__main__ import main  # noqa: E402
-from jmegatron.export.common import ExportError, load_checkpoint  # noqa: E402
+from jmegatron.export.common import ExportError, hf_model, load_checkpoint  # noqa: E402
 from jmegatron.export.fp8_scales import FP8_E4M3_MAX, checkpoint_fp8_scales  # noqa: E402
 from jmegatron.export.trtllm import export_quantized_model, rank_tensors, write_fp8_trtllm_checkpoint  # noqa: E402
 from jmegatron.export.trtllm_check import check_trtllm_checkpoint  # noqa: E402
@@ -444,3 +444,179 @@ def test_cli_from_checkpoint_refusals(ckpts, token_data, tmp_path, capsys, args,
     assert main(["quantize", "--load", load, "--calib-data", token_data, "--out", str(tmp_path / "q"), *args]) == 2
     assert match in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+# ----------------------------------------------------------------------------- the README's FP8 flow
+# jmegatron FP8 linear -> the GPT2LMHeadModel module whose input it sees (transformers' modeling_gpt2.py)
+GPT2_INPUTS = {"self_attention/linear_qkv": "attn.c_attn", "self_attention/linear_proj": "attn.c_proj",
+               "mlp/linear_fc1": "mlp.c_fc", "mlp/linear_fc2": "mlp.c_proj"}
+
+
+@pytest.fixture(scope="module")
+def readme_fp8_run(tmp_path_factory):
+    """configs/gpt_tiny.py (the GPT-2 layout: LayerNorm, GELU, biases, learned positions) shrunk
+    to 2 x 64 and trained 3 steps as the README's "Precision, FP8 and GPU kernels" section trains
+    it: bf16, fp8 hybrid, amax history 1024, amax algo max (mock data, ids < VOCAB)."""
+    from jmegatron.config import load_config_file
+    from jmegatron.parallel.mesh import create_mesh
+    from jmegatron.training.loop import pretrain
+
+    save = str(tmp_path_factory.mktemp("readme_fp8") / "fp8")
+    cfg = load_config_file("configs/gpt_tiny.py", dict(
+        mock_data=True, vocab_size=VOCAB, save=save, bf16=True, fp8="hybrid", fp8_amax_history_len=1024,
+        fp8_amax_compute_algo="max", num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=2,
+        seq_length=32, max_position_embeddings=32, micro_batch_size=2, global_batch_size=2, train_iters=3,
+        lr_warmup_iters=0, eval_interval=0, log_interval=1, peak_tflops=1.0))
+    pretrain(cfg, mesh=create_mesh(cfg, jax.devices()[:1]))
+    return save
+
+
+def test_readme_fp8_flow_gpt2(readme_fp8_run, token_data, tmp_path, capsys):
+    """The README's commands on an FP8-trained GPT-2-layout run: `quantize --quant-cfg fp8 --scales
+    from-checkpoint` writes the unified checkpoint; read back as a server reads it, its
+    input_scale is each linear's training amax (max of input_amax_history) / 448 = 1 /
+    input_scale of the last update, its weight_scale 1 / kernel_scale, no other module (no
+    LayerNorm) carries an input scale, and its logits are the fake-quantized model's. The
+    ModelOpt quantizer table goes to quant_summary.txt, not the console. `trtllm --scales
+    from-checkpoint` writes the legacy FP8 checkpoint and says what it wrote."""
+    from jmegatron.export.quantize import load_quantized
+    from jmegatron.export.unified import unified_model
+
+    out = tmp_path / "fp8_unified"
+    assert main(["quantize", "--load", readme_fp8_run, "--quant-cfg", "fp8", "--scales", "from-checkpoint",
+                 "--calib-data", token_data, "--calib-size", "4", "--calib-batch-size", "2", "--calib-seq-length",
+                 "32", "--eval-samples", "4", "--split", "4,1,1", "--max-new-tokens", "0", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "TensorQuantizer(" not in printed and "16 of 51 ModelOpt quantizers enabled (8 input, 8 weight)" in printed
+    table = (out / "fp8" / "quant_summary.txt").read_text()
+    assert "transformer.h.0.ln_1.input_quantizer" in table and table.endswith("51 TensorQuantizers found in model\n")
+
+    src = load_checkpoint(readme_fp8_run)
+    assert src.cfg.position_embedding_type == "learned_absolute" and src.cfg.fp8 == "hybrid"
+    metas = fp8_scales.layer_fp8_meta(src.params, src.cfg)
+    folder = str(out / "fp8" / "unified_hf")
+    model, ckpt = unified_model(folder)
+    want_modules = set()
+    for i in range(src.cfg.num_layers):
+        for path, module in GPT2_INPUTS.items():
+            name, meta = f"transformer.h.{i}.{module}", metas[i][path]
+            want_modules.add(name)
+            amax = np.float32(meta["input_amax_history"].max())
+            assert amax > 0, (name, "the training observed no input")
+            np.testing.assert_allclose(ckpt.input_scales[name], amax / np.float32(FP8_E4M3_MAX), rtol=2e-7, err_msg=name)
+            np.testing.assert_allclose(ckpt.input_scales[name], 1 / meta["input_scale"], rtol=1e-6, err_msg=name)
+            np.testing.assert_allclose(float(ckpt.tensors[f"{name}.weight_scale"]), 1 / meta["kernel_scale"],
+                                       rtol=2e-7, err_msg=name)
+    assert set(ckpt.input_scales) == want_modules
+
+    fake, fake_src, info = load_quantized(str(out))
+    assert info["scales"]["scales"] == "from-checkpoint" and info["export_dtype"] == "bfloat16"
+    tokens = torch.from_numpy(np.random.default_rng(5).integers(0, VOCAB, (2, 32)))
+    with torch.no_grad():
+        want, got, fp32 = fake(tokens).logits, model(tokens).logits, hf_model(fake_src)(tokens).logits
+    # a bf16 run's parameters survive the bf16 export, and the float8 codes and input casts are the
+    # fake quantization's: the same float32 computation, while FP8 itself moves the logits
+    err, fp8_effect = float((got - want).abs().max()), float((want - fp32).abs().max())
+    assert err <= 1e-5 * max(1.0, float(want.abs().max())) and fp8_effect > 100 * max(err, 1e-6), (err, fp8_effect)
+
+    trt = tmp_path / "trtllm_fp8"
+    assert main(["trtllm", "--load", readme_fp8_run, "--scales", "from-checkpoint", "--out", str(trt)]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {trt}" in printed and "GPTForCausalLM" in printed and "OK: valid" in printed
+
+
+# the HF module (Llama's layout: Llama, Mistral, Qwen2/3, Gemma) -> the jmegatron FP8 linear whose input it sees
+LLAMA_INPUTS = {"self_attn.q_proj": "self_attention/linear_qkv", "self_attn.k_proj": "self_attention/linear_qkv",
+                "self_attn.v_proj": "self_attention/linear_qkv", "self_attn.o_proj": "self_attention/linear_proj",
+                "mlp.gate_proj": "mlp/linear_fc1", "mlp.up_proj": "mlp/linear_fc1", "mlp.down_proj": "mlp/linear_fc2"}
+
+
+def family_cfg(family, **changes):
+    """A 2 x 64 config of preset ``family`` trained in FP8 (hybrid, history H, algo max)."""
+    from jmegatron.config import base_config, from_configdict
+
+    c = base_config(family)
+    c.mock_data, c.vocab_size, c.fp8, c.fp8_amax_history_len, c.fp8_amax_compute_algo = True, VOCAB, "hybrid", H, "max"
+    c.num_layers, c.hidden_size, c.seq_length, c.max_position_embeddings = 2, 64, 32, 32
+    c.num_attention_heads, c.ffn_hidden_size = 4, 128
+    for k, v in changes.items():
+        setattr(c, k, v)
+    return from_configdict(c)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2"])
+def test_every_dense_family_takes_its_training_scales(family):
+    """Each dense family's transformers model gets, on every quantized linear, the input amax of
+    the jmegatron FP8 linear whose input it sees (q/k/v: linear_qkv's, gate/up: linear_fc1's)
+    and the weight amax 448 / kernel_scale; no other module (GPT-2's LayerNorms included) has an
+    enabled input quantizer. The training scales are drawn per layer and linear, so a
+    misplaced one is caught."""
+    from jmegatron.export.quantize import checkpoint_scaled_model
+    from test_trtllm import random_params
+
+    cfg = family_cfg(family)
+    params = fp8_scales.strip_fp8_meta(random_params(cfg, seed=1))
+    rng = np.random.default_rng(1)
+    amax = {}
+    for i in range(cfg.num_layers):
+        for path in fp8_scales.FP8_LINEARS:
+            node = params[f"decoder_layers_{i}"]
+            for part in path.split("/"):
+                node = node[part]
+            hist = rng.uniform(1.0, 8.0, H).astype(np.float32)
+            k = np.float32(rng.uniform(1.0, 4.0))
+            node["fp8_meta"] = {"input_amax_history": hist, "kernel_amax_history": np.full(H, k, np.float32),
+                                "output_grad_amax_history": np.ones(H, np.float32),
+                                "input_scale": np.float32(FP8_E4M3_MAX / hist.max()),
+                                "kernel_scale": np.float32(FP8_E4M3_MAX / k), "output_grad_scale": np.float32(1)}
+            amax[i, path] = (hist.max(), k)
+    model = hf.to_hf_model(fp8_scales.strip_fp8_meta(params), cfg, VOCAB)
+    model, _ = checkpoint_scaled_model(model, params, cfg)
+    gpt2 = family == "gpt2"
+    inputs = {v: k for k, v in GPT2_INPUTS.items()} if gpt2 else LLAMA_INPUTS
+    enabled = {n.removesuffix(".input_quantizer"): m for n, m in model.named_modules()
+               if n.endswith(".input_quantizer") and m.is_enabled}
+    want = {f"{'transformer.h' if gpt2 else 'model.layers'}.{i}.{name}": (i, path) for i in range(cfg.num_layers)
+            for name, path in inputs.items()}
+    assert set(enabled) == set(want)
+    for name, (i, path) in want.items():
+        in_amax, k_amax = amax[i, path]
+        module = model.get_submodule(name)
+        np.testing.assert_allclose(float(enabled[name].amax), in_amax, rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(float(module.weight_quantizer.amax), k_amax, rtol=1e-6, err_msg=name)
+
+
+MOE_SIZES = {"mixtral": {}, "qwen3_moe": {},
+             "deepseek_v3": dict(moe_router_num_groups=2, moe_router_group_topk=1, q_lora_rank=32, kv_lora_rank=16,
+                                 qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)}
+
+
+@pytest.mark.parametrize("family", list(MOE_SIZES))
+def test_moe_refused_by_name_before_any_work(family, ckpts, token_data, tmp_path, capsys, monkeypatch):
+    """FP8 training leaves the MoE experts unquantized, so an MoE checkpoint has no scales for
+    them: `quantize` and `trtllm` refuse `--scales from-checkpoint` naming
+    config.num_moe_experts and the fix, from the checkpoint's config alone (the FP8 Llama
+    checkpoint's config read as this family's MoE config; reading any array fails the test)."""
+    from jmegatron.export import quantize, trtllm
+
+    cfg = family_cfg(family, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, **MOE_SIZES[family])
+    with pytest.raises(ExportError, match=r"config.num_moe_experts=4: FP8 training leaves the MoE experts "
+                                          r"unquantized.*--quant-cfg fp8 --calib-data PREFIX` without --scales"):
+        fp8_scales.check_fp8_exportable(cfg)
+    if family != "mixtral":
+        return
+    _, fp8 = ckpts
+
+    def no_arrays(*args, **kwargs):
+        raise AssertionError("an array was read before the refusal")
+
+    for module in (quantize, trtllm):
+        monkeypatch.setattr(module, "checkpoint_config", lambda load, iteration=None: cfg)
+        monkeypatch.setattr(module, "load_checkpoint", no_arrays)
+    out = tmp_path / "q"
+    assert main(["quantize", "--load", fp8, "--quant-cfg", "fp8", "--scales", "from-checkpoint", "--calib-data",
+                 token_data, "--out", str(out)]) == 2
+    assert "config.num_moe_experts=4: FP8 training leaves the MoE experts unquantized" in capsys.readouterr().err
+    assert main(["trtllm", "--load", fp8, "--scales", "from-checkpoint", "--out", str(out)]) == 2
+    assert "config.num_moe_experts=4: FP8 training leaves the MoE experts unquantized" in capsys.readouterr().err
+    assert not out.exists()

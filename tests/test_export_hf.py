@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from jmegatron.export.common import load_checkpoint  # noqa: E402
 from jmegatron.export.convert import export_hf, import_hf  # noqa: E402
@@ -164,3 +164,20 @@ def test_import_refuses_what_jmegatron_cannot_represent(tmp_path):
                                "vocab_size": 100, "attention_bias": True})
     with pytest.raises(ValueError, match="model_type='phi3' has no jmegatron import"):
         config_fields_from_hf({"model_type": "phi3"})
+
+
+def test_export_help_lists_the_readme_architectures(capsys):
+    """`python -m jmegatron.export --help` names the Hugging Face classes `export hf` writes, the
+    same list, in the same order, as the README's export section."""
+    import re
+
+    from jmegatron.export.__main__ import main
+
+    readme = open(os.path.join(REPO, "README.md")).read()
+    listed = readme[readme.index("# Hugging Face folder ("):readme.index("+ tokenizer)")]
+    names = re.compile(r"\b\w+(?:ForCausalLM|LMHeadModel)\b")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    hf_line = help_text[help_text.index("write a Hugging Face folder"):help_text.index("import-hf")]
+    assert names.findall(hf_line) == names.findall(listed) and len(names.findall(listed)) == 11

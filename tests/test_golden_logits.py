@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch  # noqa: E402
+import transformers  # noqa: E402,F401
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

@@ -1,10 +1,16 @@
-"""GPTDataset / BlendedDataset index building against straightforward transcriptions of
-Megatron-LM (gpt_dataset.py, helpers.cpp, blended_megatron_dataset_builder.py)."""
+"""GPTDataset / BlendedDataset index building against megatron-core's own: its GPTDataset
+(gpt_dataset.py) over the same files, and the compiled helpers.cpp (build_sample_idx,
+build_blending_indices)."""
 
 import math
+import types
 
 import numpy as np
 import pytest
+from megatron.core.datasets import helpers as mcore_helpers
+from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexedDataset
+from megatron.core.datasets.utils import Split
 
 from jmegatron.data.blended_dataset import (
     BlendedDataset,
@@ -25,90 +31,26 @@ from jmegatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 EOD = 0
 
 
-# ----------------------------------------------------------------- slow reference transcriptions
-def slow_build_sample_idx(sizes, document_idx, seq_length, num_epochs, tokens_per_epoch,
-                          drop_last_partial_sequence=True, add_extra_token_to_sequence=1):
-    """Line-by-line Python transcription of helpers.cpp build_sample_idx."""
-    e = int(add_extra_token_to_sequence)
-    if drop_last_partial_sequence:
-        num_samples = (num_epochs * tokens_per_epoch - e) // seq_length
-    else:
-        num_samples = int(np.ceil(np.float32(num_epochs * tokens_per_epoch - e)
-                                  / np.float32(seq_length)))
-    sample_idx = [(0, 0)]
-    document_idx_index = 0
-    doc_offset = 0
-    while len(sample_idx) <= num_samples:
-        remaining = seq_length + e
-        while remaining != 0:
-            document_length = sizes[document_idx[document_idx_index]] - doc_offset
-            remaining -= document_length
-            if remaining <= 0:
-                doc_offset += remaining + document_length - e
-                remaining = 0
-            else:
-                if document_idx_index == len(document_idx) - 1:
-                    assert len(sample_idx) == num_samples
-                    doc_offset = sizes[document_idx[document_idx_index]] - e
-                    break
-                document_idx_index += 1
-                doc_offset = 0
-        sample_idx.append((document_idx_index, doc_offset))
-    return np.array(sample_idx, dtype=np.int64)
+# ----------------------------------------------------------------- megatron-core's own
+def megatron_blending_indices(weights, size):
+    """megatron-core's helpers.cpp build_blending_indices (compiled C++), as BlendedDataset calls it."""
+    dataset_index = np.zeros(size, dtype=np.int16)
+    dataset_sample_index = np.zeros(size, dtype=np.int64)
+    mcore_helpers.build_blending_indices(dataset_index, dataset_sample_index, np.asarray(weights, np.float64),
+                                         len(weights), size, False)
+    return dataset_index, dataset_sample_index
 
 
-def slow_blending_indices(weights, size):
-    """Transcription of helpers.cpp build_blending_indices."""
-    current = [0] * len(weights)
-    di, dsi = [], []
-    for s in range(size):
-        sd = max(float(s), 1.0)
-        best, best_err = 0, weights[0] * sd - current[0]
-        for d in range(1, len(weights)):
-            err = weights[d] * sd - current[d]
-            if err > best_err:
-                best, best_err = d, err
-        di.append(best)
-        dsi.append(current[best])
-        current[best] += 1
-    return np.array(di), np.array(dsi)
-
-
-def megatron_indices(sizes, documents, num_samples, L, seed, extra=1):
-    """Transcription of GPTDataset._build_document_sample_shuffle_indices (no cache)."""
-    tpe = int(np.sum(sizes[documents]))
-    num_epochs, n = 1, tpe
-    while n < num_samples * L + extra:
-        num_epochs += 1
-        n += tpe
-    separate = False
-    if num_epochs > 1:
-        sans = ((num_epochs - 1) * tpe - extra) // L
-        from_final = num_samples - sans
-        per_epoch = (tpe - extra) // L
-        separate = from_final < int(0.80 * per_epoch)
-    rs = np.random.RandomState(seed)
-
-    def doc_index(epochs, sep):
-        if not sep or epochs == 1:
-            d = np.mgrid[0:epochs, 0:len(documents)][1]
-            d[:] = documents
-            d = d.reshape(-1).astype(np.int32)
-            rs.shuffle(d)
-            return d
-        return np.concatenate((doc_index(epochs - 1, False), doc_index(1, False)))
-
-    d = doc_index(num_epochs, separate)
-    s = slow_build_sample_idx(sizes, d, L, num_epochs, tpe, True, extra)
-    total = s.shape[0] - 1
-    first_n = sans if separate else total
-    a = np.arange(first_n, dtype=np.uint32)
-    rs.shuffle(a)
-    if first_n != total:
-        b = np.arange(first_n, total, dtype=np.uint32)
-        rs.shuffle(b)
-        a = np.concatenate((a, b))
-    return d, s, a, num_epochs, separate
+def megatron_indices(prefix, documents, num_samples, L, seed):
+    """megatron-core's GPTDataset over the same .bin/.idx files (its own IndexedDataset
+    reader): its document, sample and shuffle indices and its number of epochs."""
+    tokenizer = types.SimpleNamespace(vocab_size=None, eod=EOD, unique_identifiers={"eod": EOD})
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=L, blend=None, blend_per_split=None, split="1",
+                              tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=None)
+    ds = MegatronGPTDataset(MegatronIndexedDataset(prefix), prefix, documents, num_samples, Split.train, config)
+    epochs = ds._get_num_epochs(ds._get_num_tokens_per_epoch())
+    return ds.document_index, ds.sample_index, ds.shuffle_index, epochs
 
 
 # ----------------------------------------------------------------- fixtures
@@ -153,7 +95,7 @@ def test_sample_index_matches_helpers_cpp(extra, drop):
             continue  # helpers.cpp would write a negative offset here; never reached in practice
         L = int(rng.integers(2, 9))
         tpe = int(sizes.sum())
-        want = slow_build_sample_idx(sizes, doc_idx, L, epochs, tpe, drop, extra)
+        want = mcore_helpers.build_sample_idx(sizes, doc_idx.astype(np.int32), L, epochs, tpe, drop, bool(extra))
         got = build_sample_index(sizes, doc_idx, L, epochs, tpe, drop, bool(extra))
         assert got.dtype == np.int32 and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
@@ -161,16 +103,15 @@ def test_sample_index_matches_helpers_cpp(extra, drop):
 
 @pytest.mark.parametrize("num_samples,L,seed", [(5, 8, 1), (40, 16, 3), (300, 7, 5),
                                                 (101, 32, 9), (None, 8, 2)])
-def test_indices_match_megatron_transcription(small_ds, num_samples, L, seed):
+def test_indices_match_megatron_cores_gpt_dataset(small_ds, num_samples, L, seed):
     documents = np.arange(3, 27, dtype=np.int32)
     ds = GPTDataset(small_ds, documents, num_samples, L, seed, EOD)
-    sizes = small_ds.sequence_lengths
-    d, s, sh, epochs, separate = megatron_indices(sizes, documents, num_samples or 0, L, seed)
+    d, s, sh, epochs = megatron_indices(small_ds.path_prefix, documents, num_samples, L, seed)
     np.testing.assert_array_equal(ds.document_index, d)
     np.testing.assert_array_equal(ds.sample_index, s)
     np.testing.assert_array_equal(ds.shuffle_index, sh)
     assert ds.shuffle_index.dtype == np.uint32 and ds.document_index.dtype == np.int32
-    assert ds.num_epochs == epochs and ds.separate_final_epoch == separate
+    assert ds.num_epochs == epochs
     if num_samples is not None:
         assert len(ds) >= num_samples
 
@@ -316,7 +257,7 @@ def test_blending_indices_match_helpers_cpp():
         w = list(np.asarray(w) / np.sum(w))
         size = int(rng.integers(1, 3000))
         di, dsi = build_blending_indices(w, size)
-        wdi, wdsi = slow_blending_indices(w, size)
+        wdi, wdsi = megatron_blending_indices(w, size)
         assert di.dtype == np.int16 and dsi.dtype == np.int64
         np.testing.assert_array_equal(di, wdi)
         np.testing.assert_array_equal(dsi, wdsi)

@@ -1,8 +1,13 @@
 """python -m jmegatron.tools.gpu_check: the same machinery on the CPU (--platform cpu,
 tiny shapes, 3 steps); without an NVIDIA GPU the default platform says so and exits 0."""
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import pytest
 
+from jmegatron.config import ConfigError
 from jmegatron.tools import gpu_check
 
 
@@ -41,12 +46,10 @@ def test_cpu_platform_compares_every_cpu_variant_with_the_xla_float32_curve(caps
     bf16 = seen["xla bf16"]
     assert bf16.status == "ok" and 0 < bf16.max_rel_diff <= gpu_check.TOLERANCES["bfloat16"]
     assert bf16.losses != ref.losses  # really another precision
-    kern = seen["cpu kernels float32"]
-    assert kern.status == "ok" or kern.status.startswith("skipped")
-    if kern.status == "ok":
-        assert kern.max_rel_diff <= gpu_check.TOLERANCES["float32"]
-    for row in seen.values():  # not built in this branch -> skipped with a reason, never a failure
-        assert row.status in ("ok", "reference") or row.status.startswith("skipped: ")
+    kern = seen["cpu kernels float32"]  # the CPU kernels compile here: the row runs and passes
+    assert kern.status == "ok" and kern.max_rel_diff <= gpu_check.TOLERANCES["float32"]
+    for row in seen.values():  # every row that applies on the CPU is built here and passes
+        assert row.status in ("ok", "reference"), (row.name, row.status)
 
 
 def test_a_loss_curve_outside_its_tolerance_fails_the_check(capsys, monkeypatch):
@@ -73,6 +76,51 @@ def test_a_compile_failure_fails_its_row_and_the_table_goes_on(capsys, monkeypat
     assert "ERROR: RuntimeError: INTERNAL: Failed to compile Triton kernel" in rows["xla bf16"]
     assert rows["xla fp16"].endswith("ok")  # listed after the failing row, still run
     assert "Traceback" in captured.err and "FAILED: xla bf16" in captured.err
+
+
+@pytest.mark.parametrize("error", [ConfigError, ImportError, NotImplementedError])
+def test_a_built_row_that_raises_fails_the_command(error, capsys, monkeypatch):
+    """A set-up error in a row that applies here (a ConfigError, an ImportError, a
+    NotImplementedError: the errors of a kernel or dtype that stopped working) is that row's
+    ERROR and exit status 1, never a skip."""
+
+    def curves(cfg, device, steps):
+        if cfg.attention_impl == "cpu":
+            raise error("planted: the CPU kernels did not build")
+        return [6.0, 5.0], 1.0, 0, None
+    monkeypatch.setattr(gpu_check, "train_losses", curves)
+    assert gpu_check.main(["--platform", "cpu", "--tiny", "--steps", "2", "--only", "cpu kernels"]) == 1
+    captured = capsys.readouterr()
+    row = _table_rows(captured.out)["cpu kernels float32"]
+    assert f"ERROR: {error.__name__}: planted: the CPU kernels did not build" in row
+    assert "FAILED: cpu kernels float32" in captured.err
+
+
+def test_a_row_computing_in_the_wrong_dtype_fails(capsys, monkeypatch):
+    """An fp16 row whose model computes in float32 would match the reference trivially: ERROR."""
+    real = gpu_check.ModelConfig.from_config
+
+    def float32_model(cfg, *a, **kw):
+        return dataclasses.replace(real(cfg, *a, **kw), dtype=jnp.float32)
+    monkeypatch.setattr(gpu_check.ModelConfig, "from_config", staticmethod(float32_model))
+    monkeypatch.setattr(gpu_check, "train_losses", lambda cfg, device, steps: ([6.0, 5.0], 1.0, 0, None))
+    assert gpu_check.main(["--platform", "cpu", "--tiny", "--steps", "2", "--only", "xla fp16"]) == 1
+    row = _table_rows(capsys.readouterr().out)["xla fp16"]
+    assert "ERROR: RuntimeError: the model computes in float32, not float16" in row
+
+
+def test_a_row_this_machine_cannot_run_is_not_applicable_before_it_runs(monkeypatch):
+    """The Transformer Engine row without TE: "not applicable" with the reason, decided
+    before anything of the row is prepared; not a failure of the command."""
+    def never(*a, **kw):
+        raise AssertionError("a row that does not apply was run")
+    monkeypatch.setattr(gpu_check, "train_losses", never)
+    monkeypatch.setattr(gpu_check, "load_config_file", never)
+    monkeypatch.setattr(gpu_check.te, "te_available", lambda: (False, "No module named 'transformer_engine'"))
+    te_row = next(v for v in gpu_check.VARIANTS if "TE" in v.name)
+    row = gpu_check.run_variant(te_row, {}, jax.devices("cpu")[0], 2, [6.0, 5.0])
+    assert row.status == "not applicable: Transformer Engine unavailable: No module named 'transformer_engine'"
+    assert all(v.not_applicable is None for v in gpu_check.VARIANTS if v is not te_row)
 
 
 def test_steps_the_optimizer_skipped_fail_the_row(capsys, monkeypatch):

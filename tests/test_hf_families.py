@@ -14,8 +14,8 @@ import os
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -441,7 +441,10 @@ def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp
 
     model = imported["qwen3"][0]
     model.config.bos_token_id, model.config.eos_token_id = 3, [5, 7]
+    std = model.config.initializer_range
+    model.config.initializer_range = 0.03  # not jmegatron's default: the folder's value must survive
     model.save_pretrained(str(tmp_path / "hf"))
+    model.config.initializer_range = std
     template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=tok, eos_token="<|im_end|>",
                                                   additional_special_tokens=["<|im_start|>"])
@@ -475,6 +478,16 @@ def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp
     assert evaluate.main(["--load", str(tmp_path / "hf"), "--data-path", prefix, "--tokenizer-model", tok,
                           "--data-split", "0,0,100", "--eval-iters", "2"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"] == result["loss"]
+    # --batch-size: samples per evaluation batch (the import's global batch is 1)
+    assert evaluate.main(["--load", ckpt, "--data-path", prefix, "--tokenizer-model", tok, "--data-split", "0,0,100",
+                          "--eval-iters", "2", "--batch-size", "4"]) == 0
+    batched = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert batched["tokens"] == 4 * result["tokens"] and np.isfinite(batched["loss"])
+    two_ranks = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 2, 1, 1, 1),
+                                  ("pipeline", "data", "expert", "context", "tensor"))
+    assert evaluate.batch_overrides(6, None, two_ranks)["micro_batch_size"] == 3
+    with pytest.raises(ConfigError, match="--batch-size 5 does not split over the 2 data-parallel ranks"):
+        evaluate.batch_overrides(5, None, two_ranks)
 
     run = dict(load=ckpt, use_checkpoint_args=True, data_path=prefix, tokenizer_model=tok, seq_length=SEQ,
                micro_batch_size=2, global_batch_size=16, train_iters=3, lr=3e-3, lr_warmup_iters=0, eval_interval=0,
@@ -492,12 +505,29 @@ def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp
         train._import_hf_load(None, {"load": str(tmp_path / "hf")})
     trained = load_config_file(None, overrides)
     assert (trained.qk_layernorm, trained.kv_channels, trained.num_layers) == (True, 32, 2)
+    # the folder's settings beyond the architecture are kept (not jmegatron's dropout 0.1 / std 0.02) ...
+    assert (trained.hidden_dropout, trained.attention_dropout, trained.init_method_std) == (0.0, 0.0, 0.03)
+    # ... unless the user sets them: an override, or a config file's value other than the default
+    assert load_config_file(None, dict(overrides, attention_dropout=0.25)).attention_dropout == 0.25
+    user = tmp_path / "user_config.py"
+    user.write_text("from jmegatron.config import base_config\n\ndef get_config():\n    c = base_config()\n"
+                    "    c.attention_dropout = 0.05\n    return c\n")
+    from_file = load_config_file(str(user), overrides)
+    assert (from_file.attention_dropout, from_file.hidden_dropout) == (0.05, 0.0)
     summary = pretrain(trained)
     losses = [summary["losses"][i] for i in sorted(summary["losses"])]
     # the fine-tuned run exports with the source's ids and generation config too
     export_hf(str(tmp_path / "run"), str(tmp_path / "tuned"))
     tuned = json.loads((tmp_path / "tuned" / "config.json").read_text())
     assert (tuned["bos_token_id"], tuned["eos_token_id"]) == (3, [5, 7])
+    # transformers reads the fine-tuned export with the source folder's settings
+    source, back = (transformers.AutoConfig.from_pretrained(str(tmp_path / d)) for d in ("hf", "tuned"))
+    for key in ("attention_dropout", "initializer_range", "rms_norm_eps", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "max_position_embeddings", "tie_word_embeddings", "vocab_size"):
+        assert getattr(back, key) == getattr(source, key), key
+    # (the export also spells out YaRN's default betas and mscales, which the source leaves implicit)
+    assert {k: back.rope_parameters[k] for k in source.rope_parameters} == source.rope_parameters
     assert (tmp_path / "tuned" / "generation_config.json").read_text() == \
         (tmp_path / "hf" / "generation_config.json").read_text()
     print(f"qwen3 import -> train on Shakespeare: losses {np.round(losses, 3).tolist()}, eval loss {result['loss']:.3f}")

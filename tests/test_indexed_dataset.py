@@ -1,4 +1,5 @@
-"""MMIDIDX .bin/.idx format: hand-written reference files, builder, reader, error messages."""
+"""MMIDIDX .bin/.idx format against megatron-core's own IndexedDataset / IndexedDatasetBuilder
+(byte-identical files, each reads the other's), builder, reader, error messages."""
 
 import os
 import pickle
@@ -6,6 +7,12 @@ import struct
 
 import numpy as np
 import pytest
+import torch
+from megatron.core.datasets.indexed_dataset import (
+    DType as MegatronDType,
+    IndexedDataset as MegatronIndexedDataset,
+    IndexedDatasetBuilder as MegatronIndexedDatasetBuilder,
+)
 
 from jmegatron.data.indexed_dataset import (
     DType,
@@ -23,31 +30,19 @@ DOCS = [
 
 
 def _reference_files(prefix, dtype, code):
-    """Write P.bin / P.idx straight from the format spec, independently of the builder."""
-    seqs = [s for doc in DOCS for s in doc]
-    lengths = [len(s) for s in seqs]
-    itemsize = np.dtype(dtype).itemsize
-    pointers, p = [], 0
-    for n in lengths:
-        pointers.append(p)
-        p += n * itemsize
-    doc_idx = [0]
+    """Write P.bin / P.idx with megatron-core's own IndexedDatasetBuilder; return the
+    sequences and what megatron-core's IndexedDataset reads back (lengths, byte pointers,
+    document indices)."""
+    builder = MegatronIndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
     for doc in DOCS:
-        doc_idx.append(doc_idx[-1] + len(doc))
-    with open(prefix + ".bin", "wb") as f:
-        for s in seqs:
-            f.write(np.array(s, dtype=dtype).tobytes())
-    idx = bytearray(b"MMIDIDX\x00\x00")
-    idx += struct.pack("<Q", 1)
-    idx += struct.pack("<B", code)
-    idx += struct.pack("<Q", len(seqs))
-    idx += struct.pack("<Q", len(doc_idx))
-    idx += struct.pack(f"<{len(lengths)}i", *lengths)
-    idx += struct.pack(f"<{len(pointers)}q", *pointers)
-    idx += struct.pack(f"<{len(doc_idx)}q", *doc_idx)
-    with open(prefix + ".idx", "wb") as f:
-        f.write(bytes(idx))
-    return seqs, lengths, pointers, doc_idx
+        for s in doc:
+            builder.add_item(torch.tensor(s))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    ref = MegatronIndexedDataset(prefix)
+    assert ref.index.dtype is dtype and MegatronDType.code_from_dtype(dtype) == code
+    seqs = [s for doc in DOCS for s in doc]
+    return seqs, ref.sequence_lengths.tolist(), ref.index.sequence_pointers.tolist(), ref.document_indices.tolist()
 
 
 def _build(prefix, dtype, how="items"):
@@ -71,7 +66,7 @@ def test_dtype_codes_match_megatron():
     expected = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5,
                 np.float64: 6, np.float32: 7, np.uint16: 8}
     for dt, code in expected.items():
-        assert DType.code_from_dtype(dt) == code
+        assert DType.code_from_dtype(dt) == code == MegatronDType.code_from_dtype(dt)
         assert DType.dtype_from_code(code) is dt
     assert DType.optimal_dtype(50000) is np.uint16
     assert DType.optimal_dtype(65499) is np.uint16
@@ -87,6 +82,9 @@ def test_builder_is_byte_identical_to_spec(tmp_path, dtype, code, how):
     _build(out, dtype, how)
     assert _bytes(out + ".idx") == _bytes(ref + ".idx")
     assert _bytes(out + ".bin") == _bytes(ref + ".bin")
+    theirs = MegatronIndexedDataset(out)  # and megatron-core reads jmegatron's files
+    for i, seq in enumerate(s for doc in DOCS for s in doc):
+        np.testing.assert_array_equal(theirs[i], seq)
 
 
 def test_reader_round_trip(tmp_path):

@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+import megatron.core  # noqa: E402,F401
+import torch  # noqa: E402
 
 from jmegatron.config import base_config, from_configdict  # noqa: E402
 from jmegatron.export import megatron as M  # noqa: E402
@@ -181,6 +181,39 @@ def test_import_export_round_trip_loads_into_megatron_core(written, mcore, tmp_p
                 ref = w["state"][k]
             np.testing.assert_array_equal(v.numpy(), ref.numpy(), err_msg=k)
         np.testing.assert_array_equal(mcore_logits(model), w["logits"])
+
+
+def test_null_tokenizer_vocabulary_keeps_its_end_of_document_row(written, tmp_path):
+    # Megatron's --tokenizer-type NullTokenizer --vocab-size N: N + 1 ids, the end of document N
+    # (megatron-core's own NullTokenizer); the import keeps row N, and its exports write N back
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as McoreNullTokenizer
+
+    w = written["gpt"]
+    n = VOCAB - 1
+    ref = McoreNullTokenizer(n)
+    args = M.megatron_args(w["cfg"], 384, VOCAB, iteration=7)
+    args.tokenizer_type, args.vocab_size = "NullTokenizer", n
+    src_dir = tmp_path / "null"
+    os.makedirs(src_dir / "iter_0000007" / "mp_rank_00")
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 7, "model": w["state"]},
+               src_dir / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt")
+    (src_dir / "latest_checkpointed_iteration.txt").write_text("7")
+    jm = tmp_path / "jm"
+    M.import_megatron(str(src_dir), str(jm))
+    src = load_checkpoint(str(jm))
+    tok = build_tokenizer(src.cfg)
+    assert (src.cfg.tokenizer_type, src.cfg.vocab_size) == ("NullTokenizer", n)
+    assert (src.vocab_size, tok.vocab_size, tok.eod) == (ref.vocab_size, ref.vocab_size, ref.eod) == (VOCAB, VOCAB, n)
+    got = jm_logits(src.cfg, src.params)  # the whole vocabulary, the end of document included
+    np.testing.assert_allclose(got[..., ref.eod], w["logits"][..., ref.eod], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got, w["logits"], atol=1e-5, rtol=1e-5)
+    out = tmp_path / "torch"
+    M.export_megatron(str(jm), str(out), "torch")
+    saved = torch.load(out / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    assert (saved["args"].tokenizer_type, saved["args"].vocab_size) == ("NullTokenizer", n)
+    model = M.megatron_core_model(w["cfg"], 384)
+    model.load_state_dict(saved["model"], strict=True)
+    np.testing.assert_array_equal(mcore_logits(model), w["logits"])
 
 
 LAYOUTS = [("llama", 2, 1, 1), ("llama", 1, 2, 1), ("moe", 2, 1, 1), ("moe", 1, 1, 2)]

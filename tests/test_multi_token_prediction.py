@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
+import megatron.core  # noqa: E402,F401
+import torch  # noqa: E402
 
 from jmegatron.config import ConfigError, base_config, from_configdict  # noqa: E402
 from jmegatron.export import megatron as M  # noqa: E402

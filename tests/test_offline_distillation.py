@@ -113,8 +113,10 @@ def test_cache_resumes_after_a_kill(tmp_path, teacher_dir, cache_dir):
     tool = [sys.executable, "-m", "jmegatron.tools.cache_teacher_logits"]
     done = subprocess.run(tool + args, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    progress = [line for line in done.stdout.splitlines() if line.endswith("/16 samples")]
-    assert progress[0] == "cache_teacher_logits: 3/16 samples", progress  # went on, did not restart
+    # went on, did not restart, and said so; progress is one tqdm bar on stderr, not a line per batch
+    assert f"cache_teacher_logits: {out} holds 2/16 samples; going on from sample 2" in done.stdout.splitlines()
+    assert not [line for line in done.stdout.splitlines() if line.endswith("/16 samples")], done.stdout
+    assert "cache_teacher_logits: 100%" in done.stderr and "16/16" in done.stderr, done.stderr[-2000:]
     one_go = str(tmp_path / "one_go")
     assert subprocess.run(tool + [a if a != out else one_go for a in args], env=env, capture_output=True,
                           timeout=300).returncode == 0
@@ -139,10 +141,11 @@ def test_a_cache_for_other_data_or_another_k_is_refused(tmp_path, teacher_dir, c
 def test_a_teacher_on_its_own_layout_equals_one_device(tmp_path, teacher_dir):
     """kd_teacher_use_megatron_fsdp: the teacher's parameters sharded over the data ranks
     (the student's are not), its top-K computed before the student's loop under GSPMD; tp2 x
-    dp4 equals one device in loss and every gradient (the same micro-batches of 4 rows)."""
+    dp4 equals one device in loss and every gradient (one device runs the data ranks'
+    micro-batches of 1 row one after another: the balancer's ratios are each one's)."""
     kd = tmp_path / "kd.yaml"
     kd.write_text(f"logit_kl_topk: {K}\nskip_lm_loss: false\n")
-    g1, r1, _ = grads_of(cfg_for(tmp_path / "one", kd_teacher_load=teacher_dir, kd_cfg=str(kd), micro_batch_size=4))
+    g1, r1, _ = grads_of(cfg_for(tmp_path / "one", kd_teacher_load=teacher_dir, kd_cfg=str(kd)))
     cfg = cfg_for(tmp_path / "own", kd_teacher_load=teacher_dir, kd_cfg=str(kd), kd_teacher_use_megatron_fsdp=True,
                   tensor_model_parallel_size=2)
     run = build(cfg, create_mesh(cfg, jax.devices()[:8]))

@@ -1,5 +1,6 @@
 """Distillation under pipeline parallelism: the teacher split into the student's stages
-equals distillation without pipelining (loss and gradients, float32, relative 1e-5) with
+equals distillation without pipelining at the same data-parallel size (loss and gradients,
+float32, relative 1e-5) with
 intermediate pairs in any model chunk (interleaved, uneven stages), data, tensor and
 context parallelism and document masks; a pair whose layers sit in different chunks fails
 with an error naming the chunks."""
@@ -83,7 +84,7 @@ PAIRS_ANYWHERE = ("intermediate_layer_pairs:\n"
                   "skip_lm_loss: false\n")
 
 
-_UNPIPELINED = {}  # the one-device reference per (distillation YAML, document masks), shared by the layouts
+_UNPIPELINED = {}  # the unpipelined reference per (distillation YAML, document masks, dp), shared by the layouts
 
 
 def assert_same_step(got, want):
@@ -105,19 +106,21 @@ def assert_same_step(got, want):
     ids=["anywhere-pp2-v2", "pairs-pp2-tp2", "anywhere-uneven-pp2-dp2", "pairs-pp2-cp2", "docmask-pp2-dp2"])
 def test_pipelined_distillation_matches_unpipelined(teacher_dir, tmp_path, yaml, pp, v, tp, dp, cp, first, docs):
     """Intermediate pairs in every chunk (interleaved, uneven stages), dp2 and cp2 (the last
-    stage sums each KD loss over the data / context ranks before the balancer; the ranks'
-    token counts differ: the loss mask is random), document masks (both models)."""
+    stage's balancer reads each data rank's losses, summed over its context ranks; the ranks'
+    token counts differ: the loss mask is random), document masks (both models). The
+    reference runs unpipelined on ``dp`` devices (one device for dp 1): the balancer's
+    ratios are each data rank's."""
     kw = dict(kd_teacher_load=teacher_dir, micro_batch_size=4 // dp, global_batch_size=16,
               hidden_dropout=0.0, attention_dropout=0.0, kd_cfg=yaml_file(tmp_path, yaml),
               reset_attention_mask=docs)
-    if (yaml, docs) not in _UNPIPELINED:
-        # one device, the same micro-batches: 4 rows each (dp x micro_batch_size)
-        ref = grads(cfg_for(tmp_path / "a", **dict(kw, micro_batch_size=4)), 1, doc1_seeds=(0, 1) if docs else (0,))
+    if (yaml, docs, dp) not in _UNPIPELINED:
+        # unpipelined, the same micro-batches (4 rows) on the same data ranks
+        ref = grads(cfg_for(tmp_path / "a", **kw), dp, doc1_seeds=(0, 1) if docs else (0,))
         if docs:  # the teacher and the student mask the first document: its tokens change nothing
             assert_same_step(ref[1], ref[0])
             ref = ref[0]
-        _UNPIPELINED[(yaml, docs)] = ref
-    g1, r1 = _UNPIPELINED[(yaml, docs)]
+        _UNPIPELINED[(yaml, docs, dp)] = ref
+    g1, r1 = _UNPIPELINED[(yaml, docs, dp)]
     cfg = cfg_for(tmp_path / "b", pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
                   context_parallel_size=cp, cp_comm_type="all_gather" if cp > 1 else "p2p",
                   virtual_pipeline_model_parallel_size=v if v > 1 else None,

@@ -13,8 +13,8 @@ from jmegatron.export.common import ExportError, hf_model
 from jmegatron.export.quantize import (build_quant_config, enabled_quantizers, load_quantized, make_batches,
                                        perplexity, portion_dataset, quantize_model)
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("modelopt.torch.quantization")
+import modelopt.torch.quantization  # noqa: E402,F401
+import torch  # noqa: E402
 
 VOCAB = 512
 SEQ = 64
@@ -73,6 +73,10 @@ def test_files_and_unified_hf_checkpoint(quantized):
         hf = d / "unified_hf"
         for f in ("modelopt_state.pth", "quantize_info.json"):
             assert (d / f).is_file(), f
+        # ModelOpt's quantizer table is a file; GPT-2's LayerNorm inputs stay unquantized (no export writes them)
+        table = (d / "quant_summary.txt").read_text().splitlines()
+        assert table[-1].endswith("TensorQuantizers found in model") and len(table) > 20
+        assert all("disabled" in line for line in table if ".ln_" in line), [l for l in table if ".ln_" in l]
         for f in ("config.json", "model.safetensors", "hf_quant_config.json", "tokenizer.json",
                   "tokenizer_config.json"):
             assert (hf / f).is_file(), f

@@ -9,6 +9,7 @@ arrays are tracked with weak references, and tracemalloc gives the host peak."""
 import contextlib
 import json
 import os
+import re
 import tracemalloc
 import weakref
 
@@ -114,8 +115,12 @@ def test_evaluate_cli_params_only(bf16_tp2_ckpt, capsys):
 
     with orbax_reads() as reads:
         assert main(["--load", bf16_tp2_ckpt, "--split", "valid", "--eval-iters", "1", "--devices", "8", "--mock-data"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
     assert out["params"] == "model" and np.isfinite(out["loss"])
+    # the evaluation step's compilation is announced with its time, before the result
+    assert lines[0] == "[jmegatron] compiling the evaluation step for tokens [4, 4, 32] ...", lines
+    assert re.fullmatch(r"\[jmegatron\] compiled the evaluation step for tokens \[4, 4, 32\] in [0-9.]+ s", lines[1])
     assert all(n.startswith("params.") for n, _ in reads)
     assert main(["--load", bf16_tp2_ckpt, "--split", "valid", "--eval-iters", "1", "--params", "main", "--mock-data"]) == 0
     main_loss = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"]
@@ -226,8 +231,8 @@ def test_streaming_export_holds_one_layer(deep_ckpt, tmp_path, monkeypatch):
 
 
 def test_streamed_shards_load_in_transformers(deep_ckpt, tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     from jmegatron.export.convert import export_hf
 
     summary = export_hf(deep_ckpt, str(tmp_path / "hf"), max_shard_size="8MB")

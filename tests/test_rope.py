@@ -1,17 +1,17 @@
 """jmegatron.models.rope against megatron-core's own RotaryEmbedding (Llama-3.x
-``rope_scaling``) and YaRN helpers (megatron/core/models/common/embeddings/), on the CPU."""
+``rope_scaling``) and YarnRotaryEmbedding (megatron/core/models/common/embeddings/), on the CPU."""
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from megatron.core.models.common.embeddings import rotary_pos_embedding as rotary
+from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
 
 from jmegatron.config import ConfigError
 from jmegatron.models.rope import RotaryEmbedding, yarn_concentration_factor
-
-torch = pytest.importorskip("torch")
-rotary = pytest.importorskip("megatron.core.models.common.embeddings.rotary_pos_embedding")
-yarn = pytest.importorskip("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding")
 
 
 @pytest.mark.parametrize("d, base, factor", [(128, 500000, 8.0), (64, 10000, 32.0)])
@@ -28,22 +28,29 @@ def test_llama3_scaling_is_megatrons(d, base, factor):
     (128, 10000, 40.0, 4096, 1.0, 1.0),  # DeepSeek-V3's
     (64, 1000000, 4.0, 32768, 1.0, 0.0),  # Qwen3's (transformers' default attention factor)
 ])
-def test_yarn_is_megatrons(d, base, factor, original, mscale, mscale_all_dim):
-    low, high = yarn._yarn_find_correction_range(32.0, 1.0, d, base, original, True)
-    mask = 1.0 - yarn._yarn_linear_ramp_mask(low, high, d // 2, device="cpu").numpy()
-    extra = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float32) / d)
-    ref = extra / factor * (1 - mask) + extra * mask
+def test_yarn_is_megatrons(d, base, factor, original, mscale, mscale_all_dim, monkeypatch):
+    """Frequencies, concentration factor and the cos / sin tables (the factor included) of
+    megatron-core's YarnRotaryEmbedding, at positions 0..127."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # its tables move to the GPU
+    ref = yarn.YarnRotaryEmbedding(kv_channels=d, rotary_base=base, scaling_factor=factor,
+                                   original_max_position_embeddings=original, mscale=mscale,
+                                   mscale_all_dim=mscale_all_dim, use_cpu_initialization=True)
+    emb, ref_mscale = ref.get_emb(128)  # [s, 1, 1, d]: positions x frequencies, twice
     r = RotaryEmbedding(d, base, position_embedding_type="yarn", yarn_rotary_scaling_factor=factor,
                         yarn_original_max_position_embeddings=original, yarn_mscale=mscale,
                         yarn_mscale_all_dim=mscale_all_dim)
-    np.testing.assert_allclose(r.inverse_frequencies(), ref, rtol=1e-6)
-    assert r.mscale() == pytest.approx(yarn._yarn_get_concentration_factor(factor, mscale, mscale_all_dim))
+    np.testing.assert_allclose(r.inverse_frequencies(), emb[1, 0, 0, :d // 2].numpy(), rtol=1e-6)
+    assert r.mscale() == pytest.approx(ref_mscale)
+    cos, sin = r.cos_sin(jnp.arange(128, dtype=jnp.int32)[None])
+    want_cos, want_sin = ref.get_cached_cos_sin(128, dtype=torch.float32)
+    # angles up to 128 rad in float32: each side rounds them by up to 128 x eps
+    atol = 4 * 128 * float(np.finfo(np.float32).eps) * ref_mscale
+    np.testing.assert_allclose(np.asarray(cos)[0, :, 0], want_cos[:, 0, 0].numpy(), rtol=0, atol=atol)
+    np.testing.assert_allclose(np.asarray(sin)[0, :, 0], want_sin[:, 0, 0].numpy(), rtol=0, atol=atol)
     assert yarn_concentration_factor(factor, 1.0, 0.0) == pytest.approx(0.1 * math.log(factor) + 1.0)
 
 
 def test_cos_sin_interpolate_positions_and_scale():
-    import jax.numpy as jnp
-
     pos = jnp.arange(8, dtype=jnp.int32)[None]
     cos, sin = RotaryEmbedding(16, 10000, rotary_seq_len_interpolation_factor=4.0).cos_sin(pos)
     # position p under factor 4 is position p / 4 without it

@@ -1,82 +1,62 @@
 """Learning-rate schedules in samples (iteration- and sample-based, ramp-up, multi-step,
-warm-up init/fraction) against a transcription of Megatron's OptimizerParamScheduler with
-ByteMLPerf's multi-step branch, driven as Megatron's training loop drives it."""
+warm-up init/fraction) against megatron-core's OptimizerParamScheduler (with ByteMLPerf's
+multi-step branch, transcribed) and its batch-size ramp-up calculator, driven as Megatron's
+training loop drives them."""
 
 import math
+import types
 
 import jax
 import numpy as np
 import pytest
+from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from jmegatron.config import ConfigError, base_config, from_configdict
 from jmegatron import num_microbatches_calculator as nmc
 from jmegatron.training.optimizer import lr_schedule
 
 
-class MegatronScheduler:
-    """megatron/core/optimizer_param_scheduler.py (ByteMLPerf's byte_train_perf/Megatron-LM copy,
-    which adds 'multi-step'): num_steps counts samples, get_lr as written there."""
+class MegatronScheduler(OptimizerParamScheduler):
+    """megatron-core's OptimizerParamScheduler (num_steps counts samples), plus the
+    'multi-step' style of ByteMLPerf's byte_train_perf/Megatron-LM copy, transcribed (only
+    ByteMLPerf has it); ``get_lr()`` the rate it sets."""
 
     def __init__(self, init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style,
                  wsd_decay_steps=None, lr_wsd_decay_style=None, multi_step=(0.6, 0.3, 0.1)):
-        self.init_lr, self.max_lr, self.min_lr = init_lr, float(max_lr), min_lr
-        self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
-        self.lr_decay_style, self.wsd_decay_steps = lr_decay_style, wsd_decay_steps
-        self.lr_wsd_decay_style, self.multi_step = lr_wsd_decay_style, multi_step
-        self.num_steps = 0
+        self.multi_step = multi_step
+        super().__init__(types.SimpleNamespace(param_groups=[{}]), init_lr, max_lr, min_lr, lr_warmup_steps,
+                         lr_decay_steps, lr_decay_style, 0.0, 0.0, 1, "constant",
+                         wsd_decay_steps=wsd_decay_steps if lr_decay_style == "WSD" else None,
+                         lr_wsd_decay_style=lr_wsd_decay_style)
 
-    def step(self, increment):
-        self.num_steps += increment
-
-    def get_lr(self):
-        max_lr, min_lr = self.max_lr, self.min_lr
+    def get_lr(self, param_group=None):
+        if param_group is None:
+            return self.optimizer.param_groups[0]["lr"]
+        if self.lr_decay_style != "multi-step":
+            return super().get_lr(param_group)
+        max_lr, min_lr = self.max_lr, self.min_lr  # ByteMLPerf's get_lr, its multi-step path
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
             return self.init_lr + ((max_lr - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps))
-        if self.lr_decay_style == "constant":
-            return max_lr
         if self.num_steps > self.lr_decay_steps:
             return min_lr
-        if self.lr_decay_style == "inverse-square-root":
-            warmup_steps = max(self.lr_warmup_steps, 1)
-            num_steps = max(self.num_steps, 1)
-            lr = max_lr * warmup_steps ** 0.5 / (num_steps ** 0.5)
-            return max(min_lr, lr)
-        num_steps_ = self.num_steps - self.lr_warmup_steps
-        decay_steps_ = self.lr_decay_steps - self.lr_warmup_steps
-        decay_ratio = float(num_steps_) / float(decay_steps_)
-        delta_lr = max_lr - min_lr
-        if self.lr_decay_style == "multi-step":
-            first, second, _ = self.multi_step
-            if decay_ratio <= first:
-                return max_lr
-            elif decay_ratio <= first + second:
-                lr = max_lr * (1 / math.sqrt(10))
-            else:
-                lr = max_lr * 0.1
-            return max(min_lr, lr)
-        if self.lr_decay_style == "linear":
-            coeff = 1.0 - decay_ratio
-        elif self.lr_decay_style == "cosine":
-            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
-        elif self.lr_decay_style == "WSD":
-            wsd_anneal_start_ = self.lr_decay_steps - self.wsd_decay_steps
-            if self.num_steps <= wsd_anneal_start_:
-                coeff = 1.0
-            else:
-                wsd_decay_ratio = float(self.num_steps - wsd_anneal_start_) / float(self.wsd_decay_steps)
-                coeff = {"linear": 1.0 - wsd_decay_ratio,
-                         "cosine": 0.5 * (math.cos(math.pi * wsd_decay_ratio) + 1.0),
-                         "exponential": (2.0 * math.pow(0.5, wsd_decay_ratio)) - 1.0,
-                         "minus_sqrt": 1.0 - math.sqrt(wsd_decay_ratio)}[self.lr_wsd_decay_style]
-        return min_lr + coeff * delta_lr
+        decay_ratio = float(self.num_steps - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
+        first, second, _ = self.multi_step
+        if decay_ratio <= first:
+            return max_lr
+        elif decay_ratio <= first + second:
+            lr = max_lr * (1 / math.sqrt(10))
+        else:
+            lr = max_lr * 0.1
+        return max(min_lr, lr)
 
 
 def megatron_rampup_gbs(consumed, start, inc, ramp, gbs):
-    """RampupBatchsizeNumMicroBatchesCalculator.update (megatron/core/num_microbatches_calculator.py)."""
-    if consumed > ramp:
-        return gbs
-    steps = int(consumed / (ramp / ((gbs - start) // inc)))
-    return start + steps * inc
+    """megatron-core's RampupBatchsizeNumMicroBatchesCalculator.update: the global batch size
+    after ``consumed`` samples."""
+    calc = RampupBatchsizeNumMicroBatchesCalculator(gbs, 1, 1, False, 0, start, inc, ramp)
+    calc.update(consumed, consistency_check=False)
+    return calc.get_current_global_batch_size()
 
 
 def megatron_lrs(sched, iters, gbs_of_consumed):

@@ -3,6 +3,7 @@ merged into batches and each answer's tokens are greedy ``generate``'s for its p
 ``logprobs`` equal the model's own log-softmax, ``random_seed`` reproduces an answer, and
 Megatron's bad requests are answered 400 with its messages while the server keeps serving."""
 
+import re
 import socket
 import threading
 import time
@@ -17,9 +18,9 @@ import jax.numpy as jnp
 from jmegatron.config import base_config, from_configdict
 from jmegatron.inference.generate import generate
 
-requests = pytest.importorskip("requests")
-uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("fastapi")
+import fastapi  # noqa: E402,F401
+import requests  # noqa: E402
+import uvicorn  # noqa: E402
 
 from jmegatron.inference.server import TextGenerationServer, create_app, stop_index  # noqa: E402
 
@@ -145,6 +146,23 @@ def test_concurrent_requests_are_batched_and_equal_generate_alone(served):
     row = tok.tokenize(words[0])
     assert generate(served.model, served.params, [row], 4, greedy=True, eod_id=tok.eod) == \
         [greedy_reference(served, row, 4)]
+
+
+def test_a_new_sampling_variant_announces_its_compilation(served, capsys):
+    """A request that needs a new program (here top-k 7 sampling for the 4-row bucket)
+    announces its compilation with its time; one that changes only traced values
+    (temperature, seed) compiles nothing."""
+    capsys.readouterr()
+    three = {"prompts": ["ROMEO:", "JULIET: O", "light"], "tokens_to_generate": 3, "top_k": 7}  # 3 rows: 4-row bucket
+    assert put(served, three).status_code == 200
+    out = capsys.readouterr().out
+    # (the server asks for log-probabilities: the same programs give Megatron's logprobs)
+    assert "[jmegatron] compiling the decode loop for 4 rows, cache 64, top-k 7 sampling, log-probabilities ...\n" \
+        in out, out
+    assert re.search(r"^\[jmegatron\] compiled the decode loop for 4 rows, cache 64, top-k 7 sampling, "
+                     r"log-probabilities in [0-9.]+ s$", out, re.M), out
+    assert put(served, dict(three, temperature=0.5, random_seed=3)).status_code == 200
+    assert "compiling" not in capsys.readouterr().out
 
 
 def test_bad_requests_are_answered_400_and_the_server_keeps_serving(served):

@@ -314,7 +314,8 @@ def test_sft_training_counts_only_assistant_tokens_and_kd_is_masked(data, tmp_pa
 
     def kd(delta):
         fn = distillation_loss_fn(run.model, _ShiftedTeacher(run.model, jnp.asarray(delta)), parse_distill_config(None))
-        _, report = fn(params, micro, jax.random.PRNGKey(0), jnp.float32(mask.sum()), params, lambda x: x)
+        _, report = fn(params, micro, jax.random.PRNGKey(0), jnp.float32(mask.sum()), params,
+                       lambda x, context_only=False: x)
         return float(report["logits_distillation_loss"])
 
     base = kd(np.zeros_like(noise))

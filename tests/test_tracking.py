@@ -90,7 +90,7 @@ def cli_run(tmp_path_factory):
     """(stdout, save dir) of a 6-iteration run with W&B offline and no known peak."""
     from jmegatron.train import main as train_main
 
-    wandb = pytest.importorskip("wandb")
+    import wandb
     save = tmp_path_factory.mktemp("tracking") / "run"
     stdout = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
@@ -108,11 +108,15 @@ def test_console_compile_progress_and_summary_lines(cli_run):
     text, save = cli_run
     lines = text.splitlines()
     assert "\r" not in text  # a log file: no carriage-return redraws
-    compiling = lines.index("[jmegatron] compiling the train step ...")
-    compiled = next(i for i, l in enumerate(lines) if l.startswith("[jmegatron] ... compiled in "))
+    compiling = lines.index("[jmegatron] compiling the train step for tokens [1, 8, 32] ...")
+    compiled = next(i for i, l in enumerate(lines) if l.startswith("[jmegatron] compiled the train step for tokens "
+                                                                   "[1, 8, 32] in "))
     first_iteration = next(i for i, l in enumerate(lines) if re.search(r" iteration +\d+/", l))
     assert compiling < compiled < first_iteration
-    assert float(re.search(r"compiled in ([0-9.]+) s", lines[compiled]).group(1)) > 0
+    assert float(re.search(r" in ([0-9.]+) s$", lines[compiled]).group(1)) > 0
+    # the evaluation step's compilation is announced too, once, before the first validation block
+    evaluating = [i for i, l in enumerate(lines) if l.startswith("[jmegatron] compiled the evaluation step for ")]
+    assert len(evaluating) == 1 and evaluating[0] < next(i for i, l in enumerate(lines) if " validation loss" in l)
     # one tqdm progress line right after each of Megatron's iteration lines
     iterations = [i for i, l in enumerate(lines) if re.search(r" iteration +\d+/ +6 \|", l)]
     assert len(iterations) == 3

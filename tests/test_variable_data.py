@@ -1,13 +1,18 @@
 """ByteMLPerf's variable-length data: samples against a transcription of its
-GPTVariableDataset.__getitem__, padding as its batch_pad, one compilation per length."""
+GPTVariableDataset.__getitem__, padding as its batch_pad, one compilation per length (each
+announced), the memory line per length and its reserved pool across seeds (ByteMLPerf's
+variable-memory workload)."""
 
 import collections
+import re
 
 import jax
 import numpy as np
 import pytest
 
-from jmegatron.config import base_config, from_configdict
+from jmegatron.bench.__main__ import main as bench_main
+from jmegatron.bench.megatron_log import read_log
+from jmegatron.config import ConfigError, JMegatronConfig, base_config, from_configdict
 from jmegatron.data.gpt_dataset import MockGPTDataset, get_ltor_masks_and_position_ids
 from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
 from jmegatron.data.loader import BatchLoader, stack_samples
@@ -60,6 +65,35 @@ def test_lengths_are_deterministic_and_cover_every_step():
     assert min(counts.values()) > 2000 / 9 * 0.7  # k uniform on 1..9, as numpy.random.randint(1, 10)
 
 
+def bytemlperf_rand_var_seq_length(seq_length, seq_length_min, seq_length_step, draws):
+    """ByteMLPerf's GPTVariableDataset._get_rand_var_seq_length, ``draws`` times (its dataset
+    keeps ``seq_length_min`` and draws without it)."""
+    return [seq_length - np.random.randint(1, 10) * seq_length_step for _ in range(draws)]
+
+
+def test_seq_length_min_bounds_the_lengths_bytemlperf_draws():
+    assert JMegatronConfig.seq_length_min == 128  # ByteMLPerf's --seq-length-min default
+    base = MockGPTDataset(2000, 64, vocab_size=50, seed=1)
+    np.random.seed(0)
+    want = collections.Counter(bytemlperf_rand_var_seq_length(64, 10, 6, 2000))
+    for seq_length_min in (1, 10):  # the shortest, 64 - 9 x 6, reaches either: the same lengths
+        var = GPTVariableDataset(base, 64, 6, seed=7, eod_id=EOD, seq_length_min=seq_length_min)
+        got = collections.Counter(var.sample_length(i) for i in range(2000))
+        assert sorted(got) == sorted(want) == sorted(var.lengths) and min(var.lengths) == 10
+        assert all(abs(got[n] - want[n]) < 0.3 * 2000 / 9 for n in want)  # both uniform on k in 1..9
+    with pytest.raises(ValueError, match=r"seq_length_min=11 exceeds the shortest length seq_length - 9 x "
+                                         r"seq_length_step = 10"):
+        GPTVariableDataset(base, 64, 6, seed=7, eod_id=EOD, seq_length_min=11)
+    # the config: the field checked by name, and the datasets built with it
+    with pytest.raises(ConfigError, match=r"config\.seq_length_min=5 exceeds the shortest variable_data sample, "
+                                          r"seq_length - 9 x seq_length_step = 4"):
+        _cfg(seq_length_min=5)
+    with pytest.raises(ConfigError, match=r"config\.seq_length_min=128 exceeds"):
+        _cfg(seq_length_min=128)  # ByteMLPerf's default refuses 40 - 9 x 4
+    cfg = _cfg(seq_length_min=4)
+    assert all(ds.seq_length_min == 4 for ds in build_datasets(cfg, 2))
+
+
 def test_batches_are_padded_to_their_longest_like_batch_pad():
     base = MockGPTDataset(50, 32, vocab_size=50, seed=1)
     var = GPTVariableDataset(base, 32, 3, seed=2, eod_id=EOD)
@@ -82,7 +116,7 @@ def _cfg(**kw):
     c.mock_data, c.vocab_size = True, 256
     c.num_layers, c.hidden_size, c.num_attention_heads, c.seq_length = 1, 32, 2, 40
     c.micro_batch_size, c.global_batch_size = 2, 2
-    c.variable_data, c.seq_length_step = True, 4
+    c.variable_data, c.seq_length_step, c.seq_length_min = True, 4, 4
     c.train_iters, c.log_interval, c.eval_interval, c.eval_iters = 12, 4, 0, 1
     c.hidden_dropout, c.attention_dropout, c.peak_tflops = 0.0, 0.0, 1.0
     for k, v in kw.items():
@@ -108,12 +142,37 @@ def test_padding_does_not_change_the_loss():
 
 
 @pytest.mark.slow
-def test_training_compiles_once_per_padded_length():
-    cfg = _cfg()
+def test_training_compiles_once_per_padded_length_and_measures_memory_per_length(tmp_path, capsys):
+    # ByteMLPerf's variable-memory run: a memory line per iteration; padded lengths 20, 24, 24, 36
+    cfg = _cfg(test_memory=True, log_interval=1, train_iters=4)
     mesh = create_mesh(cfg, jax.devices()[:1])
     train, _, _ = build_datasets(cfg, 2)
-    lengths = {max(train.sample_length(2 * i), train.sample_length(2 * i + 1)) for i in range(cfg.train_iters)}
-    assert len(lengths) >= 3  # the test sees several buckets
+    batch_length = [max(train.sample_length(2 * i), train.sample_length(2 * i + 1)) for i in range(cfg.train_iters)]
+    lengths, longest = set(batch_length), max(train.lengths)
+    assert batch_length == [20, 24, 24, 36] and longest == 36
     out = pretrain(cfg, mesh)
-    assert out["iteration"] == 12 and all(np.isfinite(v) for v in out["losses"].values())
+    log = capsys.readouterr().out
+    assert out["iteration"] == 4 and all(np.isfinite(v) for v in out["losses"].values())
+    # one program per length, each compilation announced; the longest's compiled at the first memory
+    # line (its pool) and run at iteration 4 without a second compilation
     assert out["run"].train_step._cache_size() == len(lengths)
+    assert log.index("compiled the train step for tokens [1, 2, 36]") < log.index("(after 1 iterations) memory")
+    announced = re.findall(r"^\[jmegatron\] compiling the train step for tokens \[1, 2, (\d+)\] \.\.\.\n"
+                           r"\[jmegatron\] compiled the train step for tokens \[1, 2, \1\] in [0-9.]+ s$", log, re.M)
+    assert sorted(map(int, announced)) == sorted(lengths)
+    # the memory line is each length's: the same length gives the same figures, another length others
+    (tmp_path / "a.log").write_text(log)
+    memory = read_log(str(tmp_path / "a.log")).memory[0]
+    assert [m.iteration for m in memory] == list(range(1, 5))
+    peak = {}
+    for m, n in zip(memory, batch_length):
+        assert peak.setdefault(n, (m.allocated, m.max_allocated)) == (m.allocated, m.max_allocated)
+    assert len(set(peak.values())) == len(lengths)
+    assert [n for n, _ in sorted(peak.items(), key=lambda kv: kv[1][1])] == sorted(lengths)  # longer: more memory
+    # reserved: the pool that runs every length, the same at every iteration and in a run of another seed
+    assert {(m.reserved, m.max_reserved) for m in memory} == {(peak[36][1], peak[36][1])}
+    other = _cfg(test_memory=True, log_interval=1, train_iters=3, seed=1)  # lengths 28, 20, 20
+    pretrain(other, mesh)
+    (tmp_path / "b.log").write_text(capsys.readouterr().out)
+    assert bench_main(["memory_chart", "-b", str(tmp_path / "a.log"), "-i", str(tmp_path / "b.log"),
+                       "-o", str(tmp_path / "chart"), "--reserved"]) == 0

@@ -69,9 +69,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     try:
-        overrides = [a for a in extra if a.startswith("--config.")]
-        stray = [a for a in extra if not a.startswith("--config.")]
-        if stray or (overrides and not hasattr(args, "config")):
+        # a config command takes what python -m jmegatron.train takes: --config.<field>=<value>,
+        # Megatron's flags, --args-file F.args / F.args (jmegatron.train.config_from_argv checks them)
+        takes_config = hasattr(args, "config")
+        overrides = extra if takes_config else [a for a in extra if a.startswith("--config.")]
+        stray = [] if takes_config else [a for a in extra if not a.startswith("--config.")]
+        if stray or (overrides and not takes_config):
             parser.error(f"unrecognized arguments: {' '.join(stray or overrides)}"
                          + (" (--config.<field>=<value> overrides need the '=')" if stray and overrides else ""))
         args.config_overrides = overrides

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from typing import Any, Optional, Sequence
 
-from jmegatron.config import ConfigError, load_config_file
-from jmegatron.train import parse_args
+from jmegatron.config import ConfigError
+from jmegatron.train import config_from_argv
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_BENCH_DIR = os.path.join("runs", "bench")
@@ -27,10 +27,13 @@ class BenchError(ValueError):
 
 # ------------------------------------------------------------------ arguments
 def add_config_arguments(parser, required: bool = True) -> None:
-    """``--config PATH`` (overrides ``--config.<field>=<value>`` are collected by
-    :func:`jmegatron.bench.__main__.main` from the unparsed arguments)."""
-    parser.add_argument("--config", required=required, metavar="CONFIG.py",
-                        help="a jmegatron config file; add --config.<field>=<value> overrides after it")
+    """``--config PATH`` (the unparsed arguments: ``--config.<field>=<value>`` overrides,
+    Megatron's flags and ``--args-file F.args`` / ``F.args``, the forms ``python -m
+    jmegatron.train`` takes, are collected by :func:`jmegatron.bench.__main__.main`).
+    ``required=False``: Megatron's flags or an ``.args`` file may stand for it."""
+    parser.add_argument("--config", required=required, metavar="CONFIG.py|.yaml|config.json",
+                        help="a jmegatron config file (.py, Megatron's YAML, a run's config.json); add "
+                             "--config.<field>=<value> overrides, Megatron's flags or a ByteMLPerf .args file")
 
 
 def add_out_argument(parser, command: str) -> None:
@@ -42,7 +45,7 @@ def add_out_argument(parser, command: str) -> None:
 def config_argv(args, **overrides) -> list[str]:
     """The ``--config F --config.x=y ...`` argument list of ``args`` with ``overrides``
     appended (later ones win), to rebuild the same config in another process."""
-    argv = ["--config", args.config, *getattr(args, "config_overrides", [])]
+    argv = (["--config", args.config] if args.config else []) + list(getattr(args, "config_overrides", []))
     argv += [f"--config.{k}={v}" for k, v in overrides.items()]
     return argv
 
@@ -52,9 +55,7 @@ def load_config(args, **overrides):
     ``overrides`` applied last (before validation, so derived fields such as
     ``lr_decay_iters`` follow them). Raises BenchError naming the bad argument."""
     try:
-        path, parsed = parse_args(config_argv(args))
-        parsed.update(overrides)
-        return load_config_file(path, parsed)
+        return config_from_argv(config_argv(args), overrides)
     except (ConfigError, FileNotFoundError) as e:
         raise BenchError(str(e)) from None
 

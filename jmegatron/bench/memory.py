@@ -289,7 +289,7 @@ def varlen_phase(cfg, lengths: Sequence[int], min_bucket: int, num_devices: Opti
             t0 = time.perf_counter()
             if b not in buckets:
                 before = counter.count
-                compiled = run.train_step.lower(state, batch).compile()
+                compiled = run.train_step.compiled(state, batch)  # the program the step then runs
                 est = memory_lib.activation_memory(cfg.replace(seq_length=b), run.padded_vocab_size, layout)
                 buckets[b] = {"bucket": b, "compiled": memory_stats(compiled),
                               "theoretical_activations_bytes": est.total, "compiles_for_bucket": counter.count - before,

@@ -57,7 +57,7 @@ def register(sub) -> None:
     """Add the ``precision`` subcommand to the bench CLI's subparsers."""
     p = sub.add_parser("precision", help="compare the loss curve with a reference log",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_config_arguments(p)
+    common.add_config_arguments(p, required=False)
     p.add_argument("--reference", required=True, metavar="LOG|torch",
                    help="reference log (Megatron/jmegatron stdout or JSON Lines), or 'torch' to run "
                         "benchmarks/reference_torch.py first")

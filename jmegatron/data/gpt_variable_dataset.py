@@ -5,12 +5,15 @@ Follows ByteMLPerf ``byte_train_perf/Megatron-LM/megatron/core/datasets/gpt_data
 (``megatron/legacy/data/data_samplers.py``):
 
 * sample ``i`` keeps the first ``L = seq_length - k * seq_length_step`` tokens of the full
-  sample, ``k`` in 1..9, and appends EOD: ``tokens`` are the ``L`` tokens, ``labels`` the
-  next ``L - 1`` tokens and then EOD; loss mask and position ids are Megatron's
-  (``_get_ltor_masks_and_position_ids``) over those ``L`` tokens;
+  sample, ``k`` in 1..9 (``_get_rand_var_seq_length``), and appends EOD: ``tokens`` are the
+  ``L`` tokens, ``labels`` the next ``L - 1`` tokens and then EOD; loss mask and position ids
+  are Megatron's (``_get_ltor_masks_and_position_ids``) over those ``L`` tokens;
 * ByteMLPerf draws ``k`` with ``numpy.random.randint(1, 10)`` from the process-global numpy
   state (so its lengths depend on worker scheduling); here ``k`` is a hash of (``seed``,
   ``i``), uniform on 1..9, so a resumed or re-run job sees the same lengths;
+* ``--seq-length-min`` (``seq_length_min``): ByteMLPerf stores it on the dataset and draws
+  without it; here it is the bound the shortest length, ``seq_length - 9 * seq_length_step``,
+  must reach (checked once), so the lengths drawn are ByteMLPerf's;
 * a batch is padded to its longest sample (:func:`jmegatron.data.loader.stack_samples`):
   tokens and labels 0, loss mask 0 (padding never counts), position ids continuing the
   sample's own (ByteMLPerf copies the longest sample's position ids, the same values
@@ -49,6 +52,7 @@ class GPTVariableDataset:
             (``[seq_length]``), as :class:`jmegatron.data.gpt_dataset.GPTDataset`.
         seq_length: tokens of the wrapped samples.
         seq_length_step: the length step (ByteMLPerf's ``--seq-length-step``).
+        seq_length_min: the shortest length allowed (ByteMLPerf's ``--seq-length-min``; 1: any).
         seed: seeds the length draw.
         eod_id: end-of-document id appended as the last label.
         eod_mask_loss: as Megatron's flag (the last token's loss is masked if it is EOD).
@@ -56,19 +60,24 @@ class GPTVariableDataset:
     ``self[i]``: the wrapped sample's dict, every array cut to ``[sample_length(i)]``.
 
     Raises:
-        ValueError: ``seq_length - 9 * seq_length_step < 1`` or ``seq_length_step < 1``.
+        ValueError: ``seq_length_step < 1``, or ``seq_length - 9 * seq_length_step`` below
+            ``max(seq_length_min, 1)``.
     """
 
     MAX_STEPS = 9  # ByteMLPerf: numpy.random.randint(1, 10)
 
     def __init__(self, dataset: Any, seq_length: int, seq_length_step: int, seed: int, eod_id: int,
-                 eod_mask_loss: bool = False) -> None:
+                 eod_mask_loss: bool = False, seq_length_min: int = 1) -> None:
         if seq_length_step < 1 or seq_length - self.MAX_STEPS * seq_length_step < 1:
             raise ValueError(f"seq_length_step={seq_length_step} must be >= 1 with seq_length - 9 x "
                              f"seq_length_step >= 1 (seq_length={seq_length})")
+        if seq_length - self.MAX_STEPS * seq_length_step < seq_length_min:
+            raise ValueError(f"seq_length_min={seq_length_min} exceeds the shortest length seq_length - 9 x "
+                             f"seq_length_step = {seq_length - self.MAX_STEPS * seq_length_step}")
         self.dataset = dataset
         self.seq_length = int(seq_length)
         self.seq_length_step = int(seq_length_step)
+        self.seq_length_min = int(seq_length_min)
         self.eod_id = int(eod_id)
         self.eod_mask_loss = bool(eod_mask_loss)
         self._key = _splitmix64(int(seed) & _MASK64)

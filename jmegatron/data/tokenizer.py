@@ -11,12 +11,15 @@ this module offers the same surface for
   ``_GPT2BPETokenizer``; built on ``tokenizers``' BPE with GPT-2's byte-level split, held to
   transformers' ``GPT2Tokenizer`` by tests/test_tokenizer.py);
 * ``NullTokenizer``: ids written as space-separated integers, end of document = ``vocab_size``
-  (Megatron's ``_NullTokenizer``, for mock and pre-tokenized data);
+  (Megatron's ``_NullTokenizer``, for mock and pre-tokenized data; ``vocab_size + 1`` ids);
+* ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer``: a
+  ``sentencepiece`` model file (``tokenizer_model``), Megatron's three wrappers of it;
+* ``TikTokenizer``: Megatron's JSON rank file (``tokenizer_model``) through ``tiktoken``;
 
-plus a small trainer for a byte-level BPE ``tokenizer.json``. Megatron's SentencePiece,
-Llama-2, TikToken and BERT word-piece types are refused by name (their libraries are not
-dependencies; a transformers ``save_pretrained`` folder of the same tokenizer loads as
-``HuggingFaceTokenizer``).
+plus a small trainer for a byte-level BPE ``tokenizer.json``. Megatron's BERT word-piece and
+multimodal types are refused by name (a transformers ``save_pretrained`` folder of the same
+tokenizer loads as ``HuggingFaceTokenizer``). Each type's vocabulary follows its own rule
+(:func:`jmegatron.config.tokenizer_vocab_size` for those ``vocab_size`` decides).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import json
 import os
 from typing import Iterable, Iterator, List, Optional, Sequence, Union
 
-from jmegatron.config import TOKENIZER_TYPES
+from jmegatron.config import TOKENIZER_TYPES, tokenizer_type_of, tokenizer_vocab_size
 
-__all__ = ["EOD_TOKEN", "HFTokenizer", "NullTokenizer", "TOKENIZER_FILES", "build_tokenizer",
+__all__ = ["EOD_TOKEN", "GPTSentencePieceTokenizer", "HFTokenizer", "Llama2Tokenizer", "NullTokenizer",
+           "SentencePieceTokenizer", "TikTokenizer", "TOKENIZER_FILES", "build_tokenizer",
            "gpt2_bpe_tokenizer", "load_tokenizer", "special_tokens", "train_bpe_tokenizer", "iter_documents"]
 
 EOD_TOKEN = "<|endoftext|>"
@@ -166,6 +170,179 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
+class SentencePieceTokenizer:
+    """Megatron's ``_SentencePieceTokenizer`` (megatron/training/tokenizer/tokenizer.py) over a
+    ``sentencepiece`` model file: the model's pieces, then ``<CLS>``, ``<SEP>``, ``<EOD>``,
+    ``<MASK>`` and the pad / bos / eos pieces (``<PAD>`` / ``<BOS>`` / ``<EOS>`` when the model
+    has none) appended in that order where the vocabulary lacks them; ``.vocab_size`` counts
+    them all, ``.eod`` is ``<EOD>``'s id. ``tokenize`` matches those special tokens inside the
+    text (leftmost first) and encodes the pieces between them with the model.
+
+    Raises:
+        FileNotFoundError: no such model file.  ImportError: sentencepiece is not installed.
+    """
+
+    SPECIAL = ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
+
+    def __init__(self, model_file: Union[str, os.PathLike]):
+        import sentencepiece
+
+        self.path = os.fspath(model_file)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"config.tokenizer_model={self.path!r}: no such sentencepiece model file")
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=self.path)
+        self._init_vocab()
+
+    def _init_vocab(self) -> None:
+        vocab = {self.sp.id_to_piece(i): i for i in range(len(self.sp))}
+        self.special = {}
+
+        def add(token):
+            vocab.setdefault(token, len(vocab))
+            self.special[token] = vocab[token]
+            return vocab[token]
+
+        for token in self.SPECIAL:
+            add(token)
+        self.eod = self.special["<EOD>"]
+        self.eod_token = "<EOD>"
+        ids = {}
+        for name, sp_id in (("pad", self.sp.pad_id()), ("bos", self.sp.bos_id()), ("eos", self.sp.eos_id())):
+            ids[name] = add(self.sp.id_to_piece(sp_id) if 0 <= sp_id < len(self.sp) else f"<{name.upper()}>")
+        self.pad, self.bos, self.eos = ids["pad"], ids["bos"], ids["eos"]
+        self.vocab_size = len(vocab)
+        self._inv_special = {i: t for t, i in self.special.items()}
+
+    def tokenize(self, text: str) -> List[int]:
+        ids, idx = [], 0
+        while True:
+            found = {t: text.find(t, idx) for t in self.special}
+            found = {t: i for t, i in found.items() if i >= 0}
+            if not found:
+                break
+            token = min(found, key=found.get)
+            ids.extend(self.sp.encode_as_ids(text[idx:found[token]]))
+            ids.append(self.special[token])
+            idx = found[token] + len(token)
+        return ids + self.sp.encode_as_ids(text[idx:])
+
+    def detokenize(self, ids) -> str:
+        ids, text, last = [int(i) for i in ids], "", 0
+        for i, t in enumerate(ids):
+            if t in self._inv_special:
+                text += self.sp.decode_ids(ids[last:i]) + " " + self._inv_special[t] + " "
+                last = i + 1
+        return text + self.sp.decode_ids(ids[last:])
+
+    def __getstate__(self):
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])
+
+
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron's ``_GPTSentencePieceTokenizer``: the sentencepiece model's own vocabulary
+    (``.vocab_size`` its pieces), no added tokens, end of document = the model's eos id;
+    ``tokenize`` is the model's encoding."""
+
+    def _init_vocab(self) -> None:
+        self.vocab_size = len(self.sp)
+        self.pad, self.bos, self.eos = self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id()
+        self.eod = self.eos
+        self.eod_token = self.sp.id_to_piece(self.eos) if self.eos >= 0 else None
+
+    def tokenize(self, text: str) -> List[int]:
+        return self.sp.encode_as_ids(text)
+
+    def detokenize(self, ids) -> str:
+        return self.sp.decode_ids([int(i) for i in ids])
+
+
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron's ``_Llama2Tokenizer``: :class:`GPTSentencePieceTokenizer` whose ``tokenize``
+    starts every text with the bos id (Megatron's ``tokenize(s, bos=True, eos=False)``, what
+    ``tools/preprocess_data.py`` writes)."""
+
+    def tokenize(self, text: str, bos: bool = True, eos: bool = False) -> List[int]:
+        return [self.bos] * bos + self.sp.encode_as_ids(text) + [self.eos] * eos
+
+
+# Megatron's --tiktoken-pattern values (megatron/training/tokenizer/tokenizer.py)
+TIKTOKEN_PATTERNS = {
+    "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+    "v2": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+          r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|"
+          r"\s+(?!\S)|\s+",
+}
+
+
+class TikTokenizer:
+    """Megatron's ``TikTokenizer`` (``CustomTikTokenizer``) over ``tiktoken``: the rank file is
+    Megatron's JSON list of ``{"rank", "token_bytes" (base64), "token_str"}`` (the first 256
+    the single bytes); ids ``0 .. num_special_tokens - 1`` are ``<unk>``, ``<s>``, ``</s>`` and
+    ``<SPECIAL_i>`` fillers, then the first ``vocab_size - num_special_tokens`` ranks.
+    ``.vocab_size`` is ``vocab_size``, ``.eod`` / ``.eos`` the id of ``</s>`` (2), ``.bos`` of
+    ``<s>`` (1). ``tokenize`` is tiktoken's ``encode_ordinary`` (special-token text is plain text).
+
+    Raises:
+        FileNotFoundError: no rank file.  ValueError: a pattern other than v1 / v2, sizes that
+        do not fit (``3 <= num_special_tokens < vocab_size``), or a rank file that is not
+        Megatron's format or holds fewer ranks than ``vocab_size - num_special_tokens``.
+    """
+
+    SPECIAL = ("<unk>", "<s>", "</s>")
+
+    def __init__(self, path: Union[str, os.PathLike], pattern: str = "v2", vocab_size: int = 2 ** 17,
+                 num_special_tokens: int = 1000):
+        import base64
+
+        import tiktoken
+
+        self.path, self.pattern = os.fspath(path), pattern
+        self.vocab_size, self.num_special_tokens = int(vocab_size), int(num_special_tokens)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"config.tokenizer_model={self.path!r}: no such TikTokenizer rank file")
+        if pattern not in TIKTOKEN_PATTERNS:
+            raise ValueError(f"config.tiktoken_pattern={pattern!r} is not one of {list(TIKTOKEN_PATTERNS)} "
+                             f"(Megatron's --tiktoken-pattern)")
+        if not len(self.SPECIAL) <= self.num_special_tokens < self.vocab_size:
+            raise ValueError(f"TikTokenizer needs {len(self.SPECIAL)} <= config.tiktoken_num_special_tokens="
+                             f"{self.num_special_tokens} < its vocabulary {self.vocab_size} (config.vocab_size)")
+        inner = self.vocab_size - self.num_special_tokens
+        try:
+            with open(self.path) as f:
+                entries = json.load(f)[:inner]
+            ranks = {base64.b64decode(e["token_bytes"]): self.num_special_tokens + e["rank"] for e in entries}
+            ok = [e["rank"] for e in entries] == list(range(len(entries)))
+        except (ValueError, TypeError, KeyError) as err:
+            raise ValueError(f"{self.path}: not Megatron's TikTokenizer rank file (a JSON list of "
+                             f"{{rank, token_bytes, token_str}}): {err}") from None
+        if not ok or len(ranks) != inner:
+            raise ValueError(f"{self.path}: {len(ranks)} distinct ranks 0, 1, ... where the vocabulary "
+                             f"{self.vocab_size} - {self.num_special_tokens} special tokens needs {inner}; lower "
+                             f"config.vocab_size (Megatron's --vocab-size) or give the whole rank file")
+        specials = list(self.SPECIAL) + [f"<SPECIAL_{i}>" for i in range(len(self.SPECIAL), self.num_special_tokens)]
+        self.bos, self.eos = specials.index("<s>"), specials.index("</s>")
+        self.eod, self.eod_token = self.eos, "</s>"
+        self._model = tiktoken.Encoding(name=os.path.basename(os.path.dirname(os.path.abspath(self.path))),
+                                        pat_str=TIKTOKEN_PATTERNS[pattern], mergeable_ranks=ranks,
+                                        special_tokens={t: i for i, t in enumerate(specials)})
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._model.encode_ordinary(text)
+
+    def detokenize(self, ids) -> str:
+        return self._model.decode([int(i) for i in ids])
+
+    def __getstate__(self):
+        return {"path": self.path, "pattern": self.pattern, "vocab_size": self.vocab_size,
+                "num_special_tokens": self.num_special_tokens}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+
 def gpt2_bpe_tokenizer(vocab_file: Union[str, os.PathLike], merge_file: Union[str, os.PathLike]) -> HFTokenizer:
     """GPT-2's tokenizer from its ``vocab.json`` and ``merges.txt`` (Megatron's
     ``--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file``): byte-level BPE with
@@ -193,21 +370,22 @@ def gpt2_bpe_tokenizer(vocab_file: Union[str, os.PathLike], merge_file: Union[st
 
 
 def build_tokenizer(cfg) -> Union[HFTokenizer, NullTokenizer]:
-    """The tokenizer of a run (Megatron's ``build_tokenizer(args)``), from ``cfg.tokenizer_type``
-    (None: ``HuggingFaceTokenizer`` when ``cfg.tokenizer_model`` is set) and its files:
+    """The tokenizer of a run (Megatron's ``build_tokenizer(args)``), from
+    :func:`jmegatron.config.tokenizer_type_of` (``cfg.tokenizer_type``; not set:
+    ``HuggingFaceTokenizer`` for ``tokenizer_model``, else ``GPT2BPETokenizer`` for ``vocab_file``
+    and ``merge_file``) and its files:
     ``tokenizer_model`` (HuggingFaceTokenizer), ``vocab_file`` + ``merge_file``
     (GPT2BPETokenizer) or ``vocab_size`` (NullTokenizer).
 
-    The NullTokenizer's vocabulary is ``cfg.vocab_size`` (the model's, as everywhere in
-    jmegatron), its end of document the last id: Megatron's ``--vocab-size V`` with
-    ``--tokenizer-type NullTokenizer`` is jmegatron's ``vocab_size=V + 1`` (Megatron adds the
-    end-of-document id to the count).
+    ``cfg.vocab_size`` is Megatron's ``--vocab-size``: a NullTokenizer has the ids
+    ``0 .. vocab_size - 1`` and the end of document ``vocab_size``, ``vocab_size + 1`` in all
+    (:func:`jmegatron.config.tokenizer_vocab_size`, the rule the model's vocabulary follows too).
 
     Raises:
         ValueError: an unknown or unsupported type (the config refuses those first), or its
         file missing from the config.  FileNotFoundError: a file that does not exist.
     """
-    kind = cfg.tokenizer_type or ("HuggingFaceTokenizer" if cfg.tokenizer_model else None)
+    kind = tokenizer_type_of(cfg)
     if kind == "HuggingFaceTokenizer":
         if not cfg.tokenizer_model:
             raise ValueError("config.tokenizer_type='HuggingFaceTokenizer' needs config.tokenizer_model (a "
@@ -218,7 +396,18 @@ def build_tokenizer(cfg) -> Union[HFTokenizer, NullTokenizer]:
     if kind == "NullTokenizer":
         if cfg.vocab_size is None:
             raise ValueError("config.tokenizer_type='NullTokenizer' needs config.vocab_size")
-        return NullTokenizer(cfg.vocab_size - 1)
+        return NullTokenizer(cfg.vocab_size)
+    sentencepiece_types = {"SentencePieceTokenizer": SentencePieceTokenizer, "Llama2Tokenizer": Llama2Tokenizer,
+                           "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer}
+    if kind in sentencepiece_types or kind == "TikTokenizer":
+        if not cfg.tokenizer_model:
+            raise ValueError(f"config.tokenizer_type={kind!r} needs config.tokenizer_model (Megatron's "
+                             f"--tokenizer-model: {'the rank file' if kind == 'TikTokenizer' else 'the .model file'})")
+        if kind != "TikTokenizer":
+            return sentencepiece_types[kind](cfg.tokenizer_model)
+        return TikTokenizer(cfg.tokenizer_model, getattr(cfg, "tiktoken_pattern", None) or "v2",
+                            tokenizer_vocab_size(kind, cfg.vocab_size),
+                            getattr(cfg, "tiktoken_num_special_tokens", 1000))
     raise ValueError(f"config.tokenizer_type={kind!r} is not one of {TOKENIZER_TYPES} (a transformers "
                      f"save_pretrained folder of any tokenizer loads as HuggingFaceTokenizer)"
                      if kind else "no tokenizer: set config.tokenizer_model (or tokenizer_type with its files)")

@@ -24,15 +24,21 @@ plus the router losses). MoE teacher: applied with ``deterministic=True``, so it
 sows nothing (ModelOpt runs the teacher under ``torch.no_grad()`` in ``eval()``, where
 Megatron-Core's router computes no aux loss).
 
+Data parallelism: the balancer runs on each data rank's micro-batch, as Megatron's (its
+``loss_func`` hands ModelOpt's balancer that rank's masked token sums, whose ratios are
+taken with ``.detach()``): the KL, the intermediate losses and the LM loss it reads are
+means over the rank's rows, and the micro-batch's loss and report are the ranks' balanced
+values weighted by their shares of the micro-batch's tokens (:func:`over_ranks`). dp with
+micro-batches of m rows thus equals one device running micro-batches of m rows
+(tests/test_distill_training.py).
+
 Context parallelism: the loss function runs inside the train step's shard_map
 with ``context`` manual, so the teacher's attention is the student's context-parallel one
-on the same load-balanced slots, and every masked mean is a token sum over all data and
-context ranks (``data_sum``) divided by the micro-batch's global token count: the KL, the
-intermediate losses, the LM loss and hence the balancer's ratios are the whole sequences'
-values, not per-rank means (ModelOpt's Megatron plugin aborted on CP > 1 with per-token
-averaging). Tested equal to one device at cp2 and cp2 x dp2 + ZeRO-1 with ranks holding
-different token counts (tests/test_cp_compose.py). The pipelined stages are refused under
-cp (:func:`jmegatron.distill.model_provider.distillation_forward_step`).
+on the same load-balanced slots, and each loss the balancer reads is summed over the
+context ranks (``data_sum(x, context_only=True)``): a data rank's ratios are its whole
+sequences', so cp equals no cp. Megatron takes them per CP rank (its ``_mask_loss`` does
+not reduce over context): docs/DISTILLATION.md. Tested at cp2 and cp2 x dp2 + ZeRO-1 with
+ranks holding different token counts (tests/test_cp_compose.py).
 """
 
 from __future__ import annotations
@@ -69,6 +75,17 @@ def _pick(intermediates: dict, layer: tuple, scanned: bool) -> jax.Array:
 
 
 PROJECTION = "kd_projection"  # the params entry of the shared student -> teacher projection
+
+
+def over_ranks(values, local_tokens: jax.Array, num_tokens: jax.Array, data_sum: Callable):
+    """A micro-batch's loss and report from each data rank's: ``values`` (a pytree of float32
+    scalars, each rank's balanced values for its rows, equal on its context ranks) weighted by
+    the rank's share ``local_tokens / num_tokens`` of the micro-batch's unmasked tokens
+    (``local_tokens``: this device's, ``num_tokens``: over every rank) and summed over the
+    data and context ranks (``data_sum``), so that a token mean on every rank gives the
+    micro-batch's token mean. Identity on one device."""
+    weight = local_tokens / jnp.maximum(num_tokens, 1.0)
+    return jax.tree.map(lambda v: data_sum(v * weight), values)
 
 
 def logits_loss(dcfg: DistillConfig, logits_s: jax.Array, logits_t: jax.Array, vocab_shards: int = 1) -> jax.Array:
@@ -154,9 +171,12 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
                               segment_ids=segment_ids)
         logits_s, inter_s = out_s if mutable_s else (out_s, {})
         mask = micro["loss_mask"].astype(jnp.float32)
+        # the balancer sees this rank's micro-batch, as Megatron's (its rows, whole sequences)
+        local_tokens = jnp.sum(mask)
+        rank_tokens = jnp.maximum(data_sum(local_tokens, context_only=True), 1.0)
 
         def masked_mean(per_token):
-            return data_sum(jnp.sum(per_token * mask)) / jnp.maximum(num_tokens, 1.0)
+            return data_sum(jnp.sum(per_token * mask), context_only=True) / rank_tokens
 
         if cross_tokenizer:  # unmatched positions (ids -1) are left out
             ids = micro[IDS_KEY]
@@ -184,10 +204,11 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
         report = {}
         if need_lm:
             total, _ = masked_cross_entropy(logits_s, micro["labels"], mask, s_cfg.backend.cross_entropy)
-            losses["student_loss"] = report["lm_loss"] = data_sum(total) / jnp.maximum(num_tokens, 1.0)
+            losses["student_loss"] = report["lm_loss"] = data_sum(total, context_only=True) / rank_tokens
         total, rep = balancer(losses)
         report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],
                       intermediate_distillation_loss=rep["intermediate_loss"])
+        total, report = over_ranks((total, report), local_tokens, num_tokens, data_sum)
         if moe_student:  # outside the balancer, as Megatron's MoEAuxLossAutoScaler (module doc)
             total, report = add_moe_losses(s_cfg, total, report, inter_s, micro, data_sum)
         return total, report
@@ -264,9 +285,10 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
     DistillConfigError naming the chunks. Uneven stages (the student's
     ``decoder_first/last_pipeline_num_layers``) skip the padding slots of both models.
 
-    Under data (and context) parallelism the last stage sums each loss over those ranks
-    (``ctx.data_sum``, inside the stage's conditional: every data rank of a stage takes the
-    same branch) before the balancer, whose ratios need the micro-batch's global losses.
+    Under data (and context) parallelism the last stage's balancer reads each data rank's
+    losses, summed over its context ranks, as :func:`distillation_loss_fn` (inside the
+    stage's conditional: every rank of a stage takes the same branch), and the ranks'
+    balanced values are combined by :func:`over_ranks`.
     An MoE student's chunks return their layers' router losses as chunk losses
     (:func:`jmegatron.models.moe.moe_layer.chunk_moe_losses`, each data rank's share) on
     every stage, added outside the balancer as :func:`distillation_loss_fn` adds them; an
@@ -375,27 +397,30 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
             logits_t = jax.lax.stop_gradient(output_logits(t_cfg, teacher_params, normed_t, t_dot, normed=True))
             mask = micro["loss_mask"].astype(jnp.float32)
             num_tokens = ctx.tokens[micro["microbatch"]]  # over every data (and context) rank
+            local_tokens = jnp.sum(mask)
+            rank_tokens = jnp.maximum(ctx.data_sum(local_tokens, context_only=True), 1.0)
 
-            def global_mean(local_sum):  # the micro-batch's global mean, as the balancer needs it
-                return ctx.data_sum(local_sum) / jnp.maximum(num_tokens, 1.0)
+            def rank_mean(local_sum):  # this rank's micro-batch's mean (whole sequences): the balancer's
+                return ctx.data_sum(local_sum, context_only=True) / rank_tokens
 
-            losses = {"logits_loss": global_mean(jnp.sum(logits_loss(dcfg, logits_s, logits_t, vocab_shards) * mask))}
+            losses = {"logits_loss": rank_mean(jnp.sum(logits_loss(dcfg, logits_s, logits_t, vocab_shards) * mask))}
             for slot, (k, *_rest) in enumerate(in_chunk):
-                losses[f"intermediate_{k}"] = global_mean(y[2][slot])
+                losses[f"intermediate_{k}"] = rank_mean(y[2][slot])
             for k, fn in in_head:  # decoder.final_layernorm
                 hs = normed_s
                 if projection is not None:
                     hs = projection.apply({"params": prm[PROJECTION]}, hs.astype(jnp.float32))
-                losses[f"intermediate_{k}"] = global_mean(
+                losses[f"intermediate_{k}"] = rank_mean(
                     jnp.sum(fn(hs, jax.lax.stop_gradient(normed_t).astype(jnp.float32)) * mask))
             losses = {k: losses[k] for k in ["logits_loss"] + [f"intermediate_{k}" for k in range(len(raw_pairs))]}
             report = {}
             if need_lm:
                 total, _ = masked_cross_entropy(logits_s, micro["labels"], mask, s_cfg.backend.cross_entropy)
-                losses["student_loss"] = report["lm_loss"] = global_mean(total)
+                losses["student_loss"] = report["lm_loss"] = rank_mean(total)
             total, rep = balancer(losses)
             report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],
                           intermediate_distillation_loss=rep["intermediate_loss"])
+            total, report = over_ranks((total, report), local_tokens, num_tokens, ctx.data_sum)
             # every data rank holds the global values; the schedule sums the head's loss and report
             # over the data ranks and seeds each rank's backward with 1 (summed over the ranks by the
             # transpose of the data sum): a share of 1 / dp gives the global value and gradient once

@@ -38,9 +38,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, base_config, from_configdict
-from jmegatron.export.hf import config_fields_from_hf, from_hf_state_dict, is_hf_folder, read_hf_state_dict
+from jmegatron.export.hf import (config_fields_from_hf, from_hf_state_dict, hf_architecture, is_hf_folder,
+                                 read_hf_state_dict)
 from jmegatron.models.gpt import GPTModel
 from jmegatron.training import checkpoint_layout, checkpointing
+from jmegatron.training.flops import num_parameters
 from jmegatron.training.run import build
 
 
@@ -145,6 +147,37 @@ def teacher_config(load_dir: str, student_cfg: JMegatronConfig, bf16: bool = Fal
     return tcfg, dict(meta, hf=hf)
 
 
+def describe_teacher(load_dir: str, tcfg: JMegatronConfig, meta: dict, student_cfg: JMegatronConfig,
+                     bf16: bool = False) -> str:
+    """One line naming a teacher: its path and family (a Hugging Face folder's architecture,
+    or the one a jmegatron checkpoint exports as, with its iteration), layers, hidden size,
+    parameter count and layout on the student's mesh (``tcfg`` and ``meta`` of
+    :func:`teacher_config`)."""
+    if meta["hf"]:
+        with open(os.path.join(load_dir, "config.json")) as f:
+            family = f"{(json.load(f).get('architectures') or ['?'])[0]} folder"
+    else:
+        try:
+            family = f"jmegatron checkpoint ({hf_architecture(tcfg)} layout)"
+        except ValueError:
+            family = "jmegatron checkpoint"
+        family += f", iteration {meta['iteration']}"
+    if student_cfg.kd_teacher_use_megatron_fsdp is not None:
+        layout = "its own layout: " + ("parameters sharded over the data ranks (FSDP)"
+                                       if student_cfg.kd_teacher_use_megatron_fsdp else "replicated over the data ranks")
+    else:
+        parts = [f"tensor {tcfg.tensor_model_parallel_size}"] if tcfg.tensor_model_parallel_size > 1 else []
+        if tcfg.pipeline_model_parallel_size > 1:
+            parts.append(f"pipeline {tcfg.pipeline_model_parallel_size}")
+        if tcfg.num_moe_experts and tcfg.expert_model_parallel_size > 1:
+            parts.append(f"experts over {tcfg.expert_model_parallel_size}")
+        layout = "the student's layout, replicated over the data ranks" + (f" ({', '.join(parts)})" if parts else "")
+    moe = f", {tcfg.num_moe_experts} experts" if tcfg.num_moe_experts else ""
+    return (f"{os.path.abspath(load_dir)} ({family}): {tcfg.num_layers} layers x {tcfg.hidden_size} hidden{moe}, "
+            f"{num_parameters(tcfg, meta['padded_vocab_size']):,} parameters "
+            f"({'bf16' if bf16 else 'float32'}), {layout}")
+
+
 def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size: Optional[int], mesh: Mesh,
                  bf16: bool = False) -> Teacher:
     """Load the teacher of ``load_dir`` onto ``mesh``.
@@ -160,7 +193,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     ``use_megatron_fsdp`` for the teacher, whose layers are then scanned (``scan_layers``)
     and run XLA's attention and matmuls (GSPMD partitions them). Under uneven
     pipeline stages the teacher's stages are the student's scaled to its depth
-    (:func:`teacher_stage_layers`).
+    (:func:`teacher_stage_layers`). Prints :func:`describe_teacher`'s line (process 0).
 
     ``load_dir`` may be a Hugging Face folder (module doc); its padded vocabulary follows
     the student's padding rule.
@@ -172,6 +205,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     """
     tcfg, meta = teacher_config(load_dir, student_cfg, bf16)
     hf = meta["hf"]
+    description = describe_teacher(load_dir, tcfg, meta, student_cfg, bf16)
     if padded_vocab_size is not None and meta["padded_vocab_size"] != padded_vocab_size:
         raise checkpointing.CheckpointError(
             f"teacher {load_dir} has a padded vocabulary of {meta['padded_vocab_size']} but the student "
@@ -196,5 +230,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
             ckpt.close()
     if bf16:
         params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    if jax.process_index() == 0:
+        print(f"[jmegatron] teacher: {description}", flush=True)
     return Teacher(cfg=tcfg, model=run.model, params=params, shardings=run.state_shardings.params,
                    iteration=int(meta["iteration"]))

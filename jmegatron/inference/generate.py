@@ -20,6 +20,7 @@ greedy, top_k, top-p on/off); temperature, top_p, seed, eod_id and the per-row
 max_new_tokens are traced values. With ``return_log_probs`` the same two programs also
 give Megatron's ``output_log_probs`` (log-softmax of the unfiltered logits at each next
 token, megatron/inference/text_generation/generation.py), one more compilation of each.
+Each compilation is announced with its time (:mod:`jmegatron.compilation`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmegatron.compilation import announced_jit
+from jmegatron.config import tokenizer_type_of
 from jmegatron.data.tokenizer import build_tokenizer, load_tokenizer
 from jmegatron.models.gpt import init_kv_cache
 from jmegatron.training.run import restore_run_params
@@ -100,7 +103,14 @@ def _token_log_probs(logits: Array, tokens: Array) -> Array:
     return jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_length", "log_probs"))
+def _prefill_program(a: dict) -> str:
+    """The prefill's announcement (jmegatron.compilation): its batch shape."""
+    rows, width = a["tokens"].shape
+    return f"the prefill for {rows} rows x {width} prompt tokens, cache {a['max_length']}" + (
+        ", log-probabilities" if a["log_probs"] else "")
+
+
+@announced_jit(what=_prefill_program, static_argnames=("model", "max_length", "log_probs"))
 def _prefill(model: Any, params: Any, tokens: Array, lengths: Array, max_length: int, log_probs: bool = False):
     batch, length = tokens.shape
     cache = init_kv_cache(model.cfg, batch, max_length)
@@ -133,7 +143,16 @@ def decode_step(model: Any, params: Any, cache: Any, tokens: Array, positions: A
     return _decode_step(model, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "greedy", "top_k", "use_top_p", "log_probs"))
+def _decode_program(a: dict) -> str:
+    """The decode loop's announcement (jmegatron.compilation): its batch and sampling variant."""
+    variant = "greedy" if a["greedy"] else f"top-k {a['top_k']} sampling" if a["top_k"] else \
+        "top-p sampling" if a["use_top_p"] else "sampling"
+    cache = jax.tree.leaves(a["cache"])[0].shape[-3]
+    return f"the decode loop for {a['lengths'].shape[0]} rows, cache {cache}, {variant}" + (
+        ", log-probabilities" if a["log_probs"] else "")
+
+
+@announced_jit(what=_decode_program, static_argnames=("model", "greedy", "top_k", "use_top_p", "log_probs"))
 def _decode_loop(model: Any, params: Any, cache: Any, first_logits: Array, lengths: Array, key: Array,
                  temperature: Array, top_p: Array, max_new_tokens: Array, eod_id: Array, *,
                  greedy: bool, top_k: int, use_top_p: bool, log_probs: bool = False):
@@ -281,7 +300,7 @@ def load_generator(load_dir: str, tokenizer_model: Optional[str] = None) -> tupl
     run, params, _ = restore_run_params(load_dir)
     if tokenizer_model:
         tok = load_tokenizer(tokenizer_model)
-    elif run.cfg.tokenizer_model or run.cfg.tokenizer_type:
+    elif tokenizer_type_of(run.cfg):
         tok = build_tokenizer(run.cfg)
     else:
         raise GenerateError(f"the checkpoint in {load_dir} has no tokenizer_model in its config; "

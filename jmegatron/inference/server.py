@@ -23,7 +23,8 @@ its arrival for more, and runs every waiting request of the same sampling group,
 first, up to ``max_batch_size`` rows, as one :func:`jmegatron.inference.generate.generate`
 call; the rows are padded to a power of two (one-token rows that generate nothing), and
 the cache is always ``max_length`` long, so the jitted programs compile once per
-(batch bucket, prefill bucket, sampling variant). Groups: every greedy request (``top_k``
+(batch bucket, prefill bucket, sampling variant), each compilation announced with its time
+(:mod:`jmegatron.compilation`). Groups: every greedy request (``top_k``
 1, or nothing to generate) shares one; unseeded sampled requests share one per
 (temperature, top_k, top_p), the batch drawing one seed; a request with a
 ``random_seed`` runs alone under that seed, so the same request gives the same answer.

@@ -144,9 +144,12 @@ class GradSync:
                 + ((PIPELINE_AXIS,) if pipeline else ()))
 
     # ----------------------------------------------------------------- inside the shard_map
-    def data_sum(self, x: Any) -> Any:
+    def data_sum(self, x: Any, context_only: bool = False) -> Any:
         """Inside: ``x`` summed over every rank that splits the batch (data, expert, context);
-        identity with one."""
+        identity with one. ``context_only``: over the context ranks alone, the ranks that
+        hold the slots of this rank's rows (one Megatron micro-batch on one data rank)."""
+        if context_only:
+            return jax.lax.psum(x, CONTEXT_AXIS) if self.cp > 1 else x
         return x if self.single else jax.lax.psum(x, self.live)
 
     def sample_offset(self, microbatch: Any, local_rows: int) -> jax.Array:

@@ -314,8 +314,8 @@ class StageContext:
     each micro-batch over all data ranks), ``sample_offset(micro)`` (int32: the global
     sample number of the micro-batch's first local row), ``local_rows`` / ``seq_length`` (a
     micro-batch's shape on this rank) and ``extra`` (the train step's extra argument, e.g.
-    the teacher's parameters); ``data_sum`` (the psum over the ranks that split the batch,
-    identity with one); ``layout`` (the student's :class:`PipelineLayout`; None: the even
+    the teacher's parameters); ``data_sum(x, context_only=False)`` (the psum over the ranks
+    that split the batch, or over the context ranks alone; identity with one); ``layout`` (the student's :class:`PipelineLayout`; None: the even
     one); ``data_parallel_size`` (the ranks that split the batch, data x expert, and x
     context under context parallelism (each holds its slots of every sequence): a rank's
     share of a mean over ranks is its value over this)."""

@@ -23,7 +23,9 @@ Output, ``DIR``:
   cache built for other data or another K, naming the field;
 * ``progress.json``: the samples written so far. It is replaced (written, fsynced,
   renamed) only after the arrays up to it are flushed, so a killed run loses at most the
-  batch in flight: run the same command again and it goes on from there.
+  batch in flight: run the same command again and it goes on from there (and says so).
+
+Progress is a tqdm bar on stderr (samples done of N, rate, time left).
 
 **Across tokenizers** (``--teacher-tokenizer PATH``, the teacher's tokenizer.json or
 folder): each student sample's text (its tokens decoded by the config's tokenizer) is
@@ -50,6 +52,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from jmegatron.config import ConfigError, JMegatronConfig, load_config_file
 from jmegatron.data.teacher_logits import (FORMAT_VERSION, CacheMismatchError, check_cache, data_fingerprint,
@@ -148,6 +151,11 @@ def build_cache(cfg: JMegatronConfig, output: str, top_k: int, batch_size: int =
     fn = aligned_top_k_fn(teacher, top_k, tp) if cross else teacher_top_k_fn(teacher, top_k, tp)
     done = samples_done(output)
     rows = max(batch_size, 1)
+    if 0 < done < num_samples:
+        print(f"cache_teacher_logits: {output} holds {done}/{num_samples} samples; going on from sample {done}",
+              flush=True)
+    bar = tqdm(total=num_samples, initial=done, unit="sample", desc="cache_teacher_logits", file=sys.stderr,
+               disable=done >= num_samples)
     while done < num_samples and (stop_after is None or done < stop_after):
         index = np.arange(done, done + rows) % num_samples  # the last batch padded with samples again
         samples = [train[int(i)] for i in index]
@@ -165,7 +173,8 @@ def build_cache(cfg: JMegatronConfig, output: str, top_k: int, batch_size: int =
         logp.flush()
         done += n
         _write_json(os.path.join(output, "progress.json"), {"samples_done": done})
-        print(f"cache_teacher_logits: {done}/{num_samples} samples", flush=True)
+        bar.update(n)
+    bar.close()
     return dict(meta, samples_done=done)
 
 

@@ -7,27 +7,26 @@ Trains a few steps of a small config (configs/gpt_tiny.py, mock data, no dropout
 kernel and precision on one device, compares each loss curve with the XLA float32 path's
 (the largest relative difference over the steps, against a tolerance per precision) and
 prints a table with tokens/s and MFU against the device's spec-sheet peak
-(:mod:`jmegatron.training.peak`). Exit status 1 when a comparison fails, else 0.
+(:mod:`jmegatron.training.peak`). Exit status 1 when a row fails or errors, else 0.
 
 ``--platform gpu`` (default): on a machine without an NVIDIA GPU among ``jax.devices()``
 it says so and exits 0. ``--platform cpu``: the same machinery on the CPU with the
 variants the CPU can run (its tests use this with ``--tiny``).
 
-A variant whose implementation is not built here (a kernel not merged yet,
-Transformer Engine not importing, fp16 compute not wired) is detected when the variant is
-prepared or run (ConfigError, ImportError, NotImplementedError, or a check below) and shows
-as "skipped: <reason>", never as a failure. Any other exception while a variant compiles or
-runs (a Triton or cuDNN compile error, an XLA runtime error) is printed with its traceback
-on stderr, shows as "ERROR: <type>: <first line>", and the table goes on; the exit status
-is then 1.
+Which rows apply is decided before any row runs: a row runs on the platforms it names
+(the cuDNN and TE rows on a GPU, the CPU-kernel row on the CPU), and the Transformer Engine
+row shows "not applicable: Transformer Engine unavailable: <reason>" when TE does not import.
+Every other row is built here and must pass: any exception while it is prepared, compiles or
+runs (a ConfigError, ImportError or NotImplementedError as much as a Triton or cuDNN compile
+error or an XLA runtime error), and a model that does not compute in the row's precision, is
+printed with its traceback on stderr, shows as "ERROR: <type>: <first line>", and the table
+goes on; the exit status is then 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import inspect
 import os
 import sys
 import time
@@ -41,17 +40,16 @@ if __name__ == "__main__" and "--lower-only" in sys.argv and "jax" not in sys.mo
 import jax
 import jax.numpy as jnp
 
-from jmegatron.config import ConfigError, load_config_file
+from jmegatron.config import load_config_file
 from jmegatron.data.gpt_dataset import MockGPTDataset
 from jmegatron.kernels import gpu_target
 from jmegatron.data.loader import BatchLoader
 from jmegatron.models import te
-from jmegatron.models.core_attention import CORE_ATTENTIONS
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.tools import gpu_lower
 from jmegatron.train import parse_args
-from jmegatron.training import flops, forward_step, peak
+from jmegatron.training import flops, peak
 from jmegatron.training.run import build
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "gpt_tiny.py")
@@ -66,14 +64,15 @@ TINY = dict(num_layers=1, hidden_size=64, ffn_hidden_size=256, num_attention_hea
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One row: config overrides on the reference's, its precision (the tolerance and the
-    peak used), the platforms it runs on, an optional ``check(cfg) -> skip reason``, and
-    the float32 matmul precision it runs under (``"highest"``: no TF32)."""
+    peak used), the platforms it runs on, an optional ``not_applicable() -> reason`` (a
+    reason when this machine lacks what the row needs; asked before the row runs), and the
+    float32 matmul precision it runs under (``"highest"``: no TF32)."""
 
     name: str
     overrides: dict
     precision: str
     platforms: tuple[str, ...] = ("gpu", "cpu")
-    check: Optional[Callable] = None
+    not_applicable: Optional[Callable[[], Optional[str]]] = None
     matmul_precision: Optional[str] = None  # jax.default_matmul_precision for the row; None: JAX's default
 
 
@@ -83,41 +82,17 @@ FP16 = dict(fp16=True, initial_loss_scale=2.0 ** 12)
 REFERENCE = dict(attention_impl="xla", matmul_impl="xla", cross_entropy_impl="xla", transformer_impl="local")
 
 
-def _core_registered(impl: str) -> Callable:
-    def check(cfg):
-        return None if impl in CORE_ATTENTIONS else f"attention_impl={impl!r} is not built in this branch"
-    return check
-
-
-def _pallas_cross_entropy_wired(cfg) -> Optional[str]:
-    """The Pallas cross-entropy is wired when the model config or the forward step reads
-    ``cross_entropy_impl`` (resolve_impls alone only names it)."""
-    if "cross_entropy_impl" in {f.name for f in dataclasses.fields(ModelConfig)}:
-        return None
-    if "cross_entropy_impl" in inspect.getsource(forward_step):
-        return None
-    return "cross_entropy_impl='pallas' is not wired in this branch (no reader of cross_entropy_impl)"
-
-
-def _compute_dtype_wired(cfg) -> Optional[str]:
+def compute_dtype_mismatch(cfg) -> Optional[str]:
+    """Why the model built from ``cfg`` does not compute in the dtype its ``fp16`` / ``bf16``
+    flags ask for, or None: a row whose model runs float32 would match the reference trivially."""
     want = jnp.float16 if cfg.fp16 else jnp.bfloat16 if cfg.bf16 else jnp.float32
     got = ModelConfig.from_config(cfg, cfg.vocab_size).dtype
-    return None if got == want else f"compute dtype {jnp.dtype(want).name} not built in this branch (model runs {jnp.dtype(got).name})"
+    return None if got == want else f"the model computes in {jnp.dtype(got).name}, not {jnp.dtype(want).name}"
 
 
-def _pure_jax_fp8(cfg) -> Optional[str]:
-    if importlib.util.find_spec("jmegatron.models.fp8") is None:
-        return "pure-JAX FP8 (jmegatron.models.fp8) is not built in this branch"
-    return _compute_dtype_wired(cfg)
-
-
-def _te_fp8(cfg) -> Optional[str]:
+def _te_unavailable() -> Optional[str]:
     ok, reason = te.te_available()
-    if not ok:
-        return f"Transformer Engine unavailable: {reason}"
-    if "fp8" not in {f.name for f in dataclasses.fields(ModelConfig)}:
-        return "ModelConfig carries no fp8 fields in this branch (TE's dense layers read the recipe from it)"
-    return None
+    return None if ok else f"Transformer Engine unavailable: {reason}"
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -125,25 +100,23 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("xla float32 HIGHEST (no TF32)", {}, "float32", ("gpu",), matmul_precision="highest"),
     Variant("cpu kernels float32", dict(attention_impl="cpu", matmul_impl="hybrid"), "float32", ("cpu",)),
     Variant("cudnn attention bf16", dict(attention_impl="cudnn", bf16=True), "bfloat16", ("gpu",)),
-    Variant("cudnn attention fp16", dict(attention_impl="cudnn", **FP16), "float16", ("gpu",), _compute_dtype_wired),
-    Variant("pallas attention float32", dict(attention_impl="pallas"), "float32", check=_core_registered("pallas")),
-    Variant("pallas attention bf16", dict(attention_impl="pallas", bf16=True), "bfloat16",
-            check=_core_registered("pallas")),
-    Variant("pallas cross-entropy float32", dict(cross_entropy_impl="pallas"), "float32",
-            check=_pallas_cross_entropy_wired),
+    Variant("cudnn attention fp16", dict(attention_impl="cudnn", **FP16), "float16", ("gpu",)),
+    Variant("pallas attention float32", dict(attention_impl="pallas"), "float32"),
+    Variant("pallas attention bf16", dict(attention_impl="pallas", bf16=True), "bfloat16"),
+    Variant("pallas cross-entropy float32", dict(cross_entropy_impl="pallas"), "float32"),
     Variant("xla bf16", dict(bf16=True), "bfloat16"),
-    Variant("xla fp16", dict(FP16), "float16", check=_compute_dtype_wired),
-    Variant("fp8 hybrid pure JAX (delayed)", dict(bf16=True, fp8="hybrid"), "float8", check=_pure_jax_fp8),
+    Variant("xla fp16", dict(FP16), "float16"),
+    Variant("fp8 hybrid pure JAX (delayed)", dict(bf16=True, fp8="hybrid"), "float8"),
     Variant("fp8 hybrid TE (tensorwise)", dict(bf16=True, fp8="hybrid", fp8_recipe="tensorwise",
                                                transformer_impl="transformer_engine", attention_impl="auto",
-                                               matmul_impl="auto"), "float8", ("gpu",), _te_fp8),
+                                               matmul_impl="auto"), "float8", ("gpu",), _te_unavailable),
 )
 
 
 @dataclasses.dataclass
 class Row:
     name: str
-    status: str  # "ok" | "FAIL" | "ERROR: <exception>" | "skipped: <reason>" | "reference"
+    status: str  # "ok" | "FAIL" | "ERROR: <exception>" | "not applicable: <reason>" | "reference"
     precision: str
     losses: list = dataclasses.field(default_factory=list)
     max_rel_diff: Optional[float] = None
@@ -227,21 +200,22 @@ def _first_line(e: BaseException) -> str:
 
 
 def run_variant(variant: Variant, base: dict, device, steps: int, reference: Optional[list]) -> Row:
-    """Prepare, check, train and compare one variant."""
+    """Decide whether the variant applies here, then prepare, train and compare it. Any
+    exception once it applies is the row's ERROR (a built row never skips)."""
     row = Row(variant.name, "ok", variant.precision, dots=dot_precision(device, variant.precision,
                                                                         variant.matmul_precision))
+    reason = variant.not_applicable() if variant.not_applicable else None
+    if reason:
+        row.status = f"not applicable: {reason}"
+        return row
     try:
         cfg = load_config_file(base["config"], {**base["overrides"], **REFERENCE, **variant.overrides})
-        reason = variant.check(cfg) if variant.check else None
-        if reason:
-            row.status = f"skipped: {reason}"
-            return row
+        mismatch = compute_dtype_mismatch(cfg)
+        if mismatch:
+            raise RuntimeError(mismatch)
         with jax.default_matmul_precision(variant.matmul_precision):
             row.losses, seconds, skipped, row.memory = train_losses(cfg, device, steps)
-    except (ConfigError, ImportError, NotImplementedError) as e:
-        row.status = f"skipped: {type(e).__name__}: {_first_line(e)}"
-        return row
-    except Exception as e:  # a Triton / cuDNN / XLA compile or run failure: this row fails, the table goes on
+    except Exception as e:  # a compile, run or set-up failure: this row fails, the table goes on
         traceback.print_exc(file=sys.stderr)
         row.status = f"ERROR: {type(e).__name__}: {_first_line(e)}"
         return row
@@ -348,7 +322,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows.append(row)
         print(f"  {row.name}: {row.status}", flush=True)
     print(format_table(rows))
-    failed = [r.name for r in rows if r.status.startswith("FAIL") or r.status.startswith("ERROR")]
+    failed = [r.name for r in rows if r.status not in ("ok", "reference") and not r.status.startswith("not applicable: ")]
     if failed:
         print(f"gpu_check: FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -344,7 +344,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer: the vocabulary, its last id the end of document")
+                   help="NullTokenizer: Megatron's --vocab-size (ids 0 .. N-1, the end of document N)")
     g.add_argument("--append-eod", action="store_true",
                    help="append the <|endoftext|> id to every non-empty document")
     g.add_argument("--apply-chat-template", action="store_true",

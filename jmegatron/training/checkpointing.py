@@ -153,11 +153,17 @@ def _kill_hook(save_number: int) -> None:
 
 
 class Checkpointer:
-    """Save and restore TrainStates under ``directory`` (created if absent)."""
+    """Save and restore TrainStates under ``directory`` (created if absent).
 
-    def __init__(self, directory: str, max_to_keep: int = 2, async_save: bool = False,
+    ``max_to_keep`` (``config.keep_checkpoints``): None keeps every save, as Megatron-LM does;
+    N hands retention to Orbax (``CheckpointManagerOptions.max_to_keep``: the newest N steps
+    stay), and each save that makes Orbax delete older steps names them first on process 0
+    (``[jmegatron] keep_checkpoints=N: deleting checkpoint iteration(s) [...]``)."""
+
+    def __init__(self, directory: str, max_to_keep: Optional[int] = None, async_save: bool = False,
                  create: bool = True):
         self.directory = os.path.abspath(directory)
+        self.max_to_keep = max_to_keep
         self.incomplete = incomplete_saves(self.directory)  # before a writer removes them
         # A writer removes the leftovers of killed saves (Orbax ignores them when listing steps).
         _register_array_handler()
@@ -184,6 +190,12 @@ class Checkpointer:
         and the step appears only when complete. A previous async save is waited for first."""
         self._saves += 1
         _kill_hook(self._saves)
+        if self.max_to_keep is not None:  # Orbax's LatestN: the oldest steps beyond max_to_keep go
+            deleted = sorted(set(self.all_steps()) | {iteration})[:-self.max_to_keep]
+            if deleted and jax.process_index() == 0:
+                print(f"[jmegatron] keep_checkpoints={self.max_to_keep}: deleting checkpoint iteration(s) {deleted} "
+                      f"in {self.directory} after saving iteration {iteration} (keep_checkpoints=None keeps every "
+                      f"save, as Megatron)", flush=True)
         meta = dict(meta, **{FINGERPRINTS_KEY: state_fingerprints(state)})
         self._manager.save(iteration, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)

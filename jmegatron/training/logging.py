@@ -35,8 +35,10 @@ and reaches ``metrics.jsonl``, TensorBoard and W&B under its key: the loop passe
 step's metrics through and never names them. What the train step adds itself
 (:data:`STEP_METRICS`) is not a report entry.
 
-Beyond Megatron: a ``[jmegatron] compiling the train step ...`` / ``... compiled in X s``
-pair around the first step, a progress line (tqdm's ``format_meter``: elapsed time,
+Beyond Megatron: a ``[jmegatron] compiling the train step for tokens [m, b, s] ...`` /
+``[jmegatron] compiled ... in X s`` pair for each program compiled (the first step's, each
+new sequence length's or batch size's, the evaluation step's: :mod:`jmegatron.compilation`),
+its seconds left out of the iteration's elapsed time, a progress line (tqdm's ``format_meter``: elapsed time,
 iterations/s, ETA) after each iteration line, and a closing summary line
 (:meth:`MetricsLogger.log_summary`). Each is a single ``\n``-terminated line, so a log
 file stays readable. ``metrics.jsonl`` is strict JSON: a non-finite value is ``null``.
@@ -49,10 +51,9 @@ import json
 import math
 import os
 import re
-import resource
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -122,7 +123,7 @@ def strict_json(value: Any) -> Any:
 MB = 1024.0 * 1024.0  # Megatron's report_memory "MB" (mega_bytes = 1024 * 1024)
 # The " | source: ..." suffix of the memory line: which figures it holds (log_memory's docstring).
 SOURCE_DEVICE = "device memory_stats"
-SOURCE_HOST = "compiled train step per device + process RSS"
+SOURCE_HOST = "compiled train step per device (reserved: the largest step program's peak)"
 
 
 def device_memory(devices) -> Optional[list[dict]]:
@@ -147,22 +148,33 @@ def device_memory(devices) -> Optional[list[dict]]:
     return out
 
 
-def host_memory(rank: int, analysis: Any) -> dict:
-    """Megatron's four figures (bytes) where the backend keeps no allocator statistics:
-    allocated / max allocated from a compiled program's ``memory_analysis()`` (per device:
-    arguments, and arguments + outputs - aliased + temporaries, the step's peak; 0 when
-    None), reserved / max reserved from this process's resident set and its peak
-    (psutil, ``getrusage`` ru_maxrss in KiB on Linux)."""
-    import psutil
-
+def program_peak(analysis: Any) -> float:
+    """A compiled program's peak bytes per device from its ``memory_analysis()``: arguments
+    + outputs - aliased (donated) + temporaries (0 for None)."""
     def get(name):
         return float(getattr(analysis, name, 0) or 0) if analysis is not None else 0.0
 
-    args = get("argument_size_in_bytes")
-    peak = args + get("output_size_in_bytes") - get("alias_size_in_bytes") + get("temp_size_in_bytes")
-    rss = float(psutil.Process().memory_info().rss)
-    max_rss = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
-    return {"rank": rank, "allocated": args, "max_allocated": peak, "reserved": rss, "max_reserved": max(rss, max_rss)}
+    return (get("argument_size_in_bytes") + get("output_size_in_bytes") - get("alias_size_in_bytes")
+            + get("temp_size_in_bytes"))
+
+
+def host_memory(rank: int, analysis: Any, pool: Sequence[Any] = ()) -> dict:
+    """Megatron's four figures (bytes) where the backend keeps no allocator statistics (the
+    CPU), from compiled programs' ``memory_analysis()`` (per device; deterministic: the
+    same program gives the same figures in every run):
+
+    * allocated: ``analysis``'s arguments (this iteration's program: the state and batch,
+      live between steps; 0 for None);
+    * max allocated: its peak (:func:`program_peak`), so each sequence length's line
+      gives that length's memory;
+    * reserved = max reserved: the largest peak of ``analysis`` and ``pool`` (the other
+      programs the run has compiled or can run: under variable data the longest length's),
+      the pool a caching allocator must hold to run every one of them (torch's
+      ``memory_reserved``, XLA's BFC ``pool_bytes``), fragmentation not counted."""
+    peak = program_peak(analysis)
+    reserved = max([peak] + [program_peak(a) for a in pool])
+    args = float(getattr(analysis, "argument_size_in_bytes", 0) or 0) if analysis is not None else 0.0
+    return {"rank": rank, "allocated": args, "max_allocated": peak, "reserved": reserved, "max_reserved": reserved}
 
 
 def memory_line(iteration: int, m: dict, source: Optional[str]) -> str:
@@ -306,7 +318,6 @@ class MetricsLogger:
         self.train_iters = train_iters
         self.stream = stream or sys.stdout
         self._warned_mfu = False
-        self._compiled_memory = None  # memory_analysis() of the train step, read once
         self.metrics_path = self.tensorboard_dir = None
         self._jsonl = None
         if save_dir:
@@ -325,25 +336,15 @@ class MetricsLogger:
         self._elapsed = 0.0
         self._tokens = 0.0
         self._compile_s = 0.0
-        self._compiling_since: Optional[float] = None
+        self._pool_bytes = 0.0  # the CPU memory line's reserved: the largest compiled step's peak so far
 
-    def log_compiling(self) -> None:
-        """Say that the first step compiles (jit traces and compiles on the first call), and
-        start timing it."""
-        self.stream.write("[jmegatron] compiling the train step ...\n")
-        self.stream.flush()
-        self._compiling_since = time.perf_counter()
-
-    def log_compiled(self, iteration: int) -> float:
-        """After the first step's call returned (compiled, its execution dispatched): print
-        the compilation time, start the progress line's rate at ``iteration``; returns the
-        seconds."""
-        seconds = time.perf_counter() - (self._compiling_since or time.perf_counter())
+    def count_compile(self, seconds: float, iteration: int) -> None:
+        """Count ``seconds`` of compilation in iteration ``iteration`` (the loop leaves them
+        out of the elapsed time it passes :meth:`log_train`; the compile lines are
+        :mod:`jmegatron.compilation`'s); the first starts the progress line's rate."""
+        if self._compile_s == 0.0:
+            self.progress.start_rate(iteration)
         self._compile_s += seconds
-        self.stream.write(f"[jmegatron] ... compiled in {seconds:.1f} s (the first call of the jitted train step)\n")
-        self.stream.flush()
-        self.progress.start_rate(iteration)
-        return seconds
 
     def log_train(self, iteration: int, step_metrics: list[dict[str, Any]], elapsed_s: float,
                   consumed_samples: Optional[int] = None, global_batch_size: Optional[int] = None,
@@ -479,20 +480,23 @@ class MetricsLogger:
 
         With allocator statistics (:func:`device_memory`: GPU), one line per device in
         ``devices``, ``[Rank <device id>]``. Without (CPU), one line for this process,
-        ``[Rank <rank>]``, from :func:`host_memory` with ``compiled_memory()`` (a callable
-        returning the train step's ``compile().memory_analysis()``, called once and
-        kept). The line ends with `` | source: device memory_stats (reserved: <key>)`` or `` | source:
-        compiled train step per device + process RSS``: allocated = the step's arguments
-        (the state and batch, live between steps), max allocated = arguments + outputs -
-        aliased (donated) + temporaries (the step's peak), reserved = the process's RSS,
-        max reserved = its peak RSS. Returns the records (figures in MB)."""
+        ``[Rank <rank>]``, from :func:`host_memory` with ``compiled_memory()``: a callable
+        returning ``(analysis, pool)``, the ``memory_analysis()`` of this iteration's
+        compiled train step and those of the run's other step programs (called at each
+        report: under variable data each length's program gives its own line). Reserved
+        never falls (a pool keeps what it took). The line ends with `` | source: device
+        memory_stats (reserved: <key>)`` or `` | source: compiled train step per device
+        (reserved: the largest step program's peak)`` (:func:`host_memory`). Returns the
+        records (figures in MB)."""
         stats = device_memory(devices)
         if stats is not None:
             source = f"{SOURCE_DEVICE} (reserved: {stats[0]['reserved_key']})"
         else:
-            if self._compiled_memory is None and compiled_memory is not None:
-                self._compiled_memory = compiled_memory()
-            stats, source = [host_memory(rank, self._compiled_memory)], SOURCE_HOST
+            analysis, pool = compiled_memory() if compiled_memory is not None else (None, ())
+            host = host_memory(rank, analysis, pool)
+            self._pool_bytes = max(self._pool_bytes, host["reserved"])
+            host["reserved"] = host["max_reserved"] = self._pool_bytes
+            stats, source = [host], SOURCE_HOST
         records = []
         for m in stats:
             self.stream.write(memory_line(iteration, m, source) + "\n")
@@ -512,11 +516,11 @@ class MetricsLogger:
         """Print the closing line of a run and return its figures: ``iterations`` (this run's,
         up to ``iteration``), ``wall_time_s`` (``wall_s``: the whole run, setup and
         evaluations included), ``mean_step_time_s`` and ``tokens_per_sec`` (over the logged
-        intervals, the first step's compilation left out; None before any log),
+        intervals, which leave compilation out; None before any log), ``compile_time_s``,
         ``final_loss``, ``val_loss``, ``checkpoint`` (the directory holding the last save, or
         None) and where the metrics, TensorBoard events and W&B run are. W&B's run summary
         gets the figures."""
-        train_s = max(self._elapsed - self._compile_s, 0.0)
+        train_s = self._elapsed
         out = {"iterations": iteration - self.start_iteration, "iteration": iteration, "wall_time_s": wall_s,
                "compile_time_s": self._compile_s,
                "mean_step_time_s": train_s / self._iterations if self._iterations and train_s else None,

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jmegatron.config import JMegatronConfig
+from jmegatron.config import JMegatronConfig, tokenizer_type_of
 from jmegatron.data.blended_dataset import build_train_valid_test_datasets
 from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
 from jmegatron.data.loader import BatchLoader
@@ -64,7 +64,11 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
     Raises ValueError (data_path, split, FIM tokens; CacheMismatchError for a cache of other
     data) or FileNotFoundError for missing prefixes, loss masks or cache."""
     num_samples = get_train_valid_test_num_samples(cfg, global_batch_size)
-    tokenizer = build_tokenizer(cfg) if cfg.tokenizer_model or cfg.tokenizer_type else None
+    kind = tokenizer_type_of(cfg)
+    if kind == "GPT2BPETokenizer" and not cfg.tokenizer_type:
+        print("[jmegatron] tokenizer_type not given: GPT2BPETokenizer, for vocab_file and merge_file (Megatron's "
+              "pretrain_gpt.py default)", flush=True)
+    tokenizer = build_tokenizer(cfg) if kind else None
     eod = None if tokenizer is None else tokenizer.eod
     fim = None
     if cfg.fim_data:
@@ -85,7 +89,8 @@ def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
     if not cfg.variable_data:
         return splits
     return tuple(None if ds is None else GPTVariableDataset(ds, cfg.seq_length, cfg.seq_length_step, cfg.seed,
-                                                            0 if eod is None else eod, cfg.eod_mask_loss)
+                                                            0 if eod is None else eod, cfg.eod_mask_loss,
+                                                            seq_length_min=cfg.seq_length_min)
                  for ds in splits)
 
 
@@ -106,6 +111,21 @@ def evaluate(run: Run, params: Any, dataset: Any, num_iters: int, consumed_sampl
             for i in range(num_iters)]
     total, count = jax.device_get(jax.tree.map(lambda *x: sum(x), *sums))  # one host sync
     return float(total) / max(float(count), 1.0)
+
+
+def step_memory(run: Run, state: Any, batch: dict, longest_length: Optional[int] = None) -> tuple[Any, list]:
+    """``(analysis, pool)`` for the CPU memory line
+    (:meth:`jmegatron.training.logging.MetricsLogger.log_memory`): the ``memory_analysis()``
+    of the train step compiled for ``batch`` and those of every step program the run holds.
+    ``longest_length``: the longest padded length variable data can give; its program
+    (``batch``'s shapes with that sequence length) is compiled (announced) if not yet, so
+    the pool is the same whichever lengths came first."""
+    analysis = run.train_step.compiled(state, batch, *run.extra_args).memory_analysis()
+    if longest_length is not None and batch["tokens"].shape[2] != longest_length:
+        longest = {k: jax.ShapeDtypeStruct(v.shape[:2] + (longest_length,) + v.shape[3:], v.dtype, sharding=v.sharding)
+                   for k, v in batch.items()}
+        run.train_step.compiled(state, longest, *run.extra_args)
+    return analysis, [p.memory_analysis() for p in run.train_step.programs()]
 
 
 class _StopRequest:
@@ -285,6 +305,37 @@ def _truncate_metrics(path: str, iteration: int) -> None:
         f.writelines(lines)
 
 
+def finalize_student(run: Run) -> dict:
+    """``kd_finalize``: the distilled run's latest checkpoint (``cfg.load``) saved to
+    ``cfg.save`` as a plain student (no distillation settings, no ``kd_projection``:
+    :func:`jmegatron.training.run.checkpoint_meta`) at the same iteration, with its
+    ``config.json``; reads no data and takes no step, and prints what it wrote. Returns
+    :func:`pretrain`'s summary keys (no losses). Raises CheckpointError (nothing to load)."""
+    cfg = run.cfg
+    if not checkpointing.has_checkpoint(cfg.load):
+        raise checkpointing.CheckpointError(f"config.kd_finalize=True: config.load={cfg.load!r} holds no checkpoint "
+                                            f"(the distillation run's config.save)")
+    state, iteration, consumed, consumed_valid = load_or_init(run, None)
+    meta = checkpoint_meta(cfg, run, iteration, consumed, consumed_valid)
+    os.makedirs(cfg.save, exist_ok=True)
+    ckpt = checkpointing.Checkpointer(cfg.save, cfg.keep_checkpoints, cfg.async_save)
+    try:
+        if jax.process_index() == 0:
+            with open(os.path.join(cfg.save, "config.json"), "w") as f:
+                f.write(json.dumps(meta["config"], indent=1, sort_keys=True))
+        ckpt.save(iteration, state, meta)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    if jax.process_index() == 0:
+        print(f"[jmegatron] kd_finalize: wrote the plain student of {cfg.load} to {cfg.save}: iteration "
+              f"{iteration}, {cfg.num_layers} layers x {cfg.hidden_size} hidden, "
+              f"{flops.num_parameters(cfg, run.padded_vocab_size):,} parameters, no distillation settings",
+              flush=True)
+    return {"iteration": iteration, "losses": {}, "val_loss": None, "interrupted": False, "summary": None,
+            "state": state, "run": run}
+
+
 def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
              forward_step_provider: Optional[ForwardStepProvider] = None) -> dict:
     """Train ``cfg.train_iters`` iterations (resuming from ``cfg.load``), evaluating every
@@ -297,10 +348,12 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     default ``<save>/wandb``). ``forward_step_provider``: what each micro-batch computes
     (:class:`jmegatron.training.forward_step.ForwardStep`; default the language model;
     :func:`jmegatron.pretrain_gpt.pretrain` picks distillation's for a ``kd_teacher_load``
-    config).
+    config). ``cfg.kd_finalize``: :func:`finalize_student` instead (no data, no step).
     """
     train_start = time.time()  # Megatron's _TRAIN_START_TIME (exit_duration_in_mins counts the setup too)
     run = build(cfg, mesh, forward_step_provider=forward_step_provider)
+    if cfg.kd_finalize:  # a conversion: no data, no step
+        return finalize_student(run)
     main_process = jax.process_index() == 0
     # Bad input fails before anything is written: the datasets are built and the checkpoint is
     # checked and restored first, so a bad data path or another model's checkpoint leaves an
@@ -377,9 +430,20 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
 
     memory_reports = 0
     last_log = time.perf_counter()
-    # Loaded from another directory (e.g. kd_finalize): the final save writes it to `save`.
-    resumed_from_save = bool(cfg.save) and iteration > 0 and checkpointing.has_checkpoint(cfg.save) \
-        and not cfg.kd_finalize
+    # under variable data the memory line's reserved pool is sized by the longest length the data can give
+    longest_length = max(train_ds.lengths) if cfg.variable_data and train_ds is not None else None
+    compile_counted = run.train_step.compile_seconds
+
+    def count_compiles(it: int) -> float:
+        """Seconds the train step spent compiling since the last count (0.0: none)."""
+        nonlocal compile_counted
+        seconds = run.train_step.compile_seconds - compile_counted
+        compile_counted += seconds
+        if seconds:
+            logger.count_compile(seconds, it)
+        return seconds
+    # Loaded from another directory: the final save writes it to `save`.
+    resumed_from_save = bool(cfg.save) and iteration > 0 and checkpointing.has_checkpoint(cfg.save)
     saved_at = iteration if resumed_from_save else -1
 
     state_is_finite = jax.jit(lambda s: all_finite((s.params, s.opt_state)))  # compiled at the first save
@@ -435,20 +499,17 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
         return bool(f.get("stop", 0.0))
 
     try:
-        while iteration < cfg.train_iters and not cfg.kd_finalize:  # finalize: convert, no training
+        while iteration < cfg.train_iters:
             host_batch = next(loader)
             batch = run.put_batch(host_batch, rows=batch_rows)
             # exit_duration_in_mins joins this process's stop request: with several processes the
             # step's 'stop' flag is their maximum (Megatron all-reduces the elapsed-time check MAX)
             out_of_time = _duration_exceeded(train_start, cfg.exit_duration_in_mins)
-            first = iteration == start_iteration
-            if first:  # jit traces and compiles on the first call, synchronously
-                logger.log_compiling()
             state, metrics = run.train_step(state, batch, *run.extra_args,
                                             stop=stop.requested(iteration + 1) or out_of_time)
             iteration += 1
-            if first:
-                logger.log_compiled(iteration)
+            # a new batch shape compiled (announced by jmegatron.compilation): not this iteration's time
+            last_log += count_compiles(iteration)
             # this iteration's global batch and (padded) length: both vary under ramp-up / variable data
             gbs, seq = loader.last_global_batch_size, host_batch["tokens"].shape[-1]
             pending.append((iteration, metrics, gbs, iteration_flops(gbs, seq)))
@@ -465,8 +526,9 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
                 logger.log_train(iteration, host, now - last_log, loader.consumed_samples, pending[-1][2],
                                  flops=sum(f for _, _, _, f in pending),
                                  memory_devices=jax.local_devices() if report_memory else None,
-                                 memory_rank=jax.process_index(), compiled_memory=lambda: run.train_step.lower(
-                                     state, batch, *run.extra_args).compile().memory_analysis())
+                                 memory_rank=jax.process_index(),
+                                 compiled_memory=lambda: step_memory(run, state, batch, longest_length))
+                count_compiles(iteration)  # the longest length's program, compiled for the memory line
                 memory_reports += report_memory
                 for (it, _, _, _), m in zip(pending, host):
                     summary["losses"][it] = float(m.get("lm_loss", m["loss"]))

@@ -152,10 +152,10 @@ def process_rows(sharding: jax.sharding.Sharding, rows: int, process_index: int,
 
 
 def vocab_size_of(cfg: JMegatronConfig) -> int:
-    """The unpadded vocabulary: ``cfg.vocab_size`` or the tokenizer's."""
-    if cfg.vocab_size is not None:
-        return cfg.vocab_size
-    return build_tokenizer(cfg).vocab_size
+    """The unpadded vocabulary: the config's (``JMegatronConfig.unpadded_vocab_size``, Megatron's
+    rule of each tokenizer type: a NullTokenizer's ``vocab_size + 1``) or the tokenizer's."""
+    v = cfg.unpadded_vocab_size()
+    return v if v is not None else build_tokenizer(cfg).vocab_size
 
 
 def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optional[int] = None,
@@ -378,4 +378,4 @@ def _run_of_checkpoint(load_dir: str, mesh: Optional[Mesh], iteration: Optional[
 
 def _unpadded_vocab(cfg: JMegatronConfig, meta: dict) -> int:
     # Any vocabulary size that pads to the saved one rebuilds the same model.
-    return cfg.vocab_size or meta["padded_vocab_size"]
+    return cfg.unpadded_vocab_size() or meta["padded_vocab_size"]

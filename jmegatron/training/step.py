@@ -27,6 +27,7 @@ the same masks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
@@ -36,6 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jmegatron.compilation import AnnouncedJit, shape_text
 from jmegatron.parallel import rules as rules_lib
 from jmegatron.parallel.grad_sync import GradSync, StepLayout
 from jmegatron.parallel.rules import batch_shardings, stop_flag_sharding
@@ -59,7 +61,8 @@ def make_train_step(model: nn.Module, forward_step: Any, tx: optax.GradientTrans
     ``loss_fn(params, micro, rng, num_tokens, extra, data_sum) -> (loss, report)`` gives one
     micro-batch's loss (float32 scalar, the same on every rank: local sums go through
     ``data_sum`` and are divided by ``num_tokens``, the micro-batch's unmasked tokens over
-    all ranks) and a dict of scalars to report; ``micro`` holds this rank's rows and
+    all ranks; ``data_sum(x, context_only=True)`` sums over the context ranks alone:
+    :meth:`jmegatron.parallel.grad_sync.GradSync.data_sum`) and a dict of scalars to report; ``micro`` holds this rank's rows and
     ``sample_offset`` (int32), which the model's dropout must receive with ``rng`` (the
     step's key). Under pipeline parallelism (``layout.pipeline``) its ``pipeline_stages(ctx)``
     (:class:`jmegatron.parallel.schedules.StageContext`) gives the same computation as
@@ -252,8 +255,12 @@ class TrainStep:
 
     ``stop`` (bool or None): this process's stop request, passed to the program as a tiny
     input (:func:`stop_flags`, the two possible arrays built once) whose maximum over all
-    processes comes back as metric ``stop``; None passes "no request". ``lower`` takes the
-    same arguments; other attributes (``_cache_size``, ...) are the jitted function's."""
+    processes comes back as metric ``stop``; None passes "no request". ``lower`` and
+    ``compiled`` (the kept program for these arguments:
+    :meth:`jmegatron.compilation.AnnouncedJit.compiled`) take the same arguments; other
+    attributes (``_cache_size``, ``compile_seconds``, ``programs``, ...) are the
+    :class:`jmegatron.compilation.AnnouncedJit`'s: one program per batch shape, each
+    compilation announced with its time."""
 
     def __init__(self, jitted, mesh: Mesh):
         self.jitted = jitted
@@ -270,6 +277,9 @@ class TrainStep:
 
     def lower(self, state, batch, *extra, stop: Optional[bool] = None):
         return self.jitted.lower(state, batch, *extra, self.flags(bool(stop)))
+
+    def compiled(self, state, batch, *extra, stop: Optional[bool] = None):
+        return self.jitted.compiled(state, batch, *extra, self.flags(bool(stop)))
 
     def __getattr__(self, name):  # (only for names not set above: _cache_size, eval_shape, ...)
         if name in ("jitted", "mesh", "_flags"):
@@ -290,13 +300,19 @@ def jit_train_step(step_fn, mesh: Mesh, state_shardings: TrainState, extra_shard
     else:
         fn = lambda state, batch, stop: step_fn(state, batch, None, stop)  # noqa: E731
     in_shardings += (stop_flag_sharding(mesh),)
-    return TrainStep(jax.jit(fn, in_shardings=in_shardings,
-                             out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
-                             donate_argnums=(0,)), mesh)
+    jitted = jax.jit(fn, in_shardings=in_shardings,
+                     out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=(0,))
+    return TrainStep(AnnouncedJit(jitted, functools.partial(_batch_program, "the train step")), mesh)
+
+
+def _batch_program(name: str, arguments: dict) -> str:
+    """``<name> for tokens [num_micro, rows, seq]`` (a step's announcement: jmegatron.compilation)."""
+    return f"{name} for tokens {shape_text(arguments['batch']['tokens'])}"
 
 
 def jit_eval_step(step_fn, mesh: Mesh, param_shardings: Any, segment_ids: bool = False):
     """jit the eval step with the parameters laid out by ``param_shardings``; ``segment_ids``:
     the batch has that key (:func:`jmegatron.parallel.rules.batch_shardings`)."""
-    return jax.jit(step_fn, in_shardings=(param_shardings, batch_shardings(mesh, segment_ids)),
-                   out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return AnnouncedJit(jax.jit(step_fn, in_shardings=(param_shardings, batch_shardings(mesh, segment_ids)),
+                                out_shardings=NamedSharding(mesh, PartitionSpec())),
+                        functools.partial(_batch_program, "the evaluation step"))
