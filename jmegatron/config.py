@@ -1269,7 +1269,11 @@ class JMegatronConfig:
 # What a saved run's config resets when its checkpoint is only read (evaluation, generation,
 # export, a distillation teacher): its teacher, and where that run saved and loaded from
 # (with what it did at its start: finetune, no_load_optim, no_load_rng, use_checkpoint_args).
-READ_CHECKPOINT_RESETS = dict(kd_teacher_load=None, kd_teacher_logits_path=None, kd_cfg=None, kd_finalize=False, save=None, load=None,
+# The distillation settings, at their defaults: what a plain student (kd_finalize's checkpoint) and
+# a read checkpoint keep of them.
+DISTILLATION_RESETS = dict(kd_teacher_load=None, kd_teacher_logits_path=None, kd_cfg=None, kd_finalize=False,
+                           kd_teacher_bf16=False, kd_teacher_use_megatron_fsdp=None)
+READ_CHECKPOINT_RESETS = dict(DISTILLATION_RESETS, save=None, load=None,
                               finetune=False, no_load_optim=False, no_load_rng=False, use_checkpoint_args=False)
 
 # Fields that describe the network's parameters: resuming with a different value fails.

@@ -183,3 +183,21 @@ def test_model_report_counts_the_teacher_in_its_layout(tmp_path, teacher_dir, ca
     assert same["layout"] == "the student's" and own["layout"].startswith("its own")
     assert same["num_parameters"] == own["num_parameters"] > 0
     assert own["bytes_per_device"] < same["bytes_per_device"] / 2  # split over the 4 data ranks (norms whole)
+
+
+def test_a_finalized_offline_student_keeps_no_distillation_setting(tmp_path):
+    """kd_finalize's checkpoint meta (and config.json) is a plain student's: an offline run's
+    ``kd_teacher_logits_path`` is dropped with the other distillation settings, so a run
+    started from that config.json trains without distillation."""
+    from types import SimpleNamespace
+
+    from jmegatron.config import DISTILLATION_RESETS, JMegatronConfig
+    from jmegatron.training.run import checkpoint_meta
+
+    cfg = JMegatronConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16,
+                          max_position_embeddings=16, micro_batch_size=1, global_batch_size=1, vocab_size=64,
+                          mock_data=True, kd_finalize=True, kd_teacher_logits_path=str(tmp_path / "cache"),
+                          kd_teacher_bf16=True, load=str(tmp_path / "run"), save=str(tmp_path / "final"))
+    saved = checkpoint_meta(cfg, SimpleNamespace(padded_vocab_size=128, aux_modules={}), 3, 3)["config"]
+    assert {k: saved[k] for k in DISTILLATION_RESETS} == DISTILLATION_RESETS
+    JMegatronConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})  # a valid plain run

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, from_configdict
+from jmegatron.config import DISTILLATION_RESETS, READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.data.tokenizer import build_tokenizer
@@ -255,7 +255,7 @@ def checkpoint_meta(cfg: JMegatronConfig, run: Run, iteration: int, consumed: in
     padded vocabulary, the resolved config (a kd_finalize run saves a plain student's) and
     the auxiliary modules (``aux_params``, :func:`aux_spec`)."""
     if cfg.kd_finalize:  # a plain student checkpoint: nothing of the distillation remains
-        cfg = cfg.replace(kd_teacher_load=None, kd_cfg=None, kd_finalize=False, kd_teacher_bf16=False)
+        cfg = cfg.replace(**DISTILLATION_RESETS)
     meta = {"iteration": iteration, "consumed_train_samples": consumed, "consumed_valid_samples": consumed_valid,
             "padded_vocab_size": run.padded_vocab_size, "config": cfg.to_dict()}
     if run.aux_modules and not cfg.kd_finalize:
