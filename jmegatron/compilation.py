@@ -131,6 +131,7 @@ class AnnouncedJit:
         return list(self._programs.values())
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The jitted function's ``lower`` (``jax.stages.Lowered``; compiles nothing, keeps nothing)."""
         return self.jitted.lower(*args, **kwargs)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:
