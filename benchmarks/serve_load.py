@@ -47,7 +47,7 @@ def make_checkpoint(folder: str, layers: int, hidden: int, max_length: int) -> s
     from jmegatron.config import base_config, from_configdict
     from jmegatron.data.tokenizer import train_bpe_tokenizer
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training import checkpointing
+    from jmegatron.checkpoint import checkpointing
     from jmegatron.training.run import build, checkpoint_meta
 
     text = os.path.join(folder, "text.txt")

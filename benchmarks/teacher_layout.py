@@ -34,7 +34,8 @@ from jmegatron.data.loader import BatchLoader  # noqa: E402
 from jmegatron.parallel.mesh import create_mesh  # noqa: E402
 from jmegatron.pretrain_gpt import build  # noqa: E402
 from jmegatron.tools.cache_teacher_logits import build_cache  # noqa: E402
-from jmegatron.training import checkpointing, memory  # noqa: E402
+from jmegatron.checkpoint import checkpointing  # noqa: E402
+from jmegatron.training import memory  # noqa: E402
 from jmegatron.training.loop import build_datasets  # noqa: E402
 from jmegatron.training.run import checkpoint_meta  # noqa: E402
 

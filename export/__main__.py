@@ -20,7 +20,7 @@ import sys
 from typing import Optional, Sequence
 
 from jmegatron.export.common import ExportError
-from jmegatron.training.checkpointing import CheckpointError
+from jmegatron.checkpoint.checkpointing import CheckpointError
 
 # modules with a ``register(subparsers)`` function; each sets ``func=run(args) -> int``
 COMMAND_MODULES = ("jmegatron.export.convert", "jmegatron.export.megatron", "jmegatron.export.quantize", "jmegatron.export.unified_check",

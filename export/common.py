@@ -14,22 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
-
-from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, from_configdict
+from jmegatron.checkpoint.checkpointing import CheckpointError, has_checkpoint
+from jmegatron.checkpoint.metadata import SavedStep, saved_config
+from jmegatron.checkpoint.restore import read_saved_params
+from jmegatron.checkpoint.views import checkpoint_view
+from jmegatron.config import ConfigError
 from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 from jmegatron.export.hf import to_hf_model
-from jmegatron.training import checkpointing
-from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
 
 __all__ = ["ExportError", "ExportSource", "check_out_dir", "checkpoint_config", "export_config", "load_checkpoint", "hf_model",
-           "load_source_tokenizer", "map_tree", "read_saved_params", "refuse_moe", "saved_params_metadata",
-           "source_vocab_size", "tokenizer_path", "tree_paths"]
+           "load_source_tokenizer", "open_checkpoint", "refuse_moe", "source_vocab_size", "tokenizer_path"]
 
 
 class ExportError(ValueError):
@@ -71,22 +67,32 @@ def check_out_dir(out: str) -> None:
         raise ExportError(f"--out {out} exists and is not empty; choose a new folder (nothing is overwritten)")
 
 
-def checkpoint_config(load_dir: str, iteration: Optional[int] = None):
-    """The resolved :class:`jmegatron.config.JMegatronConfig` of a checkpoint, read from its
-    metadata without restoring any array (so commands can refuse bad input before work).
-    Raises ExportError for a missing or unreadable checkpoint."""
+def open_checkpoint(load_dir: str, iteration: Optional[int] = None) -> SavedStep:
+    """Step ``iteration`` (default: the latest) of checkpoint ``load_dir``, its metadata read
+    and no array (:class:`jmegatron.checkpoint.metadata.SavedStep`): what an export reads
+    once and hands to :func:`checkpoint_config` and :func:`load_checkpoint`. Raises
+    ExportError naming ``--load`` for a missing or unreadable checkpoint."""
     if not load_dir:
         raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
-    if not checkpointing.has_checkpoint(load_dir):
+    if not has_checkpoint(load_dir):
         raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}; give a "
                           f"training run's save directory")
     try:
-        ckpt = checkpointing.Checkpointer(load_dir, create=False)
-        saved = dict(ckpt.read_meta(iteration)["config"])
-        ckpt.close()
-        saved.update(READ_CHECKPOINT_RESETS)
-        return from_configdict(saved)
-    except (checkpointing.CheckpointError, ConfigError, KeyError) as e:
+        return SavedStep.at(load_dir, iteration)
+    except CheckpointError as e:
+        raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {e}") from e
+
+
+def checkpoint_config(load_dir: str, iteration: Optional[int] = None, saved: Optional[SavedStep] = None):
+    """The resolved :class:`jmegatron.config.JMegatronConfig` of a checkpoint (its ``read``
+    view, :mod:`jmegatron.checkpoint.views`), read from its metadata without restoring any
+    array (so commands can refuse bad input before work); ``saved``: the step already
+    opened (:func:`open_checkpoint`). Raises ExportError for a missing or unreadable
+    checkpoint."""
+    saved = saved or open_checkpoint(load_dir, iteration)
+    try:
+        return saved_config(saved.meta, "read")
+    except (ConfigError, KeyError) as e:
         raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {e}") from e
 
 
@@ -105,12 +111,13 @@ def refuse_moe(cfg, command: str, missing: str, instead: Optional[str] = None) -
         f"moe_router_topk={cfg.moe_router_topk}), and {missing} is not built yet; {instead}")
 
 
-def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSource:
+def load_checkpoint(load_dir: str, iteration: Optional[int] = None, saved: Optional[SavedStep] = None) -> ExportSource:
     """Read the parameters of ``load_dir`` (a jmegatron ``save`` directory) at ``iteration``
-    (default latest) into host memory, as float32 NumPy in the per-layer layout.
+    (default latest) into host memory, as float32 NumPy in the per-layer layout; ``saved``:
+    the step already opened (:func:`open_checkpoint`), so its metadata is not read again.
 
     Parameters only: Orbax's partial restore of the ``state`` item's ``params`` subtree
-    (:func:`read_saved_params`), read from the on-disk tree
+    (:func:`jmegatron.checkpoint.restore.read_saved_params`), read from the on-disk tree
     itself (no model built, no device used, no optimizer moment or float32 main copy
     read; a bf16 checkpoint gives its bf16 model parameters, widened to float32, as
     Megatron's export takes the model's). Host memory: the model's parameters in float32
@@ -124,29 +131,24 @@ def load_checkpoint(load_dir: str, iteration: Optional[int] = None) -> ExportSou
 
     Raises ExportError for a missing or corrupt checkpoint (the message names ``--load``).
     """
-    if not load_dir:
-        raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
-    params, meta, step = read_saved_params(load_dir, iteration)
-    cfg = export_config(load_dir, step)
-    padded = int(meta["padded_vocab_size"])
+    saved = saved or open_checkpoint(load_dir, iteration)
+    try:
+        params = read_saved_params(saved)
+    except CheckpointError as e:
+        raise ExportError(f"--load {load_dir}: {e}") from e
+    cfg = export_config(load_dir, saved=saved)
+    padded = int(saved.meta["padded_vocab_size"])
     return ExportSource(cfg=cfg, params=params, vocab_size=source_vocab_size(cfg, padded), padded_vocab_size=padded,
-                        tokenizer_path=tokenizer_path(cfg), iteration=int(meta["iteration"]),
+                        tokenizer_path=tokenizer_path(cfg), iteration=int(saved.meta["iteration"]),
                         load_dir=os.path.abspath(load_dir))
 
 
-# the one-device, per-layer view of any saved layout an export works in
-_SINGLE_DEVICE = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                      expert_model_parallel_size=1, sequence_parallel=False, virtual_pipeline_model_parallel_size=None,
-                      num_layers_per_virtual_pipeline_stage=None, pipeline_schedule="auto",
-                      decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-                      scan_layers=False)
-
-
-def export_config(load_dir: str, iteration: Optional[int] = None):
-    """The checkpoint's config as exports see it (one device, per-layer layout:
-    ``scan_layers=False``). Raises ExportError."""
+def export_config(load_dir: str, iteration: Optional[int] = None, saved: Optional[SavedStep] = None):
+    """The checkpoint's config as exports see it (the ``read``, ``one_device`` and
+    ``per_layer`` views of :mod:`jmegatron.checkpoint.views`: one device, per-layer layout).
+    Raises ExportError."""
     try:
-        return checkpoint_config(load_dir, iteration).replace(**_SINGLE_DEVICE)
+        return checkpoint_config(load_dir, iteration, saved).replace(**checkpoint_view("one_device", "per_layer"))
     except ConfigError as e:
         raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {e}") from e
 
@@ -210,71 +212,3 @@ def hf_model(src: ExportSource):
         return to_hf_model(src.params, src.cfg, src.vocab_size, bos_token_id=eod, eos_token_id=eod)
     except ValueError as e:
         raise ExportError(str(e)) from e
-
-
-# ----------------------------------------------------------------------------- reading saved parameters
-def saved_params_metadata(load_dir: str, iteration: Optional[int]):
-    """(params metadata tree (nested dicts of Orbax ArrayMetadata), the ``state`` item's
-    directory, step, meta) of a checkpoint step; no array is read."""
-    ckpt = checkpointing.Checkpointer(load_dir, create=False)
-    try:
-        step = ckpt.latest_step() if iteration is None else int(iteration)
-        meta = ckpt.read_meta(step)  # CheckpointError for an iteration it does not hold
-    finally:
-        ckpt.close()
-    state_dir = os.path.join(os.path.abspath(load_dir), str(step), "state")  # Orbax's default step naming
-    if not os.path.isdir(state_dir):
-        raise checkpointing.CheckpointError(f"no state item at {state_dir}")
-    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir))
-    tree = getattr(tree, "tree", tree)
-    return tree["params"], state_dir, step, meta
-
-
-def tree_paths(tree, prefix=()):
-    """(path tuple of str keys, leaf) of every leaf of a nested mapping, depth first."""
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
-            yield from tree_paths(v, prefix + (str(k),))
-    else:
-        yield prefix, tree
-
-
-def read_saved_params(load_dir: str, iteration: Optional[int] = None) -> tuple[dict, dict, int]:
-    """``(params, meta, step)``: the checkpoint's ``params`` as float32 numpy in the
-    per-layer layout (``decoder_layers_{i}``), restored from the on-disk tree itself (host
-    numpy, no model built, no sharding; Orbax's partial restore of the ``params`` subtree,
-    no optimizer state), so leaves the installed model does not declare (``fp8_meta`` of an
-    FP8 run) come back too. Stacked layouts (``scan_layers``, pipeline
-    stage order, uneven stages) are converted by
-    :func:`jmegatron.training.checkpoint_layout.convert_layers`; auxiliary modules named in
-    the meta's ``aux_params`` (a distillation run's projection) are dropped.
-    Raises ExportError for a missing or unreadable checkpoint."""
-    if not checkpointing.has_checkpoint(load_dir):
-        raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}")
-    try:
-        params_md, state_dir, step, meta = saved_params_metadata(load_dir, iteration)
-        # auxiliary modules (a distillation run's projection) are not read at all
-        params_md = {k: v for k, v in params_md.items() if k not in (meta.get("aux_params") or {})}
-        target = map_tree(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), params_md)
-        restore_args = map_tree(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), params_md)
-        state = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-            item={"params": target}, restore_args={"params": restore_args}, partial_restore=True))
-    except (checkpointing.CheckpointError, KeyError, TypeError, ValueError, OSError) as e:
-        raise ExportError(f"--load {load_dir}: cannot read the checkpoint's parameters: {type(e).__name__}: {e}") \
-            from e
-    params = map_tree(lambda a: np.asarray(a, dtype=np.float32), dict(state["params"]))
-    for name in (meta.get("aux_params") or {}):
-        params.pop(name, None)
-    num_layers = int(meta["config"]["num_layers"])
-    saved = LayerLayout.of_config(meta["config"])
-    per_layer = LayerLayout(False)
-    if not saved.same_storage(per_layer, num_layers):
-        params = convert_layers(params, saved, per_layer, num_layers)
-    return params, meta, step
-
-
-def map_tree(fn, tree):
-    """``tree`` (nested mappings) with ``fn`` applied to every leaf, as plain dicts."""
-    if isinstance(tree, Mapping):
-        return {k: map_tree(fn, v) for k, v in tree.items()}
-    return fn(tree)

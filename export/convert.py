@@ -42,7 +42,7 @@ from jmegatron.export.hf import (ARCHITECTURES, config_fields_from_hf, from_hf_s
 from jmegatron.export.stream import export_hf_streaming, parse_size
 from jmegatron.export.unified import is_unified_folder, jmegatron_fields, jmegatron_params, read_unified
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpointing
+from jmegatron.checkpoint import checkpointing
 from jmegatron.training.run import build, checkpoint_meta
 
 __all__ = ["register", "export_hf", "import_hf", "import_unified", "hf_checkpoint", "checkpoint_of"]

@@ -53,21 +53,21 @@ Which scales:
   parallel rank holds the full tensor's per-tensor factors.
 
 The FP8 training path itself lives in ``jmegatron.models.fp8``; this module reads only the
-checkpoint (:func:`jmegatron.export.common.read_saved_params`), so it needs neither that
+checkpoint (:func:`jmegatron.checkpoint.restore.read_saved_params`), so it needs neither that
 module nor the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from jmegatron.export.common import ExportError, saved_params_metadata, tree_paths
+from jmegatron.checkpoint.metadata import SavedStep
+from jmegatron.checkpoint.restore import tree_paths
+from jmegatron.export.common import ExportError, open_checkpoint
 from jmegatron.export.hf import unstack_layers
-from jmegatron.training.checkpointing import CheckpointError, has_checkpoint
 
 __all__ = ["FP8_E4M3_MAX", "FP8_LINEARS", "UNIFIED_LINEARS", "unified_modules", "FP8_META", "WEIGHT_SCALES", "LinearScales", "saved_fp8_meta_paths",
            "check_fp8_exportable", "has_fp8_meta", "layer_fp8_meta", "history_amax", "checkpoint_fp8_scales",
@@ -100,17 +100,13 @@ WEIGHT_SCALES = ("checkpoint", "amax")
 
 
 # ----------------------------------------------------------------------------- reading
-def saved_fp8_meta_paths(load_dir: str, iteration: Optional[int] = None) -> list[str]:
+def saved_fp8_meta_paths(load_dir: str, iteration: Optional[int] = None, saved: Optional[SavedStep] = None) -> list[str]:
     """Slash paths of the ``fp8_meta`` leaves under ``params`` in checkpoint ``load_dir``,
-    read from Orbax's metadata (no array is restored); empty for a checkpoint trained
+    read from Orbax's metadata (no array is restored; ``saved``: the step already opened,
+    :func:`jmegatron.export.common.open_checkpoint`); empty for a checkpoint trained
     without ``config.fp8``. Raises ExportError for a missing or unreadable checkpoint."""
-    if not has_checkpoint(load_dir):
-        raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}")
-    try:
-        params, _, _, _ = saved_params_metadata(load_dir, iteration)
-    except (CheckpointError, KeyError, TypeError, ValueError, OSError) as e:
-        raise ExportError(f"--load {load_dir}: unreadable checkpoint metadata: {type(e).__name__}: {e}") from e
-    return ["/".join(p) for p, _ in tree_paths(params) if FP8_META in p]
+    saved = saved or open_checkpoint(load_dir, iteration)
+    return ["/".join(p) for p, _ in tree_paths(saved.tree.get("params") or {}) if FP8_META in p]
 
 
 def has_fp8_meta(params: Mapping) -> bool:

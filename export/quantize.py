@@ -87,7 +87,7 @@ from jmegatron.data.gpt_dataset import GPTDataset
 from jmegatron.data.indexed_dataset import IndexedDataset
 from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.export.common import (ExportError, ExportSource, check_out_dir, checkpoint_config, hf_model, load_checkpoint,
-                                     write_hf_tokenizer)
+                                     open_checkpoint, write_hf_tokenizer)
 from jmegatron.export.fp8_scales import (FP8_E4M3_MAX, WEIGHT_SCALES, check_fp8_exportable, checkpoint_fp8_scales,
                                          quantize_weight, saved_fp8_meta_paths, strip_fp8_meta,
                                          unified_modules)
@@ -744,6 +744,7 @@ class _Plan:
     tokenizer: Any        # jmegatron.data.tokenizer.HFTokenizer or None
     eod: int
     export_dtype: str
+    saved: Any            # jmegatron.checkpoint.metadata.SavedStep: the checkpoint step, its metadata read once
 
 
 def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_size, calib_batch_size,
@@ -774,15 +775,15 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
     check_out_dir(out)
     calib_prefix = _check_prefix(calib_data, "--calib-data")
     eval_prefix = _check_prefix(eval_data or calib_data, "--eval-data" if eval_data else "--calib-data")
-    cfg = checkpoint_config(load, iteration)
-
+    saved = open_checkpoint(load, iteration)
+    cfg = checkpoint_config(load, iteration, saved)
     try:
         arch = hf_architecture(cfg)
     except ValueError as e:
         raise ExportError(f"--load {load}: {e}") from e
     if scales == "from-checkpoint":
         check_fp8_exportable(cfg)  # refuses MoE by name: the experts carry no FP8 scales
-        if not saved_fp8_meta_paths(load, iteration):
+        if not saved_fp8_meta_paths(load, iteration, saved):
             raise ExportError(f"--scales from-checkpoint: {os.path.abspath(load)} holds no FP8 scales (no fp8_meta: "
                               f"it was trained without config.fp8, fp8={cfg.fp8!r}); use --scales calibrate")
     for name in names:
@@ -806,7 +807,7 @@ def _plan(load, quant_cfgs, calib_data, out, iteration, kv_cache_quant, calib_si
         _warn(f"the test portion of {eval_prefix} holds {len(held_out.dataset)} samples of {eval_len} tokens; "
               f"evaluating on those instead of --eval-samples {eval_samples}")
     return _Plan(names, kv, scales, weight_scales, cfg, arch, split, calib, held_out, tokenizer, eod,
-                 export_dtype or ("bfloat16" if cfg.bf16 else "float16"))
+                 export_dtype or ("bfloat16" if cfg.bf16 else "float16"), saved)
 
 
 def _portion_record(portion: Portion, batches: Sequence[dict], **extra) -> dict:
@@ -894,6 +895,67 @@ class _Sanity:
         _log(f"  {'fp32 (jmegatron)':<16} -> {note if text is None else repr(text)}")
 
 
+def _quantize_one(name: str, plan: _Plan, base, src: ExportSource, out: str, calib_batches, eval_batches,
+                  fp32: dict, sanity: _Sanity, device, source: dict, data: dict) -> dict:
+    """Quantize a copy of ``base`` with config ``name`` (calibrated, or the checkpoint's own FP8
+    scales), check its output layer and MoE routers stayed unquantized, evaluate it, save it
+    under ``out/name`` (:func:`save_quantized`) with its quantizer table, read the unified
+    checkpoint back, and return its row of the quality report."""
+    t0 = time.time()
+    provenance = None
+    if name == "fp8" and plan.scales == "from-checkpoint":
+        model, provenance = checkpoint_scaled_model(copy.deepcopy(base), src.params, src.cfg, plan.kv,
+                                                    plan.weight_scales)
+        _log(f"{name} ({QUANT_CFG_CHOICES[name]}): the checkpoint's own FP8 scales (weights: "
+             f"{plan.weight_scales}), no calibration")
+    else:
+        model = quantize_model(copy.deepcopy(base), name, plan.kv, calib_batches, device)
+        _log(f"{name} ({QUANT_CFG_CHOICES[name]}, KV cache {plan.kv}): calibrated in {time.time() - t0:.1f}s")
+    calib_seconds = time.time() - t0
+    table, counts = quantizer_table(model)
+    _log(f"{name}: {counts['enabled']} of {counts['total']} ModelOpt quantizers enabled ("
+         + ", ".join(f"{n} {k}" for k, n in counts["enabled_by_kind"].items()) + "); the table -> "
+         + os.path.abspath(os.path.join(out, name, QUANT_SUMMARY)))
+    left_on = enabled_quantizers(model, OUTPUT_LAYER)
+    if left_on:
+        raise RuntimeError(f"{name}: the output layer has enabled quantizers {left_on} (it must stay unquantized)")
+    routers = moe_router_modules(model)
+    left_on = [q for r in routers for q in enabled_quantizers(model, r)]
+    if left_on:  # ModelOpt's default rules ('*block_sparse_moe.gate*', '*mlp.gate.*', '*router*') keep them off
+        raise RuntimeError(f"{name}: MoE routers have enabled quantizers {left_on} (they must stay unquantized)")
+    if routers:
+        _log(f"{name}: {len(routers)} MoE routers left unquantized ({routers[0]}, ...)")
+    t0 = time.time()
+    q = perplexity(model, eval_batches, device)
+    eval_seconds = time.time() - t0
+    rel = q["ppl"] / fp32["ppl"] - 1.0
+    _log(f"{name}: held-out loss {q['loss']:.4f}, perplexity {q['ppl']:.3f} ({100 * rel:+.2f}% vs fp32)")
+    sanity.add(name, model)
+    t0 = time.time()
+    codes = provenance["modules"] if provenance and plan.weight_scales == "checkpoint" else \
+        ({} if provenance else None)
+    info = save_quantized(model, os.path.join(out, name), src, plan.export_dtype, {
+        "quant_cfg": name, "modelopt_config": QUANT_CFG_CHOICES[name], "kv_cache_quant": plan.kv,
+        "scales": provenance or {"scales": "calibrate"}, "source": source, "perplexity": q,
+        "fp32_perplexity": fp32, "relative_change": rel, **data}, fp8_codes=codes)
+    export_seconds = time.time() - t0
+    with open(os.path.join(out, name, QUANT_SUMMARY), "w") as f:
+        f.write(table)
+    hf_dir = os.path.join(out, name, UNIFIED_HF_DIR)
+    _log(f"{name}: {info['quant_algo']} unified HF checkpoint ({plan.export_dtype}) -> "
+         f"{os.path.abspath(hf_dir)} ({export_seconds:.1f}s)")
+    del model
+    reloaded = reloaded_perplexity(hf_dir, eval_batches, device)
+    if reloaded is not None:
+        _log(f"{name}: the unified checkpoint read back: perplexity {reloaded['ppl']:.3f}")
+    return {"name": name, "modelopt_config": QUANT_CFG_CHOICES[name], "quant_algo": info["quant_algo"],
+            "kv_cache_quant_algo": info["kv_cache_quant_algo"], "scales": plan.scales if name == "fp8"
+            else "calibrate", "loss": q["loss"], "ppl": q["ppl"], "relative_change": rel,
+            "reloaded_ppl": None if reloaded is None else reloaded["ppl"],
+            "calibration_seconds": calib_seconds, "eval_seconds": eval_seconds,
+            "export_seconds": export_seconds}
+
+
 def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Optional[int] = None,
              kv_cache_quant: str = "none", calib_size: int = 512, calib_batch_size: int = 4,
              calib_seq_length: int = 512, eval_data: Optional[str] = None, eval_samples: int = 256,
@@ -933,7 +995,7 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.time()
-    src = load_checkpoint(load, iteration)
+    src = load_checkpoint(load, iteration, plan.saved)
     base = hf_model(src).to(device)
     calib_batches = make_batches(plan.calib.dataset, calib_size, calib_batch_size, src.vocab_size)
     eval_batches = make_batches(plan.held_out.dataset, eval_samples, calib_batch_size, src.vocab_size)
@@ -961,59 +1023,8 @@ def quantize(load: str, quant_cfgs, calib_data: str, out: str, *, iteration: Opt
 
     os.makedirs(out, exist_ok=True)
     for name in plan.names:
-        t0 = time.time()
-        provenance = None
-        if name == "fp8" and plan.scales == "from-checkpoint":
-            model, provenance = checkpoint_scaled_model(copy.deepcopy(base), src.params, src.cfg, plan.kv,
-                                                        plan.weight_scales)
-            _log(f"{name} ({QUANT_CFG_CHOICES[name]}): the checkpoint's own FP8 scales (weights: "
-                 f"{plan.weight_scales}), no calibration")
-        else:
-            model = quantize_model(copy.deepcopy(base), name, plan.kv, calib_batches, device)
-            _log(f"{name} ({QUANT_CFG_CHOICES[name]}, KV cache {plan.kv}): calibrated in {time.time() - t0:.1f}s")
-        calib_seconds = time.time() - t0
-        table, counts = quantizer_table(model)
-        _log(f"{name}: {counts['enabled']} of {counts['total']} ModelOpt quantizers enabled ("
-             + ", ".join(f"{n} {k}" for k, n in counts["enabled_by_kind"].items()) + "); the table -> "
-             + os.path.abspath(os.path.join(out, name, QUANT_SUMMARY)))
-        left_on = enabled_quantizers(model, OUTPUT_LAYER)
-        if left_on:
-            raise RuntimeError(f"{name}: the output layer has enabled quantizers {left_on} (it must stay unquantized)")
-        routers = moe_router_modules(model)
-        left_on = [q for r in routers for q in enabled_quantizers(model, r)]
-        if left_on:  # ModelOpt's default rules ('*block_sparse_moe.gate*', '*mlp.gate.*', '*router*') keep them off
-            raise RuntimeError(f"{name}: MoE routers have enabled quantizers {left_on} (they must stay unquantized)")
-        if routers:
-            _log(f"{name}: {len(routers)} MoE routers left unquantized ({routers[0]}, ...)")
-        t0 = time.time()
-        q = perplexity(model, eval_batches, device)
-        eval_seconds = time.time() - t0
-        rel = q["ppl"] / fp32["ppl"] - 1.0
-        _log(f"{name}: held-out loss {q['loss']:.4f}, perplexity {q['ppl']:.3f} ({100 * rel:+.2f}% vs fp32)")
-        sanity.add(name, model)
-        t0 = time.time()
-        codes = provenance["modules"] if provenance and plan.weight_scales == "checkpoint" else \
-            ({} if provenance else None)
-        info = save_quantized(model, os.path.join(out, name), src, plan.export_dtype, {
-            "quant_cfg": name, "modelopt_config": QUANT_CFG_CHOICES[name], "kv_cache_quant": plan.kv,
-            "scales": provenance or {"scales": "calibrate"}, "source": source, "perplexity": q,
-            "fp32_perplexity": fp32, "relative_change": rel, **data}, fp8_codes=codes)
-        export_seconds = time.time() - t0
-        with open(os.path.join(out, name, QUANT_SUMMARY), "w") as f:
-            f.write(table)
-        hf_dir = os.path.join(out, name, UNIFIED_HF_DIR)
-        _log(f"{name}: {info['quant_algo']} unified HF checkpoint ({plan.export_dtype}) -> "
-             f"{os.path.abspath(hf_dir)} ({export_seconds:.1f}s)")
-        del model
-        reloaded = reloaded_perplexity(hf_dir, eval_batches, device)
-        if reloaded is not None:
-            _log(f"{name}: the unified checkpoint read back: perplexity {reloaded['ppl']:.3f}")
-        rows.append({"name": name, "modelopt_config": QUANT_CFG_CHOICES[name], "quant_algo": info["quant_algo"],
-                     "kv_cache_quant_algo": info["kv_cache_quant_algo"], "scales": plan.scales if name == "fp8"
-                     else "calibrate", "loss": q["loss"], "ppl": q["ppl"], "relative_change": rel,
-                     "reloaded_ppl": None if reloaded is None else reloaded["ppl"],
-                     "calibration_seconds": calib_seconds, "eval_seconds": eval_seconds,
-                     "export_seconds": export_seconds})
+        rows.append(_quantize_one(name, plan, base, src, out, calib_batches, eval_batches, fp32, sanity, device,
+                                  source, data))
 
     report = {"source": source, "kv_cache_quant": plan.kv, "export_dtype": plan.export_dtype, "device": str(device),
               **data, "rows": rows, "samples": sanity.samples, "total_seconds": time.time() - t_start}

@@ -5,7 +5,7 @@ parameter in float32 host memory (28 GB for a 7B model). The streaming path hold
 parameters outside the decoder layers (embeddings, final norm, output layer) plus **one
 decoder layer** at a time:
 
-* :class:`CheckpointParamsReader` opens the checkpoint's ``state`` item and reads single
+* :class:`jmegatron.checkpoint.restore.CheckpointParamsReader` opens the checkpoint's ``state`` item and reads single
   arrays of its ``params`` subtree through TensorStore (the store Orbax writes): a
   per-layer checkpoint's ``decoder_layers_{i}`` arrays whole, a stacked one's
   (``scan_layers``, pipeline stage order) slot of layer ``i`` only (``array[slot]``:
@@ -35,18 +35,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import numpy as np
 
+from jmegatron.checkpoint.checkpointing import CheckpointError
+from jmegatron.checkpoint.restore import CheckpointParamsReader
 from jmegatron.data.tokenizer import load_tokenizer
-from jmegatron.export.common import ExportError, export_config, source_vocab_size, tokenizer_path
+from jmegatron.export.common import ExportError, export_config, open_checkpoint, source_vocab_size, tokenizer_path
 from jmegatron.export.hf import hf_architecture, hf_config_class, hf_config_dict, iter_hf_tensors
-from jmegatron.training import checkpoint_layout, checkpointing
-from jmegatron.training.checkpoint_layout import STACKED_KEY, _LAYER_RE
 
-__all__ = ["CheckpointParamsReader", "SafetensorsWriter", "export_hf_streaming", "parse_size"]
+__all__ = ["SafetensorsWriter", "export_hf_streaming", "hf_source", "parse_size"]
 
 # numpy dtype name -> safetensors dtype tag
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
@@ -76,124 +75,6 @@ def parse_size(size) -> int:
     if value <= 0:
         raise ExportError(f"--max-shard-size {size!r}: give a positive size such as 5GB, 500MB or 2GiB")
     return value
-
-
-# --------------------------------------------------------------------------- reading
-class CheckpointParamsReader:
-    """The parameters of a checkpoint read piece by piece, as float32 NumPy.
-
-    ``read_common()``: everything under ``params`` except the decoder layers and
-    auxiliary modules (a distillation run's ``kd_projection``); ``read_layer(i)``: model
-    layer ``i``'s per-layer subtree (the names of ``decoder_layers_{i}``, whatever layout
-    the checkpoint stores). Both read only those arrays (see the module doc).
-
-    Attributes: ``cfg`` (the export config: one device, per-layer layout), ``meta``,
-    ``step``, ``padded_vocab_size``, ``vocab_size``, ``tokenizer_path``, ``load_dir``,
-    ``bytes_read`` (array bytes read so far, in the stored dtype).
-
-    Raises ExportError for a missing or unreadable checkpoint, or a stored layer tree that
-    does not match the saved config (names the path).
-    """
-
-    def __init__(self, load_dir: str, iteration: Optional[int] = None):
-        import tensorstore as ts
-
-        if not load_dir:
-            raise ExportError("--load is required: a jmegatron checkpoint directory (a training run's `save`)")
-        if not checkpointing.has_checkpoint(load_dir):
-            raise ExportError(f"--load {load_dir}: no checkpoint found in {os.path.abspath(load_dir)}")
-        try:
-            ckpt = checkpointing.Checkpointer(load_dir, create=False)
-            try:
-                self.meta = ckpt.read_meta(iteration)
-                self.state_dir, self.step = checkpoint_layout.state_item_dir(ckpt, iteration)
-            finally:
-                ckpt.close()
-            saved = checkpoint_layout.saved_state_metadata(self.state_dir)
-        except checkpointing.CheckpointError as e:
-            raise ExportError(f"--load {load_dir}: {e}") from e
-        self.load_dir = os.path.abspath(load_dir)
-        self.cfg = export_config(load_dir, self.step)
-        self.padded_vocab_size = int(self.meta["padded_vocab_size"])
-        self.vocab_size = source_vocab_size(self.cfg, self.padded_vocab_size)
-        self.tokenizer_path = tokenizer_path(self.cfg)
-        self.iteration = int(self.meta["iteration"])
-        self.bytes_read = 0
-        params = saved.get("params")
-        if not isinstance(params, Mapping):
-            raise ExportError(f"--load {load_dir}: the checkpoint's state holds no params subtree")
-        aux = set(self.meta.get("aux_params") or {})
-        self._params = {k: v for k, v in params.items() if k not in aux}
-        self._num_layers = int(self.meta["config"]["num_layers"])
-        layout = checkpoint_layout.LayerLayout.of_config(self.meta["config"])
-        self._slot = None
-        if layout.stacked:
-            order = layout.order(self._num_layers)
-            self._slot = {int(layer): slot for slot, layer in enumerate(order) if layer >= 0}
-            if checkpoint_layout.STACKED_KEY not in self._params:
-                raise ExportError(f"--load {load_dir}: the saved config stores the layers {layout.describe()} but "
-                                  f"params hold no 'decoder_layers'")
-        else:
-            missing = [i for i in range(self._num_layers) if f"decoder_layers_{i}" not in self._params]
-            if missing:
-                raise ExportError(f"--load {load_dir}: params lack decoder_layers_{missing[0]} "
-                                  f"(num_layers={self._num_layers})")
-        flags = _storage_flags(self.state_dir)
-        self._use_ocdbt, self._use_zarr3 = flags
-        # one context: the OCDBT manifest and B-tree nodes are opened once; no data cache
-        self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
-                                    "cache_pool#ocdbt": {"total_bytes_limit": 0}})
-
-    # the stored array of one metadata leaf, all of it or one slot of its leading axis
-    def _read(self, leaf, slot: Optional[int] = None) -> np.ndarray:
-        import orbax.checkpoint as ocp
-        import tensorstore as ts
-        from etils import epath
-
-        info = ocp.type_handlers.ParamInfo(name=leaf.name, parent_dir=epath.Path(self.state_dir),
-                                           is_ocdbt_checkpoint=self._use_ocdbt, use_zarr3=self._use_zarr3,
-                                           ts_context=self._context)
-        spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._use_ocdbt)
-        try:
-            store = ts.open(spec, context=self._context, open=True, read=True).result()
-            data = (store if slot is None else store[slot]).read().result()
-        except Exception as e:  # tensorstore raises ValueError / RuntimeError variants
-            raise ExportError(f"--load {self.load_dir}: cannot read {leaf.name} of step {self.step}: "
-                              f"{type(e).__name__}: {e}") from e
-        self.bytes_read += int(data.nbytes)
-        return data if data.dtype == np.float32 else data.astype(np.float32)
-
-    def read_common(self) -> dict:
-        """Float32 numpy tree of the parameters outside the decoder layers."""
-        rest = {k: v for k, v in self._params.items() if k != STACKED_KEY and not _LAYER_RE.match(str(k))}
-        return _map(self._read, rest)
-
-    def read_layer(self, i: int) -> dict:
-        """Float32 numpy tree of model decoder layer ``i`` (the per-layer names). Raises
-        ExportError for ``i`` outside ``[0, num_layers)``."""
-        if not 0 <= i < self._num_layers:
-            raise ExportError(f"decoder layer {i} is outside [0, {self._num_layers}) (num_layers)")
-        if self._slot is None:
-            return _map(self._read, self._params[f"decoder_layers_{i}"])
-        slot = self._slot[i]
-        return _map(lambda leaf: self._read(leaf, slot), self._params["decoder_layers"])
-
-
-def _storage_flags(state_dir: str) -> tuple[bool, bool]:
-    """(use_ocdbt, use_zarr3) of an Orbax PyTree item, from its ``_METADATA`` (Orbax's
-    defaults, OCDBT and zarr v2, when the file does not say)."""
-    try:
-        with open(os.path.join(state_dir, "_METADATA")) as f:
-            md = json.load(f)
-    except (OSError, ValueError):
-        return True, False
-    return bool(md.get("use_ocdbt", True)), bool(md.get("use_zarr3", False))
-
-
-def _map(fn, tree):
-    if isinstance(tree, Mapping):
-        return {k: _map(fn, v) for k, v in tree.items()}
-    return fn(tree)
 
 
 # --------------------------------------------------------------------------- writing
@@ -314,7 +195,7 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
     """Write the Hugging Face weights and ``config.json`` / ``generation_config.json`` of
     checkpoint ``load`` into folder ``out`` (which must exist), one decoder layer at a time.
 
-    Reads with :class:`CheckpointParamsReader`, converts with
+    Reads with :class:`jmegatron.checkpoint.restore.CheckpointParamsReader`, converts with
     :func:`jmegatron.export.hf.iter_hf_tensors` (the tensors of ``to_hf_state_dict``:
     Megatron's vocabulary padding dropped), casts each to ``dtype`` (float32, bfloat16:
     round to nearest even, float16) and writes it with :class:`SafetensorsWriter` at once.
@@ -328,32 +209,38 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
     """
     import transformers
 
-    reader = CheckpointParamsReader(load, iteration)
-    cfg = reader.cfg
+    saved = open_checkpoint(load, iteration)
+    try:
+        reader = CheckpointParamsReader(saved)
+    except CheckpointError as e:
+        raise ExportError(f"--load {load}: {e}") from e
+    cfg = export_config(load, saved=saved)
+    padded = int(saved.meta["padded_vocab_size"])
+    vocab_size, tokenizer = source_vocab_size(cfg, padded), tokenizer_path(cfg)
     try:
         arch = hf_architecture(cfg)
     except ValueError as e:
         raise ExportError(f"--load {load}: {e}") from e
     bos = eos = None
-    if reader.tokenizer_path:
-        tok = load_tokenizer(reader.tokenizer_path)
+    if tokenizer:
+        tok = load_tokenizer(tokenizer)
         bos, eos = (tok.eod if tok.bos is None else tok.bos), tok.eod
-    source = hf_source(reader.load_dir)
+    source = hf_source(saved.directory)
     if os.path.isfile(os.path.join(source, "config.json")):
         with open(os.path.join(source, "config.json")) as f:
             read = json.load(f)
         bos, eos = read.get("bos_token_id", bos), read.get("eos_token_id", eos)
-    conf = hf_config_dict(cfg, reader.vocab_size, bos_token_id=bos, eos_token_id=eos)
+    conf = hf_config_dict(cfg, vocab_size, bos_token_id=bos, eos_token_id=eos)
     config = hf_config_class(arch).from_dict(conf)
     config.dtype = dtype
     writer = SafetensorsWriter(out, parse_size(max_shard_size))
     try:
-        for name, tensor in iter_hf_tensors(reader.read_common(), reader.read_layer, cfg, reader.vocab_size):
+        for name, tensor in iter_hf_tensors(reader.read_common(), reader.read_layer, cfg, vocab_size):
             writer.add(name, _cast(tensor, dtype))
             del tensor
     except ExportError:
         raise
-    except ValueError as e:
+    except (CheckpointError, ValueError) as e:
         raise ExportError(f"--load {load}: {e}") from e
     files = writer.close()
     config.save_pretrained(out)
@@ -361,6 +248,6 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
         shutil.copyfile(os.path.join(source, "generation_config.json"), os.path.join(out, "generation_config.json"))
     else:
         transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
-    return {"architecture": arch, "vocab_size": reader.vocab_size, "padded_vocab_size": reader.padded_vocab_size,
-            "iteration": reader.iteration, "source": reader.load_dir, "tokenizer": reader.tokenizer_path,
+    return {"architecture": arch, "vocab_size": vocab_size, "padded_vocab_size": padded,
+            "iteration": int(saved.meta["iteration"]), "source": saved.directory, "tokenizer": tokenizer,
             "files": files, "bytes_read": reader.bytes_read, "bytes_written": writer.bytes_written, "cfg": cfg}

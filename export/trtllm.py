@@ -98,7 +98,7 @@ export at the same tp (tested). ``--pp`` must be at least 1 and at most ``num_la
 follows ``torch.tensor_split`` as current TRT-LLM does; releases whose ``pp_layers``
 floor-divides (``num_layers // pp_size`` per stage) cannot load it, so prefer a ``--pp``
 that divides ``num_layers``. The source checkpoint's own pipeline layout (any p, v) does
-not matter: it is converted at restore (:mod:`jmegatron.training.checkpoint_layout`).
+not matter: it is converted at restore (:mod:`jmegatron.checkpoint.layout`).
 ``--quantized`` supports ``--pp 1`` only, and dense models only: for an MoE source it is
 refused by name (ModelOpt 0.47's TensorRT-LLM exporter cannot read transformers 5's Mixtral;
 the quantize command's unified Hugging Face checkpoint is the quantized MoE deliverable).

@@ -1266,15 +1266,10 @@ class JMegatronConfig:
         return dataclasses.replace(self, **changes)
 
 
-# What a saved run's config resets when its checkpoint is only read (evaluation, generation,
-# export, a distillation teacher): its teacher, and where that run saved and loaded from
-# (with what it did at its start: finetune, no_load_optim, no_load_rng, use_checkpoint_args).
 # The distillation settings, at their defaults: what a plain student (kd_finalize's checkpoint) and
 # a read checkpoint keep of them.
 DISTILLATION_RESETS = dict(kd_teacher_load=None, kd_teacher_logits_path=None, kd_cfg=None, kd_finalize=False,
                            kd_teacher_bf16=False, kd_teacher_use_megatron_fsdp=None)
-READ_CHECKPOINT_RESETS = dict(DISTILLATION_RESETS, save=None, load=None,
-                              finetune=False, no_load_optim=False, no_load_rng=False, use_checkpoint_args=False)
 
 # Fields that describe the network's parameters: resuming with a different value fails.
 # (The padded vocabulary is compared separately, so make_vocab_size_divisible_by may change.)
@@ -1297,7 +1292,7 @@ MODEL_FIELDS = (
 # The learning-rate schedule Megatron's OptimizerParamScheduler checks on resume
 # (optimizer_param_scheduler.py _check_and_set: max/min lr, warm-up, decay length and style,
 # WSD) and use_checkpoint_opt_param_scheduler takes from the checkpoint, with the fields
-# jmegatron derives them from (jmegatron.training.checkpointing.schedule_of).
+# jmegatron derives them from (jmegatron.checkpoint.checkpointing.schedule_of).
 SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_init", "lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_samples",
                     "lr_decay_iters", "lr_decay_samples", "lr_decay_style", "lr_decay_multi_step",
                     "lr_wsd_decay_style", "lr_wsd_decay_iters", "lr_wsd_decay_samples")

@@ -28,13 +28,14 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, from_configdict, tokenizer_type_of
+from jmegatron.checkpoint.checkpointing import CheckpointError
+from jmegatron.checkpoint.metadata import read_meta
+from jmegatron.checkpoint.views import checkpoint_view
+from jmegatron.config import ConfigError, from_configdict, tokenizer_type_of
 from jmegatron.export.common import ExportError
 from jmegatron.export.convert import checkpoint_of
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.parallel.rules import data_parallel_size
-from jmegatron.training import checkpointing
-from jmegatron.training.checkpointing import CheckpointError
 from jmegatron.training.loop import build_datasets, evaluate
 from jmegatron.training.run import restore_run_params
 
@@ -61,20 +62,14 @@ def evaluation_mesh(load_dir: str, num_devices: int):
     if num_devices < 1 or num_devices > len(jax.devices()):
         raise ValueError(f"--devices {num_devices}: choose 1..{len(jax.devices())} (the devices this process sees)")
     saved = saved_config(load_dir)
-    saved.update(READ_CHECKPOINT_RESETS)
+    saved.update(checkpoint_view("read"))
     return create_mesh(from_configdict(saved), jax.devices()[:num_devices])
 
 
 def saved_config(load_dir: str) -> dict:
     """The resolved config a checkpoint was saved with (a dict). Raises CheckpointError
     when ``load_dir`` holds no checkpoint."""
-    if not checkpointing.has_checkpoint(load_dir):
-        raise checkpointing.CheckpointError(f"no checkpoint found in {load_dir}")
-    ckpt = checkpointing.Checkpointer(load_dir, create=False)
-    try:
-        return dict(ckpt.read_meta()["config"])
-    finally:
-        ckpt.close()
+    return dict(read_meta(load_dir)["config"])
 
 
 def data_overrides(saved: dict, data_path: Optional[str], data_split: Optional[str],

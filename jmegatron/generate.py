@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from jmegatron.export.convert import checkpoint_of
 from jmegatron.inference.generate import generate_text
-from jmegatron.training.checkpointing import CheckpointError
+from jmegatron.checkpoint.checkpointing import CheckpointError
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

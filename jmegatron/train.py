@@ -32,8 +32,8 @@ import typing
 from typing import Any, Optional, Sequence
 
 from jmegatron.arguments import MegatronArgumentError, help_text, parse_flags, read_args_file
-from jmegatron.config import (READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, _check_names, get_config_of,
-                              load_config_file)
+from jmegatron.checkpoint.views import checkpoint_view
+from jmegatron.config import ConfigError, JMegatronConfig, _check_names, get_config_of, load_config_file
 from jmegatron.distributed import initialize_from_env
 from jmegatron.runtime import reexec_with_host_allocator
 
@@ -205,7 +205,7 @@ def _finalize_config(path: Optional[str], overrides: dict[str, Any]) -> tuple[Op
     """``kd_finalize`` without ``--config``: the distilled run's own ``config.json`` (in
     ``load``) is the config, so the student's architecture, precision and tokenizer are the
     checkpoint's; its distillation settings and load options are reset
-    (:data:`jmegatron.config.READ_CHECKPOINT_RESETS`) and ``overrides`` apply on top. With
+    (the ``read`` view of :mod:`jmegatron.checkpoint.views`) and ``overrides`` apply on top. With
     ``--config``: ``use_checkpoint_args`` unless given (the architecture and tokenizer from
     ``load``). Other arguments pass unchanged."""
     load = overrides.get("load")
@@ -218,7 +218,7 @@ def _finalize_config(path: Optional[str], overrides: dict[str, Any]) -> tuple[Op
         raise ConfigError(f"config.kd_finalize=True without --config reads the student's config from "
                           f"config.load={load!r}, which has no config.json (a distillation run's config.save); "
                           f"give --config too")
-    return saved, {**READ_CHECKPOINT_RESETS, **overrides}
+    return saved, {**checkpoint_view("read"), **overrides}
 
 
 def _import_hf_load(path: Optional[str], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -257,7 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, FileNotFoundError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from jmegatron.training.checkpointing import CheckpointError
+    from jmegatron.checkpoint.checkpointing import CheckpointError
     from jmegatron.pretrain_gpt import pretrain
 
     try:

@@ -343,7 +343,7 @@ def last_lr(save: str) -> float:
 
 
 def test_resume_refuses_another_schedule_unless_told_which_wins(two_iterations, tmp_path):
-    from jmegatron.training import checkpointing
+    from jmegatron.checkpoint import checkpointing
     from jmegatron.training.loop import pretrain
     from jmegatron.training.optimizer import lr_schedule
 

@@ -90,7 +90,7 @@ def build_world(root: str) -> World:
     from jmegatron.config import load_config_file
     from jmegatron.data.tokenizer import train_bpe_tokenizer
     from jmegatron.tools import preprocess_data
-    from jmegatron.training import checkpointing
+    from jmegatron.checkpoint import checkpointing
     from jmegatron.training.run import build, checkpoint_meta
 
     w = World(root)

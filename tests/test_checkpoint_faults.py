@@ -13,7 +13,7 @@ import pytest
 
 from jmegatron.config import ConfigError, base_config, from_configdict
 from jmegatron.data.loader import BatchLoader
-from jmegatron.training import checkpointing
+from jmegatron.checkpoint import checkpointing
 from jmegatron.training.loop import build_datasets, fresh_rng, load_or_init, pretrain
 from jmegatron.training.run import build
 

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 from jmegatron.parallel.pipeline_layout import stage_layer_order
-from jmegatron.training import checkpointing
-from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
+from jmegatron.checkpoint import checkpointing
+from jmegatron.checkpoint.layout import LayerLayout, convert_layers
 from jmegatron.training.loop import pretrain
 from jmegatron.training.run import build, restore_state
 

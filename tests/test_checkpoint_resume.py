@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jmegatron.config import base_config, from_configdict
-from jmegatron.training import checkpointing
+from jmegatron.checkpoint import checkpointing
 from jmegatron.training.loop import pretrain
 
 from conftest import REPO, subprocess_env

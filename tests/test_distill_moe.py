@@ -44,7 +44,7 @@ def save_teacher(directory, **kw):
     """A teacher checkpoint of freshly initialised weights (no training: no train step to
     compile); ``init_method_std`` 0.3 makes its logits far from uniform, so the KL to it is
     large and the student's progress towards it measurable."""
-    from jmegatron.training import checkpointing
+    from jmegatron.checkpoint import checkpointing
     from jmegatron.training.run import checkpoint_meta
 
     cfg = cfg_for(directory, init_method_std=0.3, **kw)

@@ -12,7 +12,7 @@ import pytest
 
 from jmegatron.distill.config import DistillConfigError, load_distill_config, parse_distill_config
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpointing
+from jmegatron.checkpoint import checkpointing
 from jmegatron.pretrain_gpt import build, pretrain
 
 from test_checkpoint_resume import cfg_for as _cfg_for

@@ -66,7 +66,7 @@ def input_amaxes(model, token_batches, num_layers):
 def ckpts(tmp_path_factory):
     """(base, fp8): the trained checkpoint and the same state with fp8_meta added (config fp8 e4m3)."""
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training import checkpointing
+    from jmegatron.checkpoint import checkpointing
     from jmegatron.training.loop import pretrain
     from jmegatron.training.run import restore_run
 
@@ -611,7 +611,7 @@ def test_moe_refused_by_name_before_any_work(family, ckpts, token_data, tmp_path
         raise AssertionError("an array was read before the refusal")
 
     for module in (quantize, trtllm):
-        monkeypatch.setattr(module, "checkpoint_config", lambda load, iteration=None: cfg)
+        monkeypatch.setattr(module, "checkpoint_config", lambda load, iteration=None, saved=None: cfg)
         monkeypatch.setattr(module, "load_checkpoint", no_arrays)
     out = tmp_path / "q"
     assert main(["quantize", "--load", fp8, "--quant-cfg", "fp8", "--scales", "from-checkpoint", "--calib-data",

@@ -17,7 +17,7 @@ from jmegatron.distill.losses import ProjectionLayer
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpointing
+from jmegatron.checkpoint import checkpointing
 from jmegatron.training.forward_step import ForwardStep, gpt_forward_step, lm_pipeline_stages
 from jmegatron.training.losses import lm_loss_fn
 from jmegatron.training.run import aux_from_meta, aux_spec, build

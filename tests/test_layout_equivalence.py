@@ -17,7 +17,7 @@ import pytest
 
 from jmegatron.config import load_config_file
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
+from jmegatron.checkpoint.layout import LayerLayout, convert_layers
 from jmegatron.training.loop import build_datasets
 from jmegatron.training.run import build
 

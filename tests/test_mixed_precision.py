@@ -209,7 +209,7 @@ def test_resume_keeps_main_params_and_is_bit_exact(tmp_path, flag):
     assert sorted(second["losses"]) == list(range(5, 9))
     for it in range(5, 9):
         assert second["losses"][it] == full["losses"][it], it
-    from jmegatron.training import checkpointing
+    from jmegatron.checkpoint import checkpointing
 
     ckpt = checkpointing.Checkpointer(str(tmp_path / "resumed"), create=False)
     meta = ckpt.read_meta()
@@ -230,7 +230,7 @@ def test_restore_across_precisions(tmp_path):
     # training; tests/test_checkpoint_resume.py resumes trained runs)
     from test_checkpoint_resume import cfg_for
 
-    from jmegatron.training import checkpointing
+    from jmegatron.checkpoint import checkpointing
     from jmegatron.training.run import checkpoint_meta, restore_state
 
     kw = {"train_iters": 3, "eval_interval": 0, "log_interval": 1, "lr_warmup_iters": 1}

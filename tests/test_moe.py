@@ -462,7 +462,7 @@ def test_tiny_moe_gpt_trains_and_reports_router_losses():
 
 
 def test_checkpoint_compatibility_knows_the_moe_fields():
-    from jmegatron.training.checkpointing import CheckpointError, check_compatible
+    from jmegatron.checkpoint.checkpointing import CheckpointError, check_compatible
 
     dense = _cfg(num_moe_experts=None, moe_ffn_hidden_size=None)
     old = {k: v for k, v in dense.to_dict().items() if not k.startswith(("moe_", "num_moe"))}  # saved before MoE

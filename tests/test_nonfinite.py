@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpointing
+from jmegatron.checkpoint import checkpointing
 from jmegatron.training.float16_optimizer import all_finite, keep_if
 from jmegatron.training.forward_step import gpt_forward_step
 from jmegatron.training.loop import pretrain

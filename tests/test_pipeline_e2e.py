@@ -2,7 +2,7 @@
 simulated devices, end to end on Shakespeare: train with the CLI (pipeline 2 x data 4), resume
 bit-exactly (dropout on), evaluate, generate and export to Hugging Face; and a pp=2 checkpoint
 resumes with pp=1, then pp=2 x tp=2, then pp=2 again, its losses continuing the uninterrupted
-pp=2 run's within float32 rounding (training/checkpoint_layout.py converts at restore).
+pp=2 run's within float32 rounding (checkpoint/layout.py converts at restore).
 
 Kept short: gpt_tiny with 2 layers (1 per stage), hidden 64, seq 64, a 512-token vocabulary,
 global batch 8 (2 micro-batches x 1 x dp 4), 8 iterations."""

@@ -191,7 +191,7 @@ def no_hf_target(tmp_path_factory):
     """A checkpoint whose config (learned positions + SwiGLU) no Hugging Face class holds. Its
     state is a placeholder: the command must refuse it from the metadata, restoring nothing."""
     from jmegatron.config import base_config, from_configdict
-    from jmegatron.training.checkpointing import Checkpointer
+    from jmegatron.checkpoint.checkpointing import Checkpointer
 
     c = base_config()
     c.mock_data, c.vocab_size, c.swiglu = True, 128, True

@@ -10,7 +10,7 @@ import pytest
 from jmegatron.config import base_config, from_configdict
 from jmegatron.data.loader import BatchLoader
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpointing
+from jmegatron.checkpoint import checkpointing
 from jmegatron import num_microbatches_calculator as nmc
 from jmegatron.training.loop import pretrain
 

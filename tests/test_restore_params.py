@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpoint_layout, checkpointing
+from jmegatron.checkpoint import checkpointing, restore as checkpoint_restore
 from jmegatron.training.run import build, checkpoint_meta, restore_run, restore_run_params
 
 from test_checkpoint_resume import cfg_for  # noqa: E402
@@ -135,7 +135,7 @@ def test_stacked_checkpoint_into_another_layout(tmp_path):
     run = build(cfg, create_mesh(cfg))
     ckpt = checkpointing.Checkpointer(str(tmp_path), create=False)
     with orbax_reads() as reads:
-        params, _ = checkpoint_layout.restore_params(ckpt, run.abstract_with_shardings().params, cfg)
+        params, _ = checkpoint_restore.restore_params(ckpt, run.abstract_with_shardings().params, cfg)
     ckpt.close()
     assert reads and all(n.startswith("params.") for n, _ in reads)
     assert "decoder_layers_1" in params
@@ -152,7 +152,7 @@ def test_mismatched_checkpoint_named_before_reading(bf16_tp2_ckpt):
     run = build(cfg, create_mesh(cfg, jax.devices()[:1]))
     ckpt = checkpointing.Checkpointer(bf16_tp2_ckpt, create=False)
     with orbax_reads() as reads, pytest.raises(checkpointing.CheckpointError, match=r"params/.*has shape"):
-        checkpoint_layout.restore_params(ckpt, run.abstract_with_shardings().params, cfg)
+        checkpoint_restore.restore_params(ckpt, run.abstract_with_shardings().params, cfg)
     ckpt.close()
     assert not reads
 
@@ -178,7 +178,7 @@ def test_streaming_export_holds_one_layer(deep_ckpt, tmp_path, monkeypatch):
     assert model_bytes > 7 * layer_bytes
 
     live = {"now": 0, "peak": 0, "arrays": 0}
-    real_read = stream.CheckpointParamsReader._read
+    real_read = checkpoint_restore.CheckpointParamsReader._read
 
     def counted_read(self, leaf, slot=None):
         a = real_read(self, leaf, slot)
@@ -189,7 +189,7 @@ def test_streaming_export_holds_one_layer(deep_ckpt, tmp_path, monkeypatch):
         weakref.finalize(a, lambda: live.__setitem__("now", live["now"] - size))
         return a
 
-    monkeypatch.setattr(stream.CheckpointParamsReader, "_read", counted_read)
+    monkeypatch.setattr(checkpoint_restore.CheckpointParamsReader, "_read", counted_read)
     out = tmp_path / "hf"
     out.mkdir()
     del src

@@ -36,7 +36,7 @@ def served(tmp_path_factory):
     uvicorn in a thread on a free port of 127.0.0.1 (batch window 0.3 s, 16 rows)."""
     from jmegatron.data.tokenizer import train_bpe_tokenizer
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training import checkpointing
+    from jmegatron.checkpoint import checkpointing
     from jmegatron.training.run import build, checkpoint_meta
 
     tmp = tmp_path_factory.mktemp("serve")

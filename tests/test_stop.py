@@ -113,7 +113,7 @@ def test_sigterm_to_the_launcher_both_ranks_save_the_same_iteration_and_resume(t
     assert len(saved) == 2 and saved[0] == saved[1], saved  # both ranks, the same iteration
     # the ranks agree through the step after the first flagged one: a bound independent of log_interval
     assert min(noticed.values()) < saved[0] <= min(noticed.values()) + 1, (noticed, saved)
-    from jmegatron.training.checkpointing import Checkpointer
+    from jmegatron.checkpoint.checkpointing import Checkpointer
 
     ckpt = Checkpointer(save, create=False)
     assert ckpt.all_steps() == [saved[0]]
@@ -136,7 +136,7 @@ SAVE_KILL = textwrap.dedent('''
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     from orbax.checkpoint._src.multihost import multihost
-    from jmegatron.training.checkpointing import Checkpointer
+    from jmegatron.checkpoint.checkpointing import Checkpointer
 
     directory, kill_at = sys.argv[1], sys.argv[2]
     sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
@@ -177,7 +177,7 @@ def test_a_rank_killed_mid_save_leaves_no_complete_checkpoint(tmp_path, kill_at)
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from jmegatron.training.checkpointing import Checkpointer, has_checkpoint
+    from jmegatron.checkpoint.checkpointing import Checkpointer, has_checkpoint
 
     ckpt = Checkpointer(directory, create=False)
     assert ckpt.all_steps() == [1] and has_checkpoint(directory)

@@ -556,8 +556,8 @@ def test_cli_pipeline_export_from_any_layout(trained, tmp_path, capsys):
     """`trtllm --tp 2 --pp 2` from a per-layer checkpoint and from the same state saved as a
     pp=2 run saves it (stacked, pipeline config): the same rank files, which pass the checker.
     --pp with --quantized is refused before anything is read."""
-    from jmegatron.training import checkpointing
-    from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
+    from jmegatron.checkpoint import checkpointing
+    from jmegatron.checkpoint.layout import LayerLayout, convert_layers
     from jmegatron.training.run import restore_run
 
     run, state, meta = restore_run(trained)

@@ -6,7 +6,8 @@ import pytest
 
 from jmegatron.config import base_config, from_configdict
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpointing, loop
+from jmegatron.checkpoint import checkpointing
+from jmegatron.training import loop
 from jmegatron.training.loop import get_train_valid_test_num_samples, pretrain
 
 

@@ -7,7 +7,7 @@ restored straight into their own shardings on the student's mesh (the same logic
 rules, so e.g. a tensor-parallel student gets a tensor-parallel teacher). Only its
 float32 parameters are read (the main parameters of a bf16 / fp16 teacher checkpoint,
 the params of a float32 one: Orbax partial restore,
-:func:`jmegatron.training.checkpoint_layout.restore_params`), never its optimizer
+:func:`jmegatron.checkpoint.restore.restore_params`), never its optimizer
 moments, each device reading its own shards. The teacher is not in the optimizer and not
 in the student's checkpoints; it only runs forward.
 
@@ -37,11 +37,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, base_config, from_configdict
+from jmegatron.checkpoint.checkpointing import Checkpointer, CheckpointError, has_checkpoint
+from jmegatron.checkpoint.layout import LayerLayout, convert_layers
+from jmegatron.checkpoint.metadata import read_meta
+from jmegatron.checkpoint.restore import restore_params
+from jmegatron.checkpoint.views import checkpoint_view
+from jmegatron.config import ConfigError, JMegatronConfig, base_config, from_configdict
 from jmegatron.export.hf import (config_fields_from_hf, from_hf_state_dict, hf_architecture, is_hf_folder,
                                  read_hf_state_dict)
 from jmegatron.models.gpt import GPTModel
-from jmegatron.training import checkpoint_layout, checkpointing
 from jmegatron.training.flops import num_parameters
 from jmegatron.training.run import build
 
@@ -87,7 +91,7 @@ def teacher_config(load_dir: str, student_cfg: JMegatronConfig, bf16: bool = Fal
     config (a jmegatron checkpoint's meta or a Hugging Face ``config.json``): what
     :func:`load_teacher` builds and ``model_report`` counts. Raises as
     :func:`load_teacher`."""
-    hf = is_hf_folder(load_dir) and not checkpointing.has_checkpoint(load_dir)
+    hf = is_hf_folder(load_dir) and not has_checkpoint(load_dir)
     if hf:
         with open(os.path.join(load_dir, "config.json")) as f:
             hf_conf = json.load(f)
@@ -104,14 +108,10 @@ def teacher_config(load_dir: str, student_cfg: JMegatronConfig, bf16: bool = Fal
                                                             tensor_model_parallel_size)).padded_vocab_size(),
                 "iteration": 0}
     else:
-        if not checkpointing.has_checkpoint(load_dir):
-            raise checkpointing.CheckpointError(f"config.kd_teacher_load={load_dir!r} holds no checkpoint (a "
-                                                f"jmegatron checkpoint or a Hugging Face folder)")
-        ckpt = checkpointing.Checkpointer(load_dir, create=False)
-        try:
-            meta = ckpt.read_meta()
-        finally:
-            ckpt.close()
+        if not has_checkpoint(load_dir):
+            raise CheckpointError(f"config.kd_teacher_load={load_dir!r} holds no checkpoint (a "
+                                  f"jmegatron checkpoint or a Hugging Face folder)")
+        meta = read_meta(load_dir)
         saved = dict(meta["config"])
     parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "cp_comm_type",
                 "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
@@ -137,7 +137,7 @@ def teacher_config(load_dir: str, student_cfg: JMegatronConfig, bf16: bool = Fal
     saved.update(virtual_pipeline_model_parallel_size=v if v > 1 else None,
                  num_layers_per_virtual_pipeline_stage=None, pipeline_schedule=student_cfg.pipeline_schedule,
                  decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=last)
-    saved.update(READ_CHECKPOINT_RESETS)
+    saved.update(checkpoint_view("read"))
     saved.update(hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, use_distributed_optimizer=False)
     try:
         tcfg = from_configdict(saved)
@@ -207,7 +207,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
     hf = meta["hf"]
     description = describe_teacher(load_dir, tcfg, meta, student_cfg, bf16)
     if padded_vocab_size is not None and meta["padded_vocab_size"] != padded_vocab_size:
-        raise checkpointing.CheckpointError(
+        raise CheckpointError(
             f"teacher {load_dir} has a padded vocabulary of {meta['padded_vocab_size']} but the student "
             f"has {padded_vocab_size}; teacher and student must share the tokenizer (config.tokenizer_model) "
             f"and make_vocab_size_divisible_by")
@@ -219,13 +219,12 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
         run.abstract_state.params, run.state_shardings.params)
     if hf:
         host = from_hf_state_dict(read_hf_state_dict(load_dir), tcfg, meta["padded_vocab_size"])
-        host = checkpoint_layout.convert_layers(host, checkpoint_layout.LayerLayout(bool(tcfg.scan_layers)),
-                                                checkpoint_layout.LayerLayout.of_config(tcfg), tcfg.num_layers)
+        host = convert_layers(host, LayerLayout(bool(tcfg.scan_layers)), LayerLayout.of_config(tcfg), tcfg.num_layers)
         params = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), host, target)
     else:
-        ckpt = checkpointing.Checkpointer(load_dir, create=False)
+        ckpt = Checkpointer(load_dir, create=False)
         try:
-            params, meta = checkpoint_layout.restore_params(ckpt, target, tcfg, source="main")
+            params, meta = restore_params(ckpt, target, tcfg, source="main")
         finally:
             ckpt.close()
     if bf16:

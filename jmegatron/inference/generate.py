@@ -293,7 +293,7 @@ def load_generator(load_dir: str, tokenizer_model: Optional[str] = None) -> tupl
     (``tokenizer_model`` / ``tokenizer_type``).
 
     Raises:
-        jmegatron.training.checkpointing.CheckpointError: no or unreadable checkpoint.
+        jmegatron.checkpoint.checkpointing.CheckpointError: no or unreadable checkpoint.
         GenerateError: no tokenizer known.
         FileNotFoundError: the tokenizer file does not exist.
     """
@@ -320,7 +320,7 @@ def generate_text(load_dir: str, prompts: Sequence[str], max_new_tokens: int, *,
     defaults to the tokenizer's EOD) and detokenizes.
 
     Raises:
-        jmegatron.training.checkpointing.CheckpointError: no or unreadable checkpoint.
+        jmegatron.checkpoint.checkpointing.CheckpointError: no or unreadable checkpoint.
         GenerateError: no tokenizer known, or bad input (see :func:`generate`).
         FileNotFoundError: the tokenizer file does not exist.
     """

@@ -21,7 +21,7 @@ than ``K`` leaves *padding slots*, which hold zeros (parameters, gradients and o
 moments stay zero: Adam's update of a zero gradient is zero) and are skipped by the
 forward (:func:`jmegatron.models.gpt.apply_layers` ``num_valid``). Even layouts have no
 padding. Checkpoints record the layout's fields so a restore into another layout moves
-the layers (:mod:`jmegatron.training.checkpoint_layout`).
+the layers (:mod:`jmegatron.checkpoint.layout`).
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@
 One uninterrupted reference run (gpt_tiny shrunk, mock data, one CPU device, a checkpoint
 every iteration, all kept) gives the state at every iteration. Then a chain of trainer
 processes shares one save directory: each resumes from the last complete checkpoint there
-and is killed by :mod:`jmegatron.training.checkpointing`'s test hook
+and is killed by :mod:`jmegatron.checkpoint.checkpointing`'s test hook
 (``JMEGATRON_CHECKPOINT_KILL=<n>:<seconds>``: a timer started when the n-th save of the
 process begins, so the kill lands inside Orbax's save, in its background write when
 ``async_save``, or just after). Saves alternate between synchronous and async processes.
 After every kill the parent restores the newest checkpoint through the trainer's own path
-(:func:`jmegatron.training.loop._restore_latest`: fingerprints checked, ``ckpt_fallback``)
+(:func:`jmegatron.training.run.restore_latest`: fingerprints checked, ``ckpt_fallback``)
 and compares every array, bit for bit, with the reference's at that iteration; what the
 kill left on disk is recorded (an ``*.orbax-checkpoint-tmp*`` directory: killed inside
 Orbax's write). A last process trains to the end; its final state must equal the
@@ -29,11 +29,10 @@ import sys
 import time
 from typing import Any, Optional
 
+from jmegatron.checkpoint import checkpointing
 from jmegatron.config import load_config_file
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpointing
-from jmegatron.training.loop import _restore_latest
-from jmegatron.training.run import build
+from jmegatron.training.run import build, restore_latest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -127,7 +126,7 @@ def campaign(workdir: str, kills: int, seed: int = 0, max_delay: float = 0.25, l
         if checkpointing.has_checkpoint(chain_dir):
             ckpt = checkpointing.Checkpointer(chain_dir, create=False)
             rec["steps_on_disk"] = ckpt.all_steps()
-            state, meta = _restore_latest(run, ckpt)
+            state, meta = restore_latest(run, ckpt)
             rec["resumed_step"] = int(meta["iteration"])
             rec["bit_exact"] = bit_equal(_host(state), reference_at(rec["resumed_step"]))
         else:
@@ -139,7 +138,7 @@ def campaign(workdir: str, kills: int, seed: int = 0, max_delay: float = 0.25, l
     last = None
     if ok:
         ckpt = checkpointing.Checkpointer(chain_dir, create=False)
-        state, meta = _restore_latest(run, ckpt)
+        state, meta = restore_latest(run, ckpt)
         last = int(meta["iteration"])
         ok = last == train_iters and bit_equal(_host(state), reference_at(train_iters))
     summary = {

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.inference.sample import sample
-from jmegatron.training.checkpointing import CheckpointError
+from jmegatron.checkpoint.checkpointing import CheckpointError
 from jmegatron.training.run import restore_run_params
 
 

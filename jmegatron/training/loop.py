@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jmegatron.checkpoint import checkpointing
 from jmegatron.config import JMegatronConfig, tokenizer_type_of
 from jmegatron.data.blended_dataset import build_train_valid_test_datasets
 from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
@@ -30,11 +31,11 @@ from jmegatron.data.loader import BatchLoader
 from jmegatron.data.teacher_logits import TeacherLogitsDataset
 from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.parallel.rules import data_parallel_size
-from jmegatron.training import checkpointing, flops, memory
+from jmegatron.training import flops, memory
 from jmegatron.training.float16_optimizer import Float16OptimizerState, all_finite
 from jmegatron.training.logging import MetricsLogger, init_wandb
 from jmegatron.training.peak import resolve_peak_for_config
-from jmegatron.training.run import ForwardStepProvider, Run, build, checkpoint_meta, restore_state, vocab_size_of
+from jmegatron.training.run import ForwardStepProvider, Run, build, checkpoint_meta, restore_latest, vocab_size_of
 
 
 def get_train_valid_test_num_samples(cfg: JMegatronConfig, global_batch_size: int) -> tuple[int, int, int]:
@@ -188,7 +189,7 @@ def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[
     ``consumed_valid_samples`` (a checkpoint without one gets Megatron's fallback
     ``iteration // eval_interval * eval_iters * gbs``).
 
-    A corrupt checkpoint (:class:`~jmegatron.training.checkpointing.CorruptCheckpointError`)
+    A corrupt checkpoint (:class:`~jmegatron.checkpoint.checkpointing.CorruptCheckpointError`)
     is skipped with a printed ``ckpt_fallback`` warning and the previous one is used
     (``cfg.ckpt_fallback``; off: the error stops the run). Megatron's load options apply
     when the checkpoint comes from ``cfg.load`` rather than the run's own ``cfg.save``:
@@ -213,7 +214,7 @@ def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[
         loader_ckpt = ckpt if ckpt and ckpt.directory == os.path.abspath(load_dir) else \
             checkpointing.Checkpointer(load_dir, create=False)
         try:
-            state, meta = _restore_latest(run, loader_ckpt)
+            state, meta = restore_latest(run, loader_ckpt)
         finally:
             if loader_ckpt is not ckpt:
                 loader_ckpt.close()
@@ -236,28 +237,6 @@ def load_or_init(run: Run, ckpt: Optional[checkpointing.Checkpointer]) -> tuple[
         raise checkpointing.CheckpointError(f"config.load={cfg.load!r} holds no checkpoint; point it at a run's "
                                             f"save directory, or drop config.load to start from scratch")
     return run.init_state(), 0, 0, 0
-
-
-def _restore_latest(run: Run, ckpt: checkpointing.Checkpointer) -> tuple[Any, dict]:
-    """(state, meta) of the newest checkpoint of ``ckpt`` that restores and matches its
-    fingerprints; older ones are tried in turn under ``ckpt_fallback`` (a warning each)."""
-    cfg = run.cfg
-    steps = sorted(ckpt.all_steps(), reverse=True)
-    for i, step in enumerate(steps):
-        try:
-            meta = ckpt.read_meta(step)
-            checkpointing.check_compatible(cfg, meta["config"], run.padded_vocab_size,
-                                           meta["padded_vocab_size"], ckpt.directory, iteration=step)
-            return restore_state(run, ckpt, step)
-        except checkpointing.CorruptCheckpointError as e:
-            if i + 1 == len(steps):
-                raise checkpointing.CorruptCheckpointError(e.step, e.path, f"{e.reason}; no earlier complete "
-                                                           f"checkpoint to fall back to") from e
-            if not cfg.ckpt_fallback:
-                raise checkpointing.CorruptCheckpointError(e.step, e.path, f"{e.reason}. Set config.ckpt_fallback="
-                                                           f"True to resume from step {steps[i + 1]} instead") from e
-            print(f"[jmegatron] WARNING ckpt_fallback: {e}; falling back to step {steps[i + 1]}", flush=True)
-    raise checkpointing.CheckpointError(f"no checkpoint found in {ckpt.directory}")
 
 
 def fresh_rng(seed: int) -> jax.Array:

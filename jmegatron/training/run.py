@@ -21,7 +21,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jmegatron.config import DISTILLATION_RESETS, READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, from_configdict
+from jmegatron.checkpoint import checkpointing, restore as checkpoint_restore
+from jmegatron.checkpoint.views import checkpoint_view
+from jmegatron.config import DISTILLATION_RESETS, ConfigError, JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.data.tokenizer import build_tokenizer
@@ -29,7 +31,7 @@ from jmegatron.parallel import pipeline_layout, rules as rules_lib
 from jmegatron.parallel.context_parallel import load_balance_index
 from jmegatron.parallel.grad_sync import StepLayout
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import checkpoint_layout, checkpointing, optimizer, state as state_lib, step as step_lib
+from jmegatron.training import optimizer, state as state_lib, step as step_lib
 from jmegatron.training.forward_step import ForwardStep, gpt_forward_step
 from jmegatron.training.losses import masked_cross_entropy
 from jmegatron.training.state import stored_layer_index
@@ -273,7 +275,7 @@ def restore_state(run: Run, ckpt: checkpointing.Checkpointer, iteration: Optiona
     distillation started from a pretrained student) gets them, and their optimizer
     moments, freshly initialised. A checkpoint whose decoder layers are stored in another
     layout (scan_layers, pipeline stage order) is converted
-    (:func:`jmegatron.training.checkpoint_layout.restore`). A checkpoint of another precision
+    (:func:`jmegatron.checkpoint.restore.restore`). A checkpoint of another precision
     (float32 vs bf16 / fp16 with float32 main parameters) is converted through its float32
     parameters (:func:`jmegatron.training.state.convert_precision`). Raises CheckpointError.
     """
@@ -281,15 +283,41 @@ def restore_state(run: Run, ckpt: checkpointing.Checkpointer, iteration: Optiona
     saved_aux = aux_from_meta(meta)
     saved_tx = _saved_optimizer(run, meta)
     if set(saved_aux) == set(run.aux_modules) and saved_tx is run.tx:
-        return checkpoint_layout.restore(ckpt, run.abstract_with_shardings(), run.cfg, iteration)
+        return checkpoint_restore.restore(ckpt, run.abstract_with_shardings(), run.cfg, iteration)
     abstract, shardings, _ = state_lib.state_shardings(
         run.model, saved_tx, run.cfg.seq_length, run.mesh, run.rules, run.cfg.use_distributed_optimizer, saved_aux)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    state, meta = checkpoint_layout.restore(ckpt, target, run.cfg, iteration)
+    state, meta = checkpoint_restore.restore(ckpt, target, run.cfg, iteration)
     state = state_lib.convert_precision(state, saved_tx, run.tx)
     fill = run.init_state() if set(run.aux_modules) - set(saved_aux) else None
     state = state_lib.prune_to(state, run.abstract_state, fill)
     return (state if saved_tx is run.tx else jax.device_put(state, run.state_shardings)), meta
+
+
+def restore_latest(run: Run, ckpt: checkpointing.Checkpointer) -> tuple[Any, dict]:
+    """(state, meta) of the newest checkpoint of ``ckpt`` that is compatible with ``run``
+    (:func:`jmegatron.checkpoint.checkpointing.check_compatible`), restores and matches its
+    fingerprints (:func:`restore_state`); older ones are tried in turn under
+    ``cfg.ckpt_fallback`` (a printed warning each). Raises CorruptCheckpointError when the
+    newest is corrupt and ``ckpt_fallback`` is off (naming the step to fall back to) or
+    every step is; CheckpointError for an incompatible or missing checkpoint."""
+    cfg = run.cfg
+    steps = sorted(ckpt.all_steps(), reverse=True)
+    for i, step in enumerate(steps):
+        try:
+            meta = ckpt.read_meta(step)
+            checkpointing.check_compatible(cfg, meta["config"], run.padded_vocab_size,
+                                           meta["padded_vocab_size"], ckpt.directory, iteration=step)
+            return restore_state(run, ckpt, step)
+        except checkpointing.CorruptCheckpointError as e:
+            if i + 1 == len(steps):
+                raise checkpointing.CorruptCheckpointError(e.step, e.path, f"{e.reason}; no earlier complete "
+                                                           f"checkpoint to fall back to") from e
+            if not cfg.ckpt_fallback:
+                raise checkpointing.CorruptCheckpointError(e.step, e.path, f"{e.reason}. Set config.ckpt_fallback="
+                                                           f"True to resume from step {steps[i + 1]} instead") from e
+            print(f"[jmegatron] WARNING ckpt_fallback: {e}; falling back to step {steps[i + 1]}", flush=True)
+    raise checkpointing.CheckpointError(f"no checkpoint found in {ckpt.directory}")
 
 
 def _saved_optimizer(run: Run, meta: dict) -> Any:
@@ -322,7 +350,7 @@ def restore_run_params(load_dir: str, mesh: Optional[Mesh] = None, iteration: Op
                        source: str = "model", **overrides) -> tuple[Run, Any, dict]:
     """(Run, params, meta): a checkpoint's model rebuilt from its own resolved config and
     only its parameters restored, straight into the run's parameter shardings
-    (:func:`jmegatron.training.checkpoint_layout.restore_params`: Orbax partial restore, no
+    (:func:`jmegatron.checkpoint.restore.restore_params`: Orbax partial restore, no
     optimizer state read, each device reads its own shards; any saved layer layout
     converted). For evaluation, generation and export.
 
@@ -343,7 +371,7 @@ def restore_run_params(load_dir: str, mesh: Optional[Mesh] = None, iteration: Op
     run, ckpt, _ = _run_of_checkpoint(load_dir, mesh, iteration, overrides)
     try:
         target = run.abstract_with_shardings().params
-        params, meta = checkpoint_layout.restore_params(ckpt, target, run.cfg, iteration, source)
+        params, meta = checkpoint_restore.restore_params(ckpt, target, run.cfg, iteration, source)
     finally:
         ckpt.close()
     return run, params, meta
@@ -359,14 +387,9 @@ def _run_of_checkpoint(load_dir: str, mesh: Optional[Mesh], iteration: Optional[
     try:
         meta = ckpt.read_meta(iteration)
         saved = dict(meta["config"])
-        # evaluation, sampling and export need the student only, never its teacher
-        saved.update(READ_CHECKPOINT_RESETS)
-        if mesh is None:  # one device: Orbax gathers whatever layout the checkpoint was saved in
-            saved.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                         expert_model_parallel_size=1, sequence_parallel=False,
-                         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
-                         pipeline_schedule="auto", decoder_first_pipeline_num_layers=None,
-                         decoder_last_pipeline_num_layers=None)
+        # evaluation, sampling and export need the student only, never its teacher; under mesh None one
+        # device: Orbax gathers whatever layout the checkpoint was saved in
+        saved.update(checkpoint_view("read", *(("one_device",) if mesh is None else ())))
         saved.update(overrides)
         cfg = from_configdict(saved)
         run = build(cfg, mesh or create_mesh(cfg, jax.devices()[:1]), vocab_size=_unpadded_vocab(cfg, meta))

@@ -15,8 +15,8 @@ them) in one of three ways:
 
 :func:`convert_layers` moves any pytree holding such parameter trees (params, optax's
 ``mu``/``nu`` inside chained or masked states, abstract ShapeDtypeStruct trees) between
-layouts; :func:`restore` restores a checkpoint saved in one layout into a run using
-another, bit-exactly. The roles follow Megatron-LM's
+layouts; :mod:`jmegatron.checkpoint.restore` restores a checkpoint saved in one layout into a run
+using another, bit-exactly. :func:`step_dir` / :func:`item_dir` name a step's folders. The roles follow Megatron-LM's
 megatron/core/dist_checkpointing (checkpoints restorable into another parallel layout),
 where the layer index in a sharded tensor's key is global; here the layer order is
 recorded through the saved config's (scan_layers, p, v).
@@ -25,6 +25,7 @@ recorded through the saved config's (scan_layers, p, v).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence
@@ -35,13 +36,25 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmegatron.parallel.pipeline_layout import PAD, PipelineLayout, take_slots
-from jmegatron.training.checkpointing import CheckpointError
 
-__all__ = ["LayerLayout", "convert_layers", "restore", "PARAMS_SOURCES", "state_item_dir", "saved_state_metadata",
-           "saved_params_path", "restore_params"]
+__all__ = ["ITEMS", "LAYER_RE", "STACKED_KEY", "LayerLayout", "convert_layers", "item_dir", "step_dir"]
 
+# The stacked layers' key, and a per-layer key (group 1: the model layer number).
 STACKED_KEY = "decoder_layers"
-_LAYER_RE = re.compile(r"^decoder_layers_(\d+)$")
+LAYER_RE = re.compile(r"^decoder_layers_(\d+)$")
+# The items of every step (Orbax CheckpointManager item names): the TrainState arrays and the JSON meta.
+ITEMS = ("state", "meta")
+
+
+def step_dir(directory: str, step: int) -> str:
+    """``<directory>/<step>``: Orbax's default step naming (a finished step; a killed save
+    leaves ``<step>.orbax-checkpoint-tmp*`` instead), absolute."""
+    return os.path.join(os.path.abspath(directory), str(int(step)))
+
+
+def item_dir(directory: str, step: int, item: str = "state") -> str:
+    """``<directory>/<step>/<item>``: the folder of one item (:data:`ITEMS`) of a step."""
+    return os.path.join(step_dir(directory, step), item)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +175,7 @@ def _layer(stack, i: int):
 
 # ------------------------------------------------------------------------- conversion
 def _is_container(x) -> bool:
-    return isinstance(x, Mapping) and any(k == STACKED_KEY or _LAYER_RE.match(str(k)) for k in x)
+    return isinstance(x, Mapping) and any(k == STACKED_KEY or LAYER_RE.match(str(k)) for k in x)
 
 
 def _rebuild(node: Mapping, items: dict):
@@ -174,7 +187,7 @@ def _rebuild(node: Mapping, items: dict):
 
 def _convert_container(node: Mapping, where: str, source: LayerLayout, target: LayerLayout,
                        num_layers: int):
-    per_layer = sorted((k for k in node if _LAYER_RE.match(str(k))), key=lambda k: int(_LAYER_RE.match(k)[1]))
+    per_layer = sorted((k for k in node if LAYER_RE.match(str(k))), key=lambda k: int(LAYER_RE.match(k)[1]))
     has_stack = STACKED_KEY in node
     if has_stack and per_layer:
         raise ValueError(f"{where} holds both a stacked {STACKED_KEY!r} and per-layer {per_layer[0]!r}...: "
@@ -257,162 +270,3 @@ def convert_layers(tree: Any, source: LayerLayout, target: LayerLayout, num_laye
         raise ValueError("the tree holds no decoder layers (neither 'decoder_layers' nor 'decoder_layers_{i}' "
                          "keys): not a GPT TrainState / params tree")
     return out
-
-
-# ---------------------------------------------------------------------------- restore
-def restore(ckpt, target: Any, cfg: Any, iteration: Optional[int] = None) -> tuple[Any, dict]:
-    """(state, meta): checkpoint ``ckpt`` (a :class:`jmegatron.training.checkpointing.
-    Checkpointer`) restored into ``target`` (ShapeDtypeStructs with shardings, in the
-    layout of the run's config ``cfg``).
-
-    When the checkpoint's saved config stores its layers as ``cfg`` does, this is
-    ``ckpt.restore(target, iteration)``. Otherwise the checkpoint is restored in its saved
-    layout (``target`` converted there, same shardings with an unsharded layers axis),
-    converted to ``cfg``'s layout inside one jitted program, and placed in ``target``'s
-    shardings: bit-equal arrays. Raises CheckpointError (from ``ckpt``) for a missing or
-    corrupt checkpoint, ValueError when ``target`` is not a layer tree.
-    """
-    meta = ckpt.read_meta(iteration)
-    num_layers = int(meta["config"]["num_layers"])
-    saved, run = LayerLayout.of_config(meta["config"]), LayerLayout.of_config(cfg)
-    if saved.same_storage(run, num_layers):
-        return ckpt.restore(target, iteration)
-    state, meta = ckpt.restore(convert_layers(target, run, saved, num_layers), iteration)
-    shardings = jax.tree.map(lambda s: s.sharding, target)
-    state = jax.jit(lambda s: convert_layers(s, saved, run, num_layers), out_shardings=shardings)(state)
-    print(f"[jmegatron] converted checkpoint layers from {saved.describe()} to {run.describe()}", flush=True)
-    return state, meta
-
-
-# ------------------------------------------------------------------ parameters only
-# Where a checkpoint's parameters live in its ``state`` item: "model" = the model's params
-# (float32, or the bf16 / fp16 copy under bf16 / fp16); "main" = the float32 main params
-# (Float16OptimizerState.main_params under bf16 / fp16; the model's params of a float32 run).
-PARAMS_SOURCES = ("model", "main")
-MAIN_PARAMS_PATH = ("opt_state", "main_params")
-
-
-def state_item_dir(ckpt, iteration: Optional[int] = None) -> tuple[str, int]:
-    """(directory of the ``state`` item, step) of checkpoint ``ckpt`` (a
-    :class:`jmegatron.training.checkpointing.Checkpointer`) at ``iteration`` (default: the
-    latest). Orbax's default step naming (``<directory>/<step>/state``). Raises
-    CheckpointError for a missing step or item."""
-    import os
-
-    meta = ckpt.read_meta(iteration)  # CheckpointError for a step it does not hold
-    # the step whose meta was read (Checkpointer's choice of the latest usable one)
-    step = int(iteration if iteration is not None else meta.get("iteration", ckpt.latest_step()))
-    path = os.path.join(ckpt.directory, str(step), "state")
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} has no state item at {path}")
-    return path, step
-
-
-def saved_state_metadata(state_dir: str) -> dict:
-    """The ``state`` item's tree of Orbax ``ArrayMetadata`` (shape, dtype, saved sharding),
-    nested dicts keyed like the saved TrainState (``step``, ``params``, ``opt_state``,
-    ``rng``); reads no array. Raises CheckpointError for an unreadable item."""
-    import orbax.checkpoint as ocp
-    from etils import epath
-
-    try:
-        tree = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir))
-    except Exception as e:  # orbax raises several types for unreadable metadata
-        raise CheckpointError(f"cannot read the array metadata of {state_dir}: {type(e).__name__}: {e}") from e
-    return dict(getattr(tree, "tree", tree))
-
-
-def saved_params_path(saved_tree: Mapping, source: str = "model") -> tuple[str, ...]:
-    """The path of the parameters ``source`` (:data:`PARAMS_SOURCES`) asks for in a saved
-    state tree (:func:`saved_state_metadata`): ``("params",)`` for "model", and for "main"
-    ``("opt_state", "main_params")`` when the checkpoint holds float32 main parameters
-    (a bf16 / fp16 run), else ``("params",)`` (a float32 run's model params are its main
-    params). Raises ValueError for another ``source``."""
-    if source not in PARAMS_SOURCES:
-        raise ValueError(f"params source {source!r} is not one of {PARAMS_SOURCES}: 'model' = the model's params "
-                         f"(bf16 under bf16), 'main' = the float32 main params")
-    opt = saved_tree.get("opt_state")
-    if source == "main" and isinstance(opt, Mapping) and isinstance(opt.get("main_params"), Mapping):
-        return MAIN_PARAMS_PATH
-    return ("params",)
-
-
-def _nest(path: Sequence[str], value):
-    for k in reversed(tuple(path)):
-        value = {k: value}
-    return value
-
-
-def _dig(tree, path: Sequence[str]):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def restore_params(ckpt, target: Any, cfg: Any, iteration: Optional[int] = None,
-                   source: str = "model") -> tuple[Any, dict]:
-    """(params, meta): only the parameters of checkpoint ``ckpt`` (a
-    :class:`jmegatron.training.checkpointing.Checkpointer`), restored straight into
-    ``target`` (a params tree of ShapeDtypeStructs carrying NamedShardings, in the layer
-    layout of the run's config ``cfg``).
-
-    Orbax's partial restore of one subtree of the ``state`` item: ``params`` (``source=
-    "model"``) or, for ``source="main"``, the float32 main parameters
-    (``opt_state/main_params``) of a bf16 / fp16 checkpoint (:func:`saved_params_path`).
-    No optimizer moment, step or rng is read, and each device reads only its own shard of
-    each array (no gather onto one device). Leaves are cast to ``target``'s dtypes.
-    Checkpoint entries ``target`` lacks (a distillation run's ``kd_projection``) are not
-    read. A checkpoint stored in another decoder-layer layout (scan_layers, pipeline stage
-    order) is restored in its own layout, same shardings with an unsharded layers axis,
-    and converted inside one jitted program into ``target``'s shardings
-    (:func:`convert_layers`, as :func:`restore`).
-
-    Raises CheckpointError naming the step directory when a parameter ``target`` asks for
-    is missing from the checkpoint or has another shape (a different model), or the
-    checkpoint is unreadable; ValueError for an unknown ``source``.
-    """
-    import orbax.checkpoint as ocp
-
-    meta = ckpt.read_meta(iteration)
-    state_dir, step = state_item_dir(ckpt, iteration)
-    saved_tree = saved_state_metadata(state_dir)
-    path = saved_params_path(saved_tree, source)
-    num_layers = int(meta["config"]["num_layers"])
-    saved, run = LayerLayout.of_config(meta["config"]), LayerLayout.of_config(cfg)
-    same = saved.same_storage(run, num_layers)
-    read_target = target if same else convert_layers(target, run, saved, num_layers)
-    _check_against_saved(read_target, _dig(saved_tree, path), "/".join(path), state_dir)
-    restore_args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, dtype=t.dtype,
-                                                               global_shape=t.shape), read_target)
-    try:
-        restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-            item=_nest(path, read_target), restore_args=_nest(path, restore_args), partial_restore=True))
-    except Exception as e:  # orbax / tensorstore raise several types for unreadable arrays
-        raise CheckpointError(f"checkpoint step {step} in {ckpt.directory}: cannot read its parameters "
-                              f"({'/'.join(path)}): {type(e).__name__}: {e}") from e
-    params = _dig(restored, path)
-    if not same:
-        shardings = jax.tree.map(lambda t: t.sharding, target)
-        params = jax.jit(lambda p: convert_layers(p, saved, run, num_layers), out_shardings=shardings)(params)
-        print(f"[jmegatron] converted checkpoint layers from {saved.describe()} to {run.describe()}", flush=True)
-    return params, meta
-
-
-def _check_against_saved(target: Any, saved: Any, where: str, state_dir: str) -> None:
-    """Raise CheckpointError naming each target leaf the saved tree lacks or holds with
-    another shape (before any array is read)."""
-    problems = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(target):
-        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        node = saved
-        for k in keys:
-            node = node.get(k) if isinstance(node, Mapping) else None
-        name = "/".join([where] + keys)
-        if node is None or isinstance(node, Mapping):
-            problems.append(f"{name} is missing")
-        elif tuple(node.shape) != tuple(leaf.shape):
-            problems.append(f"{name} has shape {tuple(node.shape)}, the model expects {tuple(leaf.shape)}")
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
-        raise CheckpointError(f"checkpoint {state_dir} does not hold this model's parameters: {shown}. "
-                              f"Restore it with its own config (the meta's) or check --load.")

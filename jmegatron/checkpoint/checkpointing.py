@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jmegatron.checkpoint.layout import ITEMS
 from jmegatron.config import MODEL_FIELDS, SCHEDULER_FIELDS, JMegatronConfig
 
 
@@ -171,7 +172,7 @@ class Checkpointer:
                                                enable_async_checkpointing=async_save,
                                                cleanup_tmp_directories=create)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              item_names=("state", "meta"))
+                                              item_names=ITEMS)
         self._saves = 0
 
     def latest_step(self) -> Optional[int]:
