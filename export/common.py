@@ -25,7 +25,7 @@ from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 from jmegatron.export.hf import to_hf_model
 
 __all__ = ["ExportError", "ExportSource", "check_out_dir", "checkpoint_config", "export_config", "load_checkpoint", "hf_model",
-           "load_source_tokenizer", "open_checkpoint", "refuse_moe", "source_vocab_size", "tokenizer_path"]
+           "export_source", "load_source_tokenizer", "open_checkpoint", "refuse_moe", "source_vocab_size", "tokenizer_path"]
 
 
 class ExportError(ValueError):
@@ -40,7 +40,8 @@ class ExportSource:
         cfg: the checkpoint's resolved :class:`jmegatron.config.JMegatronConfig`
             (distillation fields cleared, ``scan_layers=False``).
         params: nested dict of float32 ``np.ndarray`` in the per-layer layout (see
-            ``jmegatron.export.hf`` for names and shapes; embedding rows = padded vocab).
+            ``jmegatron.export.hf`` for names and shapes; embedding rows = padded vocab), or
+            None when not read (:func:`export_source` for the streaming export).
         vocab_size: the true vocabulary (:func:`source_vocab_size`); exports drop the
             padding rows.
         padded_vocab_size: rows of the embedding / output layer.
@@ -50,7 +51,7 @@ class ExportSource:
     """
 
     cfg: Any
-    params: dict
+    params: Optional[dict]
     vocab_size: int
     padded_vocab_size: int
     tokenizer_path: Optional[str]
@@ -136,6 +137,13 @@ def load_checkpoint(load_dir: str, iteration: Optional[int] = None, saved: Optio
         params = read_saved_params(saved)
     except CheckpointError as e:
         raise ExportError(f"--load {load_dir}: {e}") from e
+    return export_source(load_dir, saved, params)
+
+
+def export_source(load_dir: str, saved: SavedStep, params: Optional[dict] = None) -> ExportSource:
+    """The :class:`ExportSource` of an opened checkpoint step (:func:`open_checkpoint`) with
+    ``params`` as read (None: not read, the streaming export reads them layer by layer).
+    Raises ExportError for an unreadable saved config."""
     cfg = export_config(load_dir, saved=saved)
     padded = int(saved.meta["padded_vocab_size"])
     return ExportSource(cfg=cfg, params=params, vocab_size=source_vocab_size(cfg, padded), padded_vocab_size=padded,

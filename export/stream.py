@@ -42,7 +42,7 @@ import numpy as np
 from jmegatron.checkpoint.checkpointing import CheckpointError
 from jmegatron.checkpoint.restore import CheckpointParamsReader
 from jmegatron.data.tokenizer import load_tokenizer
-from jmegatron.export.common import ExportError, export_config, open_checkpoint, source_vocab_size, tokenizer_path
+from jmegatron.export.common import ExportError, export_source, open_checkpoint
 from jmegatron.export.hf import hf_architecture, hf_config_class, hf_config_dict, iter_hf_tensors
 
 __all__ = ["SafetensorsWriter", "export_hf_streaming", "hf_source", "parse_size"]
@@ -214,9 +214,8 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
         reader = CheckpointParamsReader(saved)
     except CheckpointError as e:
         raise ExportError(f"--load {load}: {e}") from e
-    cfg = export_config(load, saved=saved)
-    padded = int(saved.meta["padded_vocab_size"])
-    vocab_size, tokenizer = source_vocab_size(cfg, padded), tokenizer_path(cfg)
+    src = export_source(load, saved)
+    cfg, vocab_size, tokenizer = src.cfg, src.vocab_size, src.tokenizer_path
     try:
         arch = hf_architecture(cfg)
     except ValueError as e:
@@ -225,7 +224,7 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
     if tokenizer:
         tok = load_tokenizer(tokenizer)
         bos, eos = (tok.eod if tok.bos is None else tok.bos), tok.eod
-    source = hf_source(saved.directory)
+    source = hf_source(src.load_dir)
     if os.path.isfile(os.path.join(source, "config.json")):
         with open(os.path.join(source, "config.json")) as f:
             read = json.load(f)
@@ -248,6 +247,6 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
         shutil.copyfile(os.path.join(source, "generation_config.json"), os.path.join(out, "generation_config.json"))
     else:
         transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
-    return {"architecture": arch, "vocab_size": vocab_size, "padded_vocab_size": padded,
-            "iteration": int(saved.meta["iteration"]), "source": saved.directory, "tokenizer": tokenizer,
+    return {"architecture": arch, "vocab_size": vocab_size, "padded_vocab_size": src.padded_vocab_size,
+            "iteration": src.iteration, "source": src.load_dir, "tokenizer": tokenizer,
             "files": files, "bytes_read": reader.bytes_read, "bytes_written": writer.bytes_written, "cfg": cfg}
