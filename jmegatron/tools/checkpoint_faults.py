@@ -20,7 +20,6 @@ reference's. Prints (and with ``--out`` writes) a JSON summary.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import random
@@ -118,7 +117,7 @@ def campaign(workdir: str, kills: int, seed: int = 0, max_delay: float = 0.25, l
         t = time.time()
         p = train(overrides(chain_dir, train_iters, async_save, 2), cache, kill)
         killed = p.returncode == -9
-        left = [os.path.basename(d) for d in glob.glob(os.path.join(chain_dir, "*.orbax-checkpoint-tmp*"))]
+        left = [os.path.basename(d) for d in checkpointing.incomplete_saves(chain_dir)]
         rec = {"process": k, "async_save": async_save, "kill_at_save": kill[0], "delay_s": round(kill[1], 4),
                "killed": killed, "returncode": p.returncode, "tmp_dirs_left": left, "seconds": round(time.time() - t, 1)}
         if not killed:
