@@ -23,7 +23,7 @@ from etils import epath
 
 from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, from_configdict
 from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
-from jmegatron.export.hf import to_hf_model
+from jmegatron.export.hf_model import to_hf_model
 from jmegatron.training import checkpointing
 from jmegatron.training.checkpoint_layout import LayerLayout, convert_layers
 
@@ -44,7 +44,7 @@ class ExportSource:
         cfg: the checkpoint's resolved :class:`jmegatron.config.JMegatronConfig`
             (distillation fields cleared, ``scan_layers=False``).
         params: nested dict of float32 ``np.ndarray`` in the per-layer layout (see
-            ``jmegatron.export.hf`` for names and shapes; embedding rows = padded vocab).
+            ``jmegatron.conversion.hf`` for names and shapes; embedding rows = padded vocab).
         vocab_size: the true vocabulary (:func:`source_vocab_size`); exports drop the
             padding rows.
         padded_vocab_size: rows of the embedding / output layer.

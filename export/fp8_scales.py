@@ -65,8 +65,8 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from jmegatron.conversion.tree import unstack_layers
 from jmegatron.export.common import ExportError, saved_params_metadata, tree_paths
-from jmegatron.export.hf import unstack_layers
 from jmegatron.training.checkpointing import CheckpointError, has_checkpoint
 
 __all__ = ["FP8_E4M3_MAX", "FP8_LINEARS", "UNIFIED_LINEARS", "unified_modules", "FP8_META", "WEIGHT_SCALES", "LinearScales", "saved_fp8_meta_paths",

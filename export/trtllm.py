@@ -13,7 +13,7 @@ The format is TensorRT-LLM's checkpoint of TRT-LLM <= 1.2 (the one Megatron-LM's
 rank's shards under TRT-LLM's names. The checker
 (:mod:`jmegatron.export.trtllm_check`) validates the result after every export.
 
-Targets (chosen as for Hugging Face, :func:`jmegatron.export.hf.hf_architecture`):
+Targets (chosen as for Hugging Face, :func:`jmegatron.conversion.hf.hf_architecture`):
 
 * ``GPTForCausalLM`` for the GPT-2 variant (learned positions, LayerNorm, GELU, biases):
   ``position_embedding_type="learned_absolute"``, ``hidden_act="gelu"``, ``bias=true``.
@@ -31,7 +31,7 @@ Targets (chosen as for Hugging Face, :func:`jmegatron.export.hf.hf_architecture`
 
 * ``MixtralForCausalLM`` for mixture-of-experts models without a shared expert (every layer
   an MoE layer, Llama's attention; the Hugging Face target of
-  :func:`jmegatron.export.hf_moe.moe_architecture`). TensorRT-LLM's ``MODEL_MAP`` maps the
+  :func:`jmegatron.conversion.hf_moe.moe_architecture`). TensorRT-LLM's ``MODEL_MAP`` maps the
   name to its ``LLaMAForCausalLM`` with ``MixtureOfExperts`` MLPs; the config is what
   ``LLaMAConfig.from_hugging_face`` writes for ``model_type == "mixtral"``:
   ``hidden_act="swiglu"`` (the gated activation made explicit), ``intermediate_size`` =
@@ -140,12 +140,13 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from jmegatron.conversion.hf import GPT2, QWEN2 as HF_QWEN2, hf_architecture
+from jmegatron.conversion.hf_moe import MIXTRAL as HF_MIXTRAL
+from jmegatron.conversion.tree import check_shape, get, plain, unstack_layers
 from jmegatron.export import trtllm_check
 from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint, refuse_moe
 from jmegatron.export.fp8_scales import (FP8_LINEARS, WEIGHT_SCALES, check_fp8_exportable, checkpoint_fp8_scales,
                                          quantize_weight, saved_fp8_meta_paths, strip_fp8_meta)
-from jmegatron.export.hf import GPT2, QWEN2 as HF_QWEN2, _check_shape, _get, _plain, hf_architecture, unstack_layers
-from jmegatron.export.hf_moe import MIXTRAL as HF_MIXTRAL
 from jmegatron.export.quantize import load_quantized, quantized_source_config
 from jmegatron.export.trtllm_check import check_trtllm_checkpoint, pp_layers
 
@@ -169,7 +170,7 @@ def trtllm_architecture(cfg) -> str:
     """``"GPTForCausalLM"``, ``"LlamaForCausalLM"`` or ``"MixtralForCausalLM"`` for ``cfg``
     (a JMegatronConfig).
 
-    Same rules as :func:`jmegatron.export.hf.hf_architecture` (GPT-2: learned_absolute +
+    Same rules as :func:`jmegatron.conversion.hf.hf_architecture` (GPT-2: learned_absolute +
     LayerNorm + GELU + MHA + biases; Llama: rope + RMSNorm + SwiGLU; MoE: Mixtral, every
     layer MoE with a renormalised softmax top-k). Raises ExportError naming every config
     field the target cannot represent, and for an MoE config with a shared expert
@@ -388,7 +389,7 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
     (with ``pp = 1`` it is the tensor parallel rank). The stage's layers
     (:func:`pp_layers`) are numbered from 0; embeddings only on stage 0, ``ln_f`` and
     ``lm_head`` only on the last stage. ``params``: jmegatron parameters in the per-layer or
-    scanned layout (see :mod:`jmegatron.export.hf` for names and shapes); ``vocab_size``: the true vocabulary
+    scanned layout (see :mod:`jmegatron.conversion.hf` for names and shapes); ``vocab_size``: the true vocabulary
     (rows beyond it, Megatron's padding, are dropped). Names and per-rank shapes are listed
     in :mod:`jmegatron.export.trtllm_check`; the splits are described in this module's
     docstring (MoE layers: ``mlp.router.weight [E, h]``, ``mlp.fc.weight [E/ep, 2F/moe_tp, h]``,
@@ -401,7 +402,7 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
         raise ValueError(f"rank={rank!r} must be in [0, tp * pp = {tp * pp})")
     pp_rank, rank = divmod(rank, tp)  # from here on ``rank`` is the tensor parallel rank
     first, last = pp_rank == 0, pp_rank == pp - 1
-    p = _plain(params)
+    p = plain(params)
     if "decoder_layers" in p:
         p = unstack_layers(p, cfg.num_layers)
     h, nq, nkv, d, ffn = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels,
@@ -411,7 +412,7 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
     qh = np.arange(rank * nq // tp, (rank + 1) * nq // tp)
     kvh = np.asarray(_kv_heads_of_rank(nkv, tp, rank))
     fsl = slice(rank * ffn // tp, (rank + 1) * ffn // tp)
-    g = lambda path: np.asarray(_get(p, path, cfg), dtype=np.float32)  # noqa: E731
+    g = lambda path: np.asarray(get(p, path, cfg), dtype=np.float32)  # noqa: E731
     out: dict[str, np.ndarray] = {}
 
     wte = g("word_embeddings/embedding")
@@ -421,7 +422,7 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
     if first:
         out["transformer.vocab_embedding.weight"] = _rows_split(emb, tp, rank) if use_parallel_embedding else emb
     if first and arch == GPT:
-        pos = _check_shape("position_embeddings/embedding", g("position_embeddings/embedding"),
+        pos = check_shape("position_embeddings/embedding", g("position_embeddings/embedding"),
                            (cfg.max_position_embeddings, h))
         out["transformer.position_embedding.weight"] = _rows_split(pos, tp, rank) if use_parallel_embedding else pos
     norm_parts = (("weight", "scale"), ("bias", "bias")) if arch == GPT else (("weight", "scale"),)
@@ -432,18 +433,18 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
             for tname, jname in norm_parts:
                 out[f"{o}.{dst}.{tname}"] = g(f"{L}/{src}/{jname}")
         # QKV: fused [h, nkv, per + 2, d] -> rows q(rank heads) | k(rank kv heads) | v
-        qkv = _check_shape(f"{L}/self_attention/linear_qkv/kernel", g(f"{L}/self_attention/linear_qkv/kernel"),
+        qkv = check_shape(f"{L}/self_attention/linear_qkv/kernel", g(f"{L}/self_attention/linear_qkv/kernel"),
                            (h, nkv, per + 2, d))
         q = qkv[:, :, :per].reshape(h, nq, d)  # head index g * per + j, Megatron's group-major order
         blocks = [q[:, qh], qkv[:, kvh, per], qkv[:, kvh, per + 1]]
         out[f"{o}.attention.qkv.weight"] = np.concatenate([b.reshape(h, -1) for b in blocks], axis=1).T
         if bias:
-            b = _check_shape(f"{L}/self_attention/linear_qkv/bias", g(f"{L}/self_attention/linear_qkv/bias"),
+            b = check_shape(f"{L}/self_attention/linear_qkv/bias", g(f"{L}/self_attention/linear_qkv/bias"),
                              (nkv, per + 2, d))
             qb = b[:, :per].reshape(nq, d)
             out[f"{o}.attention.qkv.bias"] = np.concatenate([qb[qh].ravel(), b[kvh, per].ravel(),
                                                              b[kvh, per + 1].ravel()])
-        proj = _check_shape(f"{L}/self_attention/linear_proj/kernel", g(f"{L}/self_attention/linear_proj/kernel"),
+        proj = check_shape(f"{L}/self_attention/linear_proj/kernel", g(f"{L}/self_attention/linear_proj/kernel"),
                             (nq, d, h))
         out[f"{o}.attention.dense.weight"] = proj[qh].reshape(-1, h).T
         if bias:
@@ -453,18 +454,18 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
             continue
         fc1 = g(f"{L}/mlp/linear_fc1/kernel")
         if arch == GPT:
-            _check_shape(f"{L}/mlp/linear_fc1/kernel", fc1, (h, ffn))
+            check_shape(f"{L}/mlp/linear_fc1/kernel", fc1, (h, ffn))
             out[f"{o}.mlp.fc.weight"] = fc1[:, fsl].T
             out[f"{o}.mlp.fc.bias"] = g(f"{L}/mlp/linear_fc1/bias")[fsl]
         else:
-            _check_shape(f"{L}/mlp/linear_fc1/kernel", fc1, (h, 2, ffn))
+            check_shape(f"{L}/mlp/linear_fc1/kernel", fc1, (h, 2, ffn))
             out[f"{o}.mlp.fc.weight"] = fc1[:, 0, fsl].T  # SwiGLU gate: silu(fc(x)) * gate(x)
             out[f"{o}.mlp.gate.weight"] = fc1[:, 1, fsl].T  # up projection
             if bias:
                 b1 = g(f"{L}/mlp/linear_fc1/bias")
                 out[f"{o}.mlp.fc.bias"] = b1[0, fsl]
                 out[f"{o}.mlp.gate.bias"] = b1[1, fsl]
-        fc2 = _check_shape(f"{L}/mlp/linear_fc2/kernel", g(f"{L}/mlp/linear_fc2/kernel"), (ffn, h))
+        fc2 = check_shape(f"{L}/mlp/linear_fc2/kernel", g(f"{L}/mlp/linear_fc2/kernel"), (ffn, h))
         out[f"{o}.mlp.proj.weight"] = fc2[fsl].T
         if bias:
             out[f"{o}.mlp.proj.bias"] = g(f"{L}/mlp/linear_fc2/bias")
@@ -474,7 +475,7 @@ def rank_tensors(params: dict, cfg, vocab_size: int, tp: int, rank: int, *, pp: 
     for tname, jname in norm_parts:
         out[f"transformer.ln_f.{tname}"] = g(f"final_layernorm/{jname}")
     if cfg.untie_embeddings_and_output_weights:
-        head = _check_shape("output_layer/kernel", g("output_layer/kernel"), (h, wte.shape[0]))[:, :vocab_size].T
+        head = check_shape("output_layer/kernel", g("output_layer/kernel"), (h, wte.shape[0]))[:, :vocab_size].T
     else:
         head = emb
     out["lm_head.weight"] = _rows_split(head, tp, rank)
@@ -514,9 +515,9 @@ def moe_rank_tensors(mlp: dict, cfg, layer: int, local: int, tp: int, rank: int,
     except KeyError as err:
         raise ValueError(f"params have no {L}/{err.args[0]}...: layer {layer} is not an MoE layer of this config "
                          f"(num_moe_experts={E})") from None
-    _check_shape(f"{L}/router/kernel", router, (h, E))
-    _check_shape(f"{L}/experts/linear_fc1/kernel", fc1, (E, h, 2, F))
-    _check_shape(f"{L}/experts/linear_fc2/kernel", fc2, (E, F, h))
+    check_shape(f"{L}/router/kernel", router, (h, E))
+    check_shape(f"{L}/experts/linear_fc1/kernel", fc1, (E, h, 2, F))
+    check_shape(f"{L}/experts/linear_fc2/kernel", fc2, (E, F, h))
     fc1 = fc1[experts, :, :, cols]  # [E/ep, h, 2, F/mtp]
     o = f"transformer.layers.{local}.mlp"
     return {f"{o}.router.weight": router.T,

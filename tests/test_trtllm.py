@@ -31,7 +31,8 @@ import safetensors.torch as safetensors_torch
 import torch
 
 from jmegatron.config import base_config, from_configdict
-from jmegatron.export import hf, quantize
+from jmegatron.conversion import hf
+from jmegatron.export import hf_model, quantize
 from jmegatron.export.__main__ import main
 from jmegatron.export.common import ExportError
 from jmegatron.export.trtllm import (check_exportable, export_quantized_model, fix_modelopt_config, rank_tensors,
@@ -214,7 +215,7 @@ def test_tensors_equal_modelopt_export(tmp_path):
         params = random_params(cfg, seed=5)
         mine, theirs = tmp_path / f"{kind}_mine", tmp_path / f"{kind}_modelopt"
         write_trtllm_checkpoint(params, cfg, TRUE_VOCAB, str(mine), tp=tp)
-        export_tensorrt_llm_checkpoint(hf.to_hf_model(params, cfg, TRUE_VOCAB), kind, torch.float16, str(theirs),
+        export_tensorrt_llm_checkpoint(hf_model.to_hf_model(params, cfg, TRUE_VOCAB), kind, torch.float16, str(theirs),
                                        inference_tensor_parallel=tp)
         for r in range(tp):
             a, b = (load_file(str(p / f"rank{r}.safetensors")) for p in (mine, theirs))
@@ -617,7 +618,7 @@ def _fake_quantized(kind: str, qformat: str, kv_cache: str = "none", seed: int =
     from jmegatron.export.quantize import build_quant_config
 
     cfg = make_cfg(kind, hidden_size=128, ffn_hidden_size=256)
-    model = hf.to_hf_model(random_params(cfg, seed), cfg, TRUE_VOCAB)
+    model = hf_model.to_hf_model(random_params(cfg, seed), cfg, TRUE_VOCAB)
     tokens = torch.from_numpy(np.random.default_rng(seed).integers(0, TRUE_VOCAB, (4, 32)))
 
     def loop(m):

@@ -1,0 +1,1 @@
+"""Checkpoints: layout, saving, restoring, metadata."""
