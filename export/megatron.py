@@ -54,13 +54,14 @@ import numpy as np
 from jmegatron.config import from_configdict, tokenizer_type_of, tokenizer_vocab_size
 from jmegatron.conversion import hf_moe
 from jmegatron.conversion.megatron import (CHECKPOINT_VERSION, FORMATS, MOE_MODEL_FIELDS, TRACKER, canonical_key,
-                                          config_fields_from_megatron_args, from_megatron_state_dict,
-                                          merge_shards, rank_dir, refuse_blocks, shard_state_dict, to_megatron_state_dict)
+                                          config_fields_from_megatron_args, from_megatron_state_dict, merge_shards,
+                                          rank_dir, refuse_blocks, shard_state_dict, to_megatron_state_dict)
 from jmegatron.conversion.tree import to_numpy
 from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config, load_checkpoint
 from jmegatron.export.convert import save_imported
 
-__all__ = ["megatron_args", "read_megatron_checkpoint", "write_legacy_checkpoint", "import_megatron", "export_megatron", "register"]
+__all__ = ["megatron_args", "read_megatron_checkpoint", "write_legacy_checkpoint", "import_megatron", "export_megatron",
+           "register"]
 
 
 # ----------------------------------------------------------------------------- files

@@ -25,12 +25,13 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from jmegatron.conversion import hf  # noqa: E402
+from jmegatron.conversion.trtllm import rank_tensors  # noqa: E402
 from jmegatron.export import fp8_scales  # noqa: E402
 from jmegatron.export.__main__ import main  # noqa: E402
 from jmegatron.export.common import ExportError, hf_model, load_checkpoint  # noqa: E402
 from jmegatron.export.fp8_scales import FP8_E4M3_MAX, checkpoint_fp8_scales  # noqa: E402
 from jmegatron.export.hf_model import to_hf_model  # noqa: E402
-from jmegatron.export.trtllm import export_quantized_model, rank_tensors, write_fp8_trtllm_checkpoint  # noqa: E402
+from jmegatron.export.trtllm import export_quantized_model, trtllm_architecture, write_fp8_trtllm_checkpoint  # noqa: E402
 from jmegatron.export.trtllm_check import check_trtllm_checkpoint  # noqa: E402
 
 from test_trtllm import make_cfg  # noqa: E402
@@ -221,7 +222,7 @@ def test_weights_are_the_training_forwards_fp8_codes(ckpts, tmp_path):
     out = str(tmp_path / "c")
     write_fp8_trtllm_checkpoint(src.params, cfg, src.vocab_size, out, tp=1)
     got = load_file(os.path.join(out, "rank0.safetensors"))
-    plain = rank_tensors(fp8_scales.strip_fp8_meta(src.params), cfg, src.vocab_size, 1, 0)
+    plain = rank_tensors(fp8_scales.strip_fp8_meta(src.params), cfg, trtllm_architecture(cfg), src.vocab_size, 1, 0)
     layer = src.params["decoder_layers_1"]
     for path, names in (("self_attention/linear_qkv", ["attention.qkv"]), ("mlp/linear_fc1", ["mlp.fc", "mlp.gate"]),
                         ("mlp/linear_fc2", ["mlp.proj"])):

@@ -32,12 +32,12 @@ import torch
 
 from jmegatron.config import base_config, from_configdict
 from jmegatron.conversion import hf
+from jmegatron.conversion.trtllm import GPT, pp_layers, rank_tensors
 from jmegatron.export import hf_model, quantize
 from jmegatron.export.__main__ import main
 from jmegatron.export.common import ExportError
-from jmegatron.export.trtllm import (check_exportable, export_quantized_model, fix_modelopt_config, rank_tensors,
-                                     write_trtllm_checkpoint)
-from jmegatron.export.trtllm_check import check_trtllm_checkpoint, pp_layers
+from jmegatron.export.trtllm import check_exportable, export_quantized_model, fix_modelopt_config, write_trtllm_checkpoint
+from jmegatron.export.trtllm_check import check_trtllm_checkpoint
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
 
@@ -485,7 +485,7 @@ def test_bad_pp_fails_before_writing(tmp_path):
         with pytest.raises(ExportError, match=message):
             write_trtllm_checkpoint(params, gpt, TRUE_VOCAB, str(out), tp=1, pp=pp)
     with pytest.raises(ValueError, match=r"rank=4 must be in \[0, tp \* pp = 4\)"):
-        rank_tensors(params, gpt, TRUE_VOCAB, 2, 4, pp=2)
+        rank_tensors(params, gpt, GPT, TRUE_VOCAB, 2, 4, pp=2)
     assert os.listdir(tmp_path) == []
 
 

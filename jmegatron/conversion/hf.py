@@ -80,7 +80,8 @@ import numpy as np
 from jmegatron.config import window_layer_pattern
 from jmegatron.conversion import hf_moe
 from jmegatron.conversion.hf_moe import MOE_ARCHITECTURES
-from jmegatron.conversion.tree import check_shape, get, map_leaves, numpy_tree, plain, stack_layers, to_numpy, unstack_layers
+from jmegatron.conversion.tree import (check_shape, get, map_leaves, numpy_tree, plain, stack_layers, to_numpy,
+                                       unstack_layers)
 from jmegatron.models.rope import yarn_concentration_factor
 
 GPT2 = "GPT2LMHeadModel"
@@ -631,9 +632,7 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
     """
     arch = hf_architecture(cfg)
     common = plain(common)
-    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
-    ffn = cfg.ffn_hidden_size
-    bias = cfg.add_bias_linear
+    h = cfg.hidden_size
     g = lambda path: get(common, path, cfg)  # noqa: E731
 
     wte = g("word_embeddings/embedding")
@@ -643,9 +642,6 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
     if not 0 < v <= rows:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {rows}] (the embedding's rows)")
 
-    def c(a):  # an owned, writable, C-contiguous copy (jax arrays give read-only views)
-        return np.array(a, order="C", copy=True)
-
     def layer_tree(i: int) -> dict:
         L = f"decoder_layers_{i}"
         if cfg.multi_latent_attention:
@@ -653,96 +649,112 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
         return _split_fused_qkv({L: numpy_tree(layer(i))}, cfg, layers=(i,))
 
     if arch == GPT2:
-        yield "transformer.wte.weight", c(wte[:v])
-        yield "transformer.wpe.weight", c(check_shape(
+        yield "transformer.wte.weight", _owned(wte[:v])
+        yield "transformer.wpe.weight", _owned(check_shape(
             "position_embeddings/embedding", g("position_embeddings/embedding"), (cfg.max_position_embeddings, h)))
         for i in range(cfg.num_layers):
-            L, o = f"decoder_layers_{i}", f"transformer.h.{i}"
-            lp = layer_tree(i)
-            gl = lambda path: get(lp, path, cfg)  # noqa: E731
-            qkv = [check_shape(f"{L}/self_attention/linear_{n}/kernel",
-                                gl(f"{L}/self_attention/linear_{n}/kernel"), (h, nq, d)).reshape(h, nq * d)
-                   for n in "qkv"]
-            yield f"{o}.ln_1.weight", c(gl(f"{L}/input_layernorm/scale"))
-            yield f"{o}.ln_1.bias", c(gl(f"{L}/input_layernorm/bias"))
-            yield f"{o}.attn.c_attn.weight", c(np.concatenate(qkv, axis=1))
-            yield f"{o}.attn.c_attn.bias", c(np.concatenate(
-                [gl(f"{L}/self_attention/linear_{n}/bias").reshape(nq * d) for n in "qkv"]))
-            yield f"{o}.attn.c_proj.weight", c(check_shape(
-                f"{L}/self_attention/linear_proj/kernel", gl(f"{L}/self_attention/linear_proj/kernel"),
-                (nq, d, h)).reshape(nq * d, h))
-            yield f"{o}.attn.c_proj.bias", c(gl(f"{L}/self_attention/linear_proj/bias"))
-            yield f"{o}.ln_2.weight", c(gl(f"{L}/pre_mlp_layernorm/scale"))
-            yield f"{o}.ln_2.bias", c(gl(f"{L}/pre_mlp_layernorm/bias"))
-            yield f"{o}.mlp.c_fc.weight", c(check_shape(
-                f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, ffn)))
-            yield f"{o}.mlp.c_fc.bias", c(gl(f"{L}/mlp/linear_fc1/bias"))
-            yield f"{o}.mlp.c_proj.weight", c(check_shape(
-                f"{L}/mlp/linear_fc2/kernel", gl(f"{L}/mlp/linear_fc2/kernel"), (ffn, h)))
-            yield f"{o}.mlp.c_proj.bias", c(gl(f"{L}/mlp/linear_fc2/bias"))
-            del lp, qkv
-        yield "transformer.ln_f.weight", c(g("final_layernorm/scale"))
-        yield "transformer.ln_f.bias", c(g("final_layernorm/bias"))
+            yield from _gpt2_layer_to_hf(i, layer_tree(i), cfg)
+        yield "transformer.ln_f.weight", _owned(g("final_layernorm/scale"))
+        yield "transformer.ln_f.bias", _owned(g("final_layernorm/bias"))
     else:
-        yield "model.embed_tokens.weight", c(wte[:v])
+        yield "model.embed_tokens.weight", _owned(wte[:v])
         moe_layers = hf_moe.moe_layers(cfg)
-        norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
-
-        def llama_layer(i: int, lp: Mapping, moe: bool) -> Iterator[tuple[str, np.ndarray]]:
-            """HF tensors of ``model.layers.{i}`` from ``lp`` = ``{"decoder_layers_{i}": subtree}``."""
-            L, o = f"decoder_layers_{i}", f"model.layers.{i}"
-            A = f"{L}/self_attention"
-            gl = lambda path: get(lp, path, cfg)  # noqa: E731
-            for name, hf_name in norms.items():
-                yield f"{o}.{hf_name}.weight", c(check_shape(f"{L}/{name}/scale", gl(f"{L}/{name}/scale"), (h,)))
-            if cfg.multi_latent_attention:
-                for key, value in _mla_to_hf(gl, cfg, A, f"{o}.self_attn"):
-                    yield key, c(value)
-            for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
-                k = check_shape(f"{A}/linear_{n}/kernel", gl(f"{A}/linear_{n}/kernel"), (h, heads, d))
-                yield f"{o}.self_attn.{n}_proj.weight", c(k.reshape(h, heads * d).T)
-                if bias or cfg.add_qkv_bias:
-                    yield f"{o}.self_attn.{n}_proj.bias", c(gl(f"{A}/linear_{n}/bias").reshape(heads * d))
-            if cfg.qk_layernorm and not cfg.multi_latent_attention:
-                for n in "qk":
-                    yield f"{o}.self_attn.{n}_norm.weight", c(check_shape(
-                        f"{A}/{n}_layernorm/scale", gl(f"{A}/{n}_layernorm/scale"), (d,)))
-            dv = cfg.v_head_dim if cfg.multi_latent_attention else d
-            k = check_shape(f"{A}/linear_proj/kernel", gl(f"{A}/linear_proj/kernel"), (nq, dv, h))
-            yield f"{o}.self_attn.o_proj.weight", c(k.reshape(nq * dv, h).T)
-            if bias:
-                yield f"{o}.self_attn.o_proj.bias", c(gl(f"{A}/linear_proj/bias"))
-            if moe:
-                yield from hf_moe.mlp_to_hf(gl(f"{L}/mlp"), cfg, arch, i, check_shape).items()
-                return
-            fc1 = check_shape(f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, 2, ffn))
-            yield f"{o}.mlp.gate_proj.weight", c(fc1[:, 0, :].T)
-            yield f"{o}.mlp.up_proj.weight", c(fc1[:, 1, :].T)
-            fc2 = check_shape(f"{L}/mlp/linear_fc2/kernel", gl(f"{L}/mlp/linear_fc2/kernel"), (ffn, h))
-            yield f"{o}.mlp.down_proj.weight", c(fc2.T)
-            if bias:
-                b1 = gl(f"{L}/mlp/linear_fc1/bias")
-                yield f"{o}.mlp.gate_proj.bias", c(b1[0])
-                yield f"{o}.mlp.up_proj.bias", c(b1[1])
-                yield f"{o}.mlp.down_proj.bias", c(gl(f"{L}/mlp/linear_fc2/bias"))
-
         for i in range(cfg.num_layers):
-            yield from llama_layer(i, layer_tree(i), bool(moe_layers[i]))
+            yield from _llama_layer_to_hf(i, layer_tree(i), bool(moe_layers[i]), cfg, arch)
         for k in range(cfg.mtp_num_layers or 0):  # DeepSeek-V3's Hub layout: depth k is layer L + k
             n, M = cfg.num_layers + k, f"mtp_layers_{k}"
             o = f"model.layers.{n}"
             for name, hf_name in (("enorm", "enorm"), ("hnorm", "hnorm"), ("final_layernorm", "shared_head.norm")):
-                yield f"{o}.{hf_name}.weight", c(check_shape(f"{M}/{name}/scale", g(f"{M}/{name}/scale"), (h,)))
-            yield f"{o}.eh_proj.weight", c(check_shape(f"{M}/eh_proj/kernel", g(f"{M}/eh_proj/kernel"), (2 * h, h)).T)
-            yield f"{o}.embed_tokens.weight", c(wte[:v])  # the Hub's copies of the shared embedding and head
-            yield f"{o}.shared_head.head.weight", c((g("output_layer/kernel") if cfg.untie_embeddings_and_output_weights
-                                                     else wte.T)[:, :v].T)
-            yield from llama_layer(n, {f"decoder_layers_{n}": numpy_tree(g(f"{M}/transformer_layer"))},
-                                   bool(moe_layers[-1]))
-        yield "model.norm.weight", c(g("final_layernorm/scale"))
+                yield f"{o}.{hf_name}.weight", _owned(check_shape(f"{M}/{name}/scale", g(f"{M}/{name}/scale"), (h,)))
+            yield f"{o}.eh_proj.weight", _owned(check_shape(f"{M}/eh_proj/kernel", g(f"{M}/eh_proj/kernel"),
+                                                            (2 * h, h)).T)
+            yield f"{o}.embed_tokens.weight", _owned(wte[:v])  # the Hub's copies of the shared embedding and head
+            yield f"{o}.shared_head.head.weight", _owned((g("output_layer/kernel")
+                                                          if cfg.untie_embeddings_and_output_weights
+                                                          else wte.T)[:, :v].T)
+            yield from _llama_layer_to_hf(n, {f"decoder_layers_{n}": numpy_tree(g(f"{M}/transformer_layer"))},
+                                          bool(moe_layers[-1]), cfg, arch)
+        yield "model.norm.weight", _owned(g("final_layernorm/scale"))
     if cfg.untie_embeddings_and_output_weights:
         out = check_shape("output_layer/kernel", g("output_layer/kernel"), (h, rows))
-        yield "lm_head.weight", c(out[:, :v].T)
+        yield "lm_head.weight", _owned(out[:, :v].T)
+
+
+def _owned(a) -> np.ndarray:
+    """An owned, writable, C-contiguous copy of ``a`` (jax arrays give read-only views)."""
+    return np.array(a, order="C", copy=True)
+
+
+def _gpt2_layer_to_hf(i: int, lp: Mapping, cfg) -> Iterator[tuple[str, np.ndarray]]:
+    """GPT-2's tensors of ``transformer.h.{i}`` from ``lp`` = ``{"decoder_layers_{i}": subtree}``
+    (Q/K/V split, :func:`_split_fused_qkv`)."""
+    h, nq, d, ffn = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_channels, cfg.ffn_hidden_size
+    L, o = f"decoder_layers_{i}", f"transformer.h.{i}"
+    gl = lambda path: get(lp, path, cfg)  # noqa: E731
+    qkv = [check_shape(f"{L}/self_attention/linear_{n}/kernel",
+                       gl(f"{L}/self_attention/linear_{n}/kernel"), (h, nq, d)).reshape(h, nq * d)
+           for n in "qkv"]
+    yield f"{o}.ln_1.weight", _owned(gl(f"{L}/input_layernorm/scale"))
+    yield f"{o}.ln_1.bias", _owned(gl(f"{L}/input_layernorm/bias"))
+    yield f"{o}.attn.c_attn.weight", _owned(np.concatenate(qkv, axis=1))
+    yield f"{o}.attn.c_attn.bias", _owned(np.concatenate(
+        [gl(f"{L}/self_attention/linear_{n}/bias").reshape(nq * d) for n in "qkv"]))
+    yield f"{o}.attn.c_proj.weight", _owned(check_shape(
+        f"{L}/self_attention/linear_proj/kernel", gl(f"{L}/self_attention/linear_proj/kernel"),
+        (nq, d, h)).reshape(nq * d, h))
+    yield f"{o}.attn.c_proj.bias", _owned(gl(f"{L}/self_attention/linear_proj/bias"))
+    yield f"{o}.ln_2.weight", _owned(gl(f"{L}/pre_mlp_layernorm/scale"))
+    yield f"{o}.ln_2.bias", _owned(gl(f"{L}/pre_mlp_layernorm/bias"))
+    yield f"{o}.mlp.c_fc.weight", _owned(check_shape(
+        f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, ffn)))
+    yield f"{o}.mlp.c_fc.bias", _owned(gl(f"{L}/mlp/linear_fc1/bias"))
+    yield f"{o}.mlp.c_proj.weight", _owned(check_shape(
+        f"{L}/mlp/linear_fc2/kernel", gl(f"{L}/mlp/linear_fc2/kernel"), (ffn, h)))
+    yield f"{o}.mlp.c_proj.bias", _owned(gl(f"{L}/mlp/linear_fc2/bias"))
+
+
+def _llama_layer_to_hf(i: int, lp: Mapping, moe: bool, cfg, arch: str) -> Iterator[tuple[str, np.ndarray]]:
+    """The Llama layout's tensors of ``model.layers.{i}`` (Gemma's norms for Gemma, the MoE
+    MLP of :mod:`jmegatron.conversion.hf_moe` for an MoE layer) from ``lp`` =
+    ``{"decoder_layers_{i}": subtree}``."""
+    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    ffn, bias = cfg.ffn_hidden_size, cfg.add_bias_linear
+    norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
+    L, o = f"decoder_layers_{i}", f"model.layers.{i}"
+    A = f"{L}/self_attention"
+    gl = lambda path: get(lp, path, cfg)  # noqa: E731
+    for name, hf_name in norms.items():
+        yield f"{o}.{hf_name}.weight", _owned(check_shape(f"{L}/{name}/scale", gl(f"{L}/{name}/scale"), (h,)))
+    if cfg.multi_latent_attention:
+        for key, value in _mla_to_hf(gl, cfg, A, f"{o}.self_attn"):
+            yield key, _owned(value)
+    for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
+        k = check_shape(f"{A}/linear_{n}/kernel", gl(f"{A}/linear_{n}/kernel"), (h, heads, d))
+        yield f"{o}.self_attn.{n}_proj.weight", _owned(k.reshape(h, heads * d).T)
+        if bias or cfg.add_qkv_bias:
+            yield f"{o}.self_attn.{n}_proj.bias", _owned(gl(f"{A}/linear_{n}/bias").reshape(heads * d))
+    if cfg.qk_layernorm and not cfg.multi_latent_attention:
+        for n in "qk":
+            yield f"{o}.self_attn.{n}_norm.weight", _owned(check_shape(
+                f"{A}/{n}_layernorm/scale", gl(f"{A}/{n}_layernorm/scale"), (d,)))
+    dv = cfg.v_head_dim if cfg.multi_latent_attention else d
+    k = check_shape(f"{A}/linear_proj/kernel", gl(f"{A}/linear_proj/kernel"), (nq, dv, h))
+    yield f"{o}.self_attn.o_proj.weight", _owned(k.reshape(nq * dv, h).T)
+    if bias:
+        yield f"{o}.self_attn.o_proj.bias", _owned(gl(f"{A}/linear_proj/bias"))
+    if moe:
+        yield from hf_moe.mlp_to_hf(gl(f"{L}/mlp"), cfg, arch, i, check_shape).items()
+        return
+    fc1 = check_shape(f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, 2, ffn))
+    yield f"{o}.mlp.gate_proj.weight", _owned(fc1[:, 0, :].T)
+    yield f"{o}.mlp.up_proj.weight", _owned(fc1[:, 1, :].T)
+    fc2 = check_shape(f"{L}/mlp/linear_fc2/kernel", gl(f"{L}/mlp/linear_fc2/kernel"), (ffn, h))
+    yield f"{o}.mlp.down_proj.weight", _owned(fc2.T)
+    if bias:
+        b1 = gl(f"{L}/mlp/linear_fc1/bias")
+        yield f"{o}.mlp.gate_proj.bias", _owned(b1[0])
+        yield f"{o}.mlp.up_proj.bias", _owned(b1[1])
+        yield f"{o}.mlp.down_proj.bias", _owned(gl(f"{L}/mlp/linear_fc2/bias"))
 
 
 # multi-latent attention: jmegatron param (under self_attention) -> HF module (under self_attn)
@@ -848,23 +860,7 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     ``cfg`` has no HF target, a tensor is missing, has the wrong shape, or is left unused.
     """
     arch = hf_architecture(cfg)
-    if arch in MOE_ARCHITECTURES:
-        state_dict = hf_moe.from_module_layout(state_dict, arch, to_numpy)
-    sd: dict[str, np.ndarray] = {}
-    for key, value in state_dict.items():
-        if arch == GEMMA3:  # a multimodal Gemma-3: its text model, in Gemma3ForCausalLM's names
-            if key.startswith(_GEMMA3_VISION):
-                continue
-            for prefix, to in _GEMMA3_TEXT_PREFIXES:
-                if key.startswith(prefix):
-                    key = to + key[len(prefix):]
-                    break
-        if arch == GPT2:
-            if _GPT2_IGNORED.search(key):
-                continue
-            if not key.startswith("transformer.") and key != "lm_head.weight":
-                key = "transformer." + key
-        sd[key] = value
+    sd = _hf_checkpoint_names(state_dict, arch)
     used: set[str] = set()
 
     def t(key: str, shape: tuple) -> np.ndarray:
@@ -873,9 +869,7 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
         used.add(key)
         return check_shape(key, to_numpy(sd[key]).astype(np.float32), shape)
 
-    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
-    ffn = cfg.ffn_hidden_size
-    bias = cfg.add_bias_linear
+    h = cfg.hidden_size
     emb_key = "transformer.wte.weight" if arch == GPT2 else "model.embed_tokens.weight"
     if emb_key not in sd:
         raise ValueError(f"Hugging Face state dict has no {emb_key!r} (is it a {arch} checkpoint?)")
@@ -889,67 +883,12 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
 
     p: dict[str, Any] = {"word_embeddings": {"embedding": pad_rows(t(emb_key, (v, h)))}}
     if arch == GPT2:
-        p["position_embeddings"] = {"embedding": t("transformer.wpe.weight", (cfg.max_position_embeddings, h))}
-        for i in range(cfg.num_layers):
-            o = f"transformer.h.{i}"
-            w = t(f"{o}.attn.c_attn.weight", (h, 3 * nq * d))
-            b = t(f"{o}.attn.c_attn.bias", (3 * nq * d,))
-            attn = {f"linear_{n}": {"kernel": w[:, j * nq * d:(j + 1) * nq * d].reshape(h, nq, d),
-                                    "bias": b[j * nq * d:(j + 1) * nq * d].reshape(nq, d)}
-                    for j, n in enumerate("qkv")}
-            attn["linear_proj"] = {"kernel": t(f"{o}.attn.c_proj.weight", (nq * d, h)).reshape(nq, d, h),
-                                   "bias": t(f"{o}.attn.c_proj.bias", (h,))}
-            p[f"decoder_layers_{i}"] = {
-                "input_layernorm": {"scale": t(f"{o}.ln_1.weight", (h,)), "bias": t(f"{o}.ln_1.bias", (h,))},
-                "self_attention": attn,
-                "pre_mlp_layernorm": {"scale": t(f"{o}.ln_2.weight", (h,)), "bias": t(f"{o}.ln_2.bias", (h,))},
-                "mlp": {"linear_fc1": {"kernel": t(f"{o}.mlp.c_fc.weight", (h, ffn)),
-                                       "bias": t(f"{o}.mlp.c_fc.bias", (ffn,))},
-                        "linear_fc2": {"kernel": t(f"{o}.mlp.c_proj.weight", (ffn, h)),
-                                       "bias": t(f"{o}.mlp.c_proj.bias", (h,))}},
-            }
-        p["final_layernorm"] = {"scale": t("transformer.ln_f.weight", (h,)), "bias": t("transformer.ln_f.bias", (h,))}
+        p.update(_gpt2_from_hf(t, cfg))
     else:
-        moe_layers = hf_moe.moe_layers(cfg)
-        norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
-
-        def hf_layer(i: int, moe: bool) -> dict:
-            """The jmegatron layer subtree of ``model.layers.{i}``."""
-            o = f"model.layers.{i}"
-            attn = _mla_from_hf(t, cfg, f"{o}.self_attn") if cfg.multi_latent_attention else {}
-            for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
-                attn[f"linear_{n}"] = {"kernel": t(f"{o}.self_attn.{n}_proj.weight", (heads * d, h)).T.reshape(h, heads, d)}
-                if bias or cfg.add_qkv_bias:
-                    attn[f"linear_{n}"]["bias"] = t(f"{o}.self_attn.{n}_proj.bias", (heads * d,)).reshape(heads, d)
-            dv = cfg.v_head_dim if cfg.multi_latent_attention else d
-            attn["linear_proj"] = {"kernel": t(f"{o}.self_attn.o_proj.weight", (h, nq * dv)).T.reshape(nq, dv, h)}
-            if cfg.qk_layernorm and not cfg.multi_latent_attention:
-                for n in "qk":
-                    attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
-            layer_norms = {name: {"scale": t(f"{o}.{hf_name}.weight", (h,))} for name, hf_name in norms.items()}
-            if moe:
-                return {**layer_norms, "self_attention": attn, "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i)}
-            fc1 = {"kernel": np.stack([t(f"{o}.mlp.gate_proj.weight", (ffn, h)).T,
-                                       t(f"{o}.mlp.up_proj.weight", (ffn, h)).T], axis=1)}
-            fc2 = {"kernel": t(f"{o}.mlp.down_proj.weight", (h, ffn)).T}
-            if bias:
-                attn["linear_proj"]["bias"] = t(f"{o}.self_attn.o_proj.bias", (h,))
-                fc1["bias"] = np.stack([t(f"{o}.mlp.gate_proj.bias", (ffn,)), t(f"{o}.mlp.up_proj.bias", (ffn,))])
-                fc2["bias"] = t(f"{o}.mlp.down_proj.bias", (h,))
-            return {**layer_norms, "self_attention": attn, "mlp": {"linear_fc1": fc1, "linear_fc2": fc2}}
-
-        for i in range(cfg.num_layers):
-            p[f"decoder_layers_{i}"] = hf_layer(i, bool(moe_layers[i]))
-        p["final_layernorm"] = {"scale": t("model.norm.weight", (h,))}
-        for k in range(cfg.mtp_num_layers or 0):  # DeepSeek-V3's Hub layout: depth k is layer L + k
-            n = cfg.num_layers + k
-            o = f"model.layers.{n}"
-            used.update({f"{o}.embed_tokens.weight", f"{o}.shared_head.head.weight"})  # copies of the shared ones
-            p[f"mtp_layers_{k}"] = {"enorm": {"scale": t(f"{o}.enorm.weight", (h,))},
-                                    "hnorm": {"scale": t(f"{o}.hnorm.weight", (h,))},
-                                    "final_layernorm": {"scale": t(f"{o}.shared_head.norm.weight", (h,))},
-                                    "eh_proj": {"kernel": np.ascontiguousarray(t(f"{o}.eh_proj.weight", (h, 2 * h)).T)},
-                                    "transformer_layer": hf_layer(n, bool(moe_layers[-1]))}
+        p.update(_llama_from_hf(t, cfg, arch))
+        for k in range(cfg.mtp_num_layers or 0):  # the Hub's copies of the shared embedding and head
+            used.update({f"model.layers.{cfg.num_layers + k}.{name}.weight"
+                         for name in ("embed_tokens", "shared_head.head")})
         # MTP depths the config leaves out (a teacher, a model without MTP): dropped, as
         # transformers' DeepseekV3ForCausalLM drops them
         first_extra = cfg.num_layers + (cfg.mtp_num_layers or 0)
@@ -967,6 +906,109 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     if cfg.scan_layers:
         p = stack_layers(p, cfg.num_layers)
     return p
+
+
+def _hf_checkpoint_names(state_dict: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """``state_dict`` under the checkpoint names :func:`from_hf_state_dict` reads: MoE experts
+    unfused (:func:`jmegatron.conversion.hf_moe.from_module_layout`), a multimodal Gemma-3's
+    text model in Gemma3ForCausalLM's names (its vision tower dropped), GPT-2 keys with the
+    ``transformer.`` prefix and without the legacy mask buffers."""
+    if arch in MOE_ARCHITECTURES:
+        state_dict = hf_moe.from_module_layout(state_dict, arch, to_numpy)
+    sd: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if arch == GEMMA3:  # a multimodal Gemma-3: its text model, in Gemma3ForCausalLM's names
+            if key.startswith(_GEMMA3_VISION):
+                continue
+            for prefix, to in _GEMMA3_TEXT_PREFIXES:
+                if key.startswith(prefix):
+                    key = to + key[len(prefix):]
+                    break
+        if arch == GPT2:
+            if _GPT2_IGNORED.search(key):
+                continue
+            if not key.startswith("transformer.") and key != "lm_head.weight":
+                key = "transformer." + key
+        sd[key] = value
+    return sd
+
+
+def _gpt2_from_hf(t: Callable, cfg) -> dict:
+    """GPT-2's position embedding, decoder layers (Q/K/V split) and final norm as jmegatron
+    params (``t(key, shape)``: a float32 HF tensor)."""
+    h, nq, d, ffn = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_channels, cfg.ffn_hidden_size
+    p: dict[str, Any] = {"position_embeddings": {"embedding": t("transformer.wpe.weight",
+                                                                (cfg.max_position_embeddings, h))}}
+    for i in range(cfg.num_layers):
+        o = f"transformer.h.{i}"
+        w = t(f"{o}.attn.c_attn.weight", (h, 3 * nq * d))
+        b = t(f"{o}.attn.c_attn.bias", (3 * nq * d,))
+        attn = {f"linear_{n}": {"kernel": w[:, j * nq * d:(j + 1) * nq * d].reshape(h, nq, d),
+                                "bias": b[j * nq * d:(j + 1) * nq * d].reshape(nq, d)}
+                for j, n in enumerate("qkv")}
+        attn["linear_proj"] = {"kernel": t(f"{o}.attn.c_proj.weight", (nq * d, h)).reshape(nq, d, h),
+                               "bias": t(f"{o}.attn.c_proj.bias", (h,))}
+        p[f"decoder_layers_{i}"] = {
+            "input_layernorm": {"scale": t(f"{o}.ln_1.weight", (h,)), "bias": t(f"{o}.ln_1.bias", (h,))},
+            "self_attention": attn,
+            "pre_mlp_layernorm": {"scale": t(f"{o}.ln_2.weight", (h,)), "bias": t(f"{o}.ln_2.bias", (h,))},
+            "mlp": {"linear_fc1": {"kernel": t(f"{o}.mlp.c_fc.weight", (h, ffn)),
+                                   "bias": t(f"{o}.mlp.c_fc.bias", (ffn,))},
+                    "linear_fc2": {"kernel": t(f"{o}.mlp.c_proj.weight", (ffn, h)),
+                                   "bias": t(f"{o}.mlp.c_proj.bias", (h,))}},
+        }
+    p["final_layernorm"] = {"scale": t("transformer.ln_f.weight", (h,)), "bias": t("transformer.ln_f.bias", (h,))}
+    return p
+
+
+def _llama_from_hf(t: Callable, cfg, arch: str) -> dict:
+    """The Llama layout's decoder layers (Q/K/V split), final norm and DeepSeek-V3's
+    multi-token prediction depths as jmegatron params (``t(key, shape)``: a float32 HF
+    tensor)."""
+    h = cfg.hidden_size
+    moe_layers = hf_moe.moe_layers(cfg)
+    p: dict[str, Any] = {f"decoder_layers_{i}": _llama_layer_from_hf(t, cfg, arch, i, bool(moe_layers[i]))
+                         for i in range(cfg.num_layers)}
+    p["final_layernorm"] = {"scale": t("model.norm.weight", (h,))}
+    for k in range(cfg.mtp_num_layers or 0):  # DeepSeek-V3's Hub layout: depth k is layer L + k
+        n = cfg.num_layers + k
+        o = f"model.layers.{n}"
+        p[f"mtp_layers_{k}"] = {"enorm": {"scale": t(f"{o}.enorm.weight", (h,))},
+                                "hnorm": {"scale": t(f"{o}.hnorm.weight", (h,))},
+                                "final_layernorm": {"scale": t(f"{o}.shared_head.norm.weight", (h,))},
+                                "eh_proj": {"kernel": np.ascontiguousarray(t(f"{o}.eh_proj.weight", (h, 2 * h)).T)},
+                                "transformer_layer": _llama_layer_from_hf(t, cfg, arch, n, bool(moe_layers[-1]))}
+    return p
+
+
+def _llama_layer_from_hf(t: Callable, cfg, arch: str, i: int, moe: bool) -> dict:
+    """The jmegatron layer subtree of ``model.layers.{i}`` (the inverse of
+    :func:`_llama_layer_to_hf`, Q/K/V split)."""
+    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    ffn, bias = cfg.ffn_hidden_size, cfg.add_bias_linear
+    norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
+    o = f"model.layers.{i}"
+    attn = _mla_from_hf(t, cfg, f"{o}.self_attn") if cfg.multi_latent_attention else {}
+    for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
+        attn[f"linear_{n}"] = {"kernel": t(f"{o}.self_attn.{n}_proj.weight", (heads * d, h)).T.reshape(h, heads, d)}
+        if bias or cfg.add_qkv_bias:
+            attn[f"linear_{n}"]["bias"] = t(f"{o}.self_attn.{n}_proj.bias", (heads * d,)).reshape(heads, d)
+    dv = cfg.v_head_dim if cfg.multi_latent_attention else d
+    attn["linear_proj"] = {"kernel": t(f"{o}.self_attn.o_proj.weight", (h, nq * dv)).T.reshape(nq, dv, h)}
+    if cfg.qk_layernorm and not cfg.multi_latent_attention:
+        for n in "qk":
+            attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
+    layer_norms = {name: {"scale": t(f"{o}.{hf_name}.weight", (h,))} for name, hf_name in norms.items()}
+    if moe:
+        return {**layer_norms, "self_attention": attn, "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i)}
+    fc1 = {"kernel": np.stack([t(f"{o}.mlp.gate_proj.weight", (ffn, h)).T,
+                               t(f"{o}.mlp.up_proj.weight", (ffn, h)).T], axis=1)}
+    fc2 = {"kernel": t(f"{o}.mlp.down_proj.weight", (h, ffn)).T}
+    if bias:
+        attn["linear_proj"]["bias"] = t(f"{o}.self_attn.o_proj.bias", (h,))
+        fc1["bias"] = np.stack([t(f"{o}.mlp.gate_proj.bias", (ffn,)), t(f"{o}.mlp.up_proj.bias", (ffn,))])
+        fc2["bias"] = t(f"{o}.mlp.down_proj.bias", (h,))
+    return {**layer_norms, "self_attention": attn, "mlp": {"linear_fc1": fc1, "linear_fc2": fc2}}
 
 
 def _layer_index(key: str) -> Optional[int]:

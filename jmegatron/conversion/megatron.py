@@ -324,20 +324,9 @@ def from_megatron_state_dict(state_dict: Mapping[str, Any], cfg, padded_vocab_si
         c = canonical_key(key)
         if c is not None and value is not None:
             sd[c] = value
-    used: set[str] = set()
-
-    def t(key: str, shape: Optional[tuple] = None) -> np.ndarray:
-        if key not in sd:
-            raise ValueError(f"the Megatron state dict has no {key!r} (needed by this config)")
-        used.add(key)
-        a = to_numpy(sd[key]).astype(np.float32)
-        return a if shape is None else check_shape(key, a, shape)
-
-    def opt(key: str, shape: tuple) -> Optional[np.ndarray]:
-        return t(key, shape) if key in sd else None
-
-    h, nq, ng, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
-    r = nq // ng
+    read = _StateDictReader(sd, cfg)
+    t, norm = read.t, read.norm
+    h = cfg.hidden_size
     emb = t("embedding.word_embeddings.weight")
     v = vocab_size or emb.shape[0]
     rows = padded_vocab_size or cfg.padded_vocab_size(v)
@@ -348,17 +337,66 @@ def from_megatron_state_dict(state_dict: Mapping[str, Any], cfg, padded_vocab_si
         a = a[:v]
         return a if rows == v else np.concatenate([a, np.zeros((rows - v,) + a.shape[1:], a.dtype)])
 
-    def norm(key: str) -> dict:
-        n = {"scale": t(f"{key}.weight", (h,))}
-        if cfg.normalization == "LayerNorm":
-            n["bias"] = t(f"{key}.bias", (h,))
+    p: dict[str, Any] = {"word_embeddings": {"embedding": repad(emb)}}
+    if cfg.position_embedding_type == "learned_absolute":
+        p["position_embeddings"] = {"embedding": t("embedding.position_embeddings.weight",
+                                                    (cfg.max_position_embeddings, h))}
+    moe_layers = hf_moe.moe_layers(cfg)
+    for i in range(cfg.num_layers):
+        p[f"decoder_layers_{i}"] = read.transformer_layer(f"decoder.layers.{i}", bool(moe_layers[i]))
+    p["final_layernorm"] = norm("decoder.final_layernorm")
+    for k in range(cfg.mtp_num_layers or 0):  # megatron-core's MultiTokenPredictionLayer
+        o = f"mtp.layers.{k}"
+        p[f"mtp_layers_{k}"] = {
+            "enorm": norm(f"{o}.enorm"), "hnorm": norm(f"{o}.hnorm"), "final_layernorm": norm(f"{o}.final_layernorm"),
+            "eh_proj": {"kernel": np.ascontiguousarray(t(f"{o}.eh_proj.weight", (h, 2 * h)).T)},
+            "transformer_layer": read.transformer_layer(f"{o}.transformer_layer", bool(moe_layers[-1]))}
+    if cfg.untie_embeddings_and_output_weights:
+        p["output_layer"] = {"kernel": np.ascontiguousarray(repad(t("output_layer.weight", (emb.shape[0], h))).T)}
+    else:
+        read.used.add("output_layer.weight")  # the last pipeline stage's copy of the tied embedding
+    unused = sorted(set(sd) - read.used)
+    if unused:
+        raise ValueError(f"the Megatron state dict has tensors this config does not use: {unused[:8]}"
+                         + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else ""))
+    p = map_leaves(np.ascontiguousarray, p)
+    return stack_layers(p, cfg.num_layers) if cfg.scan_layers else p
+
+
+class _StateDictReader:
+    """The jmegatron subtrees of a canonical megatron-core state dict ``sd``
+    (:func:`canonical_key` names) for ``cfg``, as float32 numpy; ``used``: the keys read."""
+
+    def __init__(self, sd: Mapping[str, Any], cfg):
+        self.sd, self.cfg, self.used = sd, cfg, set()
+
+    def t(self, key: str, shape: Optional[tuple] = None) -> np.ndarray:
+        """Tensor ``key`` (ValueError when absent or not of ``shape``)."""
+        if key not in self.sd:
+            raise ValueError(f"the Megatron state dict has no {key!r} (needed by this config)")
+        self.used.add(key)
+        a = to_numpy(self.sd[key]).astype(np.float32)
+        return a if shape is None else check_shape(key, a, shape)
+
+    def opt(self, key: str, shape: tuple) -> Optional[np.ndarray]:
+        """Tensor ``key`` when present, else None."""
+        return self.t(key, shape) if key in self.sd else None
+
+    def norm(self, key: str) -> dict:
+        """The norm ``key`` (``scale``, and ``bias`` for LayerNorm)."""
+        h = self.cfg.hidden_size
+        n = {"scale": self.t(f"{key}.weight", (h,))}
+        if self.cfg.normalization == "LayerNorm":
+            n["bias"] = self.t(f"{key}.bias", (h,))
         return n
 
-    def dense(prefix: str, f: int) -> dict:
-        glu = cfg.swiglu
+    def dense(self, prefix: str, f: int) -> dict:
+        """The MLP under ``prefix`` with ``f`` hidden units (ValueError for a bias the config has not)."""
+        cfg, t, h, glu = self.cfg, self.t, self.cfg.hidden_size, self.cfg.swiglu
         m = {"linear_fc1": {"kernel": _fc1_from(t(f"{prefix}.linear_fc1.weight", ((2 if glu else 1) * f, h)), glu)},
              "linear_fc2": {"kernel": np.ascontiguousarray(t(f"{prefix}.linear_fc2.weight", (h, f)).T)}}
-        b1, b2 = opt(f"{prefix}.linear_fc1.bias", ((2 if glu else 1) * f,)), opt(f"{prefix}.linear_fc2.bias", (h,))
+        b1 = self.opt(f"{prefix}.linear_fc1.bias", ((2 if glu else 1) * f,))
+        b2 = self.opt(f"{prefix}.linear_fc2.bias", (h,))
         if cfg.add_bias_linear:
             m["linear_fc1"]["bias"] = t(f"{prefix}.linear_fc1.bias").reshape((2, f) if glu else (f,))
             m["linear_fc2"]["bias"] = t(f"{prefix}.linear_fc2.bias", (h,))
@@ -366,13 +404,11 @@ def from_megatron_state_dict(state_dict: Mapping[str, Any], cfg, padded_vocab_si
             raise ValueError(f"{prefix}.linear_fc1/2 has a bias but add_bias_linear=False")
         return m
 
-    p: dict[str, Any] = {"word_embeddings": {"embedding": repad(emb)}}
-    if cfg.position_embedding_type == "learned_absolute":
-        p["position_embeddings"] = {"embedding": t("embedding.position_embeddings.weight",
-                                                    (cfg.max_position_embeddings, h))}
-    moe_layers = hf_moe.moe_layers(cfg)
-
-    def transformer_layer(o: str, moe: bool) -> dict:
+    def transformer_layer(self, o: str, moe: bool) -> dict:
+        """The decoder layer under ``o`` (an MoE layer's router, experts and shared expert when ``moe``)."""
+        cfg, t = self.cfg, self.t
+        h, nq, ng, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+        r = nq // ng
         qkv = {"kernel": np.ascontiguousarray(
             t(f"{o}.self_attention.linear_qkv.weight", (ng * (r + 2) * d, h)).reshape(ng, r + 2, d, h)
             .transpose(3, 0, 1, 2))}
@@ -386,47 +422,27 @@ def from_megatron_state_dict(state_dict: Mapping[str, Any], cfg, padded_vocab_si
         if cfg.qk_layernorm:
             for n in "qk":
                 attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attention.{n}_layernorm.weight", (d,))}
-        layer = {"input_layernorm": norm(f"{o}.input_layernorm"), "self_attention": attn,
-                 "pre_mlp_layernorm": norm(f"{o}.pre_mlp_layernorm")}
+        layer = {"input_layernorm": self.norm(f"{o}.input_layernorm"), "self_attention": attn,
+                 "pre_mlp_layernorm": self.norm(f"{o}.pre_mlp_layernorm")}
         if not moe:
-            layer["mlp"] = dense(f"{o}.mlp", cfg.ffn_hidden_size)
-        else:
-            e, f = cfg.num_moe_experts, cfg.moe_ffn_hidden_size
-            experts = [dense(f"{o}.mlp.experts.local_experts.{x}", f) for x in range(e)]
-            mlp = {"router": {"kernel": np.ascontiguousarray(t(f"{o}.mlp.router.weight", (e, h)).T)},
-                   "experts": {n: {"kernel": np.stack([x[n]["kernel"] for x in experts])}
-                               for n in ("linear_fc1", "linear_fc2")}}
-            if cfg.moe_router_enable_expert_bias:
-                mlp["router"]["expert_bias"] = t(f"{o}.mlp.router.expert_bias", (e,))
-            elif f"{o}.mlp.router.expert_bias" in sd:
-                used.add(f"{o}.mlp.router.expert_bias")  # a buffer megatron-core keeps unused
-            if cfg.moe_shared_expert_intermediate_size:
-                mlp["shared_experts"] = dense(f"{o}.mlp.shared_experts", cfg.moe_shared_expert_intermediate_size)
-                if cfg.moe_shared_expert_gate:
-                    mlp["shared_expert_gate"] = {"gate": {"kernel": np.ascontiguousarray(
-                        t(f"{o}.mlp.shared_experts.gate_weight", (1, h)).T)}}
-            layer["mlp"] = mlp
+            layer["mlp"] = self.dense(f"{o}.mlp", cfg.ffn_hidden_size)
+            return layer
+        e, f = cfg.num_moe_experts, cfg.moe_ffn_hidden_size
+        experts = [self.dense(f"{o}.mlp.experts.local_experts.{x}", f) for x in range(e)]
+        mlp = {"router": {"kernel": np.ascontiguousarray(t(f"{o}.mlp.router.weight", (e, h)).T)},
+               "experts": {n: {"kernel": np.stack([x[n]["kernel"] for x in experts])}
+                           for n in ("linear_fc1", "linear_fc2")}}
+        if cfg.moe_router_enable_expert_bias:
+            mlp["router"]["expert_bias"] = t(f"{o}.mlp.router.expert_bias", (e,))
+        elif f"{o}.mlp.router.expert_bias" in self.sd:
+            self.used.add(f"{o}.mlp.router.expert_bias")  # a buffer megatron-core keeps unused
+        if cfg.moe_shared_expert_intermediate_size:
+            mlp["shared_experts"] = self.dense(f"{o}.mlp.shared_experts", cfg.moe_shared_expert_intermediate_size)
+            if cfg.moe_shared_expert_gate:
+                mlp["shared_expert_gate"] = {"gate": {"kernel": np.ascontiguousarray(
+                    t(f"{o}.mlp.shared_experts.gate_weight", (1, h)).T)}}
+        layer["mlp"] = mlp
         return layer
-
-    for i in range(cfg.num_layers):
-        p[f"decoder_layers_{i}"] = transformer_layer(f"decoder.layers.{i}", bool(moe_layers[i]))
-    p["final_layernorm"] = norm("decoder.final_layernorm")
-    for k in range(cfg.mtp_num_layers or 0):  # megatron-core's MultiTokenPredictionLayer
-        o = f"mtp.layers.{k}"
-        p[f"mtp_layers_{k}"] = {
-            "enorm": norm(f"{o}.enorm"), "hnorm": norm(f"{o}.hnorm"), "final_layernorm": norm(f"{o}.final_layernorm"),
-            "eh_proj": {"kernel": np.ascontiguousarray(t(f"{o}.eh_proj.weight", (h, 2 * h)).T)},
-            "transformer_layer": transformer_layer(f"{o}.transformer_layer", bool(moe_layers[-1]))}
-    if cfg.untie_embeddings_and_output_weights:
-        p["output_layer"] = {"kernel": np.ascontiguousarray(repad(t("output_layer.weight", (emb.shape[0], h))).T)}
-    else:
-        used.add("output_layer.weight")  # the last pipeline stage's copy of the tied embedding
-    unused = sorted(set(sd) - used)
-    if unused:
-        raise ValueError(f"the Megatron state dict has tensors this config does not use: {unused[:8]}"
-                         + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else ""))
-    p = map_leaves(np.ascontiguousarray, p)
-    return stack_layers(p, cfg.num_layers) if cfg.scan_layers else p
 
 
 # ----------------------------------------------------------------------------- tensor / pipeline / expert shards
