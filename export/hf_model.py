@@ -14,8 +14,8 @@ from jmegatron.conversion.hf import GEMMA3, GPT2, MOE_ARCHITECTURES, hf_config_d
 
 def hf_config_class(arch: str):
     """The transformers config class of architecture ``arch`` (a class name
-    :func:`jmegatron.conversion.hf.hf_architecture` returns, e.g. ``"Qwen3ForCausalLM"`` -> ``Qwen3Config``). Imports
-    transformers (ImportError if missing)."""
+    :func:`jmegatron.conversion.hf.hf_architecture` returns, e.g. ``"Qwen3ForCausalLM"`` ->
+    ``Qwen3Config``). Imports transformers (ImportError if missing)."""
     import transformers
 
     return getattr(transformers, {GPT2: "GPT2Config", GEMMA3: "Gemma3TextConfig"}.get(
@@ -29,9 +29,9 @@ def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
     (per-layer or scanned), loaded with ``load_state_dict(strict=True)`` (MoE experts fused
     first where the installed transformers holds them fused).
 
-    ``vocab_size`` as in :func:`jmegatron.conversion.hf.to_hf_state_dict` (default: the embedding's rows). Imports
-    torch and transformers here (ImportError if missing). Raises ValueError as
-    :func:`jmegatron.conversion.hf.to_hf_state_dict`.
+    ``vocab_size`` as in :func:`jmegatron.conversion.hf.to_hf_state_dict` (default: the
+    embedding's rows). Imports torch and transformers here (ImportError if missing). Raises
+    ValueError as :func:`jmegatron.conversion.hf.to_hf_state_dict`.
     """
     import torch
     import transformers
