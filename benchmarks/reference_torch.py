@@ -8,8 +8,8 @@
 Trains the same model as jmegatron would, with nothing of jmegatron's training code:
 
 * model: Hugging Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (chosen by
-  ``jmegatron.export.hf.hf_architecture``) holding jmegatron's *initial* weights
-  (``export.hf.to_hf_model`` on the params of ``run.init_state()``, seed ``config.seed``),
+  ``jmegatron.conversion.hf.hf_architecture``) holding jmegatron's *initial* weights
+  (``export.hf_model.to_hf_model`` on the params of ``run.init_state()``, seed ``config.seed``),
   float32, over the padded vocabulary (as jmegatron's logits);
 * data: exactly jmegatron's batches (``build_datasets`` + ``BatchLoader``; mock configs use
   ``MockGPTDataset``), micro-batch ``j`` of an iteration holding ``micro_batch_size * dp``
@@ -103,8 +103,9 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
 
+    from jmegatron.conversion.hf import hf_architecture
     from jmegatron.data.loader import BatchLoader
-    from jmegatron.export.hf import hf_architecture, to_hf_model
+    from jmegatron.export.hf_model import to_hf_model
     from jmegatron.parallel.mesh import create_mesh
     from jmegatron.training.run import build
     from jmegatron.training.loop import build_datasets

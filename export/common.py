@@ -22,7 +22,7 @@ from jmegatron.checkpoint.restore import read_saved_params
 from jmegatron.checkpoint.views import checkpoint_view
 from jmegatron.config import ConfigError
 from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
-from jmegatron.export.hf import to_hf_model
+from jmegatron.export.hf_model import to_hf_model
 
 __all__ = ["ExportError", "ExportSource", "check_out_dir", "checkpoint_config", "export_config", "load_checkpoint", "hf_model",
            "export_source", "load_source_tokenizer", "open_checkpoint", "refuse_moe", "source_vocab_size", "tokenizer_path"]
@@ -40,7 +40,7 @@ class ExportSource:
         cfg: the checkpoint's resolved :class:`jmegatron.config.JMegatronConfig`
             (distillation fields cleared, ``scan_layers=False``).
         params: nested dict of float32 ``np.ndarray`` in the per-layer layout (see
-            ``jmegatron.export.hf`` for names and shapes; embedding rows = padded vocab), or
+            ``jmegatron.conversion.hf`` for names and shapes; embedding rows = padded vocab), or
             None when not read (:func:`export_source` for the streaming export).
         vocab_size: the true vocabulary (:func:`source_vocab_size`); exports drop the
             padding rows.

@@ -6,8 +6,8 @@
 of ``--max-shard-size`` with ``model.safetensors.index.json``, written layer by layer:
 :mod:`jmegatron.export.stream`) (``GPT2LMHeadModel`` for the GPT variant,
 ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` for the Llama-style variants,
-``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` for mixture-of-experts models; the weight mapping is :mod:`jmegatron.export.hf` and
-:mod:`jmegatron.export.hf_moe`,
+``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` for mixture-of-experts models; the weight mapping is :mod:`jmegatron.conversion.hf` and
+:mod:`jmegatron.conversion.hf_moe`,
 held to 1e-4 logits by the golden tests), the tokenizer (``tokenizer.json`` +
 ``tokenizer_config.json`` via ``PreTrainedTokenizerFast``, end-of-document as bos/eos) and
 ``jmegatron_export.json`` (source checkpoint, iteration, vocabulary sizes). Any parallel
@@ -34,18 +34,18 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from jmegatron.checkpoint.hf import is_hf_folder, read_hf_folder
 from jmegatron.config import IMPORTED_FIELDS_FILE, ConfigError, base_config, from_configdict, load_config_file
+from jmegatron.conversion.hf import ARCHITECTURES, hf_architecture
 from jmegatron.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config, write_hf_tokenizer
-from jmegatron.export.hf import (ARCHITECTURES, config_fields_from_hf, from_hf_state_dict, hf_architecture,
-                                 hf_mtp_depths, hf_tensor_names, is_hf_folder, read_hf_state_dict)
 from jmegatron.export.stream import export_hf_streaming, parse_size
 from jmegatron.export.unified import is_unified_folder, jmegatron_fields, jmegatron_params, read_unified
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.checkpoint import checkpointing
 from jmegatron.training.run import build, checkpoint_meta
 
-__all__ = ["register", "export_hf", "import_hf", "import_unified", "hf_checkpoint", "checkpoint_of"]
+__all__ = ["register", "export_hf", "import_hf", "import_unified", "checkpoint_of"]
 
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 HF_SOURCE = "hf_source"  # import-hf's copy of the source config.json / generation_config.json
@@ -123,8 +123,8 @@ def export_hf(load: str, out: str, dtype: str = "float32", iteration: int | None
 def import_hf(folder: str, out: str, config_file: str | None = None, seq_length: int | None = None):
     """Write a jmegatron checkpoint (iteration 0) holding the Hugging Face model of ``folder``.
 
-    The architecture fields come from ``folder/config.json`` (:func:`jmegatron.export.hf.
-    config_fields_from_hf`), everything else from ``config_file`` or jmegatron's defaults;
+    The architecture fields come from ``folder/config.json`` (:func:`jmegatron.checkpoint.hf.
+    read_hf_folder`), everything else from ``config_file`` or jmegatron's defaults;
     The folder's tokenizer (``tokenizer.json`` with its ``tokenizer_config.json``, special
     tokens and chat template, :data:`jmegatron.data.tokenizer.TOKENIZER_FILES`), when present,
     is copied to ``out/tokenizer/`` and becomes ``tokenizer_model`` (its ``eos_token`` the
@@ -133,18 +133,11 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
     folder or config.json, an architecture jmegatron cannot represent (HF fields named), a
     tensor that is missing or of the wrong shape, or an ``out`` that already holds files.
     """
-    conf_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(conf_path):
-        raise ExportError(f"--hf {folder}: no config.json (expected a save_pretrained folder)")
-    check_out_dir(out)
-    with open(conf_path) as f:
-        hf_conf = json.load(f)
     try:
-        fields = config_fields_from_hf(hf_conf)
-    except (KeyError, ValueError) as e:
+        hf = read_hf_folder(folder)
+    except ValueError as e:
         raise ExportError(f"--hf {folder}: {e}") from e
-    if hf_conf.get("model_type") == "deepseek_v3":  # the MTP depths the files hold (not num_nextn_predict_layers)
-        fields["mtp_num_layers"] = hf_mtp_depths(hf_tensor_names(folder), fields["num_layers"]) or None
+    check_out_dir(out)
     tok_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
     tokenizer = None
     if "tokenizer.json" in tok_files:
@@ -164,9 +157,8 @@ def import_hf(folder: str, out: str, config_file: str | None = None, seq_length:
             if os.path.isfile(os.path.join(folder, name)):
                 shutil.copyfile(os.path.join(folder, name), os.path.join(out, HF_SOURCE, name))
 
-    return save_imported(fields, out, config_file,
-                         lambda cfg, padded: from_hf_state_dict(read_hf_state_dict(folder), cfg, padded),
-                         source=f"{hf_conf.get('architectures', ['?'])[0]} from {os.path.abspath(folder)}",
+    return save_imported(hf.fields, out, config_file, hf.params,
+                         source=f"{hf.architecture} from {os.path.abspath(folder)}",
                          seq_length=seq_length, tokenizer_model=tokenizer, before_save=copy_files, what=f"--hf {folder}")
 
 
@@ -188,17 +180,11 @@ def import_unified(folder: str, out: str, config_file: str | None = None, seq_le
                          what=f"--load {folder}")
 
 
-IMPORTED_MARKER = "imported_from.json"  # written last by hf_checkpoint: the import is complete
+IMPORTED_MARKER = "imported_from.json"  # written last by checkpoint_of: the import is complete
 
 
-def hf_checkpoint(folder: str, out: str, timeout_s: float = 3600.0) -> str:
-    """``out``, holding the jmegatron checkpoint of the Hugging Face folder ``folder``
-    (:func:`import_hf`), imported unless ``out`` already holds this folder's import (its
-    :data:`IMPORTED_MARKER`, written when the import is complete; a partial one is redone).
-    In a multi-process run only process 0 (``JMEGATRON_PROCESS_ID``, set by
-    ``jmegatron.launch``) imports; the others wait for the marker, up to ``timeout_s``
-    seconds. Raises ExportError as :func:`import_hf`, for a marker naming another folder, or
-    on the timeout."""
+def _import_once(folder: str, out: str, timeout_s: float) -> str:
+    """``out``, holding the import of ``folder`` (see :func:`checkpoint_of`)."""
     marker = os.path.join(out, IMPORTED_MARKER)
     source = os.path.abspath(folder)
 
@@ -229,19 +215,29 @@ def hf_checkpoint(folder: str, out: str, timeout_s: float = 3600.0) -> str:
 
 
 @contextlib.contextmanager
-def checkpoint_of(load: str) -> Iterator[str]:
-    """``load`` when it is a jmegatron checkpoint; for a Hugging Face folder (a
-    ``config.json`` with ``model_type``), its import (:func:`import_hf`, or
-    :func:`import_unified` for ModelOpt's unified checkpoint) into a temporary directory
-    removed on exit: how ``evaluate``, ``generate`` and ``serve`` take such a folder as
-    ``--load``."""
+def checkpoint_of(load: str, out: str | None = None, timeout_s: float = 3600.0) -> Iterator[str]:
+    """The jmegatron checkpoint of ``--load``: ``load`` itself when it is one; for a Hugging
+    Face folder (a ``config.json`` with ``model_type``), its import (:func:`import_hf`, or
+    :func:`import_unified` for ModelOpt's unified checkpoint): how train, ``evaluate``,
+    ``generate`` and ``serve`` take such a folder as ``--load``.
+
+    ``out`` None: the import goes to a temporary directory removed on exit. ``out`` given
+    (train's ``<save>/hf_import``): it is kept, and imported unless it already holds this
+    folder's import (its :data:`IMPORTED_MARKER`, written when the import is complete; a
+    partial one is redone); in a multi-process run only process 0
+    (``JMEGATRON_PROCESS_ID``, set by ``jmegatron.launch``) imports, the others wait for
+    the marker up to ``timeout_s`` seconds. Raises ExportError as :func:`import_hf`, for a
+    marker naming another folder, or on the timeout."""
     if not is_hf_folder(load) and not is_unified_folder(load):
         yield load
+        return
+    if out is not None:
+        yield _import_once(load, out, timeout_s)
         return
     with tempfile.TemporaryDirectory(prefix="jmegatron-hf-") as tmp:
         kind = "ModelOpt unified checkpoint" if is_unified_folder(load) else "Hugging Face folder (import-hf)"
         print(f"[jmegatron] {load} is a {kind}: importing it into {tmp}", flush=True)
-        yield hf_checkpoint(load, os.path.join(tmp, "checkpoint"))
+        yield _import_once(load, os.path.join(tmp, "checkpoint"), timeout_s)
 
 
 def save_imported(fields: dict, out: str, config_file: str | None, to_params, *, iteration: int = 0,

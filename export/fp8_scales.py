@@ -66,8 +66,8 @@ import numpy as np
 
 from jmegatron.checkpoint.metadata import SavedStep
 from jmegatron.checkpoint.restore import tree_paths
+from jmegatron.conversion.tree import unstack_layers
 from jmegatron.export.common import ExportError, open_checkpoint
-from jmegatron.export.hf import unstack_layers
 
 __all__ = ["FP8_E4M3_MAX", "FP8_LINEARS", "UNIFIED_LINEARS", "unified_modules", "FP8_META", "WEIGHT_SCALES", "LinearScales", "saved_fp8_meta_paths",
            "check_fp8_exportable", "has_fp8_meta", "layer_fp8_meta", "history_amax", "checkpoint_fp8_scales",

@@ -15,7 +15,7 @@ layer rule, export dtype bf16 if the run trained in bf16 else fp16) and ModelOpt
 Hugging Face export).
 
 Mixture-of-experts checkpoints become ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``
-(:mod:`jmegatron.export.hf_moe`); ModelOpt quantizes each expert (``_QuantFusedExperts``:
+(:mod:`jmegatron.conversion.hf_moe`); ModelOpt quantizes each expert (``_QuantFusedExperts``:
 one weight quantizer per expert and projection) and the attention, and the routers stay
 unquantized: ModelOpt's default ``*block_sparse_moe.gate*`` / ``*mlp.gate.*`` /
 ``*router*`` rules (``modelopt_recipes/configs/ptq/units/default_disabled_quantizers.yaml``)
@@ -86,12 +86,12 @@ from jmegatron.data.blended_dataset import convert_split_vector_to_split_matrix,
 from jmegatron.data.gpt_dataset import GPTDataset
 from jmegatron.data.indexed_dataset import IndexedDataset
 from jmegatron.data.tokenizer import build_tokenizer
+from jmegatron.conversion.hf import hf_architecture, to_hf_state_dict
 from jmegatron.export.common import (ExportError, ExportSource, check_out_dir, checkpoint_config, hf_model, load_checkpoint,
                                      open_checkpoint, write_hf_tokenizer)
 from jmegatron.export.fp8_scales import (FP8_E4M3_MAX, WEIGHT_SCALES, check_fp8_exportable, checkpoint_fp8_scales,
                                          quantize_weight, saved_fp8_meta_paths, strip_fp8_meta,
                                          unified_modules)
-from jmegatron.export.hf import hf_architecture, to_hf_state_dict
 from jmegatron.export.unified import check_unified, unified_model
 from jmegatron.inference.generate import generate_text
 

@@ -20,7 +20,7 @@ decoder layer** at a time:
   as soon as it is converted, the header is written when the shard closes (the
   safetensors format puts the header first: it is prepended by copying the data file
   in 1 MiB blocks). Files of at most ``max_shard_size`` bytes, whole tensors each.
-* :func:`export_hf_streaming` joins them with :func:`jmegatron.export.hf.iter_hf_tensors`
+* :func:`export_hf_streaming` joins them with :func:`jmegatron.conversion.hf.iter_hf_tensors`
   (the same conversion as ``to_hf_state_dict``, tensor by tensor).
 
 The safetensors layout (https://github.com/huggingface/safetensors, "Format"): an 8-byte
@@ -41,9 +41,10 @@ import numpy as np
 
 from jmegatron.checkpoint.checkpointing import CheckpointError
 from jmegatron.checkpoint.restore import CheckpointParamsReader
+from jmegatron.conversion.hf import hf_architecture, hf_config_dict, iter_hf_tensors
 from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.export.common import ExportError, export_source, open_checkpoint
-from jmegatron.export.hf import hf_architecture, hf_config_class, hf_config_dict, iter_hf_tensors
+from jmegatron.export.hf_model import hf_config_class
 
 __all__ = ["SafetensorsWriter", "export_hf_streaming", "hf_source", "parse_size"]
 
@@ -196,7 +197,7 @@ def export_hf_streaming(load: str, out: str, dtype: str = "float32", iteration: 
     checkpoint ``load`` into folder ``out`` (which must exist), one decoder layer at a time.
 
     Reads with :class:`jmegatron.checkpoint.restore.CheckpointParamsReader`, converts with
-    :func:`jmegatron.export.hf.iter_hf_tensors` (the tensors of ``to_hf_state_dict``:
+    :func:`jmegatron.conversion.hf.iter_hf_tensors` (the tensors of ``to_hf_state_dict``:
     Megatron's vocabulary padding dropped), casts each to ``dtype`` (float32, bfloat16:
     round to nearest even, float16) and writes it with :class:`SafetensorsWriter` at once.
     Peak host memory: the non-layer parameters (float32) + one decoder layer (float32, and

@@ -62,7 +62,7 @@ then optionally the float tensors for value checks. What is checked:
 
   Pipeline parallel (``pp_size`` > 1, ``tensorrt_llm/mapping.py`` ``Mapping``): rank
   ``r`` is pipeline stage ``r // tp_size`` and tensor parallel rank ``r % tp_size``; the
-  layers are split by :func:`pp_layers` (``Mapping.pp_layers``: contiguous blocks, the
+  layers are split by :func:`jmegatron.conversion.trtllm.pp_layers` (``Mapping.pp_layers``: contiguous blocks, the
   first ``L % pp_size`` stages one layer more, ``pp_size <= L``); a stage's file numbers
   its layers locally, ``transformer.layers.0 .. n_s - 1`` (the converters'
   ``l - layers_range[0]``, loaded into ``DecoderLayerList``), so every layer is held by
@@ -118,8 +118,10 @@ import re
 import struct
 from typing import Any, Optional
 
+from jmegatron.conversion.trtllm import pp_layers
+
 __all__ = ["TensorInfo", "RankFile", "CheckReport", "read_safetensors_header", "check_trtllm_checkpoint",
-           "pp_layers", "ARCHITECTURES", "VALIDATED_QUANT_ALGOS"]
+           "ARCHITECTURES", "VALIDATED_QUANT_ALGOS"]
 
 # safetensors dtype codes -> torch-style names, and their item sizes in bytes
 _SAFETENSORS_DTYPES = {
@@ -152,24 +154,6 @@ _DOC_QUANT_ALGOS = ("W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W4A16_GPTQ", "FP
 VALIDATED_QUANT_ALGOS = ("FP8", "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ", "W4A8_AWQ", "W8A16")
 _KV_CACHE_ALGOS = ("FP8", "INT8")
 _LAYER_LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
-
-
-def pp_layers(num_layers: int, pp_size: int, pp_rank: int) -> list[int]:
-    """Global indices of the decoder layers pipeline stage ``pp_rank`` holds.
-
-    TensorRT-LLM's ``Mapping.pp_layers`` (``tensorrt_llm/mapping.py``, without a
-    ``pp_partition``): ``torch.tensor_split(arange(num_layers), pp_size)[pp_rank]``, i.e.
-    contiguous blocks of ``num_layers // pp_size`` layers, the first ``num_layers % pp_size``
-    stages holding one more. Raises ValueError unless ``1 <= pp_size <= num_layers`` (TRT-LLM
-    asserts ``pp size cannot be larger than num_hidden_layers``) and ``0 <= pp_rank < pp_size``.
-    """
-    if not 1 <= pp_size <= num_layers:
-        raise ValueError(f"pp_size {pp_size} must be in [1, num_layers = {num_layers}]")
-    if not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank {pp_rank} must be in [0, {pp_size})")
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return list(range(start, start + base + (pp_rank < extra)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,10 +52,10 @@ from typing import Any
 
 import numpy as np
 
-from jmegatron.export import hf_moe
+from jmegatron.conversion import hf_moe
+from jmegatron.conversion.hf import GPT2, config_fields_from_hf, from_hf_state_dict
 from jmegatron.export.common import ExportError
 from jmegatron.export.fp8_scales import FP8_LINEARS, unified_modules
-from jmegatron.export.hf import GPT2, config_fields_from_hf, from_hf_state_dict
 
 __all__ = ["UnifiedCheckpoint", "InputQuant", "read_unified", "check_unified", "unified_model", "is_unified_folder",
            "dequantize_weight", "fake_quant_input", "jmegatron_fields", "jmegatron_params", "FP8_E4M3_MAX",
@@ -371,7 +371,7 @@ def _input_hook(iq: InputQuant) -> Any:
 # ----------------------------------------------------------------------------- jmegatron import
 def jmegatron_fields(ckpt: UnifiedCheckpoint) -> dict:
     """The jmegatron config fields of the unified checkpoint ``ckpt``: the architecture of its
-    ``config.json`` (:func:`jmegatron.export.hf.config_fields_from_hf`) and, for ``FP8``,
+    ``config.json`` (:func:`jmegatron.conversion.hf.config_fields_from_hf`) and, for ``FP8``,
     ``fp8="e4m3"`` with a one-entry amax history (the FP8 linears then quantize with the
     folder's scales). Raises ExportError for a ``quant_algo`` outside :data:`JMEGATRON_ALGOS`
     (naming ``check-unified``, which reads those in torch) or an architecture jmegatron does

@@ -33,8 +33,8 @@ from typing import Optional
 
 import numpy as np
 
+from jmegatron.checkpoint.hf import is_hf_folder
 from jmegatron.export.common import ExportError, hf_model, load_checkpoint
-from jmegatron.export.hf import is_hf_folder
 from jmegatron.export.quantize import make_batches, perplexity, portion_dataset
 from jmegatron.export.unified import check_unified, unified_model
 

@@ -224,14 +224,14 @@ def _finalize_config(path: Optional[str], overrides: dict[str, Any]) -> tuple[Op
 def _import_hf_load(path: Optional[str], overrides: dict[str, Any]) -> dict[str, Any]:
     """``overrides`` with a Hugging Face folder given as ``load`` replaced by its jmegatron
     checkpoint, imported once into ``<save>/hf_import``
-    (:func:`jmegatron.export.convert.hf_checkpoint`), and ``use_checkpoint_args`` True unless
+    (:func:`jmegatron.export.convert.checkpoint_of`), and ``use_checkpoint_args`` True unless
     given (the architecture comes from the folder). Other ``load`` values pass unchanged.
     Raises ConfigError without a ``save`` (from the overrides or the config file)."""
     load = overrides.get("load")
     if not load or not os.path.isfile(os.path.join(load, "config.json")):
         return overrides
-    from jmegatron.export.convert import hf_checkpoint
-    from jmegatron.export.hf import is_hf_folder
+    from jmegatron.checkpoint.hf import is_hf_folder
+    from jmegatron.export.convert import checkpoint_of
 
     if not is_hf_folder(load):
         return overrides
@@ -242,8 +242,8 @@ def _import_hf_load(path: Optional[str], overrides: dict[str, Any]) -> dict[str,
     out = os.path.join(save, "hf_import")
     print(f"[jmegatron] config.load={load} is a Hugging Face folder: its jmegatron checkpoint is {out} "
           f"(import-hf, once)", flush=True)
-    return dict(overrides, load=hf_checkpoint(load, out),
-                use_checkpoint_args=overrides.get("use_checkpoint_args", True))
+    with checkpoint_of(load, out) as imported:  # kept: out is the run's own directory
+        return dict(overrides, load=imported, use_checkpoint_args=overrides.get("use_checkpoint_args", True))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

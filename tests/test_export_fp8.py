@@ -24,11 +24,14 @@ import torch  # noqa: E402
 
 from safetensors.torch import load_file  # noqa: E402
 
-from jmegatron.export import fp8_scales, hf  # noqa: E402
+from jmegatron.conversion import hf  # noqa: E402
+from jmegatron.conversion.trtllm import rank_tensors  # noqa: E402
+from jmegatron.export import fp8_scales  # noqa: E402
 from jmegatron.export.__main__ import main  # noqa: E402
 from jmegatron.export.common import ExportError, hf_model, load_checkpoint  # noqa: E402
 from jmegatron.export.fp8_scales import FP8_E4M3_MAX, checkpoint_fp8_scales  # noqa: E402
-from jmegatron.export.trtllm import export_quantized_model, rank_tensors, write_fp8_trtllm_checkpoint  # noqa: E402
+from jmegatron.export.hf_model import to_hf_model  # noqa: E402
+from jmegatron.export.trtllm import export_quantized_model, trtllm_architecture, write_fp8_trtllm_checkpoint  # noqa: E402
 from jmegatron.export.trtllm_check import check_trtllm_checkpoint  # noqa: E402
 
 from test_trtllm import make_cfg  # noqa: E402
@@ -78,7 +81,7 @@ def ckpts(tmp_path_factory):
     run, state, meta = restore_run(base)
     params = jax.tree.map(np.asarray, state.params)
     L = cfg.num_layers
-    model = hf.to_hf_model(params, cfg, VOCAB)
+    model = to_hf_model(params, cfg, VOCAB)
     seen = input_amaxes(model, batches(1, H), L)  # batch 0 oldest
     layers = params["decoder_layers"]
     new_layers = jax.tree.map(lambda a: a, layers)
@@ -133,7 +136,7 @@ def fake_quant_logits(out, cfg, tokens):
                              ("down_proj", "mlp.proj")):
             act[f"{p}.{'self_attn' if hf_name[0] in 'qkvo' else 'mlp'}.{hf_name}"] = \
                 float(t[f"{o}.{trt}.activation_scaling_factor"])
-    model = hf.to_hf_model(hf.from_hf_state_dict(sd, cfg), cfg, VOCAB)
+    model = to_hf_model(hf.from_hf_state_dict(sd, cfg), cfg, VOCAB)
     for name, s in act.items():
         def quant_input(m, args, s=s):
             x = (args[0] / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() * s
@@ -163,7 +166,7 @@ def test_fp8_export_matches_modelopt_ptq(ckpts, tmp_path):
     cfg = src.cfg
     assert fp8_scales.has_fp8_meta(src.params)
     plain = fp8_scales.strip_fp8_meta(src.params)
-    model = hf.to_hf_model(plain, cfg, src.vocab_size)
+    model = to_hf_model(plain, cfg, src.vocab_size)
     calib = batches(7)[0]
     modelopt_model = mtq.quantize(copy.deepcopy(model), build_quant_config("fp8"), lambda m: m(calib))
     ours, theirs = {}, {}
@@ -219,7 +222,7 @@ def test_weights_are_the_training_forwards_fp8_codes(ckpts, tmp_path):
     out = str(tmp_path / "c")
     write_fp8_trtllm_checkpoint(src.params, cfg, src.vocab_size, out, tp=1)
     got = load_file(os.path.join(out, "rank0.safetensors"))
-    plain = rank_tensors(fp8_scales.strip_fp8_meta(src.params), cfg, src.vocab_size, 1, 0)
+    plain = rank_tensors(fp8_scales.strip_fp8_meta(src.params), cfg, trtllm_architecture(cfg), src.vocab_size, 1, 0)
     layer = src.params["decoder_layers_1"]
     for path, names in (("self_attention/linear_qkv", ["attention.qkv"]), ("mlp/linear_fc1", ["mlp.fc", "mlp.gate"]),
                         ("mlp/linear_fc2", ["mlp.proj"])):
@@ -347,7 +350,7 @@ def test_gpt_layout_matches_modelopt(tmp_path):
     ours, theirs = str(tmp_path / "ours"), str(tmp_path / "modelopt")
     write_fp8_trtllm_checkpoint(params, cfg, TRUE_VOCAB, ours, tp=2)
     assert check_trtllm_checkpoint(ours).ok
-    model = hf.to_hf_model(fp8_scales.strip_fp8_meta(params), cfg, TRUE_VOCAB)
+    model = to_hf_model(fp8_scales.strip_fp8_meta(params), cfg, TRUE_VOCAB)
     calib = torch.from_numpy(rng.integers(0, TRUE_VOCAB, (2, 32)))
     export_quantized_model(mtq.quantize(model, build_quant_config("fp8"), lambda m: m(calib)), cfg, theirs, tp=2)
     for r in range(2):
@@ -570,7 +573,7 @@ def test_every_dense_family_takes_its_training_scales(family):
                                 "input_scale": np.float32(FP8_E4M3_MAX / hist.max()),
                                 "kernel_scale": np.float32(FP8_E4M3_MAX / k), "output_grad_scale": np.float32(1)}
             amax[i, path] = (hist.max(), k)
-    model = hf.to_hf_model(fp8_scales.strip_fp8_meta(params), cfg, VOCAB)
+    model = to_hf_model(fp8_scales.strip_fp8_meta(params), cfg, VOCAB)
     model, _ = checkpoint_scaled_model(model, params, cfg)
     gpt2 = family == "gpt2"
     inputs = {v: k for k, v in GPT2_INPUTS.items()} if gpt2 else LLAMA_INPUTS

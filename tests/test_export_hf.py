@@ -153,7 +153,7 @@ def test_cli_errors_before_any_work(tmp_path, gpt_tp2_ckpt):
 
 
 def test_import_refuses_what_jmegatron_cannot_represent(tmp_path):
-    from jmegatron.export.hf import config_fields_from_hf
+    from jmegatron.conversion.hf import config_fields_from_hf
 
     with pytest.raises(ValueError, match="activation_function='relu'"):
         config_fields_from_hf({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 1,

@@ -16,7 +16,8 @@ import transformers  # noqa: E402
 
 import jax  # noqa: E402
 
-from jmegatron.export import hf  # noqa: E402
+from jmegatron.conversion import hf  # noqa: E402
+from jmegatron.export import hf_model  # noqa: E402
 from jmegatron.export.common import ExportError  # noqa: E402
 
 from test_golden_logits import VOCAB, hf_logits, jm_logits, make_cfg, max_diff, random_params, tokens_of  # noqa: E402
@@ -54,7 +55,7 @@ def test_routing_matters():
     # (experts left in place) give other logits, so the golden test checks the routing.
     cfg = make_cfg("llama", **MOE)
     params = random_params(cfg)
-    model = hf.to_hf_model(params, cfg)
+    model = hf_model.to_hf_model(params, cfg)
     tokens = tokens_of()
     ref = jm_logits(cfg, params, tokens)
     with torch.no_grad():

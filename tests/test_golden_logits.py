@@ -1,4 +1,4 @@
-"""Golden-logit tests: jmegatron vs the Hugging Face model built by jmegatron.export.hf.
+"""Golden-logit tests: jmegatron vs the Hugging Face model built by jmegatron.export.hf_model.
 
 Random (non-trivial) float32 weights, dropout 0: the transformers GPT2LMHeadModel /
 LlamaForCausalLM holding the exported weights must give the same logits (max abs
@@ -20,7 +20,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jmegatron.config import base_config, from_configdict  # noqa: E402
-from jmegatron.export import hf  # noqa: E402
+from jmegatron.conversion import hf, tree  # noqa: E402
+from jmegatron.export import hf_model  # noqa: E402
 from jmegatron.models.gpt import GPTModel  # noqa: E402
 from jmegatron.models.transformer_config import ModelConfig  # noqa: E402
 
@@ -93,7 +94,7 @@ def hf_logits(model, tokens) -> np.ndarray:
 def max_diff(cfg, params, vocab_size=None):
     tokens = tokens_of()
     ref = jm_logits(cfg, params, tokens)
-    model = hf.to_hf_model(params, cfg, vocab_size)
+    model = hf_model.to_hf_model(params, cfg, vocab_size)
     got = hf_logits(model, tokens)
     v = got.shape[-1]
     assert ref.shape[:2] == got.shape[:2] == (BATCH, SEQ)
@@ -178,10 +179,10 @@ def test_state_dict_round_trip(kind, scan):
 def test_stack_unstack_layers():
     cfg = make_cfg("llama", scan=True)
     stacked = jax.tree_util.tree_map(np.asarray, random_params(cfg))
-    per_layer = hf.unstack_layers(stacked, cfg.num_layers)
+    per_layer = tree.unstack_layers(stacked, cfg.num_layers)
     assert "decoder_layers" not in per_layer and "decoder_layers_1" in per_layer
     assert per_layer["decoder_layers_1"]["mlp"]["linear_fc1"]["kernel"].shape == (64, 2, 160)
-    _assert_trees_equal(hf.stack_layers(per_layer, cfg.num_layers), stacked)
+    _assert_trees_equal(tree.stack_layers(per_layer, cfg.num_layers), stacked)
     # the per-layer model gives the scanned model's logits
     tokens = tokens_of()
     np.testing.assert_allclose(jm_logits(make_cfg("llama"), per_layer, tokens),
@@ -190,7 +191,7 @@ def test_stack_unstack_layers():
     sd = hf.to_hf_state_dict(per_layer, cfg)
     _assert_trees_equal(hf.from_hf_state_dict(sd, cfg), stacked)
     with pytest.raises(ValueError, match="decoder_layers"):
-        hf.stack_layers(stacked, cfg.num_layers)
+        tree.stack_layers(stacked, cfg.num_layers)
 
 
 def test_hf_config_dict():
@@ -237,7 +238,7 @@ def test_mismatched_params_rejected():
 
 
 def test_module_does_not_import_torch():
-    code = ("import sys, jmegatron.export.hf; "
+    code = ("import sys, jmegatron.conversion.hf; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -20,7 +20,8 @@ import transformers  # noqa: E402
 import jax  # noqa: E402
 
 from jmegatron.config import base_config, from_configdict  # noqa: E402
-from jmegatron.export import hf, hf_moe  # noqa: E402
+from jmegatron.conversion import hf, hf_moe, tree  # noqa: E402
+from jmegatron.export.hf_model import to_hf_model  # noqa: E402
 from jmegatron.inference.generate import generate  # noqa: E402
 from jmegatron.models.gpt import GPTModel  # noqa: E402
 from jmegatron.models.transformer_config import ModelConfig  # noqa: E402
@@ -296,7 +297,7 @@ def test_fp8_unified_checkpoint_loads_back(imported, tmp_path):
                                                        toks[:, 1:].reshape(-1)))
 
     for family, (_, _, cfg, params) in imported.items():
-        quantized = quantize_model(hf.to_hf_model(params, cfg, VOCAB), "fp8", "none", calib)
+        quantized = quantize_model(to_hf_model(params, cfg, VOCAB), "fp8", "none", calib)
         with torch.no_grad():
             fake_quant = loss(quantized(toks).logits)
         folder = str(tmp_path / family)
@@ -412,7 +413,7 @@ def test_gemma3_layer_types_under_scanned_layers(imported):
     loop = jax.jit(GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size())).apply)({"params": params}, toks)
     scanned_cfg = jmegatron_cfg(hf.config_fields_from_hf(conf), scan_layers=True)
     scanned = jax.jit(GPTModel(ModelConfig.from_config(scanned_cfg, cfg.padded_vocab_size())).apply)(
-        {"params": hf.stack_layers(params, cfg.num_layers)}, toks)
+        {"params": tree.stack_layers(params, cfg.num_layers)}, toks)
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(loop), atol=2e-5)
 
 

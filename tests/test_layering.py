@@ -8,8 +8,11 @@ module, function-local ones included, is checked against these rules:
   of every kernel is ``jmegatron.kernels.xla``, below the models that call them.
 * ``parallel-models``: ``parallel`` never imports ``models``.
 * ``below-training``: nothing below the training loop (kernels, fusions, parallel, models,
-  data, config, checkpoint) imports ``training`` or anything above it (distill, inference, bench,
-  tools, export, the command-line entry points).
+  data, config, checkpoint, conversion) imports ``training`` or anything above it (distill,
+  inference, bench, tools, export, the command-line entry points).
+* ``conversion``: the weight mappings (``jmegatron.conversion``) import only themselves and
+  ``jmegatron.config`` among jmegatron's modules, and only numpy and the standard library
+  besides (:func:`test_conversion_imports_numpy_only`).
 * ``loop``: only the command-line entry points, ``tools``, ``bench`` and ``pretrain_gpt``
   import ``jmegatron.training.loop``.
 * ``local-import``: no function-local import of a jmegatron module (a lazy import is for an
@@ -33,7 +36,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # directory -> the package name it is installed as (pyproject.toml's package-dir)
 PACKAGES = {"jmegatron": "jmegatron", "kernels": "jmegatron.kernels", "export": "jmegatron.export"}
-BELOW_TRAINING = {"kernels", "fusions", "parallel", "models", "data", "config", "checkpoint"}
+BELOW_TRAINING = {"kernels", "fusions", "parallel", "models", "data", "config", "checkpoint", "conversion"}
+CONVERSION_IMPORTS = {"conversion", "config"}  # the jmegatron parts the weight mappings may import
 CLIS = {"pretrain_gpt", "train", "evaluate", "generate", "launch"}
 TRAINING_AND_ABOVE = {"training", "distill", "inference", "bench", "tools", "export"} | CLIS
 LOOP = "jmegatron.training.loop"
@@ -51,6 +55,9 @@ KNOWN: set[tuple[str, str, object]] = {
         "jmegatron.tools.pipeline_report")},
     # train.run() re-executes the interpreter with the host allocator before the loop is imported
     ("local-import", "jmegatron.train", None),
+    # YaRN's attention factor (rope_fields_from_hf checks a config's attention_factor) lives with
+    # the rotary embedding; its home below both is the config's model group
+    ("conversion", "jmegatron.conversion.hf", "jmegatron.models.rope"),
 }
 
 
@@ -172,6 +179,10 @@ def violations() -> list[tuple[tuple, str]]:
         if src in BELOW_TRAINING and dst in TRAINING_AND_ABOVE:
             out.append((("below-training", imp.source, imp.target),
                         f"{where}: [below-training] {imp.source} imports {imp.target}: {src} sits below training"))
+        if src == "conversion" and dst not in CONVERSION_IMPORTS:
+            out.append((("conversion", imp.source, imp.target),
+                        f"{where}: [conversion] {imp.source} imports {imp.target}: the weight mappings import "
+                        f"only {sorted(CONVERSION_IMPORTS)}"))
         if imp.target == LOOP and src not in LOOP_IMPORTERS:
             out.append((("loop", imp.source, imp.target),
                         f"{where}: [loop] {imp.source} imports {LOOP}: only the entry points, tools and bench do"))
@@ -201,6 +212,37 @@ def test_layering_rules():
     assert not new, "layering violations:\n" + "\n".join(new)
     stale = KNOWN - {_known(key) for key, _ in found}
     assert not stale, f"KNOWN entries that no longer occur (remove them): {sorted(map(str, stale))}"
+
+
+def _third_party_imports(path: str) -> list[tuple[int, str]]:
+    """(line, top-level name) of each import in ``path`` that is neither jmegatron, numpy nor
+    the standard library (function-local imports included)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    allowed = set(sys.stdlib_module_names) | {"__future__", "numpy", "jmegatron"}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        out += [(node.lineno, n.split(".")[0]) for n in names if n.split(".")[0] not in allowed]
+    return out
+
+
+def test_conversion_imports_numpy_only():
+    """The weight mappings are numpy code: no torch, safetensors, transformers, jax, ... (the
+    files are read and written by jmegatron.checkpoint and the export commands)."""
+    mods = _modules()
+    files = [path for name, path in mods.items() if _part(name) == "conversion"]
+    assert len(files) >= 4, files
+    bad = [f"{os.path.relpath(path, ROOT)}:{line}: imports {name}" for path in files
+           for line, name in _third_party_imports(path)]
+    assert not bad, "the weight mappings import only numpy and the standard library:\n" + "\n".join(bad)
+    this = os.path.join(ROOT, "tests", "test_layering.py")  # imports pytest: the check can fail
+    assert "pytest" in [name for _, name in _third_party_imports(this)]
 
 
 def test_the_checker_sees_what_it_checks():

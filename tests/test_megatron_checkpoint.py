@@ -21,6 +21,8 @@ import megatron.core  # noqa: E402,F401
 import torch  # noqa: E402
 
 from jmegatron.config import base_config, from_configdict  # noqa: E402
+from jmegatron.conversion import megatron as MC  # noqa: E402
+from jmegatron.conversion import tree  # noqa: E402
 from jmegatron.export import megatron as M  # noqa: E402
 from jmegatron.data.tokenizer import build_tokenizer, gpt2_bpe_tokenizer, train_bpe_tokenizer  # noqa: E402
 from jmegatron.export.common import ExportError, load_checkpoint  # noqa: E402
@@ -129,12 +131,12 @@ def test_import_gives_megatron_cores_logits_from_both_formats(written, kind):
     for fmt in ("legacy", "dist"):
         args, sd, it, name = M.read_megatron_checkpoint(w[fmt])
         assert (it, name) == (7, {"legacy": "torch", "dist": "torch_dist"}[fmt])
-        fields = M.config_fields_from_megatron_args(args)
+        fields = MC.config_fields_from_megatron_args(args)
         for k in KINDS[kind]:  # the architecture comes back from the args
             want = KINDS[kind][k]
             assert fields[k] == want, k
-        results[fmt] = M.from_megatron_state_dict(sd, w["cfg"], vocab_size=VOCAB)
-    for a, b in zip(*(sorted(M._plain(r).items()) for r in results.values())):
+        results[fmt] = MC.from_megatron_state_dict(sd, w["cfg"], vocab_size=VOCAB)
+    for a, b in zip(*(sorted(tree.plain(r).items()) for r in results.values())):
         np.testing.assert_equal(a, b)  # both formats give the same arrays
     got = jm_logits(w["cfg"], results["legacy"])
     print(f"{kind}: max |jmegatron - megatron-core| logits {np.abs(got - w['logits']).max():.3g}")
@@ -241,7 +243,7 @@ def test_two_process_layouts_read_and_write_as_megatron_core_shards_them(layouts
     assert set(legacy) == set(dist)
     for k in legacy:
         np.testing.assert_array_equal(legacy[k], dist[k], err_msg=k)
-    shards = M.shard_state_dict(legacy, cfg_of(kind), tp, pp, ep)
+    shards = MC.shard_state_dict(legacy, cfg_of(kind), tp, pp, ep)
     files = sorted(glob.glob(str(base / "legacy" / "iter_0000005" / "mp_rank_*")))
     assert sorted(shards) == [os.path.basename(f) for f in files]
     for f in files:

@@ -15,6 +15,7 @@ import megatron.core  # noqa: E402,F401
 import torch  # noqa: E402
 
 from jmegatron.config import ConfigError, base_config, from_configdict  # noqa: E402
+from jmegatron.conversion import megatron as MC  # noqa: E402
 from jmegatron.export import megatron as M  # noqa: E402
 from jmegatron.models.gpt import GPTModel, ModelConfig  # noqa: E402
 from jmegatron.models.multi_token_prediction import roll_left  # noqa: E402
@@ -81,7 +82,7 @@ def reference(mcore):
 def test_losses_and_every_gradient_equal_megatron_cores(reference):
     r = reference
     cfg = r["cfg"]
-    params = M.from_megatron_state_dict(r["state"], cfg, vocab_size=VOCAB)
+    params = MC.from_megatron_state_dict(r["state"], cfg, vocab_size=VOCAB)
     assert set(params["mtp_layers_1"]) == {"enorm", "hnorm", "eh_proj", "transformer_layer", "final_layernorm"}
     model = GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size()))
     micro = dict(tokens=jnp.asarray(r["tokens"], jnp.int32), labels=jnp.asarray(r["labels"], jnp.int32),
@@ -97,7 +98,7 @@ def test_losses_and_every_gradient_equal_megatron_cores(reference):
     np.testing.assert_allclose(mtp, r["mtp"], rtol=1e-5)
     assert mtp[0] != mtp[1]  # each depth scores its own shift
     np.testing.assert_allclose(float(loss), r["lm"] + 0.3 / D * sum(mtp), rtol=1e-5)
-    got = M.to_megatron_state_dict(jax.device_get(grads), cfg)
+    got = MC.to_megatron_state_dict(jax.device_get(grads), cfg)
     assert {k for k in r["grads"] if k.startswith("mtp.")} <= set(got)
     worst = 0.0
     for name, want in r["grads"].items():
@@ -113,7 +114,7 @@ def test_evaluation_and_generation_skip_the_depths(reference):
     # the same logits as the model without MTP on the shared weights, no MTP compute
     r = reference
     cfg = r["cfg"]
-    params = M.from_megatron_state_dict(r["state"], cfg, vocab_size=VOCAB)
+    params = MC.from_megatron_state_dict(r["state"], cfg, vocab_size=VOCAB)
     plain_cfg = cfg_of(mtp_num_layers=None)
     plain = {k: v for k, v in params.items() if not k.startswith("mtp_layers_")}
     tokens = jnp.asarray(r["tokens"], jnp.int32)
@@ -169,22 +170,22 @@ def test_megatron_checkpoint_holds_the_depths_in_every_layout(reference):
     # eh_proj over tensor ranks (column-parallel), all of them on the last pipeline stage
     r = reference
     cfg = r["cfg"]
-    sd = M.to_megatron_state_dict(M.from_megatron_state_dict(r["state"], cfg, vocab_size=VOCAB), cfg)
+    sd = MC.to_megatron_state_dict(MC.from_megatron_state_dict(r["state"], cfg, vocab_size=VOCAB), cfg)
     assert set(sd) == set(r["state"])
     for k, v in r["state"].items():
         np.testing.assert_array_equal(sd[k], v.numpy(), err_msg=k)
     for tp, pp, ep in ((2, 1, 2), (1, 2, 1)):
-        shards = M.shard_state_dict(sd, cfg, tp, pp, ep)
+        shards = MC.shard_state_dict(sd, cfg, tp, pp, ep)
         if pp > 1:
-            assert not any(k.startswith("mtp.") for k in shards[M._rank_dir(0, 0, 0, pp, ep)])
+            assert not any(k.startswith("mtp.") for k in shards[MC.rank_dir(0, 0, 0, pp, ep)])
         if tp > 1:
-            assert shards[M._rank_dir(1, 0, 1, pp, ep)]["mtp.layers.0.eh_proj.weight"].shape == (32, 128)
+            assert shards[MC.rank_dir(1, 0, 1, pp, ep)]["mtp.layers.0.eh_proj.weight"].shape == (32, 128)
             assert "mtp.layers.1.transformer_layer.mlp.experts.local_experts.1.linear_fc2.weight" in \
-                shards[M._rank_dir(0, 0, 1, pp, ep)]
-        merged = M.merge_shards({(t, s, x): shards[M._rank_dir(t, s, x, pp, ep)] for t in range(tp)
+                shards[MC.rank_dir(0, 0, 1, pp, ep)]
+        merged = MC.merge_shards({(t, s, x): shards[MC.rank_dir(t, s, x, pp, ep)] for t in range(tp)
                                  for s in range(pp) for x in range(ep)}, cfg, tp, pp, ep)
         assert set(merged) == set(sd)
         for k, v in sd.items():
             np.testing.assert_array_equal(merged[k], v, err_msg=f"{(tp, pp, ep)} {k}")
-    fields = M.config_fields_from_megatron_args(M.megatron_args(cfg, cfg.padded_vocab_size(), VOCAB))
+    fields = MC.config_fields_from_megatron_args(M.megatron_args(cfg, cfg.padded_vocab_size(), VOCAB))
     assert (fields["mtp_num_layers"], fields["mtp_loss_scaling_factor"]) == (D, 0.3)

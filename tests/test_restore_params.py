@@ -169,7 +169,7 @@ def deep_ckpt(tmp_path_factory):
 def test_streaming_export_holds_one_layer(deep_ckpt, tmp_path, monkeypatch):
     from jmegatron.export import stream
     from jmegatron.export.common import load_checkpoint
-    from jmegatron.export.hf import to_hf_state_dict
+    from jmegatron.conversion.hf import to_hf_state_dict
 
     src = load_checkpoint(deep_ckpt)
     layer_bytes = nbytes(src.params["decoder_layers_0"])

@@ -31,12 +31,13 @@ import safetensors.torch as safetensors_torch
 import torch
 
 from jmegatron.config import base_config, from_configdict
-from jmegatron.export import hf, quantize
+from jmegatron.conversion import hf
+from jmegatron.conversion.trtllm import GPT, pp_layers, rank_tensors
+from jmegatron.export import hf_model, quantize
 from jmegatron.export.__main__ import main
 from jmegatron.export.common import ExportError
-from jmegatron.export.trtllm import (check_exportable, export_quantized_model, fix_modelopt_config, rank_tensors,
-                                     write_trtllm_checkpoint)
-from jmegatron.export.trtllm_check import check_trtllm_checkpoint, pp_layers
+from jmegatron.export.trtllm import check_exportable, export_quantized_model, fix_modelopt_config, write_trtllm_checkpoint
+from jmegatron.export.trtllm_check import check_trtllm_checkpoint
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
 
@@ -214,7 +215,7 @@ def test_tensors_equal_modelopt_export(tmp_path):
         params = random_params(cfg, seed=5)
         mine, theirs = tmp_path / f"{kind}_mine", tmp_path / f"{kind}_modelopt"
         write_trtllm_checkpoint(params, cfg, TRUE_VOCAB, str(mine), tp=tp)
-        export_tensorrt_llm_checkpoint(hf.to_hf_model(params, cfg, TRUE_VOCAB), kind, torch.float16, str(theirs),
+        export_tensorrt_llm_checkpoint(hf_model.to_hf_model(params, cfg, TRUE_VOCAB), kind, torch.float16, str(theirs),
                                        inference_tensor_parallel=tp)
         for r in range(tp):
             a, b = (load_file(str(p / f"rank{r}.safetensors")) for p in (mine, theirs))
@@ -484,7 +485,7 @@ def test_bad_pp_fails_before_writing(tmp_path):
         with pytest.raises(ExportError, match=message):
             write_trtllm_checkpoint(params, gpt, TRUE_VOCAB, str(out), tp=1, pp=pp)
     with pytest.raises(ValueError, match=r"rank=4 must be in \[0, tp \* pp = 4\)"):
-        rank_tensors(params, gpt, TRUE_VOCAB, 2, 4, pp=2)
+        rank_tensors(params, gpt, GPT, TRUE_VOCAB, 2, 4, pp=2)
     assert os.listdir(tmp_path) == []
 
 
@@ -617,7 +618,7 @@ def _fake_quantized(kind: str, qformat: str, kv_cache: str = "none", seed: int =
     from jmegatron.export.quantize import build_quant_config
 
     cfg = make_cfg(kind, hidden_size=128, ffn_hidden_size=256)
-    model = hf.to_hf_model(random_params(cfg, seed), cfg, TRUE_VOCAB)
+    model = hf_model.to_hf_model(random_params(cfg, seed), cfg, TRUE_VOCAB)
     tokens = torch.from_numpy(np.random.default_rng(seed).integers(0, TRUE_VOCAB, (4, 32)))
 
     def loop(m):

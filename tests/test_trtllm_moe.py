@@ -32,7 +32,8 @@ import safetensors.torch as safetensors_torch
 import torch
 from modelopt.torch.quantization.nn import TensorQuantizer
 
-from jmegatron.export import hf
+from jmegatron.conversion import hf
+from jmegatron.export import hf_model
 from jmegatron.export.__main__ import main
 from jmegatron.export.common import ExportError
 from jmegatron.export.quantize import (build_quant_config, enabled_quantizers, load_quantized, moe_router_modules,
@@ -210,7 +211,7 @@ def test_tensorrt_llm_moe_semantics_equal_hf_mixtral_block(moe_tp, moe_ep, tmp_p
     params = jax.tree.map(lambda a: a.astype(np.float16).astype(np.float32) * 0.5, random_params(cfg, seed=7))
     write_trtllm_checkpoint(params, cfg, TRUE_VOCAB, str(tmp_path / "c"), tp=moe_tp * moe_ep, moe_ep=moe_ep)
     ranks = [load_file(str(tmp_path / "c" / f"rank{r}.safetensors")) for r in range(moe_tp * moe_ep)]
-    block = hf.to_hf_model(params, cfg, TRUE_VOCAB).model.layers[1].mlp
+    block = hf_model.to_hf_model(params, cfg, TRUE_VOCAB).model.layers[1].mlp
     x = np.random.default_rng(0).standard_normal((6, 64)) * 0.5
     with torch.no_grad():
         want = block(torch.from_numpy(x).float()[None])[0].double().numpy()
@@ -460,7 +461,7 @@ def test_qwen2_moe_router_and_shared_expert_gate_stay_unquantized():
     from jmegatron.export.quantize import quantize_model
 
     cfg = moe_cfg(moe_shared_expert_intermediate_size=32, moe_layer_freq=(0, 1))
-    model = hf.to_hf_model(random_params(cfg, seed=1), cfg, TRUE_VOCAB)
+    model = hf_model.to_hf_model(random_params(cfg, seed=1), cfg, TRUE_VOCAB)
     tokens = np.random.default_rng(0).integers(0, TRUE_VOCAB, (2, 16))
     batch = {"tokens": tokens, "position_ids": np.tile(np.arange(16), (2, 1))}
     model = quantize_model(model, "fp8", "none", [batch])

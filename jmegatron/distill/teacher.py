@@ -12,8 +12,9 @@ moments, each device reading its own shards. The teacher is not in the optimizer
 in the student's checkpoints; it only runs forward.
 
 A Hugging Face ``save_pretrained`` folder as ``kd_teacher_load`` (a ``config.json`` with a
-``model_type``) is read as ``import-hf`` reads it (:mod:`jmegatron.export.hf`: the
-architecture from its config.json, the weights from its safetensors, on the host) and
+``model_type``) is read as ``import-hf`` reads it (:func:`jmegatron.checkpoint.hf.read_hf_folder`:
+the architecture from its config.json, the weights from its safetensors, on the host; its
+multi-token prediction depths left out) and
 placed in the same shardings; no conversion step and no copy on disk.
 
 An MoE teacher (``num_moe_experts`` in its checkpoint's config) runs in evaluation mode
@@ -29,7 +30,6 @@ teacher is replicated over ``expert`` (its config keeps expert_model_parallel_si
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Optional
 
@@ -38,13 +38,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jmegatron.checkpoint.checkpointing import Checkpointer, CheckpointError, has_checkpoint
+from jmegatron.checkpoint.hf import is_hf_folder, read_hf_folder
 from jmegatron.checkpoint.layout import LayerLayout, convert_layers
 from jmegatron.checkpoint.metadata import read_meta
 from jmegatron.checkpoint.restore import restore_params
 from jmegatron.checkpoint.views import checkpoint_view
 from jmegatron.config import ConfigError, JMegatronConfig, base_config, from_configdict
-from jmegatron.export.hf import (config_fields_from_hf, from_hf_state_dict, hf_architecture, is_hf_folder,
-                                 read_hf_state_dict)
+from jmegatron.conversion.hf import hf_architecture
 from jmegatron.models.gpt import GPTModel
 from jmegatron.training.flops import num_parameters
 from jmegatron.training.run import build
@@ -93,11 +93,9 @@ def teacher_config(load_dir: str, student_cfg: JMegatronConfig, bf16: bool = Fal
     :func:`load_teacher`."""
     hf = is_hf_folder(load_dir) and not has_checkpoint(load_dir)
     if hf:
-        with open(os.path.join(load_dir, "config.json")) as f:
-            hf_conf = json.load(f)
         try:
-            fields = config_fields_from_hf(hf_conf)
-        except (KeyError, ValueError) as e:
+            fields = read_hf_folder(load_dir, mtp=False).fields
+        except ValueError as e:
             raise ConfigError(f"config.kd_teacher_load={load_dir!r} (a Hugging Face folder): {e}") from None
         saved = dict(base_config().to_dict(), **fields, mock_data=True,
                      seq_length=min(student_cfg.seq_length, fields["max_position_embeddings"]),
@@ -154,8 +152,7 @@ def describe_teacher(load_dir: str, tcfg: JMegatronConfig, meta: dict, student_c
     parameter count and layout on the student's mesh (``tcfg`` and ``meta`` of
     :func:`teacher_config`)."""
     if meta["hf"]:
-        with open(os.path.join(load_dir, "config.json")) as f:
-            family = f"{(json.load(f).get('architectures') or ['?'])[0]} folder"
+        family = f"{read_hf_folder(load_dir, mtp=False).architecture} folder"
     else:
         try:
             family = f"jmegatron checkpoint ({hf_architecture(tcfg)} layout)"
@@ -218,7 +215,7 @@ def load_teacher(load_dir: str, student_cfg: JMegatronConfig, padded_vocab_size:
                                           sharding=s),
         run.abstract_state.params, run.state_shardings.params)
     if hf:
-        host = from_hf_state_dict(read_hf_state_dict(load_dir), tcfg, meta["padded_vocab_size"])
+        host = read_hf_folder(load_dir, mtp=False).params(tcfg, meta["padded_vocab_size"])
         host = convert_layers(host, LayerLayout(bool(tcfg.scan_layers)), LayerLayout.of_config(tcfg), tcfg.num_layers)
         params = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), host, target)
     else:

@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` export and import of jmegatron parameters.
+"""The Hugging Face ``transformers`` mapping of jmegatron parameters and configs, both ways.
 
 Targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatronConfig`:
 
@@ -14,7 +14,7 @@ Targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatr
   ``k_norm`` before RoPE).
 * ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` for mixture-of-experts configs
   (``num_moe_experts`` set): Llama's attention with the MoE MLPs of
-  :mod:`jmegatron.export.hf_moe` (Mixtral without a shared expert, Qwen2-MoE with one).
+  :mod:`jmegatron.conversion.hf_moe` (Mixtral without a shared expert, Qwen2-MoE with one).
 
 * ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (``models/gemma2``, ``models/gemma3``):
   ``sandwich_norms`` (post-attention and post-MLP norms), Gemma's ``(1 + w)`` RMSNorm
@@ -57,14 +57,17 @@ accepted too). jmegatron layout (``h`` hidden, ``nq`` heads, ``nkv`` query group
     output_layer/kernel                           [h, V]     (untied only)
 
 With ``scan_layers`` the per-layer subtrees are one ``decoder_layers`` subtree whose
-leaves carry a leading ``[num_layers]`` axis (:func:`stack_layers` / :func:`unstack_layers`).
+leaves carry a leading ``[num_layers]`` axis (:func:`jmegatron.conversion.tree.stack_layers` /
+:func:`jmegatron.conversion.tree.unstack_layers`).
 
 Hugging Face layouts: ``nn.Linear`` weights are ``[out, in]``; GPT-2's ``Conv1D`` weights
 are ``[in, out]`` and ``c_attn`` concatenates q|k|v on the output axis; heads are the major
 factor of every ``heads * head_dim`` axis, as in jmegatron's reshapes.
 
-This module imports numpy and YaRN's factor (:mod:`jmegatron.models.rope`); ``torch`` and ``transformers`` are imported inside
-:func:`to_hf_model` (and only used for tensors handed to :func:`from_hf_state_dict`).
+This module imports numpy, the layer patterns of :mod:`jmegatron.config` and YaRN's factor
+(:mod:`jmegatron.models.rope`); torch tensors handed to :func:`from_hf_state_dict` are read
+without importing torch. Reading a folder's safetensors is :mod:`jmegatron.checkpoint.hf`;
+the ``transformers`` model of a parameter tree is :mod:`jmegatron.export.hf_model`.
 """
 
 from __future__ import annotations
@@ -75,8 +78,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from jmegatron.config import window_layer_pattern
-from jmegatron.export import hf_moe
-from jmegatron.export.hf_moe import MOE_ARCHITECTURES
+from jmegatron.conversion import hf_moe
+from jmegatron.conversion.hf_moe import MOE_ARCHITECTURES
+from jmegatron.conversion.tree import (check_shape, get, map_leaves, numpy_tree, plain, stack_layers, to_numpy,
+                                       unstack_layers)
 from jmegatron.models.rope import yarn_concentration_factor
 
 GPT2 = "GPT2LMHeadModel"
@@ -110,7 +115,6 @@ _GEMMA3_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.m
                          ("language_model.lm_head.", "lm_head."))
 _GEMMA3_VISION = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 
-_LAYER_RE = re.compile(r"^decoder_layers_(\d+)$")
 # Buffers some GPT-2 checkpoints carry (old causal-mask buffers): not parameters.
 _GPT2_IGNORED = re.compile(r"\.attn\.(bias|masked_bias)$")
 
@@ -288,7 +292,7 @@ def hf_architecture(cfg) -> str:
 
     MoE configs (``num_moe_experts`` set): ``"Qwen2MoeForCausalLM"`` with a shared expert,
     ``"Qwen3MoeForCausalLM"`` with ``qk_layernorm``, else ``"MixtralForCausalLM"``
-    (:func:`jmegatron.export.hf_moe.moe_architecture`).
+    (:func:`jmegatron.conversion.hf_moe.moe_architecture`).
 
     Raises ValueError naming every config field the target cannot represent
     (``position_embedding_type="none"`` has no target).
@@ -508,7 +512,7 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
     "gelu_pytorch_tanh" / "gelu_fast" as ``openai_gelu``), the Llama layout "llama",
     "mistral", "qwen2" (Q/K/V biases), "qwen3" (``qk_layernorm``) with ``hidden_act "silu"``
     and the RoPE types of :func:`rope_fields_from_hf`, and the MoE types of
-    :mod:`jmegatron.export.hf_moe`. Raises ValueError naming each HF field jmegatron cannot
+    :mod:`jmegatron.conversion.hf_moe`. Raises ValueError naming each HF field jmegatron cannot
     represent (e.g. sliding-window attention, ``attention_bias`` without ``mlp_bias``, RoPE
     type "longrope").
     """
@@ -583,118 +587,6 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
-# ------------------------------------------------------------------------ tree helpers
-def _to_numpy(x) -> np.ndarray:
-    """numpy view of a numpy/jax array or torch tensor (bfloat16 torch tensors -> float32)."""
-    if hasattr(x, "unbox") and not hasattr(x, "shape"):  # flax LogicallyPartitioned / Partitioned
-        x = x.unbox()
-    if hasattr(x, "detach"):  # torch.Tensor, without importing torch
-        t = x.detach().cpu()
-        if str(t.dtype) == "torch.bfloat16":
-            t = t.float()
-        return t.numpy()
-    return np.asarray(x)
-
-
-def _plain(tree) -> dict:
-    """Nested Mapping (dict / FrozenDict, possibly ``{"params": ...}``) -> nested dict of numpy."""
-    if isinstance(tree, Mapping) and set(tree.keys()) == {"params"}:
-        tree = tree["params"]
-    if isinstance(tree, Mapping):
-        return {k: _plain_inner(v) for k, v in tree.items()}
-    raise TypeError(f"expected a nested mapping of parameters, got {type(tree).__name__}")
-
-
-def _plain_inner(node):
-    if isinstance(node, Mapping):
-        return {k: _plain_inner(v) for k, v in node.items()}
-    return _to_numpy(node)
-
-
-def _map_leaves(fn, tree):
-    if isinstance(tree, Mapping):
-        return {k: _map_leaves(fn, v) for k, v in tree.items()}
-    return fn(tree)
-
-
-def _layer_keys(params: Mapping) -> list[str]:
-    return sorted((k for k in params if _LAYER_RE.match(k)), key=lambda k: int(_LAYER_RE.match(k)[1]))
-
-
-def stack_layers(params: Mapping, num_layers: int) -> dict:
-    """Per-layer layout -> ``scan_layers`` layout.
-
-    ``decoder_layers_0 .. decoder_layers_{n-1}`` (identical subtrees) become one
-    ``decoder_layers`` subtree with each leaf ``np.stack``-ed on a new leading
-    ``[num_layers]`` axis; other entries are kept. Leaves come back as numpy arrays of
-    the input dtype. Raises ValueError if the layer subtrees are missing or extra.
-    """
-    params = _plain(params)
-    keys = _layer_keys(params)
-    if keys != [f"decoder_layers_{i}" for i in range(num_layers)]:
-        raise ValueError(f"stack_layers expected decoder_layers_0..decoder_layers_{num_layers - 1}, "
-                         f"found {keys or 'none'}" + (" (already stacked?)" if "decoder_layers" in params else ""))
-    layers = [params[k] for k in keys]
-
-    def stack(*leaves):
-        return np.stack(leaves, axis=0)
-
-    out = {k: v for k, v in params.items() if k not in keys}
-    out["decoder_layers"] = _tree_multimap(stack, layers)
-    return out
-
-
-def _tree_multimap(fn, trees: list, path: str = ""):
-    first = trees[0]
-    if isinstance(first, Mapping):
-        for t in trees[1:]:
-            if not isinstance(t, Mapping) or set(t) != set(first):
-                raise ValueError(f"layer subtrees differ at {path or '<root>'}")
-        return {k: _tree_multimap(fn, [t[k] for t in trees], f"{path}/{k}") for k in first}
-    return fn(*trees)
-
-
-def unstack_layers(params: Mapping, num_layers: int) -> dict:
-    """``scan_layers`` layout -> per-layer layout (the inverse of :func:`stack_layers`).
-
-    Each leaf of ``decoder_layers`` must have a leading axis of length ``num_layers``;
-    layer ``i`` becomes ``decoder_layers_{i}``. Raises ValueError otherwise.
-    """
-    params = _plain(params)
-    if "decoder_layers" not in params:
-        raise ValueError("unstack_layers expected a stacked 'decoder_layers' subtree "
-                         f"(found {_layer_keys(params) or 'none'})")
-
-    def check(a):
-        if a.ndim == 0 or a.shape[0] != num_layers:
-            raise ValueError(f"stacked layer leaf has shape {a.shape}, expected leading axis {num_layers}")
-        return a
-
-    stacked = _map_leaves(check, params["decoder_layers"])
-    out = {k: v for k, v in params.items() if k != "decoder_layers"}
-    for i in range(num_layers):
-        out[f"decoder_layers_{i}"] = _map_leaves(lambda a, i=i: a[i], stacked)
-    return out
-
-
-def _get(tree: Mapping, path: str, cfg) -> np.ndarray:
-    node = tree
-    for part in path.split("/"):
-        if not isinstance(node, Mapping) or part not in node:
-            raise ValueError(
-                f"params have no {path!r}: they do not match the config (num_layers={cfg.num_layers}, "
-                f"normalization={cfg.normalization!r}, add_bias_linear={cfg.add_bias_linear}, "
-                f"untie_embeddings_and_output_weights={cfg.untie_embeddings_and_output_weights})")
-        node = node[part]
-    return node
-
-
-def _check_shape(name: str, a: np.ndarray, shape: tuple) -> np.ndarray:
-    if tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)} from the config")
-    return a
-
-
 # ------------------------------------------------------------------------ jmegatron -> HF
 def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> dict[str, np.ndarray]:
     """jmegatron params (per-layer or scanned) -> Hugging Face state dict of numpy arrays.
@@ -713,17 +605,17 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
     ``o_proj.weight [h, nq*d]``, ``gate_proj``/``up_proj.weight [ffn, h]`` (fc1 index 0/1),
     ``down_proj.weight [h, ffn]``, ``input_layernorm``/``post_attention_layernorm``/``norm``.
     Mixtral / Qwen2-MoE: Llama's keys, the MoE layers' MLPs in the checkpoint (Hub) names of
-    :mod:`jmegatron.export.hf_moe` (``block_sparse_moe.experts.{e}.w1`` ...), Q/K/V biases
+    :mod:`jmegatron.conversion.hf_moe` (``block_sparse_moe.experts.{e}.w1`` ...), Q/K/V biases
     with ``add_qkv_bias``.
 
     Raises ValueError when ``cfg`` has no HF target (:func:`hf_architecture`) or the params
     do not match ``cfg`` (a missing entry or a wrong shape).
     """
     hf_architecture(cfg)
-    p = _plain(params)
+    p = plain(params)
     if "decoder_layers" in p:
         p = unstack_layers(p, cfg.num_layers)
-    return dict(iter_hf_tensors(p, lambda i: _get(p, f"decoder_layers_{i}", cfg), cfg, vocab_size))
+    return dict(iter_hf_tensors(p, lambda i: get(p, f"decoder_layers_{i}", cfg), cfg, vocab_size))
 
 
 def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
@@ -739,119 +631,130 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
     Raises ValueError as :func:`to_hf_state_dict`.
     """
     arch = hf_architecture(cfg)
-    common = _plain(common)
-    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
-    ffn = cfg.ffn_hidden_size
-    bias = cfg.add_bias_linear
-    g = lambda path: _get(common, path, cfg)  # noqa: E731
+    common = plain(common)
+    h = cfg.hidden_size
+    g = lambda path: get(common, path, cfg)  # noqa: E731
 
     wte = g("word_embeddings/embedding")
     rows = wte.shape[0]
-    _check_shape("word_embeddings/embedding", wte, (rows, h))
+    check_shape("word_embeddings/embedding", wte, (rows, h))
     v = rows if vocab_size is None else int(vocab_size)
     if not 0 < v <= rows:
         raise ValueError(f"vocab_size={vocab_size} must be in [1, {rows}] (the embedding's rows)")
 
-    def c(a):  # an owned, writable, C-contiguous copy (jax arrays give read-only views)
-        return np.array(a, order="C", copy=True)
-
     def layer_tree(i: int) -> dict:
         L = f"decoder_layers_{i}"
         if cfg.multi_latent_attention:
-            return {L: _plain_inner(layer(i))}
-        return _split_fused_qkv({L: _plain_inner(layer(i))}, cfg, layers=(i,))
+            return {L: numpy_tree(layer(i))}
+        return _split_fused_qkv({L: numpy_tree(layer(i))}, cfg, layers=(i,))
 
     if arch == GPT2:
-        yield "transformer.wte.weight", c(wte[:v])
-        yield "transformer.wpe.weight", c(_check_shape(
+        yield "transformer.wte.weight", _owned(wte[:v])
+        yield "transformer.wpe.weight", _owned(check_shape(
             "position_embeddings/embedding", g("position_embeddings/embedding"), (cfg.max_position_embeddings, h)))
         for i in range(cfg.num_layers):
-            L, o = f"decoder_layers_{i}", f"transformer.h.{i}"
-            lp = layer_tree(i)
-            gl = lambda path: _get(lp, path, cfg)  # noqa: E731
-            qkv = [_check_shape(f"{L}/self_attention/linear_{n}/kernel",
-                                gl(f"{L}/self_attention/linear_{n}/kernel"), (h, nq, d)).reshape(h, nq * d)
-                   for n in "qkv"]
-            yield f"{o}.ln_1.weight", c(gl(f"{L}/input_layernorm/scale"))
-            yield f"{o}.ln_1.bias", c(gl(f"{L}/input_layernorm/bias"))
-            yield f"{o}.attn.c_attn.weight", c(np.concatenate(qkv, axis=1))
-            yield f"{o}.attn.c_attn.bias", c(np.concatenate(
-                [gl(f"{L}/self_attention/linear_{n}/bias").reshape(nq * d) for n in "qkv"]))
-            yield f"{o}.attn.c_proj.weight", c(_check_shape(
-                f"{L}/self_attention/linear_proj/kernel", gl(f"{L}/self_attention/linear_proj/kernel"),
-                (nq, d, h)).reshape(nq * d, h))
-            yield f"{o}.attn.c_proj.bias", c(gl(f"{L}/self_attention/linear_proj/bias"))
-            yield f"{o}.ln_2.weight", c(gl(f"{L}/pre_mlp_layernorm/scale"))
-            yield f"{o}.ln_2.bias", c(gl(f"{L}/pre_mlp_layernorm/bias"))
-            yield f"{o}.mlp.c_fc.weight", c(_check_shape(
-                f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, ffn)))
-            yield f"{o}.mlp.c_fc.bias", c(gl(f"{L}/mlp/linear_fc1/bias"))
-            yield f"{o}.mlp.c_proj.weight", c(_check_shape(
-                f"{L}/mlp/linear_fc2/kernel", gl(f"{L}/mlp/linear_fc2/kernel"), (ffn, h)))
-            yield f"{o}.mlp.c_proj.bias", c(gl(f"{L}/mlp/linear_fc2/bias"))
-            del lp, qkv
-        yield "transformer.ln_f.weight", c(g("final_layernorm/scale"))
-        yield "transformer.ln_f.bias", c(g("final_layernorm/bias"))
+            yield from _gpt2_layer_to_hf(i, layer_tree(i), cfg)
+        yield "transformer.ln_f.weight", _owned(g("final_layernorm/scale"))
+        yield "transformer.ln_f.bias", _owned(g("final_layernorm/bias"))
     else:
-        yield "model.embed_tokens.weight", c(wte[:v])
-        moe_layers = _moe_layers(cfg)
-        norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
-
-        def llama_layer(i: int, lp: Mapping, moe: bool) -> Iterator[tuple[str, np.ndarray]]:
-            """HF tensors of ``model.layers.{i}`` from ``lp`` = ``{"decoder_layers_{i}": subtree}``."""
-            L, o = f"decoder_layers_{i}", f"model.layers.{i}"
-            A = f"{L}/self_attention"
-            gl = lambda path: _get(lp, path, cfg)  # noqa: E731
-            for name, hf_name in norms.items():
-                yield f"{o}.{hf_name}.weight", c(_check_shape(f"{L}/{name}/scale", gl(f"{L}/{name}/scale"), (h,)))
-            if cfg.multi_latent_attention:
-                for key, value in _mla_to_hf(gl, cfg, A, f"{o}.self_attn"):
-                    yield key, c(value)
-            for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
-                k = _check_shape(f"{A}/linear_{n}/kernel", gl(f"{A}/linear_{n}/kernel"), (h, heads, d))
-                yield f"{o}.self_attn.{n}_proj.weight", c(k.reshape(h, heads * d).T)
-                if bias or cfg.add_qkv_bias:
-                    yield f"{o}.self_attn.{n}_proj.bias", c(gl(f"{A}/linear_{n}/bias").reshape(heads * d))
-            if cfg.qk_layernorm and not cfg.multi_latent_attention:
-                for n in "qk":
-                    yield f"{o}.self_attn.{n}_norm.weight", c(_check_shape(
-                        f"{A}/{n}_layernorm/scale", gl(f"{A}/{n}_layernorm/scale"), (d,)))
-            dv = cfg.v_head_dim if cfg.multi_latent_attention else d
-            k = _check_shape(f"{A}/linear_proj/kernel", gl(f"{A}/linear_proj/kernel"), (nq, dv, h))
-            yield f"{o}.self_attn.o_proj.weight", c(k.reshape(nq * dv, h).T)
-            if bias:
-                yield f"{o}.self_attn.o_proj.bias", c(gl(f"{A}/linear_proj/bias"))
-            if moe:
-                yield from hf_moe.mlp_to_hf(gl(f"{L}/mlp"), cfg, arch, i, _check_shape).items()
-                return
-            fc1 = _check_shape(f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, 2, ffn))
-            yield f"{o}.mlp.gate_proj.weight", c(fc1[:, 0, :].T)
-            yield f"{o}.mlp.up_proj.weight", c(fc1[:, 1, :].T)
-            fc2 = _check_shape(f"{L}/mlp/linear_fc2/kernel", gl(f"{L}/mlp/linear_fc2/kernel"), (ffn, h))
-            yield f"{o}.mlp.down_proj.weight", c(fc2.T)
-            if bias:
-                b1 = gl(f"{L}/mlp/linear_fc1/bias")
-                yield f"{o}.mlp.gate_proj.bias", c(b1[0])
-                yield f"{o}.mlp.up_proj.bias", c(b1[1])
-                yield f"{o}.mlp.down_proj.bias", c(gl(f"{L}/mlp/linear_fc2/bias"))
-
+        yield "model.embed_tokens.weight", _owned(wte[:v])
+        moe_layers = hf_moe.moe_layers(cfg)
         for i in range(cfg.num_layers):
-            yield from llama_layer(i, layer_tree(i), bool(moe_layers[i]))
+            yield from _llama_layer_to_hf(i, layer_tree(i), bool(moe_layers[i]), cfg, arch)
         for k in range(cfg.mtp_num_layers or 0):  # DeepSeek-V3's Hub layout: depth k is layer L + k
             n, M = cfg.num_layers + k, f"mtp_layers_{k}"
             o = f"model.layers.{n}"
             for name, hf_name in (("enorm", "enorm"), ("hnorm", "hnorm"), ("final_layernorm", "shared_head.norm")):
-                yield f"{o}.{hf_name}.weight", c(_check_shape(f"{M}/{name}/scale", g(f"{M}/{name}/scale"), (h,)))
-            yield f"{o}.eh_proj.weight", c(_check_shape(f"{M}/eh_proj/kernel", g(f"{M}/eh_proj/kernel"), (2 * h, h)).T)
-            yield f"{o}.embed_tokens.weight", c(wte[:v])  # the Hub's copies of the shared embedding and head
-            yield f"{o}.shared_head.head.weight", c((g("output_layer/kernel") if cfg.untie_embeddings_and_output_weights
-                                                     else wte.T)[:, :v].T)
-            yield from llama_layer(n, {f"decoder_layers_{n}": _plain_inner(g(f"{M}/transformer_layer"))},
-                                   bool(moe_layers[-1]))
-        yield "model.norm.weight", c(g("final_layernorm/scale"))
+                yield f"{o}.{hf_name}.weight", _owned(check_shape(f"{M}/{name}/scale", g(f"{M}/{name}/scale"), (h,)))
+            yield f"{o}.eh_proj.weight", _owned(check_shape(f"{M}/eh_proj/kernel", g(f"{M}/eh_proj/kernel"),
+                                                            (2 * h, h)).T)
+            yield f"{o}.embed_tokens.weight", _owned(wte[:v])  # the Hub's copies of the shared embedding and head
+            yield f"{o}.shared_head.head.weight", _owned((g("output_layer/kernel")
+                                                          if cfg.untie_embeddings_and_output_weights
+                                                          else wte.T)[:, :v].T)
+            yield from _llama_layer_to_hf(n, {f"decoder_layers_{n}": numpy_tree(g(f"{M}/transformer_layer"))},
+                                          bool(moe_layers[-1]), cfg, arch)
+        yield "model.norm.weight", _owned(g("final_layernorm/scale"))
     if cfg.untie_embeddings_and_output_weights:
-        out = _check_shape("output_layer/kernel", g("output_layer/kernel"), (h, rows))
-        yield "lm_head.weight", c(out[:, :v].T)
+        out = check_shape("output_layer/kernel", g("output_layer/kernel"), (h, rows))
+        yield "lm_head.weight", _owned(out[:, :v].T)
+
+
+def _owned(a) -> np.ndarray:
+    """An owned, writable, C-contiguous copy of ``a`` (jax arrays give read-only views)."""
+    return np.array(a, order="C", copy=True)
+
+
+def _gpt2_layer_to_hf(i: int, lp: Mapping, cfg) -> Iterator[tuple[str, np.ndarray]]:
+    """GPT-2's tensors of ``transformer.h.{i}`` from ``lp`` = ``{"decoder_layers_{i}": subtree}``
+    (Q/K/V split, :func:`_split_fused_qkv`)."""
+    h, nq, d, ffn = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_channels, cfg.ffn_hidden_size
+    L, o = f"decoder_layers_{i}", f"transformer.h.{i}"
+    gl = lambda path: get(lp, path, cfg)  # noqa: E731
+    qkv = [check_shape(f"{L}/self_attention/linear_{n}/kernel",
+                       gl(f"{L}/self_attention/linear_{n}/kernel"), (h, nq, d)).reshape(h, nq * d)
+           for n in "qkv"]
+    yield f"{o}.ln_1.weight", _owned(gl(f"{L}/input_layernorm/scale"))
+    yield f"{o}.ln_1.bias", _owned(gl(f"{L}/input_layernorm/bias"))
+    yield f"{o}.attn.c_attn.weight", _owned(np.concatenate(qkv, axis=1))
+    yield f"{o}.attn.c_attn.bias", _owned(np.concatenate(
+        [gl(f"{L}/self_attention/linear_{n}/bias").reshape(nq * d) for n in "qkv"]))
+    yield f"{o}.attn.c_proj.weight", _owned(check_shape(
+        f"{L}/self_attention/linear_proj/kernel", gl(f"{L}/self_attention/linear_proj/kernel"),
+        (nq, d, h)).reshape(nq * d, h))
+    yield f"{o}.attn.c_proj.bias", _owned(gl(f"{L}/self_attention/linear_proj/bias"))
+    yield f"{o}.ln_2.weight", _owned(gl(f"{L}/pre_mlp_layernorm/scale"))
+    yield f"{o}.ln_2.bias", _owned(gl(f"{L}/pre_mlp_layernorm/bias"))
+    yield f"{o}.mlp.c_fc.weight", _owned(check_shape(
+        f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, ffn)))
+    yield f"{o}.mlp.c_fc.bias", _owned(gl(f"{L}/mlp/linear_fc1/bias"))
+    yield f"{o}.mlp.c_proj.weight", _owned(check_shape(
+        f"{L}/mlp/linear_fc2/kernel", gl(f"{L}/mlp/linear_fc2/kernel"), (ffn, h)))
+    yield f"{o}.mlp.c_proj.bias", _owned(gl(f"{L}/mlp/linear_fc2/bias"))
+
+
+def _llama_layer_to_hf(i: int, lp: Mapping, moe: bool, cfg, arch: str) -> Iterator[tuple[str, np.ndarray]]:
+    """The Llama layout's tensors of ``model.layers.{i}`` (Gemma's norms for Gemma, the MoE
+    MLP of :mod:`jmegatron.conversion.hf_moe` for an MoE layer) from ``lp`` =
+    ``{"decoder_layers_{i}": subtree}``."""
+    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    ffn, bias = cfg.ffn_hidden_size, cfg.add_bias_linear
+    norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
+    L, o = f"decoder_layers_{i}", f"model.layers.{i}"
+    A = f"{L}/self_attention"
+    gl = lambda path: get(lp, path, cfg)  # noqa: E731
+    for name, hf_name in norms.items():
+        yield f"{o}.{hf_name}.weight", _owned(check_shape(f"{L}/{name}/scale", gl(f"{L}/{name}/scale"), (h,)))
+    if cfg.multi_latent_attention:
+        for key, value in _mla_to_hf(gl, cfg, A, f"{o}.self_attn"):
+            yield key, _owned(value)
+    for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
+        k = check_shape(f"{A}/linear_{n}/kernel", gl(f"{A}/linear_{n}/kernel"), (h, heads, d))
+        yield f"{o}.self_attn.{n}_proj.weight", _owned(k.reshape(h, heads * d).T)
+        if bias or cfg.add_qkv_bias:
+            yield f"{o}.self_attn.{n}_proj.bias", _owned(gl(f"{A}/linear_{n}/bias").reshape(heads * d))
+    if cfg.qk_layernorm and not cfg.multi_latent_attention:
+        for n in "qk":
+            yield f"{o}.self_attn.{n}_norm.weight", _owned(check_shape(
+                f"{A}/{n}_layernorm/scale", gl(f"{A}/{n}_layernorm/scale"), (d,)))
+    dv = cfg.v_head_dim if cfg.multi_latent_attention else d
+    k = check_shape(f"{A}/linear_proj/kernel", gl(f"{A}/linear_proj/kernel"), (nq, dv, h))
+    yield f"{o}.self_attn.o_proj.weight", _owned(k.reshape(nq * dv, h).T)
+    if bias:
+        yield f"{o}.self_attn.o_proj.bias", _owned(gl(f"{A}/linear_proj/bias"))
+    if moe:
+        yield from hf_moe.mlp_to_hf(gl(f"{L}/mlp"), cfg, arch, i, check_shape).items()
+        return
+    fc1 = check_shape(f"{L}/mlp/linear_fc1/kernel", gl(f"{L}/mlp/linear_fc1/kernel"), (h, 2, ffn))
+    yield f"{o}.mlp.gate_proj.weight", _owned(fc1[:, 0, :].T)
+    yield f"{o}.mlp.up_proj.weight", _owned(fc1[:, 1, :].T)
+    fc2 = check_shape(f"{L}/mlp/linear_fc2/kernel", gl(f"{L}/mlp/linear_fc2/kernel"), (ffn, h))
+    yield f"{o}.mlp.down_proj.weight", _owned(fc2.T)
+    if bias:
+        b1 = gl(f"{L}/mlp/linear_fc1/bias")
+        yield f"{o}.mlp.gate_proj.bias", _owned(b1[0])
+        yield f"{o}.mlp.up_proj.bias", _owned(b1[1])
+        yield f"{o}.mlp.down_proj.bias", _owned(gl(f"{L}/mlp/linear_fc2/bias"))
 
 
 # multi-latent attention: jmegatron param (under self_attention) -> HF module (under self_attn)
@@ -877,7 +780,7 @@ def _mla_to_hf(get: Callable, cfg, prefix: str, o: str) -> Iterator[tuple[str, n
     params under ``prefix``; kernels ``[in, *out]`` become ``[prod(out), in]``."""
     for name, shape in _mla_shapes(cfg).items():
         leaf = "scale" if name.endswith("layernorm") else "kernel"
-        a = _check_shape(f"{prefix}/{name}/{leaf}", get(f"{prefix}/{name}/{leaf}"), shape)
+        a = check_shape(f"{prefix}/{name}/{leaf}", get(f"{prefix}/{name}/{leaf}"), shape)
         yield f"{o}.{_MLA_NAMES[name]}.weight", a if leaf == "scale" else a.reshape(shape[0], -1).T
 
 
@@ -894,13 +797,6 @@ def _mla_from_hf(t: Callable, cfg, o: str) -> dict:
     return out
 
 
-def _moe_layers(cfg) -> tuple[int, ...]:
-    """1 for each MoE decoder layer of ``cfg`` (all 0 for a dense model)."""
-    if cfg.num_moe_experts is None:
-        return (0,) * cfg.num_layers
-    return hf_moe._pattern(cfg)
-
-
 def _split_fused_qkv(p: dict, cfg, layers: Optional[Sequence[int]] = None) -> dict:
     """Per-layer params with ``linear_qkv`` replaced by ``linear_q`` ``[h, nq, d]`` and
     ``linear_k``/``linear_v`` ``[h, nkv, d]`` (biases ``[nq, d]``/``[nkv, d]``); ``layers``:
@@ -910,17 +806,17 @@ def _split_fused_qkv(p: dict, cfg, layers: Optional[Sequence[int]] = None) -> di
     out = dict(p)
     for i in (range(cfg.num_layers) if layers is None else layers):
         layer = f"decoder_layers_{i}"
-        attn = dict(_get(out, f"{layer}/self_attention", cfg))
+        attn = dict(get(out, f"{layer}/self_attention", cfg))
         fused = attn.pop("linear_qkv", None)
         if fused is None:
             raise ValueError(f"params have no {layer}/self_attention/linear_qkv")
-        kernel = _check_shape(f"{layer}/self_attention/linear_qkv/kernel", _to_numpy(fused["kernel"]),
+        kernel = check_shape(f"{layer}/self_attention/linear_qkv/kernel", to_numpy(fused["kernel"]),
                               (h, nkv, per + 2, d))
         attn["linear_q"] = {"kernel": kernel[:, :, :per].reshape(h, nq, d)}
         attn["linear_k"] = {"kernel": kernel[:, :, per]}
         attn["linear_v"] = {"kernel": kernel[:, :, per + 1]}
         if "bias" in fused:
-            b = _check_shape(f"{layer}/self_attention/linear_qkv/bias", _to_numpy(fused["bias"]),
+            b = check_shape(f"{layer}/self_attention/linear_qkv/bias", to_numpy(fused["bias"]),
                              (nkv, per + 2, d))
             attn["linear_q"]["bias"] = b[:, :per].reshape(nq, d)
             attn["linear_k"]["bias"] = b[:, per]
@@ -956,7 +852,7 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     (default ``cfg.padded_vocab_size(<HF vocab rows>)``, Megatron's padding rule).
 
     MoE models: checkpoint (Hub) keys, or a transformers-5 model's ``state_dict()`` with
-    fused experts (:func:`jmegatron.export.hf_moe.from_module_layout`); a Qwen2-MoE
+    fused experts (:func:`jmegatron.conversion.hf_moe.from_module_layout`); a Qwen2-MoE
     ``shared_expert_gate`` must be zero (ValueError otherwise: jmegatron has no such gate).
     GPT-2 keys may lack the ``transformer.`` prefix (``GPT2Model`` checkpoints); the legacy
     ``attn.bias``/``attn.masked_bias`` mask buffers are ignored. ``lm_head.weight`` is
@@ -964,9 +860,62 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     ``cfg`` has no HF target, a tensor is missing, has the wrong shape, or is left unused.
     """
     arch = hf_architecture(cfg)
+    sd = _hf_checkpoint_names(state_dict, arch)
+    used: set[str] = set()
+
+    def t(key: str, shape: tuple) -> np.ndarray:
+        if key not in sd:
+            raise ValueError(f"Hugging Face state dict has no {key!r} (needed for {arch} with this config)")
+        used.add(key)
+        return check_shape(key, to_numpy(sd[key]).astype(np.float32), shape)
+
+    h = cfg.hidden_size
+    emb_key = "transformer.wte.weight" if arch == GPT2 else "model.embed_tokens.weight"
+    if emb_key not in sd:
+        raise ValueError(f"Hugging Face state dict has no {emb_key!r} (is it a {arch} checkpoint?)")
+    v = to_numpy(sd[emb_key]).shape[0]
+    rows = int(padded_vocab_size) if padded_vocab_size is not None else cfg.padded_vocab_size(v)
+    if rows < v:
+        raise ValueError(f"padded_vocab_size={rows} is smaller than the checkpoint's vocabulary {v}")
+
+    def pad_rows(a: np.ndarray) -> np.ndarray:
+        return a if rows == v else np.concatenate([a, np.zeros((rows - v,) + a.shape[1:], a.dtype)])
+
+    p: dict[str, Any] = {"word_embeddings": {"embedding": pad_rows(t(emb_key, (v, h)))}}
+    if arch == GPT2:
+        p.update(_gpt2_from_hf(t, cfg))
+    else:
+        p.update(_llama_from_hf(t, cfg, arch))
+        for k in range(cfg.mtp_num_layers or 0):  # the Hub's copies of the shared embedding and head
+            used.update({f"model.layers.{cfg.num_layers + k}.{name}.weight"
+                         for name in ("embed_tokens", "shared_head.head")})
+        # MTP depths the config leaves out (a teacher, a model without MTP): dropped, as
+        # transformers' DeepseekV3ForCausalLM drops them
+        first_extra = cfg.num_layers + (cfg.mtp_num_layers or 0)
+        used.update(k for k in sd if _layer_index(k) is not None and _layer_index(k) >= first_extra
+                    and arch == hf_moe.DEEPSEEK_V3)
+    if cfg.untie_embeddings_and_output_weights:
+        p["output_layer"] = {"kernel": np.ascontiguousarray(pad_rows(t("lm_head.weight", (v, h))).T)}
+    else:
+        used.add("lm_head.weight")
+    unused = sorted(set(sd) - used)
+    if unused:
+        raise ValueError(f"Hugging Face state dict has tensors this config does not use: {unused[:8]}"
+                         + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else ""))
+    p = map_leaves(np.ascontiguousarray, p if cfg.multi_latent_attention else _fuse_qkv(p, cfg))
+    if cfg.scan_layers:
+        p = stack_layers(p, cfg.num_layers)
+    return p
+
+
+def _hf_checkpoint_names(state_dict: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """``state_dict`` under the checkpoint names :func:`from_hf_state_dict` reads: MoE experts
+    unfused (:func:`jmegatron.conversion.hf_moe.from_module_layout`), a multimodal Gemma-3's
+    text model in Gemma3ForCausalLM's names (its vision tower dropped), GPT-2 keys with the
+    ``transformer.`` prefix and without the legacy mask buffers."""
     if arch in MOE_ARCHITECTURES:
-        state_dict = hf_moe.from_module_layout(state_dict, arch, _to_numpy)
-    sd: dict[str, np.ndarray] = {}
+        state_dict = hf_moe.from_module_layout(state_dict, arch, to_numpy)
+    sd: dict[str, Any] = {}
     for key, value in state_dict.items():
         if arch == GEMMA3:  # a multimodal Gemma-3: its text model, in Gemma3ForCausalLM's names
             if key.startswith(_GEMMA3_VISION):
@@ -981,108 +930,85 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
             if not key.startswith("transformer.") and key != "lm_head.weight":
                 key = "transformer." + key
         sd[key] = value
-    used: set[str] = set()
+    return sd
 
-    def t(key: str, shape: tuple) -> np.ndarray:
-        if key not in sd:
-            raise ValueError(f"Hugging Face state dict has no {key!r} (needed for {arch} with this config)")
-        used.add(key)
-        return _check_shape(key, _to_numpy(sd[key]).astype(np.float32), shape)
 
-    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
-    ffn = cfg.ffn_hidden_size
-    bias = cfg.add_bias_linear
-    emb_key = "transformer.wte.weight" if arch == GPT2 else "model.embed_tokens.weight"
-    if emb_key not in sd:
-        raise ValueError(f"Hugging Face state dict has no {emb_key!r} (is it a {arch} checkpoint?)")
-    v = _to_numpy(sd[emb_key]).shape[0]
-    rows = int(padded_vocab_size) if padded_vocab_size is not None else cfg.padded_vocab_size(v)
-    if rows < v:
-        raise ValueError(f"padded_vocab_size={rows} is smaller than the checkpoint's vocabulary {v}")
-
-    def pad_rows(a: np.ndarray) -> np.ndarray:
-        return a if rows == v else np.concatenate([a, np.zeros((rows - v,) + a.shape[1:], a.dtype)])
-
-    p: dict[str, Any] = {"word_embeddings": {"embedding": pad_rows(t(emb_key, (v, h)))}}
-    if arch == GPT2:
-        p["position_embeddings"] = {"embedding": t("transformer.wpe.weight", (cfg.max_position_embeddings, h))}
-        for i in range(cfg.num_layers):
-            o = f"transformer.h.{i}"
-            w = t(f"{o}.attn.c_attn.weight", (h, 3 * nq * d))
-            b = t(f"{o}.attn.c_attn.bias", (3 * nq * d,))
-            attn = {f"linear_{n}": {"kernel": w[:, j * nq * d:(j + 1) * nq * d].reshape(h, nq, d),
-                                    "bias": b[j * nq * d:(j + 1) * nq * d].reshape(nq, d)}
-                    for j, n in enumerate("qkv")}
-            attn["linear_proj"] = {"kernel": t(f"{o}.attn.c_proj.weight", (nq * d, h)).reshape(nq, d, h),
-                                   "bias": t(f"{o}.attn.c_proj.bias", (h,))}
-            p[f"decoder_layers_{i}"] = {
-                "input_layernorm": {"scale": t(f"{o}.ln_1.weight", (h,)), "bias": t(f"{o}.ln_1.bias", (h,))},
-                "self_attention": attn,
-                "pre_mlp_layernorm": {"scale": t(f"{o}.ln_2.weight", (h,)), "bias": t(f"{o}.ln_2.bias", (h,))},
-                "mlp": {"linear_fc1": {"kernel": t(f"{o}.mlp.c_fc.weight", (h, ffn)),
-                                       "bias": t(f"{o}.mlp.c_fc.bias", (ffn,))},
-                        "linear_fc2": {"kernel": t(f"{o}.mlp.c_proj.weight", (ffn, h)),
-                                       "bias": t(f"{o}.mlp.c_proj.bias", (h,))}},
-            }
-        p["final_layernorm"] = {"scale": t("transformer.ln_f.weight", (h,)), "bias": t("transformer.ln_f.bias", (h,))}
-    else:
-        moe_layers = _moe_layers(cfg)
-        norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
-
-        def hf_layer(i: int, moe: bool) -> dict:
-            """The jmegatron layer subtree of ``model.layers.{i}``."""
-            o = f"model.layers.{i}"
-            attn = _mla_from_hf(t, cfg, f"{o}.self_attn") if cfg.multi_latent_attention else {}
-            for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
-                attn[f"linear_{n}"] = {"kernel": t(f"{o}.self_attn.{n}_proj.weight", (heads * d, h)).T.reshape(h, heads, d)}
-                if bias or cfg.add_qkv_bias:
-                    attn[f"linear_{n}"]["bias"] = t(f"{o}.self_attn.{n}_proj.bias", (heads * d,)).reshape(heads, d)
-            dv = cfg.v_head_dim if cfg.multi_latent_attention else d
-            attn["linear_proj"] = {"kernel": t(f"{o}.self_attn.o_proj.weight", (h, nq * dv)).T.reshape(nq, dv, h)}
-            if cfg.qk_layernorm and not cfg.multi_latent_attention:
-                for n in "qk":
-                    attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
-            layer_norms = {name: {"scale": t(f"{o}.{hf_name}.weight", (h,))} for name, hf_name in norms.items()}
-            if moe:
-                return {**layer_norms, "self_attention": attn, "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i)}
-            fc1 = {"kernel": np.stack([t(f"{o}.mlp.gate_proj.weight", (ffn, h)).T,
-                                       t(f"{o}.mlp.up_proj.weight", (ffn, h)).T], axis=1)}
-            fc2 = {"kernel": t(f"{o}.mlp.down_proj.weight", (h, ffn)).T}
-            if bias:
-                attn["linear_proj"]["bias"] = t(f"{o}.self_attn.o_proj.bias", (h,))
-                fc1["bias"] = np.stack([t(f"{o}.mlp.gate_proj.bias", (ffn,)), t(f"{o}.mlp.up_proj.bias", (ffn,))])
-                fc2["bias"] = t(f"{o}.mlp.down_proj.bias", (h,))
-            return {**layer_norms, "self_attention": attn, "mlp": {"linear_fc1": fc1, "linear_fc2": fc2}}
-
-        for i in range(cfg.num_layers):
-            p[f"decoder_layers_{i}"] = hf_layer(i, bool(moe_layers[i]))
-        p["final_layernorm"] = {"scale": t("model.norm.weight", (h,))}
-        for k in range(cfg.mtp_num_layers or 0):  # DeepSeek-V3's Hub layout: depth k is layer L + k
-            n = cfg.num_layers + k
-            o = f"model.layers.{n}"
-            used.update({f"{o}.embed_tokens.weight", f"{o}.shared_head.head.weight"})  # copies of the shared ones
-            p[f"mtp_layers_{k}"] = {"enorm": {"scale": t(f"{o}.enorm.weight", (h,))},
-                                    "hnorm": {"scale": t(f"{o}.hnorm.weight", (h,))},
-                                    "final_layernorm": {"scale": t(f"{o}.shared_head.norm.weight", (h,))},
-                                    "eh_proj": {"kernel": np.ascontiguousarray(t(f"{o}.eh_proj.weight", (h, 2 * h)).T)},
-                                    "transformer_layer": hf_layer(n, bool(moe_layers[-1]))}
-        # MTP depths the config leaves out (a teacher, a model without MTP): dropped, as
-        # transformers' DeepseekV3ForCausalLM drops them
-        first_extra = cfg.num_layers + (cfg.mtp_num_layers or 0)
-        used.update(k for k in sd if _layer_index(k) is not None and _layer_index(k) >= first_extra
-                    and arch == hf_moe.DEEPSEEK_V3)
-    if cfg.untie_embeddings_and_output_weights:
-        p["output_layer"] = {"kernel": np.ascontiguousarray(pad_rows(t("lm_head.weight", (v, h))).T)}
-    else:
-        used.add("lm_head.weight")
-    unused = sorted(set(sd) - used)
-    if unused:
-        raise ValueError(f"Hugging Face state dict has tensors this config does not use: {unused[:8]}"
-                         + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else ""))
-    p = _map_leaves(np.ascontiguousarray, p if cfg.multi_latent_attention else _fuse_qkv(p, cfg))
-    if cfg.scan_layers:
-        p = stack_layers(p, cfg.num_layers)
+def _gpt2_from_hf(t: Callable, cfg) -> dict:
+    """GPT-2's position embedding, decoder layers (Q/K/V split) and final norm as jmegatron
+    params (``t(key, shape)``: a float32 HF tensor)."""
+    h, nq, d, ffn = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_channels, cfg.ffn_hidden_size
+    p: dict[str, Any] = {"position_embeddings": {"embedding": t("transformer.wpe.weight",
+                                                                (cfg.max_position_embeddings, h))}}
+    for i in range(cfg.num_layers):
+        o = f"transformer.h.{i}"
+        w = t(f"{o}.attn.c_attn.weight", (h, 3 * nq * d))
+        b = t(f"{o}.attn.c_attn.bias", (3 * nq * d,))
+        attn = {f"linear_{n}": {"kernel": w[:, j * nq * d:(j + 1) * nq * d].reshape(h, nq, d),
+                                "bias": b[j * nq * d:(j + 1) * nq * d].reshape(nq, d)}
+                for j, n in enumerate("qkv")}
+        attn["linear_proj"] = {"kernel": t(f"{o}.attn.c_proj.weight", (nq * d, h)).reshape(nq, d, h),
+                               "bias": t(f"{o}.attn.c_proj.bias", (h,))}
+        p[f"decoder_layers_{i}"] = {
+            "input_layernorm": {"scale": t(f"{o}.ln_1.weight", (h,)), "bias": t(f"{o}.ln_1.bias", (h,))},
+            "self_attention": attn,
+            "pre_mlp_layernorm": {"scale": t(f"{o}.ln_2.weight", (h,)), "bias": t(f"{o}.ln_2.bias", (h,))},
+            "mlp": {"linear_fc1": {"kernel": t(f"{o}.mlp.c_fc.weight", (h, ffn)),
+                                   "bias": t(f"{o}.mlp.c_fc.bias", (ffn,))},
+                    "linear_fc2": {"kernel": t(f"{o}.mlp.c_proj.weight", (ffn, h)),
+                                   "bias": t(f"{o}.mlp.c_proj.bias", (h,))}},
+        }
+    p["final_layernorm"] = {"scale": t("transformer.ln_f.weight", (h,)), "bias": t("transformer.ln_f.bias", (h,))}
     return p
+
+
+def _llama_from_hf(t: Callable, cfg, arch: str) -> dict:
+    """The Llama layout's decoder layers (Q/K/V split), final norm and DeepSeek-V3's
+    multi-token prediction depths as jmegatron params (``t(key, shape)``: a float32 HF
+    tensor)."""
+    h = cfg.hidden_size
+    moe_layers = hf_moe.moe_layers(cfg)
+    p: dict[str, Any] = {f"decoder_layers_{i}": _llama_layer_from_hf(t, cfg, arch, i, bool(moe_layers[i]))
+                         for i in range(cfg.num_layers)}
+    p["final_layernorm"] = {"scale": t("model.norm.weight", (h,))}
+    for k in range(cfg.mtp_num_layers or 0):  # DeepSeek-V3's Hub layout: depth k is layer L + k
+        n = cfg.num_layers + k
+        o = f"model.layers.{n}"
+        p[f"mtp_layers_{k}"] = {"enorm": {"scale": t(f"{o}.enorm.weight", (h,))},
+                                "hnorm": {"scale": t(f"{o}.hnorm.weight", (h,))},
+                                "final_layernorm": {"scale": t(f"{o}.shared_head.norm.weight", (h,))},
+                                "eh_proj": {"kernel": np.ascontiguousarray(t(f"{o}.eh_proj.weight", (h, 2 * h)).T)},
+                                "transformer_layer": _llama_layer_from_hf(t, cfg, arch, n, bool(moe_layers[-1]))}
+    return p
+
+
+def _llama_layer_from_hf(t: Callable, cfg, arch: str, i: int, moe: bool) -> dict:
+    """The jmegatron layer subtree of ``model.layers.{i}`` (the inverse of
+    :func:`_llama_layer_to_hf`, Q/K/V split)."""
+    h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    ffn, bias = cfg.ffn_hidden_size, cfg.add_bias_linear
+    norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
+    o = f"model.layers.{i}"
+    attn = _mla_from_hf(t, cfg, f"{o}.self_attn") if cfg.multi_latent_attention else {}
+    for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
+        attn[f"linear_{n}"] = {"kernel": t(f"{o}.self_attn.{n}_proj.weight", (heads * d, h)).T.reshape(h, heads, d)}
+        if bias or cfg.add_qkv_bias:
+            attn[f"linear_{n}"]["bias"] = t(f"{o}.self_attn.{n}_proj.bias", (heads * d,)).reshape(heads, d)
+    dv = cfg.v_head_dim if cfg.multi_latent_attention else d
+    attn["linear_proj"] = {"kernel": t(f"{o}.self_attn.o_proj.weight", (h, nq * dv)).T.reshape(nq, dv, h)}
+    if cfg.qk_layernorm and not cfg.multi_latent_attention:
+        for n in "qk":
+            attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
+    layer_norms = {name: {"scale": t(f"{o}.{hf_name}.weight", (h,))} for name, hf_name in norms.items()}
+    if moe:
+        return {**layer_norms, "self_attention": attn, "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i)}
+    fc1 = {"kernel": np.stack([t(f"{o}.mlp.gate_proj.weight", (ffn, h)).T,
+                               t(f"{o}.mlp.up_proj.weight", (ffn, h)).T], axis=1)}
+    fc2 = {"kernel": t(f"{o}.mlp.down_proj.weight", (h, ffn)).T}
+    if bias:
+        attn["linear_proj"]["bias"] = t(f"{o}.self_attn.o_proj.bias", (h,))
+        fc1["bias"] = np.stack([t(f"{o}.mlp.gate_proj.bias", (ffn,)), t(f"{o}.mlp.up_proj.bias", (ffn,))])
+        fc2["bias"] = t(f"{o}.mlp.down_proj.bias", (h,))
+    return {**layer_norms, "self_attention": attn, "mlp": {"linear_fc1": fc1, "linear_fc2": fc2}}
 
 
 def _layer_index(key: str) -> Optional[int]:
@@ -1102,93 +1028,3 @@ def hf_mtp_depths(names, num_layers: int) -> int:
     return k
 
 
-def hf_tensor_names(folder: str) -> list[str]:
-    """The tensor names of a Hugging Face folder's ``*.safetensors`` files (no data read)."""
-    import glob
-    import os
-
-    from safetensors import safe_open
-
-    names = []
-    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        with safe_open(path, "np") as f:
-            names.extend(f.keys())
-    return names
-
-
-def is_hf_folder(path: str) -> bool:
-    """True for a Hugging Face ``save_pretrained`` folder: a ``config.json`` with a
-    ``model_type`` (a jmegatron checkpoint's config.json has ``num_layers`` instead)."""
-    import json
-    import os
-
-    conf = os.path.join(path, "config.json")
-    if not os.path.isfile(conf):
-        return False
-    with open(conf) as f:
-        saved = json.load(f)
-    return "model_type" in saved and "num_layers" not in saved
-
-
-def read_hf_state_dict(folder: str) -> dict:
-    """Every tensor of a Hugging Face folder's ``*.safetensors`` files (sharded or not) as
-    float32 numpy. Raises ValueError when the folder has none (PyTorch ``.bin`` files are
-    not read)."""
-    import glob
-    import os
-
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise ValueError(f"{folder}: no *.safetensors file (PyTorch .bin checkpoints are not read; "
-                         f"re-save with save_pretrained(safe_serialization=True))")
-    sd = {}
-    for path in files:
-        sd.update({k: v.float().numpy() for k, v in load_file(path).items()})
-    return sd
-
-
-# ------------------------------------------------------------------------ transformers model
-def hf_config_class(arch: str):
-    """The transformers config class of architecture ``arch`` (a class name
-    :func:`hf_architecture` returns, e.g. ``"Qwen3ForCausalLM"`` -> ``Qwen3Config``). Imports
-    transformers (ImportError if missing)."""
-    import transformers
-
-    return getattr(transformers, {GPT2: "GPT2Config", GEMMA3: "Gemma3TextConfig"}.get(
-        arch, arch.replace("ForCausalLM", "Config")))
-
-
-def to_hf_model(params: Mapping, cfg, vocab_size: Optional[int] = None, *,
-                bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None):
-    """A float32 ``transformers`` model (``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
-    ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``, eval mode) holding ``params``
-    (per-layer or scanned), loaded with ``load_state_dict(strict=True)`` (MoE experts fused
-    first where the installed transformers holds them fused).
-
-    ``vocab_size`` as in :func:`to_hf_state_dict` (default: the embedding's rows). Imports
-    torch and transformers here (ImportError if missing). Raises ValueError as
-    :func:`to_hf_state_dict`.
-    """
-    import torch
-    import transformers
-
-    sd = to_hf_state_dict(params, cfg, vocab_size)
-    emb_key = "transformer.wte.weight" if "transformer.wte.weight" in sd else "model.embed_tokens.weight"
-    v = sd[emb_key].shape[0]
-    conf = hf_config_dict(cfg, v, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    arch = conf["architectures"][0]
-    config = hf_config_class(arch).from_dict(conf)
-    if cfg.attn_logit_softcapping is not None:  # transformers' SDPA path drops Gemma-2's soft-cap
-        config._attn_implementation = "eager"
-    model = getattr(transformers, arch)(config).to(torch.float32)
-    if arch in MOE_ARCHITECTURES:  # transformers 5 holds the experts fused in memory
-        sd = hf_moe.to_module_layout(sd, arch, set(model.state_dict()))
-    tensors = {k: torch.from_numpy(np.array(a, dtype=np.float32, order="C", copy=True))
-               for k, a in sd.items()}
-    if not cfg.untie_embeddings_and_output_weights:
-        tensors["lm_head.weight"] = tensors[emb_key]
-    model.load_state_dict(tensors, strict=True)
-    model.eval()
-    return model

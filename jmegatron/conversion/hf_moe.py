@@ -1,7 +1,7 @@
 """Hugging Face mapping of jmegatron's mixture-of-experts models (the MoE half of
-:mod:`jmegatron.export.hf`, which calls into this module; numpy only).
+:mod:`jmegatron.conversion.hf`, which calls into this module; numpy only).
 
-Three targets, all with Llama's attention, RMSNorm and RoPE (:mod:`jmegatron.export.hf`'s
+Three targets, all with Llama's attention, RMSNorm and RoPE (:mod:`jmegatron.conversion.hf`'s
 Llama mapping is reused for everything but the MLP):
 
 * ``MixtralForCausalLM`` (transformers ``models/mixtral/modeling_mixtral.py``): every layer
@@ -19,7 +19,7 @@ Llama mapping is reused for everything but the MLP):
 * ``Qwen3MoeForCausalLM`` (``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's attention
   (``qk_layernorm``) with Qwen2-MoE's experts and router, no shared expert.
 * ``DeepseekV3ForCausalLM`` (``models/deepseek_v3/modeling_deepseek_v3.py``): multi-latent
-  attention (its mapping is :mod:`jmegatron.export.hf`'s), first-k dense layers
+  attention (its mapping is :mod:`jmegatron.conversion.hf`'s), first-k dense layers
   (``moe_layer_freq`` a dense prefix), sigmoid routing with the expert bias for the choice
   (``e_score_correction_bias`` = ``router/expert_bias``), weights normalised over the top-k
   and scaled (``routed_scaling_factor``), group-limited routing (``n_group`` /
@@ -77,7 +77,11 @@ DEEPSEEK_GROUP_TOP = 2
 _FUSED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
-def _pattern(cfg) -> tuple[int, ...]:
+def moe_layers(cfg) -> tuple[int, ...]:
+    """1 for each MoE decoder layer of ``cfg`` (``moe_layer_freq``,
+    :func:`jmegatron.config.moe_layer_pattern`), all 0 for a dense model."""
+    if cfg.num_moe_experts is None:
+        return (0,) * cfg.num_layers
     return moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
 
 
@@ -112,7 +116,7 @@ def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
     if cfg.moe_router_enable_expert_bias:
         problems.append(f"config.moe_router_enable_expert_bias=True ({arch} has no expert bias)")
     if arch == MIXTRAL:
-        if not all(_pattern(cfg)):
+        if not all(moe_layers(cfg)):
             problems.append(f"config.moe_layer_freq={cfg.moe_layer_freq!r} has dense layers (every Mixtral "
                             f"layer is an MoE layer; a shared expert would select {QWEN2_MOE}, which has "
                             f"mlp_only_layers)")
@@ -128,7 +132,7 @@ def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
 def _deepseek_problems(cfg, llama_problems: list[str]) -> list[str]:
     """The fields of an MLA + MoE ``cfg`` that ``DeepseekV3ForCausalLM`` cannot represent."""
     problems = [p for p in llama_problems if "hidden_size" not in p]
-    k, pattern = cfg.moe_router_topk, _pattern(cfg)
+    k, pattern = cfg.moe_router_topk, moe_layers(cfg)
     first = pattern.index(1) if 1 in pattern else len(pattern)
     if any(pattern[first:]) and not all(pattern[first:]):
         problems.append(f"config.moe_layer_freq={cfg.moe_layer_freq!r} (DeepSeek-V3's dense layers are a prefix: "
@@ -162,7 +166,7 @@ def _deepseek_problems(cfg, llama_problems: list[str]) -> list[str]:
 
 def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
     """The transformers ``config.json`` of an MoE ``cfg``, built on the Llama dict
-    ``llama`` (:func:`jmegatron.export.hf.hf_config_dict`'s, which has the attention, RoPE,
+    ``llama`` (:func:`jmegatron.conversion.hf.hf_config_dict`'s, which has the attention, RoPE,
     norm and vocabulary entries)."""
     keep = ("architectures", "vocab_size", "initializer_range", "tie_word_embeddings", "bos_token_id",
             "eos_token_id", "pad_token_id", "use_cache", "dtype", "hidden_size", "num_hidden_layers",
@@ -171,7 +175,7 @@ def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
     conf = {k: llama[k] for k in keep}
     conf["architectures"] = [arch]
     if arch == DEEPSEEK_V3:
-        pattern = _pattern(cfg)
+        pattern = moe_layers(cfg)
         return {"model_type": "deepseek_v3", **{k: v for k, v in conf.items() if k not in ("rope_theta", "rope_scaling")},
                 "head_dim": int(cfg.qk_pos_emb_head_dim), "intermediate_size": int(cfg.ffn_hidden_size),
                 "moe_intermediate_size": int(cfg.moe_ffn_hidden_size), "num_experts_per_tok": int(cfg.moe_router_topk),
@@ -190,7 +194,7 @@ def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
         return {"model_type": "mixtral", **conf, "intermediate_size": int(cfg.moe_ffn_hidden_size),
                 "num_local_experts": int(cfg.num_moe_experts), "router_jitter_noise": 0.0,
                 "sliding_window": None}
-    dense = [i for i, moe in enumerate(_pattern(cfg)) if not moe]
+    dense = [i for i, moe in enumerate(moe_layers(cfg)) if not moe]
     qwen = {**conf, "intermediate_size": int(cfg.ffn_hidden_size), "moe_intermediate_size": int(cfg.moe_ffn_hidden_size),
             "num_experts": int(cfg.num_moe_experts), "norm_topk_prob": not cfg.moe_router_pre_softmax,
             "decoder_sparse_step": 1, "mlp_only_layers": dense, "use_sliding_window": False, "sliding_window": None,
