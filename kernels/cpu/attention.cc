@@ -36,6 +36,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cblas.h"
@@ -771,42 +772,27 @@ ffi::Error BlockBwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, const ff
                          *dv);
 }
 
-// The handlers' bindings after their buffers: the attributes jmegatron.kernels.cpu.ops passes.
-template <typename Binding>
-auto SequenceAttrs(Binding binding) {
-  return std::move(binding)
-      .template Attr<float>("scale")
-      .template Attr<float>("dropout_rate")
-      .template Attr<float>("keep_scale")
-      .template Attr<int64_t>("threshold")
-      .template Attr<int64_t>("block")
-      .template Attr<bool>("segments");
-}
-
-template <typename Binding>
-auto BlockAttrs(Binding binding) {
-  return std::move(binding)
-      .template Attr<float>("scale")
-      .template Attr<bool>("causal")
-      .template Attr<bool>("segments")
-      .template Attr<int64_t>("block");
-}
+// The handlers' attributes, as jmegatron.kernels.cpu.ops passes them: types and names.
+using SequenceAttrs = std::tuple<float, float, float, int64_t, int64_t, bool>;
+constexpr const char* kSequenceAttrs[] = {"scale", "dropout_rate", "keep_scale", "threshold", "block", "segments"};
+using BlockAttrs = std::tuple<float, bool, bool, int64_t>;
+constexpr const char* kBlockAttrs[] = {"scale", "causal", "segments", "block"};
 
 }  // namespace
 
 // The handlers run their bodies under jmegatron::Guarded (no exception leaves them).
 // q, k, v, segment_ids, key -> out, lse
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionFwd, jmegatron::GuardedHandler(kFwd, AttentionFwdBody),
-                              SequenceAttrs(jmegatron::BufferBinding<5, 2>()));
+                              (jmegatron::AttrBinding<5, 2, SequenceAttrs>(kSequenceAttrs)));
 
 // q, k, v, out, dout, lse, segment_ids, key -> dq, dk, dv
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBwd, jmegatron::GuardedHandler(kBwd, AttentionBwdBody),
-                              SequenceAttrs(jmegatron::BufferBinding<8, 3>()));
+                              (jmegatron::AttrBinding<8, 3, SequenceAttrs>(kSequenceAttrs)));
 
 // q, k, v, q_positions, k_positions, q_segments, k_segments -> out, lse
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBlockFwd, jmegatron::GuardedHandler(kBlockFwd, BlockFwdBody),
-                              BlockAttrs(jmegatron::BufferBinding<7, 2>()));
+                              (jmegatron::AttrBinding<7, 2, BlockAttrs>(kBlockAttrs)));
 
 // q, k, v, dout, lse, delta, q_positions, k_positions, q_segments, k_segments -> dq, dk, dv
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBlockBwd, jmegatron::GuardedHandler(kBlockBwd, BlockBwdBody),
-                              BlockAttrs(jmegatron::BufferBinding<10, 3>()));
+                              (jmegatron::AttrBinding<10, 3, BlockAttrs>(kBlockAttrs)));

@@ -22,6 +22,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -180,6 +181,18 @@ auto BufferBinding() {
     return BufferBinding<kArgs - 1, 0>().template Arg<ffi::AnyBuffer>();
   } else {
     return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>();
+  }
+}
+
+// BufferBinding<kArgs, kRets>() then the attributes `names` (in order) of the types of the
+// std::tuple `Attrs`.
+template <int kArgs, int kRets, typename Attrs, size_t kCount = std::tuple_size_v<Attrs>>
+auto AttrBinding(const char* const* names) {
+  if constexpr (kCount == 0) {
+    return BufferBinding<kArgs, kRets>();
+  } else {
+    return AttrBinding<kArgs, kRets, Attrs, kCount - 1>(names).template Attr<std::tuple_element_t<kCount - 1, Attrs>>(
+        names[kCount - 1]);
   }
 }
 
