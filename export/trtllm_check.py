@@ -359,26 +359,27 @@ class _Model:
     moe_ep: int = 1
 
 
-def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
-    """Validate config.json's fields; returns the layout model, or None when an error
-    makes the tensor checks meaningless."""
-    if not isinstance(c, dict):
-        errors.append("config.json: not a JSON object")
-        return None
-    bad = False
+def _check_field_types(c: dict, errors: list) -> bool:
+    """config.json's mandatory fields are present and every field has its type."""
+    ok = True
     for k, t in _REQUIRED_FIELDS.items():
         if k not in c:
             errors.append(f"config.json: missing mandatory field {k!r}")
-            bad = True
+            ok = False
         elif not _type_ok(c[k], t):
             errors.append(f"config.json: field {k!r} = {c[k]!r} is not {t.__name__}")
-            bad = True
+            ok = False
     for k, t in _OPTIONAL_FIELDS.items():
         if c.get(k) is not None and not _type_ok(c[k], t):
             errors.append(f"config.json: field {k!r} = {c[k]!r} is not {t.__name__}")
-            bad = True
-    if bad:
-        return None
+            ok = False
+    return ok
+
+
+def _check_architecture(c: dict, errors: list) -> tuple[Optional[str], int, int, bool]:
+    """The sizes, architecture, dtypes, activation, positions and MoE block of a typed
+    config.json: (family, experts, top_k, whether an error makes the layout unknowable)."""
+    bad = False
     for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "head_size", "max_position_embeddings"):
         if c.get(k) is not None and c[k] <= 0:
@@ -428,27 +429,13 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
         errors.append(f"config.json: moe.num_experts = {experts} with architecture {arch!r}: mixture-of-experts "
                       "layouts are checked for MixtralForCausalLM / LlamaForCausalLM only")
         bad = True
+    return family, experts, top_k, bad
 
-    m = c.get("mapping") or {}
-    tp, pp = m.get("tp_size", 1), m.get("pp_size", 1)
-    ws = m.get("world_size", 1)
-    for k, v in (("world_size", ws), ("tp_size", tp), ("pp_size", pp)):
-        if not _is_int(v) or v < 1:
-            errors.append(f"config.json: mapping.{k} = {v!r} must be a positive int")
-            bad = True
-    if bad:
-        return None
-    if m.get("cp_size", 1) != 1:
-        errors.append(f"config.json: mapping.cp_size = {m.get('cp_size')} (context parallel) is not checked here")
-        return None
-    if ws != tp * pp:
-        errors.append(f"config.json: mapping.world_size = {ws} != tp_size {tp} x pp_size {pp}")
-        return None
-    moe_tp, moe_ep = _moe_mapping(m, tp, errors)
-    if moe_tp is None:
-        return None
 
-    q = c.get("quantization") or {}
+def _check_quantization(q: dict, errors: list, notes: list) -> Optional[tuple]:
+    """config.json's quantization block: (quant_algo, kv_cache_quant_algo, group_size,
+    exclude_modules), or None after an error."""
+    bad = False
     qa, kva = q.get("quant_algo"), q.get("kv_cache_quant_algo")
     if qa is not None and qa not in VALIDATED_QUANT_ALGOS:
         why = ("listed in checkpoint.md but its tensors are not validated by this checker"
@@ -471,20 +458,16 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
     if not isinstance(exclude, list) or not all(isinstance(s, str) for s in exclude):
         errors.append(f"config.json: quantization.exclude_modules = {exclude!r} must be a list of names/patterns")
         bad = True
-    if bad:
-        return None
+    return None if bad else (qa, kva, group, exclude)
 
-    h, nq, L = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
-    nkv = c.get("num_key_value_heads") or nq
-    d = c.get("head_size") or h // nq
-    ffn = c.get("intermediate_size") or 4 * h
-    if c.get("head_size") is None:
-        notes.append(f"head_size absent: hidden_size // num_attention_heads = {d} assumed")
-    parallel = bool(c.get("use_parallel_embedding", False))
-    dim = c.get("embedding_sharding_dim", 0)
+
+def _check_layout(m: _Model, errors: list, notes: list) -> bool:
+    """The sizes of ``m`` split over its tensor, expert and pipeline ranks as TensorRT-LLM
+    needs (heads, FFN, experts, embedding, layers)."""
     ok = True
-    if dim not in (0, 1):
-        errors.append(f"config.json: embedding_sharding_dim = {dim} must be 0 (vocab) or 1 (hidden)")
+    tp, pp, nq, nkv, L = m.tp, m.pp, m.nq, m.nkv, m.layers
+    if m.emb_dim not in (0, 1):
+        errors.append(f"config.json: embedding_sharding_dim = {m.emb_dim} must be 0 (vocab) or 1 (hidden)")
         ok = False
     if nq % nkv:
         errors.append(f"config.json: num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}")
@@ -496,24 +479,26 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
         errors.append(f"config.json: num_key_value_heads {nkv} and mapping.tp_size {tp}: one must divide the "
                       "other (KV heads are split, or duplicated when fewer than tp)")
         ok = False
-    if experts:
-        if experts % moe_ep:
-            errors.append(f"config.json: moe.num_experts {experts} is not divisible by mapping.moe_ep_size {moe_ep} "
-                          "(MixtureOfExperts: each expert-parallel rank holds num_experts / moe_ep_size experts)")
+    if m.experts:
+        if m.experts % m.moe_ep:
+            errors.append(f"config.json: moe.num_experts {m.experts} is not divisible by mapping.moe_ep_size "
+                          f"{m.moe_ep} (MixtureOfExperts: each expert-parallel rank holds num_experts / "
+                          "moe_ep_size experts)")
             ok = False
-        if ffn % moe_tp:
-            errors.append(f"config.json: intermediate_size {ffn} (the experts' FFN) is not divisible by "
-                          f"mapping.moe_tp_size {moe_tp}")
+        if m.ffn % m.moe_tp:
+            errors.append(f"config.json: intermediate_size {m.ffn} (the experts' FFN) is not divisible by "
+                          f"mapping.moe_tp_size {m.moe_tp}")
             ok = False
-        if qa is not None:
-            errors.append(f"config.json: quantization.quant_algo {qa!r} with moe.num_experts = {experts}: quantized "
-                          "MoE layouts (MOEWeightWrapper's scaling factors) are not validated by this checker")
+        if m.quant_algo is not None:
+            errors.append(f"config.json: quantization.quant_algo {m.quant_algo!r} with moe.num_experts = "
+                          f"{m.experts}: quantized MoE layouts (MOEWeightWrapper's scaling factors) are not "
+                          "validated by this checker")
             ok = False
-    elif ffn % tp:
-        errors.append(f"config.json: intermediate_size {ffn} is not divisible by mapping.tp_size {tp}")
+    elif m.ffn % tp:
+        errors.append(f"config.json: intermediate_size {m.ffn} is not divisible by mapping.tp_size {tp}")
         ok = False
-    if parallel and dim == 1 and h % tp:
-        errors.append(f"config.json: hidden_size {h} is not divisible by tp_size {tp} (embedding_sharding_dim 1)")
+    if m.parallel_emb and m.emb_dim == 1 and m.h % tp:
+        errors.append(f"config.json: hidden_size {m.h} is not divisible by tp_size {tp} (embedding_sharding_dim 1)")
         ok = False
     if pp > L:
         errors.append(f"config.json: mapping.pp_size {pp} > num_hidden_layers {L}: TensorRT-LLM's "
@@ -523,13 +508,52 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
         notes.append(f"uneven pipeline split: {L} layers over pp_size {pp} (Mapping.pp_layers gives the first "
                      f"{L % pp} stage(s) one layer more; TensorRT-LLM releases whose pp_layers floor-divides "
                      "would drop layers)")
-    share = bool(c.get("share_embedding_table", False))
-    if share and tp > 1 and not (parallel and dim == 0):
+    if m.share_emb and tp > 1 and not (m.parallel_emb and m.emb_dim == 0):
         errors.append("config.json: share_embedding_table with tp_size > 1 needs use_parallel_embedding=true "
                       "and embedding_sharding_dim=0 (TensorRT-LLM's GPT model refuses otherwise)")
         ok = False
-    if not ok:
+    return ok
+
+
+def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
+    """Validate config.json's fields; returns the layout model, or None when an error
+    makes the tensor checks meaningless."""
+    if not isinstance(c, dict):
+        errors.append("config.json: not a JSON object")
         return None
+    if not _check_field_types(c, errors):
+        return None
+    family, experts, top_k, bad = _check_architecture(c, errors)
+    m = c.get("mapping") or {}
+    tp, pp = m.get("tp_size", 1), m.get("pp_size", 1)
+    ws = m.get("world_size", 1)
+    for k, v in (("world_size", ws), ("tp_size", tp), ("pp_size", pp)):
+        if not _is_int(v) or v < 1:
+            errors.append(f"config.json: mapping.{k} = {v!r} must be a positive int")
+            bad = True
+    if bad:
+        return None
+    if m.get("cp_size", 1) != 1:
+        errors.append(f"config.json: mapping.cp_size = {m.get('cp_size')} (context parallel) is not checked here")
+        return None
+    if ws != tp * pp:
+        errors.append(f"config.json: mapping.world_size = {ws} != tp_size {tp} x pp_size {pp}")
+        return None
+    moe_tp, moe_ep = _moe_mapping(m, tp, errors)
+    if moe_tp is None:
+        return None
+    quant = _check_quantization(c.get("quantization") or {}, errors, notes)
+    if quant is None:
+        return None
+    qa, kva, group, exclude = quant
+
+    h, nq, L = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
+    nkv = c.get("num_key_value_heads") or nq
+    d = c.get("head_size") or h // nq
+    if c.get("head_size") is None:
+        notes.append(f"head_size absent: hidden_size // num_attention_heads = {d} assumed")
+    act = c["hidden_act"]
+    pos = c.get("position_embedding_type", "learned_absolute")
     if family == "gpt":
         gated = act in _GATED_ACTS
         attn_bias = mlp_bias = bool(c.get("bias", True))
@@ -538,13 +562,16 @@ def _check_config(c: Any, errors: list, notes: list) -> Optional[_Model]:
         gated = act in _GATED_ACTS if experts else True  # MoE: fc holds 2F rows for a gated activation only
         attn_bias, mlp_bias = bool(c.get("attn_bias", False)), bool(c.get("mlp_bias", False))
         norm_bias = False
-    return _Model(family=family, dtype=c["dtype"], layers=L, h=h, nq=nq, nkv=nkv, d=d, ffn=ffn,
-                  vocab=c["vocab_size"], max_pos=c.get("max_position_embeddings"),
-                  learned_pos=(family == "gpt" and pos == "learned_absolute"), gated=gated,
-                  attn_bias=attn_bias, mlp_bias=mlp_bias, norm_bias=norm_bias, tp=tp, pp=pp,
-                  parallel_emb=parallel, emb_dim=dim, share_emb=share, quant_algo=qa, kv_algo=kva,
-                  group_size=group or 128, exclude=list(exclude), experts=experts, top_k=top_k, moe_tp=moe_tp,
-                  moe_ep=moe_ep)
+    model = _Model(family=family, dtype=c["dtype"], layers=L, h=h, nq=nq, nkv=nkv, d=d,
+                   ffn=c.get("intermediate_size") or 4 * h, vocab=c["vocab_size"],
+                   max_pos=c.get("max_position_embeddings"),
+                   learned_pos=(family == "gpt" and pos == "learned_absolute"), gated=gated,
+                   attn_bias=attn_bias, mlp_bias=mlp_bias, norm_bias=norm_bias, tp=tp, pp=pp,
+                   parallel_emb=bool(c.get("use_parallel_embedding", False)),
+                   emb_dim=c.get("embedding_sharding_dim", 0), share_emb=bool(c.get("share_embedding_table", False)),
+                   quant_algo=qa, kv_algo=kva, group_size=group or 128, exclude=list(exclude), experts=experts,
+                   top_k=top_k, moe_tp=moe_tp, moe_ep=moe_ep)
+    return model if _check_layout(model, errors, notes) else None
 
 
 def _check_moe(moe: Any, c: dict, family: Optional[str], errors: list) -> tuple[int, int]:

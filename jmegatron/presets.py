@@ -44,19 +44,16 @@ GPT2: dict[str, Any] = dict(
 # Llama 2 (Touvron et al. 2023; Megatron-LM docs/llama_mistral.md: --use-rotary-position-embeddings
 # --no-position-embedding --normalization RMSNorm --swiglu --disable-bias-linear
 # --untie-embeddings-and-output-weights): RoPE (base 10000), RMSNorm (eps 1e-5), SwiGLU MLP,
-# no biases, an untied output layer, no dropout. Grouped-query attention is a size
-# (num_query_groups), set by each config.
+# no biases, an untied output layer, no dropout (GPT-2's fields with those flags). Grouped-query
+# attention is a size (num_query_groups), set by each config.
 LLAMA: dict[str, Any] = dict(
-    position_embedding_type="rope",
-    rotary_base=10000,
+    GPT2,
+    position_embedding_type="rope", rotary_base=10000,
     normalization="RMSNorm",
-    norm_epsilon=1e-5,
     swiglu=True,
     untie_embeddings_and_output_weights=True,
     add_bias_linear=False,
-    add_qkv_bias=False,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
+    hidden_dropout=0.0, attention_dropout=0.0,
 )
 
 # Mixtral (Jiang et al. 2024, arXiv:2401.04088; Megatron-LM megatron/core/transformer/moe/README.md
@@ -64,13 +61,8 @@ LLAMA: dict[str, Any] = dict(
 # --moe-aux-loss-coeff 1e-2): Llama's blocks with every MLP a mixture of 8 SwiGLU experts,
 # top-2 softmax routing and the Switch load-balancing loss. The experts' FFN
 # (moe_ffn_hidden_size), RoPE base and the dispatcher are per model.
-MIXTRAL: dict[str, Any] = dict(
-    LLAMA,
-    num_moe_experts=8,
-    moe_router_topk=2,
-    moe_router_load_balancing_type="aux_loss",
-    moe_aux_loss_coeff=1e-2,
-)
+MIXTRAL: dict[str, Any] = dict(LLAMA, num_moe_experts=8, moe_router_topk=2,
+                               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
 
 # Llama 3.x (Grattafiori et al. 2024, arXiv:2407.21783; Hugging Face Llama-3.1 config.json):
 # Llama's blocks with RoPE base 500000 and the Llama-3.1 frequency scaling (megatron-core's
@@ -101,40 +93,22 @@ QWEN3: dict[str, Any] = dict(LLAMA, qk_layernorm=True, rotary_base=1000000, norm
 # Qwen3-MoE (arXiv:2505.09388; Qwen3-30B-A3B and -235B-A22B): Qwen3's attention with every MLP
 # a mixture of 128 SwiGLU experts, top-8 softmax routing renormalised over the chosen experts
 # (norm_topk_prob), no shared expert, the load-balancing loss at 1e-3.
-QWEN3_MOE: dict[str, Any] = dict(
-    QWEN3,
-    num_moe_experts=128,
-    moe_router_topk=8,
-    moe_router_load_balancing_type="aux_loss",
-    moe_aux_loss_coeff=1e-3,
-)
+QWEN3_MOE: dict[str, Any] = dict(QWEN3, num_moe_experts=128, moe_router_topk=8,
+                                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3)
 
-# Gemma 2 (Gemma Team 2024, arXiv:2408.00118; transformers' Gemma2Config): RoPE base 10000,
-# RMSNorm (eps 1e-6) multiplying by 1 + w, the pre- and post-norms around attention and MLP,
-# GeGLU with the tanh GELU, embeddings scaled by sqrt(hidden), a tied output layer, no
-# biases or dropout, local (sliding 4096-key window) and global layers alternating from a
-# local first layer, attention scores soft-capped at 50 and the logits at 30. The score
-# scale (query_pre_attn_scalar) is per model.
+# Gemma 2 (Gemma Team 2024, arXiv:2408.00118; transformers' Gemma2Config): Llama's fields
+# with RoPE base 10000, RMSNorm (eps 1e-6) multiplying by 1 + w, the pre- and post-norms
+# around attention and MLP, GeGLU with the tanh GELU, embeddings scaled by sqrt(hidden), a
+# tied output layer, no biases or dropout, local (sliding 4096-key window) and global layers
+# alternating from a local first layer, attention scores soft-capped at 50 and the logits
+# at 30. The score scale (query_pre_attn_scalar) is per model.
 GEMMA2: dict[str, Any] = dict(
-    position_embedding_type="rope",
-    rotary_base=10000,
-    normalization="RMSNorm",
-    norm_epsilon=1e-6,
-    apply_layernorm_1p=True,
-    sandwich_norms=True,
-    swiglu=False,
-    gated_linear_unit=True,
-    openai_gelu=True,
-    scale_embeddings=True,
-    untie_embeddings_and_output_weights=False,
-    add_bias_linear=False,
-    add_qkv_bias=False,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    window_size=(4095, 0),
-    window_attn_skip_freq=2,
-    attn_logit_softcapping=50.0,
-    final_logit_softcapping=30.0,
+    LLAMA,
+    norm_epsilon=1e-6, apply_layernorm_1p=True, sandwich_norms=True,
+    swiglu=False, gated_linear_unit=True, openai_gelu=True,
+    scale_embeddings=True, untie_embeddings_and_output_weights=False,
+    window_size=(4095, 0), window_attn_skip_freq=2,
+    attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
 )
 
 # Gemma 3 (Gemma Team 2025, arXiv:2503.19786; transformers' Gemma3TextConfig): Gemma 2's blocks

@@ -3,6 +3,7 @@ state hashing and the environment record every result carries."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import hashlib
 import json
@@ -26,6 +27,12 @@ class BenchError(ValueError):
 
 
 # ------------------------------------------------------------------ arguments
+def add_command(sub, name: str, help: str, doc: str) -> argparse.ArgumentParser:
+    """Adds subcommand ``name`` to the bench CLI's subparsers ``sub``: ``help`` in the command
+    list, the module docstring ``doc`` as its ``--help`` text (formatted as written)."""
+    return sub.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def add_config_arguments(parser, required: bool = True) -> None:
     """``--config PATH`` (the unparsed arguments: ``--config.<field>=<value>`` overrides,
     Megatron's flags and ``--args-file F.args`` / ``F.args``, the forms ``python -m
@@ -113,6 +120,23 @@ def write_text(path: os.PathLike, text: str) -> str:
     return str(path)
 
 
+def verdict(passed: bool) -> str:
+    """A check's verdict in markdown: ``**PASS**`` or ``**FAIL**``."""
+    return "**PASS**" if passed else "**FAIL**"
+
+
+def finish(out: pathlib.Path, command: str, result: dict, chart, markdown, passed: bool, summary: str) -> int:
+    """Ends a checking command: writes ``<command>.json`` (``result``), ``<command>.png``
+    (``chart(result, path)``) and ``<command>.md`` (``markdown(result)``) under ``out``, prints
+    ``[bench <command>] PASS|FAIL: <summary>; results in <out>`` and returns the exit status
+    (0 when ``passed``, else 1)."""
+    write_json(out / f"{command}.json", result)
+    chart(result, out / f"{command}.png")
+    write_text(out / f"{command}.md", markdown(result))
+    print(f"[bench {command}] {'PASS' if passed else 'FAIL'}: {summary}; results in {out}")
+    return 0 if passed else 1
+
+
 def pyplot():
     """matplotlib.pyplot on the Agg backend (files only, no display)."""
     import matplotlib
@@ -121,6 +145,13 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: os.PathLike) -> None:
+    """Lays out the matplotlib figure ``fig``, writes it to ``path`` (PNG, 110 dpi) and closes it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
 
 
 def mib(n_bytes: Optional[float]) -> float:
@@ -152,6 +183,12 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     for row in rows:
         lines.append("| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in row) + " |")
     return "\n".join(lines)
+
+
+def summary_page(title: str, intro: str, rows: Sequence[Sequence[Any]], *more: str) -> str:
+    """A result's markdown page: ``# title``, the ``intro`` paragraph, the (quantity, value)
+    ``rows`` as a table, then the lines ``more`` (notes, an image)."""
+    return "\n".join([f"# {title}", "", intro, "", markdown_table(["", "value"], rows), "", *more])
 
 
 def environment() -> dict:

@@ -31,8 +31,7 @@ from jmegatron.bench import common
 
 def register(sub) -> None:
     """Add the ``determinism`` subcommand to the bench CLI's subparsers."""
-    p = sub.add_parser("determinism", help="repeated and resumed runs must be bit-identical",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.add_command(sub, "determinism", "repeated and resumed runs must be bit-identical", __doc__)
     common.add_config_arguments(p)
     p.add_argument("--train-iters", type=int, default=None, metavar="N",
                    help="iterations per run (sets config.train_iters; >= 2; default the config's)")
@@ -129,13 +128,9 @@ def run(args) -> int:
         "seconds": {"A": run_a["seconds"], "B": run_b.get("seconds"),
                     "resumed": first["seconds"] + second["seconds"]},
         "environment": common.environment()}
-    common.write_json(out / "determinism.json", result)
-    _chart(result, out / "determinism.png")
-    common.write_text(out / "determinism.md", markdown(result))
-    verdict = "PASS" if passed else "FAIL"
-    print(f"[bench determinism] {verdict}: repeat identical={repeat_cmp['identical']}, resume at {half} "
-          f"identical={resume_cmp['identical']}, params sha256 {run_a['params_sha256'][:16]}...; results in {out}")
-    return 0 if passed else 1
+    return common.finish(out, "determinism", result, _chart, markdown, passed,
+                         f"repeat identical={repeat_cmp['identical']}, resume at {half} "
+                         f"identical={resume_cmp['identical']}, params sha256 {run_a['params_sha256'][:16]}...")
 
 
 def _listed(r: dict) -> list:
@@ -150,7 +145,7 @@ def markdown(r: dict) -> str:
 
     return "\n".join([
         "# Determinism", "",
-        f"{'**PASS**' if r['passed'] else '**FAIL**'}: {r['train_iters']} iterations of `{r['config']}` "
+        f"{common.verdict(r['passed'])}: {r['train_iters']} iterations of `{r['config']}` "
         f"{' '.join(r['config_overrides'])}; run B in a {r['run_b']}; the resumed run saved at iteration "
         f"{r['resume_at']} and a second launch continued from the checkpoint.", "",
         common.markdown_table(["vs run A", "losses bit-identical", "first mismatch", "max abs diff",
@@ -189,6 +184,4 @@ def _chart(r: dict, path) -> None:
     bottom.set_xlabel("iteration")
     bottom.legend(fontsize=8)
     bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)

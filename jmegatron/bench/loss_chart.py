@@ -26,7 +26,6 @@ truncated or foreign log: the error names the file and line).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -40,8 +39,8 @@ DEFAULT_THRESHOLD = 0.002  # 0.2 %
 
 def register(sub) -> None:
     """Add the ``loss_chart`` subcommand to the bench CLI's subparsers."""
-    p = sub.add_parser("loss_chart", help="compare two logs' loss curves (ByteMLPerf: mean error < 0.2%% in 50 steps)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.add_command(sub, "loss_chart",
+                           "compare two logs' loss curves (ByteMLPerf: mean error < 0.2%% in 50 steps)", __doc__)
     add_log_arguments(p, "loss_chart")
     p.add_argument("-s", "--steps", type=int, default=DEFAULT_STEPS, help="iterations compared (50)")
     p.add_argument("-t", "--threshold", type=float, default=DEFAULT_THRESHOLD,
@@ -110,19 +109,14 @@ def run(args) -> int:
               "steps": args.steps, "baseline_format": base.format, "input_format": cand.format,
               "other_losses": others, "argv": sys.argv[1:], **cmp}
     out = common.out_dir(args)
-    common.write_json(out / "loss_chart.json", result)
-    _chart(result, out / "loss_chart.png")
-    common.write_text(out / "loss_chart.md", markdown(result))
-    verdict = "PASS" if cmp["passed"] else "FAIL"
-    print(f"[bench loss_chart] {verdict}: mean relative {args.loss} error over {args.steps} steps "
-          f"{common.pct(cmp['mean_relative_error'])} (threshold {common.pct(args.threshold)}), max "
-          f"{common.pct(cmp['max_relative_error'])} at iteration {cmp['max_at']}; results in {out}")
-    return 0 if cmp["passed"] else 1
+    return common.finish(out, "loss_chart", result, _chart, markdown, cmp["passed"],
+                         f"mean relative {args.loss} error over {args.steps} steps "
+                         f"{common.pct(cmp['mean_relative_error'])} (threshold {common.pct(args.threshold)}), max "
+                         f"{common.pct(cmp['max_relative_error'])} at iteration {cmp['max_at']}")
 
 
 def markdown(r: dict) -> str:
     """The markdown verdict of a ``loss_chart`` result (its JSON object)."""
-    verdict = "**PASS**" if r["passed"] else "**FAIL**"
     its = r["iterations"]
     rows = [["baseline", f"`{r['baseline_log']}` ({r['baseline_format']})"],
             ["input", f"`{r['input_log']}` ({r['input_format']})"],
@@ -133,19 +127,19 @@ def markdown(r: dict) -> str:
             ["input first / last", f"{r['input'][0]:.6f} / {r['input'][-1]:.6f}"]]
     other = [[name, o["steps"], common.pct(o["mean_relative_error"]), common.pct(o["max_relative_error"]),
               "yes" if o["passed"] else "no"] for name, o in r["other_losses"].items()]
-    return "\n".join([
-        "# Loss curve comparison", "",
-        f"{verdict}: the mean relative `{r['loss']}` error over the first {len(its)} shared iterations is "
-        f"{common.pct(r['mean_relative_error'])}; threshold {common.pct(r['threshold'])} (ByteMLPerf: mean "
-        "loss error over 50 consecutive steps below 0.2%).", "",
-        common.markdown_table(["", "value"], rows), "",
+    return common.summary_page(
+        "Loss curve comparison",
+        f"{common.verdict(r['passed'])}: the mean relative `{r['loss']}` error over the first {len(its)} shared "
+        f"iterations is {common.pct(r['mean_relative_error'])}; threshold {common.pct(r['threshold'])} "
+        "(ByteMLPerf: mean loss error over 50 consecutive steps below 0.2%).",
+        rows,
         *([f"Note: a {r['baseline_format']} log is compared with a {r['input_format']} log. A stdout log holds "
            "each logged iteration's mean over the log interval, metrics.jsonl every iteration's own loss: with "
            "a log interval above 1 they differ by construction.", ""]
           if r["baseline_format"] != r["input_format"] else []),
         *([common.markdown_table(["other loss (not judged)", "steps", "mean rel. error", "max rel. error",
                                   "within threshold"], other), ""] if other else []),
-        "![loss curves and relative error](loss_chart.png)"])
+        "![loss curves and relative error](loss_chart.png)")
 
 
 def _chart(r: dict, path) -> None:
@@ -169,6 +163,4 @@ def _chart(r: dict, path) -> None:
     bottom.set_ylim(bottom=0)  # errors are >= 0
     bottom.grid(alpha=0.3)
     bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)

@@ -42,7 +42,6 @@ reported, not judged. Outputs ``memory.json``, ``memory.md`` and ``memory_log.pn
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from typing import Optional, Sequence
@@ -64,8 +63,8 @@ MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_i
 
 def register(sub) -> None:
     """Add the ``memory`` subcommand to the bench CLI's subparsers."""
-    p = sub.add_parser("memory", help="compiled vs theoretical memory, RSS over many steps, variable lengths",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.add_command(sub, "memory",
+                           "compiled vs theoretical memory, RSS over many steps, variable lengths", __doc__)
     common.add_config_arguments(p, required=False)
     p.add_argument("--log", default=None, metavar="LOG",
                    help="read the memory lines of a Megatron/jmegatron stdout log or metrics.jsonl instead of "
@@ -467,9 +466,7 @@ def _log_chart(r: dict, path) -> None:
         ax.grid(alpha=0.3)
         if len(r["ranks"]) <= 16:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 # ------------------------------------------------------------------ reporting
@@ -568,9 +565,7 @@ def _charts(r: dict, out) -> None:
     ax.set_title("Theory (left) vs compiled step (right)")
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "memory_layouts.png", dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, out / "memory_layouts.png")
     if "rss" in r:
         s = r["rss"]
         fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -585,9 +580,7 @@ def _charts(r: dict, out) -> None:
         ax.set_title("Host memory per training step")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "memory_rss.png", dpi=110)
-        plt.close(fig)
+        common.save_figure(fig, out / "memory_rss.png")
     if "varlen" in r and r["varlen"]["buckets"]:
         v = r["varlen"]
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -615,6 +608,4 @@ def _charts(r: dict, out) -> None:
         right.set_ylabel("RSS (MiB)")
         right.set_title("RSS per step, varying lengths")
         right.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "memory_seqlen.png", dpi=110)
-        plt.close(fig)
+        common.save_figure(fig, out / "memory_seqlen.png")

@@ -38,7 +38,6 @@ PASS, 1 FAIL, 2 bad input (the error names the file and line).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional
 
@@ -52,8 +51,8 @@ DEFAULT_THRESHOLD = 0.002  # ByteMLPerf: +-0.2 %
 
 def register(sub) -> None:
     """Add the ``memory_chart`` subcommand to the bench CLI's subparsers."""
-    p = sub.add_parser("memory_chart", help="compare two logs' memory lines per rank (ByteMLPerf: within 0.2%%)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.add_command(sub, "memory_chart",
+                           "compare two logs' memory lines per rank (ByteMLPerf: within 0.2%%)", __doc__)
     add_log_arguments(p, "memory_chart")
     p.add_argument("--reserved", action="store_true", help="compare reserved memory (default: allocated)")
     p.add_argument("--fragment", action="store_true",
@@ -168,15 +167,11 @@ def run(args) -> int:
               "argv": sys.argv[1:], **comparisons[metrics[0]], "metrics": metrics, "comparisons": comparisons,
               "passed": passed}
     out = common.out_dir(args)
-    common.write_json(out / "memory_chart.json", result)
-    _chart(result, out / "memory_chart.png")
-    common.write_text(out / "memory_chart.md", markdown(result))
     for m, cmp in comparisons.items():
         verdict = "PASS" if cmp["passed"] else "FAIL"
         print(f"[bench memory_chart] {verdict}: {m} of {len(cmp['per_rank'])} ranks, {len(cmp['points'])} points; "
               f"largest difference {common.pct(cmp['max_difference'])} (threshold {common.pct(args.threshold)})")
-    print(f"[bench memory_chart] {'PASS' if passed else 'FAIL'}: {' and '.join(metrics)}; results in {out}")
-    return 0 if passed else 1
+    return common.finish(out, "memory_chart", result, _chart, markdown, passed, " and ".join(metrics))
 
 
 def _describe(metric: str) -> str:
@@ -189,10 +184,9 @@ def markdown(r: dict) -> str:
     """The markdown verdict of a ``memory_chart`` result (its JSON object): one table per
     judged quantity."""
     comparisons = r.get("comparisons") or {r["metric"]: r}
-    verdict = "**PASS**" if r["passed"] else "**FAIL**"
     lines = ["# Memory comparison", "",
-             f"{verdict}: {' and '.join(comparisons)}, threshold {common.pct(r['threshold'])} (ByteMLPerf: within "
-             "0.2%).", "", f"Baseline `{r['baseline_log']}`, input `{r['input_log']}`.", ""]
+             f"{common.verdict(r['passed'])}: {' and '.join(comparisons)}, threshold {common.pct(r['threshold'])} "
+             "(ByteMLPerf: within 0.2%).", "", f"Baseline `{r['baseline_log']}`, input `{r['input_log']}`.", ""]
     for metric, c in comparisons.items():
         show = common.pct if metric == "fragment" else (lambda v: f"{v:.2f}")
         rows = [[str(rank), p["last_iteration"], show(p["baseline"]), show(p["input"]),
@@ -238,6 +232,4 @@ def _chart(r: dict, path) -> None:
         bottom.grid(alpha=0.3, axis="y")
     axes[-1, 0].set_xticks(x, [str(k) for k in ranks])
     axes[-1, 0].set_xlabel("rank")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)

@@ -20,7 +20,6 @@ Outputs in ``--out``: ``mfu.json``, ``mfu.md``, ``mfu.png`` (step times).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
@@ -34,8 +33,7 @@ from jmegatron.bench import common
 
 def register(sub) -> None:
     """Add the ``mfu`` subcommand to the bench CLI's subparsers."""
-    p = sub.add_parser("mfu", help="tokens/s, TFLOP/s per device and MFU of a config",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.add_command(sub, "mfu", "tokens/s, TFLOP/s per device and MFU of a config", __doc__)
     common.add_config_arguments(p)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median taken)")
@@ -120,12 +118,12 @@ def run(args) -> int:
 def markdown(r: dict) -> str:
     """The markdown summary of a ``bench mfu`` result (its JSON object)."""
     lo, hi = r["step_seconds_p10_p90"]
-    return "\n".join([
-        "# Training efficiency (MFU)", "",
+    return common.summary_page(
+        "Training efficiency (MFU)",
         f"`{r['config']}` {' '.join(r['config_overrides'])}: mesh {r['mesh']}, global batch "
         f"{r['global_batch_size']} x {r['seq_length']} tokens, {r['num_parameters']:,} parameters, "
-        f"{'bf16' if r['bf16'] else 'float32'}.", "",
-        common.markdown_table(["", "value"], [
+        f"{'bf16' if r['bf16'] else 'float32'}.",
+        [
             ["median step time", f"{1e3 * r['median_step_seconds']:.2f} ms (p10 {1e3 * lo:.2f}, p90 {1e3 * hi:.2f}; "
                                  f"{r['timed_steps']} timed after {r['warmup_steps']} warm-up)"],
             ["first step (compile + run)", f"{r['first_step_seconds']:.2f} s"],
@@ -137,10 +135,10 @@ def markdown(r: dict) -> str:
             ["theoretical peak TFLOP/s per device",
              f"{common.fmt(r.get('theoretical_peak_tflops'))} ({r.get('theoretical_peak_source', '-')})"],
             ["MFU of the theoretical peak", common.pct(r.get("mfu_theoretical"))],
-        ]), "",
+        ],
         "Model FLOPs follow Megatron's `num_floating_point_operations` (matmuls only, causal "
         "attention half-counted, no recomputation), so MFU is comparable with Megatron's logs.", "",
-        "![step times](mfu.png)"])
+        "![step times](mfu.png)")
 
 
 def _chart(r: dict, path) -> None:
@@ -156,6 +154,4 @@ def _chart(r: dict, path) -> None:
     ax.set_title("Timed training steps")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)

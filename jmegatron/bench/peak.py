@@ -22,7 +22,6 @@ this machine only. ``peak.json``, ``peak.md`` and ``peak.png`` (TFLOP/s by size)
 
 from __future__ import annotations
 
-import argparse
 
 from jmegatron.bench import common
 
@@ -33,8 +32,8 @@ from jmegatron.bench import common
 
 def register(sub) -> None:
     """Add the ``peak`` subcommand to the bench CLI's subparsers."""
-    p = sub.add_parser("peak", help="measure every GEMM library's sustained peak and store the best for MFU",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.add_command(sub, "peak",
+                           "measure every GEMM library's sustained peak and store the best for MFU", __doc__)
     p.add_argument("--sizes", default="256,512,1024,2048", help="square matrix sizes, comma separated")
     p.add_argument("--dtypes", default="float32,bfloat16", help="float32 and/or bfloat16, comma separated")
     p.add_argument("--libraries", default="xla,openblas,torch", help="xla, openblas and/or torch, comma separated")
@@ -175,6 +174,4 @@ def _chart(record: dict, path) -> None:
     ax.set_title(f"GEMM throughput, {record['device_kind']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)

@@ -31,7 +31,6 @@ the per-step and windowed relative error with the threshold) and ``jmegatron_met
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -55,8 +54,7 @@ REFERENCE_SCRIPT = common.REPO_ROOT / "benchmarks" / "reference_torch.py"
 
 def register(sub) -> None:
     """Add the ``precision`` subcommand to the bench CLI's subparsers."""
-    p = sub.add_parser("precision", help="compare the loss curve with a reference log",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.add_command(sub, "precision", "compare the loss curve with a reference log", __doc__)
     common.add_config_arguments(p, required=False)
     p.add_argument("--reference", required=True, metavar="LOG|torch",
                    help="reference log (Megatron/jmegatron stdout or JSON Lines), or 'torch' to run "
@@ -177,19 +175,14 @@ def run(args) -> int:
         "reference": reference_path, "reference_kind": "torch" if args.reference == "torch" else "log",
         "iterations_missing_in_reference": missing, "train_seconds": seconds,
         "environment": common.environment(), **cmp}
-    common.write_json(out / "precision.json", result)
-    _chart(result, out / "precision.png")
-    common.write_text(out / "precision.md", markdown(result))
-    verdict = "PASS" if cmp["passed"] else "FAIL"
-    print(f"[bench precision] {verdict}: worst {cmp['window']}-step window mean relative error "
-          f"{common.pct(cmp['max_window_mean'])} (threshold {100 * args.threshold:.2f}%), over "
-          f"{len(cmp['iterations'])} steps{' (short window)' if cmp['short_window'] else ''}; results in {out}")
-    return 0 if cmp["passed"] else 1
+    return common.finish(out, "precision", result, _chart, markdown, cmp["passed"],
+                         f"worst {cmp['window']}-step window mean relative error "
+                         f"{common.pct(cmp['max_window_mean'])} (threshold {100 * args.threshold:.2f}%), over "
+                         f"{len(cmp['iterations'])} steps{' (short window)' if cmp['short_window'] else ''}")
 
 
 def markdown(r: dict) -> str:
     """The markdown summary of a ``bench precision`` result (its JSON object)."""
-    verdict = "**PASS**" if r["passed"] else "**FAIL**"
     notes = []
     if r["short_window"]:
         notes.append(f"- Fewer than {r['requested_window']} steps: one window of all {r['window']} steps.")
@@ -199,12 +192,12 @@ def markdown(r: dict) -> str:
     if r["iterations_missing_in_reference"]:
         notes.append(f"- {len(r['iterations_missing_in_reference'])} trained iterations are missing in the "
                      "reference and were not compared.")
-    return "\n".join([
-        "# Precision", "",
-        f"{verdict}: the worst mean relative loss error over {r['window']} consecutive steps is "
+    return common.summary_page(
+        "Precision",
+        f"{common.verdict(r['passed'])}: the worst mean relative loss error over {r['window']} consecutive steps is "
         f"{common.pct(r['max_window_mean'])} (iterations {r['worst_window'][0]}-{r['worst_window'][1]}); "
-        f"threshold {100 * r['threshold']:.2f}%.", "",
-        common.markdown_table(["", "value"], [
+        f"threshold {100 * r['threshold']:.2f}%.",
+        [
             ["config", f"`{r['config']}` {' '.join(r['config_overrides'])}"],
             ["steps compared", len(r["iterations"])],
             ["reference", f"`{r['reference']}` ({r['reference_kind']})"],
@@ -213,7 +206,7 @@ def markdown(r: dict) -> str:
             ["max single-step relative error", f"{common.pct(r['max_step_relative_error'])}"],
             ["first / last loss", f"{r['losses'][0]:.6f} / {r['losses'][-1]:.6f}"],
             ["reference first / last loss", f"{r['reference_losses'][0]:.6f} / {r['reference_losses'][-1]:.6f}"],
-        ]), "", *notes, "" if notes else "", "![loss curves and relative error](precision.png)"])
+        ], *notes, "" if notes else "", "![loss curves and relative error](precision.png)")
 
 
 def _chart(r: dict, path) -> None:
@@ -235,6 +228,4 @@ def _chart(r: dict, path) -> None:
     bottom.set_yscale("symlog", linthresh=1e-4)
     bottom.grid(alpha=0.3)
     bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path)

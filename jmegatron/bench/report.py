@@ -8,7 +8,6 @@ exists; ``--bench-dir`` default ``runs/bench``) and writes ``report.md`` and
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 
@@ -20,8 +19,7 @@ COMMANDS = ("peak", "precision", "determinism", "memory", "mfu")
 
 def register(sub) -> None:
     """Add the ``report`` subcommand to the bench CLI's subparsers."""
-    p = sub.add_parser("report", help="one markdown page over the last results",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.add_command(sub, "report", "one markdown page over the last results", __doc__)
     p.add_argument("--bench-dir", default=common.DEFAULT_BENCH_DIR, help="where the subcommands wrote (runs/bench)")
     p.add_argument("--out", default=None, help="output directory (default <bench-dir>/report)")
     p.set_defaults(func=run)
@@ -71,33 +69,39 @@ def summary(results: dict) -> dict:
     return s
 
 
+def _config_text(r: dict) -> str:
+    """A result's config file and its overrides, as markdown."""
+    return f"`{r['config']}` {' '.join(r['config_overrides'])}"
+
+
+def _precision_text(r: dict) -> tuple[str, str]:
+    """The figures of a ``bench precision`` result for the table, and its section's text after the config."""
+    return (f"worst {r['window']}-step mean relative loss error {common.pct(r['max_window_mean'])} "
+            f"(< {100 * r['threshold']:.2f}%) over {len(r['iterations'])} steps vs {r['reference_kind']} reference",
+            f"; reference `{r['reference']}`. Mean relative error over all steps "
+            f"{common.pct(r['mean_relative_error'])}, largest single step {common.pct(r['max_step_relative_error'])}.")
+
+
+def _determinism_text(r: dict) -> tuple[str, str]:
+    """The figures of a ``bench determinism`` result for the table, and its section's text after the config."""
+    return (f"{r['train_iters']} iterations: repeat (run B in a {r['run_b']}) identical="
+            f"{r['repeat']['identical']}, resumed at {r['resume_at']} identical={r['resume']['identical']}",
+            f". Final params sha256 `{r['params_sha256']['A']}` (A) / `{r['params_sha256']['B']}` (B) / "
+            f"`{r['params_sha256']['resumed']}` (resumed).")
+
+
 def markdown(results: dict, out: pathlib.Path, bench_dir: pathlib.Path) -> str:
     """The markdown summary of a ``bench report`` result (its JSON object)."""
 
-    def verdict(ok):
-        return "**PASS**" if ok else "**FAIL**"
-
     rows, sections = [], []
-    if "precision" in results:
-        r = results["precision"]
-        rows.append(["precision", verdict(r["passed"]),
-                     f"worst {r['window']}-step mean relative loss error {common.pct(r['max_window_mean'])} "
-                     f"(< {100 * r['threshold']:.2f}%) over {len(r['iterations'])} steps vs {r['reference_kind']} reference"])
-        sections += ["## Precision", "",
-                     f"`{r['config']}` {' '.join(r['config_overrides'])}; reference `{r['reference']}`. Mean relative "
-                     f"error over all steps {common.pct(r['mean_relative_error'])}, largest single step "
-                     f"{common.pct(r['max_step_relative_error'])}.", "",
-                     f"![precision]({_link(out, bench_dir, 'precision', 'precision.png')})", ""]
-    if "determinism" in results:
-        r = results["determinism"]
-        rows.append(["determinism", verdict(r["passed"]),
-                     f"{r['train_iters']} iterations: repeat (run B in a {r['run_b']}) identical="
-                     f"{r['repeat']['identical']}, resumed at {r['resume_at']} identical={r['resume']['identical']}"])
-        sections += ["## Determinism", "",
-                     f"`{r['config']}` {' '.join(r['config_overrides'])}. Final params sha256 "
-                     f"`{r['params_sha256']['A']}` (A) / `{r['params_sha256']['B']}` (B) / "
-                     f"`{r['params_sha256']['resumed']}` (resumed).", "",
-                     f"![determinism]({_link(out, bench_dir, 'determinism', 'determinism.png')})", ""]
+    for command, title, describe in (("precision", "Precision", _precision_text),
+                                     ("determinism", "Determinism", _determinism_text)):
+        if command in results:
+            r = results[command]
+            figures, text = describe(r)
+            rows.append([command, common.verdict(r["passed"]), figures])
+            sections += [f"## {title}", "", f"{_config_text(r)}{text}", "",
+                         f"![{command}]({_link(out, bench_dir, command, command + '.png')})", ""]
     if "memory" in results:
         r = results["memory"]
         parts = []
@@ -107,8 +111,8 @@ def markdown(results: dict, out: pathlib.Path, bench_dir: pathlib.Path) -> str:
             v = r["varlen"]
             parts.append(f"lengths {min(v['lengths'])}..{max(v['lengths'])}: {v['backend_compiles']} compilations "
                          f"for {v['buckets_used']} buckets{', error' if v['error'] else ''}")
-        rows.append(["memory", verdict(r["passed"]), "; ".join(parts) or "layouts only"])
-        sections += ["## Memory", "", f"`{r['config']}` {' '.join(r['config_overrides'])}.", "",
+        rows.append(["memory", common.verdict(r["passed"]), "; ".join(parts) or "layouts only"])
+        sections += ["## Memory", "", f"{_config_text(r)}.", "",
                      common.markdown_table(memory_cmd.LAYOUT_HEADER, memory_cmd.layout_rows(r["layouts"])), ""]
         for file in ("memory_layouts.png", "memory_rss.png", "memory_seqlen.png"):
             if (bench_dir / "memory" / file).is_file():
@@ -122,7 +126,7 @@ def markdown(results: dict, out: pathlib.Path, bench_dir: pathlib.Path) -> str:
                      f"{common.fmt(r.get('theoretical_peak_tflops'))} ({r.get('theoretical_peak_source', '-')}); "
                      f"median step {1e3 * r['median_step_seconds']:.1f} ms"])
         sections += ["## Training efficiency", "",
-                     f"`{r['config']}` {' '.join(r['config_overrides'])}: mesh {r['mesh']}, global batch "
+                     f"{_config_text(r)}: mesh {r['mesh']}, global batch "
                      f"{r['global_batch_size']} x {r['seq_length']}.", "",
                      f"![mfu]({_link(out, bench_dir, 'mfu', 'mfu.png')})", ""]
     if "peak" in results:

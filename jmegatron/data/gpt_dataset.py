@@ -20,6 +20,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from jmegatron.data.indexed_dataset import normalize_index
+
 __all__ = [
     "GPTDataset",
     "MockGPTDataset",
@@ -328,12 +330,7 @@ class GPTDataset:
     def get_raw_sample(self, idx: int) -> Tuple[np.ndarray, np.ndarray]:
         """Tokens int64 [seq_length + extra] (pad_id-padded) and the sequence ids they come from
         (Megatron ``_query_document_sample_shuffle_indices``)."""
-        n = len(self)
-        i = int(idx)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"sample {idx} out of range for a dataset of {n} samples")
+        i = normalize_index(idx, len(self), "sample {idx} out of range for a dataset of {n} samples")
         extra = int(self.add_extra_token_to_sequence)
         j = int(self.shuffle_index[i])
         beg, beg_off = (int(x) for x in self.sample_index[j])

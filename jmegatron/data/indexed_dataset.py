@@ -45,12 +45,25 @@ __all__ = [
     "IndexedDatasetBuilder",
     "get_bin_path",
     "get_idx_path",
+    "normalize_index",
 ]
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1
 # magic (9) + version (8) + dtype code (1) + sequence count (8) + document count (8)
 _HEADER_NBYTES = 34
+
+
+def normalize_index(idx, n: int, message: str) -> int:
+    """``idx`` as an int in ``[0, n)``, a negative one counting from the end (Python's
+    indexing). Raises IndexError with ``message`` formatted with ``idx`` and ``n`` when it is
+    out of range."""
+    i = int(idx)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(message.format(idx=idx, n=n))
+    return i
 
 
 class DType(Enum):
@@ -349,13 +362,7 @@ class IndexedDataset:
         return self.index.sequence_count
 
     def _check_idx(self, idx) -> int:
-        n = len(self)
-        i = int(idx)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"sequence index {idx} out of range for {n} sequences")
-        return i
+        return normalize_index(idx, len(self), "sequence index {idx} out of range for {n} sequences")
 
     def _read(self, pointer: int, count: int) -> np.ndarray:
         return np.frombuffer(self._bin, dtype=self.index.dtype, count=count, offset=pointer)

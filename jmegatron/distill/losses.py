@@ -303,6 +303,18 @@ def matched_top_k_kl_loss(student_logits: Array, teacher_logprobs: Array, studen
     return jnp.sum(jnp.where(use, jnp.exp(log_t) * (log_t - log_s), 0.0), axis=-1)
 
 
+def _hidden_pair(fn: str, student_hidden: Array, teacher_hidden: Array) -> tuple[Array, Array]:
+    """The hidden-state losses' operands: the two arrays checked as a pair of one shape
+    (ValueError / TypeError naming ``fn``, as :func:`_check_pair`), cast to their compute
+    dtype (:func:`_compute_dtype`), the teacher's under ``stop_gradient``."""
+    student_hidden = jnp.asarray(student_hidden)
+    teacher_hidden = jnp.asarray(teacher_hidden)
+    _check_pair(fn, student_hidden, teacher_hidden,
+                hint=" (project the student with ProjectionLayer when hidden sizes differ)")
+    dtype = _compute_dtype(student_hidden, teacher_hidden)
+    return student_hidden.astype(dtype), jax.lax.stop_gradient(teacher_hidden.astype(dtype))
+
+
 def hidden_state_cosine_loss(student_hidden: Array, teacher_hidden: Array) -> Array:
     """Per-token ``1 - cos(student, teacher)`` over the last (hidden) axis.
 
@@ -328,13 +340,7 @@ def hidden_state_cosine_loss(student_hidden: Array, teacher_hidden: Array) -> Ar
       ValueError: shapes differ (use :class:`ProjectionLayer`) or scalar inputs.
       TypeError: non-floating inputs.
     """
-    student_hidden = jnp.asarray(student_hidden)
-    teacher_hidden = jnp.asarray(teacher_hidden)
-    _check_pair("hidden_state_cosine_loss", student_hidden, teacher_hidden,
-                hint=" (project the student with ProjectionLayer when hidden sizes differ)")
-    dtype = _compute_dtype(student_hidden, teacher_hidden)
-    x = student_hidden.astype(dtype)
-    y = jax.lax.stop_gradient(teacher_hidden.astype(dtype))
+    x, y = _hidden_pair("hidden_state_cosine_loss", student_hidden, teacher_hidden)
     dot = jnp.sum(x * y, axis=-1)
     sq_x = jnp.sum(x * x, axis=-1) + COSINE_EPSILON
     sq_y = jnp.sum(y * y, axis=-1) + COSINE_EPSILON
@@ -359,12 +365,8 @@ def mse_loss(student_hidden: Array, teacher_hidden: Array) -> Array:
       ValueError: shapes differ (use :class:`ProjectionLayer`) or scalar inputs.
       TypeError: non-floating inputs.
     """
-    student_hidden = jnp.asarray(student_hidden)
-    teacher_hidden = jnp.asarray(teacher_hidden)
-    _check_pair("mse_loss", student_hidden, teacher_hidden,
-                hint=" (project the student with ProjectionLayer when hidden sizes differ)")
-    dtype = _compute_dtype(student_hidden, teacher_hidden)
-    diff = student_hidden.astype(dtype) - jax.lax.stop_gradient(teacher_hidden.astype(dtype))
+    x, y = _hidden_pair("mse_loss", student_hidden, teacher_hidden)
+    diff = x - y
     return jnp.mean(jnp.square(diff), axis=-1)
 
 

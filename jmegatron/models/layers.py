@@ -88,32 +88,36 @@ class Linear(nn.Module):
         return y
 
 
-def _norm_scale(module: nn.Module, h: int) -> Array:
-    """The norm's float32 multiplier from its ``scale`` param ``[h]``: ``scale``, or with
-    ``zero_centered`` ``1 + scale`` (the param initialised to 0; Megatron's
-    ``--apply-layernorm-1p``, Gemma's RMSNorm ``x * (1 + w)``)."""
-    init = nn.initializers.zeros if module.zero_centered else nn.initializers.ones
-    scale = module.param("scale", nn.with_logical_partitioning(init, ("norm",)), (h,),
-                         module.param_dtype).astype(jnp.float32)
-    return 1.0 + scale if module.zero_centered else scale
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm over the last axis, statistics in float32 (Megatron's FusedLayerNorm).
-
-    ``x``: ``[..., hidden]`` -> same shape, in ``dtype``. Params ``scale``/``bias``: ``[hidden]``;
-    ``zero_centered``: the output multiplied by ``1 + scale`` (:func:`_norm_scale`).
-    """
+class _Norm(nn.Module):
+    """The fields and the ``scale`` param that :class:`LayerNorm` and :class:`RMSNorm` share."""
 
     epsilon: float = 1e-5
     dtype: DType = jnp.float32
     param_dtype: DType = jnp.float32
     zero_centered: bool = False
 
+    def _scale(self, h: int) -> Array:
+        """The norm's float32 multiplier from its ``scale`` param ``[h]``: ``scale``, or with
+        ``zero_centered`` ``1 + scale`` (the param initialised to 0; Megatron's
+        ``--apply-layernorm-1p``, Gemma's RMSNorm ``x * (1 + w)``)."""
+        init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
+        scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (h,),
+                           self.param_dtype).astype(jnp.float32)
+        return 1.0 + scale if self.zero_centered else scale
+
+
+class LayerNorm(_Norm):
+    """LayerNorm over the last axis, statistics in float32 (Megatron's FusedLayerNorm).
+
+    ``x``: ``[..., hidden]`` -> same shape, in ``dtype``. Params ``scale``/``bias``: ``[hidden]``;
+    ``zero_centered``: the output multiplied by ``1 + scale``. Fields: ``epsilon``, ``dtype``,
+    ``param_dtype``, ``zero_centered``.
+    """
+
     @nn.compact
     def __call__(self, x: Array) -> Array:
         h = x.shape[-1]
-        scale = _norm_scale(self, h)
+        scale = self._scale(h)
         bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
                           (h,), self.param_dtype)
         x32 = x.astype(jnp.float32)
@@ -123,21 +127,16 @@ class LayerNorm(nn.Module):
         return (y * scale + bias.astype(jnp.float32)).astype(self.dtype)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_Norm):
     """RMSNorm (Zhang & Sennrich 2019) over the last axis in float32, as Llama and Megatron.
 
     ``x``: ``[..., hidden]`` -> same shape, in ``dtype``. Param ``scale``: ``[hidden]``;
-    ``zero_centered``: the output multiplied by ``1 + scale`` (:func:`_norm_scale`).
+    ``zero_centered``: the output multiplied by ``1 + scale``. Fields as :class:`LayerNorm`.
     """
-
-    epsilon: float = 1e-5
-    dtype: DType = jnp.float32
-    param_dtype: DType = jnp.float32
-    zero_centered: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        scale = _norm_scale(self, x.shape[-1])
+        scale = self._scale(x.shape[-1])
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
         return (y * scale).astype(self.dtype)

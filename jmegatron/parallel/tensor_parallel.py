@@ -67,6 +67,12 @@ def _plain(*xs):
     return tuple(x * jnp.ones((), x.dtype) for x in xs)
 
 
+def _on_sp_axis(fn, *args):
+    """``fn(axis, *args)`` on the sequence-parallel mesh axis; None without sequence parallelism."""
+    axis = sequence_parallel_axis()
+    return None if axis is None else fn(axis, *args)
+
+
 def _smap(fn, axis, in_specs, out_specs):
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names={axis}, check_vma=False)
 
@@ -79,10 +85,7 @@ def column_parallel(x, kernel, dims, k_shard: int, out_shard: int, dot_general: 
     ``x``: ``[b, s, *in]`` (s split over tensor), ``kernel``: ``[*in, *out]``,
     ``dims``: dot_general dimension numbers contracting ``*in``; returns ``[b, s, *out]``
     in the dtype of the product. Megatron: ColumnParallelLinear with sequence_parallel."""
-    axis = sequence_parallel_axis()
-    if axis is None:
-        return None
-    return _column(axis, dims, k_shard, out_shard, dot_general, x, kernel)
+    return _on_sp_axis(_column, dims, k_shard, out_shard, dot_general, x, kernel)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
@@ -126,10 +129,7 @@ def row_parallel(x, kernel, dims, x_shard: int, k_shard: int, dot_general: Calla
     ``x``: ``[b, s, *in]`` (full sequence, ``*in`` holding the heads or FFN axis),
     ``kernel``: ``[*in, h]``; returns ``[b, s, h]`` with s split over tensor. Megatron:
     RowParallelLinear with sequence_parallel."""
-    axis = sequence_parallel_axis()
-    if axis is None:
-        return None
-    return _row(axis, dims, x_shard, k_shard, dot_general, x, kernel)
+    return _on_sp_axis(_row, dims, x_shard, k_shard, dot_general, x, kernel)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
@@ -170,10 +170,7 @@ def vocab_parallel_embed(ids, table):
     """Vocab-parallel lookup ``ids [b, s]`` -> ``[b, s, h]`` (seq split): each tensor rank
     looks up the ids in its rows of ``table [V, h]`` and the partial results are
     reduce-scattered onto the sequence; None without SP."""
-    axis = sequence_parallel_axis()
-    if axis is None:
-        return None
-    return _embed(axis, ids, table)
+    return _on_sp_axis(_embed, ids, table)
 
 
 def _local_lookup(axis, ids, rows):
@@ -192,24 +189,36 @@ def _embed(axis, ids, table):
     return _vary_like(y, ids, table)
 
 
-def _embed_fwd(axis, ids, table):
-    return _embed(axis, ids, table), (ids, table)
+def _lookup_fwd(lookup):
+    """The custom-VJP forward of ``lookup(axis, ids, table)``: its output, ``(ids, table)`` saved."""
+    return lambda axis, ids, table: (lookup(axis, ids, table), (ids, table))
+
+
+def _lookup_bwd(axis, ids, table, ct, local_lookup, in_specs, table_spec, sharded: bool):
+    """The table's cotangent of a sequence-parallel lookup: ``local_lookup(ids, rows)``'s VJP
+    on each rank under shard_map (``in_specs`` for ids, table, ct; ``table_spec`` out). A
+    vocab-``sharded`` table's rank takes the whole sequence's cotangent (all-gathered); a
+    replicated one's partial gradients are all-reduced over ``axis``."""
+
+    def local(i, rows, ctl):
+        rows, ctl = _plain(rows, ctl)
+        if sharded:
+            ctl = jax.lax.all_gather(ctl, axis, axis=SEQ, tiled=True)
+        _, vjp = jax.vjp(lambda r: local_lookup(i, r), rows)
+        grad = vjp(ctl)[0]
+        return grad if sharded else jax.lax.psum(grad, axis)
+
+    dt = _smap(local, axis, in_specs, table_spec)(ids, table, ct)
+    return None, _vary_like(dt, table)
 
 
 def _embed_bwd(axis, res, ct):
     ids, table = res
-
-    def local(i, rows, ctl):
-        rows, ctl = _plain(rows, ctl)
-        ctf = jax.lax.all_gather(ctl, axis, axis=SEQ, tiled=True)
-        _, vjp = jax.vjp(lambda r: _local_lookup(axis, i, r), rows)
-        return vjp(ctf)[0]
-
-    dt = _smap(local, axis, (P(), P(axis, None), _spec(ct.ndim, SEQ, axis)), P(axis, None))(ids, table, ct)
-    return None, _vary_like(dt, table)
+    return _lookup_bwd(axis, ids, table, ct, lambda i, r: _local_lookup(axis, i, r),
+                       (P(), P(axis, None), _spec(ct.ndim, SEQ, axis)), P(axis, None), sharded=True)
 
 
-_embed.defvjp(_embed_fwd, _embed_bwd)
+_embed.defvjp(_lookup_fwd(_embed), _embed_bwd)
 
 
 # ----------------------------------------------------- replicated table, local rows
@@ -218,10 +227,7 @@ def sequence_local_embed(ids, table):
     sequence-parallel layout: each rank looks up its own positions; in the backward pass
     the table's partial gradients are all-reduced over the tensor axis, as Megatron does
     for parameters replicated across sequence-parallel ranks. None without SP."""
-    axis = sequence_parallel_axis()
-    if axis is None:
-        return None
-    return _seq_embed(axis, ids, table)
+    return _on_sp_axis(_seq_embed, ids, table)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -231,20 +237,10 @@ def _seq_embed(axis, ids, table):
     return _vary_like(y, ids, table)
 
 
-def _seq_embed_fwd(axis, ids, table):
-    return _seq_embed(axis, ids, table), (ids, table)
-
-
 def _seq_embed_bwd(axis, res, ct):
     ids, table = res
-
-    def local(i, t, ctl):
-        t, ctl = _plain(t, ctl)
-        _, vjp = jax.vjp(lambda r: jnp.take(r, i, axis=0), t)
-        return jax.lax.psum(vjp(ctl)[0], axis)
-
-    dt = _smap(local, axis, (_spec(ids.ndim, SEQ, axis), P(), _spec(ct.ndim, SEQ, axis)), P())(ids, table, ct)
-    return None, _vary_like(dt, table)
+    return _lookup_bwd(axis, ids, table, ct, lambda i, r: jnp.take(r, i, axis=0),
+                       (_spec(ids.ndim, SEQ, axis), P(), _spec(ct.ndim, SEQ, axis)), P(), sharded=False)
 
 
-_seq_embed.defvjp(_seq_embed_fwd, _seq_embed_bwd)
+_seq_embed.defvjp(_lookup_fwd(_seq_embed), _seq_embed_bwd)

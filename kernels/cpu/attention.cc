@@ -36,6 +36,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cblas.h"
@@ -371,39 +372,52 @@ std::vector<IdRange> KeyTiles(const Problem& p) {
   return out;
 }
 
-// Per-worker plans, their vectors reserved for every key tile: PlanKeys inside a pool task
-// never allocates.
-std::vector<Plan> WorkerPlans(int64_t workers, int64_t k_tiles) {
-  std::vector<Plan> plans(workers);
-  for (Plan& plan : plans) {
+// What the tasks of Forward or Backward use, allocated before the pool runs them: per worker
+// a scratch slice of `slice` floats and a plan whose vectors are reserved for every key tile
+// (PlanKeys inside a pool task never allocates), so a failed allocation is an error, not a
+// terminate (parallel.h).
+struct Workspace {
+  int64_t workers = 0, slice = 0;
+  std::unique_ptr<float[]> scratch;
+  std::vector<Plan> plans;
+
+  float* Scratch(int64_t worker) const { return scratch.get() + worker * slice; }
+};
+
+// Fills `ws` for `tasks` pool tasks; `what` names the scratch in the allocation error.
+ffi::Error AllocateWorkspace(const char* op, const char* what, ffi::ThreadPool& pool, int64_t tasks, int64_t slice,
+                             int64_t k_tiles, Workspace* ws) {
+  ws->workers = jmegatron::Workers(pool, tasks);
+  ws->slice = slice;
+  if (auto err = jmegatron::Allocate(op, what, jmegatron::SatMul(ws->workers, slice), &ws->scratch); err.failure()) {
+    return err;
+  }
+  ws->plans.resize(ws->workers);
+  for (Plan& plan : ws->plans) {
     plan.runs.reserve(k_tiles);
     plan.masked.reserve(k_tiles);
   }
-  return plans;
+  return ffi::Error::Success();
 }
 
-// Everything a task needs is allocated here, before the pool runs it: one scratch slice and
-// one plan per worker (parallel.h), so a failed allocation is an error, not a terminate.
+// Everything a task needs is allocated here, before the pool runs it (Workspace).
 ffi::Error Forward(const char* op, ffi::ThreadPool& pool, const Problem& p, float* out, float* lse) {
   const Dims& sh = p.dims;
   const int64_t d = sh.d, ldq = sh.nq * d, ldk = sh.nkv * d, tile = p.tile;
   const int64_t q_tiles = (sh.sq + tile - 1) / tile, k_tiles = (sh.sk + tile - 1) / tile;
   const std::vector<IdRange> key_tiles = KeyTiles(p);
   const int64_t tasks = sh.b * sh.nq * q_tiles;
-  const int64_t workers = jmegatron::Workers(pool, tasks);
-  const int64_t slice = std::min(tile, sh.sq) * sh.sk;  // [rows, visible keys] scores of a tile
-  std::unique_ptr<float[]> scratch;
-  if (auto err = jmegatron::Allocate(op, "the attention scores scratch (workers x block x sk floats)",
-                                     jmegatron::SatMul(workers, slice), &scratch);
+  Workspace ws;  // per worker: the [rows, visible keys] scores of a tile
+  if (auto err = AllocateWorkspace(op, "the attention scores scratch (workers x block x sk floats)", pool, tasks,
+                                   std::min(tile, sh.sq) * sh.sk, k_tiles, &ws);
       err.failure()) {
     return err;
   }
-  std::vector<Plan> plans = WorkerPlans(workers, k_tiles);
   auto task = [&](int64_t t, int64_t worker) {
     const int64_t qt = t % q_tiles, bi = t / q_tiles / sh.nq, h = t / q_tiles % sh.nq, hk = h / sh.group;
     const int64_t q0 = qt * tile, rows = std::min(tile, sh.sq - q0);
     const MaskRow m = p.mask.Row(bi);
-    Plan& plan = plans[worker];
+    Plan& plan = ws.plans[worker];
     PlanKeys(m, RangeOf(m.q_pos, m.q_seg, q0, rows), key_tiles.data() + bi * k_tiles, sh.sk, tile, &plan);
     const float* Q = p.q + (bi * sh.sq + q0) * ldq + h * d;
     const float* K = p.k + bi * sh.sk * ldk + hk * d;
@@ -418,7 +432,7 @@ ffi::Error Forward(const char* op, ffi::ThreadPool& pool, const Problem& p, floa
       }
       return;
     }
-    float* S = scratch.get() + worker * slice;  // rows x cols, every element written by the sgemm
+    float* S = ws.Scratch(worker);  // rows x cols, every element written by the sgemm
     for (const Span& run : plan.runs) {
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, run.len, d, p.scale, Q, ldq,
                         K + run.key * ldk, ldk, 0.0f, S + run.col, cols);
@@ -463,18 +477,15 @@ ffi::Error Backward(const char* op, ffi::ThreadPool& pool, const Problem& p, con
   float* dk_parts = parts.get();
   float* dv_parts = grouped ? dk_parts + sh.b * sh.nq * sh.sk * d : nullptr;
   const int64_t tasks = sh.b * sh.nq;
-  const int64_t workers = jmegatron::Workers(pool, tasks);
   // Per worker: probabilities / dS, dP (each [rows, visible keys]), D [tile], and with
   // dropout the dropped probabilities.
   const int64_t width = std::min(tile, sh.sq) * sh.sk;
-  const int64_t slice = (p.drop.on() ? 3 : 2) * width + tile;
-  std::unique_ptr<float[]> scratch;
-  if (auto err = jmegatron::Allocate(op, "the attention backward scratch (workers x 3 x block x sk floats)",
-                                     jmegatron::SatMul(workers, slice), &scratch);
+  Workspace ws;
+  if (auto err = AllocateWorkspace(op, "the attention backward scratch (workers x 3 x block x sk floats)", pool,
+                                   tasks, (p.drop.on() ? 3 : 2) * width + tile, k_tiles, &ws);
       err.failure()) {
     return err;
   }
-  std::vector<Plan> plans = WorkerPlans(workers, k_tiles);
   auto task = [&](int64_t t, int64_t worker) {
     const int64_t bi = t / sh.nq, h = t % sh.nq, hk = h / sh.group;
     const float* K = p.k + bi * sh.sk * ldk + hk * d;
@@ -488,8 +499,8 @@ ffi::Error Backward(const char* op, ffi::ThreadPool& pool, const Problem& p, con
     }
     const MaskRow m = p.mask.Row(bi);
     const uint32_t lead = p.drop.on() ? p.drop.Lead(bi) : 0;
-    float* const work = scratch.get() + worker * slice;
-    Plan& plan = plans[worker];
+    float* const work = ws.Scratch(worker);
+    Plan& plan = ws.plans[worker];
     for (int64_t qt = 0; qt < q_tiles; ++qt) {
       const int64_t q0 = qt * tile, rows = std::min(tile, sh.sq - q0);
       PlanKeys(m, RangeOf(m.q_pos, m.q_seg, q0, rows), key_tiles.data() + bi * k_tiles, sh.sk, tile, &plan);
@@ -568,6 +579,38 @@ ffi::Error Backward(const char* op, ffi::ThreadPool& pool, const Problem& p, con
   return ffi::Error::Success();
 }
 
+// Forward after checking its results, float32: out [b, sq, nq, d] and lse `lse_dims`.
+ffi::Error CheckedForward(const char* op, ffi::ThreadPool& pool, const Problem& p, const ffi::AnyBuffer& out,
+                          const ffi::AnyBuffer& lse, std::vector<int64_t> lse_dims) {
+  const Dims& sh = p.dims;
+  if (auto err = jmegatron::ExpectAll(op, ffi::DataType::F32,
+                                      {{"out", &out, {sh.b, sh.sq, sh.nq, sh.d}}, {"lse", &lse, std::move(lse_dims)}});
+      err.failure()) {
+    return err;
+  }
+  return Forward(op, pool, p, out.typed_data<float>(), lse.typed_data<float>());
+}
+
+// Backward after checking its buffers, float32: out (when given; else delta is) and dout
+// [b, sq, nq, d], lse and delta `lse_dims`, dq like q, dk and dv like k.
+ffi::Error CheckedBackward(const char* op, ffi::ThreadPool& pool, const Problem& p, const ffi::AnyBuffer* out,
+                           const ffi::AnyBuffer& dout, const ffi::AnyBuffer& lse, const ffi::AnyBuffer* delta,
+                           const std::vector<int64_t>& lse_dims, const ffi::AnyBuffer& dq, const ffi::AnyBuffer& dk,
+                           const ffi::AnyBuffer& dv) {
+  const Dims& sh = p.dims;
+  const std::vector<int64_t> q_shape{sh.b, sh.sq, sh.nq, sh.d}, k_shape{sh.b, sh.sk, sh.nkv, sh.d};
+  std::vector<jmegatron::Want> wants;
+  if (out != nullptr) wants.push_back({"out", out, q_shape});
+  wants.push_back({"dout", &dout, q_shape});
+  wants.push_back({"lse", &lse, lse_dims});
+  if (delta != nullptr) wants.push_back({"delta", delta, lse_dims});
+  wants.insert(wants.end(), {{"dq", &dq, q_shape}, {"dk", &dk, k_shape}, {"dv", &dv, k_shape}});
+  if (auto err = jmegatron::ExpectAll(op, ffi::DataType::F32, wants); err.failure()) return err;
+  return Backward(op, pool, p, out ? out->typed_data<float>() : nullptr, dout.typed_data<float>(),
+                  lse.typed_data<float>(), delta ? delta->typed_data<float>() : nullptr, dq.typed_data<float>(),
+                  dk.typed_data<float>(), dv.typed_data<float>());
+}
+
 // ---------------------------------------------------------------------------------------
 // jmegatron_attention_fwd / _bwd: causal (and optionally same-document) self-attention.
 
@@ -633,10 +676,7 @@ ffi::Error AttentionFwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, cons
       err.failure()) {
     return err;
   }
-  const Dims& sh = p.dims;
-  if (auto err = Expect(kFwd, "out", *out, ffi::DataType::F32, {sh.b, sh.sq, sh.nq, sh.d}); err.failure()) return err;
-  if (auto err = Expect(kFwd, "lse", *lse, ffi::DataType::F32, {sh.b, sh.nq, sh.sq}); err.failure()) return err;
-  return Forward(kFwd, pool, p, out->typed_data<float>(), lse->typed_data<float>());
+  return CheckedForward(kFwd, pool, p, *out, *lse, {p.dims.b, p.dims.nq, p.dims.sq});
 }
 
 ffi::Error AttentionBwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -652,39 +692,7 @@ ffi::Error AttentionBwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, cons
       err.failure()) {
     return err;
   }
-  const Dims& sh = p.dims;
-  const std::vector<int64_t> q_shape{sh.b, sh.sq, sh.nq, sh.d}, k_shape{sh.b, sh.sk, sh.nkv, sh.d};
-  const std::pair<const char*, const ffi::AnyBuffer*> checks[] = {{"out", &out}, {"dout", &dout}, {"dq", &*dq}};
-  for (const auto& [name, buf] : checks) {
-    if (auto err = Expect(kBwd, name, *buf, ffi::DataType::F32, q_shape); err.failure()) return err;
-  }
-  if (auto err = Expect(kBwd, "lse", lse, ffi::DataType::F32, {sh.b, sh.nq, sh.sq}); err.failure()) return err;
-  if (auto err = Expect(kBwd, "dk", *dk, ffi::DataType::F32, k_shape); err.failure()) return err;
-  if (auto err = Expect(kBwd, "dv", *dv, ffi::DataType::F32, k_shape); err.failure()) return err;
-  return Backward(kBwd, pool, p, out.typed_data<float>(), dout.typed_data<float>(), lse.typed_data<float>(),
-                  nullptr, dq->typed_data<float>(), dk->typed_data<float>(), dv->typed_data<float>());
-}
-
-// The handlers: no exception leaves them (checks.h's Guarded).
-ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        ffi::AnyBuffer segment_ids, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> lse, float scale, float dropout_rate, float keep_scale,
-                        int64_t threshold, int64_t block, bool segments) {
-  return jmegatron::Guarded(kFwd, [&] {
-    return AttentionFwdBody(pool, q, k, v, segment_ids, key, out, lse, scale, dropout_rate, keep_scale, threshold,
-                            block, segments);
-  });
-}
-
-ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse, ffi::AnyBuffer segment_ids,
-                        ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, float scale, float dropout_rate, float keep_scale,
-                        int64_t threshold, int64_t block, bool segments) {
-  return jmegatron::Guarded(kBwd, [&] {
-    return AttentionBwdBody(pool, q, k, v, out, dout, lse, segment_ids, key, dq, dk, dv, scale, dropout_rate,
-                            keep_scale, threshold, block, segments);
-  });
+  return CheckedBackward(kBwd, pool, p, &out, dout, lse, nullptr, {p.dims.b, p.dims.nq, p.dims.sq}, *dq, *dk, *dv);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -744,12 +752,7 @@ ffi::Error BlockFwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, const ff
       err.failure()) {
     return err;
   }
-  const Dims& sh = p.dims;
-  if (auto err = Expect(kBlockFwd, "out", *out, ffi::DataType::F32, {sh.b, sh.sq, sh.nq, sh.d}); err.failure()) {
-    return err;
-  }
-  if (auto err = Expect(kBlockFwd, "lse", *lse, ffi::DataType::F32, {sh.b, sh.sq, sh.nq}); err.failure()) return err;
-  return Forward(kBlockFwd, pool, p, out->typed_data<float>(), lse->typed_data<float>());
+  return CheckedForward(kBlockFwd, pool, p, *out, *lse, {p.dims.b, p.dims.sq, p.dims.nq});
 }
 
 ffi::Error BlockBwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -765,118 +768,31 @@ ffi::Error BlockBwdBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& q, const ff
       err.failure()) {
     return err;
   }
-  const Dims& sh = p.dims;
-  const std::vector<int64_t> q_shape{sh.b, sh.sq, sh.nq, sh.d}, k_shape{sh.b, sh.sk, sh.nkv, sh.d},
-      row_shape{sh.b, sh.sq, sh.nq};
-  const std::pair<const char*, const ffi::AnyBuffer*> checks[] = {
-      {"dout", &dout}, {"lse", &lse}, {"delta", &delta}, {"dq", &*dq}, {"dk", &*dk}, {"dv", &*dv}};
-  const std::vector<int64_t>* shapes[] = {&q_shape, &row_shape, &row_shape, &q_shape, &k_shape, &k_shape};
-  for (int i = 0; i < 6; ++i) {
-    if (auto err = Expect(kBlockBwd, checks[i].first, *checks[i].second, ffi::DataType::F32, *shapes[i]);
-        err.failure()) {
-      return err;
-    }
-  }
-  return Backward(kBlockBwd, pool, p, nullptr, dout.typed_data<float>(), lse.typed_data<float>(),
-                  delta.typed_data<float>(), dq->typed_data<float>(), dk->typed_data<float>(),
-                  dv->typed_data<float>());
+  return CheckedBackward(kBlockBwd, pool, p, nullptr, dout, lse, &delta, {p.dims.b, p.dims.sq, p.dims.nq}, *dq, *dk,
+                         *dv);
 }
 
-ffi::Error BlockFwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                    ffi::AnyBuffer q_positions, ffi::AnyBuffer k_positions, ffi::AnyBuffer q_segments,
-                    ffi::AnyBuffer k_segments, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                    float scale, bool causal, bool segments, int64_t block) {
-  return jmegatron::Guarded(kBlockFwd, [&] {
-    return BlockFwdBody(pool, q, k, v, q_positions, k_positions, q_segments, k_segments, out, lse, scale, causal,
-                        segments, block);
-  });
-}
-
-ffi::Error BlockBwd(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
-                    ffi::AnyBuffer lse, ffi::AnyBuffer delta, ffi::AnyBuffer q_positions, ffi::AnyBuffer k_positions,
-                    ffi::AnyBuffer q_segments, ffi::AnyBuffer k_segments, ffi::Result<ffi::AnyBuffer> dq,
-                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale, bool causal,
-                    bool segments, int64_t block) {
-  return jmegatron::Guarded(kBlockBwd, [&] {
-    return BlockBwdBody(pool, q, k, v, dout, lse, delta, q_positions, k_positions, q_segments, k_segments, dq, dk,
-                        dv, scale, causal, segments, block);
-  });
-}
+// The handlers' attributes, as jmegatron.kernels.cpu.ops passes them: types and names.
+using SequenceAttrs = std::tuple<float, float, float, int64_t, int64_t, bool>;
+constexpr const char* kSequenceAttrs[] = {"scale", "dropout_rate", "keep_scale", "threshold", "block", "segments"};
+using BlockAttrs = std::tuple<float, bool, bool, int64_t>;
+constexpr const char* kBlockAttrs[] = {"scale", "causal", "segments", "block"};
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionFwd, AttentionFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // key
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<float>("scale")
-                                  .Attr<float>("dropout_rate")
-                                  .Attr<float>("keep_scale")
-                                  .Attr<int64_t>("threshold")
-                                  .Attr<int64_t>("block")
-                                  .Attr<bool>("segments"));
+// The handlers run their bodies under jmegatron::Guarded (no exception leaves them).
+// q, k, v, segment_ids, key -> out, lse
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionFwd, jmegatron::GuardedHandler(kFwd, AttentionFwdBody),
+                              (jmegatron::AttrBinding<5, 2, SequenceAttrs>(kSequenceAttrs)));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBwd, AttentionBwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // segment_ids
-                                  .Arg<ffi::AnyBuffer>()  // key
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Attr<float>("scale")
-                                  .Attr<float>("dropout_rate")
-                                  .Attr<float>("keep_scale")
-                                  .Attr<int64_t>("threshold")
-                                  .Attr<int64_t>("block")
-                                  .Attr<bool>("segments"));
+// q, k, v, out, dout, lse, segment_ids, key -> dq, dk, dv
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBwd, jmegatron::GuardedHandler(kBwd, AttentionBwdBody),
+                              (jmegatron::AttrBinding<8, 3, SequenceAttrs>(kSequenceAttrs)));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBlockFwd, BlockFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // q_positions
-                                  .Arg<ffi::AnyBuffer>()  // k_positions
-                                  .Arg<ffi::AnyBuffer>()  // q_segments
-                                  .Arg<ffi::AnyBuffer>()  // k_segments
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // lse
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("segments")
-                                  .Attr<int64_t>("block"));
+// q, k, v, q_positions, k_positions, q_segments, k_segments -> out, lse
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBlockFwd, jmegatron::GuardedHandler(kBlockFwd, BlockFwdBody),
+                              (jmegatron::AttrBinding<7, 2, BlockAttrs>(kBlockAttrs)));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBlockBwd, BlockBwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // lse
-                                  .Arg<ffi::AnyBuffer>()  // delta
-                                  .Arg<ffi::AnyBuffer>()  // q_positions
-                                  .Arg<ffi::AnyBuffer>()  // k_positions
-                                  .Arg<ffi::AnyBuffer>()  // q_segments
-                                  .Arg<ffi::AnyBuffer>()  // k_segments
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<bool>("segments")
-                                  .Attr<int64_t>("block"));
+// q, k, v, dout, lse, delta, q_positions, k_positions, q_segments, k_segments -> dq, dk, dv
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronAttentionBlockBwd, jmegatron::GuardedHandler(kBlockBwd, BlockBwdBody),
+                              (jmegatron::AttrBinding<10, 3, BlockAttrs>(kBlockAttrs)));

@@ -10,6 +10,8 @@
 //   int of scipy-openblas32 (`blasint`) before it is narrowed.
 // * Allocate: a heap allocation that returns an error when it fails (no std::bad_alloc).
 // * Guarded: the body of a handler, with any C++ exception turned into an error.
+// * GuardedHandler / BufferBinding: a kernel's handler and the start of its binding, for
+//   XLA_FFI_DEFINE_HANDLER_SYMBOL.
 #ifndef JMEGATRON_KERNELS_CPU_CHECKS_H_
 #define JMEGATRON_KERNELS_CPU_CHECKS_H_
 
@@ -20,6 +22,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -70,6 +73,22 @@ inline ffi::Error Expect(const char* op, const char* name, const ffi::AnyBuffer&
   for (size_t i = 0; ok && i < want.size(); ++i) ok = dims[i] == want[i];
   if (ok) return ffi::Error::Success();
   return Mismatch(op, name, Describe(dtype, ffi::Span<const int64_t>(want.data(), want.size())), buf);
+}
+
+// One buffer of ExpectAll: its name, the buffer, its expected dimensions.
+struct Want {
+  const char* name;
+  const ffi::AnyBuffer* buf;
+  std::vector<int64_t> dims;
+};
+
+// Success when every buffer of `wants` is `dtype` with its dimensions, else the error of the
+// first that is not (Expect).
+inline ffi::Error ExpectAll(const char* op, ffi::DataType dtype, const std::vector<Want>& wants) {
+  for (const Want& w : wants) {
+    if (auto err = Expect(op, w.name, *w.buf, dtype, w.dims); err.failure()) return err;
+  }
+  return ffi::Error::Success();
 }
 
 // Success when `buf` is `dtype` of rank `rank` (any sizes), else an error naming `name`
@@ -138,6 +157,42 @@ ffi::Error Guarded(const char* op, Body&& body) noexcept {
     return body();
   } catch (...) {
     return FromException(op, std::current_exception());
+  }
+}
+
+// The handler of a kernel whose checks and work are `body(pool, operands..., results...,
+// attributes...)` (taking them by reference): it takes what the binding decodes, in the same
+// order, and runs body under Guarded, so that no exception leaves it.
+template <typename Body>
+auto GuardedHandler(const char* op, Body body) {
+  return [op, body](auto... decoded) noexcept -> ffi::Error {
+    return Guarded(op, [&] { return body(decoded...); });
+  };
+}
+
+// ffi::Ffi::Bind() with XLA's intra-op thread pool, then `kArgs` ffi::AnyBuffer operands,
+// then `kRets` ffi::AnyBuffer results; the caller appends the named attributes. (A binding
+// cannot be copied or moved, so each step chains on the previous one's temporary.)
+template <int kArgs, int kRets>
+auto BufferBinding() {
+  if constexpr (kRets > 0) {
+    return BufferBinding<kArgs, kRets - 1>().template Ret<ffi::AnyBuffer>();
+  } else if constexpr (kArgs > 0) {
+    return BufferBinding<kArgs - 1, 0>().template Arg<ffi::AnyBuffer>();
+  } else {
+    return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>();
+  }
+}
+
+// BufferBinding<kArgs, kRets>() then the attributes `names` (in order) of the types of the
+// std::tuple `Attrs`.
+template <int kArgs, int kRets, typename Attrs, size_t kCount = std::tuple_size_v<Attrs>>
+auto AttrBinding(const char* const* names) {
+  if constexpr (kCount == 0) {
+    return BufferBinding<kArgs, kRets>();
+  } else {
+    return AttrBinding<kArgs, kRets, Attrs, kCount - 1>(names).template Attr<std::tuple_element_t<kCount - 1, Attrs>>(
+        names[kCount - 1]);
   }
 }
 

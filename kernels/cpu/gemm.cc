@@ -84,21 +84,11 @@ ffi::Error SgemmBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& a, const ffi::
   return jmegatron::ParallelFor(kOp, pool, parts, run);
 }
 
-ffi::Error Sgemm(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> c,
-                 bool trans_a, bool trans_b) {
-  return jmegatron::Guarded(kOp, [&] { return SgemmBody(pool, a, b, c, trans_a, trans_b); });
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronSgemm, Sgemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // a
-                                  .Arg<ffi::AnyBuffer>()  // b
-                                  .Ret<ffi::AnyBuffer>()  // c
-                                  .Attr<bool>("trans_a")
-                                  .Attr<bool>("trans_b"));
+// a, b -> c
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronSgemm, jmegatron::GuardedHandler(kOp, SgemmBody),
+                              (jmegatron::BufferBinding<2, 1>().Attr<bool>("trans_a").Attr<bool>("trans_b")));
 
 extern "C" void JmegatronBlasInit() { scipy_openblas_set_num_threads(1); }
 

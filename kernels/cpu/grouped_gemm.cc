@@ -54,6 +54,18 @@ ffi::Error Offsets(const char* op, const ffi::AnyBuffer& sizes, int64_t n, std::
   return ffi::Error::Success();
 }
 
+// Checks group_sizes (int32 [groups]) and the result c (float32 `c_shape`), then every size
+// and leading dimension OpenBLAS sees (a group has at most n rows) against its 32-bit int;
+// fills `off` with the groups' row offsets (Offsets).
+ffi::Error CheckGroups(const char* op, const ffi::AnyBuffer& sizes, const ffi::AnyBuffer& c,
+                       const std::vector<int64_t>& c_shape, int64_t groups, int64_t n, int64_t k, int64_t p,
+                       std::vector<int64_t>* off) {
+  if (auto err = Expect(op, "group_sizes", sizes, ffi::DataType::S32, {groups}); err.failure()) return err;
+  if (auto err = Expect(op, "c", c, ffi::DataType::F32, c_shape); err.failure()) return err;
+  if (auto err = jmegatron::BlasInts(op, {{"N", n}, {"K", k}, {"P", p}}); err.failure()) return err;
+  return Offsets(op, sizes, n, off);
+}
+
 struct Task {  // rows (or columns) [lo, hi) of group e
   int64_t e, lo, hi;
 };
@@ -73,12 +85,8 @@ ffi::Error GroupedSgemmBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& a, cons
                                               (trans_b ? "]" : ", P]") + " (a's K)",
                                b);
   }
-  if (auto err = Expect(kFwd, "group_sizes", sizes, ffi::DataType::S32, {groups}); err.failure()) return err;
-  if (auto err = Expect(kFwd, "c", *c, ffi::DataType::F32, {n, p}); err.failure()) return err;
-  // Every size and leading dimension OpenBLAS sees (a group has at most n rows).
-  if (auto err = jmegatron::BlasInts(kFwd, {{"N", n}, {"K", k}, {"P", p}}); err.failure()) return err;
   std::vector<int64_t> off;
-  if (auto err = Offsets(kFwd, sizes, n, &off); err.failure()) return err;
+  if (auto err = CheckGroups(kFwd, sizes, *c, {n, p}, groups, n, k, p, &off); err.failure()) return err;
   const float* pa = a.typed_data<float>();
   const float* pb = b.typed_data<float>();
   float* pc = c->typed_data<float>();
@@ -111,11 +119,8 @@ ffi::Error GroupedSgemmWgradBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& a,
   const int64_t p = g.dimensions()[1];
   if (auto err = ExpectRank(kWgrad, "c", *c, ffi::DataType::F32, 3, "[E, K, P]"); err.failure()) return err;
   const int64_t groups = c->dimensions()[0];
-  if (auto err = Expect(kWgrad, "group_sizes", sizes, ffi::DataType::S32, {groups}); err.failure()) return err;
-  if (auto err = Expect(kWgrad, "c", *c, ffi::DataType::F32, {groups, k, p}); err.failure()) return err;
-  if (auto err = jmegatron::BlasInts(kWgrad, {{"N", n}, {"K", k}, {"P", p}}); err.failure()) return err;
   std::vector<int64_t> off;
-  if (auto err = Offsets(kWgrad, sizes, n, &off); err.failure()) return err;
+  if (auto err = CheckGroups(kWgrad, sizes, *c, {groups, k, p}, groups, n, k, p, &off); err.failure()) return err;
   const float* pa = a.typed_data<float>();
   const float* pg = g.typed_data<float>();
   float* pc = c->typed_data<float>();
@@ -136,32 +141,13 @@ ffi::Error GroupedSgemmWgradBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& a,
   return jmegatron::ParallelFor(kWgrad, pool, static_cast<int64_t>(tasks.size()), run);
 }
 
-// The handlers: no exception leaves them (the vectors above allocate).
-ffi::Error GroupedSgemm(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sizes,
-                        ffi::Result<ffi::AnyBuffer> c, bool trans_b) {
-  return jmegatron::Guarded(kFwd, [&] { return GroupedSgemmBody(pool, a, b, sizes, c, trans_b); });
-}
-
-ffi::Error GroupedSgemmWgrad(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer g, ffi::AnyBuffer sizes,
-                             ffi::Result<ffi::AnyBuffer> c) {
-  return jmegatron::Guarded(kWgrad, [&] { return GroupedSgemmWgradBody(pool, a, g, sizes, c); });
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronGroupedSgemm, GroupedSgemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // a
-                                  .Arg<ffi::AnyBuffer>()  // b (g)
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>()  // c
-                                  .Attr<bool>("trans_b"));
+// The handlers run under jmegatron::Guarded (the vectors above allocate).
+// a, b, group_sizes -> c
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronGroupedSgemm, jmegatron::GuardedHandler(kFwd, GroupedSgemmBody),
+                              (jmegatron::BufferBinding<3, 1>().Attr<bool>("trans_b")));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronGroupedSgemmWgrad, GroupedSgemmWgrad,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // a
-                                  .Arg<ffi::AnyBuffer>()  // b (g)
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>());  // c
+// a, g, group_sizes -> c
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronGroupedSgemmWgrad, jmegatron::GuardedHandler(kWgrad, GroupedSgemmWgradBody),
+                              (jmegatron::BufferBinding<3, 1>()));

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmegatron.kernels import cpu as _lib
-from jmegatron.kernels.xla.attention import xla_attention
+from jmegatron.kernels.xla.attention import check_qkv, xla_attention
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.kernels.xla.dropout import check_hash_extent, key_words
 
@@ -245,18 +245,9 @@ def cpu_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
 
 
 def _check_qkv(fn: str, q, k, v) -> None:
-    """ValueError unless q ``[b, sq, nq, d]``, k and v ``[b, sk, nkv, d]`` are float32 with
-    ``nq % nkv == 0``."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4 or x.dtype != jnp.float32:
-            raise ValueError(f"{fn}: {name} must be float32 [b, seq, heads, head_dim], got {x.dtype}{list(x.shape)} "
-                             f"(cast to float32, or use jmegatron.kernels.xla.attention.attention_block)")
-    if k.shape != v.shape:
-        raise ValueError(f"{fn}: k {list(k.shape)} and v {list(v.shape)} must have the same shape")
-    b, _, nq, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d or k.shape[2] == 0 or nq % k.shape[2]:
-        raise ValueError(f"{fn}: k/v {list(k.shape)} must be [b={b}, sk, nkv, d={d}] with nkv dividing q's {nq} "
-                         f"heads (grouped-query attention)")
+    """:func:`~jmegatron.kernels.xla.attention.check_qkv` for the float32 kernels."""
+    check_qkv(fn, q, k, v, float32=True,
+              hint=" (cast to float32, or use jmegatron.kernels.xla.attention.attention_block)")
 
 
 def _ids(name: str, ids, shape, what: str) -> Array:

@@ -45,17 +45,8 @@ ffi::Error SelfTestBody(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, ffi::Res
   return jmegatron::ParallelFor(kOp, pool, n, task);
 }
 
-ffi::Error SelfTest(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t mode,
-                    int64_t count) {
-  return jmegatron::Guarded(kOp, [&] { return SelfTestBody(pool, x, y, mode, count); });
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronSelfTest, SelfTest,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Attr<int64_t>("mode")
-                                  .Attr<int64_t>("count"));
+// x -> y
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JmegatronSelfTest, jmegatron::GuardedHandler(kOp, SelfTestBody),
+                              (jmegatron::BufferBinding<1, 1>().Attr<int64_t>("mode").Attr<int64_t>("count")));

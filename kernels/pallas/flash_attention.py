@@ -38,6 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jmegatron.kernels.pallas.common import default_interpret, fori_loop, out_struct, same_vma, triton_params
+from jmegatron.kernels.xla.attention import check_qkv
 from jmegatron.kernels.xla.dropout import check_hash_extent, key_words, mask_hash
 
 Array = jax.Array
@@ -370,19 +371,6 @@ def _default_tiles(s: int, dtype) -> tuple[int, int]:
     return block, -(-s // block) * block
 
 
-def _check_qkv(fn: str, q, k, v) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{fn}: {name} must be a float [b, seq, heads, head_dim] array, got "
-                             f"{x.dtype}{list(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{fn}: k {list(k.shape)} and v {list(v.shape)} must have the same shape")
-    b, _, nq, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d or k.shape[2] == 0 or nq % k.shape[2]:
-        raise ValueError(f"{fn}: k/v {list(k.shape)} must be [b={b}, sk, nkv, d={d}] with nkv dividing q's {nq} "
-                         f"heads (grouped-query attention)")
-
-
 def _ids(name: str, ids, shape) -> Optional[Array]:
     if ids is None:
         return None
@@ -526,7 +514,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     a rate outside [0, 1), or dropout with ``dropout_impl="threefry"`` (its masks cannot be
     drawn inside a kernel: use ``"hash"`` or ``attention_impl="xla"``).
     """
-    _check_qkv("pallas_attention", q, k, v)
+    check_qkv("pallas_attention", q, k, v, float32=False)
     b, s = q.shape[:2]
     if k.shape[1] != s:
         raise ValueError(f"pallas_attention: k/v must have q's sequence length {s}, got {k.shape[1]} "
@@ -571,7 +559,7 @@ def pallas_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
 def _block_setup(fn, q, k, v, q_positions, k_positions, q_segments, k_segments, dropout, block_q, block_k,
                  interpret):
     """(cfg, ids tuple) for the block kernels; ValueError for half a pair or bad shapes."""
-    _check_qkv(fn, q, k, v)
+    check_qkv(fn, q, k, v, float32=False)
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     ids = []
     for kind, qi, ki in (("positions", q_positions, k_positions), ("segments", q_segments, k_segments)):

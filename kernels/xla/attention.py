@@ -37,6 +37,24 @@ from jmegatron.kernels.xla.dropout import attention_keep_mask, keep_mask
 Array = jax.Array
 
 
+def check_qkv(fn: str, q, k, v, *, float32: bool, hint: str = "") -> None:
+    """Checks attention operands: q ``[b, sq, nq, d]``, k and v ``[b, sk, nkv, d]`` (the same
+    shape), ``nq % nkv == 0`` (grouped-query attention), all float32 when ``float32`` else any
+    floating dtype. Raises ValueError naming ``fn`` and the operand; ``hint`` ends the dtype
+    or rank message (how to fix it)."""
+    layout = "float32 [b, seq, heads, head_dim]" if float32 else "a float [b, seq, heads, head_dim] array"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        ok = x.dtype == jnp.float32 if float32 else jnp.issubdtype(x.dtype, jnp.floating)
+        if x.ndim != 4 or not ok:
+            raise ValueError(f"{fn}: {name} must be {layout}, got {x.dtype}{list(x.shape)}{hint}")
+    if k.shape != v.shape:
+        raise ValueError(f"{fn}: k {list(k.shape)} and v {list(v.shape)} must have the same shape")
+    b, _, nq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or k.shape[2] == 0 or nq % k.shape[2]:
+        raise ValueError(f"{fn}: k/v {list(k.shape)} must be [b={b}, sk, nkv, d={d}] with nkv dividing q's {nq} "
+                         f"heads (grouped-query attention)")
+
+
 @jax.custom_jvp
 def _softmax(scores: Array) -> Array:
     """Softmax over the last axis of float32 ``scores`` where -inf marks a masked key; a row
