@@ -243,8 +243,6 @@ def test_cli_trains_packed_shakespeare_with_document_masking(tmp_path, shakespea
               for blk in play.read_text(errors="ignore").split("\n\n") if blk.strip()]
     corpus = tmp_path / "speeches.jsonl"
     corpus.write_text("".join(json.dumps({"text": blk}) + "\n" for blk in blocks[:3000]))
-    from jmegatron.data.blended_dataset import build_train_valid_test_datasets
-    from jmegatron.data.tokenizer import load_tokenizer
     from jmegatron.tools import preprocess_data, train_tokenizer
 
     # the tokenizer and the data through the tools' own entry points, in this process (their
@@ -252,6 +250,8 @@ def test_cli_trains_packed_shakespeare_with_document_masking(tmp_path, shakespea
     tok = tmp_path / "tokenizer.json"
     train_tokenizer.main(["--input", str(corpus), "--vocab-size", "320", "--output", str(tok)])
     (prefix,) = preprocess_data.preprocess([str(corpus)], str(tmp_path / "shk"), str(tok), append_eod=True, log=None)
+    from jmegatron.data.blended_dataset import build_train_valid_test_datasets
+    from jmegatron.data.tokenizer import load_tokenizer
 
     train, _, _ = build_train_valid_test_datasets([prefix], "969,30,1", [16, 0, 0], 64, 1234,
                                                   load_tokenizer(str(tok)).eod, reset_attention_mask=True)
