@@ -136,21 +136,19 @@ def grads_of(cfg, num_devices):
 
 
 CP_CASES = [  # (context_parallel_size, devices, model, other fields)
-    (2, 2, {}, dict(hidden_dropout=0.1)),  # dp 1: the dropout offsets vary over no size-1 axis
-    # (all_gather at cp4: test_context_parallel_attention_equals_one_device's cp4 all_gather; all_gather
-    # in the step: the tp2 + SP and attention-dropout all_gather cases below)
+    # dp 1: the dropout offsets vary over no size-1 axis; selective recomputation
+    (2, 2, {}, dict(hidden_dropout=0.1, recompute_granularity="selective")),
+    # (all_gather at cp4: test_context_parallel_attention_equals_one_device's cp4 all_gather)
     # (a2a at cp2 x dp2 + ZeRO-1: a2a in the step is the a2a x tp2 case below, ZeRO-1 at cp2 x dp2 the next)
-    (2, 4, LLAMA, dict(use_distributed_optimizer=True)),  # cp2 x dp2 + ZeRO-1
+    # cp2 x dp2 + ZeRO-1; attention dropout: each ring block draws the one-device hash mask
+    (2, 4, LLAMA, dict(attention_dropout=0.1, hidden_dropout=0.1, use_distributed_optimizer=True)),
     # (cp2 x tp2 + SP with the p2p ring: tests/test_parallel_equivalence.py's test_family_blocks_match_one_device)
-    (2, 4, LLAMA, dict(cp_comm_type="all_gather", tensor_model_parallel_size=2, sequence_parallel=True)),
+    # all_gather x tp2 + SP, its blocks drawing the one-device attention-dropout masks
+    (2, 4, LLAMA, dict(attention_dropout=0.1, cp_comm_type="all_gather", tensor_model_parallel_size=2,
+                       sequence_parallel=True)),
     (2, 4, dict(LLAMA, num_query_groups=4), dict(cp_comm_type="a2a", tensor_model_parallel_size=2)),
-    (4, 8, {}, dict(scan_layers=True)),  # cp4 x dp2, scanned layers
+    (4, 8, {}, dict(scan_layers=True, attention_dropout=0.2)),  # cp4 x dp2, scanned layers, attention dropout
     (2, 4, LLAMA, dict(recompute_granularity="full", scan_layers=True)),  # activation recomputation
-    (2, 2, {}, dict(recompute_granularity="selective")),
-    # attention dropout: each ring / all_gather block draws the one-device hash mask
-    (2, 4, LLAMA, dict(attention_dropout=0.1, hidden_dropout=0.1)),  # cp2 x dp2: the one-device masks
-    (4, 4, {}, dict(attention_dropout=0.2)),
-    (2, 4, LLAMA, dict(attention_dropout=0.1, cp_comm_type="all_gather")),
 ]
 
 

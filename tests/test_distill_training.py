@@ -121,8 +121,9 @@ _ONE_DEVICE = {}  # the one-device gradients, the same for every layout below
 
 
 # (tp2 x dp4: tp4 + ZeRO-1 splits the same layers at another size, and
-# test_balanced_distillation_matches_one_device_micro_batches runs the student and teacher at tp2 x dp4)
-@pytest.mark.parametrize("layout", [dict(), dict(tensor_model_parallel_size=4, use_distributed_optimizer=True)])
+# test_balanced_distillation_matches_one_device_micro_batches runs the student and teacher at tp2 x dp4;
+# dp8: test_balanced_distillation_matches_one_device_micro_batches's kl-dp8, dropout on as here)
+@pytest.mark.parametrize("layout", [dict(tensor_model_parallel_size=4, use_distributed_optimizer=True)])
 def test_distillation_gradients_match_one_device(teacher_dir, layout, tmp_path):
     # the student's dropout on: its masks follow global sample numbers, as in plain training
     kw = dict(hidden_dropout=0.1, attention_dropout=0.1, num_attention_heads=4, kd_teacher_load=teacher_dir)
@@ -143,8 +144,9 @@ _BALANCED = {}  # logit_kl_topk -> (kd.yaml, one device's (gradients, report)), 
 
 def _balanced(teacher_dir, tmp_path, topk):
     """The distillation YAML with the LM loss (``logit_kl_topk`` if given), its config
-    keywords, and one device's step on it, computed once per ``topk``."""
-    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, num_attention_heads=4, kd_teacher_load=teacher_dir,
+    keywords, and one device's step on it, computed once per ``topk``. The student's dropout is
+    on: its masks follow global sample numbers, as in plain training."""
+    kw = dict(hidden_dropout=0.1, attention_dropout=0.1, num_attention_heads=4, kd_teacher_load=teacher_dir,
               micro_batch_size=2)
     if topk not in _BALANCED:
         kd = tmp_path / f"kd{topk}.yaml"

@@ -243,11 +243,13 @@ def test_cli_trains_packed_shakespeare_with_document_masking(tmp_path, shakespea
               for blk in play.read_text(errors="ignore").split("\n\n") if blk.strip()]
     corpus = tmp_path / "speeches.jsonl"
     corpus.write_text("".join(json.dumps({"text": blk}) + "\n" for blk in blocks[:3000]))
+    from jmegatron.tools import preprocess_data, train_tokenizer
+
+    # the tokenizer and the data through the tools' own entry points, in this process (their
+    # command lines: tests/test_shakespeare_integration.py)
     tok = tmp_path / "tokenizer.json"
-    cli(["jmegatron.tools.train_tokenizer", "--input", str(corpus), "--vocab-size", "320", "--output", str(tok)], 1)
-    out = cli(["jmegatron.tools.preprocess_data", "--input", str(corpus), "--output-prefix", str(tmp_path / "shk"),
-               "--tokenizer-model", str(tok), "--append-eod"], 1)
-    prefix = out.strip().splitlines()[-1]
+    train_tokenizer.main(["--input", str(corpus), "--vocab-size", "320", "--output", str(tok)])
+    (prefix,) = preprocess_data.preprocess([str(corpus)], str(tmp_path / "shk"), str(tok), append_eod=True, log=None)
     from jmegatron.data.blended_dataset import build_train_valid_test_datasets
     from jmegatron.data.tokenizer import load_tokenizer
 

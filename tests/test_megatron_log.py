@@ -233,7 +233,9 @@ TINY = ["--config", "configs/gpt_tiny.py", "--config.mock_data=True", "--config.
 
 
 def _run(module, *args, cwd=REPO):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device
+    from conftest import subprocess_env
+
+    env = subprocess_env(1)  # one device, the suite's compile flags and cache
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 

@@ -26,9 +26,9 @@ FLAGS = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 _FLOAT32 = {}
 
 
-def learn(cfg, num_devices):
+def learn(cfg, num_devices, check_state=None):
     """train_main_params over STEPS learnable batches of the global batch 16."""
-    return train_main_params(cfg, num_devices, learnable_batches(STEPS, 16, cfg.seq_length, 500))
+    return train_main_params(cfg, num_devices, learnable_batches(STEPS, 16, cfg.seq_length, 500), check_state)
 
 
 def assert_same_training(got, want, dtype):
@@ -45,23 +45,6 @@ def assert_same_training(got, want, dtype):
 
 def _float_dtypes(tree):
     return {np.dtype(a.dtype) for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)}
-
-
-@pytest.mark.parametrize("flag,dtype", [("bf16", jnp.bfloat16), ("fp16", jnp.float16)])
-def test_model_params_are_the_cast_of_float32_main_params(flag, dtype):
-    cfg = tiny_cfg(**{flag: True, "initial_loss_scale": 2.0 ** 12})
-    run = build(cfg, create_mesh(cfg, jax.devices()[:8]))
-    state = run.init_state()
-    assert isinstance(state.opt_state, Float16OptimizerState)
-    assert _float_dtypes(state.params) == {np.dtype(dtype)}
-    assert _float_dtypes(state.opt_state.main_params) == {np.dtype(np.float32)}
-    for b in random_batches(3, run.global_batch_size, cfg.seq_length, 500):
-        b = {k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()}
-        state, m = run.train_step(state, run.put_batch(b))
-        assert float(m["skipped"]) == 0.0
-        main, params = jax.device_get((state.opt_state.main_params, state.params))
-        for p, w in zip(jax.tree.leaves(params), jax.tree.leaves(main)):
-            np.testing.assert_array_equal(p, w.astype(dtype))  # model = round(main), every step
 
 
 def test_bf16_main_params_keep_updates_below_bf16_resolution():
@@ -87,12 +70,25 @@ def test_bf16_main_params_keep_updates_below_bf16_resolution():
 
 @pytest.mark.parametrize("flag", list(FLAGS))
 def test_16bit_trajectory_follows_float32(flag):
-    # fp16 at a fixed scale that never overflows here: the scaled backward and the unscale
-    got = learn(tiny_cfg(**LEARN, **{flag: True}, initial_loss_scale=2.0 ** 12), 8)
+    """16-bit model parameters with float32 main parameters in the optimizer, the model the
+    cast of the main parameters after every step, training as float32 does up to the dtype's
+    rounding; fp16 at a fixed scale that never overflows here: the scaled backward and the
+    unscale."""
+    dtype = FLAGS[flag]
+
+    def model_is_the_cast_of_main(state, m):
+        assert isinstance(state.opt_state, Float16OptimizerState)
+        assert float(m["skipped"]) == 0.0
+        main, params = jax.device_get((state.opt_state.main_params, state.params))
+        assert _float_dtypes(params) == {np.dtype(dtype)} and _float_dtypes(main) == {np.dtype(np.float32)}
+        for p, w in zip(jax.tree.leaves(params), jax.tree.leaves(main)):
+            np.testing.assert_array_equal(p, w.astype(dtype))  # model = round(main), every step
+
+    got = learn(tiny_cfg(**LEARN, **{flag: True}, initial_loss_scale=2.0 ** 12), 8, model_is_the_cast_of_main)
     if "float32" not in _FLOAT32:
         _FLOAT32["float32"] = learn(tiny_cfg(**LEARN), 8)
-    assert _float_dtypes(got[4].abstract_state.params) == {np.dtype(FLAGS[flag])}
-    assert_same_training(got, _FLOAT32["float32"], FLAGS[flag])
+    assert _float_dtypes(got[4].abstract_state.params) == {np.dtype(dtype)}
+    assert_same_training(got, _FLOAT32["float32"], dtype)
 
 
 def test_gradient_accumulation_dtype():

@@ -105,7 +105,9 @@ def test_cache_resumes_after_a_kill(tmp_path, teacher_dir, cache_dir):
                   max_position_embeddings=32, micro_batch_size=1, global_batch_size=8, train_iters=2,
                   seed=cfg_for(tmp_path).seed, lr_warmup_iters=1, kd_teacher_load=teacher_dir, save=None)
     args += [f"--config.{k}={v}" for k, v in fields.items()]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=REPO)
+    from conftest import subprocess_env
+
+    env = dict(subprocess_env(1), PYTHONPATH=REPO)  # one device, the suite's compile flags and cache
     killed = subprocess.run([sys.executable, "-c", KILLED_AT_THIRD_COMMIT] + args, env=env, capture_output=True,
                             text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-2000:]

@@ -22,7 +22,6 @@ from test_train_step import random_batches, tiny_cfg
 DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 LAYOUTS = {
     "dp8_distopt": dict(use_distributed_optimizer=True),
-    "tp2_dp4": dict(tensor_model_parallel_size=2),
     "tp4_sp_dp2": dict(tensor_model_parallel_size=4, sequence_parallel=True),
     "tp2_dp4_distopt": dict(tensor_model_parallel_size=2, use_distributed_optimizer=True),
     "fsdp8": dict(use_megatron_fsdp=True),
@@ -105,12 +104,12 @@ def reference(name):
 
 
 # pure data parallelism does not depend on the architecture: llama runs the layouts that split
-# its weights (tp4 + SP, ZeRO-1's tp2_dp4_distopt, FSDP; plain tp2_dp4 splits them as
-# tp2_dp4_distopt does, its all-reduce is gpt's), gpt every layout but plain dp8 (tp2_dp4's
-# gradient all-reduce over the data axis is the same code at another size; dp8_distopt keeps
-# the 8-way data axis, with ZeRO-1's reduce-scatter)
+# its weights (tp4 + SP, ZeRO-1's tp2_dp4_distopt, FSDP), gpt every layout but plain dp8
+# (dp8_distopt keeps the 8-way data axis, with ZeRO-1's reduce-scatter). No layout is plain
+# tp2_dp4: it splits the weights as tp2_dp4_distopt does, and its gradient all-reduce over the
+# data axis beside a tensor axis is tp4_sp_dp2's at another size.
 @pytest.mark.parametrize("name,layout", [(arch, layout) for arch in ("gpt", "llama") for layout in LAYOUTS
-                                         if not (arch == "llama" and layout in ("dp8_distopt", "tp2_dp4"))])
+                                         if not (arch == "llama" and layout == "dp8_distopt")])
 def test_layout_matches_one_device(layout, name):
     arch, (ref_losses, ref_grads, _) = reference(name)
     kw = dict(LAYOUTS[layout], **arch)
@@ -164,12 +163,13 @@ def test_bad_parallel_sizes_fail_at_start_up(kw, match):
 
 
 @pytest.mark.parametrize("name,kw", [
-    ("gpt", dict(tensor_model_parallel_size=2)),
     ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True)),
 ])
 def test_tensor_parallel_alone_matches_one_device(kw, name):
     # tp 2 on 2 devices: one data-parallel rank, so the data collectives are skipped (XLA's
-    # partitioner rejects an all-reduce over a size-1 manual axis beside an automatic one)
+    # partitioner rejects an all-reduce over a size-1 manual axis beside an automatic one);
+    # with SP and ZeRO-1, whose data-axis collectives are the ones skipped (gpt's plain tp2
+    # weights are test_layout_matches_one_device's)
     arch, (ref_losses, ref_grads, _) = reference(name)
     losses, grads, run = trajectory(tiny_cfg(micro_batch_size=8, **DROPOUT, **kw, **arch), 2)
     assert run.mesh.shape["data"] == 1 and run.num_microbatches == 2

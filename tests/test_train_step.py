@@ -58,11 +58,11 @@ def main_params(state):
     return jax.device_get(getattr(state.opt_state, "main_params", state.params))
 
 
-def train_main_params(cfg, num_devices, batches):
+def train_main_params(cfg, num_devices, batches, check_state=None):
     """Train ``cfg`` on the first ``num_devices`` devices over ``batches`` (each ``[gbs, seq]``,
     reshaped into the run's micro-batches): (losses ``[steps]``, grad norms ``[steps]``, the
     float32 main parameters before the first step and after the last, the Run). One compiled
-    step runs every batch."""
+    step runs every batch; ``check_state(state, metrics)``, if given, sees every step's result."""
     run = build(cfg, create_mesh(cfg, jax.devices()[:num_devices]))
     state = run.init_state()
     first = main_params(state)
@@ -70,6 +70,8 @@ def train_main_params(cfg, num_devices, batches):
     for b in batches:
         b = {k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()}
         state, m = run.train_step(state, run.put_batch(b))
+        if check_state is not None:
+            check_state(state, m)
         losses.append(float(m["lm_loss"]))
         norms.append(float(m["grad_norm"]))
     return np.array(losses), np.array(norms), first, main_params(state), run
