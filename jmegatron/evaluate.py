@@ -29,13 +29,14 @@ import sys
 from typing import Optional, Sequence
 
 from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, from_configdict, tokenizer_type_of
+from jmegatron.data.builder import build_datasets
 from jmegatron.export.common import ExportError
 from jmegatron.export.convert import checkpoint_of
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.parallel.rules import data_parallel_size
 from jmegatron.training import checkpointing
 from jmegatron.training.checkpointing import CheckpointError
-from jmegatron.training.loop import build_datasets, evaluate
+from jmegatron.training.loop import evaluate
 from jmegatron.training.run import restore_run_params
 
 

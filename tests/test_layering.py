@@ -8,7 +8,7 @@ module, function-local ones included, is checked against these rules:
   of every kernel is ``jmegatron.kernels.xla``, below the models that call them.
 * ``parallel-models``: ``parallel`` never imports ``models``.
 * ``below-training``: nothing below the training loop (kernels, fusions, parallel, models,
-  data, config) imports ``training`` or anything above it (distill, inference, bench,
+  data, reporting, config) imports ``training`` or anything above it (distill, inference, bench,
   tools, export, the command-line entry points).
 * ``loop``: only the command-line entry points, ``tools``, ``bench`` and ``pretrain_gpt``
   import ``jmegatron.training.loop``.
@@ -33,7 +33,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # directory -> the package name it is installed as (pyproject.toml's package-dir)
 PACKAGES = {"jmegatron": "jmegatron", "kernels": "jmegatron.kernels", "export": "jmegatron.export"}
-BELOW_TRAINING = {"kernels", "fusions", "parallel", "models", "data", "config"}
+BELOW_TRAINING = {"kernels", "fusions", "parallel", "models", "data", "reporting", "config"}
 CLIS = {"pretrain_gpt", "train", "evaluate", "generate", "launch"}
 TRAINING_AND_ABOVE = {"training", "distill", "inference", "bench", "tools", "export"} | CLIS
 LOOP = "jmegatron.training.loop"

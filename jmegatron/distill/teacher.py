@@ -41,8 +41,8 @@ from jmegatron.config import READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfi
 from jmegatron.export.hf import (config_fields_from_hf, from_hf_state_dict, hf_architecture, is_hf_folder,
                                  read_hf_state_dict)
 from jmegatron.models.gpt import GPTModel
+from jmegatron.reporting.flops import num_parameters
 from jmegatron.training import checkpoint_layout, checkpointing
-from jmegatron.training.flops import num_parameters
 from jmegatron.training.run import build
 
 

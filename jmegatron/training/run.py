@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jmegatron.config import DISTILLATION_RESETS, READ_CHECKPOINT_RESETS, ConfigError, JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
-from jmegatron.data.tokenizer import build_tokenizer
+from jmegatron.data.tokenizer import vocab_size_of
 from jmegatron.parallel import pipeline_layout, rules as rules_lib
 from jmegatron.parallel.context_parallel import load_balance_index
 from jmegatron.parallel.grad_sync import StepLayout
@@ -149,13 +149,6 @@ def process_rows(sharding: jax.sharding.Sharding, rows: int, process_index: int,
         if process_of(device) == process_index:
             held.update(range(rows)[idx[1]])
     return np.array(sorted(held), np.int64)
-
-
-def vocab_size_of(cfg: JMegatronConfig) -> int:
-    """The unpadded vocabulary: the config's (``JMegatronConfig.unpadded_vocab_size``, Megatron's
-    rule of each tokenizer type: a NullTokenizer's ``vocab_size + 1``) or the tokenizer's."""
-    v = cfg.unpadded_vocab_size()
-    return v if v is not None else build_tokenizer(cfg).vocab_size
 
 
 def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optional[int] = None,
