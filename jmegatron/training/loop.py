@@ -312,6 +312,7 @@ class StopRules:
         return self.agreed if self.multi else (self.signal.event.is_set() or self.out_of_time)
 
     def exit_interval_reached(self, iteration: int) -> bool:
+        """``iteration`` is a multiple of ``exit_interval`` (Megatron's --exit-interval)."""
         return bool(self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0)
 
     def reason(self) -> str:
@@ -434,6 +435,7 @@ class TrainingLog:
         self.pending.append((iteration, metrics, global_batch_size, flops))
 
     def due(self, iteration: int, stopping: bool) -> bool:
+        """A line at every ``log_interval``, the last iteration and before stopping."""
         cfg = self.run.cfg
         return iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stopping
 
@@ -462,9 +464,11 @@ class TrainingLog:
         self.last_log += seconds
 
     def restart_timer(self) -> None:
+        """Start the interval's time now (after an evaluation, which is not timed)."""
         self.last_log = time.perf_counter()
 
     def final_loss(self) -> Optional[float]:
+        """The loss of the last logged iteration (None: none logged)."""
         return self.losses[max(self.losses)] if self.losses else None
 
 
@@ -479,6 +483,7 @@ class Evaluation:
         self.val_loss: Optional[float] = None
 
     def due(self, iteration: int) -> bool:
+        """``iteration`` is a multiple of ``eval_interval``."""
         interval = self.run.cfg.eval_interval
         return bool(interval) and iteration % interval == 0
 
@@ -488,6 +493,8 @@ class Evaluation:
         return iteration == cfg.train_iters and bool(cfg.eval_interval) and bool(iteration % cfg.eval_interval)
 
     def evaluate_and_print_results(self, iteration: int, params: Any) -> None:
+        """Evaluate ``params`` and log the validation block (nothing without a validation
+        split or ``eval_iters``)."""
         cfg, run = self.run.cfg, self.run
         if self.valid_ds is None or not len(self.valid_ds) or not cfg.eval_iters:
             return
@@ -509,10 +516,13 @@ class Saving:
         self.run, self.ckpt, self.guard, self.saved_at = run, ckpt, guard, saved_at
 
     def due(self, iteration: int) -> bool:
+        """``iteration`` is a multiple of ``save_interval``."""
         interval = self.run.cfg.save_interval
         return bool(interval) and iteration % interval == 0
 
     def save_checkpoint(self, iteration: int, state: Any, consumed_train: int, consumed_valid: int) -> None:
+        """Save ``state`` at ``iteration`` with the samples consumed so far (no-op without
+        ``cfg.save``, or when that iteration is saved already)."""
         if not self.ckpt or self.saved_at == iteration:
             return
         if not self.guard.state_is_finite(state):  # never checkpoint inf / nan

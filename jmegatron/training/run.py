@@ -107,7 +107,7 @@ class Run:
         if ("segment_ids" in batch) != self.cfg.reset_attention_mask:
             raise ValueError(f"config.reset_attention_mask={self.cfg.reset_attention_mask} but the batch "
                              f"{'has' if 'segment_ids' in batch else 'has no'} segment_ids: build the datasets "
-                             f"with reset_attention_mask=cfg.reset_attention_mask (jmegatron.training.loop."
+                             f"with reset_attention_mask=cfg.reset_attention_mask (jmegatron.data.builder."
                              f"build_datasets does)")
         cp = self.mesh.shape.get(rules_lib.CONTEXT_AXIS, 1)
         if train and cp > 1:
