@@ -30,7 +30,7 @@ Fairness (each side its best settings, the same work):
 The table per dropout setting gives ms/step as min / median / max over rounds (each
 round's figure is the mean of its timed steps), tokens/s and TFLOP/s at the median
 (Megatron's FLOPs formula, the same for all), MFU against the stored peak and against the
-theoretical peak (jmegatron.training.peak); then ``ratio: <jmegatron tokens/s over PyTorch
+theoretical peak (jmegatron.reporting.peak); then ``ratio: <jmegatron tokens/s over PyTorch
 eager tokens/s> at dropout D`` with the per-round ratios' min / median / max, and the same
 against compiled PyTorch. ``--out FILE`` also writes the figures as JSON.
 """
@@ -329,8 +329,8 @@ def main(argv=None) -> int:
     import multiprocessing as mp
 
     from jmegatron import runtime
-    from jmegatron.training import flops
-    from jmegatron.training.peak import resolve_peak_for_config
+    from jmegatron.reporting import flops
+    from jmegatron.reporting.peak import resolve_peak_for_config
 
     cfg = bench_config(args.config)
     vocab = cfg.padded_vocab_size()

@@ -8,7 +8,7 @@ Each point compiles the train step of ``configs/bytemlperf/gpt3_345m_memory.py``
 hidden 1024, 16 heads) at that sequence length from abstract shapes (no allocation:
 ``compile().memory_analysis()``; 8 simulated CPU devices, a cp-device mesh, dp 1) and
 records arguments + outputs - aliased + temporaries per device, next to
-:func:`jmegatron.training.memory.theoretical_memory`. Every point is measured with both
+:func:`jmegatron.reporting.memory.theoretical_memory`. Every point is measured with both
 attention paths: the CPU flash-style kernel (``attention_impl="cpu"``: at cp = 1 no ``s^2``
 scores kept; at cp > 1 the ring's blocks are the kernel's tiled block forms) and XLA's
 (``"xla"``: ``[b, a, s, s]`` scores at cp = 1, whole ``[a, 2c, 2c]`` blocks in the ring);
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
     from jmegatron.bench.memory import layout_report
     from jmegatron.config import load_config_file
-    from jmegatron.training.memory import ParallelLayout
+    from jmegatron.reporting.memory import ParallelLayout
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rows = []

@@ -10,7 +10,7 @@ mixtral_tiny's 8 experts of FFN 344 with top-2 routing pass each token through 2
 their FLOPs per token differ only by the router's ``h x E`` GEMM (which Megatron's formula
 leaves out). Both get the same batch (one micro-batch of ``micro_batch_size`` rows), one
 device, dropout as configured, the same mock tokens, and the MoE model its router losses.
-The FLOPs reference is :mod:`jmegatron.training.peak`'s stored peak for this machine.
+The FLOPs reference is :mod:`jmegatron.reporting.peak`'s stored peak for this machine.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from compare_torch import alternating_rounds, bench_config
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training import flops
-    from jmegatron.training.peak import resolve_peak_for_config
+    from jmegatron.reporting import flops
+    from jmegatron.reporting.peak import resolve_peak_for_config
     from jmegatron.training.run import build
 
     runs = {}

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     from jmegatron.config import load_config_file
     from jmegatron.data.loader import BatchLoader
     from jmegatron.pretrain_gpt import build
-    from jmegatron.training.loop import build_datasets
+    from jmegatron.data.builder import build_datasets
 
     from jmegatron.train import _parse_value  # by the field's type, as --config.<field>=<value>
 

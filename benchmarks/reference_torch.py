@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     from jmegatron.export.hf_model import to_hf_model
     from jmegatron.parallel.mesh import create_mesh
     from jmegatron.training.run import build
-    from jmegatron.training.loop import build_datasets
+    from jmegatron.data.builder import build_datasets
     from jmegatron.training.optimizer import lr_schedule
 
     torch.manual_seed(0)

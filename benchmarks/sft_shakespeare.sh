@@ -92,7 +92,8 @@ import sys
 import numpy as np
 from jmegatron.data.indexed_dataset import IndexedDataset
 from jmegatron.data.sft_dataset import SFTDataset
-from jmegatron.training.loop import build_datasets, evaluate
+from jmegatron.training.loop import evaluate
+from jmegatron.data.builder import build_datasets
 from jmegatron.training.run import restore_run_params
 w = sys.argv[1]
 held = f"{w}/heldout_messages_document"

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from jmegatron.train import parse_args
     from jmegatron.config import load_config_file
     from jmegatron.training.run import build
-    from jmegatron.training.loop import build_datasets
+    from jmegatron.data.builder import build_datasets
 
     path, overrides = parse_args(rest)
     overrides.setdefault("mock_data", True)

@@ -42,8 +42,8 @@ def main(argv=None) -> int:
     from compare_torch import bench_config, jmegatron_stepper
 
     import jmegatron
-    from jmegatron.training import flops
-    from jmegatron.training.peak import measure_matmul_tflops
+    from jmegatron.reporting import flops
+    from jmegatron.reporting.peak import measure_matmul_tflops
 
     cfg = bench_config(args.config, args.set, args.devices)
     overrides = dict(item.split("=", 1) for item in args.set)

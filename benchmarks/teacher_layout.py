@@ -30,13 +30,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jmegatron.config import base_config, from_configdict  # noqa: E402
+from jmegatron.data.builder import build_datasets  # noqa: E402
 from jmegatron.data.loader import BatchLoader  # noqa: E402
 from jmegatron.parallel.mesh import create_mesh  # noqa: E402
 from jmegatron.pretrain_gpt import build  # noqa: E402
+from jmegatron.reporting import memory  # noqa: E402
 from jmegatron.tools.cache_teacher_logits import build_cache  # noqa: E402
 from jmegatron.checkpoint import checkpointing  # noqa: E402
-from jmegatron.training import memory  # noqa: E402
-from jmegatron.training.loop import build_datasets  # noqa: E402
 from jmegatron.training.run import checkpoint_meta  # noqa: E402
 
 TOP_K = 64

@@ -8,7 +8,7 @@ cosine to 1e-5 over 320k of 500k iterations, 1% warmup (``--lr-warmup-fraction .
 ``--lr-decay-iters`` = 3200 iterations), weight decay 0.01, clip 1.0, GPT-2 BPE vocabulary
 (50257 tokens, padded to 50304 by make_vocab_size_divisible_by=128). Megatron's
 example uses ``--fp16``; jmegatron has bf16 only. With the padded vocabulary the model
-has 354,871,296 parameters (jmegatron.training.flops.num_parameters).
+has 354,871,296 parameters (jmegatron.reporting.flops.num_parameters).
 
 ByteMLPerf's "345M" is another model: 12 layers x hidden 512 x 8 heads, 2048 positions,
 64.6M parameters (configs/bytemlperf/gpt3_345m.py); its "857M" is this shape at seq 2048

@@ -454,7 +454,7 @@ def test_world_is_good_but_for_the_planted_faults(world):
     comes from its own fault."""
     from jmegatron.config import load_config_file
     from jmegatron.data.indexed_dataset import IndexedDataset
-    from jmegatron.training.loop import build_datasets
+    from jmegatron.data.builder import build_datasets
     from jmegatron.training.run import restore_run
 
     before = snapshot(world.root)

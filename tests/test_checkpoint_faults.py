@@ -12,9 +12,10 @@ import optax
 import pytest
 
 from jmegatron.config import ConfigError, base_config, from_configdict
+from jmegatron.data.builder import build_datasets
 from jmegatron.data.loader import BatchLoader
 from jmegatron.checkpoint import checkpointing
-from jmegatron.training.loop import build_datasets, fresh_rng, load_or_init, pretrain
+from jmegatron.training.loop import fresh_rng, load_or_init, pretrain
 from jmegatron.training.run import build
 
 

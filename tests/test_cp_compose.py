@@ -8,7 +8,7 @@ simulated devices, float32, against the unsplit sequence:
   (per-context-rank ratios would differ); three steps give the same parameters; so does
   cp2 x dp2 + FSDP, student and teacher sharded over data x context;
 * ZeRO-1 shards the optimizer state over data x context (Megatron's data-parallel group with
-  context parallelism), as training/memory.py's theory counts it;
+  context parallelism), as reporting/memory.py's theory counts it;
 * an MoE model (configs/mixtral_tiny.py shrunk, dropless) at cp2 gives the one-device loss,
   load-balancing / seq-aux / z losses, tokens per expert and gradients (Megatron reduces the
   router's token statistics over tensor x context); at cp2 x ep2 the aux loss is per data
@@ -111,7 +111,7 @@ def test_distillation_under_cp_equals_one_device(kd_setup, request, devices, ext
         # the teacher's weights are sharded (and gathered per micro-batch) like the student's
         teacher_qkv = run.forward_step.owner.shardings["decoder_layers_0"]["self_attention"]["linear_qkv"]["kernel"]
         assert {"data", "context"} <= axes_of(teacher_qkv)
-        from jmegatron.training import memory as memory_lib
+        from jmegatron.reporting import memory as memory_lib
 
         weights = sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in
                       zip(jax.tree.leaves(run.abstract_state.params), jax.tree.leaves(run.state_shardings.params)))
@@ -207,8 +207,8 @@ def test_moe_seq_aux_loss_under_cp2_ep2_equals_ep2():
 def test_zero1_state_over_data_and_context_is_the_theory(devices, extra):
     """The optimizer state's per-device bytes from the run's shardings (experts over data x
     context, the dense leaves over data x expert x context) equal
-    training/memory.py's ZeRO-1 theory, which divides by the context ranks too."""
-    from jmegatron.training import memory as memory_lib
+    reporting/memory.py's ZeRO-1 theory, which divides by the context ranks too."""
+    from jmegatron.reporting import memory as memory_lib
 
     cfg = moe_cfg(context_parallel_size=2, use_distributed_optimizer=True, micro_batch_size=2,
                   moe_token_dispatcher_type="allgather", **extra)

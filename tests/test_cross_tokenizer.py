@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jmegatron.data.builder import build_datasets
 from jmegatron.data.loader import BatchLoader
 from jmegatron.data.teacher_logits import IDS_KEY, LOGPROBS_KEY, CacheMismatchError
 from jmegatron.data.tokenizer import train_bpe_tokenizer
@@ -18,7 +19,6 @@ from jmegatron.parallel.mesh import create_mesh
 from jmegatron.pretrain_gpt import build
 from jmegatron.tools.cache_teacher_logits import build_cache
 from jmegatron.tools.preprocess_data import preprocess
-from jmegatron.training.loop import build_datasets
 
 from test_checkpoint_resume import cfg_for
 from test_distill_moe import save_teacher

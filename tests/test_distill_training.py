@@ -185,7 +185,7 @@ def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, 
     from jmegatron.distill.losses import ProjectionLayer
     from jmegatron.export.common import load_checkpoint
     from jmegatron.train import config_from_argv, main as train_main
-    from jmegatron.training.flops import num_parameters
+    from jmegatron.reporting.flops import num_parameters
     from jmegatron.training.run import restore_run
 
     kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "
@@ -261,7 +261,7 @@ def heldout_kl(student_model, student_params, teacher, cfg, samples=32):
     """Mean per-token KL(teacher || student) (nats) over the first ``samples`` sequences of
     the test split, which no run trains on; computed here with numpy, not with the loss
     under test."""
-    from jmegatron.training.loop import build_datasets
+    from jmegatron.data.builder import build_datasets
     _, _, test_ds = build_datasets(cfg, samples)
     batch = [test_ds[i] for i in range(samples)]
     tokens = np.stack([np.asarray(s["tokens"], np.int32) for s in batch])

@@ -234,7 +234,7 @@ def test_bad_settings_and_the_config_route(tok, corpus, tmp_path):
         fim(tok, low, fim_split_sample="two words", fim_fragment_rate=0.5)
     with pytest.raises(ValueError, match="HuggingFaceTokenizer"):
         fim(NullTokenizer(300), low)
-    from jmegatron.training.loop import build_datasets
+    from jmegatron.data.builder import build_datasets
     cfg = load_config_file("configs/gpt_tiny.py", dict(data_path=low.path_prefix, tokenizer_model=tok.path, fim_data=True,
                                       fim_rate=1.0, split="1,0,0", seq_length=SEQ, max_position_embeddings=SEQ,
                                       micro_batch_size=1, global_batch_size=8, train_iters=2, lr_warmup_iters=1))

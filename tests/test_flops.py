@@ -1,5 +1,5 @@
 """FLOPs, parameter counts and MFU against hand-computed values (Megatron-LM's
-transformer_flops formula; see jmegatron/training/flops.py)."""
+transformer_flops formula; see jmegatron/reporting/flops.py)."""
 
 import pathlib
 
@@ -10,7 +10,7 @@ import pytest
 from jmegatron.config import load_config_file
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
-from jmegatron.training import flops
+from jmegatron.reporting import flops
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -176,8 +176,8 @@ def test_mfu_and_throughput():
 
 
 # ------------------------------------------------------- theoretical memory
-from jmegatron.training import memory  # noqa: E402
-from jmegatron.training.memory import ParallelLayout  # noqa: E402
+from jmegatron.reporting import memory  # noqa: E402
+from jmegatron.reporting.memory import ParallelLayout  # noqa: E402
 
 TP1 = ParallelLayout()
 

@@ -43,6 +43,11 @@ def test_the_loop_imports_no_loss_schedule_or_distillation():
     banned = ("jmegatron.distill", "jmegatron.parallel.schedules", "jmegatron.training.forward_step",
               "jmegatron.models")
     assert not [n for n in names if n.startswith(banned)], names
+    # nor builds a dataset (jmegatron.data.builder does) nor names the LM loss (ForwardStep.loss_key)
+    data = {n for n in names if n.startswith("jmegatron.data.")}
+    assert data <= {"jmegatron.data.builder", "jmegatron.data.builder.build_datasets", "jmegatron.data.loader",
+                    "jmegatron.data.loader.BatchLoader"}, data
+    assert "lm_loss" not in (ROOT / "jmegatron" / "training" / "loop.py").read_text()
     # and importing it pulls no distillation module in
     code = ("import sys, jmegatron.training.loop; "
             "print([m for m in sys.modules if m.startswith('jmegatron.distill')])")

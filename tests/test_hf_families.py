@@ -155,7 +155,7 @@ def test_logits_equal_transformers(imported):
 def test_parameter_count_is_the_models(imported):
     """``flops.num_parameters`` (model_report's count) is the imported model's, every family
     (MLA, sandwich norms, expert bias and shared-expert gate included)."""
-    from jmegatron.training.flops import num_parameters
+    from jmegatron.reporting.flops import num_parameters
 
     for family, (_, _, cfg, params) in imported.items():
         assert num_parameters(cfg, cfg.padded_vocab_size()) == sum(a.size for a in jax.tree.leaves(params)), family

@@ -8,8 +8,8 @@ module, function-local ones included, is checked against these rules:
   of every kernel is ``jmegatron.kernels.xla``, below the models that call them.
 * ``parallel-models``: ``parallel`` never imports ``models``.
 * ``below-training``: nothing below the training loop (kernels, fusions, parallel, models,
-  data, config, checkpoint, conversion) imports ``training`` or anything above it (distill,
-  inference, bench, tools, export, the command-line entry points).
+  data, reporting, config, checkpoint, conversion) imports ``training`` or anything above it
+  (distill, inference, bench, tools, export, the command-line entry points).
 * ``conversion``: the weight mappings (``jmegatron.conversion``) import only themselves and
   ``jmegatron.config`` among jmegatron's modules, and only numpy and the standard library
   besides (:func:`test_conversion_imports_numpy_only`).
@@ -36,7 +36,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # directory -> the package name it is installed as (pyproject.toml's package-dir)
 PACKAGES = {"jmegatron": "jmegatron", "kernels": "jmegatron.kernels", "export": "jmegatron.export"}
-BELOW_TRAINING = {"kernels", "fusions", "parallel", "models", "data", "config", "checkpoint", "conversion"}
+BELOW_TRAINING = {"kernels", "fusions", "parallel", "models", "data", "reporting", "config", "checkpoint",
+                  "conversion"}
 CONVERSION_IMPORTS = {"conversion", "config"}  # the jmegatron parts the weight mappings may import
 CLIS = {"pretrain_gpt", "train", "evaluate", "generate", "launch"}
 TRAINING_AND_ABOVE = {"training", "distill", "inference", "bench", "tools", "export"} | CLIS

@@ -262,7 +262,7 @@ def test_console_is_megatrons(jmegatron_log):
                     "number of nan iterations", "tokens/s", "TFLOP/s/device"] + (
                         [] if "peak for MFU: none" in text else ["MFU"]) + (
                         # only beside a stated theoretical peak (none for a hypervisor's nominal
-                        # clock before bench peak measured this machine: jmegatron.training.peak)
+                        # clock before bench peak measured this machine: jmegatron.reporting.peak)
                         [] if "theoretical peak: unknown" in text else ["MFU (theoretical peak)"])
     assert re.match(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration        3/       8 \| consumed samples: "
                     r"          12 \|", lines[2])

@@ -8,9 +8,9 @@ import pathlib
 import pytest
 
 from jmegatron.config import load_config_file
+from jmegatron.reporting import flops, memory
+from jmegatron.reporting.memory import ParallelLayout
 from jmegatron.tools import model_report
-from jmegatron.training import flops, memory
-from jmegatron.training.memory import ParallelLayout
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BYTEMLPERF = sorted((REPO / "configs" / "bytemlperf").glob("*.py"))
@@ -196,7 +196,7 @@ def test_context_parallel_memory_theory_by_hand(capsys):
     the [a, s, s] scores; the per-layer bytes equal the hand count, and model_report prints
     them per cp."""
     from jmegatron.config import load_config_file
-    from jmegatron.training import memory
+    from jmegatron.reporting import memory
 
     cfg = load_config_file(str(REPO / "configs" / "bytemlperf" / "gpt3_345m_memory.py"),
                            {"mock_data": True, "vocab_size": 50257})

@@ -475,7 +475,7 @@ def test_checkpoint_compatibility_knows_the_moe_fields():
 
 
 def test_parameter_count_and_flops_of_moe_models():
-    from jmegatron.training import flops
+    from jmegatron.reporting import flops
 
     cfg = _cfg(num_layers=4, moe_layer_freq=(0, 1, 1, 1), moe_shared_expert_intermediate_size=40,
                untie_embeddings_and_output_weights=True)

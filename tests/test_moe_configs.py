@@ -7,9 +7,9 @@ import json
 import pathlib
 
 from jmegatron.config import load_config_file
+from jmegatron.reporting import flops, memory
+from jmegatron.reporting.memory import ParallelLayout
 from jmegatron.tools import model_report
-from jmegatron.training import flops, memory
-from jmegatron.training.memory import ParallelLayout
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MIXTRAL = str(REPO / "configs" / "mixtral_8x7b.py")

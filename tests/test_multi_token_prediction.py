@@ -140,7 +140,7 @@ def test_refusals_name_the_field(kw, match):
 
 
 def test_parameter_count_is_megatron_cores(reference):
-    from jmegatron.training import flops
+    from jmegatron.reporting import flops
 
     cfg = reference["cfg"]
     mcore = sum(v.numel() for v in reference["state"].values())  # parameters and the routers' expert biases

@@ -15,14 +15,14 @@ import jax
 import numpy as np
 import pytest
 
+from jmegatron.data.builder import build_datasets
 from jmegatron.data.loader import BatchLoader
 from jmegatron.data.teacher_logits import IDS_KEY, LOGPROBS_KEY, CacheMismatchError, samples_done
 from jmegatron.distill.config import DistillConfigError
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.pretrain_gpt import build
+from jmegatron.reporting import memory
 from jmegatron.tools.cache_teacher_logits import build_cache
-from jmegatron.training import memory
-from jmegatron.training.loop import build_datasets
 
 from test_checkpoint_resume import cfg_for as _cfg_for
 from test_distill_moe import save_teacher

@@ -14,7 +14,7 @@ import pytest
 from jmegatron.config import ConfigError
 from jmegatron.kernels import cpu
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training import memory
+from jmegatron.reporting import memory
 from jmegatron.training.run import build
 
 from test_train_step import random_batches, tiny_cfg

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from jmegatron.config import base_config, from_configdict
-from jmegatron.training import peak
+from jmegatron.reporting import peak
 
 from conftest import REPO
 
@@ -321,7 +321,7 @@ def test_a_hypervisors_nominal_clock_is_not_a_stated_peak():
 
 
 def test_core_clock_is_measured():
-    from jmegatron.training import core_clock
+    from jmegatron.reporting import core_clock
 
     try:
         c = core_clock.measure_core_clock_ghz(samples=20, iterations=2_000_000)

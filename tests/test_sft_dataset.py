@@ -289,7 +289,7 @@ def test_sft_training_counts_only_assistant_tokens_and_kd_is_masked(data, tmp_pa
     out = pretrain(cfg, create_mesh(cfg, jax.devices()[:1]))
     assert sorted(out["losses"]) == [1, 2, 3] and all(np.isfinite(v) for v in out["losses"].values())
     run = out["run"]
-    from jmegatron.training.loop import build_datasets
+    from jmegatron.data.builder import build_datasets
     train, _, _ = build_datasets(cfg, run.global_batch_size)
     batch = BatchLoader(train, run.global_batch_size, run.num_microbatches, split="train").batch_at(0)
     total, count = jax.device_get(run.eval_step(out["state"].params, run.put_batch(batch, train=False)))

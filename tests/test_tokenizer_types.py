@@ -10,9 +10,9 @@ import pytest
 
 from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file, tokenizer_type_of
 from jmegatron.data.indexed_dataset import IndexedDataset
-from jmegatron.data.tokenizer import NullTokenizer, build_tokenizer, gpt2_bpe_tokenizer, train_bpe_tokenizer
+from jmegatron.data.tokenizer import (NullTokenizer, build_tokenizer, gpt2_bpe_tokenizer, train_bpe_tokenizer,
+                                      vocab_size_of)
 from jmegatron.tools import preprocess_data
-from jmegatron.training.run import vocab_size_of
 
 import transformers  # noqa: E402
 
@@ -154,7 +154,7 @@ def test_vocab_and_merge_files_alone_are_gpt2_bpe(gpt2_files, capsys):
     # ByteMLPerf's GPT scripts pass --vocab-file / --merge-file alone: its pretrain_gpt.py gives
     # pretrain(..., args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})
     from jmegatron.evaluate import data_overrides
-    from jmegatron.training.loop import build_datasets
+    from jmegatron.data.builder import build_datasets
 
     vocab, merges = gpt2_files
     cfg = from_configdict(dict(base_config().to_dict(), data_path="corpus", vocab_file=vocab, merge_file=merges))

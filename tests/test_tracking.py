@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
+from jmegatron.reporting.peak import PeakChoice
 from jmegatron.training import loop
-from jmegatron.training.peak import PeakChoice
 
 from conftest import REPO
 

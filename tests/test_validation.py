@@ -5,10 +5,11 @@ import jax
 import pytest
 
 from jmegatron.config import base_config, from_configdict
+from jmegatron.data.builder import get_train_valid_test_num_samples
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.checkpoint import checkpointing
 from jmegatron.training import loop
-from jmegatron.training.loop import get_train_valid_test_num_samples, pretrain
+from jmegatron.training.loop import pretrain
 
 
 def _cfg(save=None, **kw):

@@ -13,11 +13,12 @@ import pytest
 from jmegatron.bench.__main__ import main as bench_main
 from jmegatron.bench.megatron_log import read_log
 from jmegatron.config import ConfigError, JMegatronConfig, base_config, from_configdict
+from jmegatron.data.builder import build_datasets
 from jmegatron.data.gpt_dataset import MockGPTDataset, get_ltor_masks_and_position_ids
 from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
 from jmegatron.data.loader import BatchLoader, stack_samples
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.training.loop import build_datasets, pretrain
+from jmegatron.training.loop import pretrain
 from jmegatron.training.run import build
 
 EOD = 0

@@ -5,11 +5,11 @@ Three parts (ByteMLPerf's memory criteria: usage matches the expectation, no gro
 1000+ steps, no failure with sequence lengths varying from 64 to 2048):
 
 1. **Layouts** (``--layouts``, default the config's own): for each parallel layout
-   (``tp2-dp4-zero1`` etc., :class:`jmegatron.training.memory.ParallelLayout`) the train
+   (``tp2-dp4-zero1`` etc., :class:`jmegatron.reporting.memory.ParallelLayout`) the train
    step is compiled from abstract shapes and ``compile().memory_analysis()`` read
    (per device: arguments, outputs, aliased (donated) bytes, temporaries, generated code),
    next to the exact per-device bytes of the TrainState from its shardings and the
-   theoretical count of :mod:`jmegatron.training.memory` (weights, gradients, optimizer
+   theoretical count of :mod:`jmegatron.reporting.memory` (weights, gradients, optimizer
    state, activations with each recomputation choice; Megatron's own weight+optimizer
    figure). Layouts may use more devices than the training parts (``--train-devices``).
    Every layout keeps the config's micro-batch size and its number of
@@ -188,7 +188,7 @@ def layout_report(cfg, layout, num_micro: int) -> dict:
     import jax
 
     from jmegatron.parallel.mesh import create_mesh
-    from jmegatron.training import memory as memory_lib
+    from jmegatron.reporting import memory as memory_lib
     from jmegatron.pretrain_gpt import build
 
     if layout.num_devices > jax.device_count():
@@ -233,7 +233,7 @@ def rss_phase(cfg, steps: int, warmup: int, window: int, threshold: float,
 
     from jmegatron.data.loader import BatchLoader
     from jmegatron.pretrain_gpt import build
-    from jmegatron.training.loop import build_datasets
+    from jmegatron.data.builder import build_datasets
 
     run = build(cfg, _train_mesh(cfg, num_devices))
     state = run.init_state()
@@ -262,10 +262,10 @@ def varlen_phase(cfg, lengths: Sequence[int], min_bucket: int, num_devices: Opti
     import psutil
 
     from jmegatron.data.loader import BatchLoader
-    from jmegatron.training import memory as memory_lib
+    from jmegatron.reporting import memory as memory_lib
     from jmegatron.pretrain_gpt import build
-    from jmegatron.training.loop import build_datasets
-    from jmegatron.training.memory import ParallelLayout
+    from jmegatron.data.builder import build_datasets
+    from jmegatron.reporting.memory import ParallelLayout
 
     run = build(cfg, _train_mesh(cfg, num_devices))
     state = run.init_state()
@@ -318,7 +318,7 @@ def varlen_phase(cfg, lengths: Sequence[int], min_bucket: int, num_devices: Opti
 # ------------------------------------------------------------------ the command
 def run(args) -> int:
     """Run ``bench memory`` from parsed arguments; returns the exit status (0 pass, 1 a check failed, 2 bad input)."""
-    from jmegatron.training.memory import ParallelLayout
+    from jmegatron.reporting.memory import ParallelLayout
 
     if args.log is not None:
         if args.config is not None:
@@ -502,7 +502,7 @@ def markdown(r: dict) -> str:
              common.markdown_table(LAYOUT_HEADER, layout_rows(r["layouts"])), "",
              *[f"- **{e['layout']} failed to compile**: `{e['error'][:300]}`" for e in r.get("layout_errors", [])],
              "",
-             "Theory: float32 weights, gradient accumulator and AdamW moments (`jmegatron/training/memory.py`); "
+             "Theory: float32 weights, gradient accumulator and AdamW moments (`jmegatron/reporting/memory.py`); "
              "activations of one micro-batch (the micro-batch loop holds one at a time); under FSDP the "
              "all-gathered parameters and their whole gradients. Compiled: "
              "`memory_analysis()` of the train step; arguments minus the batch = the TrainState shard; "

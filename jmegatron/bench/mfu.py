@@ -7,8 +7,8 @@ clock starts, so data loading is not timed). From the median step time ``t``:
 
 * tokens/s = ``global_batch_size * seq_length / t``;
 * TFLOP/s per device = ``num_floating_point_operations(cfg, global_batch_size) / (t * 1e12 *
-  devices)`` (:mod:`jmegatron.training.flops`, Megatron's model-FLOPs formula);
-* MFU = that over the per-device peak of :func:`jmegatron.training.peak.resolve_peak_for_config`
+  devices)`` (:mod:`jmegatron.reporting.flops`, Megatron's model-FLOPs formula);
+* MFU = that over the per-device peak of :func:`jmegatron.reporting.peak.resolve_peak_for_config`
   (the trainer's): ``config.peak_tflops`` if set, else the ``bench peak`` record stored for
   this machine for the compute dtype (bfloat16 with ``bf16``), else the theoretical peak;
   nothing is timed for it. ``mfu_theoretical`` is the same over the theoretical peak (cores
@@ -43,8 +43,8 @@ def register(sub) -> None:
 
 
 def peak_for(cfg, peak_file=None, num_local_devices=None):
-    """The :class:`jmegatron.training.peak.PeakChoice` of ``cfg``, as every MFU in jmegatron."""
-    from jmegatron.training.peak import resolve_peak_for_config
+    """The :class:`jmegatron.reporting.peak.PeakChoice` of ``cfg``, as every MFU in jmegatron."""
+    from jmegatron.reporting.peak import resolve_peak_for_config
 
     return resolve_peak_for_config(cfg, peak_file, num_local_devices)
 
@@ -58,9 +58,9 @@ def run(args) -> int:
     import jax
 
     from jmegatron.data.loader import BatchLoader
-    from jmegatron.training import flops
+    from jmegatron.reporting import flops
     from jmegatron.pretrain_gpt import build
-    from jmegatron.training.loop import build_datasets
+    from jmegatron.data.builder import build_datasets
 
     cfg = common.bench_config(cfg)
     run_ = build(cfg)

@@ -7,9 +7,9 @@ square size ``n``: ``--repeats`` timed runs of ``--chain`` dependent ``[n, n] @ 
 products after one untimed run, each library alone in a fresh process; the median per
 size, the best size's median per library.
 The measured peak of a dtype is the best library's
-(:func:`jmegatron.training.peak.measure_peak`). The theoretical peak (cores x clock x
+(:func:`jmegatron.reporting.peak.measure_peak`). The theoretical peak (cores x clock x
 FLOP/cycle from the CPU's ISA, or an accelerator's spec sheet;
-:func:`jmegatron.training.peak.theoretical_peak`) is printed beside it with the ratio
+:func:`jmegatron.reporting.peak.theoretical_peak`) is printed beside it with the ratio
 measured / theoretical; a ratio above 1 means the theoretical assumptions are wrong for
 this machine (say so with ``$JMEGATRON_CPU_FP32_FLOP_PER_CYCLE`` / ``$JMEGATRON_CPU_CLOCK_GHZ``).
 
@@ -67,7 +67,7 @@ def _names(text: str, name: str, allowed) -> list[str]:
 
 def run(args) -> int:
     """Run ``bench peak`` from parsed arguments; returns the exit status."""
-    from jmegatron.training import peak as peak_lib
+    from jmegatron.reporting import peak as peak_lib
 
     sizes = _ints(args.sizes, "sizes")
     dtypes = _names(args.dtypes, "dtypes", peak_lib.DTYPES)

@@ -331,35 +331,14 @@ def build_train_valid_test_datasets(
             the fix: bad weights, missing prefixes, bad split string, a split that gets no
             documents but is asked for samples.
     """
-    sizes = list(train_valid_test_num_samples) if train_valid_test_num_samples is not None \
-        else []
-    if len(sizes) != 3 or any(isinstance(s, bool) or not isinstance(s, (int, np.integer))
-                              or s < 0 for s in sizes):
-        raise ValueError("train_valid_test_num_samples must be 3 integers >= 0 (train, valid, "
-                         f"test sample counts); got {train_valid_test_num_samples!r}")
-    sizes = [int(s) for s in sizes]
-    if int(seq_length) < 1:
-        raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+    sizes = _check_sizes(train_valid_test_num_samples, seq_length)
     flags = dict(reset_position_ids=reset_position_ids,
                  reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
                  add_extra_token_to_sequence=add_extra_token_to_sequence)
-
     if mock:
         if sft or fim is not None:
             raise ValueError("mock=True builds MockGPTDataset only; SFT and FIM samples need data_path")
-        if vocab_size is None or int(vocab_size) < 2:
-            raise ValueError("vocab_size is required (>= 2) when mock=True")
-        eod = 0 if eod_id is None else int(eod_id)
-        low = MockGPTLowLevelDataset(int(vocab_size), eod)
-        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split("1,1,1"))
-        n = len(low)
-        out = []
-        for i, bounds in enumerate(matrix):
-            docs = np.arange(int(round(bounds[0] * n)), int(round(bounds[1] * n)),
-                             dtype=np.int32)
-            out.append(MockGPTDataset(sizes[i], seq_length, int(vocab_size), seed, eod,
-                                      document_ids=docs, **flags))
-        return tuple(out)
+        return _build_mock_datasets(sizes, seq_length, seed, eod_id, vocab_size, flags)
 
     if data_path is None:
         raise ValueError("data_path is required unless mock=True (e.g. ['my_text_document'])")
@@ -370,40 +349,11 @@ def build_train_valid_test_datasets(
     _check_prefixes(prefixes)
     if weights is not None:
         weights = normalize(weights)
-
-    low_level: Dict[str, IndexedDataset] = {}
-
-    def split_docs(prefix: str, i: int) -> np.ndarray:
-        if prefix not in low_level:
-            low_level[prefix] = IndexedDataset(prefix)
-            if vocab_size is not None:  # another tokenizer's data fails here, before any sample
-                check_token_ids(low_level[prefix], int(vocab_size))
-        n = low_level[prefix].sequence_lengths.shape[0]
-        lo, hi = matrix[i]
-        return np.arange(int(round(lo * float(n))), int(round(hi * float(n))), dtype=np.int32)
-
-    def make(prefix: str, i: int, num_samples: Optional[int]) -> Optional[GPTDataset]:
-        docs = split_docs(prefix, i)
-        if docs.size == 0:
-            if num_samples == 0:
-                return None
-            raise ValueError(
-                f"split={split!r} gives the {_SPLIT_NAMES[i]} split of {prefix!r} no documents "
-                f"({low_level[prefix].sequence_lengths.shape[0]} in all) but "
-                f"{_SPLIT_NAMES[i]} samples are requested; use more documents or give that "
-                "split a larger share"
-            )
-        if int(np.sum(low_level[prefix].sequence_lengths[docs], dtype=np.int64)) == 0:
-            raise ValueError(f"the {_SPLIT_NAMES[i]} documents of {prefix!r} hold no tokens")
-        if sft:  # the conversations bring their own loss mask, position and segment ids
-            return SFTDataset(low_level[prefix], docs, num_samples, seq_length, seed, pad_id=eod_id)
-        if fim is not None:
-            return GPTFIMDataset(low_level[prefix], docs, num_samples, seq_length, seed, eod_id, **fim, **flags)
-        return GPTDataset(low_level[prefix], docs, num_samples, seq_length, seed, eod_id, **flags)
+    datasets = _PrefixSplits(matrix, split, seq_length, seed, eod_id, vocab_size, sft, fim, flags)
 
     # one prefix, no weights: plain GPTDatasets
     if len(prefixes) == 1 and weights is None:
-        return tuple(None if matrix[i] is None else make(prefixes[0], i, sizes[i])
+        return tuple(None if matrix[i] is None else datasets.make(prefixes[0], i, sizes[i])
                      for i in range(3))
 
     if weights is not None:
@@ -413,22 +363,103 @@ def build_train_valid_test_datasets(
     for i in range(3):
         if matrix[i] is None:
             out.append(None)
-            continue
-        if weights is not None:
+        elif weights is not None:
             size_i = sum(target[j][i] for j in range(len(prefixes)))
-            if size_i == 0:
-                out.append(None)
-                continue
-            mids = [make(p, i, buffer[j][i]) for j, p in enumerate(prefixes)]
-            out.append(BlendedDataset(mids, weights, size_i, seed))
+            mids = [datasets.make(p, i, buffer[j][i]) for j, p in enumerate(prefixes)] if size_i else []
+            out.append(BlendedDataset(mids, weights, size_i, seed) if size_i else None)
         else:
-            mids = [m for m in (make(p, i, None) if split_docs(p, i).size else None
-                                for p in prefixes) if m is not None]
-            lengths = [len(m) for m in mids]
-            keep = [m for m, n in zip(mids, lengths) if n > 0]
-            size_i = min(sizes[i], sum(lengths))
-            if not keep or size_i == 0:
-                out.append(None)
-                continue
-            out.append(BlendedDataset(keep, [len(m) for m in keep], size_i, seed))
+            out.append(_blend_epochs(datasets, prefixes, i, sizes[i], seed))
     return tuple(out)
+
+
+def _check_sizes(train_valid_test_num_samples: Optional[Sequence[int]], seq_length: int) -> List[int]:
+    """The three sample counts as ints; raises ValueError for anything but 3 ints >= 0, or a
+    ``seq_length`` below 1."""
+    sizes = list(train_valid_test_num_samples) if train_valid_test_num_samples is not None \
+        else []
+    if len(sizes) != 3 or any(isinstance(s, bool) or not isinstance(s, (int, np.integer))
+                              or s < 0 for s in sizes):
+        raise ValueError("train_valid_test_num_samples must be 3 integers >= 0 (train, valid, "
+                         f"test sample counts); got {train_valid_test_num_samples!r}")
+    if int(seq_length) < 1:
+        raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+    return [int(s) for s in sizes]
+
+
+def _build_mock_datasets(sizes: Sequence[int], seq_length: int, seed: int, eod_id: Optional[int],
+                         vocab_size: Optional[int], flags: Mapping[str, bool]) -> Tuple[MockGPTDataset, ...]:
+    """Megatron's mock data: ``MockGPTDataset`` per split over the "1,1,1" split of the
+    synthetic documents. Raises ValueError without ``vocab_size`` >= 2."""
+    if vocab_size is None or int(vocab_size) < 2:
+        raise ValueError("vocab_size is required (>= 2) when mock=True")
+    eod = 0 if eod_id is None else int(eod_id)
+    low = MockGPTLowLevelDataset(int(vocab_size), eod)
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split("1,1,1"))
+    n = len(low)
+    out = []
+    for i, bounds in enumerate(matrix):
+        docs = np.arange(int(round(bounds[0] * n)), int(round(bounds[1] * n)),
+                         dtype=np.int32)
+        out.append(MockGPTDataset(sizes[i], seq_length, int(vocab_size), seed, eod,
+                                  document_ids=docs, **flags))
+    return tuple(out)
+
+
+class _PrefixSplits:
+    """The mid-level datasets of Megatron's builder: each prefix's ``IndexedDataset`` (opened
+    once, its token ids checked against ``vocab_size``) cut into the split ranges of
+    ``matrix``, as ``GPTDataset`` / ``SFTDataset`` / ``GPTFIMDataset``."""
+
+    def __init__(self, matrix, split: str, seq_length: int, seed: int, eod_id: int,
+                 vocab_size: Optional[int], sft: bool, fim: Optional[Mapping[str, Any]], flags: Mapping[str, bool]):
+        self.matrix, self.split, self.seq_length, self.seed, self.eod_id = matrix, split, seq_length, seed, eod_id
+        self.vocab_size, self.sft, self.fim, self.flags = vocab_size, sft, fim, flags
+        self.low_level: Dict[str, IndexedDataset] = {}
+
+    def split_docs(self, prefix: str, i: int) -> np.ndarray:
+        """int32 document ids of split ``i`` of ``prefix``."""
+        if prefix not in self.low_level:
+            self.low_level[prefix] = IndexedDataset(prefix)
+            if self.vocab_size is not None:  # another tokenizer's data fails here, before any sample
+                check_token_ids(self.low_level[prefix], int(self.vocab_size))
+        n = self.low_level[prefix].sequence_lengths.shape[0]
+        lo, hi = self.matrix[i]
+        return np.arange(int(round(lo * float(n))), int(round(hi * float(n))), dtype=np.int32)
+
+    def make(self, prefix: str, i: int, num_samples: Optional[int]) -> Optional[GPTDataset]:
+        """Split ``i`` of ``prefix`` with ``num_samples`` samples (None: one epoch); None when
+        it has no documents and none are asked for. Raises ValueError when samples are asked
+        of a split without documents, or its documents hold no tokens."""
+        docs = self.split_docs(prefix, i)
+        low = self.low_level[prefix]
+        if docs.size == 0:
+            if num_samples == 0:
+                return None
+            raise ValueError(
+                f"split={self.split!r} gives the {_SPLIT_NAMES[i]} split of {prefix!r} no documents "
+                f"({low.sequence_lengths.shape[0]} in all) but "
+                f"{_SPLIT_NAMES[i]} samples are requested; use more documents or give that "
+                "split a larger share"
+            )
+        if int(np.sum(low.sequence_lengths[docs], dtype=np.int64)) == 0:
+            raise ValueError(f"the {_SPLIT_NAMES[i]} documents of {prefix!r} hold no tokens")
+        if self.sft:  # the conversations bring their own loss mask, position and segment ids
+            return SFTDataset(low, docs, num_samples, self.seq_length, self.seed, pad_id=self.eod_id)
+        if self.fim is not None:
+            return GPTFIMDataset(low, docs, num_samples, self.seq_length, self.seed, self.eod_id,
+                                 **self.fim, **self.flags)
+        return GPTDataset(low, docs, num_samples, self.seq_length, self.seed, self.eod_id, **self.flags)
+
+
+def _blend_epochs(datasets: _PrefixSplits, prefixes: Sequence[str], i: int, num_samples: int,
+                  seed: int) -> Optional[BlendedDataset]:
+    """Split ``i`` of several unweighted prefixes: one epoch of each, blended in proportion
+    to their lengths, ``min(num_samples, total)`` samples (None: no samples)."""
+    mids = [m for m in (datasets.make(p, i, None) if datasets.split_docs(p, i).size else None
+                        for p in prefixes) if m is not None]
+    lengths = [len(m) for m in mids]
+    keep = [m for m, n in zip(mids, lengths) if n > 0]
+    size_i = min(num_samples, sum(lengths))
+    if not keep or size_i == 0:
+        return None
+    return BlendedDataset(keep, [len(m) for m in keep], size_i, seed)

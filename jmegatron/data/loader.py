@@ -51,7 +51,7 @@ KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 SEGMENT_KEY = "segment_ids"  # only in samples built with reset_attention_mask (document masking)
 DATALOADER_TYPES = ("single", "cyclic")  # Megatron's --dataloader-type (its "external" is not built)
 
-# how each split is sized (jmegatron.training.loop.get_train_valid_test_num_samples), for the error
+# how each split is sized (jmegatron.data.builder.get_train_valid_test_num_samples), for the error
 _SPLIT_SIZES = {
     "train": "config.train_iters x global_batch_size samples (config.train_samples with a ramp-up)",
     "valid": "(config.train_iters // config.eval_interval + 1) x config.eval_iters x global_batch_size samples",
@@ -142,7 +142,7 @@ class BatchLoader:
             raise DataExhaustedError(
                 f"the {self.split} data ends: the batch of samples [{consumed_samples}, {end}) reads past the "
                 f"{n} samples of the {self.split} split. Its size follows "
-                f"{_SPLIT_SIZES.get(self.split, 'the run length')} (jmegatron.training.loop.build_datasets); "
+                f"{_SPLIT_SIZES.get(self.split, 'the run length')} (jmegatron.data.builder.build_datasets); "
                 "Megatron's 'single' dataloader stops here too. Train for fewer samples, rebuild the datasets "
                 "for this length, or set config.dataloader_type='cyclic' to start the data again.")
         rows = np.arange(self.rows_per_microbatch) if self.rows is None else self.rows

@@ -37,7 +37,7 @@ FORMAT_VERSION = 1
 IDS_KEY = "teacher_topk_ids"
 LOGPROBS_KEY = "teacher_topk_logprobs"
 KEYS = (IDS_KEY, LOGPROBS_KEY)
-# the config fields that define the training samples (jmegatron.training.loop.build_datasets)
+# the config fields that define the training samples (jmegatron.data.builder.build_datasets)
 DATA_FIELDS = ("data_path", "split", "seq_length", "seed", "mock_data", "tokenizer_type", "tokenizer_model",
                "vocab_size", "eod_mask_loss", "reset_position_ids", "reset_attention_mask")
 FINGERPRINT_SAMPLES = 8  # samples whose tokens the data hash covers

@@ -413,6 +413,15 @@ def build_tokenizer(cfg) -> Union[HFTokenizer, NullTokenizer]:
                      if kind else "no tokenizer: set config.tokenizer_model (or tokenizer_type with its files)")
 
 
+def vocab_size_of(cfg) -> int:
+    """The unpadded vocabulary of a run (int): the config's
+    (``JMegatronConfig.unpadded_vocab_size``, Megatron's rule of each tokenizer type: a
+    NullTokenizer's ``vocab_size + 1``) or, when the config gives none, the size of
+    :func:`build_tokenizer`'s tokenizer (raising as it does)."""
+    v = cfg.unpadded_vocab_size()
+    return v if v is not None else build_tokenizer(cfg).vocab_size
+
+
 def special_tokens(folder: Union[str, os.PathLike]) -> dict:
     """``{"eos_token": str, "bos_token": str}`` (those present) of the ``tokenizer_config.json``
     in ``folder`` (a transformers ``save_pretrained`` folder); ``{}`` without one. Tokens given

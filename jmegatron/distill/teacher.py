@@ -46,7 +46,7 @@ from jmegatron.checkpoint.views import checkpoint_view
 from jmegatron.config import ConfigError, JMegatronConfig, base_config, from_configdict
 from jmegatron.conversion.hf import hf_architecture
 from jmegatron.models.gpt import GPTModel
-from jmegatron.training.flops import num_parameters
+from jmegatron.reporting.flops import num_parameters
 from jmegatron.training.run import build
 
 

@@ -5,7 +5,7 @@ training run's samples, written once, for offline distillation.
 The config is the student's training config: its data fields (``data_path`` / blend,
 ``split``, ``seq_length``, ``seed``, ``mock_data``, the tokenizer, ``train_iters`` x
 ``global_batch_size``) define the training split exactly as
-:func:`jmegatron.training.loop.build_datasets` builds it, and ``kd_teacher_load`` names the
+:func:`jmegatron.data.builder.build_datasets` builds it, and ``kd_teacher_load`` names the
 teacher (a jmegatron checkpoint or a Hugging Face folder). The teacher runs forward only,
 on the config's parallel layout over the local devices, ``B`` samples per call.
 
@@ -55,16 +55,15 @@ import numpy as np
 from tqdm import tqdm
 
 from jmegatron.config import ConfigError, JMegatronConfig, load_config_file
+from jmegatron.data.builder import build_datasets, get_train_valid_test_num_samples
 from jmegatron.data.teacher_logits import (FORMAT_VERSION, CacheMismatchError, check_cache, data_fingerprint,
                                            samples_done)
-from jmegatron.data.tokenizer import build_tokenizer, load_tokenizer
+from jmegatron.data.tokenizer import build_tokenizer, load_tokenizer, vocab_size_of
 from jmegatron.distill.cross_tokenizer import align_positions
 from jmegatron.distill.losses import teacher_top_k
 from jmegatron.distill.teacher import load_teacher
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.train import parse_args
-from jmegatron.training.loop import build_datasets, get_train_valid_test_num_samples
-from jmegatron.training.run import vocab_size_of
 
 def cache_meta(cfg: JMegatronConfig, dataset: Any, num_samples: int, top_k: int, vocab: int,
                teacher_iteration: Optional[int], teacher_tokenizer: Optional[str] = None) -> dict:

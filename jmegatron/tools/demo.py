@@ -25,7 +25,7 @@ import tarfile
 import tempfile
 from typing import Optional, Sequence
 
-from jmegatron.training import peak as peak_lib
+from jmegatron.reporting import peak as peak_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "shakespeare"

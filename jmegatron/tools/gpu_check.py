@@ -7,7 +7,7 @@ Trains a few steps of a small config (configs/gpt_tiny.py, mock data, no dropout
 kernel and precision on one device, compares each loss curve with the XLA float32 path's
 (the largest relative difference over the steps, against a tolerance per precision) and
 prints a table with tokens/s and MFU against the device's spec-sheet peak
-(:mod:`jmegatron.training.peak`). Exit status 1 when a row fails or errors, else 0.
+(:mod:`jmegatron.reporting.peak`). Exit status 1 when a row fails or errors, else 0.
 
 ``--platform gpu`` (default): on a machine without an NVIDIA GPU among ``jax.devices()``
 it says so and exits 0. ``--platform cpu``: the same machinery on the CPU with the
@@ -47,9 +47,9 @@ from jmegatron.data.loader import BatchLoader
 from jmegatron.models import te
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel.mesh import create_mesh
+from jmegatron.reporting import flops, peak
 from jmegatron.tools import gpu_lower
 from jmegatron.train import parse_args
-from jmegatron.training import flops, peak
 from jmegatron.training.run import build
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "gpt_tiny.py")

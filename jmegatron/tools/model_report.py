@@ -5,20 +5,20 @@ Parameters, FLOPs per iteration and theoretical memory per device of any config 
 layout, without building the model or touching a device (so it works for configs and
 layouts jmegatron cannot train, e.g. ByteMLPerf's GPT-3 175B at tp 8 x pp 16):
 
-* parameters: :func:`jmegatron.training.flops.num_parameters` (exact, jmegatron's model),
-  for MoE models also the active ones (:func:`jmegatron.training.flops.num_active_parameters`:
+* parameters: :func:`jmegatron.reporting.flops.num_parameters` (exact, jmegatron's model),
+  for MoE models also the active ones (:func:`jmegatron.reporting.flops.num_active_parameters`:
   the top-k routed experts a token reaches, not all of them) and the routed experts' share
   per device, and Megatron's count on the most loaded shard
-  (:func:`jmegatron.training.memory.megatron_num_parameters_on_most_loaded_shard`);
+  (:func:`jmegatron.reporting.memory.megatron_num_parameters_on_most_loaded_shard`);
 * FLOPs per iteration: Megatron's ``num_floating_point_operations`` for one global batch
-  (:func:`jmegatron.training.flops.num_floating_point_operations`), per token, per device;
+  (:func:`jmegatron.reporting.flops.num_floating_point_operations`), per token, per device;
   its core-attention share and what the attention path that runs executes of it (masked
-  work, flash-style recompute: :func:`jmegatron.training.flops.core_attention_executed_fraction`);
-* memory per device: :func:`jmegatron.training.memory.theoretical_memory` (float32 master
+  work, flash-style recompute: :func:`jmegatron.reporting.flops.core_attention_executed_fraction`);
+* memory per device: :func:`jmegatron.reporting.memory.theoretical_memory` (float32 master
   weights, gradients, AdamW moments, activations with each recomputation choice; pipeline
   stages as Megatron's ``theoretical_memory_usage.py``) and Megatron's own weight+optimizer
-  and activation formulas (:func:`~jmegatron.training.memory.megatron_weight_and_optimizer_memory`,
-  :func:`~jmegatron.training.memory.megatron_activation_memory`).
+  and activation formulas (:func:`~jmegatron.reporting.memory.megatron_weight_and_optimizer_memory`,
+  :func:`~jmegatron.reporting.memory.megatron_activation_memory`).
 
 The layout: ``--tp/--pp/--ep/--dp/--zero1/--sp/--fsdp``, else the config file's module
 constant ``LAYOUT`` (a dict of ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
@@ -26,7 +26,7 @@ constant ``LAYOUT`` (a dict of ``tensor_model_parallel_size``, ``pipeline_model_
 config transcribes, e.g. configs/bytemlperf/gpt3_175b.py, ds_like_2node.py), else the
 config's own parallel fields with dp 1. ``dp`` is jmegatron's ``data`` mesh axis, which
 excludes the expert axis: devices = tp x pp x ep x dp, and the global batch splits over
-Megatron's data-parallel size dp x ep (:class:`jmegatron.training.memory.ParallelLayout`).
+Megatron's data-parallel size dp x ep (:class:`jmegatron.reporting.memory.ParallelLayout`).
 ``--config.<field>`` overrides as :mod:`jmegatron.train`. Bad input exits 2 with the
 field or flag named.
 """
@@ -44,9 +44,9 @@ from typing import Optional, Sequence
 from jmegatron.config import load_config_file
 from jmegatron.distill.teacher import teacher_config
 from jmegatron.models.backend import resolve_impls
+from jmegatron.reporting import flops, memory
+from jmegatron.reporting.memory import ParallelLayout
 from jmegatron.train import parse_args
-from jmegatron.training import flops, memory
-from jmegatron.training.memory import ParallelLayout
 
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -71,7 +71,7 @@ def config_layout(path: str) -> dict:
 def report(cfg, layout, num_microbatches: int) -> dict:
     """Every figure of the report (counts and bytes per device) as a JSON-ready dict.
     ``cfg`` is validated and carries the layout's tensor size (its padded vocabulary);
-    ``layout`` is a :class:`jmegatron.training.memory.ParallelLayout`."""
+    ``layout`` is a :class:`jmegatron.reporting.memory.ParallelLayout`."""
 
     padded = cfg.padded_vocab_size()
     global_batch = num_microbatches * cfg.micro_batch_size * layout.megatron_data_parallel_size

@@ -63,6 +63,10 @@ class ForwardStep:
     before the micro-batch loop, in the step's program but outside its ``shard_map``
     (GSPMD over the whole mesh: the extra input keeps its own layout there), added to the
     batch the loss reads (e.g. a teacher on its own layout: its top-K); None: nothing.
+
+    ``loss_key``: the ``report`` key of the loss the run's summary gives (each logged
+    iteration's value, the closing line's final loss), shown as ``loss_name`` (Megatron's
+    ``lm loss``); when a step's report lacks it, the optimised ``loss`` (named "loss").
     """
 
     loss_fn: Callable
@@ -74,6 +78,8 @@ class ForwardStep:
     buffers: Optional["ModelBuffers"] = None
     batch_keys: tuple = ()
     prepare: Optional[Callable] = None
+    loss_key: str = "lm_loss"
+    loss_name: str = "lm loss"
 
 
 @dataclasses.dataclass(frozen=True)

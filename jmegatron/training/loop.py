@@ -5,8 +5,11 @@ megatron/training/training.py).
 Everything with side effects lives here; the step itself is pure (``step.py``), the
 static pieces are built by :func:`jmegatron.training.run.build` (a :class:`Run`: mesh,
 model, optimizer, shardings, jitted steps), and what a micro-batch computes comes from the
-forward step provider given to :func:`pretrain` (:mod:`jmegatron.training.forward_step`):
-the loop composes them and imports none of distillation, the pipeline schedule or the loss.
+forward step provider given to :func:`pretrain` (:mod:`jmegatron.training.forward_step`),
+the datasets from :func:`jmegatron.data.builder.build_datasets`: the loop composes them and
+imports none of distillation, the pipeline schedule or the loss. :func:`train` is Megatron's
+``train`` made of small parts with their own state: :class:`StopRules`, :class:`NaNGuard`,
+:class:`StepFlags`, :class:`TrainingLog`, :class:`Evaluation` and :class:`Saving`.
 """
 
 from __future__ import annotations
@@ -24,75 +27,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jmegatron.checkpoint import checkpointing
-from jmegatron.config import JMegatronConfig, tokenizer_type_of
-from jmegatron.data.blended_dataset import build_train_valid_test_datasets
-from jmegatron.data.gpt_variable_dataset import GPTVariableDataset
+from jmegatron.config import JMegatronConfig
+from jmegatron.data.builder import build_datasets
 from jmegatron.data.loader import BatchLoader
-from jmegatron.data.teacher_logits import TeacherLogitsDataset
-from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.parallel.rules import data_parallel_size
-from jmegatron.training import flops, memory
+from jmegatron.reporting import memory
+from jmegatron.reporting.flops import num_floating_point_operations, num_parameters
+from jmegatron.reporting.peak import resolve_peak_for_config
 from jmegatron.training.float16_optimizer import Float16OptimizerState, all_finite
 from jmegatron.training.logging import MetricsLogger, init_wandb
-from jmegatron.training.peak import resolve_peak_for_config
-from jmegatron.training.run import ForwardStepProvider, Run, build, checkpoint_meta, restore_latest, vocab_size_of
-
-
-def get_train_valid_test_num_samples(cfg: JMegatronConfig, global_batch_size: int) -> tuple[int, int, int]:
-    """Samples per split, as Megatron's ``get_train_valid_test_num_samples``
-    (megatron/training/training.py): ``train_samples`` (or ``train_iters * gbs``);
-    ``(train_iters // eval_interval + 1) * eval_iters * gbs`` validation samples, enough for
-    every evaluation plus the one at the end, since the validation iterator continues from
-    one evaluation to the next; ``eval_iters * gbs`` test samples. With
-    ``eval_fixed_batches`` every evaluation reads the same first ``eval_iters`` batches, so
-    only those are built. ``eval_interval = 0`` (no evaluation during training) counts one
-    evaluation."""
-    train = cfg.train_samples if cfg.train_samples is not None else cfg.train_iters * global_batch_size
-    evaluations = 1 if cfg.eval_fixed_batches or not cfg.eval_interval else cfg.train_iters // cfg.eval_interval + 1
-    return train, evaluations * cfg.eval_iters * global_batch_size, cfg.eval_iters * global_batch_size
-
-
-def build_datasets(cfg: JMegatronConfig, global_batch_size: int):
-    """(train, valid, test) datasets sized by :func:`get_train_valid_test_num_samples`; with
-    ``cfg.variable_data`` each is wrapped in ByteMLPerf's
-    :class:`~jmegatron.data.gpt_variable_dataset.GPTVariableDataset` (ByteMLPerf uses it for
-    all three splits). With ``cfg.kd_teacher_logits_path`` the training split carries the
-    cached teacher top-K (:class:`jmegatron.data.teacher_logits.TeacherLogitsDataset`).
-    ``cfg.sft``: every prefix's splits are packed chat conversations
-    (:class:`jmegatron.data.sft_dataset.SFTDataset`, padding with the tokenizer's eod);
-    ``cfg.fim_data``: fill-in-the-middle samples
-    (:class:`jmegatron.data.fim_dataset.GPTFIMDataset` with the ``fim_*`` fields).
-    Raises ValueError (data_path, split, FIM tokens; CacheMismatchError for a cache of other
-    data) or FileNotFoundError for missing prefixes, loss masks or cache."""
-    num_samples = get_train_valid_test_num_samples(cfg, global_batch_size)
-    kind = tokenizer_type_of(cfg)
-    if kind == "GPT2BPETokenizer" and not cfg.tokenizer_type:
-        print("[jmegatron] tokenizer_type not given: GPT2BPETokenizer, for vocab_file and merge_file (Megatron's "
-              "pretrain_gpt.py default)", flush=True)
-    tokenizer = build_tokenizer(cfg) if kind else None
-    eod = None if tokenizer is None else tokenizer.eod
-    fim = None
-    if cfg.fim_data:
-        fim = dict(tokenizer=tokenizer, fim_rate=cfg.fim_rate, fim_spm_rate=cfg.fim_spm_rate,
-                   fim_split_sample=cfg.fim_split_sample, fim_fragment_rate=cfg.fim_fragment_rate,
-                   fim_no_prefix=cfg.fim_no_prefix,
-                   fim_extra_tokens=dict(prefix=cfg.fim_prefix_token, middle=cfg.fim_middle_token,
-                                         suffix=cfg.fim_suffix_token, pad=cfg.fim_pad_token, eod=cfg.fim_eod_token))
-    data_path = cfg.data_path.split() if cfg.data_path else []
-    splits = build_train_valid_test_datasets(
-        data_path=data_path, split=cfg.split, train_valid_test_num_samples=num_samples,
-        seq_length=cfg.seq_length, seed=cfg.seed, eod_id=eod, mock=cfg.mock_data,
-        vocab_size=vocab_size_of(cfg), eod_mask_loss=cfg.eod_mask_loss,
-        reset_position_ids=cfg.reset_position_ids, reset_attention_mask=cfg.reset_attention_mask,
-        sft=cfg.sft, fim=fim)
-    if cfg.kd_teacher_logits_path and not cfg.kd_finalize:  # offline distillation: the cached teacher top-K
-        splits = (TeacherLogitsDataset(splits[0], cfg.kd_teacher_logits_path, cfg, num_samples[0]),) + tuple(splits[1:])
-    if not cfg.variable_data:
-        return splits
-    return tuple(None if ds is None else GPTVariableDataset(ds, cfg.seq_length, cfg.seq_length_step, cfg.seed,
-                                                            0 if eod is None else eod, cfg.eod_mask_loss,
-                                                            seq_length_min=cfg.seq_length_min)
-                 for ds in splits)
+from jmegatron.training.run import ForwardStepProvider, Run, build, checkpoint_meta, restore_latest
 
 
 def evaluate(run: Run, params: Any, dataset: Any, num_iters: int, consumed_samples: int = 0,
@@ -309,47 +253,329 @@ def finalize_student(run: Run) -> dict:
     if jax.process_index() == 0:
         print(f"[jmegatron] kd_finalize: wrote the plain student of {cfg.load} to {cfg.save}: iteration "
               f"{iteration}, {cfg.num_layers} layers x {cfg.hidden_size} hidden, "
-              f"{flops.num_parameters(cfg, run.padded_vocab_size):,} parameters, no distillation settings",
+              f"{num_parameters(cfg, run.padded_vocab_size):,} parameters, no distillation settings",
               flush=True)
     return {"iteration": iteration, "losses": {}, "val_loss": None, "interrupted": False, "summary": None,
             "state": state, "run": run}
 
 
-def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
-             forward_step_provider: Optional[ForwardStepProvider] = None) -> dict:
-    """Train ``cfg.train_iters`` iterations (resuming from ``cfg.load``), evaluating every
-    ``eval_interval``, saving every ``save_interval`` and at the end. Returns a summary
-    dict: ``iteration``, ``losses`` (iteration -> loss of this process's run),
-    ``val_loss``, ``interrupted``, ``summary`` (the closing line's figures:
-    :meth:`jmegatron.training.logging.MetricsLogger.log_summary`). With
-    ``cfg.wandb_project`` the main process also logs the TensorBoard scalars to a W&B run
-    (:func:`jmegatron.training.logging.init_wandb`; files under ``cfg.wandb_save_dir``,
-    default ``<save>/wandb``). ``forward_step_provider``: what each micro-batch computes
-    (:class:`jmegatron.training.forward_step.ForwardStep`; default the language model;
-    :func:`jmegatron.pretrain_gpt.pretrain` picks distillation's for a ``kd_teacher_load``
-    config). ``cfg.kd_finalize``: :func:`finalize_student` instead (no data, no step).
-    """
-    train_start = time.time()  # Megatron's _TRAIN_START_TIME (exit_duration_in_mins counts the setup too)
-    run = build(cfg, mesh, forward_step_provider=forward_step_provider)
-    if cfg.kd_finalize:  # a conversion: no data, no step
-        return finalize_student(run)
-    main_process = jax.process_index() == 0
-    # Bad input fails before anything is written: the datasets are built and the checkpoint is
-    # checked and restored first, so a bad data path or another model's checkpoint leaves an
-    # existing run's config.json, metrics.jsonl and checkpoints as they were.
-    train_ds, valid_ds, _ = build_datasets(cfg, run.global_batch_size)
-    state, iteration, consumed, consumed_valid = load_or_init(run, None)
-    start_iteration = iteration
-    ckpt = None
-    if cfg.save:
-        os.makedirs(cfg.save, exist_ok=True)
-        ckpt = checkpointing.Checkpointer(cfg.save, cfg.keep_checkpoints, cfg.async_save)
-        if main_process:
-            with open(os.path.join(cfg.save, "config.json"), "w") as f:
-                f.write(cfg.to_json())
-    if main_process and cfg.save:
+class StopRules:
+    """When :func:`train` stops (Megatron's checks in ``train``): ``train_iters`` (the loop's
+    bound), ``exit_interval``, ``exit_duration_in_mins`` (:func:`_duration_exceeded`),
+    SIGTERM / SIGINT (:class:`_StopRequest`) and, with several processes, the ranks' agreed
+    stop: the step's ``stop`` metric, read one step late by :class:`StepFlags`."""
+
+    def __init__(self, cfg: JMegatronConfig, train_start: float):
+        self.cfg = cfg
+        self.train_start = train_start  # time.time() of the run's start (the setup counts)
+        self.signal = _StopRequest(cfg.exit_signal_handler)
+        self.multi = jax.process_count() > 1
+        self.agreed = False  # every process asked to stop (several processes)
+        self.out_of_time = False
+
+    def step_flag(self, iteration: int) -> bool:
+        """This process's stop request for the step of ``iteration``: a signal, or
+        ``exit_duration_in_mins`` passed (with several processes the step's 'stop' flag is
+        their maximum, as Megatron all-reduces the elapsed-time check MAX)."""
+        self.out_of_time = _duration_exceeded(self.train_start, self.cfg.exit_duration_in_mins)
+        return self.signal.requested(iteration) or self.out_of_time
+
+    def agree(self, stop: bool) -> None:
+        """Record a step's agreed ``stop`` flag (the maximum over the processes)."""
+        self.agreed = stop or self.agreed
+
+    def signalled(self) -> bool:
+        """Stop after this iteration for a signal or the time limit: several processes stop
+        after the step following the agreed one, all at the same iteration."""
+        return self.agreed if self.multi else (self.signal.event.is_set() or self.out_of_time)
+
+    def exit_interval_reached(self, iteration: int) -> bool:
+        """``iteration`` is a multiple of ``exit_interval`` (Megatron's --exit-interval)."""
+        return bool(self.cfg.exit_interval and iteration % self.cfg.exit_interval == 0)
+
+    def reason(self) -> str:
+        """Why :meth:`signalled` stops the run, for the closing line."""
+        if self.signal.signum:
+            return f"received signal {self.signal.signum}"
+        if self.out_of_time:
+            return (f"exit_duration_in_mins={self.cfg.exit_duration_in_mins} reached after "
+                    f"{(time.time() - self.train_start) / 60:.2f} minutes")
+        return "another process asked to stop"
+
+    def restore(self) -> None:
+        """Give the signals their previous handlers back."""
+        self.signal.restore()
+
+
+class NaNGuard:
+    """Megatron's ``check_for_nan_in_loss_and_grad`` and ``max_consecutive_nan_iterations``:
+    counts the iterations in a row whose loss or gradients were non-finite (skipped, no
+    update; an fp16 dynamic loss scaler's overflow above ``min_loss_scale`` does not count,
+    it backs off), raises FloatingPointError at the limit, and never lets a state holding
+    inf / nan be checkpointed (:meth:`state_is_finite`). Without the check a non-finite
+    logged loss raises at once (:meth:`check_loss`)."""
+
+    def __init__(self, cfg: JMegatronConfig):
+        self.cfg = cfg
+        self.check = cfg.check_for_nan_in_loss_and_grad
+        self.recoverable = cfg.fp16 and cfg.loss_scale is None  # the dynamic scaler backs off from overflows
+        self.consecutive = 0
+        self._finite = jax.jit(lambda s: all_finite((s.params, s.opt_state)))  # compiled at the first save
+
+    def count(self, iteration: int, flags: dict) -> None:
+        """Count step ``iteration``'s host ``flags`` (``nan``, ``skipped``, ``loss_scale``);
+        raises FloatingPointError after ``max_consecutive_nan_iterations`` bad ones in a row."""
+        cfg = self.cfg
+        bad = bool(flags["nan"]) or (bool(flags["skipped"]) and not (
+            self.recoverable and float(flags["loss_scale"]) > cfg.min_loss_scale))
+        self.consecutive = self.consecutive + 1 if bad else 0
+        if cfg.max_consecutive_nan_iterations and self.consecutive >= cfg.max_consecutive_nan_iterations:
+            raise FloatingPointError(
+                f"iteration {iteration}: {self.consecutive} consecutive iterations with a non-finite loss or "
+                f"gradients (each skipped, no update applied); stopping at "
+                f"config.max_consecutive_nan_iterations={cfg.max_consecutive_nan_iterations}. The last "
+                f"checkpoint holds finite values: lower config.lr, check the data, or raise the limit "
+                f"(0: never stop)")
+
+    def check_loss(self, iteration: int, metrics: dict) -> None:
+        """Without the check, raise FloatingPointError for a logged non-finite ``loss`` (with
+        it such an iteration is skipped and counted)."""
+        if not self.check and not math.isfinite(float(metrics["loss"])):
+            raise FloatingPointError(f"loss is {metrics['loss']} at iteration {iteration}")
+
+    def state_is_finite(self, state: Any) -> bool:
+        """Whether the parameters and optimizer state hold only finite values."""
+        return bool(self._finite(state))
+
+
+class StepFlags:
+    """Each step's flags (``skipped`` / ``nan`` / the agreed ``stop``) read one step late,
+    after the next step is dispatched: the device never waits for the host, and no step
+    adds a round trip. Feeds :class:`NaNGuard` and :class:`StopRules`."""
+
+    def __init__(self, guard: NaNGuard, stop: StopRules):
+        self.guard, self.stop = guard, stop
+        self.unread = None  # (iteration, metrics) of the newest step whose flags are not read yet
+
+    def push(self, iteration: int, metrics: dict) -> None:
+        """Read the previous step's flags (it ran while this one was queued); keep this one's."""
+        self.flush()
+        self.unread = (iteration, metrics) if self.guard.check or self.stop.multi else None
+
+    def flush(self) -> None:
+        """Read the newest unread step's flags (the last step's: its non-finite iteration counts)."""
+        if self.unread is None:
+            return
+        iteration, m = self.unread
+        self.unread = None
+        f = jax.device_get({k: m[k] for k in ("skipped", "nan", "stop", "loss_scale") if k in m})
+        if self.guard.check:
+            self.guard.count(iteration, f)
+        self.stop.agree(bool(f.get("stop", 0.0)))
+
+
+class TrainingLog:
+    """Megatron's ``training_log``: the iterations since the last log line (their metrics,
+    global batch and FLOPs), the interval's time less what compiling and saving took, the
+    memory line (the first log; every log under ``test_memory``) and each iteration's
+    summary loss (the forward step's ``loss_key``)."""
+
+    def __init__(self, run: Run, logger: MetricsLogger, guard: NaNGuard, longest_length: Optional[int]):
+        self.run, self.logger, self.guard = run, logger, guard
+        fwd = run.forward_step
+        self.loss_key, self.loss_name = fwd.loss_key, fwd.loss_name
+        self.losses: dict = {}  # iteration -> its loss
+        self.pending: list[tuple[int, dict, int, float]] = []  # (iteration, metrics, global batch, FLOPs)
+        self.memory_reports = 0
+        self.last_log = time.perf_counter()
+        # under variable data the memory line's reserved pool is sized by the longest length the data can give
+        self.longest_length = longest_length
+        self.compile_counted = run.train_step.compile_seconds
+
+    def count_compiles(self, iteration: int) -> float:
+        """Seconds the train step spent compiling since the last count (0.0: none)."""
+        seconds = self.run.train_step.compile_seconds - self.compile_counted
+        self.compile_counted += seconds
+        if seconds:
+            self.logger.count_compile(seconds, iteration)
+        return seconds
+
+    def add(self, iteration: int, metrics: dict, global_batch_size: int, seq_length: int) -> None:
+        """Queue an iteration of ``global_batch_size`` sequences padded to ``seq_length``
+        (both vary under ramp-up / variable data)."""
+        # a new batch shape compiled (announced by jmegatron.compilation): not this iteration's time
+        self.pause(self.count_compiles(iteration))
+        run = self.run
+        # Megatron's formula over the tokens actually computed (padded to the batch's longest)
+        flops = num_floating_point_operations(run.cfg, global_batch_size, run.padded_vocab_size,
+                                              total_tokens=global_batch_size * seq_length,
+                                              seqlen_squared_sum=global_batch_size * seq_length * seq_length)
+        self.pending.append((iteration, metrics, global_batch_size, flops))
+
+    def due(self, iteration: int, stopping: bool) -> bool:
+        """A line at every ``log_interval``, the last iteration and before stopping."""
+        cfg = self.run.cfg
+        return iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stopping
+
+    def log(self, iteration: int, consumed_samples: int, state: Any, batch: dict) -> None:
+        """Write the line of the queued iterations (one host sync)."""
+        run, cfg = self.run, self.run.cfg
+        host = jax.device_get([m for _, m, _, _ in self.pending])
+        now = time.perf_counter()
+        report_memory = self.memory_reports == 0 or cfg.test_memory  # Megatron: first log; ByteMLPerf: all
+        self.logger.log_train(iteration, host, now - self.last_log, consumed_samples, self.pending[-1][2],
+                              flops=sum(f for _, _, _, f in self.pending),
+                              memory_devices=jax.local_devices() if report_memory else None,
+                              memory_rank=jax.process_index(),
+                              compiled_memory=lambda: step_memory(run, state, batch, self.longest_length))
+        self.count_compiles(iteration)  # the longest length's program, compiled for the memory line
+        self.memory_reports += report_memory
+        for (it, _, _, _), m in zip(self.pending, host):
+            self.losses[it] = float(m.get(self.loss_key, m["loss"]))
+            self.loss_name = self.run.forward_step.loss_name if self.loss_key in m else "loss"
+            self.guard.check_loss(it, m)
+        self.pending = []
+        self.restart_timer()
+
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` (compiling, saving) out of the interval's time."""
+        self.last_log += seconds
+
+    def restart_timer(self) -> None:
+        """Start the interval's time now (after an evaluation, which is not timed)."""
+        self.last_log = time.perf_counter()
+
+    def final_loss(self) -> Optional[float]:
+        """The loss of the last logged iteration (None: none logged)."""
+        return self.losses[max(self.losses)] if self.losses else None
+
+
+class Evaluation:
+    """Megatron's ``evaluate_and_print_results`` every ``eval_interval`` iterations and at
+    the end: the validation loss over ``eval_iters`` batches of ``valid_ds``, the iterator
+    continuing between evaluations (``consumed_valid``, Megatron's
+    ``consumed_valid_samples``) unless ``eval_fixed_batches``."""
+
+    def __init__(self, run: Run, valid_ds: Any, consumed_valid: int, logger: MetricsLogger):
+        self.run, self.valid_ds, self.consumed_valid, self.logger = run, valid_ds, consumed_valid, logger
+        self.val_loss: Optional[float] = None
+
+    def due(self, iteration: int) -> bool:
+        """``iteration`` is a multiple of ``eval_interval``."""
+        interval = self.run.cfg.eval_interval
+        return bool(interval) and iteration % interval == 0
+
+    def due_at_end(self, iteration: int) -> bool:
+        """The closing evaluation: the run reached ``train_iters`` off the interval."""
+        cfg = self.run.cfg
+        return iteration == cfg.train_iters and bool(cfg.eval_interval) and bool(iteration % cfg.eval_interval)
+
+    def evaluate_and_print_results(self, iteration: int, params: Any) -> None:
+        """Evaluate ``params`` and log the validation block (nothing without a validation
+        split or ``eval_iters``)."""
+        cfg, run = self.run.cfg, self.run
+        if self.valid_ds is None or not len(self.valid_ds) or not cfg.eval_iters:
+            return
+        start = 0 if cfg.eval_fixed_batches else self.consumed_valid
+        val = evaluate(run, params, self.valid_ds, cfg.eval_iters, start)
+        if not cfg.eval_fixed_batches:
+            self.consumed_valid += cfg.eval_iters * run.global_batch_size
+        self.logger.log_eval(iteration, val)
+        self.val_loss = val
+
+
+class Saving:
+    """Megatron's ``save_checkpoint_and_time``: a checkpoint every ``save_interval``
+    iterations and at the end, each iteration at most once, never one whose state holds
+    inf / nan (:meth:`NaNGuard.state_is_finite`; the last checkpoint is kept). ``saved_at``:
+    the newest iteration in ``cfg.save`` (-1: none)."""
+
+    def __init__(self, run: Run, ckpt: Optional[checkpointing.Checkpointer], guard: NaNGuard, saved_at: int):
+        self.run, self.ckpt, self.guard, self.saved_at = run, ckpt, guard, saved_at
+
+    def due(self, iteration: int) -> bool:
+        """``iteration`` is a multiple of ``save_interval``."""
+        interval = self.run.cfg.save_interval
+        return bool(interval) and iteration % interval == 0
+
+    def save_checkpoint(self, iteration: int, state: Any, consumed_train: int, consumed_valid: int) -> None:
+        """Save ``state`` at ``iteration`` with the samples consumed so far (no-op without
+        ``cfg.save``, or when that iteration is saved already)."""
+        if not self.ckpt or self.saved_at == iteration:
+            return
+        if not self.guard.state_is_finite(state):  # never checkpoint inf / nan
+            print(f"[jmegatron] not saving iteration {iteration}: the parameters or optimizer state hold inf/nan "
+                  f"values; the last checkpoint ({self.saved_at if self.saved_at >= 0 else 'none'}) is kept",
+                  flush=True)
+            return
+        self.ckpt.save(iteration, state, checkpoint_meta(self.run.cfg, self.run, iteration, consumed_train,
+                                                         consumed_valid))
+        self.saved_at = iteration
+
+    def save_checkpoint_and_time(self, iteration: int, state: Any, consumed_train: int,
+                                 consumed_valid: int) -> float:
+        """Save and return the seconds it took: Megatron stops 'interval-time' while saving,
+        so the save is not timed as part of the next logged iteration (the step itself still is)."""
+        jax.block_until_ready(state)
+        started = time.perf_counter()
+        self.save_checkpoint(iteration, state, consumed_train, consumed_valid)
+        return time.perf_counter() - started
+
+    def describe(self) -> Optional[str]:
+        """The closing line's checkpoint (None: nothing saved)."""
+        return f"{self.run.cfg.save} (iteration {self.saved_at})" if self.ckpt and self.saved_at >= 0 else None
+
+
+def train(run: Run, state: Any, iteration: int, loader: BatchLoader, batch_rows: Optional[np.ndarray],
+          stop: StopRules, flags: StepFlags, log: TrainingLog, evaluation: Evaluation,
+          saving: Saving) -> tuple[Any, int, bool]:
+    """Megatron's ``train``: steps from ``iteration`` until ``train_iters`` or a stop rule,
+    logging, evaluating and saving at their intervals. Returns ``(state, iteration,
+    interrupted)`` (interrupted: a signal, the time limit or another process stopped it)."""
+    cfg = run.cfg
+    while iteration < cfg.train_iters:
+        host_batch = next(loader)
+        batch = run.put_batch(host_batch, rows=batch_rows)
+        state, metrics = run.train_step(state, batch, *run.extra_args, stop=stop.step_flag(iteration + 1))
+        iteration += 1
+        log.add(iteration, metrics, loader.last_global_batch_size, host_batch["tokens"].shape[-1])
+        flags.push(iteration, metrics)
+        signalled = stop.signalled()
+        if log.due(iteration, signalled or stop.exit_interval_reached(iteration)):
+            log.log(iteration, loader.consumed_samples, state, batch)
+        if evaluation.due(iteration):
+            evaluation.evaluate_and_print_results(iteration, state.params)
+            log.restart_timer()
+        if saving.due(iteration):
+            log.pause(saving.save_checkpoint_and_time(iteration, state, loader.consumed_samples,
+                                                      evaluation.consumed_valid))
+        if signalled:
+            print(f"[jmegatron] {stop.reason()}: saving a checkpoint at iteration {iteration} and exiting", flush=True)
+            return state, iteration, True
+        if stop.exit_interval_reached(iteration):
+            print(f"[jmegatron] exiting at iteration {iteration} (exit_interval)", flush=True)
+            break
+    return state, iteration, False
+
+
+def open_save_dir(cfg: JMegatronConfig, iteration: int, main_process: bool) -> Optional[checkpointing.Checkpointer]:
+    """The run's Checkpointer of ``cfg.save`` (None without it); the main process writes
+    ``config.json`` there and drops ``metrics.jsonl`` records past ``iteration``."""
+    if not cfg.save:
+        return None
+    os.makedirs(cfg.save, exist_ok=True)
+    ckpt = checkpointing.Checkpointer(cfg.save, cfg.keep_checkpoints, cfg.async_save)
+    if main_process:
+        with open(os.path.join(cfg.save, "config.json"), "w") as f:
+            f.write(cfg.to_json())
         _truncate_metrics(os.path.join(cfg.save, "metrics.jsonl"), iteration)
-    batch_rows = run.batch_rows()  # this process reads only the rows its devices hold
+    return ckpt
+
+
+def build_train_loader(run: Run, train_ds: Any, consumed: int, batch_rows: Optional[np.ndarray]) -> BatchLoader:
+    """The training split's :class:`BatchLoader` from sample ``consumed`` (this process's
+    ``batch_rows``), announcing a batch-size ramp-up and variable sample lengths."""
+    cfg = run.cfg
     loader = BatchLoader(train_ds, run.global_batch_size, run.num_microbatches, consumed,
                          run.num_microbatches_calculator, rows=batch_rows, dataloader_type=cfg.dataloader_type,
                          num_workers=cfg.num_workers)
@@ -360,8 +586,16 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
     if cfg.variable_data and train_ds is not None:
         print(f"[jmegatron] variable data: sample lengths {sorted(train_ds.lengths)} (padded to each batch's "
               f"longest; one compilation per length)", flush=True)
+    return loader
+
+
+def build_logger(run: Run, start_iteration: int, main_process: bool) -> MetricsLogger:
+    """The run's :class:`MetricsLogger` (files and TensorBoard / W&B on the main process
+    only) with the FLOPs per iteration and the MFU peaks; prints the run's layout line and,
+    on the main process, the peak in use and the theoretical memory."""
+    cfg = run.cfg
     num_devices = run.mesh.devices.size
-    flops_per_iter = flops.num_floating_point_operations(cfg, run.global_batch_size, run.padded_vocab_size)
+    flops_per_iter = num_floating_point_operations(cfg, run.global_batch_size, run.padded_vocab_size)
     tb_dir = cfg.tensorboard_dir or (os.path.join(cfg.save, "tensorboard") if cfg.save else None)
     # CPU devices of this process share its cores: the host's peak is split among those in the mesh.
     peak_choice = resolve_peak_for_config(cfg, num_local_devices=sum(
@@ -382,169 +616,85 @@ def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
             wandb_run.finish(exit_code=1)
         raise
     print(f"[jmegatron] process {jax.process_index()}/{jax.process_count()}, {num_devices} devices, mesh {dict(run.mesh.shape)}, "
-          f"{flops.num_parameters(cfg, run.padded_vocab_size):,} parameters, global batch "
+          f"{num_parameters(cfg, run.padded_vocab_size):,} parameters, global batch "
           f"{run.global_batch_size} = {run.num_microbatches} micro-batches x {cfg.micro_batch_size} x dp "
           f"{data_parallel_size(run.mesh)}", flush=True)
     if main_process:
         print(f"[jmegatron] {peak_choice.describe()}", flush=True)
-    if main_process:  # Megatron's report_theoretical_memory
-        est = memory.theoretical_memory(cfg, run.padded_vocab_size,
-                                        memory.ParallelLayout.from_config(cfg, run.mesh.shape["data"]))
-        mib = 1024 ** 2
-        # the forward step's frozen inputs (a distillation teacher's parameters), as laid out
-        frozen = memory.bytes_per_device(run.extra_args)
-        print(f"[jmegatron] theoretical memory per device (MiB): weights {est.weights / mib:.1f}, gradients "
-              f"{est.gradients / mib:.1f}, optimizer {est.optimizer_state / mib:.1f}, activations "
-              f"{est.activations / mib:.1f} (recompute {cfg.recompute_granularity})"
-              + (f", frozen inputs {frozen / mib:.1f} (e.g. a teacher)" if frozen else "")
-              + f", total {(est.total + frozen) / mib:.1f}", flush=True)
-    stop = _StopRequest(cfg.exit_signal_handler)
-    summary = {"losses": {}, "val_loss": None, "interrupted": False}
-    pending: list[tuple[int, dict, int, float]] = []  # (iteration, metrics, global batch, FLOPs)
+        report_theoretical_memory(run)
+    return logger
 
-    def iteration_flops(gbs: int, seq: int) -> float:
-        # Megatron's formula over the tokens actually computed (padded to the batch's longest)
-        return flops.num_floating_point_operations(cfg, gbs, run.padded_vocab_size, total_tokens=gbs * seq,
-                                                   seqlen_squared_sum=gbs * seq * seq)
 
-    memory_reports = 0
-    last_log = time.perf_counter()
-    # under variable data the memory line's reserved pool is sized by the longest length the data can give
-    longest_length = max(train_ds.lengths) if cfg.variable_data and train_ds is not None else None
-    compile_counted = run.train_step.compile_seconds
+def report_theoretical_memory(run: Run) -> None:
+    """Megatron's ``report_theoretical_memory``: weights, gradients, optimizer state and
+    activations per device (MiB), plus the forward step's frozen inputs (a teacher's
+    parameters) as laid out."""
+    cfg = run.cfg
+    est = memory.theoretical_memory(cfg, run.padded_vocab_size,
+                                    memory.ParallelLayout.from_config(cfg, run.mesh.shape["data"]))
+    mib = 1024 ** 2
+    frozen = memory.bytes_per_device(run.extra_args)
+    print(f"[jmegatron] theoretical memory per device (MiB): weights {est.weights / mib:.1f}, gradients "
+          f"{est.gradients / mib:.1f}, optimizer {est.optimizer_state / mib:.1f}, activations "
+          f"{est.activations / mib:.1f} (recompute {cfg.recompute_granularity})"
+          + (f", frozen inputs {frozen / mib:.1f} (e.g. a teacher)" if frozen else "")
+          + f", total {(est.total + frozen) / mib:.1f}", flush=True)
 
-    def count_compiles(it: int) -> float:
-        """Seconds the train step spent compiling since the last count (0.0: none)."""
-        nonlocal compile_counted
-        seconds = run.train_step.compile_seconds - compile_counted
-        compile_counted += seconds
-        if seconds:
-            logger.count_compile(seconds, it)
-        return seconds
+
+def pretrain(cfg: JMegatronConfig, mesh: Optional[Mesh] = None,
+             forward_step_provider: Optional[ForwardStepProvider] = None) -> dict:
+    """Train ``cfg.train_iters`` iterations (resuming from ``cfg.load``), evaluating every
+    ``eval_interval``, saving every ``save_interval`` and at the end. Returns a summary
+    dict: ``iteration``, ``losses`` (iteration -> loss of this process's run),
+    ``val_loss``, ``interrupted``, ``summary`` (the closing line's figures:
+    :meth:`jmegatron.training.logging.MetricsLogger.log_summary`). With
+    ``cfg.wandb_project`` the main process also logs the TensorBoard scalars to a W&B run
+    (:func:`jmegatron.training.logging.init_wandb`; files under ``cfg.wandb_save_dir``,
+    default ``<save>/wandb``). ``forward_step_provider``: what each micro-batch computes
+    (:class:`jmegatron.training.forward_step.ForwardStep`; default the language model;
+    :func:`jmegatron.pretrain_gpt.pretrain` picks distillation's for a ``kd_teacher_load``
+    config). ``cfg.kd_finalize``: :func:`finalize_student` instead (no data, no step).
+
+    Composes :func:`build_datasets`, :func:`load_or_init`, :func:`build_logger` and
+    :func:`train` with its parts: :class:`StopRules`, :class:`NaNGuard` (read through
+    :class:`StepFlags`), :class:`TrainingLog`, :class:`Evaluation` and :class:`Saving`.
+    """
+    train_start = time.time()  # Megatron's _TRAIN_START_TIME (exit_duration_in_mins counts the setup too)
+    run = build(cfg, mesh, forward_step_provider=forward_step_provider)
+    if cfg.kd_finalize:  # a conversion: no data, no step
+        return finalize_student(run)
+    main_process = jax.process_index() == 0
+    # Bad input fails before anything is written: the datasets are built and the checkpoint is
+    # checked and restored first, so a bad data path or another model's checkpoint leaves an
+    # existing run's config.json, metrics.jsonl and checkpoints as they were.
+    train_ds, valid_ds, _ = build_datasets(cfg, run.global_batch_size)
+    state, iteration, consumed, consumed_valid = load_or_init(run, None)
+    start_iteration = iteration
+    ckpt = open_save_dir(cfg, iteration, main_process)
+    batch_rows = run.batch_rows()  # this process reads only the rows its devices hold
+    loader = build_train_loader(run, train_ds, consumed, batch_rows)
+    logger = build_logger(run, start_iteration, main_process)
+    stop = StopRules(cfg, train_start)
+    guard = NaNGuard(cfg)
+    log = TrainingLog(run, logger, guard,
+                      max(train_ds.lengths) if cfg.variable_data and train_ds is not None else None)
+    evaluation = Evaluation(run, valid_ds, consumed_valid, logger)
     # Loaded from another directory: the final save writes it to `save`.
     resumed_from_save = bool(cfg.save) and iteration > 0 and checkpointing.has_checkpoint(cfg.save)
-    saved_at = iteration if resumed_from_save else -1
-
-    state_is_finite = jax.jit(lambda s: all_finite((s.params, s.opt_state)))  # compiled at the first save
-
-    def save(it: int):
-        nonlocal saved_at
-        if ckpt and saved_at != it and not bool(state_is_finite(state)):  # never checkpoint inf / nan
-            print(f"[jmegatron] not saving iteration {it}: the parameters or optimizer state hold inf/nan "
-                  f"values; the last checkpoint ({saved_at if saved_at >= 0 else 'none'}) is kept", flush=True)
-            return
-        if ckpt and saved_at != it:
-            ckpt.save(it, state, checkpoint_meta(cfg, run, it, loader.consumed_samples, consumed_valid))
-            saved_at = it
-
-    def run_eval(it: int):
-        nonlocal consumed_valid
-        if valid_ds is not None and len(valid_ds) and cfg.eval_iters:
-            # Megatron's valid iterator continues between evaluations (consumed_valid_samples)
-            start = 0 if cfg.eval_fixed_batches else consumed_valid
-            val = evaluate(run, state.params, valid_ds, cfg.eval_iters, start)
-            if not cfg.eval_fixed_batches:
-                consumed_valid += cfg.eval_iters * run.global_batch_size
-            logger.log_eval(it, val)
-            summary["val_loss"] = val
-
-    # Each step's flags (skipped / nan / the agreed stop) are read one step late, after the next
-    # step is dispatched: the device never waits for the host, and no step adds a round trip.
-    multi = jax.process_count() > 1
-    check = cfg.check_for_nan_in_loss_and_grad
-    recoverable = cfg.fp16 and cfg.loss_scale is None  # the dynamic scaler backs off from overflows
-    consecutive_nan = 0
-    unread = None  # (iteration, metrics) of the newest step whose flags are not read yet
-    agreed = False  # every process asked to stop (several processes)
-    loss_name = "lm loss"  # the summary's name of summary["losses"]
+    saving = Saving(run, ckpt, guard, iteration if resumed_from_save else -1)
+    flags = StepFlags(guard, stop)
+    summary = {"losses": log.losses, "val_loss": None, "interrupted": False}
     failed = True  # until the loop ends normally (the W&B run is finished with its exit code)
-
-    def read_flags(it: int, m: dict) -> bool:
-        """Count step ``it``'s non-finite iteration; raise after max_consecutive_nan_iterations
-        in a row; return the processes' agreed stop request."""
-        nonlocal consecutive_nan
-        f = jax.device_get({k: m[k] for k in ("skipped", "nan", "stop", "loss_scale") if k in m})
-        if check:
-            bad = bool(f["nan"]) or (bool(f["skipped"]) and not (
-                recoverable and float(f["loss_scale"]) > cfg.min_loss_scale))
-            consecutive_nan = consecutive_nan + 1 if bad else 0
-            if cfg.max_consecutive_nan_iterations and consecutive_nan >= cfg.max_consecutive_nan_iterations:
-                raise FloatingPointError(
-                    f"iteration {it}: {consecutive_nan} consecutive iterations with a non-finite loss or "
-                    f"gradients (each skipped, no update applied); stopping at "
-                    f"config.max_consecutive_nan_iterations={cfg.max_consecutive_nan_iterations}. The last "
-                    f"checkpoint holds finite values: lower config.lr, check the data, or raise the limit "
-                    f"(0: never stop)")
-        return bool(f.get("stop", 0.0))
-
     try:
-        while iteration < cfg.train_iters:
-            host_batch = next(loader)
-            batch = run.put_batch(host_batch, rows=batch_rows)
-            # exit_duration_in_mins joins this process's stop request: with several processes the
-            # step's 'stop' flag is their maximum (Megatron all-reduces the elapsed-time check MAX)
-            out_of_time = _duration_exceeded(train_start, cfg.exit_duration_in_mins)
-            state, metrics = run.train_step(state, batch, *run.extra_args,
-                                            stop=stop.requested(iteration + 1) or out_of_time)
-            iteration += 1
-            # a new batch shape compiled (announced by jmegatron.compilation): not this iteration's time
-            last_log += count_compiles(iteration)
-            # this iteration's global batch and (padded) length: both vary under ramp-up / variable data
-            gbs, seq = loader.last_global_batch_size, host_batch["tokens"].shape[-1]
-            pending.append((iteration, metrics, gbs, iteration_flops(gbs, seq)))
-            if unread is not None:  # the previous step's flags: it ran while this one was queued
-                agreed = read_flags(*unread) or agreed
-            unread = (iteration, metrics) if check or multi else None
-            # several processes stop after the step following the agreed one: all at the same iteration
-            signalled = agreed if multi else (stop.event.is_set() or out_of_time)
-            stopping = signalled or bool(cfg.exit_interval and iteration % cfg.exit_interval == 0)
-            if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters or stopping:
-                host = jax.device_get([m for _, m, _, _ in pending])
-                now = time.perf_counter()
-                report_memory = memory_reports == 0 or cfg.test_memory  # Megatron: first log; ByteMLPerf: all
-                logger.log_train(iteration, host, now - last_log, loader.consumed_samples, pending[-1][2],
-                                 flops=sum(f for _, _, _, f in pending),
-                                 memory_devices=jax.local_devices() if report_memory else None,
-                                 memory_rank=jax.process_index(),
-                                 compiled_memory=lambda: step_memory(run, state, batch, longest_length))
-                count_compiles(iteration)  # the longest length's program, compiled for the memory line
-                memory_reports += report_memory
-                for (it, _, _, _), m in zip(pending, host):
-                    summary["losses"][it] = float(m.get("lm_loss", m["loss"]))
-                    loss_name = "lm loss" if "lm_loss" in m else "loss"
-                    if not check and not math.isfinite(float(m["loss"])):  # (checked: skipped, counted)
-                        raise FloatingPointError(f"loss is {m['loss']} at iteration {it}")
-                pending, last_log = [], time.perf_counter()
-            if cfg.eval_interval and iteration % cfg.eval_interval == 0:
-                run_eval(iteration)
-                last_log = time.perf_counter()
-            if cfg.save_interval and iteration % cfg.save_interval == 0:
-                # Megatron's save_checkpoint_and_time stops 'interval-time' while saving: the save
-                # is not timed as part of the next logged iteration (the step itself still is)
-                jax.block_until_ready(state)
-                save_started = time.perf_counter()
-                save(iteration)
-                last_log += time.perf_counter() - save_started
-            if signalled:
-                reason = (f"received signal {stop.signum}" if stop.signum else
-                          f"exit_duration_in_mins={cfg.exit_duration_in_mins} reached after "
-                          f"{(time.time() - train_start) / 60:.2f} minutes" if out_of_time else
-                          "another process asked to stop")
-                print(f"[jmegatron] {reason}: saving a checkpoint at iteration {iteration} and exiting", flush=True)
-                summary["interrupted"] = True
-                break
-            if cfg.exit_interval and iteration % cfg.exit_interval == 0:
-                print(f"[jmegatron] exiting at iteration {iteration} (exit_interval)", flush=True)
-                break
-        if unread is not None:  # the last step's flags (count its non-finite iteration)
-            read_flags(*unread)
-        if iteration == cfg.train_iters and cfg.eval_interval and iteration % cfg.eval_interval:
-            run_eval(iteration)
-        save(iteration)
-        final = summary["losses"][max(summary["losses"])] if summary["losses"] else None
-        summary["summary"] = logger.log_summary(
-            iteration, time.time() - train_start, final, summary["val_loss"],
-            f"{cfg.save} (iteration {saved_at})" if ckpt and saved_at >= 0 else None, loss_name)
+        state, iteration, summary["interrupted"] = train(run, state, iteration, loader, batch_rows, stop, flags,
+                                                         log, evaluation, saving)
+        flags.flush()  # the last step's flags (count its non-finite iteration)
+        if evaluation.due_at_end(iteration):
+            evaluation.evaluate_and_print_results(iteration, state.params)
+        saving.save_checkpoint(iteration, state, loader.consumed_samples, evaluation.consumed_valid)
+        summary["val_loss"] = evaluation.val_loss
+        summary["summary"] = logger.log_summary(iteration, time.time() - train_start, log.final_loss(),
+                                                evaluation.val_loss, saving.describe(), log.loss_name)
         failed = False
     finally:
         loader.close()  # stops and joins the prefetch thread (errors, signals and normal ends alike)

@@ -26,7 +26,7 @@ from jmegatron.checkpoint.views import checkpoint_view
 from jmegatron.config import DISTILLATION_RESETS, ConfigError, JMegatronConfig, from_configdict
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
-from jmegatron.data.tokenizer import build_tokenizer
+from jmegatron.data.tokenizer import vocab_size_of
 from jmegatron.parallel import pipeline_layout, rules as rules_lib
 from jmegatron.parallel.context_parallel import load_balance_index
 from jmegatron.parallel.grad_sync import StepLayout
@@ -109,7 +109,7 @@ class Run:
         if ("segment_ids" in batch) != self.cfg.reset_attention_mask:
             raise ValueError(f"config.reset_attention_mask={self.cfg.reset_attention_mask} but the batch "
                              f"{'has' if 'segment_ids' in batch else 'has no'} segment_ids: build the datasets "
-                             f"with reset_attention_mask=cfg.reset_attention_mask (jmegatron.training.loop."
+                             f"with reset_attention_mask=cfg.reset_attention_mask (jmegatron.data.builder."
                              f"build_datasets does)")
         cp = self.mesh.shape.get(rules_lib.CONTEXT_AXIS, 1)
         if train and cp > 1:
@@ -151,13 +151,6 @@ def process_rows(sharding: jax.sharding.Sharding, rows: int, process_index: int,
         if process_of(device) == process_index:
             held.update(range(rows)[idx[1]])
     return np.array(sorted(held), np.int64)
-
-
-def vocab_size_of(cfg: JMegatronConfig) -> int:
-    """The unpadded vocabulary: the config's (``JMegatronConfig.unpadded_vocab_size``, Megatron's
-    rule of each tokenizer type: a NullTokenizer's ``vocab_size + 1``) or the tokenizer's."""
-    v = cfg.unpadded_vocab_size()
-    return v if v is not None else build_tokenizer(cfg).vocab_size
 
 
 def build(cfg: JMegatronConfig, mesh: Optional[Mesh] = None, vocab_size: Optional[int] = None,

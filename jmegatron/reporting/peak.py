@@ -25,7 +25,7 @@ CPU theoretical peak = physical cores usable by this process x clock x FLOP/cycl
   ``/proc/cpuinfo``'s ``cpu MHz`` (the current clock; under a hypervisor without cpufreq,
   usually the nominal one); ``$JMEGATRON_CPU_CLOCK_GHZ`` overrides both. A ``cpu MHz``
   clock is replaced by the core clock ``bench peak`` measured and stored for this machine
-  when that is higher (:mod:`jmegatron.training.core_clock`: a hypervisor may report a nominal
+  when that is higher (:mod:`jmegatron.reporting.core_clock`: a hypervisor may report a nominal
   2.6 GHz for cores that run at 3.7). Under a hypervisor (``hypervisor`` in the flags) a ``cpu MHz``
   clock with no measured one is not trusted: :func:`resolve_peak` then states no
   theoretical peak and names ``bench peak`` (a nominal clock can give MFUs above 100%;
@@ -85,7 +85,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from jmegatron.kernels.cpu import ops
-from jmegatron.training import core_clock
+from jmegatron.reporting import core_clock
 
 PEAK_FORMAT_VERSION = 2
 PEAK_FILE_ENV = "JMEGATRON_PEAK_FILE"
@@ -337,7 +337,7 @@ def _accelerator_entry(device_kind: str):
         if re.search(pattern, device_kind):
             return name, peaks, ref
     raise PeakUnavailable(f"device kind {device_kind!r} is not in jmegatron's table of spec-sheet peaks "
-                          "(training/peak.py ACCELERATOR_DENSE_PEAK_TFLOPS); set config.peak_tflops")
+                          "(reporting/peak.py ACCELERATOR_DENSE_PEAK_TFLOPS); set config.peak_tflops")
 
 
 def accelerator_peak(device_kind: str, dtype: str) -> tuple[float, str]:
@@ -365,7 +365,7 @@ def theoretical_cpu_peak(cpu: Optional[CpuInfo] = None, fp32_flop_per_cycle: Opt
                          trust_nominal_clock: bool = True) -> TheoreticalPeak:
     """cores x clock x FLOP/cycle of ``cpu`` (default :func:`cpu_info`) for float32 and
     bfloat16, for the whole host. ``measured_clock_ghz`` (the core clock ``bench peak``
-    measured, :mod:`jmegatron.training.core_clock`) replaces a clock read from
+    measured, :mod:`jmegatron.reporting.core_clock`) replaces a clock read from
     ``/proc/cpuinfo``'s ``cpu MHz`` when it is higher (a hypervisor shows the nominal clock
     while the core boosts); a clock from ``$JMEGATRON_CPU_CLOCK_GHZ`` or cpufreq's maximum
     is kept. Raises PeakUnavailable when no clock is known, and (``trust_nominal_clock``
@@ -374,7 +374,7 @@ def theoretical_cpu_peak(cpu: Optional[CpuInfo] = None, fp32_flop_per_cycle: Opt
     clock, clock_source = cpu.clock_ghz, cpu.clock_source
     if measured_clock_ghz and (clock is None or ("cpu MHz" in clock_source and measured_clock_ghz > clock)):
         clock = measured_clock_ghz
-        clock_source = "core clock measured by bench peak (dependent-add chain, jmegatron.training.core_clock)"
+        clock_source = "core clock measured by bench peak (dependent-add chain, jmegatron.reporting.core_clock)"
         if cpu.clock_ghz:
             clock_source += f", above the {cpu.clock_ghz:.3f} GHz that /proc/cpuinfo reports"
     if clock is None:

@@ -6,7 +6,7 @@ Follows Megatron-LM ``megatron/training/theoretical_memory_usage.py``
 (``compute_weight_and_optimizer_memory``, ``compute_activation_memory``) and the paper it
 cites, Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models" (arXiv:2205.05198), section 4 and Table 2. FLOPs stay in
-:mod:`jmegatron.training.flops`; this module counts bytes and uses
+:mod:`jmegatron.reporting.flops`; this module counts bytes and uses
 :func:`flops.num_parameters` for the parameter count.
 
 Units: every function returns **bytes per device** (floats, since the per-device share of
@@ -84,7 +84,7 @@ import jax
 from jmegatron.config import JMegatronConfig, moe_layer_pattern
 from jmegatron.models.backend import resolve_impls
 from jmegatron.models.moe.moe_utils import get_capacity
-from jmegatron.training import flops
+from jmegatron.reporting import flops
 
 FLOAT32_BYTES = 4
 MASK_BYTES = 1  # a dropout mask element (Megatron's paper: 1 byte)
@@ -613,13 +613,13 @@ class ActivationMemory:
     layer's bytes (0 for a dense model), which replace ``per_layer`` in ``layers`` for the
     MoE layers."""
 
+    recompute: str
     per_layer: float
+    per_moe_layer: float
     layers: float
     embedding: float
     output: float
     recompute_working_set: float
-    recompute: str
-    per_moe_layer: float = 0.0
 
     @property
     def total(self) -> float:
