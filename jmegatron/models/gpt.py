@@ -264,13 +264,26 @@ class GPTModel(nn.Module):
         x = self.embed(tokens, position_ids, deterministic,
                        None if base is None else embedding_dropout_rng(base, c.num_layers), sample_offset)
         x, kv_cache = self.decoder(x, position_ids, deterministic, sample_offset, kv_cache, segment_ids)
-        if c.mtp_num_layers and kv_cache is None and self.is_mutable_collection(MTP_COLLECTION):
-            x = self.final_layernorm(x)
-            self.sow("intermediates", "final_layernorm_output", x)
-            self.multi_token_prediction(x, tokens, position_ids, deterministic, base, sample_offset, segment_ids)
-            return self.head(x, normed=True)
-        logits = self.head(x)
-        return logits if kv_cache is None else (logits, kv_cache)
+        if kv_cache is not None:
+            return self.head(x), kv_cache
+        return self.post_process(x, tokens, position_ids, deterministic, sample_offset, segment_ids)
+
+    def post_process(self, x: Array, tokens: Array, position_ids: Array, deterministic: bool = True,
+                     sample_offset: Any = 0, segment_ids: Optional[Array] = None) -> Array:
+        """Megatron's ``post_process`` of a training or evaluation forward: the decoder's
+        output ``x [b, s, h]`` -> float32 logits ``[b, s, vocab]`` (:meth:`head`); with
+        ``mtp_num_layers`` and the :data:`MTP_COLLECTION` collection mutable, the
+        multi-token prediction depths run on the normed ``x`` first
+        (:meth:`multi_token_prediction`, their dropout from the ``dropout`` key given to
+        ``apply``). ``tokens`` / ``position_ids`` ``[b, s]``: the micro-batch's (the depths
+        embed them rolled)."""
+        if not (self.cfg.mtp_num_layers and self.is_mutable_collection(MTP_COLLECTION)):
+            return self.head(x)
+        x = self.final_layernorm(x)
+        self.sow("intermediates", "final_layernorm_output", x)
+        base = None if deterministic else self._stream_key("dropout")
+        self.multi_token_prediction(x, tokens, position_ids, deterministic, base, sample_offset, segment_ids)
+        return self.head(x, normed=True)
 
     def multi_token_prediction(self, hidden: Array, tokens: Array, position_ids: Array, deterministic: bool,
                                dropout_base: Any, sample_offset: Any, segment_ids: Optional[Array]) -> None:
@@ -385,6 +398,22 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
 def final_layernorm(c: ModelConfig, params: Any, x: Array) -> Array:
     """GPTModel's final norm on ``params`` (a GPTModel's), ``[b, s, h]`` -> ``[b, s, h]``."""
     return GPTModel(c).apply({"params": params}, x, method=lambda m, x: m.final_layernorm(x))
+
+
+def post_process_logits(c: ModelConfig, params: Any, x: Array, micro: dict, *, rng: Any, sample_offset: Any,
+                        dot_general: Callable) -> tuple[Array, dict]:
+    """:meth:`GPTModel.post_process` on ``params`` (a GPTModel's) in training (dropout on,
+    ``rng`` the step's dropout key): the decoder's output ``x [b, s, h]`` and the
+    micro-batch's ``tokens`` / ``position_ids`` / ``segment_ids`` (``micro``) -> (float32
+    logits ``[b, s, vocab]``, the sown :data:`MTP_COLLECTION` (``{}`` without
+    ``mtp_num_layers``)). A pipeline's last stage runs it: the multi-token prediction
+    depths sit there, as in Megatron's last-stage ``MultiTokenPredictionBlock``."""
+    model = GPTModel(c, dot_general)
+    args = (x, micro["tokens"], micro["position_ids"], False, sample_offset, micro.get("segment_ids"))
+    rngs = {"dropout": rng}
+    if not c.mtp_num_layers:
+        return model.apply({"params": params}, *args, rngs=rngs, method=GPTModel.post_process), {}
+    return model.apply({"params": params}, *args, rngs=rngs, mutable=[MTP_COLLECTION], method=GPTModel.post_process)
 
 
 def output_logits(c: ModelConfig, params: Any, x: Array, dot_general: Callable, normed: bool = False) -> Array:
