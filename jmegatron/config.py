@@ -1014,13 +1014,17 @@ class JMegatronConfig:
                               f"prediction).")
         if not self.mtp_loss_scaling_factor >= 0:
             raise ConfigError(f"config.mtp_loss_scaling_factor={self.mtp_loss_scaling_factor} must be >= 0.")
-        refused = dict(pipeline_model_parallel_size=self.pipeline_model_parallel_size > 1,
-                       context_parallel_size=self.context_parallel_size > 1,
+        refused = dict(context_parallel_size=self.context_parallel_size > 1,
                        kd_teacher_load=self.kd_teacher_load is not None,
                        kd_teacher_logits_path=self.kd_teacher_logits_path is not None)
         self._refuse_with(f"mtp_num_layers={self.mtp_num_layers}", refused, "multi-token prediction runs "
-                          "unpipelined, without context parallelism, in language-model training",
+                          "without context parallelism, in language-model training",
                           "unset mtp_num_layers or {name}.")
+        if self.pipeline_model_parallel_size > 1 and self.num_moe_experts:
+            raise ConfigError(f"config.mtp_num_layers={self.mtp_num_layers} with pipeline_model_parallel_size="
+                              f"{self.pipeline_model_parallel_size} and num_moe_experts={self.num_moe_experts} is not "
+                              f"built (the pipelined report has no rows for the depths' MoE layers); unset "
+                              f"mtp_num_layers, num_moe_experts or pipeline_model_parallel_size.")
 
     def _refuse_with(self, feature: str, refused: dict, why: str, fix: str) -> None:
         """ConfigError for the first field of ``refused`` (name -> whether its value is

@@ -131,7 +131,7 @@ def test_roll_left_zero_fills_the_end():
 @pytest.mark.parametrize("kw, match", [
     (dict(mtp_num_layers=0), "mtp_num_layers=0 must be >= 1"),
     (dict(mtp_loss_scaling_factor=-1.0), "mtp_loss_scaling_factor=-1.0 must be >= 0"),
-    (dict(pipeline_model_parallel_size=2), "with pipeline_model_parallel_size=2 is not built"),
+    (dict(pipeline_model_parallel_size=2), "with pipeline_model_parallel_size=2 and num_moe_experts=4 is not built"),
     (dict(context_parallel_size=2), "with context_parallel_size=2 is not built"),
 ])
 def test_refusals_name_the_field(kw, match):

@@ -50,12 +50,12 @@ def trajectory(cfg, num_devices, steps=3):
     return trajectory_params(cfg, num_devices, steps)[:3]
 
 
-def trajectory_params(cfg, num_devices, steps=3):
+def trajectory_params(cfg, num_devices, steps=3, keys=("lm_loss",)):
     """``steps`` train steps of ``cfg`` on the first ``num_devices`` devices over
-    :func:`random_batches`: (losses ``[steps]``, each step's gradients as numpy trees, the Run,
-    (the parameters before the first step, after the last) as numpy trees). The gradients are
-    read back from the optimizer state (:func:`step_gradients`), so only the train step is
-    compiled."""
+    :func:`random_batches`: (losses ``[steps]`` (``[steps, len(keys)]``: the metrics ``keys``
+    when more than one), each step's gradients as numpy trees, the Run, (the parameters before
+    the first step, after the last) as numpy trees). The gradients are read back from the
+    optimizer state (:func:`step_gradients`), so only the train step is compiled."""
     run = build(cfg, create_mesh(cfg, jax.devices()[:num_devices]))
     state = run.init_state()
     first = jax.device_get(state.params)
@@ -63,11 +63,12 @@ def trajectory_params(cfg, num_devices, steps=3):
     for b in random_batches(steps, run.global_batch_size, cfg.seq_length, 500):
         b = run.put_batch({k: v.reshape(run.num_microbatches, -1, cfg.seq_length) for k, v in b.items()})
         state, m = run.train_step(state, b)
-        losses.append(float(m["lm_loss"]))
+        losses.append([float(m[k]) for k in keys])
         new_mu = jax.device_get(_adam_state(state.opt_state).mu)
         grads.append(step_gradients(cfg, new_mu, mu, float(m["grad_norm"])))
         mu = new_mu
-    return np.array(losses), grads, run, (first, jax.device_get(state.params))
+    losses = np.array(losses)
+    return losses[:, 0] if len(keys) == 1 else losses, grads, run, (first, jax.device_get(state.params))
 
 
 def _adam_state(opt_state):

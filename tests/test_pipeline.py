@@ -165,3 +165,32 @@ def test_uneven_stages_match_one_device(arch, schedule, pp, v, m, first, last, l
         for a, b in zip(jax.tree.leaves(stage_order(g, order != PAD)),
                         jax.tree.leaves(stage_order(r, order[order != PAD]))):
             assert_gradient_close(a, b, step)
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_pp2_matches_one_device():
+    # GPT (tied embedding: the depths' embeddings and output layer on the last stage share the
+    # first stage's word embeddings), two MTP depths, pp2 x dp2 1F1B m4 (each data rank holds its
+    # own share of every depth's masked tokens: the loss mask is random) against one device:
+    # every reported loss of 2 steps and the first step's gradients (the same weights)
+    layers, depths, steps, keys = 4, 2, 2, ("lm_loss", "mtp_1_loss", "mtp_2_loss", "loss")
+    kw = dict(num_layers=layers, mtp_num_layers=depths, mtp_loss_scaling_factor=0.3, **TRAINS)
+    ref_losses, ref_grads, _, _ = trajectory_params(tiny_cfg(scan_layers=True, micro_batch_size=4, **kw), 1,
+                                                    steps, keys)
+    losses, grads, run, _ = trajectory_params(
+        tiny_cfg(pipeline_model_parallel_size=2, pipeline_schedule="1f1b", micro_batch_size=2, **kw), 4, steps, keys)
+    assert (run.mesh.shape["pipeline"], run.mesh.shape["data"], run.num_microbatches) == (2, 2, 4)
+    assert set(grads[0]) >= {"mtp_layers_0", "mtp_layers_1"}
+    # each token enters 1 + depths losses, through up to layers + depths layers
+    tokens, depth = 16 * 32 * (1 + depths), layers + depths
+    np.testing.assert_allclose(losses, ref_losses, rtol=update_rtol(np.float32, tokens, depth, 1))
+    order = stage_layer_order(layers, 2, 1)
+    got, want = jax.tree.leaves_with_path(grads[0]), jax.tree.leaves(stage_order(ref_grads[0], order))
+    assert len(got) == len(want)
+    tol = update_rtol(np.float32, tokens, depth, 1)
+    for (path, a), b in zip(got, want):
+        scale = np.max(np.abs(b)) + 1e-30
+        assert np.any(b != 0) or "mtp" not in jax.tree_util.keystr(path)
+        np.testing.assert_allclose(a / scale, b / scale, rtol=tol, atol=tol, err_msg=jax.tree_util.keystr(path))
+    # (the update itself is not compared: Adam's first steps turn the rounding noise of entries
+    # whose gradient is near zero into +-lr steps; the second step's losses read the updated weights)

@@ -43,6 +43,7 @@ ranks holding different token counts (tests/test_cp_compose.py).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import flax.linen as nn
@@ -112,6 +113,60 @@ def projection_aux(student_cfg, teacher_hidden_size: int, dcfg: DistillConfig) -
                          (1, 1, student_cfg.hidden_size))}
 
 
+def resolved_pairs(dcfg: DistillConfig, s_cfg, t_cfg, projection) -> list:
+    """The YAML's intermediate pairs resolved: ``[(student layer, teacher layer, loss fn,
+    pair)]`` (layers as :func:`jmegatron.distill.config.resolve_layer` gives them) for the
+    student / teacher ModelConfigs. Raises DistillConfigError for unknown layer names, or for
+    a pair between different hidden sizes without the ``kd_projection`` module
+    (``projection`` None, see :func:`projection_aux`)."""
+    check_layers(dcfg, s_cfg.num_layers, t_cfg.num_layers)
+    pairs = []
+    for p in dcfg.intermediate_layer_pairs:
+        if s_cfg.hidden_size != t_cfg.hidden_size and projection is None:
+            raise DistillConfigError(
+                f"intermediate pair {p.student} -> {p.teacher}: student hidden {s_cfg.hidden_size} != teacher "
+                f"hidden {t_cfg.hidden_size} needs the {PROJECTION} module (see projection_aux)")
+        pairs.append((resolve_layer(p.student, s_cfg.num_layers, "student"),
+                      resolve_layer(p.teacher, t_cfg.num_layers, "teacher"), intermediate_loss_from_name(p.loss), p))
+    return pairs
+
+
+def balanced_loss(dcfg: DistillConfig, s_cfg, logits_s: jax.Array, kl: jax.Array, pair_sums: list, micro: dict,
+                  num_tokens: jax.Array, data_sum: Callable) -> tuple[jax.Array, dict]:
+    """Megatron's distillation ``loss_func`` after the forward, pipelined or not: (loss,
+    report) of one micro-batch from the student's logits ``logits_s`` (float32 ``[b, s,
+    V]``), the per-token logits loss ``kl`` (float32 ``[b, s]``) and ``pair_sums`` (this
+    device's masked token sums of the intermediate pairs' losses, float32 scalars in pair
+    order). Each loss is this data rank's masked token mean over its context ranks
+    (``data_sum(x, context_only=True)``), plus the student's LM loss unless not needed
+    (``skip_lm_loss`` without ``kd_loss_alpha``); ``LogitsAndIntermediatesLossBalancer``
+    combines them; :func:`over_ranks` weights the ranks by their share of ``num_tokens``
+    (the micro-batch's unmasked tokens over every rank). Report: ``lm_loss`` (when computed),
+    ``kd_loss``, ``logits_distillation_loss``, ``intermediate_distillation_loss``."""
+    need_lm = (not dcfg.skip_lm_loss) or dcfg.kd_loss_alpha is not None
+    balancer = LogitsAndIntermediatesLossBalancer(
+        kd_loss_scale=dcfg.kd_loss_scale, skip_original_loss=not need_lm, kd_loss_alpha=dcfg.kd_loss_alpha)
+    mask = micro["loss_mask"].astype(jnp.float32)
+    # the balancer sees this rank's micro-batch, as Megatron's (its rows, whole sequences)
+    local_tokens = jnp.sum(mask)
+    rank_tokens = jnp.maximum(data_sum(local_tokens, context_only=True), 1.0)
+
+    def rank_mean(local_sum):
+        return data_sum(local_sum, context_only=True) / rank_tokens
+
+    losses = {"logits_loss": rank_mean(jnp.sum(kl * mask))}
+    for k, pair_sum in enumerate(pair_sums):
+        losses[f"intermediate_{k}"] = rank_mean(pair_sum)
+    report = {}
+    if need_lm:
+        total, _ = masked_cross_entropy(logits_s, micro["labels"], mask, s_cfg.backend.cross_entropy)
+        losses["student_loss"] = report["lm_loss"] = rank_mean(total)
+    total, rep = balancer(losses)
+    report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],
+                  intermediate_distillation_loss=rep["intermediate_loss"])
+    return over_ranks((total, report), local_tokens, num_tokens, data_sum)
+
+
 def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[dict] = None,
                          vocab_shards: int = 1, cross_tokenizer: bool = False,
                          vocab_map: Optional[np.ndarray] = None) -> Callable:
@@ -145,19 +200,8 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
                                  "distil online (config.kd_teacher_load)")
     s_cfg = student.cfg
     t_cfg = s_cfg if offline else teacher.cfg
-    check_layers(dcfg, s_cfg.num_layers, t_cfg.num_layers)
     projection = (aux or {}).get(PROJECTION, (None,))[0]
-    pairs = []
-    for p in dcfg.intermediate_layer_pairs:
-        if s_cfg.hidden_size != t_cfg.hidden_size and projection is None:
-            raise DistillConfigError(
-                f"intermediate pair {p.student} -> {p.teacher}: student hidden {s_cfg.hidden_size} != teacher "
-                f"hidden {t_cfg.hidden_size} needs the {PROJECTION} module (see projection_aux)")
-        pairs.append((resolve_layer(p.student, s_cfg.num_layers, "student"),
-                      resolve_layer(p.teacher, t_cfg.num_layers, "teacher"), intermediate_loss_from_name(p.loss)))
-    need_lm = (not dcfg.skip_lm_loss) or dcfg.kd_loss_alpha is not None
-    balancer = LogitsAndIntermediatesLossBalancer(
-        kd_loss_scale=dcfg.kd_loss_scale, skip_original_loss=not need_lm, kd_loss_alpha=dcfg.kd_loss_alpha)
+    pairs = resolved_pairs(dcfg, s_cfg, t_cfg, projection)
     moe_student = s_cfg.moe is not None
     # the teacher is deterministic: an MoE teacher's router sows nothing, so it needs no MoE collection
     mutable_s = (["intermediates"] if pairs else []) + (list(MOE_COLLECTIONS) if moe_student else [])
@@ -170,14 +214,6 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
                               sample_offset=micro["sample_offset"], mutable=mutable_s or False,
                               segment_ids=segment_ids)
         logits_s, inter_s = out_s if mutable_s else (out_s, {})
-        mask = micro["loss_mask"].astype(jnp.float32)
-        # the balancer sees this rank's micro-batch, as Megatron's (its rows, whole sequences)
-        local_tokens = jnp.sum(mask)
-        rank_tokens = jnp.maximum(data_sum(local_tokens, context_only=True), 1.0)
-
-        def masked_mean(per_token):
-            return data_sum(jnp.sum(per_token * mask), context_only=True) / rank_tokens
-
         if cross_tokenizer:  # unmatched positions (ids -1) are left out
             ids = micro[IDS_KEY]
             kl = uld_loss(logits_s, micro[LOGPROBS_KEY], vocab_shards)
@@ -194,21 +230,15 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
                                   segment_ids=segment_ids)
             logits_t, inter_t = out_t if pairs else (out_t, {})
             kl = logits_loss(dcfg, logits_s, jax.lax.stop_gradient(logits_t.astype(jnp.float32)), vocab_shards)
-        losses = {"logits_loss": masked_mean(kl)}
-        for k, (s_layer, t_layer, fn) in enumerate(pairs):
+        mask = micro["loss_mask"].astype(jnp.float32)
+        pair_sums = []
+        for s_layer, t_layer, fn, _ in pairs:
             hs = _pick(inter_s["intermediates"], s_layer, s_cfg.scan_layers)
             if projection is not None:
                 hs = projection.apply({"params": params[PROJECTION]}, hs.astype(jnp.float32))
             ht = jax.lax.stop_gradient(_pick(inter_t["intermediates"], t_layer, t_cfg.scan_layers))
-            losses[f"intermediate_{k}"] = masked_mean(fn(hs, ht.astype(jnp.float32)))
-        report = {}
-        if need_lm:
-            total, _ = masked_cross_entropy(logits_s, micro["labels"], mask, s_cfg.backend.cross_entropy)
-            losses["student_loss"] = report["lm_loss"] = data_sum(total, context_only=True) / rank_tokens
-        total, rep = balancer(losses)
-        report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],
-                      intermediate_distillation_loss=rep["intermediate_loss"])
-        total, report = over_ranks((total, report), local_tokens, num_tokens, data_sum)
+            pair_sums.append(jnp.sum(fn(hs, ht.astype(jnp.float32)) * mask))
+        total, report = balanced_loss(dcfg, s_cfg, logits_s, kl, pair_sums, micro, num_tokens, data_sum)
         if moe_student:  # outside the balancer, as Megatron's MoEAuxLossAutoScaler (module doc)
             total, report = add_moe_losses(s_cfg, total, report, inter_s, micro, data_sum)
         return total, report
@@ -296,149 +326,147 @@ def distillation_pipeline_stages(student, teacher, dcfg: DistillConfig, aux: Opt
     (``segment_ids`` in the batch) apply to both models.
     """
 
-    s_cfg, t_cfg = student.cfg, teacher.cfg
-    moe_student = s_cfg.moe is not None
-    check_layers(dcfg, s_cfg.num_layers, t_cfg.num_layers)
     projection = (aux or {}).get(PROJECTION, (None,))[0]
-    need_lm = (not dcfg.skip_lm_loss) or dcfg.kd_loss_alpha is not None
-    balancer = LogitsAndIntermediatesLossBalancer(
-        kd_loss_scale=dcfg.kd_loss_scale, skip_original_loss=not need_lm, kd_loss_alpha=dcfg.kd_loss_alpha)
-    raw_pairs = [(resolve_layer(p.student, s_cfg.num_layers, "student"),
-                  resolve_layer(p.teacher, t_cfg.num_layers, "teacher"), intermediate_loss_from_name(p.loss), p)
-                 for p in dcfg.intermediate_layer_pairs]
+    pairs = resolved_pairs(dcfg, student.cfg, teacher.cfg, projection)
+    return functools.partial(_distillation_stages, student.cfg, teacher.cfg, dcfg, projection, pairs, vocab_shards,
+                             teacher_layout)
 
-    def stages(ctx):
-        p, v = ctx.pipeline_size, ctx.virtual_size
-        s_layout = ctx.layout or PipelineLayout(s_cfg.num_layers, p, v)
-        t_layout = teacher_layout or PipelineLayout(t_cfg.num_layers, p, v)
-        if (t_layout.num_layers, t_layout.pipeline_size, t_layout.virtual_size) != (t_cfg.num_layers, p, v):
-            raise DistillConfigError(f"teacher layout {t_layout} does not split the teacher's {t_cfg.num_layers} "
-                                     f"layers into the student's {p} x {v} pipeline chunks")
-        # pairs[k] = (fn, student (stage, chunk, index) or None for final_layernorm, teacher ditto, names)
-        in_chunk, in_head = [], []
-        for k, (s_layer, t_layer, fn, pair) in enumerate(raw_pairs):
-            if OUTPUT_LAYER in (s_layer[1], t_layer[1]):
-                raise DistillConfigError(f"intermediate pair {pair.student} -> {pair.teacher}: {OUTPUT_LAYER} is "
-                                         f"not an intermediate layer under pipeline parallelism")
-            if s_cfg.hidden_size != t_cfg.hidden_size and projection is None:
-                raise DistillConfigError(
-                    f"intermediate pair {pair.student} -> {pair.teacher}: student hidden {s_cfg.hidden_size} != "
-                    f"teacher hidden {t_cfg.hidden_size} needs the {PROJECTION} module (see projection_aux)")
-            if s_layer[0] is None and t_layer[0] is None:
-                in_head.append((k, fn))
-                continue
-            where_s = _chunk_of(s_layout, s_layer[0]) if s_layer[0] is not None else "the last stage's head"
-            where_t = _chunk_of(t_layout, t_layer[0]) if t_layer[0] is not None else "the last stage's head"
-            if s_layer[0] is None or t_layer[0] is None or where_s[:2] != where_t[:2]:
-                def name(w):
-                    return w if isinstance(w, str) else f"stage {w[0]} chunk {w[1]}"
-                raise DistillConfigError(
-                    f"intermediate pair {pair.student} -> {pair.teacher}: under pipeline parallelism a pair is "
-                    f"computed in the model chunk that holds both layers, but the student's is in "
-                    f"{name(where_s)} and the teacher's in {name(where_t)} (student chunks hold layers "
-                    f"{_chunk_ranges(s_layout)}, teacher chunks {_chunk_ranges(t_layout)}); pair layers of the "
-                    f"same chunk")
-            in_chunk.append((k, fn, where_s, where_t, s_layer[1] + "_output", t_layer[1] + "_output"))
-        s_sow = tuple(sorted({c[4] for c in in_chunk}))
-        t_sow = tuple(sorted({c[5] for c in in_chunk}))
-        s_dot, t_dot = s_cfg.dense_dot_general(), t_cfg.dense_dot_general()
-        teacher_params = ctx.extra
-        n_sums = len(in_chunk)
 
-        def embed(prm, micro):
-            xs = embed_tokens(s_cfg, prm, micro["tokens"], micro["position_ids"], deterministic=False,
-                              rng=jax.random.fold_in(ctx.rng, s_cfg.num_layers), sample_offset=ctx.sample_offset(micro))
-            xt = embed_tokens(t_cfg, teacher_params, micro["tokens"], micro["position_ids"], deterministic=True,
-                              rng=None, sample_offset=0)
-            x = (xs, jax.lax.stop_gradient(xt))
-            return x + (jnp.zeros((n_sums,), jnp.float32),) if n_sums else x
+def _stage_pairs(pairs: list, s_layout: PipelineLayout, t_layout: PipelineLayout) -> tuple[list, list]:
+    """Where each of :func:`resolved_pairs`' ``pairs`` is computed under pipeline parallelism:
+    (in a model chunk: ``[(k, fn, student (stage, chunk, index), teacher (stage, chunk, index),
+    student sown name, teacher sown name)]``, on the last stage's head (both
+    ``decoder.final_layernorm``): ``[(k, fn)]``). Raises DistillConfigError for a pair naming
+    ``output_layer`` or whose layers sit in different chunks (naming the chunks)."""
+    in_chunk, in_head = [], []
+    for k, (s_layer, t_layer, fn, pair) in enumerate(pairs):
+        if OUTPUT_LAYER in (s_layer[1], t_layer[1]):
+            raise DistillConfigError(f"intermediate pair {pair.student} -> {pair.teacher}: {OUTPUT_LAYER} is "
+                                     f"not an intermediate layer under pipeline parallelism")
+        if s_layer[0] is None and t_layer[0] is None:
+            in_head.append((k, fn))
+            continue
+        where_s = _chunk_of(s_layout, s_layer[0]) if s_layer[0] is not None else "the last stage's head"
+        where_t = _chunk_of(t_layout, t_layer[0]) if t_layer[0] is not None else "the last stage's head"
+        if s_layer[0] is None or t_layer[0] is None or where_s[:2] != where_t[:2]:
+            def name(w):
+                return w if isinstance(w, str) else f"stage {w[0]} chunk {w[1]}"
+            raise DistillConfigError(
+                f"intermediate pair {pair.student} -> {pair.teacher}: under pipeline parallelism a pair is "
+                f"computed in the model chunk that holds both layers, but the student's is in "
+                f"{name(where_s)} and the teacher's in {name(where_t)} (student chunks hold layers "
+                f"{_chunk_ranges(s_layout)}, teacher chunks {_chunk_ranges(t_layout)}); pair layers of the "
+                f"same chunk")
+        in_chunk.append((k, fn, where_s, where_t, s_layer[1] + "_output", t_layer[1] + "_output"))
+    return in_chunk, in_head
 
-        def chunk(prm, x, micro, ci):
-            xs, xt = x[:2]
-            segment_ids = micro.get("segment_ids")
-            layers, first, count = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers, s_layout)
-            out_s = apply_layers(s_cfg, layers, xs, micro["position_ids"], first_layer=first, num_valid=count,
-                                 deterministic=False, rng=ctx.rng, sample_offset=ctx.sample_offset(micro),
-                                 dot_general=s_dot, sow=s_sow, moe_sown=moe_student, segment_ids=segment_ids)
-            t_layers, t_first, t_count = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers,
-                                                          t_layout)
-            out_t = apply_layers(t_cfg, t_layers, jax.lax.stop_gradient(xt), micro["position_ids"],
-                                 first_layer=t_first, num_valid=t_count, deterministic=True, rng=None,
-                                 sample_offset=0, dot_general=t_dot, sow=t_sow, segment_ids=segment_ids)
-            (ys, side_s), (yt, side_t) = (out_s if s_sow or moe_student else (out_s, {})), (out_t if t_sow else (out_t, {}))
-            sown = {k: side_s.pop(k) for k in MOE_COLLECTIONS if k in side_s}
-            y = (ys, jax.lax.stop_gradient(yt))
-            if n_sums:
-                axes = manual_axes(ys)
-                mask = micro["loss_mask"].astype(jnp.float32)
 
-                def pair_sum(fn, i, j, s_name, t_name):
-                    hs = side_s[s_name][i]
-                    if projection is not None:
-                        hs = projection.apply({"params": prm[PROJECTION]}, hs.astype(jnp.float32))
-                    ht = jax.lax.stop_gradient(side_t[t_name][j]).astype(jnp.float32)
-                    return as_varying(jnp.sum(fn(hs, ht) * mask), axes)
+def _distillation_chunk(ctx, s_cfg, t_cfg, layouts: tuple, in_chunk: list, projection) -> Callable:
+    """The ``chunk`` stage of :func:`distillation_pipeline_stages` for ``ctx``: the student's
+    and the teacher's layers of model chunk ``ci`` side by side, the running pair sums
+    (``x[2]``, float32 ``[len(in_chunk)]``) gaining the pairs computed in this chunk, an MoE
+    student's router losses as chunk losses. ``layouts``: (student's, teacher's)
+    :class:`PipelineLayout`; ``in_chunk``: :func:`_stage_pairs`' first list."""
+    s_layout, t_layout = layouts
+    s_sow = tuple(sorted({c[4] for c in in_chunk}))
+    t_sow = tuple(sorted({c[5] for c in in_chunk}))
+    s_dot, t_dot = s_cfg.dense_dot_general(), t_cfg.dense_dot_general()
+    teacher_params, moe_student = ctx.extra, s_cfg.moe is not None
 
-                sums = x[2]
-                for slot, (_, fn, (st, c, i), (_, _, j), s_name, t_name) in enumerate(in_chunk):
-                    here = (ctx.stage == st) & (ci == c)
-                    add = jax.lax.cond(here, lambda: pair_sum(fn, i, j, s_name, t_name),
-                                       lambda: as_varying(jnp.float32(0.0), axes))
-                    sums = sums.at[slot].add(add)
-                y = y + (sums,)
-            if not moe_student:
-                return y, None
-            return y, None, chunk_moe_losses(s_cfg, sown, first, count, 1.0 / ctx.data_parallel_size)
-
-        def head(prm, y, side, micro):
-            ys, yt = y[:2]
-            normed_s, normed_t = final_layernorm(s_cfg, prm, ys), final_layernorm(t_cfg, teacher_params, yt)
-            logits_s = output_logits(s_cfg, prm, normed_s, s_dot, normed=True)
-            logits_t = jax.lax.stop_gradient(output_logits(t_cfg, teacher_params, normed_t, t_dot, normed=True))
+    def chunk(prm, x, micro, ci):
+        xs, xt = x[:2]
+        segment_ids = micro.get("segment_ids")
+        layers, first, count = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers, s_layout)
+        out_s = apply_layers(s_cfg, layers, xs, micro["position_ids"], first_layer=first, num_valid=count,
+                             deterministic=False, rng=ctx.rng, sample_offset=ctx.sample_offset(micro),
+                             dot_general=s_dot, sow=s_sow, moe_sown=moe_student, segment_ids=segment_ids)
+        t_layers, t_first, t_count = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers,
+                                                      t_layout)
+        out_t = apply_layers(t_cfg, t_layers, jax.lax.stop_gradient(xt), micro["position_ids"],
+                             first_layer=t_first, num_valid=t_count, deterministic=True, rng=None,
+                             sample_offset=0, dot_general=t_dot, sow=t_sow, segment_ids=segment_ids)
+        (ys, side_s), (yt, side_t) = (out_s if s_sow or moe_student else (out_s, {})), (out_t if t_sow else (out_t, {}))
+        sown = {k: side_s.pop(k) for k in MOE_COLLECTIONS if k in side_s}
+        y = (ys, jax.lax.stop_gradient(yt))
+        if in_chunk:
+            axes = manual_axes(ys)
             mask = micro["loss_mask"].astype(jnp.float32)
-            num_tokens = ctx.tokens[micro["microbatch"]]  # over every data (and context) rank
-            local_tokens = jnp.sum(mask)
-            rank_tokens = jnp.maximum(ctx.data_sum(local_tokens, context_only=True), 1.0)
 
-            def rank_mean(local_sum):  # this rank's micro-batch's mean (whole sequences): the balancer's
-                return ctx.data_sum(local_sum, context_only=True) / rank_tokens
-
-            losses = {"logits_loss": rank_mean(jnp.sum(logits_loss(dcfg, logits_s, logits_t, vocab_shards) * mask))}
-            for slot, (k, *_rest) in enumerate(in_chunk):
-                losses[f"intermediate_{k}"] = rank_mean(y[2][slot])
-            for k, fn in in_head:  # decoder.final_layernorm
-                hs = normed_s
+            def pair_sum(fn, i, j, s_name, t_name):
+                hs = side_s[s_name][i]
                 if projection is not None:
                     hs = projection.apply({"params": prm[PROJECTION]}, hs.astype(jnp.float32))
-                losses[f"intermediate_{k}"] = rank_mean(
-                    jnp.sum(fn(hs, jax.lax.stop_gradient(normed_t).astype(jnp.float32)) * mask))
-            losses = {k: losses[k] for k in ["logits_loss"] + [f"intermediate_{k}" for k in range(len(raw_pairs))]}
-            report = {}
-            if need_lm:
-                total, _ = masked_cross_entropy(logits_s, micro["labels"], mask, s_cfg.backend.cross_entropy)
-                losses["student_loss"] = report["lm_loss"] = rank_mean(total)
-            total, rep = balancer(losses)
-            report.update(kd_loss=rep["kd_loss"], logits_distillation_loss=rep["logits_loss"],
-                          intermediate_distillation_loss=rep["intermediate_loss"])
-            total, report = over_ranks((total, report), local_tokens, num_tokens, ctx.data_sum)
-            # every data rank holds the global values; the schedule sums the head's loss and report
-            # over the data ranks and seeds each rank's backward with 1 (summed over the ranks by the
-            # transpose of the data sum): a share of 1 / dp gives the global value and gradient once
-            share = 1.0 / ctx.data_parallel_size
-            return total * share, dict(report_zeros, **{k: r * share for k, r in report.items()})
+                ht = jax.lax.stop_gradient(side_t[t_name][j]).astype(jnp.float32)
+                return as_varying(jnp.sum(fn(hs, ht) * mask), axes)
 
-        activation = (jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, s_cfg.hidden_size), s_cfg.dtype),
-                      jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, t_cfg.hidden_size), t_cfg.dtype))
-        if n_sums:
-            activation += (jax.ShapeDtypeStruct((n_sums,), jnp.float32),)
-        report_zeros = {k: jnp.float32(0.0) for k in
-                        (["lm_loss"] if need_lm else []) + ["kd_loss", "logits_distillation_loss",
-                                                             "intermediate_distillation_loss"]}
-        if moe_student:
-            report_zeros.update(chunk_report_zeros(s_cfg))
-        return dict(embed=embed, chunk=chunk, head=head, activation=activation, report_zeros=report_zeros)
+            sums = x[2]
+            for slot, (_, fn, (st, c, i), (_, _, j), s_name, t_name) in enumerate(in_chunk):
+                here = (ctx.stage == st) & (ci == c)
+                add = jax.lax.cond(here, lambda: pair_sum(fn, i, j, s_name, t_name),
+                                   lambda: as_varying(jnp.float32(0.0), axes))
+                sums = sums.at[slot].add(add)
+            y = y + (sums,)
+        if not moe_student:
+            return y, None
+        return y, None, chunk_moe_losses(s_cfg, sown, first, count, 1.0 / ctx.data_parallel_size)
 
-    return stages
+    return chunk
+
+
+def _distillation_stages(s_cfg, t_cfg, dcfg: DistillConfig, projection, pairs: list, vocab_shards: int,
+                         teacher_layout: Optional[PipelineLayout], ctx) -> dict:
+    """:func:`distillation_pipeline_stages`' stages for the StageContext ``ctx``."""
+    p, v = ctx.pipeline_size, ctx.virtual_size
+    s_layout = ctx.layout or PipelineLayout(s_cfg.num_layers, p, v)
+    t_layout = teacher_layout or PipelineLayout(t_cfg.num_layers, p, v)
+    if (t_layout.num_layers, t_layout.pipeline_size, t_layout.virtual_size) != (t_cfg.num_layers, p, v):
+        raise DistillConfigError(f"teacher layout {t_layout} does not split the teacher's {t_cfg.num_layers} "
+                                 f"layers into the student's {p} x {v} pipeline chunks")
+    in_chunk, in_head = _stage_pairs(pairs, s_layout, t_layout)
+    s_dot, t_dot = s_cfg.dense_dot_general(), t_cfg.dense_dot_general()
+    teacher_params = ctx.extra
+    n_sums = len(in_chunk)
+    need_lm = (not dcfg.skip_lm_loss) or dcfg.kd_loss_alpha is not None
+    report_zeros = {k: jnp.float32(0.0) for k in (["lm_loss"] if need_lm else []) + [
+        "kd_loss", "logits_distillation_loss", "intermediate_distillation_loss"]}
+    if s_cfg.moe is not None:
+        report_zeros.update(chunk_report_zeros(s_cfg))
+
+    def embed(prm, micro):
+        xs = embed_tokens(s_cfg, prm, micro["tokens"], micro["position_ids"], deterministic=False,
+                          rng=jax.random.fold_in(ctx.rng, s_cfg.num_layers), sample_offset=ctx.sample_offset(micro))
+        xt = embed_tokens(t_cfg, teacher_params, micro["tokens"], micro["position_ids"], deterministic=True,
+                          rng=None, sample_offset=0)
+        x = (xs, jax.lax.stop_gradient(xt))
+        return x + (jnp.zeros((n_sums,), jnp.float32),) if n_sums else x
+
+    def head(prm, y, side, micro):
+        ys, yt = y[:2]
+        normed_s, normed_t = final_layernorm(s_cfg, prm, ys), final_layernorm(t_cfg, teacher_params, yt)
+        logits_s = output_logits(s_cfg, prm, normed_s, s_dot, normed=True)
+        logits_t = jax.lax.stop_gradient(output_logits(t_cfg, teacher_params, normed_t, t_dot, normed=True))
+        mask = micro["loss_mask"].astype(jnp.float32)
+        sums = {k: y[2][slot] for slot, (k, *_rest) in enumerate(in_chunk)}
+        for k, fn in in_head:  # decoder.final_layernorm
+            hs = normed_s
+            if projection is not None:
+                hs = projection.apply({"params": prm[PROJECTION]}, hs.astype(jnp.float32))
+            sums[k] = jnp.sum(fn(hs, jax.lax.stop_gradient(normed_t).astype(jnp.float32)) * mask)
+        kl = logits_loss(dcfg, logits_s, logits_t, vocab_shards)
+        total, report = balanced_loss(dcfg, s_cfg, logits_s, kl, [sums[k] for k in range(len(pairs))], micro,
+                                      ctx.tokens[micro["microbatch"]], ctx.data_sum)
+        # every data rank holds the global values; the schedule sums the head's loss and report
+        # over the data ranks and seeds each rank's backward with 1 (summed over the ranks by the
+        # transpose of the data sum): a share of 1 / dp gives the global value and gradient once
+        share = 1.0 / ctx.data_parallel_size
+        return total * share, dict(report_zeros, **{k: r * share for k, r in report.items()})
+
+    activation = (jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, s_cfg.hidden_size), s_cfg.dtype),
+                  jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, t_cfg.hidden_size), t_cfg.dtype))
+    if n_sums:
+        activation += (jax.ShapeDtypeStruct((n_sums,), jnp.float32),)
+    chunk = _distillation_chunk(ctx, s_cfg, t_cfg, (s_layout, t_layout), in_chunk, projection)
+    return dict(embed=embed, chunk=chunk, head=head, activation=activation, report_zeros=report_zeros)
 
 
 def _chunk_ranges(layout: PipelineLayout) -> str:

@@ -56,29 +56,60 @@ def embedding_dropout_rng(rng: Any, num_layers: int) -> Any:
 
 
 def _install_rngs(fn: Callable) -> Callable:
-    """Flax core lift: ``fn(scope, x, *args)`` called as ``(scope, x, rngs, *args)`` with the
-    scope's RNG streams named in ``rngs`` (a dict name -> key) replaced by those keys
-    (streams it does not name are kept) and its RNG counters fresh, so the layer draws
-    what ``TransformerLayer.apply(..., rngs=rngs)`` draws."""
+    """Flax core lift: ``fn(scope, x, *args)`` called as ``(scope, x, rngs, valid, *args)``
+    with the scope's RNG streams named in ``rngs`` (a dict name -> key) replaced by those
+    keys (streams it does not name are kept) and its RNG counters fresh, so the layer draws
+    what ``TransformerLayer.apply(..., rngs=rngs)`` draws. ``valid`` (traced bool, or None:
+    always): False skips the layer (``lax.cond``: not computed), ``x`` passes through and
+    its sown values are zeros (a pipeline chunk's padding slot)."""
 
-    def inner(scope_fn, repack_fn, variable_groups, rng_groups, x, rngs, *args, **kwargs):
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, x, rngs, valid, *args, **kwargs):
         if rngs:
             rng_groups = tuple(tuple({n: (LazyRng.create(rngs[n]) if n in rngs else r) for n, r in d.items()}
                                      for d in group) for group in rng_groups)
-        scope = scope_fn(variable_groups, rng_groups)
-        if rngs:  # fresh counters, as a layer applied on its own: a re-traced body (nn.scan) draws the same keys
-            for s in jax.tree_util.tree_leaves(scope):
-                s.rng_counters = {n: 0 for n in s.rngs}
-        y = fn(scope, x, *args, **kwargs)
-        return y, repack_fn(scope)
+
+        def run(variable_groups, x):
+            scope = scope_fn(variable_groups, rng_groups)
+            if rngs:  # fresh counters, as a layer applied on its own: a re-traced body (nn.scan) draws the same keys
+                for s in jax.tree_util.tree_leaves(scope):
+                    s.rng_counters = {n: 0 for n in s.rngs}
+            y = fn(scope, x, *args, **kwargs)
+            return y, repack_fn(scope)
+
+        if valid is None:
+            return run(variable_groups, x)
+
+        def skip(variable_groups, x):
+            (y, new_vars) = jax.eval_shape(run, variable_groups, x)
+
+            def like(spec, a=None):  # ``a`` (default zeros) typed as the layer's output ``spec``
+                a = jnp.zeros(spec.shape, spec.dtype) if a is None else a
+                # inside a shard_map: varying over the manual axes the layer's output varies over
+                return as_varying(a, frozenset(getattr(spec.manual_axis_type, "varying", None) or ()))
+
+            def keep(out, given):  # collections given unchanged (the parameters) pass through
+                if isinstance(out, (tuple, list)):
+                    return type(out)(keep(o, g) for o, g in zip(out, given))
+
+                def same(a, b):
+                    return [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)]
+                return {col: (jax.tree.map(like, tree, jax.tree.unflatten(jax.tree.structure(tree),
+                                                                          jax.tree.leaves(given[col])))
+                              if col in given and same(given[col], tree) else jax.tree.map(like, tree))
+                        for col, tree in out.items()}
+
+            return (like(y[0], x), jax.tree.map(like, y[1])), keep(new_vars, variable_groups)
+
+        return jax.lax.cond(valid, run, skip, variable_groups, x)
 
     return flax_lift.pack(inner, (True,), (True,), (True,), name="layer_rngs", enable_kwargs=True)
 
 
 def keyed_layer(layer_cls: Any) -> Any:
     """``layer_cls`` (a :class:`TransformerLayer` class, possibly remat-wrapped) called as
-    ``layer(x, rngs, *args)``: ``rngs`` (dict stream name -> key, e.g. ``{"params": k,
-    "dropout": k}``) replaces those RNG streams of the layer's scope."""
+    ``layer(x, rngs, valid, *args)``: ``rngs`` (dict stream name -> key, e.g. ``{"params": k,
+    "dropout": k}``) replaces those RNG streams of the layer's scope; ``valid`` False (a
+    traced bool; None: always run) skips the layer, ``x`` passing through."""
     return nn.transforms.lift_transform(_install_rngs, layer_cls)
 
 
@@ -193,34 +224,38 @@ class GPTModel(nn.Module):
 
     @nn.compact
     def decoder(self, x: Array, position_ids: Array, deterministic: bool = True, sample_offset: Any = 0,
-                kv_cache: Any = None, segment_ids: Optional[Array] = None) -> tuple[Array, Any]:
+                kv_cache: Any = None, segment_ids: Optional[Array] = None, layers: Optional[Array] = None,
+                valid: Optional[Array] = None) -> tuple[Array, Any]:
         """The decoder layers (Megatron's TransformerBlock without its final norm), ``[b, s, h]``
         -> ``([b, s, h], kv_cache)``: ``decoder_layers_{i}`` in a Python loop, or with
         ``scan_layers`` one ``nn.scan`` over the stacked ``decoder_layers``; layer ``i``'s
         init and dropout keys as the class docstring says. ``kv_cache``: as ``__call__``'s
-        (None: returned None)."""
+        (None: returned None). ``layers`` (int ``[n]``, may be traced; None: all, in order):
+        the model layer numbers of the stacked ``decoder_layers`` given, scanned whatever
+        ``scan_layers`` says (a pipeline chunk's slice, :func:`apply_layers`); ``valid`` (bool
+        ``[n]``; None: all): False marks padding slots, skipped."""
         c = self.cfg
         sample_offset = jnp.asarray(sample_offset, jnp.uint32)
         dot_general = self.resolved_dot_general()
+        scan = c.scan_layers or layers is not None
         layer_cls = TransformerLayer
         if c.recompute_granularity == "full":
-            layer_cls = nn.remat(layer_cls, prevent_cse=not c.scan_layers,
-                                 policy=jax.checkpoint_policies.nothing_saveable)
+            layer_cls = nn.remat(layer_cls, prevent_cse=not scan, policy=jax.checkpoint_policies.nothing_saveable)
         layer_cls = keyed_layer(layer_cls)
-        if c.scan_layers:
+        if scan:
             # With a cache, the stacked (k, v) [num_layers, ...] is scanned along with the
             # stacked params and comes back as the scan's per-layer outputs.
-            # (an absent cache or segment ids: None, broadcast); the layer numbers are scanned
+            # (an absent cache, validity or segment ids: None, broadcast); the layer numbers are scanned
+            numbers = jnp.arange(c.num_layers) if layers is None else layers
             stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0, "moe_losses": 0,
                                                       "moe_stats": 0},
                             split_rngs={"params": False, "dropout": False},  # keyed per layer instead
-                            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast if kv_cache is None else 0,
-                                     nn.broadcast, 0), length=c.num_layers,
-                            metadata_params={nn.PARTITION_NAME: "layers"})
-            numbers = jnp.arange(c.num_layers)
+                            in_axes=(0, nn.broadcast if valid is None else 0, nn.broadcast, nn.broadcast,
+                                     nn.broadcast if kv_cache is None else 0, nn.broadcast, 0),
+                            length=numbers.shape[0], metadata_params={nn.PARTITION_NAME: "layers"})
             rngs = self._layer_rngs(deterministic)(numbers)
             return stack(c, deterministic, dot_general, name="decoder_layers")(
-                x, rngs, position_ids, sample_offset, kv_cache, segment_ids, numbers)
+                x, rngs, valid, position_ids, sample_offset, kv_cache, segment_ids, numbers)
         new_cache = []
         moe_layers = c.moe_layers()
         layer_rngs = self._layer_rngs(deterministic)
@@ -228,9 +263,9 @@ class GPTModel(nn.Module):
             layer = layer_cls(c, deterministic, dot_general, bool(moe_layers[i]), name=f"decoder_layers_{i}")
             rngs = layer_rngs(i)
             if kv_cache is None:
-                x, _ = layer(x, rngs, position_ids, sample_offset, None, segment_ids, i)
+                x, _ = layer(x, rngs, None, position_ids, sample_offset, None, segment_ids, i)
             else:
-                x, kv = layer(x, rngs, position_ids, sample_offset, kv_cache[i], None, i)
+                x, kv = layer(x, rngs, None, position_ids, sample_offset, kv_cache[i], None, i)
                 new_cache.append(kv)
         return x, None if kv_cache is None else tuple(new_cache)
 
@@ -264,13 +299,26 @@ class GPTModel(nn.Module):
         x = self.embed(tokens, position_ids, deterministic,
                        None if base is None else embedding_dropout_rng(base, c.num_layers), sample_offset)
         x, kv_cache = self.decoder(x, position_ids, deterministic, sample_offset, kv_cache, segment_ids)
-        if c.mtp_num_layers and kv_cache is None and self.is_mutable_collection(MTP_COLLECTION):
-            x = self.final_layernorm(x)
-            self.sow("intermediates", "final_layernorm_output", x)
-            self.multi_token_prediction(x, tokens, position_ids, deterministic, base, sample_offset, segment_ids)
-            return self.head(x, normed=True)
-        logits = self.head(x)
-        return logits if kv_cache is None else (logits, kv_cache)
+        if kv_cache is not None:
+            return self.head(x), kv_cache
+        return self.post_process(x, tokens, position_ids, deterministic, sample_offset, segment_ids)
+
+    def post_process(self, x: Array, tokens: Array, position_ids: Array, deterministic: bool = True,
+                     sample_offset: Any = 0, segment_ids: Optional[Array] = None) -> Array:
+        """Megatron's ``post_process`` of a training or evaluation forward: the decoder's
+        output ``x [b, s, h]`` -> float32 logits ``[b, s, vocab]`` (:meth:`head`); with
+        ``mtp_num_layers`` and the :data:`MTP_COLLECTION` collection mutable, the
+        multi-token prediction depths run on the normed ``x`` first
+        (:meth:`multi_token_prediction`, their dropout from the ``dropout`` key given to
+        ``apply``). ``tokens`` / ``position_ids`` ``[b, s]``: the micro-batch's (the depths
+        embed them rolled)."""
+        if not (self.cfg.mtp_num_layers and self.is_mutable_collection(MTP_COLLECTION)):
+            return self.head(x)
+        x = self.final_layernorm(x)
+        self.sow("intermediates", "final_layernorm_output", x)
+        base = None if deterministic else self._stream_key("dropout")
+        self.multi_token_prediction(x, tokens, position_ids, deterministic, base, sample_offset, segment_ids)
+        return self.head(x, normed=True)
 
     def multi_token_prediction(self, hidden: Array, tokens: Array, position_ids: Array, deterministic: bool,
                                dropout_base: Any, sample_offset: Any, segment_ids: Optional[Array]) -> None:
@@ -335,12 +383,12 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
                  sow: tuple[str, ...] = (), num_valid: Any = None, moe_sown: bool = False,
                  segment_ids: Optional[Array] = None) -> Any:
     """The decoder layers whose parameters are stacked ``[n, ...]`` in ``layer_params``
-    (a slice of ``decoder_layers``), in order, as one ``lax.scan``; layer ``k`` is model
+    (a slice of ``decoder_layers``), in order, as :meth:`GPTModel.decoder`'s scan; layer ``k`` is model
     layer ``first_layer + k`` and draws :meth:`GPTModel.decoder`'s masks for it (dropout
     key :func:`layer_dropout_rng` ``(rng, first_layer + k)``, ``rng`` the step's dropout key).
     ``num_valid`` (int, may be traced; None: all ``n``): only the first ``num_valid``
     slots are layers, the rest padding (uneven pipeline stages) that passes ``x`` through
-    (``lax.cond``: not computed). ``recompute_granularity="full"`` recomputes each layer in
+    (``lax.cond``: not computed, :func:`keyed_layer`). ``recompute_granularity="full"`` recomputes each layer in
     the backward. Returns the output ``[b, s, h]``; with ``sow`` (names TransformerLayer
     sows, e.g. ``"input_layernorm_output"``) ``(output, {name: [n, b, s, h]})`` (zeros for
     padding slots). ``moe_sown``: the MoE layers' sown collections
@@ -348,43 +396,40 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
     that dict under their collection names, each leaf stacked ``[n, ...]`` (zeros for padding
     slots); :func:`jmegatron.models.moe.moe_layer.chunk_moe_losses` reads them.
     ``segment_ids`` int ``[b, s]`` (optional): document masking, as :class:`GPTModel`'s."""
-    layer = TransformerLayer(c, deterministic, dot_general)
-    offset = jnp.asarray(sample_offset, jnp.uint32)
-
-    def body(h, xs):
-        p, k = xs
-        rngs = None if deterministic else {"dropout": layer_dropout_rng(rng, first_layer + k)}
-        number = first_layer + k
-        if not sow and not moe_sown:
-            return layer.apply({"params": p}, h, position_ids, offset, None, segment_ids, number, rngs=rngs)[0], None
-        mutable = (["intermediates"] if sow else []) + (list(MOE_COLLECTIONS) if moe_sown else [])
-        (h, _), state = layer.apply({"params": p}, h, position_ids, offset, None, segment_ids, number, rngs=rngs,
-                                    mutable=mutable)
-        out = {name: state["intermediates"][name][0] for name in sow}
-        out.update({name: state[name] for name in MOE_COLLECTIONS if moe_sown and name in state})
-        return h, out
-
-    if c.recompute_granularity == "full":
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    if num_valid is not None:
-        layer_body = body
-
-        def body(h, xs):
-            def skip(h, xs):
-                out = jax.eval_shape(layer_body, h, xs)[1]
-                # inside a shard_map the sown values vary over what the layer's inputs vary over
-                axes = frozenset().union(*(manual_axes(a) for a in jax.tree.leaves((h, xs))))
-                return h, as_varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out), axes)
-
-            return jax.lax.cond(xs[1] < num_valid, layer_body, skip, h, xs)
     n = jax.tree.leaves(layer_params)[0].shape[0]
-    out, sown = jax.lax.scan(body, x, (layer_params, jnp.arange(n)))
-    return (out, sown) if sow or moe_sown else out
+    valid = None if num_valid is None else jnp.arange(n) < num_valid
+    mutable = (["intermediates"] if sow else []) + (list(MOE_COLLECTIONS) if moe_sown else [])
+    out = GPTModel(c, dot_general).apply(
+        {"params": {"decoder_layers": layer_params}}, x, position_ids, deterministic, sample_offset, None, segment_ids,
+        first_layer + jnp.arange(n), valid, rngs=None if deterministic else {"dropout": rng}, mutable=mutable or False,
+        method=GPTModel.decoder)
+    if not mutable:
+        return out[0]
+    (y, _), state = out
+    sown = {name: state["intermediates"]["decoder_layers"][name][0] for name in sow}
+    sown.update({name: state[name]["decoder_layers"] for name in MOE_COLLECTIONS if moe_sown and name in state})
+    return y, sown
 
 
 def final_layernorm(c: ModelConfig, params: Any, x: Array) -> Array:
     """GPTModel's final norm on ``params`` (a GPTModel's), ``[b, s, h]`` -> ``[b, s, h]``."""
     return GPTModel(c).apply({"params": params}, x, method=lambda m, x: m.final_layernorm(x))
+
+
+def post_process_logits(c: ModelConfig, params: Any, x: Array, micro: dict, *, rng: Any, sample_offset: Any,
+                        dot_general: Callable) -> tuple[Array, dict]:
+    """:meth:`GPTModel.post_process` on ``params`` (a GPTModel's) in training (dropout on,
+    ``rng`` the step's dropout key): the decoder's output ``x [b, s, h]`` and the
+    micro-batch's ``tokens`` / ``position_ids`` / ``segment_ids`` (``micro``) -> (float32
+    logits ``[b, s, vocab]``, the sown :data:`MTP_COLLECTION` (``{}`` without
+    ``mtp_num_layers``)). A pipeline's last stage runs it: the multi-token prediction
+    depths sit there, as in Megatron's last-stage ``MultiTokenPredictionBlock``."""
+    model = GPTModel(c, dot_general)
+    args = (x, micro["tokens"], micro["position_ids"], False, sample_offset, micro.get("segment_ids"))
+    rngs = {"dropout": rng}
+    if not c.mtp_num_layers:
+        return model.apply({"params": params}, *args, rngs=rngs, method=GPTModel.post_process), {}
+    return model.apply({"params": params}, *args, rngs=rngs, mutable=[MTP_COLLECTION], method=GPTModel.post_process)
 
 
 def output_logits(c: ModelConfig, params: Any, x: Array, dot_general: Callable, normed: bool = False) -> Array:

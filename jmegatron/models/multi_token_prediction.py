@@ -69,7 +69,7 @@ class MultiTokenPredictionLayer(nn.Module):
 
 
 def mtp_losses(logits: tuple, labels: Array, loss_mask: Array, data_sum: Callable, cross_entropy: Callable,
-               scaling_factor: float) -> tuple[Array, dict]:
+               scaling_factor: float, share_sum: Callable = None) -> tuple[Array, dict]:
     """(the loss to add, report) of the MTP depths' ``logits`` (float32 ``[b, s, V]`` each,
     depth 1 first) for one micro-batch (Megatron's ``GPTModel._postprocess`` with
     ``MTPLossAutoScaler``).
@@ -78,12 +78,14 @@ def mtp_losses(logits: tuple, labels: Array, loss_mask: Array, data_sum: Callabl
     ``loss_mask [b, s]`` rolled alike (the last ``k`` positions masked): ``mtp_{k}_loss`` is
     its masked token mean over every data-parallel rank (``data_sum`` of the local sums,
     float32), and the returned loss is ``scaling_factor / D * sum_k mtp_{k}_loss``.
-    ``cross_entropy(logits, labels, mask) -> (masked sum, count)``."""
+    ``cross_entropy(logits, labels, mask) -> (masked sum, count)``. ``share_sum`` (default
+    ``data_sum``) sums the masked losses instead: the identity gives this rank's share of
+    each mean (its sum over the global count), which a pipeline schedule sums over ranks."""
     total = jnp.float32(0.0)
     report = {}
     for k, depth_logits in enumerate(logits, 1):
         ce, count = cross_entropy(depth_logits, roll_left(labels, k), roll_left(loss_mask, k))
-        loss_k = data_sum(ce) / jnp.maximum(data_sum(count), 1.0)
+        loss_k = (share_sum or data_sum)(ce) / jnp.maximum(data_sum(count), 1.0)
         report[f"mtp_{k}_loss"] = loss_k
         total = total + loss_k
     return total * (scaling_factor / max(len(logits), 1)), report

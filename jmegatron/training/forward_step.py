@@ -27,11 +27,11 @@ from jax.sharding import Mesh
 
 from jmegatron.config import ConfigError, JMegatronConfig
 from jmegatron.models import fp8 as fp8_lib
-from jmegatron.models.gpt import apply_layers, embed_tokens, embedding_dropout_rng, output_logits
+from jmegatron.models.gpt import apply_layers, embed_tokens, embedding_dropout_rng, post_process_logits
 from jmegatron.models.moe.moe_layer import chunk_moe_losses, chunk_report_zeros, update_expert_bias
 from jmegatron.models.moe.router import EXPERT_BIAS
 from jmegatron.parallel.schedules import StageContext
-from jmegatron.training.losses import lm_loss_fn, masked_cross_entropy
+from jmegatron.training.losses import lm_loss, lm_loss_fn
 from jmegatron.training.state import stored_layer_index
 
 
@@ -123,9 +123,11 @@ def combine_buffers(parts: list) -> Optional[ModelBuffers]:
 def lm_pipeline_stages(ctx: StageContext, cross_entropy_impl: str = "xla") -> dict:
     """The GPT language model's stages for :func:`jmegatron.parallel.schedules.run_schedule`
     (Megatron's GPTModel pre_process / decoder chunk / post_process with pretrain_gpt's
-    ``loss_func``): ``{"embed", "chunk", "head", "activation", "report_zeros"}``. Each
-    micro-batch's loss is its masked token mean (``ctx.tokens``), as :func:`lm_loss_fn`
-    (``cross_entropy_impl``: :func:`token_cross_entropy`).
+    ``loss_func``): ``{"embed", "chunk", "head", "activation", "report_zeros"}``. The head
+    is the unpipelined forward's post-process and loss (:func:`jmegatron.models.gpt.post_process_logits`,
+    the multi-token prediction depths included, and
+    :func:`jmegatron.training.losses.lm_loss`, this data rank's share;
+    ``cross_entropy_impl``: :func:`jmegatron.training.losses.token_cross_entropy`).
 
     An MoE model's chunks run their layers with the router's sown collections mutable and
     add those layers' router losses to the stage's loss
@@ -136,7 +138,8 @@ def lm_pipeline_stages(ctx: StageContext, cross_entropy_impl: str = "xla") -> di
     c = ctx.cfg
     dot_general = c.dense_dot_general()
     moe = c.moe is not None
-    report_zeros = dict({"lm_loss": jnp.float32(0.0)}, **(chunk_report_zeros(c) if moe else {}))
+    report_zeros = dict({"lm_loss": jnp.float32(0.0)}, **(chunk_report_zeros(c) if moe else {}),
+                        **{f"mtp_{k}_loss": jnp.float32(0.0) for k in range(1, (c.mtp_num_layers or 0) + 1)})
 
     def embed(prm, micro):
         return embed_tokens(c, prm, micro["tokens"], micro["position_ids"], deterministic=False,
@@ -153,10 +156,11 @@ def lm_pipeline_stages(ctx: StageContext, cross_entropy_impl: str = "xla") -> di
         return y, None, chunk_moe_losses(c, sown, first, count, 1.0 / ctx.data_parallel_size)
 
     def head(prm, y, side, micro):
-        logits = output_logits(c, prm, y, dot_general)
-        total, _ = masked_cross_entropy(logits, micro["labels"], micro["loss_mask"], cross_entropy_impl)
-        loss = total / jnp.maximum(ctx.tokens[micro["microbatch"]], 1.0)
-        return loss, dict(report_zeros, lm_loss=loss)
+        logits, sown = post_process_logits(c, prm, y, micro, rng=ctx.rng, sample_offset=ctx.sample_offset(micro),
+                                           dot_general=dot_general)
+        loss, report = lm_loss(c, logits, sown, micro, ctx.tokens[micro["microbatch"]], ctx.data_sum,
+                               cross_entropy_impl, rank_share=True)
+        return loss, dict(report_zeros, **report)
 
     activation = jax.ShapeDtypeStruct((ctx.local_rows, ctx.seq_length, c.hidden_size), c.dtype)
     return dict(embed=embed, chunk=chunk, head=head, activation=activation, report_zeros=report_zeros)

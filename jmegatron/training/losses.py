@@ -46,38 +46,52 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, loss_mask: jax.Ar
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
+def lm_loss(cfg, logits: jax.Array, sown: dict, micro: dict, num_tokens: jax.Array, data_sum: Callable,
+            cross_entropy_impl: str = "xla", rank_share: bool = False) -> tuple[jax.Array, dict]:
+    """pretrain_gpt's ``loss_func`` on one micro-batch's forward, pipelined or not: the
+    masked token mean of the cross-entropy of ``logits`` (float32 ``[b, s, V]``) against
+    ``micro["labels"]`` under ``micro["loss_mask"]`` (``[b, s]``) over the whole micro-batch
+    (``num_tokens``: its unmasked tokens over every data rank), reported as ``lm_loss``;
+    with ``cfg.mtp_num_layers`` plus the multi-token prediction losses of ``sown``'s
+    :data:`MTP_COLLECTION` (``mtp_{k}_loss``,
+    :func:`jmegatron.models.multi_token_prediction.mtp_losses`). ``data_sum``: the psum over
+    the ranks that split the batch. ``rank_share``: the loss and report are this rank's
+    share of the global values (its masked sums over the global token counts), which a
+    pipeline schedule sums over the data ranks; else the global values themselves.
+    ``cross_entropy_impl``: :func:`token_cross_entropy`. Float32 scalars."""
+    def cross_entropy(logits, labels, mask):
+        return masked_cross_entropy(logits, labels, mask, cross_entropy_impl)
+
+    share_sum = (lambda x: x) if rank_share else data_sum
+    total, _ = cross_entropy(logits, micro["labels"], micro["loss_mask"])
+    loss = share_sum(total) / jnp.maximum(num_tokens, 1.0)
+    report = {"lm_loss": loss}
+    if getattr(cfg, "mtp_num_layers", None):
+        added, mtp_report = mtp_losses(sown[MTP_COLLECTION]["logits"], micro["labels"], micro["loss_mask"],
+                                       data_sum, cross_entropy, cfg.mtp_loss_scaling_factor, share_sum=share_sum)
+        loss, report = loss + added, {**report, **mtp_report}
+    return loss, report
+
+
 def lm_loss_fn(model, cross_entropy_impl: str = "xla") -> Callable:
     """The language-model loss of one micro-batch, ``loss_fn(params, micro, rng,
     num_tokens, extra, data_sum) -> (loss, report)`` (the interface of
-    :func:`jmegatron.training.step.make_train_step`): the masked token mean of the
-    cross-entropy over the whole micro-batch, every data-parallel rank together (``data_sum``
-    of the local sums over ``num_tokens``; float32), reported as ``lm_loss`` (Megatron's
-    ``loss_func`` in pretrain_gpt.py; ``cross_entropy_impl``: :func:`token_cross_entropy`).
-    An MoE model's router losses are added to it and reported beside ``lm_loss``
-    (:func:`jmegatron.models.moe.moe_layer.add_moe_losses`); so are a model's multi-token
-    prediction losses (``mtp_{k}_loss``, :func:`jmegatron.models.multi_token_prediction.mtp_losses`)."""
+    :func:`jmegatron.training.step.make_train_step`): ``model`` applied in training, then
+    :func:`lm_loss` (the global values). An MoE model's router losses are added to it and
+    reported beside ``lm_loss`` (:func:`jmegatron.models.moe.moe_layer.add_moe_losses`)."""
     cfg = getattr(model, "cfg", None)
     moe = getattr(cfg, "moe", None)
     mtp = bool(getattr(cfg, "mtp_num_layers", None))
     mutable = (list(MOE_COLLECTIONS) if moe is not None else []) + ([MTP_COLLECTION] if mtp else [])
-
-    def cross_entropy(logits, labels, mask):
-        return masked_cross_entropy(logits, labels, mask, cross_entropy_impl)
 
     def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
         out = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
                           deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"],
                           segment_ids=micro.get("segment_ids"), mutable=mutable or False)
         logits, sown = out if mutable else (out, {})
-        total, _ = cross_entropy(logits, micro["labels"], micro["loss_mask"])
-        loss = data_sum(total) / jnp.maximum(num_tokens, 1.0)
-        report = {"lm_loss": loss}
+        loss, report = lm_loss(cfg, logits, sown, micro, num_tokens, data_sum, cross_entropy_impl)
         if moe is not None:
             loss, report = add_moe_losses(cfg, loss, report, sown, micro, data_sum)
-        if mtp:
-            added, mtp_report = mtp_losses(sown[MTP_COLLECTION]["logits"], micro["labels"], micro["loss_mask"],
-                                           data_sum, cross_entropy, cfg.mtp_loss_scaling_factor)
-            loss, report = loss + added, {**report, **mtp_report}
         return loss, report
 
     return loss_fn
