@@ -20,6 +20,8 @@ from jmegatron.config.model import MTP_REFUSAL, KernelConfig, TransformerConfig
 from jmegatron.config.training import (DISTILLATION_RESETS, DistillationConfig, LoggingConfig, MixedPrecisionConfig,
                                        TrainingConfig)
 
+# REFUSED_TOKENIZER_TYPES is read from this module by jmegatron.arguments (the module of the
+# config class it is given), which imports nothing of jmegatron.
 __all__ = ["JMegatronConfig", "REFUSED_TOKENIZER_TYPES", "READ_CHECKPOINT_RESETS", "MODEL_FIELDS",
            "SCHEDULER_FIELDS", "check_names", "field_types"]
 
@@ -203,7 +205,6 @@ class JMegatronConfig(DistillationConfig, DataConfig, LoggingConfig, TrainingCon
         lr_decay_iters, train_iters, ...) keep their values: pass them too when changing what
         they derive from (for a sample-based run, ``train_iters=None`` re-derives it)."""
         check_names(changes)
-        check_names(changes)
         return dataclasses.replace(self, **changes)
 
 
@@ -238,7 +239,6 @@ MODEL_FIELDS = (
 SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_init", "lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_samples",
                     "lr_decay_iters", "lr_decay_samples", "lr_decay_style", "lr_decay_multi_step",
                     "lr_wsd_decay_style", "lr_wsd_decay_iters", "lr_wsd_decay_samples")
-
 
 
 @functools.cache
