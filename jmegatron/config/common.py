@@ -64,3 +64,12 @@ def refuse_with(cfg: Any, feature: str, refused: dict, why: str, fix: str) -> No
         if bad:
             raise ConfigError(f"config.{feature} with {name}={getattr(cfg, name)!r} is not built ({why}); "
                               + fix.format(name=name))
+
+
+def check_unset(cfg: Any, names: Iterable[str], message: str) -> None:
+    """Raise ConfigError ``message.format(name=..., value=...)`` for the first of ``names``
+    whose value in ``cfg`` is set (not None): fields that need another one."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None:
+            raise ConfigError(message.format(name=name, value=value))

@@ -17,7 +17,8 @@ import ast
 import dataclasses
 from typing import Any, Optional
 
-from jmegatron.config.common import ConfigError, ConfigGroup, check_nonnegative, check_positive, refuse_with
+from jmegatron.config.common import (ConfigError, ConfigGroup, check_nonnegative, check_positive, check_unset,
+                                     refuse_with)
 from jmegatron.config.parallel import ModelParallelConfig
 from jmegatron.parallel.pipeline_layout import PipelineLayout
 
@@ -239,10 +240,9 @@ class MoEConfig(ConfigGroup):
         TransformerConfig.__post_init__ and validate_args check them, plus what jmegatron does
         not build yet."""
         if self.num_moe_experts is None:
-            for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(f"config.{name}={getattr(self, name)} needs config.num_moe_experts (the "
-                                      f"model is dense without it); set num_moe_experts or unset {name}.")
+            check_unset(self, ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"),
+                        "config.{name}={value} needs config.num_moe_experts (the model is dense without it); set "
+                        "num_moe_experts or unset {name}.")
             return
         e, k = self.num_moe_experts, self.moe_router_topk
         for name, allowed in (("moe_router_score_function", SCORE_FUNCTIONS),
@@ -612,10 +612,9 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
                                       f"{self.context_parallel_size} is not built (the ring's block kernels "
                                       f"take the causal mask and 1/sqrt(d) only); set context_parallel_size=1.")
         if self.window_size is None:
-            for name in ("window_attn_skip_freq", "rotary_base_local"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(f"config.{name}={getattr(self, name)!r} needs config.window_size (which "
-                                      f"layers slide, and their RoPE); set window_size=(W - 1, 0) or unset {name}.")
+            check_unset(self, ("window_attn_skip_freq", "rotary_base_local"),
+                        "config.{name}={value!r} needs config.window_size (which layers slide, and their RoPE); set "
+                        "window_size=(W - 1, 0) or unset {name}.")
             return
         w = self.window_size
         if (not isinstance(w, tuple) or len(w) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
