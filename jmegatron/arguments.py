@@ -813,18 +813,30 @@ def _substitute_env(path: str, key: str, value: Any) -> Any:
 
 def field_docs(config_cls) -> list:
     """(section, name, type text, default, one line) for every field of ``config_cls``, from
-    its source: the section comments ``# --- name (...) ---``, the annotation, and the field's
-    trailing comment, else the comment block right above it (its first sentence)."""
-    source = inspect.getsource(config_cls)
+    the source of each dataclass that declares its fields (``config_cls`` and the groups it
+    inherits, in :func:`dataclasses.fields` order): the section comments ``# --- name (...) ---``,
+    the annotation, and the field's trailing comment, else the comment block right above it
+    (its first sentence)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    out: list = []
+    section = "general"
+    for klass in reversed(config_cls.__mro__):
+        if dataclasses.is_dataclass(klass) and klass.__dict__.get("__annotations__"):
+            section = _class_field_docs(klass, defaults, section, out)
+    return out
+
+
+def _class_field_docs(klass, defaults: dict, section: str, out: list) -> str:
+    """Append :func:`field_docs`' rows for the fields ``klass``'s own body declares to
+    ``out``; ``section``: the section in force before it. Returns the section in force after it."""
+    source = inspect.getsource(klass)
     comments: dict = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
             comments[tok.start[0]] = tok.string.lstrip("#").strip()
     lines = source.splitlines()
     cls = ast.parse(source).body[0]
-    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
-    out = []
-    section, in_header, group = "general", False, None
+    in_header, group = False, None
     prev_end = cls.lineno
     for node in cls.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -851,7 +863,7 @@ def field_docs(config_cls) -> list:
             doc = f"see {group[0]}"
         out.append((section, name, ast.unparse(node.annotation), defaults.get(name), _first_sentence(doc)))
         prev_end = node.end_lineno
-    return out
+    return section
 
 
 def _same_group(name: str, head: str, text: str) -> bool:

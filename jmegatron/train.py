@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 from jmegatron.arguments import MegatronArgumentError, help_text, parse_flags, read_args_file
 from jmegatron.checkpoint.views import checkpoint_view
-from jmegatron.config import ConfigError, JMegatronConfig, _check_names, get_config_of, load_config_file
+from jmegatron.config import ConfigError, JMegatronConfig, check_names, get_config_of, load_config_file
 from jmegatron.distributed import initialize_from_env
 from jmegatron.runtime import reexec_with_host_allocator
 
@@ -150,7 +150,7 @@ def _parse(argv: Sequence[str]) -> tuple[Optional[str], dict[str, Any], bool]:
             path = value
         else:
             name = key[len("config."):]
-            _check_names([name])
+            check_names([name])
             overrides[name] = _parse_value(name, value)
         i += 1
     if megatron:

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
+from jmegatron.config import ConfigError, JMegatronConfig, base_config, from_configdict, load_config_file
+from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.train import parse_args
 
 from conftest import REPO
@@ -159,3 +160,14 @@ def test_set_family_changes_only_the_family_fields():
     assert "swiglu" in changed and after["num_layers"] == before["num_layers"] and after["lr"] == before["lr"]
     with pytest.raises(ConfigError, match=r"model family 'lama'.*Did you mean \['llama'"):
         base_config("lama")
+
+
+def test_each_field_is_declared_once():
+    """Every field lives in one group: no two classes among the run's config, the model's
+    config and the groups they compose declare the same name."""
+    owners: dict = {}
+    for klass in {*JMegatronConfig.__mro__, *ModelConfig.__mro__}:
+        for name in klass.__dict__.get("__annotations__", {}):
+            owners.setdefault(name, []).append(klass.__name__)
+    assert {name: sorted(o) for name, o in owners.items() if len(o) > 1} == {}
+    assert "moe" not in owners and {"dtype", "backend", "rope"} <= set(ModelConfig.__annotations__)

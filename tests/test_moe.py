@@ -8,18 +8,18 @@ paths (ragged grouped GEMM, capacity buffer) with each other; and a tiny MoE GPT
 through the real train step with its router losses reported.
 """
 
+import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmegatron.config import ConfigError, base_config, from_configdict, moe_layer_pattern
+from jmegatron.config import ConfigError, MoEConfig, base_config, from_configdict, moe_layer_pattern
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.models.moe import moe_utils, token_dispatcher
 from jmegatron.models.moe.moe_layer import MoELayer, moe_loss_terms
-from jmegatron.models.moe.moe_utils import MoEConfig
 from jmegatron.models.moe.router import MOE_LOSSES, MOE_STATS, TopKRouter
 from jmegatron.presets import FAMILIES
 
@@ -228,7 +228,7 @@ def test_router_expert_bias_steers_the_choice_and_gets_no_gradient():
 def _model_cfg(moe: MoEConfig, **kw) -> ModelConfig:
     base = dict(FAMILIES["llama"], num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
                 num_query_groups=2, kv_channels=8, vocab_size=64, max_position_embeddings=16, init_method_std=0.2,
-                moe=moe)
+                **dataclasses.asdict(moe))
     return ModelConfig(**{**base, **kw})
 
 

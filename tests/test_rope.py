@@ -10,7 +10,7 @@ import torch
 from megatron.core.models.common.embeddings import rotary_pos_embedding as rotary
 from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
 
-from jmegatron.config import ConfigError
+from jmegatron.config import ConfigError, RotaryConfig
 from jmegatron.models.rope import RotaryEmbedding, yarn_concentration_factor
 
 
@@ -18,8 +18,9 @@ from jmegatron.models.rope import RotaryEmbedding, yarn_concentration_factor
 def test_llama3_scaling_is_megatrons(d, base, factor):
     ref = rotary.RotaryEmbedding(kv_channels=d, rotary_percent=1.0, rotary_base=base, rope_scaling=True,
                                  rope_scaling_factor=factor, use_cpu_initialization=True).inv_freq.numpy()
-    ours = RotaryEmbedding(d, base, rope_scaling=True, rope_scaling_factor=factor).inverse_frequencies()
-    plain = RotaryEmbedding(d, base).inverse_frequencies()
+    ours = RotaryEmbedding(d, RotaryConfig(position_embedding_type="rope", rotary_base=base, rope_scaling=True,
+                                        rope_scaling_factor=factor)).inverse_frequencies()
+    plain = RotaryEmbedding(d, RotaryConfig(position_embedding_type="rope", rotary_base=base)).inverse_frequencies()
     assert np.any(ours != plain)  # the scaling changes some frequencies and keeps others
     np.testing.assert_allclose(ours, ref, rtol=1e-6)
 
@@ -36,9 +37,9 @@ def test_yarn_is_megatrons(d, base, factor, original, mscale, mscale_all_dim, mo
                                    original_max_position_embeddings=original, mscale=mscale,
                                    mscale_all_dim=mscale_all_dim, use_cpu_initialization=True)
     emb, ref_mscale = ref.get_emb(128)  # [s, 1, 1, d]: positions x frequencies, twice
-    r = RotaryEmbedding(d, base, position_embedding_type="yarn", yarn_rotary_scaling_factor=factor,
-                        yarn_original_max_position_embeddings=original, yarn_mscale=mscale,
-                        yarn_mscale_all_dim=mscale_all_dim)
+    r = RotaryEmbedding(d, RotaryConfig(rotary_base=base, position_embedding_type="yarn",
+                                        yarn_rotary_scaling_factor=factor, yarn_original_max_position_embeddings=original,
+                                        yarn_mscale=mscale, yarn_mscale_all_dim=mscale_all_dim))
     np.testing.assert_allclose(r.inverse_frequencies(), emb[1, 0, 0, :d // 2].numpy(), rtol=1e-6)
     assert r.mscale() == pytest.approx(ref_mscale)
     cos, sin = r.cos_sin(jnp.arange(128, dtype=jnp.int32)[None])
@@ -52,13 +53,13 @@ def test_yarn_is_megatrons(d, base, factor, original, mscale, mscale_all_dim, mo
 
 def test_cos_sin_interpolate_positions_and_scale():
     pos = jnp.arange(8, dtype=jnp.int32)[None]
-    cos, sin = RotaryEmbedding(16, 10000, rotary_seq_len_interpolation_factor=4.0).cos_sin(pos)
+    cos, sin = RotaryEmbedding(16, RotaryConfig(position_embedding_type="rope", rotary_seq_len_interpolation_factor=4.0)).cos_sin(pos)
     # position p under factor 4 is position p / 4 without it
-    ref = RotaryEmbedding(16, 10000).inverse_frequencies()[None, :] * (np.arange(8)[:, None] / 4.0)
+    ref = RotaryEmbedding(16, RotaryConfig(position_embedding_type="rope")).inverse_frequencies()[None, :] * (np.arange(8)[:, None] / 4.0)
     np.testing.assert_allclose(np.asarray(cos)[0, :, 0, :8], np.cos(ref), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(sin)[0, :, 0, 8:], np.sin(ref), rtol=1e-6, atol=1e-6)
     assert cos.shape == sin.shape == (1, 8, 1, 16)
-    y = RotaryEmbedding(16, 10000, position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0)
+    y = RotaryEmbedding(16, RotaryConfig(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0))
     c, s = y.cos_sin(pos)
     assert float(jnp.max(c[0, 0])) == pytest.approx(y.mscale())  # position 0: cos = 1 times the factor
 

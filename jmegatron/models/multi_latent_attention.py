@@ -57,8 +57,8 @@ def mla_softmax_scale(qk_dim: int, rope: Optional[RotaryEmbedding]) -> float:
     ``mscale(factor, mscale_all_dim)**2`` under YaRN (megatron-core ``MLASelfAttention``;
     transformers' DeepseekV3Attention scales the same when ``mscale_all_dim`` is set)."""
     scale = qk_dim ** -0.5
-    if rope is not None and rope.position_embedding_type == "yarn":
-        scale *= yarn_get_mscale(rope.yarn_rotary_scaling_factor, rope.yarn_mscale_all_dim) ** 2
+    if rope is not None and rope.config.position_embedding_type == "yarn":
+        scale *= yarn_get_mscale(rope.config.yarn_rotary_scaling_factor, rope.config.yarn_mscale_all_dim) ** 2
     return scale
 
 

@@ -6,7 +6,8 @@ Llama-3.x ``rope_scaling``) and yarn_rotary_pos_embedding.py (``YarnRotaryEmbedd
 Peng et al. 2023, arXiv:2309.00071). The same numbers as transformers'
 ``modeling_rope_utils`` ("default", "linear", "llama3" and "yarn" rope types).
 
-:class:`RotaryEmbedding` holds the fields of a run's config that fix the frequencies; its
+:class:`RotaryEmbedding` holds the rotary group of a run's config
+(:class:`jmegatron.config.model.RotaryConfig`) and the head width; its
 :meth:`RotaryEmbedding.inverse_frequencies` are computed once in numpy (constants of the
 compiled step), and :meth:`RotaryEmbedding.cos_sin` turns integer position ids into the
 tables :func:`apply_rope` rotates queries and keys by.
@@ -22,44 +23,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmegatron.config import RotaryConfig
+
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class RotaryEmbedding:
-    """The rotary frequencies of ``kv_channels``-wide heads.
-
-    ``position_embedding_type``: ``"rope"`` (with optional Llama-3.x ``rope_scaling``) or
-    ``"yarn"``; the other fields are the config fields of the same names
-    (:class:`jmegatron.config.JMegatronConfig`).
-    """
+    """The rotary frequencies of ``kv_channels``-wide heads under ``config``, the rotary group
+    of a run's config (:class:`jmegatron.config.model.RotaryConfig`: ``"rope"`` with optional
+    Llama-3.x ``rope_scaling`` or linear interpolation, or ``"yarn"``)."""
 
     kv_channels: int
-    rotary_base: float = 10000.0
-    position_embedding_type: str = "rope"
-    rotary_seq_len_interpolation_factor: Optional[float] = None
-    rope_scaling: bool = False
-    rope_scaling_factor: float = 8.0
-    rope_scaling_low_freq_factor: float = 1.0
-    rope_scaling_high_freq_factor: float = 4.0
-    rope_scaling_original_max_position_embeddings: int = 8192
-    yarn_rotary_scaling_factor: float = 1.0
-    yarn_original_max_position_embeddings: int = 4096
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
-    yarn_mscale_all_dim: float = 0.0
-    yarn_correction_range_round_to_int: bool = True
+    config: RotaryConfig = RotaryConfig(position_embedding_type="rope")
 
     @classmethod
     def from_config(cls, cfg: Any) -> Optional["RotaryEmbedding"]:
-        """The rotary embedding of ``cfg`` (a run's config; fields it lacks keep this class's
-        defaults, so an object with only ``kv_channels``, ``rotary_base`` and
-        ``position_embedding_type`` gives the unscaled RoPE); None when its
-        ``position_embedding_type`` is not rotary."""
+        """The rotary embedding of ``cfg`` (a run's config or the model's: ``kv_channels`` and
+        the :class:`RotaryConfig` fields); None when its ``position_embedding_type`` is not
+        rotary."""
         if cfg.position_embedding_type not in ("rope", "yarn"):
             return None
-        return cls(**{f.name: getattr(cfg, f.name, f.default) for f in dataclasses.fields(cls)})
+        return cls(cfg.kv_channels, RotaryConfig.of(cfg))
 
     def inverse_frequencies(self) -> np.ndarray:
         """float32 ``[kv_channels / 2]``: ``1 / base^(2i / d)``, rescaled by ``rope_scaling``
@@ -67,27 +52,28 @@ class RotaryEmbedding:
         interpolated and extrapolated frequencies (``YarnRotaryEmbedding.get_emb``)."""
         d = self.kv_channels
         exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
-        inv_freq = (1.0 / np.float32(self.rotary_base) ** exponents).astype(np.float32)
-        if self.position_embedding_type == "yarn":
-            return _yarn_inverse_frequencies(self, inv_freq)
-        if self.rope_scaling:
-            return _llama3_inverse_frequencies(self, inv_freq)
+        inv_freq = (1.0 / np.float32(self.config.rotary_base) ** exponents).astype(np.float32)
+        if self.config.position_embedding_type == "yarn":
+            return _yarn_inverse_frequencies(self.config, d, inv_freq)
+        if self.config.rope_scaling:
+            return _llama3_inverse_frequencies(self.config, inv_freq)
         return inv_freq
 
     def mscale(self) -> float:
         """The factor cos and sin are multiplied by: YaRN's attention (concentration) factor
         ``(0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)`` for scaling factor ``s > 1``
         (megatron-core ``_yarn_get_concentration_factor``), else 1."""
-        if self.position_embedding_type != "yarn":
+        if self.config.position_embedding_type != "yarn":
             return 1.0
-        return yarn_concentration_factor(self.yarn_rotary_scaling_factor, self.yarn_mscale, self.yarn_mscale_all_dim)
+        c = self.config
+        return yarn_concentration_factor(c.yarn_rotary_scaling_factor, c.yarn_mscale, c.yarn_mscale_all_dim)
 
     def cos_sin(self, position_ids: Array) -> tuple[Array, Array]:
         """cos/sin tables ``[b, s, 1, kv_channels]`` (float32) for integer ``position_ids [b, s]``
         (divided by ``rotary_seq_len_interpolation_factor`` when set), times :meth:`mscale`."""
         positions = position_ids.astype(jnp.float32)
-        if self.rotary_seq_len_interpolation_factor is not None:
-            positions = positions / self.rotary_seq_len_interpolation_factor
+        if self.config.rotary_seq_len_interpolation_factor is not None:
+            positions = positions / self.config.rotary_seq_len_interpolation_factor
         freqs = positions[..., None] * jnp.asarray(self.inverse_frequencies())  # [b, s, d/2]
         emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
         m = self.mscale()
@@ -105,7 +91,7 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _llama3_inverse_frequencies(r: RotaryEmbedding, inv_freq: np.ndarray) -> np.ndarray:
+def _llama3_inverse_frequencies(r: RotaryConfig, inv_freq: np.ndarray) -> np.ndarray:
     # wavelengths above original/low_freq_factor are divided by the factor, those below
     # original/high_freq_factor kept, and the band between interpolated smoothly
     factor, low, high = r.rope_scaling_factor, r.rope_scaling_low_freq_factor, r.rope_scaling_high_freq_factor
@@ -123,8 +109,8 @@ def _yarn_correction_dim(rotations: float, d: int, base: float, context: int) ->
     return d * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
-def _yarn_inverse_frequencies(r: RotaryEmbedding, inv_freq: np.ndarray) -> np.ndarray:
-    d, base, context = r.kv_channels, r.rotary_base, r.yarn_original_max_position_embeddings
+def _yarn_inverse_frequencies(r: RotaryConfig, d: int, inv_freq: np.ndarray) -> np.ndarray:
+    base, context = r.rotary_base, r.yarn_original_max_position_embeddings
     low = _yarn_correction_dim(r.yarn_beta_fast, d, base, context)
     high = _yarn_correction_dim(r.yarn_beta_slow, d, base, context)
     if r.yarn_correction_range_round_to_int:

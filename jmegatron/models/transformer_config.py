@@ -1,5 +1,6 @@
-"""The model's architecture configuration, resolved from a run's config: :class:`ModelConfig`
-(Megatron-Core's megatron/core/transformer/transformer_config.py ``TransformerConfig``).
+"""The model's architecture configuration, resolved from a run's config: :class:`ModelConfig`,
+the run's :class:`jmegatron.config.model.TransformerConfig` (Megatron-Core's
+megatron/core/transformer/transformer_config.py) with what the model resolves from it.
 """
 
 from __future__ import annotations
@@ -11,79 +12,30 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jmegatron.config import ConfigError, JMegatronConfig, moe_layer_pattern, window_layer_pattern
+from jmegatron.config import (ConfigError, JMegatronConfig, MoEConfig, RotaryConfig, TransformerConfig,
+                              moe_layer_pattern, window_layer_pattern)
 from jmegatron.kernels.cpu.ops import blas_dot_general, grouped_matmul
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.backend import Backend
 from jmegatron.models.core_attention import CORE_ATTENTION_FEATURES, attention_features
 from jmegatron.models.fp8 import Fp8DotGeneral
-from jmegatron.models.moe.moe_utils import MoEConfig
 from jmegatron.models.rope import RotaryEmbedding
 from jmegatron.models.te import te_dot_general
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The architecture fields of a :class:`JMegatronConfig`, resolved (vocab padded), and
-    the kernels that run them (``backend``, :class:`jmegatron.models.backend.Backend`, chosen
-    once in :meth:`from_config`)."""
+class ModelConfig(TransformerConfig):
+    """The model group of a run's config (:class:`jmegatron.config.model.TransformerConfig`:
+    its fields, with its rotary, MoE and parallel parts) as the model runs it: ``vocab_size``
+    padded, ``scan_layers`` forced under pipeline parallelism, and what the run's config
+    resolves for the model: the compute ``dtype``, the kernels (``backend``,
+    :class:`jmegatron.models.backend.Backend`, chosen once in :meth:`from_config`) and the
+    rotary embedding ``rope``."""
 
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    vocab_size: int  # padded
-    max_position_embeddings: int
-    position_embedding_type: str
-    rotary_base: float
-    normalization: str
-    norm_epsilon: float
-    swiglu: bool
-    untie_embeddings_and_output_weights: bool
-    add_bias_linear: bool
-    add_qkv_bias: bool
-    hidden_dropout: float
-    attention_dropout: float
-    init_method_std: float
-    qk_layernorm: bool = False
-    openai_gelu: bool = False  # the MLP's GELU as the tanh approximation
-    # Gemma's blocks (the JMegatronConfig fields of the same names)
-    apply_layernorm_1p: bool = False
-    gated_linear_unit: bool = False
-    softmax_scale: Optional[float] = None
-    attn_logit_softcapping: Optional[float] = None
-    final_logit_softcapping: Optional[float] = None
-    window_size: Optional[tuple[int, int]] = None
-    window_attn_skip_freq: Any = None
-    rotary_base_local: Optional[int] = None
-    sandwich_norms: bool = False
-    scale_embeddings: bool = False
-    # multi-latent attention (jmegatron.models.multi_latent_attention)
-    multi_latent_attention: bool = False
-    q_lora_rank: Optional[int] = None
-    kv_lora_rank: int = 32
-    qk_head_dim: int = 128
-    qk_pos_emb_head_dim: int = 64
-    v_head_dim: int = 128
-    # multi-token prediction (jmegatron.models.multi_token_prediction); None: off
-    mtp_num_layers: Optional[int] = None
-    mtp_loss_scaling_factor: float = 0.1
-    scan_layers: bool = False
-    recompute_granularity: str = "none"
-    dropout_impl: str = "hash"
-    cp_comm_type: str = "p2p"  # context-parallel attention (jmegatron.parallel.context_parallel)
     dtype: Any = jnp.float32
-    moe: Optional[MoEConfig] = None  # mixture of experts (jmegatron.models.moe); None: dense
-    # FP8 linear layers with delayed scaling (jmegatron.models.fp8): "e4m3" | "hybrid"; None: off
-    fp8: Optional[str] = None
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1
-    fp8_amax_compute_algo: str = "most_recent"
     backend: Backend = Backend()  # the resolved attention / matmul / cross-entropy kernels
     # the rotary embedding with its scalings (from_config builds it from the run's fields);
-    # None: RotaryEmbedding.from_config of the fields above (no scaling)
+    # None: RotaryEmbedding.from_config of the fields above
     rope: Optional[RotaryEmbedding] = None
 
     @classmethod
@@ -97,13 +49,18 @@ class ModelConfig:
         backend = Backend.from_config(cfg)
         _check_fp8(cfg, backend)
         _check_attention_features(cfg, backend)
-        names = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "dtype", "moe", "backend", "rope"}
-        fields = {n: getattr(cfg, n) for n in names}
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TransformerConfig)}
         if cfg.pipeline_model_parallel_size > 1:  # stages hold slices of the stacked layers
             fields["scan_layers"] = True
+        fields["vocab_size"] = padded_vocab_size
         dtype = jnp.bfloat16 if cfg.bf16 else jnp.float16 if cfg.fp16 else jnp.float32
-        return cls(vocab_size=padded_vocab_size, dtype=dtype, moe=MoEConfig.from_config(cfg), backend=backend,
-                   rope=RotaryEmbedding.from_config(cfg), **fields)
+        return cls(dtype=dtype, backend=backend, rope=RotaryEmbedding.from_config(cfg), **fields)
+
+    @property
+    def moe(self) -> Optional[MoEConfig]:
+        """The mixture-of-experts group (this config: it is a :class:`MoEConfig`); None for a
+        dense model (``num_moe_experts`` None)."""
+        return None if self.num_moe_experts is None else self
 
     def rotary_embedding(self) -> Optional[RotaryEmbedding]:
         """The attention's rotary embedding: ``rope``, else the unscaled one of
@@ -117,7 +74,8 @@ class ModelConfig:
         only), or None when the windowed layers share :meth:`rotary_embedding`."""
         if self.rotary_base_local is None:
             return None
-        return RotaryEmbedding(kv_channels=self.kv_channels, rotary_base=self.rotary_base_local)
+        return RotaryEmbedding(self.kv_channels, RotaryConfig(position_embedding_type="rope",
+                                                             rotary_base=self.rotary_base_local))
 
     def window_layers(self) -> tuple[int, ...]:
         """1 for each decoder layer whose attention slides (``window_size``,
@@ -129,11 +87,6 @@ class ModelConfig:
         """The sliding window's width W in keys, the query's own included (``window_size[0] +
         1``, Hugging Face's ``sliding_window``); None without ``window_size``."""
         return None if self.window_size is None else self.window_size[0] + 1
-
-    @property
-    def gated_mlp(self) -> bool:
-        """Whether linear_fc1 is ``[h, 2, ffn]`` (gate, up): SwiGLU or ``gated_linear_unit``."""
-        return self.swiglu or self.gated_linear_unit
 
     @property
     def attention_impl(self) -> str:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmegatron.config import MoEConfig
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.moe import moe_utils, token_dispatcher
 from jmegatron.models.moe.experts import GroupedMLP, output_init_std
@@ -125,7 +126,7 @@ def _collect(tree: Any, name: str) -> list[Array]:
     return found
 
 
-def moe_loss_terms(variables: Any, moe: Optional[moe_utils.MoEConfig], num_moe_layers: int,
+def moe_loss_terms(variables: Any, moe: Optional[MoEConfig], num_moe_layers: int,
                    ) -> tuple[Array, dict[str, Array]]:
     """(the sum to add to the micro-batch's loss, report) from the ``moe_losses`` and
     ``moe_stats`` collections of one forward pass (``variables``: the mutable collections
@@ -234,7 +235,7 @@ def update_expert_bias(params: Any, tokens_per_expert: Array, update_rate: float
     return jax.tree_util.tree_map_with_path(update, params)
 
 
-def sown_loss_names(moe: moe_utils.MoEConfig) -> tuple[str, ...]:
+def sown_loss_names(moe: MoEConfig) -> tuple[str, ...]:
     """The report names of the losses :class:`TopKRouter` sows in training for ``moe`` (its
     rule: the aux / seq-aux loss with a nonzero ``moe_aux_loss_coeff``, the z-loss with a
     nonzero ``moe_z_loss_coeff``), in :data:`LOSS_COEFFS` order."""

@@ -1,4 +1,5 @@
-"""Mixture-of-experts settings and the router's pure functions.
+"""The router's pure functions of the mixture of experts (its settings:
+:class:`jmegatron.config.model.MoEConfig`).
 
 Follows megatron/core/transformer/moe/moe_utils.py (megatron-core 0.16): the Switch
 load-balancing loss (Fedus et al. 2021, arXiv:2101.03961), the router z-loss (ST-MoE,
@@ -16,57 +17,21 @@ the "position" drop policy (earlier tokens kept) drops the tokens Megatron drops
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jmegatron.config import SCORE_FUNCTIONS, TOKEN_DROP_POLICIES
+from jmegatron.config import SCORE_FUNCTIONS, TOKEN_DROP_POLICIES, MoEConfig
 
 Array = jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """The MoE fields of a :class:`jmegatron.config.JMegatronConfig` (Megatron's names,
-    validated there); ``moe_ffn_hidden_size`` resolved."""
-
-    num_moe_experts: int
-    moe_ffn_hidden_size: int
-    moe_router_topk: int = 2
-    moe_layer_freq: Any = 1
-    moe_router_score_function: str = "softmax"
-    moe_router_pre_softmax: bool = False
-    moe_router_topk_scaling_factor: Optional[float] = None
-    moe_router_num_groups: Optional[int] = None
-    moe_router_group_topk: Optional[int] = None
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: Optional[float] = None
-    moe_router_enable_expert_bias: bool = False
-    moe_router_bias_update_rate: float = 1e-3
-    moe_router_dtype: Optional[str] = None
-    moe_expert_capacity_factor: Optional[float] = None
-    moe_pad_expert_input_to_capacity: bool = False
-    moe_token_drop_policy: str = "probs"
-    moe_token_dispatcher_type: str = "allgather"
-    moe_grouped_gemm: bool = False
-    moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_shared_expert_gate: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> Optional["MoEConfig"]:
-        """The MoE settings of ``cfg`` (a validated JMegatronConfig); None for a dense model."""
-        if cfg.num_moe_experts is None:
-            return None
-        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
-
-    def router_dtype(self, input_dtype: Any) -> Any:
-        """The routing computation's dtype: ``moe_router_dtype`` (fp32 / fp64), else the
-        input's (Megatron's None)."""
-        return {None: input_dtype, "fp32": jnp.float32, "fp64": jnp.float64}[self.moe_router_dtype]
+def router_dtype(moe: MoEConfig, input_dtype: Any) -> Any:
+    """The routing computation's dtype: ``moe.moe_router_dtype`` (fp32 / fp64), else the
+    input's (Megatron's None)."""
+    return {None: input_dtype, "fp32": jnp.float32, "fp64": jnp.float64}[moe.moe_router_dtype]
 
 
 # --------------------------------------------------------------------------- losses

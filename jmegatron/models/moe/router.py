@@ -35,8 +35,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jmegatron.config import MoEConfig
 from jmegatron.models.moe import moe_utils
-from jmegatron.models.moe.moe_utils import MoEConfig
 from jmegatron.parallel.rules import CONTEXT_AXIS
 
 Array = jax.Array
@@ -94,7 +94,7 @@ class TopKRouter(nn.Module):
         c = self.cfg
         b, s, h = x.shape
         num_experts, k = c.num_moe_experts, c.moe_router_topk
-        router_dtype = c.router_dtype(x.dtype)
+        router_dtype = moe_utils.router_dtype(c, x.dtype)
         kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
                                                                    ("embed", None)), (h, num_experts), jnp.float32)
         logits = jnp.einsum("bsh,he->sbe", x.astype(router_dtype), kernel.astype(router_dtype))
