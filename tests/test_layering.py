@@ -56,9 +56,6 @@ KNOWN: set[tuple[str, str, object]] = {
         "jmegatron.tools.pipeline_report")},
     # train.run() re-executes the interpreter with the host allocator before the loop is imported
     ("local-import", "jmegatron.train", None),
-    # YaRN's attention factor (rope_fields_from_hf checks a config's attention_factor) lives with
-    # the rotary embedding; its home below both is the config's model group
-    ("conversion", "jmegatron.conversion.hf", "jmegatron.models.rope"),
 }
 
 

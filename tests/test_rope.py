@@ -11,7 +11,8 @@ from megatron.core.models.common.embeddings import rotary_pos_embedding as rotar
 from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
 
 from jmegatron.config import ConfigError, RotaryConfig
-from jmegatron.models.rope import RotaryEmbedding, yarn_concentration_factor
+from jmegatron.config import yarn_concentration_factor
+from jmegatron.models.rope import RotaryEmbedding
 
 
 @pytest.mark.parametrize("d, base, factor", [(128, 500000, 8.0), (64, 10000, 32.0)])

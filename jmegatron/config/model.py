@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 from typing import Any, Optional
 
 from jmegatron.config.common import (ConfigError, ConfigGroup, check_nonnegative, check_positive, check_unset,
@@ -56,6 +57,18 @@ ROUTER_DTYPES = (None, "fp32", "fp64")
 MTP_REFUSAL = ("multi-token prediction runs without context parallelism, in language-model training",
                "unset mtp_num_layers or {name}.")
 
+
+
+def yarn_concentration_factor(scale: float, mscale: float, mscale_all_dim: float) -> float:
+    """YaRN's attention factor for scaling factor ``scale``:
+    ``(0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)``, 1 for ``s <= 1``
+    (megatron-core ``_yarn_get_concentration_factor``; transformers' ``attention_factor``)."""
+    return yarn_get_mscale(scale, mscale) / yarn_get_mscale(scale, mscale_all_dim)
+
+
+def yarn_get_mscale(scale: float, mscale: float) -> float:
+    """YaRN's ``0.1 mscale ln(scale) + 1``, 1 for ``scale <= 1`` (megatron-core ``_yarn_get_mscale``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 def moe_layer_pattern(moe_layer_freq: Any, num_layers: int) -> tuple[int, ...]:
     """1 for each decoder layer that is an MoE layer, 0 for a dense one.

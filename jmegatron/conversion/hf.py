@@ -82,7 +82,6 @@ from jmegatron.conversion import hf_moe
 from jmegatron.conversion.hf_moe import MOE_ARCHITECTURES
 from jmegatron.conversion.tree import (check_shape, get, map_leaves, numpy_tree, plain, stack_layers, to_numpy,
                                        unstack_layers)
-from jmegatron.models.rope import yarn_concentration_factor
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmegatron.config import RotaryConfig
+from jmegatron.config import RotaryConfig, yarn_concentration_factor
 
 Array = jax.Array
 
@@ -122,15 +122,3 @@ def _yarn_inverse_frequencies(r: RotaryConfig, d: int, inv_freq: np.ndarray) -> 
     extrapolate = 1.0 - ramp  # 1: the dimension keeps its frequency, 0: interpolated by the factor
     interpolated = inv_freq / np.float32(r.yarn_rotary_scaling_factor)
     return (interpolated * (1 - extrapolate) + inv_freq * extrapolate).astype(np.float32)
-
-
-def yarn_concentration_factor(scale: float, mscale: float, mscale_all_dim: float) -> float:
-    """YaRN's attention factor for scaling factor ``scale``:
-    ``(0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)``, 1 for ``s <= 1``
-    (megatron-core ``_yarn_get_concentration_factor``; transformers' ``attention_factor``)."""
-    return yarn_get_mscale(scale, mscale) / yarn_get_mscale(scale, mscale_all_dim)
-
-
-def yarn_get_mscale(scale: float, mscale: float) -> float:
-    """YaRN's ``0.1 mscale ln(scale) + 1``, 1 for ``scale <= 1`` (megatron-core ``_yarn_get_mscale``)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
