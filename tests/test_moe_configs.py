@@ -231,7 +231,7 @@ def test_deepseek_v3_megatron_count_uses_the_mla_term():
     # and of the multi-token prediction depth its layer alone (not eh_proj [2h, h] and 3 norms)
     c = load_config_file(str(REPO / "configs" / "deepseek_v3.py"))
     h, E, V = c.hidden_size, c.num_moe_experts, c.padded_vocab_size()
-    moe_layers = flops._num_moe_layers(c, mtp=True)
+    moe_layers = flops.moe_layer_count(c, mtp=True)
     assert (c.mtp_num_layers, moe_layers) == (1, 59)  # 58 decoder MoE layers and the MTP layer
     total = flops.num_parameters(c, V)
     assert total == 671_026_419_200 + 11_610_068_224  # the main model + the MTP depth

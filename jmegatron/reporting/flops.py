@@ -52,8 +52,8 @@ def _token_linear_flops(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     value_projection_size = cfg.kv_channels * cfg.num_query_groups
     # 3 GEMM-widths of ffn with SwiGLU (h -> 2*ffn, ffn -> h), 2 without (h -> ffn, ffn -> h).
     ffn_expansion_factor = 3 if cfg.gated_mlp else 2
-    num_moe_layers = _num_moe_layers(cfg, mtp=True)
-    num_dense_layers = _num_layers(cfg) - num_moe_layers
+    num_moe_layers = moe_layer_count(cfg, mtp=True)
+    num_dense_layers = transformer_layer_count(cfg) - num_moe_layers
     mlp = h * cfg.ffn_hidden_size * ffn_expansion_factor * num_dense_layers
     if num_moe_layers:  # each token through its top-k routed experts and the shared expert
         moe_ffn = (cfg.moe_ffn_hidden_size * cfg.moe_router_topk
@@ -66,30 +66,30 @@ def _token_linear_flops(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
         rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
         q_term = h * n * (dn + dr) if rq is None else rq * (h + n * (dn + dr) + 1)
         self_attn = q_term + rkv * (h + n * (dn + dv) + 1) + h * dr + n * dv * h
-    mtp = _mtp_depths(cfg)
+    mtp = mtp_depths(cfg)
     mtp_norms_and_proj = mtp * (3 * h + 2 * h * h)  # Megatron: "MTP eh norm + final norm", "eh proj"
     logits = h * padded_vocab_size * (mtp + 1)
     return (FORWARD_BACKWARD_EXPANSION_FACTOR * FMA_EXPANSION_FACTOR
-            * (mlp + _num_layers(cfg) * self_attn + mtp_norms_and_proj + logits))
+            * (mlp + transformer_layer_count(cfg) * self_attn + mtp_norms_and_proj + logits))
 
 
-def _mtp_depths(cfg: JMegatronConfig) -> int:
+def mtp_depths(cfg: JMegatronConfig) -> int:
     """Multi-token prediction depths (``mtp_num_layers``; 0 without)."""
     return cfg.mtp_num_layers or 0
 
 
-def _num_layers(cfg: JMegatronConfig) -> int:
+def transformer_layer_count(cfg: JMegatronConfig) -> int:
     """Transformer layers: the decoder's and one per multi-token prediction depth."""
-    return cfg.num_layers + _mtp_depths(cfg)
+    return cfg.num_layers + mtp_depths(cfg)
 
 
-def _num_moe_layers(cfg: JMegatronConfig, mtp: bool = False) -> int:
+def moe_layer_count(cfg: JMegatronConfig, mtp: bool = False) -> int:
     """Decoder layers whose MLP is an MoE layer (``moe_layer_freq``; 0 for a dense model),
     with ``mtp`` also the multi-token prediction layers when the last decoder layer is one."""
     if cfg.num_moe_experts is None:
         return 0
     pattern = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
-    return sum(pattern) + (pattern[-1] * _mtp_depths(cfg) if mtp else 0)
+    return sum(pattern) + (pattern[-1] * mtp_depths(cfg) if mtp else 0)
 
 
 def _core_attention_flops_per_squared_token(cfg: JMegatronConfig, causal: bool) -> int:
@@ -101,7 +101,7 @@ def _core_attention_flops_per_squared_token(cfg: JMegatronConfig, causal: bool) 
     if cfg.multi_latent_attention:  # QK^T over dn + dr, (QK^T)V over dv
         n = cfg.num_attention_heads
         per_layer = n * (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim) // (2 if causal else 1)
-    return FORWARD_BACKWARD_EXPANSION_FACTOR * FMA_EXPANSION_FACTOR * per_layer * _num_layers(cfg)
+    return FORWARD_BACKWARD_EXPANSION_FACTOR * FMA_EXPANSION_FACTOR * per_layer * transformer_layer_count(cfg)
 
 
 def num_floating_point_operations(cfg: JMegatronConfig, batch_size: int, padded_vocab_size: int,
@@ -257,7 +257,7 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     mlp = (h * fc1_width + ffn * h + (fc1_width + h if cfg.add_bias_linear else 0))
     layer_norms = (4 if cfg.sandwich_norms else 2) * norm  # + post_self_attn / post_mlp_layernorm
     layer = layer_norms + attention + mlp
-    num_moe_layers = _num_moe_layers(cfg)
+    num_moe_layers = moe_layer_count(cfg)
     moe_layer = 0
     if num_moe_layers:
         def ffn_params(width):
@@ -273,8 +273,8 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     if cfg.position_embedding_type == "learned_absolute":
         embeddings += cfg.max_position_embeddings * h
     output = h * padded_vocab_size if cfg.untie_embeddings_and_output_weights else 0
-    mtp_moe = _num_moe_layers(cfg, mtp=True) - num_moe_layers
-    mtp = _mtp_depths(cfg) * (3 * norm + 2 * h * h) + mtp_moe * moe_layer + (_mtp_depths(cfg) - mtp_moe) * layer
+    mtp_moe = moe_layer_count(cfg, mtp=True) - num_moe_layers
+    mtp = mtp_depths(cfg) * (3 * norm + 2 * h * h) + mtp_moe * moe_layer + (mtp_depths(cfg) - mtp_moe) * layer
     return (embeddings + (cfg.num_layers - num_moe_layers) * layer + num_moe_layers * moe_layer + norm + output
             + mtp)
 
@@ -302,7 +302,7 @@ def num_active_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     reads one row. Equal to :func:`num_parameters` for a dense model. This is the count
     that ``6 * active parameters`` per token approximates Megatron's MoE FLOPs with."""
     total = num_parameters(cfg, padded_vocab_size)
-    num_moe_layers = _num_moe_layers(cfg, mtp=True)
+    num_moe_layers = moe_layer_count(cfg, mtp=True)
     if not num_moe_layers:
         return total
     h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size

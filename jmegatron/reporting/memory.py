@@ -265,8 +265,8 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
         if (bias or cfg.add_qkv_bias) else 0
     fc1_bias = (2 if cfg.gated_mlp else 1) * cfg.ffn_hidden_size if bias else 0
     positions = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
-    num_moe_layers = flops._num_moe_layers(cfg, mtp=True)
-    layers_all, mtp = flops._num_layers(cfg), flops._mtp_depths(cfg)  # the MTP layers (pp 1 only) count too
+    num_moe_layers = flops.moe_layer_count(cfg, mtp=True)
+    layers_all, mtp = flops.transformer_layer_count(cfg), flops.mtp_depths(cfg)  # the MTP layers (pp 1 only) count too
     router, experts = 0, 0
     if num_moe_layers:  # (MoE layers have no biases: validation refuses add_bias_linear)
         f = cfg.moe_ffn_hidden_size
@@ -420,13 +420,13 @@ def megatron_num_parameters_on_most_loaded_shard(cfg: JMegatronConfig, padded_vo
         q_ratio = cfg.kv_channels * nq / h
         self_attn = 2 * h * h * ((1 + cfg.num_query_groups / nq) * q_ratio)
     layer = 2 * h * (cfg.ffn_hidden_size * gated + norm_size) + self_attn
-    num_moe_layers = flops._num_moe_layers(cfg, mtp=True)
+    num_moe_layers = flops.moe_layer_count(cfg, mtp=True)
     moe_layer = 0.0
     if num_moe_layers:
         moe_mlp = cfg.moe_ffn_hidden_size * cfg.num_moe_experts + (cfg.moe_shared_expert_intermediate_size or 0)
         moe_layer = 2 * h * (moe_mlp * gated + norm_size) + self_attn
     embedding = h * padded_vocab_size
-    block = (flops._num_layers(cfg) - num_moe_layers) * layer + num_moe_layers * moe_layer + norm_size * h
+    block = (flops.transformer_layer_count(cfg) - num_moe_layers) * layer + num_moe_layers * moe_layer + norm_size * h
     shard = block / pipeline_model_parallel_size + embedding
     if cfg.untie_embeddings_and_output_weights and pipeline_model_parallel_size == 1:
         shard += embedding

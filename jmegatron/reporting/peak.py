@@ -84,6 +84,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from jmegatron.kernels import cpu as kernels_cpu
 from jmegatron.kernels.cpu import ops
 from jmegatron.reporting import core_clock
 
@@ -590,7 +591,7 @@ def _openblas_runner(n: int, dtype: str, chain: int, platform_name: str) -> Call
     import jax
     import jax.numpy as jnp
 
-    ops._lib.load()  # KernelUnavailable (a RuntimeError) names the missing piece
+    kernels_cpu.load()  # KernelUnavailable (a RuntimeError) names the missing piece
     a = jnp.ones((n, n), jnp.float32) / n
 
     @jax.jit
