@@ -35,7 +35,7 @@ from jmegatron.config.model import (ATTENTION_IMPLS, CROSS_ENTROPY_IMPLS, DROPOU
                                     TOKEN_DISPATCHER_TYPES, TOKEN_DROP_POLICIES, TRANSFORMER_IMPLS, KernelConfig,
                                     MoEConfig, RotaryConfig, TransformerConfig, moe_layer_pattern,
                                     parse_moe_layer_freq, window_layer_pattern,
-                                    yarn_concentration_factor)
+                                    yarn_concentration_factor, yarn_get_mscale)
 from jmegatron.config.parallel import PIPELINE_SCHEDULES, ModelParallelConfig
 from jmegatron.config.run import (MODEL_FIELDS, SCHEDULER_FIELDS, JMegatronConfig,
                                   check_names, field_types)
@@ -53,5 +53,5 @@ __all__ = [
     "MixedPrecisionConfig", "MoEConfig", "ModelParallelConfig", "RotaryConfig", "TrainingConfig", "TransformerConfig",
     "base_config", "check_names", "checkpoint_args", "checkpoint_scheduler_args", "field_types", "from_configdict",
     "from_json", "get_config_of", "imported_args", "load_config_file", "moe_layer_pattern", "parse_moe_layer_freq",
-    "read_run_config", "set_family", "tokenizer_type_of", "tokenizer_vocab_size", "window_layer_pattern", "yarn_concentration_factor",
+    "read_run_config", "set_family", "tokenizer_type_of", "tokenizer_vocab_size", "window_layer_pattern", "yarn_concentration_factor", "yarn_get_mscale",
 ]

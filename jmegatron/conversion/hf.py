@@ -77,7 +77,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from jmegatron.config import window_layer_pattern
+from jmegatron.config import window_layer_pattern, yarn_concentration_factor
 from jmegatron.conversion import hf_moe
 from jmegatron.conversion.hf_moe import MOE_ARCHITECTURES
 from jmegatron.conversion.tree import (check_shape, get, map_leaves, numpy_tree, plain, stack_layers, to_numpy,
