@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
+from jmegatron.command_line import parse_args
 from jmegatron.config import ConfigError, base_config, from_configdict, load_config_file
-from jmegatron.train import parse_args
 
 from conftest import REPO
 
