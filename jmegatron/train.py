@@ -42,14 +42,14 @@ from jmegatron.runtime import reexec_with_host_allocator
 def _import_hf_load(path: Optional[str], overrides: dict[str, Any]) -> dict[str, Any]:
     """``overrides`` with a Hugging Face folder given as ``load`` replaced by its jmegatron
     checkpoint, imported once into ``<save>/hf_import``
-    (:func:`jmegatron.export.convert.checkpoint_of`), and ``use_checkpoint_args`` True unless
+    (:func:`jmegatron.export.imports.checkpoint_of`), and ``use_checkpoint_args`` True unless
     given (the architecture comes from the folder). Other ``load`` values pass unchanged.
     Raises ConfigError without a ``save`` (from the overrides or the config file)."""
     load = overrides.get("load")
     if not load or not os.path.isfile(os.path.join(load, "config.json")):
         return overrides
     from jmegatron.checkpoint.hf import is_hf_folder
-    from jmegatron.export.convert import checkpoint_of
+    from jmegatron.export.imports import checkpoint_of
 
     if not is_hf_folder(load):
         return overrides

@@ -20,7 +20,8 @@ module, function-local ones included, is checked against these rules:
   entry points (:data:`LEAF_CLIS`), every module of ``jmegatron.tools``, and each module of
   ``export`` and ``bench`` defining ``register(sub)`` or ``main`` (a module of theirs without
   either, such as ``bench.common``, is a library). Their shared code lives in a library
-  module (``jmegatron.command_line`` parses the training command line).
+  module (``jmegatron.command_line`` parses the training command line, ``export.imports``
+  brings weights in).
 * ``local-import``: no function-local import of a jmegatron module (a lazy import is for an
   optional third-party dependency only: torch, transformer_engine, modelopt, ...).
 * ``cycle``: the import graph of jmegatron modules (every import, local or not) has no cycle.
@@ -67,14 +68,11 @@ KNOWN: set[tuple[str, str, object]] = {
     # YaRN's attention factor (rope_fields_from_hf checks a config's attention_factor) lives with
     # the rotary embedding; its home below both is the config's model group
     ("conversion", "jmegatron.conversion.hf", "jmegatron.models.rope"),
-    # library functions still in command modules; each moves to a library module of its package
+    # a function another command uses still lives in a command module (pipeline_report takes
+    # comm_report.parse_collectives, gpu_check runs gpu_lower's cases, train_tokenizer takes
+    # preprocess_data.resolve_inputs, report takes memory's layout rows, memory_chart takes
+    # loss_chart's log arguments); each belongs in a library module of its package
     *{("leaf", src, dst) for src, dst in (
-        ("jmegatron.evaluate", "jmegatron.export.convert"), ("jmegatron.generate", "jmegatron.export.convert"),
-        ("jmegatron.serve", "jmegatron.export.convert"), ("jmegatron.train", "jmegatron.export.convert"),
-        ("jmegatron.export.megatron", "jmegatron.export.convert"),
-        ("jmegatron.export.trtllm", "jmegatron.export.quantize"),
-        ("jmegatron.export.unified_check", "jmegatron.export.quantize"),
-        ("jmegatron.export.trtllm", "jmegatron.export.trtllm_check"),
         ("jmegatron.tools.pipeline_report", "jmegatron.tools.comm_report"),
         ("jmegatron.tools.gpu_check", "jmegatron.tools.gpu_lower"),
         ("jmegatron.tools.train_tokenizer", "jmegatron.tools.preprocess_data"),
