@@ -35,8 +35,7 @@ from jmegatron.distributed import initialize_from_env
 from jmegatron.runtime import reexec_with_host_allocator
 
 # pretrain_gpt and checkpointing (JAX, Orbax) are imported inside main(): run() re-executes
-# the interpreter with the host allocator first, and this module stays light for the CLIs
-# and tools that only parse configs (jmegatron.command_line).
+# the interpreter with the host allocator first.
 
 
 def _import_hf_load(path: Optional[str], overrides: dict[str, Any]) -> dict[str, Any]:
