@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     from jmegatron.pretrain_gpt import build
     from jmegatron.data.builder import build_datasets
 
-    from jmegatron.train import _parse_value  # by the field's type, as --config.<field>=<value>
+    from jmegatron.command_line import _parse_value  # by the field's type, as --config.<field>=<value>
 
     overrides = {k: _parse_value(k, v) for k, v in (item.split("=", 1) for item in args.set)}
     data = find_data(args)

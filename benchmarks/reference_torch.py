@@ -70,8 +70,8 @@ def main(argv=None) -> int:
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
 
+    from jmegatron.command_line import parse_args
     from jmegatron.config import ConfigError, load_config_file
-    from jmegatron.train import parse_args
 
     try:
         path, overrides = parse_args(["--config", args.config, *extra])

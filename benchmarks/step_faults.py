@@ -41,11 +41,11 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jmegatron.data.loader import BatchLoader
-    from jmegatron.train import parse_args
+    from jmegatron.command_line import parse_args
     from jmegatron.config import load_config_file
-    from jmegatron.training.run import build
     from jmegatron.data.builder import build_datasets
+    from jmegatron.data.loader import BatchLoader
+    from jmegatron.training.run import build
 
     path, overrides = parse_args(rest)
     overrides.setdefault("mock_data", True)

@@ -58,7 +58,7 @@ from jmegatron.conversion.megatron import (CHECKPOINT_VERSION, FORMATS, MOE_MODE
                                           rank_dir, refuse_blocks, shard_state_dict, to_megatron_state_dict)
 from jmegatron.conversion.tree import to_numpy
 from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config, load_checkpoint
-from jmegatron.export.convert import save_imported
+from jmegatron.export.imports import save_imported
 
 __all__ = ["megatron_args", "read_megatron_checkpoint", "write_legacy_checkpoint", "import_megatron", "export_megatron",
            "register"]

@@ -43,7 +43,7 @@ Output (``--out DIR``, which must be empty or absent)::
                                     changes, quantizer amax/scales, smoothed weights)
     DIR/<cfg>/quant_summary.txt     ModelOpt's quantizer table (``mtq.print_quant_summary``'s
                                     lines: every TensorQuantizer, enabled or not, with its amax)
-    DIR/<cfg>/quantize_info.json    what :func:`load_quantized` needs (source checkpoint,
+    DIR/<cfg>/quantize_info.json    what :func:`jmegatron.export.quantized.load_quantized` needs (source checkpoint,
                                     iteration, ModelOpt config, KV-cache quant, perplexity)
     DIR/<cfg>/unified_hf/       ModelOpt's unified Hugging Face checkpoint
                                 (``export_hf_checkpoint``): config.json with
@@ -73,7 +73,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -82,25 +81,24 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from jmegatron.config import moe_layer_pattern, tokenizer_type_of
-from jmegatron.data.blended_dataset import convert_split_vector_to_split_matrix, parse_and_normalize_split
-from jmegatron.data.gpt_dataset import GPTDataset
 from jmegatron.data.indexed_dataset import IndexedDataset
 from jmegatron.data.tokenizer import build_tokenizer
 from jmegatron.conversion.hf import hf_architecture, to_hf_state_dict
 from jmegatron.export.common import (ExportError, ExportSource, check_out_dir, checkpoint_config, hf_model, load_checkpoint,
                                      open_checkpoint, write_hf_tokenizer)
+from jmegatron.export.calibration import Portion, calibration_loop, make_batches, perplexity, portion_dataset
 from jmegatron.export.fp8_scales import (FP8_E4M3_MAX, WEIGHT_SCALES, check_fp8_exportable, checkpoint_fp8_scales,
                                          quantize_weight, saved_fp8_meta_paths, strip_fp8_meta,
                                          unified_modules)
+from jmegatron.export.quantized import INFO_FILE, MANIFEST, MODELOPT_STATE, UNIFIED_HF_DIR
 from jmegatron.export.unified import check_unified, unified_model
 from jmegatron.inference.generate import generate_text
 
 __all__ = [
-    "QUANT_CFG_CHOICES", "KV_CACHE_QUANT_CHOICES", "MODELOPT_STATE", "UNIFIED_HF_DIR", "INFO_FILE",
-    "MANIFEST", "register", "run", "quantize", "load_quantized", "parse_quant_cfgs",
-    "build_quant_config", "portion_dataset", "make_batches", "perplexity", "quantize_model",
+    "QUANT_CFG_CHOICES", "KV_CACHE_QUANT_CHOICES", "register", "run", "quantize", "parse_quant_cfgs",
+    "build_quant_config", "quantize_model",
     "enabled_quantizers", "moe_router_modules", "greedy_continuation", "save_quantized", "weight_block_size",
-    "check_block_sizes", "quantized_source_config", "SCALES", "QUANT_SUMMARY", "quantizer_table",
+    "check_block_sizes", "SCALES", "QUANT_SUMMARY", "quantizer_table",
     "checkpoint_scaled_model", "reloaded_perplexity",
 ]
 
@@ -124,14 +122,9 @@ UNQUANTIZED_PATTERNS = ("*lm_head*", "*output_layer*")
 UNQUANTIZED_PARENT_CLASSES = ("nn.LayerNorm",)
 OUTPUT_LAYER = "lm_head"
 
-MODELOPT_STATE = "modelopt_state.pth"
-UNIFIED_HF_DIR = "unified_hf"
-INFO_FILE = "quantize_info.json"
 QUANT_SUMMARY = "quant_summary.txt"
-MANIFEST = "quantize.json"
 EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 SCALES = ("calibrate", "from-checkpoint")
-_SPLITS = {"train": 0, "valid": 1, "test": 2}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -311,114 +304,6 @@ def _check_prefix(prefix: Optional[str], flag: str) -> str:
                       "as printed by `python -m jmegatron.tools.preprocess_data`)")
 
 
-@dataclasses.dataclass
-class Portion:
-    """One split portion of a dataset prefix: its GPTDataset and where it lies."""
-
-    dataset: Any          # jmegatron.data.gpt_dataset.GPTDataset
-    prefix: str
-    split: str
-    name: str             # "train" | "valid" | "test"
-    sequences: tuple      # [begin, end) sequence ids of the portion
-    num_sequences: int    # sequences in the prefix
-    tokens: int           # tokens in the portion
-
-
-def portion_dataset(prefix: str, split: str, name: str, num_samples: Optional[int], seq_length: int,
-                    seed: int, eod_id: int, *, reset_position_ids: bool = False,
-                    eod_mask_loss: bool = False) -> Portion:
-    """The :class:`jmegatron.data.gpt_dataset.GPTDataset` over the ``name`` portion of ``prefix``.
-
-    The portion is the contiguous sequence range ``[round(begin * N), round(end * N))`` that
-    ``split`` (``"949,50,1"`` style) gives ``name`` among the prefix's ``N`` sequences, the
-    rule of Megatron's ``BlendedMegatronDatasetBuilder`` (so the train portion is what
-    training read and the test portion is text it never saw). ``num_samples`` None gives one
-    epoch (no repeated text); otherwise the documents repeat over as many epochs as needed.
-    Samples: ``tokens``/``labels``/``position_ids`` int32 [seq_length], ``loss_mask`` float32.
-
-    Raises ExportError for a bad ``split`` or an empty portion (message suggests ``--split``).
-    """
-    try:
-        bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[_SPLITS[name]]
-    except ValueError as e:
-        raise ExportError(f"--split: {e}") from e
-    low = IndexedDataset(prefix)
-    n = int(low.sequence_lengths.shape[0])
-    lo, hi = (0, 0) if bounds is None else (int(round(bounds[0] * float(n))), int(round(bounds[1] * float(n))))
-    tokens = int(np.sum(low.sequence_lengths[lo:hi], dtype=np.int64))
-    if hi <= lo or tokens == 0:
-        raise ExportError(f"split={split!r} gives the {name} portion of {prefix} no text ({n} sequences in all); "
-                          f"pass --split with a larger {name} share (e.g. --split 90,5,5) or a dataset with more "
-                          "documents")
-    ds = GPTDataset(low, np.arange(lo, hi, dtype=np.int32), num_samples, seq_length, seed, eod_id,
-                    reset_position_ids=reset_position_ids, eod_mask_loss=eod_mask_loss)
-    return Portion(ds, prefix, split, name, (lo, hi), n, tokens)
-
-
-def make_batches(dataset, num_samples: int, batch_size: int, vocab_size: int) -> list[dict]:
-    """The first ``num_samples`` samples of ``dataset`` (in its shuffled order) as batches of
-    ``batch_size`` (the last may be smaller): dicts of int64 ``np.ndarray`` ``tokens``,
-    ``labels``, ``position_ids`` [b, seq] and float32 ``loss_mask`` [b, seq].
-    Raises ExportError when a token id is >= ``vocab_size`` (data tokenized with another
-    tokenizer)."""
-    n = min(int(num_samples), len(dataset))
-    batches = []
-    for start in range(0, n, batch_size):
-        samples = [dataset[i] for i in range(start, min(start + batch_size, n))]
-        batch = {k: np.stack([s[k] for s in samples]).astype(np.float32 if k == "loss_mask" else np.int64)
-                 for k in ("tokens", "labels", "loss_mask", "position_ids")}
-        top = int(max(batch["tokens"].max(), batch["labels"].max()))
-        if top >= vocab_size:
-            raise ExportError(f"{dataset.dataset.path_prefix}: token id {top} >= the model's vocabulary "
-                              f"{vocab_size}; the data was tokenized with another tokenizer")
-        batches.append(batch)
-    return batches
-
-
-# ----------------------------------------------------------------------------- torch side
-def _forward_logits(model, batch: dict, device):
-    import torch
-
-    ids = torch.from_numpy(batch["tokens"]).to(device)
-    pos = torch.from_numpy(batch["position_ids"]).to(device)
-    return model(input_ids=ids, position_ids=pos, use_cache=False).logits
-
-
-def calibration_loop(batches: Sequence[dict], device="cpu"):
-    """The ``forward_loop(model)`` handed to ``mtq.quantize``: one no-grad forward pass per
-    calibration batch (``input_ids``/``position_ids`` [b, seq])."""
-    import torch
-
-    def forward_loop(model) -> None:
-        with torch.no_grad():
-            for batch in batches:
-                _forward_logits(model, batch, device)
-
-    return forward_loop
-
-
-def perplexity(model, batches: Sequence[dict], device="cpu") -> dict:
-    """Token-mean cross-entropy (nats) of ``model`` over ``batches`` (labels weighted by
-    ``loss_mask``, summed in float64) and its exponential: ``{"loss", "ppl", "tokens"}``.
-    Raises ValueError when the batches hold no counted token."""
-    import torch
-
-    total, count = 0.0, 0.0
-    with torch.no_grad():
-        for batch in batches:
-            logits = _forward_logits(model, batch, device).float()
-            labels = torch.from_numpy(batch["labels"]).to(device)
-            mask = torch.from_numpy(batch["loss_mask"]).to(device)
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                    reduction="none")
-            total += float((nll * mask.reshape(-1)).double().sum())
-            count += float(mask.double().sum())
-    if count == 0:
-        raise ValueError("perplexity: the evaluation batches hold no token with loss_mask > 0")
-    loss = total / count
-    return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf"), "tokens": int(count)}
-
-
 def quantize_model(model, name: str, kv_cache_quant: str, calib_batches: Sequence[dict], device="cpu"):
     """``mtq.quantize`` ``model`` in place with :func:`build_quant_config` ``(name, kv_cache_quant)``,
     calibrated on ``calib_batches``; returns the fake-quantized model."""
@@ -594,79 +479,6 @@ def _save_tokenizer(src: ExportSource, folder: str) -> bool:
         return False
     write_hf_tokenizer(src.tokenizer_path, folder, src.cfg.max_position_embeddings)
     return True
-
-
-def _resolve_cfg_dir(quantized_dir: str, cfg_name: Optional[str]) -> str:
-    info_path = os.path.join(quantized_dir, INFO_FILE)
-    if os.path.isfile(info_path):  # already one config's folder
-        with open(info_path) as f:
-            holds = json.load(f)["quant_cfg"]
-        if cfg_name is not None and cfg_name != holds:
-            raise ExportError(f"{quantized_dir} holds config {holds!r}, not {cfg_name!r}")
-        return quantized_dir
-    manifest = os.path.join(quantized_dir, MANIFEST)
-    if not os.path.isfile(manifest):
-        raise ExportError(f"{quantized_dir} is not a `jmegatron.export quantize` output (no {MANIFEST} or "
-                          f"{INFO_FILE}); run `python -m jmegatron.export quantize ... --out {quantized_dir}` first")
-    with open(manifest) as f:
-        names = list(json.load(f)["quant_cfgs"])
-    if cfg_name is None:
-        if len(names) != 1:
-            raise ExportError(f"{quantized_dir} holds configs {names}; name one (cfg_name / --quant-cfg)")
-        cfg_name = names[0]
-    if cfg_name not in names:
-        raise ExportError(f"{quantized_dir} has no config {cfg_name!r}; it holds {names}")
-    return os.path.join(quantized_dir, cfg_name)
-
-
-def quantized_source_config(quantized_dir: str, cfg_name: Optional[str] = None):
-    """The resolved config of the checkpoint a ``quantize`` output came from, read from its
-    metadata without restoring any array (:func:`jmegatron.export.common.checkpoint_config`),
-    so a command can refuse bad input before work. Raises ExportError as
-    :func:`load_quantized`."""
-    cfg_dir = _resolve_cfg_dir(quantized_dir, cfg_name)
-    with open(os.path.join(cfg_dir, INFO_FILE)) as f:
-        source = json.load(f)["source"]
-    if not os.path.isdir(source["load_dir"]):
-        raise ExportError(f"{cfg_dir}: its source checkpoint {source['load_dir']} is gone")
-    return checkpoint_config(source["load_dir"], source["iteration"])
-
-
-def load_quantized(quantized_dir: str, cfg_name: Optional[str] = None):
-    """Restore a fake-quantized model written by ``quantize``.
-
-    Args:
-        quantized_dir: the ``--out DIR`` of ``quantize`` or one config's ``DIR/<cfg>`` folder.
-        cfg_name: which config of ``DIR`` (e.g. ``"int8_sq"``); may be omitted when ``DIR``
-            holds a single config or is itself a config folder.
-
-    Returns:
-        ``(model, src, info)``: the float32 ``transformers`` model rebuilt from the source
-        checkpoint recorded in ``quantize_info.json`` with ModelOpt's quantizers restored by
-        ``mto.restore`` (eval mode, CPU; its logits equal the quantized model's before saving);
-        the :class:`ExportSource` of that checkpoint; and the info dict (``quant_cfg``,
-        ``modelopt_config``, ``kv_cache_quant``, ``quant_algo``, ``kv_cache_quant_algo``,
-        ``unified_hf_dir``, ``source``, ``perplexity``, ...).
-
-    Raises:
-        ExportError: not a quantize output, unknown/ambiguous ``cfg_name``, or the source
-            checkpoint is gone (the message names the path).
-    """
-    import modelopt.torch.opt as mto
-
-    cfg_dir = _resolve_cfg_dir(quantized_dir, cfg_name)
-    with open(os.path.join(cfg_dir, INFO_FILE)) as f:
-        info = json.load(f)
-    info["unified_hf_dir"] = os.path.join(os.path.abspath(cfg_dir), UNIFIED_HF_DIR)
-    source = info["source"]
-    if not os.path.isdir(source["load_dir"]):
-        raise ExportError(f"{cfg_dir}: its source checkpoint {source['load_dir']} is gone; the fake-quantized "
-                          "model is rebuilt from it (the unified HF folder alone does not need it)")
-    src = load_checkpoint(source["load_dir"], source["iteration"])
-    model = hf_model(src)
-    model = mto.restore(model, os.path.join(cfg_dir, MODELOPT_STATE))
-    model.eval()
-    return model, src, info
 
 
 # ----------------------------------------------------------------------------- the command

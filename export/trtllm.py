@@ -50,7 +50,7 @@ refused by name (ModelOpt 0.47's TensorRT-LLM exporter cannot read transformers 
 the quantize command's unified Hugging Face checkpoint is the quantized MoE deliverable).
 
 ``--quantized DIR`` takes a ``jmegatron.export quantize`` output: the fake-quantized model
-(:func:`jmegatron.export.quantize.load_quantized`) goes through ModelOpt's
+(:func:`jmegatron.export.quantized.load_quantized`) goes through ModelOpt's
 ``export_tensorrt_llm_checkpoint`` (``decoder_type`` "gpt"/"llama",
 ``inference_tensor_parallel=tp``), whose quantized tensors (int8 / fp8 / packed int4 weights
 and scaling factors) are kept, and its ``config.json`` is corrected by
@@ -89,14 +89,13 @@ import numpy as np
 from jmegatron.conversion.hf import GPT2, QWEN2 as HF_QWEN2, hf_architecture
 from jmegatron.conversion.hf_moe import MIXTRAL as HF_MIXTRAL
 from jmegatron.conversion.trtllm import GPT, LLAMA, MIXTRAL, pp_layers, rank_tensors, trtllm_config
-from jmegatron.export import trtllm_check
 from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint, refuse_moe
 from jmegatron.export.fp8_scales import (FP8_LINEARS, WEIGHT_SCALES, check_fp8_exportable, checkpoint_fp8_scales,
                                          quantize_weight, saved_fp8_meta_paths, strip_fp8_meta)
-from jmegatron.export.quantize import load_quantized, quantized_source_config
+from jmegatron.export.quantized import load_quantized, quantized_source_config
 from jmegatron.export.trtllm_check import check_trtllm_checkpoint
 
-__all__ = ["register", "run", "trtllm_architecture", "check_exportable", "write_trtllm_checkpoint", "export_checkpoint",
+__all__ = ["register", "run", "register_check", "run_check", "trtllm_architecture", "check_exportable", "write_trtllm_checkpoint", "export_checkpoint",
            "export_quantized_model", "export_quantized", "fix_modelopt_config", "build_engine", "moe_parallel_sizes",
            "DTYPES", "FLOAT32_TENSORS"]
 
@@ -558,7 +557,7 @@ def export_quantized(quantized_dir: str, out: str, *, tp: int = 1, dtype: str = 
     """``trtllm --quantized DIR``: a ``jmegatron.export quantize`` output -> TensorRT-LLM checkpoint.
 
     Restores the fake-quantized model with
-    ``jmegatron.export.quantize.load_quantized(quantized_dir, quant_cfg) -> (model, src, info)``
+    ``jmegatron.export.quantized.load_quantized(quantized_dir, quant_cfg) -> (model, src, info)``
     and exports it with :func:`export_quantized_model`. ``dtype``/``tp``/``out`` are checked
     before the model is restored, the architecture and tp splits right after (they need the
     source config). Returns ``(config, fixes)``.
@@ -632,7 +631,7 @@ def register(sub) -> None:
     p.add_argument("--build-engine", action="store_true", help="then run trtllm-build (needs TensorRT-LLM)")
     p.add_argument("--engine-dir", default=None, help="with --build-engine: default OUT/engine")
     p.set_defaults(func=run)
-    trtllm_check.register(sub)
+    register_check(sub)
 
 
 def _wrote_line(out: str, report) -> str:
@@ -708,3 +707,19 @@ def run(args) -> int:
     if args.build_engine:
         build_engine(os.path.abspath(args.out), os.path.abspath(args.engine_dir or os.path.join(args.out, "engine")))
     return 0
+
+
+def register_check(sub) -> None:
+    """Add ``check-trtllm DIR`` to an argparse subparsers object."""
+    p = sub.add_parser("check-trtllm", help="validate a TensorRT-LLM checkpoint (config.json + rank*.safetensors)")
+    p.add_argument("checkpoint_dir", metavar="DIR")
+    p.add_argument("--no-values", action="store_true",
+                   help="check names, shapes and dtypes only (do not read the tensors)")
+    p.set_defaults(func=run_check)
+
+
+def run_check(args) -> int:
+    """Print the report of ``args.checkpoint_dir``; 0 when valid, 1 otherwise."""
+    report = check_trtllm_checkpoint(args.checkpoint_dir, check_values=not args.no_values)
+    print(report.format())
+    return 0 if report.ok else 1

@@ -1,4 +1,5 @@
-"""``python -m jmegatron.export check-trtllm DIR``: validate a TensorRT-LLM checkpoint.
+"""Validating a TensorRT-LLM checkpoint (the ``check-trtllm DIR`` command of
+:mod:`jmegatron.export.trtllm`, and every ``trtllm`` export).
 
 The format checked is TensorRT-LLM's "checkpoint" (the input of ``trtllm-build``, TRT-LLM
 <= 1.2, ``docs/source/architecture/checkpoint.md``): ``config.json`` (``PretrainedConfig``
@@ -995,19 +996,3 @@ def check_trtllm_checkpoint(checkpoint_dir: str, check_values: bool = True) -> C
                 if any(e.startswith(f"rank{rf.rank}.safetensors") for e in errors[n_before:]):
                     rf.ok = False
     return report
-
-
-def register(sub) -> None:
-    """Add ``check-trtllm DIR`` to an argparse subparsers object."""
-    p = sub.add_parser("check-trtllm", help="validate a TensorRT-LLM checkpoint (config.json + rank*.safetensors)")
-    p.add_argument("checkpoint_dir", metavar="DIR")
-    p.add_argument("--no-values", action="store_true",
-                   help="check names, shapes and dtypes only (do not read the tensors)")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    """Print the report of ``args.checkpoint_dir``; 0 when valid, 1 otherwise."""
-    report = check_trtllm_checkpoint(args.checkpoint_dir, check_values=not args.no_values)
-    print(report.format())
-    return 0 if report.ok else 1

@@ -16,7 +16,7 @@
   whose greedy next token is the same, and the largest logit difference;
 * with ``--data`` (a ``preprocess_data`` prefix), the perplexity of both on the **test**
   portion of ``--split`` (the quantize command's held-out text, :func:`jmegatron.export.
-  quantize.portion_dataset`); without it, the agreement is measured on ``--samples`` random
+  calibration.portion_dataset`); without it, the agreement is measured on ``--samples`` random
   token sequences (seed 0) and no perplexity is given.
 
 Exit status 0 when the folder has no problem, 1 when it has, 2 for bad input (a folder this
@@ -34,8 +34,8 @@ from typing import Optional
 import numpy as np
 
 from jmegatron.checkpoint.hf import is_hf_folder
+from jmegatron.export.calibration import make_batches, perplexity, portion_dataset
 from jmegatron.export.common import ExportError, hf_model, load_checkpoint
-from jmegatron.export.quantize import make_batches, perplexity, portion_dataset
 from jmegatron.export.unified import check_unified, unified_model
 
 __all__ = ["register", "run", "check_unified_folder"]

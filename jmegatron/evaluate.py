@@ -34,7 +34,7 @@ from jmegatron.checkpoint.views import checkpoint_view
 from jmegatron.config import ConfigError, from_configdict, tokenizer_type_of
 from jmegatron.data.builder import build_datasets
 from jmegatron.export.common import ExportError
-from jmegatron.export.convert import checkpoint_of
+from jmegatron.export.imports import checkpoint_of
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.parallel.rules import data_parallel_size
 from jmegatron.training.loop import evaluate

@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from jmegatron.export.convert import checkpoint_of
+from jmegatron.export.imports import checkpoint_of
 from jmegatron.inference.generate import generate_text
 from jmegatron.checkpoint.checkpointing import CheckpointError
 

@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from jmegatron.export.convert import checkpoint_of
+from jmegatron.export.imports import checkpoint_of
 from jmegatron.inference.server import TextGenerationServer, create_app
 from jmegatron.checkpoint.checkpointing import CheckpointError
 

@@ -25,8 +25,8 @@ class CountingDataset:
 
 
 def main(out, argv):
+    from jmegatron.command_line import config_from_argv
     from jmegatron.distributed import initialize_from_env
-    from jmegatron.train import config_from_argv
     from jmegatron.training import loop
 
     cfg = config_from_argv(argv)

@@ -21,7 +21,8 @@ import pytest
 from jmegatron import arguments
 from jmegatron.config import (ConfigError, JMegatronConfig, base_config, from_configdict, load_config_file,
                                tokenizer_type_of)
-from jmegatron.train import config_from_argv, main
+from jmegatron.command_line import config_from_argv
+from jmegatron.train import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOCK = {"mock_data": True, "vocab_size": 1000}

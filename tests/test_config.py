@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from jmegatron.command_line import parse_args
 from jmegatron.config import ConfigError, JMegatronConfig, base_config, from_configdict, load_config_file
 from jmegatron.models.transformer_config import ModelConfig
-from jmegatron.train import parse_args
 
 from conftest import REPO
 

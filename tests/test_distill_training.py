@@ -182,10 +182,11 @@ def test_balanced_distillation_matches_one_device_micro_batches(teacher_dir, tmp
 def test_projection_between_hidden_sizes_trains_resumes_and_finalizes(tmp_path, teacher_dir, capsys):
     # student hidden 32, teacher hidden 48: the shared kd_projection [32 -> 48] is trained with the
     # student, saved in its checkpoints (the rerun resumes), and dropped by kd_finalize / export
+    from jmegatron.command_line import config_from_argv
     from jmegatron.distill.losses import ProjectionLayer
     from jmegatron.export.common import load_checkpoint
-    from jmegatron.train import config_from_argv, main as train_main
     from jmegatron.reporting.flops import num_parameters
+    from jmegatron.train import main as train_main
     from jmegatron.training.run import restore_run
 
     kd = yaml_file(tmp_path, "intermediate_layer_pairs:\n  - [decoder.layers.1.pre_mlp_layernorm, "

@@ -482,7 +482,7 @@ def test_readme_fp8_flow_gpt2(readme_fp8_run, token_data, tmp_path, capsys):
     LayerNorm) carries an input scale, and its logits are the fake-quantized model's. The
     ModelOpt quantizer table goes to quant_summary.txt, not the console. `trtllm --scales
     from-checkpoint` writes the legacy FP8 checkpoint and says what it wrote."""
-    from jmegatron.export.quantize import load_quantized
+    from jmegatron.export.quantized import load_quantized
     from jmegatron.export.unified import unified_model
 
     out = tmp_path / "fp8_unified"

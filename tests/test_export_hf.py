@@ -15,7 +15,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from jmegatron.export.common import load_checkpoint  # noqa: E402
-from jmegatron.export.convert import export_hf, import_hf  # noqa: E402
+from jmegatron.export.convert import export_hf  # noqa: E402
+from jmegatron.export.imports import import_hf  # noqa: E402
 from jmegatron.presets import FAMILIES  # noqa: E402
 from jmegatron.training.loop import pretrain  # noqa: E402
 from jmegatron.training.run import restore_run  # noqa: E402

@@ -132,7 +132,8 @@ def test_import_hf_and_export_hf_folders(tmp_path):
     from safetensors.numpy import load_file
 
     from jmegatron.data.indexed_dataset import IndexedDatasetBuilder
-    from jmegatron.export.convert import export_hf, import_hf
+    from jmegatron.export.convert import export_hf
+    from jmegatron.export.imports import import_hf
     from jmegatron.export.quantize import quantize
     from jmegatron.training.run import restore_run
 

@@ -227,7 +227,7 @@ def test_deepseek_v3_mtp_depth_in_the_hub_layout(imported, tmp_path):
     from safetensors.numpy import save_file
 
     from jmegatron.export.common import load_checkpoint
-    from jmegatron.export.convert import import_hf
+    from jmegatron.export.imports import import_hf
 
     folder = tmp_path / "hf"
     folder.mkdir()
@@ -431,7 +431,8 @@ def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp
     from jmegatron import evaluate, train
     from jmegatron.config import ConfigError, load_config_file
     from jmegatron.data.tokenizer import load_tokenizer, train_bpe_tokenizer
-    from jmegatron.export.convert import export_hf, import_hf
+    from jmegatron.export.convert import export_hf
+    from jmegatron.export.imports import import_hf
     from jmegatron.tools.preprocess_data import preprocess
     from jmegatron.training.loop import pretrain
 
@@ -542,7 +543,7 @@ def test_a_tokenizer_without_an_end_of_document_token_is_refused_before_work(imp
 
     from jmegatron.data.tokenizer import load_tokenizer
     from jmegatron.export.common import ExportError
-    from jmegatron.export.convert import import_hf
+    from jmegatron.export.imports import import_hf
 
     imported["qwen2"][0].save_pretrained(str(tmp_path / "hf"))
     Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tmp_path / "hf" / "tokenizer.json"))

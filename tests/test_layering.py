@@ -15,6 +15,13 @@ module, function-local ones included, is checked against these rules:
   besides (:func:`test_conversion_imports_numpy_only`).
 * ``loop``: only the command-line entry points, ``tools``, ``bench`` and ``pretrain_gpt``
   import ``jmegatron.training.loop``.
+* ``leaf``: commands and CLIs are leaves: no jmegatron module imports one, except a
+  package's own ``__main__`` registering its commands. The commands are the ``python -m``
+  entry points (:data:`LEAF_CLIS`), every module of ``jmegatron.tools``, and each module of
+  ``export`` and ``bench`` defining ``register(sub)`` or ``main`` (a module of theirs without
+  either, such as ``bench.common``, is a library). Their shared code lives in a library
+  module (``jmegatron.command_line`` parses the training command line, ``export.imports``
+  brings weights in).
 * ``local-import``: no function-local import of a jmegatron module (a lazy import is for an
   optional third-party dependency only: torch, transformer_engine, modelopt, ...).
 * ``cycle``: the import graph of jmegatron modules (every import, local or not) has no cycle.
@@ -41,6 +48,8 @@ BELOW_TRAINING = {"kernels", "fusions", "parallel", "models", "data", "reporting
 CONVERSION_IMPORTS = {"conversion", "config"}  # the jmegatron parts the weight mappings may import
 CLIS = {"pretrain_gpt", "train", "evaluate", "generate", "launch"}
 TRAINING_AND_ABOVE = {"training", "distill", "inference", "bench", "tools", "export"} | CLIS
+LEAF_CLIS = {"jmegatron.train", "jmegatron.evaluate", "jmegatron.generate", "jmegatron.serve", "jmegatron.launch"}
+COMMAND_PACKAGES = {"jmegatron.tools", "jmegatron.export", "jmegatron.bench"}
 LOOP = "jmegatron.training.loop"
 LOOP_IMPORTERS = {"tools", "bench"} | CLIS
 
@@ -56,6 +65,16 @@ KNOWN: set[tuple[str, str, object]] = {
         "jmegatron.tools.pipeline_report")},
     # train.run() re-executes the interpreter with the host allocator before the loop is imported
     ("local-import", "jmegatron.train", None),
+    # a function another command uses still lives in a command module (pipeline_report takes
+    # comm_report.parse_collectives, gpu_check runs gpu_lower's cases, train_tokenizer takes
+    # preprocess_data.resolve_inputs, report takes memory's layout rows, memory_chart takes
+    # loss_chart's log arguments); each belongs in a library module of its package
+    *{("leaf", src, dst) for src, dst in (
+        ("jmegatron.tools.pipeline_report", "jmegatron.tools.comm_report"),
+        ("jmegatron.tools.gpu_check", "jmegatron.tools.gpu_lower"),
+        ("jmegatron.tools.train_tokenizer", "jmegatron.tools.preprocess_data"),
+        ("jmegatron.bench.report", "jmegatron.bench.memory"),
+        ("jmegatron.bench.memory_chart", "jmegatron.bench.loss_chart"))},
 }
 
 
@@ -119,6 +138,29 @@ def _imports() -> tuple[dict, list[Import]]:
     return mods, found
 
 
+def commands(mods: dict) -> set[str]:
+    """The command and CLI modules among ``mods`` (module name -> path): :data:`LEAF_CLIS`,
+    every module of ``jmegatron.tools``, and each module of :data:`COMMAND_PACKAGES` whose
+    source defines a top-level ``register`` or ``main`` function."""
+    out = set()
+    for name, path in mods.items():
+        package = name.rsplit(".", 1)[0]
+        if name in LEAF_CLIS or (package == "jmegatron.tools" and not path.endswith("__init__.py")):
+            out.add(name)
+        elif package in COMMAND_PACKAGES and not path.endswith("__init__.py"):
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            if any(isinstance(n, ast.FunctionDef) and n.name in ("register", "main") for n in tree.body):
+                out.add(name)
+    return out
+
+
+def leaf_violation(commands_: set[str], source: str, target: str) -> bool:
+    """Whether ``source`` importing ``target`` breaks the leaf rule: ``target`` is a command and
+    ``source`` is not the ``__main__`` of ``target``'s own package."""
+    return target in commands_ and source != target.rsplit(".", 1)[0] + ".__main__"
+
+
 def _part(module: str) -> str:
     """The top-level part of jmegatron a module belongs to ("models", "config", "train", ...)."""
     parts = module.split(".")
@@ -164,6 +206,7 @@ def _cycles(mods, found) -> list[list[str]]:
 def violations() -> list[tuple[tuple, str]]:
     """Every rule violation as ((rule, source, target), "file:line: message")."""
     mods, found = _imports()
+    leaves = commands(mods)
     out = []
     for imp in found:
         src, dst = _part(imp.source), _part(imp.target)
@@ -184,6 +227,10 @@ def violations() -> list[tuple[tuple, str]]:
         if imp.target == LOOP and src not in LOOP_IMPORTERS:
             out.append((("loop", imp.source, imp.target),
                         f"{where}: [loop] {imp.source} imports {LOOP}: only the entry points, tools and bench do"))
+        if leaf_violation(leaves, imp.source, imp.target):
+            out.append((("leaf", imp.source, imp.target),
+                        f"{where}: [leaf] {imp.source} imports {imp.target}: commands and CLIs are leaves; move "
+                        f"what is shared to a library module"))
         if imp.local:
             out.append((("local-import", imp.source, imp.target),
                         f"{where}: [local-import] {imp.source} imports {imp.target} inside a function: "
@@ -252,6 +299,13 @@ def test_the_checker_sees_what_it_checks():
     edges = {(i.source, i.target) for i in found}
     assert ("jmegatron.models.gpt", "jmegatron.models.transformer_config") in edges
     assert ("jmegatron.kernels.cpu.ops", "jmegatron.kernels.xla.attention") in edges
+    leaves = commands(mods)
+    assert {"jmegatron.train", "jmegatron.tools.model_report", "jmegatron.export.convert",
+            "jmegatron.bench.mfu"} <= leaves
+    assert not {"jmegatron.bench.common", "jmegatron.command_line", "jmegatron.export.common"} & leaves
+    assert leaf_violation(leaves, "jmegatron.tools.demo", "jmegatron.train")
+    assert not leaf_violation(leaves, "jmegatron.bench.__main__", "jmegatron.bench.mfu")
+    assert not leaf_violation(leaves, "jmegatron.train", "jmegatron.command_line")
     tree = ast.parse("from .b import c\n")
     assert _targets({"p.a": "", "p.b": "", "p.b.c": ""}, "p.a", False, tree.body[0]) == ["p.b", "p.b.c"]
     with pytest.raises(AssertionError):

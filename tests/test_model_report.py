@@ -33,7 +33,7 @@ PARAMS = V * h + s * h + L * PER_LAYER_PARAMS + 2 * h  # embeddings, positions, 
 
 
 def _small_cfg():
-    from jmegatron.train import parse_args
+    from jmegatron.command_line import parse_args
 
     path, overrides = parse_args(SMALL)
     return load_config_file(str(REPO / path), overrides)

@@ -418,7 +418,7 @@ def test_bad_moe_configs_fail_naming_the_field(kw, match):
 def test_moe_layer_freq_string_and_cli_form():
     cfg = _cfg(num_layers=4, moe_layer_freq="([0]*1+[1]*3)")
     assert cfg.moe_layer_freq == (0, 1, 1, 1)
-    from jmegatron.train import _parse_value
+    from jmegatron.command_line import _parse_value
 
     assert _parse_value("moe_layer_freq", "[0,1,1,1]") == [0, 1, 1, 1]
     assert _parse_value("moe_layer_freq", "([0]*1+[1]*3)") == "([0]*1+[1]*3)"

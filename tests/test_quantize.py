@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from jmegatron.export.__main__ import main
+from jmegatron.export.calibration import make_batches, perplexity, portion_dataset
 from jmegatron.export.common import ExportError, hf_model
-from jmegatron.export.quantize import (build_quant_config, enabled_quantizers, load_quantized, make_batches,
-                                       perplexity, portion_dataset, quantize_model)
+from jmegatron.export.quantize import build_quant_config, enabled_quantizers, quantize_model
+from jmegatron.export.quantized import load_quantized
 
 import modelopt.torch.quantization  # noqa: E402,F401
 import torch  # noqa: E402

@@ -36,8 +36,8 @@ from jmegatron.conversion import hf
 from jmegatron.export import hf_model
 from jmegatron.export.__main__ import main
 from jmegatron.export.common import ExportError
-from jmegatron.export.quantize import (build_quant_config, enabled_quantizers, load_quantized, moe_router_modules,
-                                       quantize)
+from jmegatron.export.quantize import build_quant_config, enabled_quantizers, moe_router_modules, quantize
+from jmegatron.export.quantized import load_quantized
 from jmegatron.export.trtllm import check_exportable, moe_parallel_sizes, write_trtllm_checkpoint
 from jmegatron.export.trtllm_check import check_trtllm_checkpoint
 
@@ -358,7 +358,7 @@ def moe_checkpoint(tmp_path_factory):
     import transformers
 
     from jmegatron.data.indexed_dataset import IndexedDatasetBuilder
-    from jmegatron.export.convert import import_hf
+    from jmegatron.export.imports import import_hf
 
     d = tmp_path_factory.mktemp("moe_ckpt")
     conf = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=F, num_hidden_layers=2,

@@ -1,5 +1,5 @@
 """ModelOpt's unified checkpoint read back (export.unified) and loaded where users look
-(``--load`` of evaluate / generate / serve through export.convert.checkpoint_of;
+(``--load`` of evaluate / generate / serve through export.imports.checkpoint_of;
 ``export check-unified``): against ModelOpt's own fake-quantized model of the same weights."""
 
 import copy
@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from jmegatron.export.__main__ import main
 from jmegatron.export.common import ExportError
-from jmegatron.export.convert import checkpoint_of
+from jmegatron.export.imports import checkpoint_of
 from jmegatron.export.quantize import quantize_model
 from jmegatron.export.unified import read_unified, unified_model
 

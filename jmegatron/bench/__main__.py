@@ -70,7 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         # a config command takes what python -m jmegatron.train takes: --config.<field>=<value>,
-        # Megatron's flags, --args-file F.args / F.args (jmegatron.train.config_from_argv checks them)
+        # Megatron's flags, --args-file F.args / F.args (jmegatron.command_line.config_from_argv checks them)
         takes_config = hasattr(args, "config")
         overrides = extra if takes_config else [a for a in extra if a.startswith("--config.")]
         stray = [] if takes_config else [a for a in extra if not a.startswith("--config.")]

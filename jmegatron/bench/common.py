@@ -15,8 +15,8 @@ import subprocess
 import sys
 from typing import Any, Optional, Sequence
 
+from jmegatron.command_line import config_from_argv
 from jmegatron.config import ConfigError
-from jmegatron.train import config_from_argv
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_BENCH_DIR = os.path.join("runs", "bench")

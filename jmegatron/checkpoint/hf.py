@@ -3,7 +3,7 @@ config fields and its safetensors as jmegatron parameters.
 
 :func:`read_hf_folder` is the one way a folder enters jmegatron: ``import-hf`` and the
 ``--load HF_FOLDER`` of train / evaluate / generate / serve (through
-:func:`jmegatron.export.convert.import_hf`) and a Hugging Face distillation teacher
+:func:`jmegatron.export.imports.import_hf`) and a Hugging Face distillation teacher
 (:mod:`jmegatron.distill.teacher`, in memory). The mapping itself is
 :mod:`jmegatron.conversion.hf`; this module adds the files (``config.json``,
 ``*.safetensors`` read with ``safetensors``, sharded or not; PyTorch ``.bin`` files are not

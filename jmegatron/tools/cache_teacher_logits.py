@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jmegatron.command_line import parse_args
 from jmegatron.config import ConfigError, JMegatronConfig, load_config_file
 from jmegatron.data.builder import build_datasets, get_train_valid_test_num_samples
 from jmegatron.data.teacher_logits import (FORMAT_VERSION, CacheMismatchError, check_cache, data_fingerprint,
@@ -63,7 +64,6 @@ from jmegatron.distill.cross_tokenizer import align_positions
 from jmegatron.distill.losses import teacher_top_k
 from jmegatron.distill.teacher import load_teacher
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.train import parse_args
 
 def cache_meta(cfg: JMegatronConfig, dataset: Any, num_samples: int, top_k: int, vocab: int,
                teacher_iteration: Optional[int], teacher_tokenizer: Optional[str] = None) -> dict:

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from jmegatron.train import config_from_argv
+from jmegatron.command_line import config_from_argv
 
 # Modules that import JAX (pretrain_gpt, parallel.rules, the MoE utilities) are imported
 # inside the functions that need them: main() must set XLA_FLAGS (--devices) before JAX starts.

@@ -40,16 +40,16 @@ if __name__ == "__main__" and "--lower-only" in sys.argv and "jax" not in sys.mo
 import jax
 import jax.numpy as jnp
 
+from jmegatron.command_line import parse_args
 from jmegatron.config import load_config_file
 from jmegatron.data.gpt_dataset import MockGPTDataset
-from jmegatron.kernels import gpu_target
 from jmegatron.data.loader import BatchLoader
+from jmegatron.kernels import gpu_target
 from jmegatron.models import te
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.parallel.mesh import create_mesh
 from jmegatron.reporting import flops, peak
 from jmegatron.tools import gpu_lower
-from jmegatron.train import parse_args
 from jmegatron.training.run import build
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "gpt_tiny.py")

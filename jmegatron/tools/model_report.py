@@ -41,12 +41,12 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.command_line import parse_args
 from jmegatron.config import load_config_file
 from jmegatron.distill.teacher import teacher_config
 from jmegatron.models.backend import resolve_impls
 from jmegatron.reporting import flops, memory
 from jmegatron.reporting.memory import ParallelLayout
-from jmegatron.train import parse_args
 
 GIB = 2 ** 30
 MIB = 2 ** 20

@@ -42,9 +42,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.command_line import parse_args
 from jmegatron.config import load_config_file
 from jmegatron.tools.comm_report import parse_collectives
-from jmegatron.train import parse_args
 
 # Modules that import JAX (jax, pretrain_gpt, parallel.*) are imported inside the functions
 # that need them: main() must set XLA_FLAGS (--devices) before JAX starts.
