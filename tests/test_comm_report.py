@@ -5,7 +5,8 @@ import jax
 import pytest
 
 from jmegatron.parallel.mesh import create_mesh
-from jmegatron.tools.comm_report import analyze, replica_groups, summarize
+from jmegatron.reporting.collectives import replica_groups
+from jmegatron.tools.comm_report import analyze, summarize
 from jmegatron.training.run import build
 
 from test_train_step import tiny_cfg

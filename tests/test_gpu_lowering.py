@@ -124,7 +124,7 @@ def test_a_row_that_does_not_lower_is_reported_and_the_table_goes_on(capsys, mon
     tiny = gpu_lower.DEFAULT_CONFIGS[0]
     cases = [gpu_lower.Case(tiny, "bf16"), gpu_lower.Case(os.path.join(gpu_lower.REPO, "configs", "nope.py")),
              gpu_lower.Case(tiny, "fp8")]
-    assert gpu_lower.main(cases) == 1
+    assert gpu_lower.report_lowering(cases) == 1
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| configs/")]
     assert "ERROR: RuntimeError: INTERNAL: Triton lowering failed |" in rows[0]
     assert "ERROR: FileNotFoundError" in rows[1]

@@ -17,9 +17,9 @@ module, function-local ones included, is checked against these rules:
   import ``jmegatron.training.loop``.
 * ``leaf``: commands and CLIs are leaves: no jmegatron module imports one, except a
   package's own ``__main__`` registering its commands. The commands are the ``python -m``
-  entry points (:data:`LEAF_CLIS`), every module of ``jmegatron.tools``, and each module of
-  ``export`` and ``bench`` defining ``register(sub)`` or ``main`` (a module of theirs without
-  either, such as ``bench.common``, is a library). Their shared code lives in a library
+  entry points (:data:`LEAF_CLIS`) and each module of ``tools``, ``export`` and ``bench``
+  defining ``register(sub)`` or ``main`` (a module of theirs without either, such as
+  ``bench.common`` or ``tools.gpu_lower``, is a library). Their shared code lives in a library
   module (``jmegatron.command_line`` parses the training command line, ``export.imports``
   brings weights in).
 * ``local-import``: no function-local import of a jmegatron module (a lazy import is for an
@@ -65,16 +65,6 @@ KNOWN: set[tuple[str, str, object]] = {
         "jmegatron.tools.pipeline_report")},
     # train.run() re-executes the interpreter with the host allocator before the loop is imported
     ("local-import", "jmegatron.train", None),
-    # a function another command uses still lives in a command module (pipeline_report takes
-    # comm_report.parse_collectives, gpu_check runs gpu_lower's cases, train_tokenizer takes
-    # preprocess_data.resolve_inputs, report takes memory's layout rows, memory_chart takes
-    # loss_chart's log arguments); each belongs in a library module of its package
-    *{("leaf", src, dst) for src, dst in (
-        ("jmegatron.tools.pipeline_report", "jmegatron.tools.comm_report"),
-        ("jmegatron.tools.gpu_check", "jmegatron.tools.gpu_lower"),
-        ("jmegatron.tools.train_tokenizer", "jmegatron.tools.preprocess_data"),
-        ("jmegatron.bench.report", "jmegatron.bench.memory"),
-        ("jmegatron.bench.memory_chart", "jmegatron.bench.loss_chart"))},
 }
 
 
@@ -139,13 +129,13 @@ def _imports() -> tuple[dict, list[Import]]:
 
 
 def commands(mods: dict) -> set[str]:
-    """The command and CLI modules among ``mods`` (module name -> path): :data:`LEAF_CLIS`,
-    every module of ``jmegatron.tools``, and each module of :data:`COMMAND_PACKAGES` whose
-    source defines a top-level ``register`` or ``main`` function."""
+    """The command and CLI modules among ``mods`` (module name -> path): :data:`LEAF_CLIS`
+    and each module of :data:`COMMAND_PACKAGES` whose source defines a top-level
+    ``register`` or ``main`` function."""
     out = set()
     for name, path in mods.items():
         package = name.rsplit(".", 1)[0]
-        if name in LEAF_CLIS or (package == "jmegatron.tools" and not path.endswith("__init__.py")):
+        if name in LEAF_CLIS:
             out.add(name)
         elif package in COMMAND_PACKAGES and not path.endswith("__init__.py"):
             with open(path, encoding="utf-8") as f:
@@ -302,7 +292,8 @@ def test_the_checker_sees_what_it_checks():
     leaves = commands(mods)
     assert {"jmegatron.train", "jmegatron.tools.model_report", "jmegatron.export.convert",
             "jmegatron.bench.mfu"} <= leaves
-    assert not {"jmegatron.bench.common", "jmegatron.command_line", "jmegatron.export.common"} & leaves
+    assert not {"jmegatron.bench.common", "jmegatron.command_line", "jmegatron.export.common",
+                "jmegatron.tools.gpu_lower"} & leaves
     assert leaf_violation(leaves, "jmegatron.tools.demo", "jmegatron.train")
     assert not leaf_violation(leaves, "jmegatron.bench.__main__", "jmegatron.bench.mfu")
     assert not leaf_violation(leaves, "jmegatron.train", "jmegatron.command_line")

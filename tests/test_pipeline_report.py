@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jmegatron.tools.comm_report import replica_groups
+from jmegatron.reporting.collectives import replica_groups
 from jmegatron.tools.pipeline_report import main, megatron_live_activations
 
 from conftest import REPO

@@ -223,3 +223,35 @@ def tree_digest(tree: Any) -> str:
         h.update(f"{a.dtype.str}{a.shape}".encode())
         h.update(a.tobytes())
     return h.hexdigest()
+
+
+# ------------------------------------------------------------------ memory layouts
+def layout_rows(layouts: list) -> list:
+    """One table row per compiled layout of a ``bench memory`` result (its ``layouts``):
+    compiled memory against the theory, MiB (columns: :data:`LAYOUT_HEADER`)."""
+    rows = []
+    for lr in layouts:
+        t, c, s = lr["theoretical"], lr["compiled"], lr["state_bytes_per_device"]
+        transient = t["gradients"] + t["activations"] + t.get("fsdp_gathered", 0.0)
+        rows.append([lr["layout"], mib(t["weights"] + t["optimizer_state"]),
+                     mib(s["params"] + s["opt_state"]),
+                     mib(c["argument_size_in_bytes"] - lr["batch_bytes_per_device"]),
+                     mib(transient), mib(c["temp_size_in_bytes"]),
+                     f"{c['temp_size_in_bytes'] / transient:.2f}" if transient else "-",
+                     mib(t["total"]), mib(c["peak_estimate_bytes"]),
+                     mib(c["generated_code_size_in_bytes"])])
+    return rows
+
+
+LAYOUT_HEADER = ["layout", "theory weights+opt MiB", "exact state MiB", "compiled args-batch MiB",
+                 "theory grads+act(+FSDP gathered) MiB", "compiled temp MiB", "temp / theory",
+                 "theory total MiB", "compiled peak MiB", "code MiB"]
+
+
+def add_log_arguments(p, command: str) -> None:
+    """``-b/--baseline``, ``-i/--input`` and ``-o/--out`` (ByteMLPerf's argument names)."""
+    p.add_argument("-b", "--baseline", required=True, metavar="BASELINE_LOG",
+                   help="the reference run's stdout log or metrics.jsonl (e.g. GPU Megatron)")
+    p.add_argument("-i", "--input", required=True, metavar="INPUT_LOG", help="the run judged")
+    p.add_argument("-o", "--out", default=os.path.join(DEFAULT_BENCH_DIR, command), metavar="OUTDIR",
+                   help=f"output directory (default {os.path.join(DEFAULT_BENCH_DIR, command)})")

@@ -41,21 +41,12 @@ def register(sub) -> None:
     """Add the ``loss_chart`` subcommand to the bench CLI's subparsers."""
     p = common.add_command(sub, "loss_chart",
                            "compare two logs' loss curves (ByteMLPerf: mean error < 0.2%% in 50 steps)", __doc__)
-    add_log_arguments(p, "loss_chart")
+    common.add_log_arguments(p, "loss_chart")
     p.add_argument("-s", "--steps", type=int, default=DEFAULT_STEPS, help="iterations compared (50)")
     p.add_argument("-t", "--threshold", type=float, default=DEFAULT_THRESHOLD,
                    help="pass when the mean relative error is below this (0.002 = 0.2%%)")
     p.add_argument("--loss", default="lm loss", help="the loss judged, as the log prints it ('lm loss')")
     p.set_defaults(func=run)
-
-
-def add_log_arguments(p, command: str) -> None:
-    """``-b/--baseline``, ``-i/--input`` and ``-o/--out`` (ByteMLPerf's argument names)."""
-    p.add_argument("-b", "--baseline", required=True, metavar="BASELINE_LOG",
-                   help="the reference run's stdout log or metrics.jsonl (e.g. GPU Megatron)")
-    p.add_argument("-i", "--input", required=True, metavar="INPUT_LOG", help="the run judged")
-    p.add_argument("-o", "--out", default=os.path.join(common.DEFAULT_BENCH_DIR, command), metavar="OUTDIR",
-                   help=f"output directory (default {os.path.join(common.DEFAULT_BENCH_DIR, command)})")
 
 
 def compare_losses(baseline: dict, candidate: dict, steps: int, threshold: float,

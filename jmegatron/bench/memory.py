@@ -470,27 +470,6 @@ def _log_chart(r: dict, path) -> None:
 
 
 # ------------------------------------------------------------------ reporting
-def layout_rows(layouts: list) -> list:
-    """One table row per compiled layout: compiled memory against the theory."""
-    rows = []
-    for lr in layouts:
-        t, c, s = lr["theoretical"], lr["compiled"], lr["state_bytes_per_device"]
-        transient = t["gradients"] + t["activations"] + t.get("fsdp_gathered", 0.0)
-        rows.append([lr["layout"], common.mib(t["weights"] + t["optimizer_state"]),
-                     common.mib(s["params"] + s["opt_state"]),
-                     common.mib(c["argument_size_in_bytes"] - lr["batch_bytes_per_device"]),
-                     common.mib(transient), common.mib(c["temp_size_in_bytes"]),
-                     f"{c['temp_size_in_bytes'] / transient:.2f}" if transient else "-",
-                     common.mib(t["total"]), common.mib(c["peak_estimate_bytes"]),
-                     common.mib(c["generated_code_size_in_bytes"])])
-    return rows
-
-
-LAYOUT_HEADER = ["layout", "theory weights+opt MiB", "exact state MiB", "compiled args-batch MiB",
-                 "theory grads+act(+FSDP gathered) MiB", "compiled temp MiB", "temp / theory",
-                 "theory total MiB", "compiled peak MiB", "code MiB"]
-
-
 def markdown(r: dict) -> str:
     """The markdown summary of a ``bench memory`` result (its JSON object)."""
     lines = ["# Memory", "",
@@ -499,7 +478,7 @@ def markdown(r: dict) -> str:
              f"{'bf16' if r['bf16'] else 'float32'}, recompute {r['recompute_granularity']}. "
              f"Overall: {'**PASS**' if r['passed'] else '**FAIL**'}.", "",
              "## Compiled step vs theory, per device", "",
-             common.markdown_table(LAYOUT_HEADER, layout_rows(r["layouts"])), "",
+             common.markdown_table(common.LAYOUT_HEADER, common.layout_rows(r["layouts"])), "",
              *[f"- **{e['layout']} failed to compile**: `{e['error'][:300]}`" for e in r.get("layout_errors", [])],
              "",
              "Theory: float32 weights, gradient accumulator and AdamW moments (`jmegatron/reporting/memory.py`); "

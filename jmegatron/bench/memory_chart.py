@@ -44,7 +44,6 @@ from typing import Optional
 import numpy as np
 
 from jmegatron.bench import common, megatron_log
-from jmegatron.bench.loss_chart import add_log_arguments
 
 DEFAULT_THRESHOLD = 0.002  # ByteMLPerf: +-0.2 %
 
@@ -53,7 +52,7 @@ def register(sub) -> None:
     """Add the ``memory_chart`` subcommand to the bench CLI's subparsers."""
     p = common.add_command(sub, "memory_chart",
                            "compare two logs' memory lines per rank (ByteMLPerf: within 0.2%%)", __doc__)
-    add_log_arguments(p, "memory_chart")
+    common.add_log_arguments(p, "memory_chart")
     p.add_argument("--reserved", action="store_true", help="compare reserved memory (default: allocated)")
     p.add_argument("--fragment", action="store_true",
                    help="compare the fragmentation fraction (reserved - allocated) / reserved (with --reserved: "

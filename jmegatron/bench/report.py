@@ -12,7 +12,6 @@ import os
 import pathlib
 
 from jmegatron.bench import common
-from jmegatron.bench import memory as memory_cmd
 
 COMMANDS = ("peak", "precision", "determinism", "memory", "mfu")
 
@@ -113,7 +112,7 @@ def markdown(results: dict, out: pathlib.Path, bench_dir: pathlib.Path) -> str:
                          f"for {v['buckets_used']} buckets{', error' if v['error'] else ''}")
         rows.append(["memory", common.verdict(r["passed"]), "; ".join(parts) or "layouts only"])
         sections += ["## Memory", "", f"{_config_text(r)}.", "",
-                     common.markdown_table(memory_cmd.LAYOUT_HEADER, memory_cmd.layout_rows(r["layouts"])), ""]
+                     common.markdown_table(common.LAYOUT_HEADER, common.layout_rows(r["layouts"])), ""]
         for file in ("memory_layouts.png", "memory_rss.png", "memory_seqlen.png"):
             if (bench_dir / "memory" / file).is_file():
                 sections += [f"![{file}]({_link(out, bench_dir, 'memory', file)})", ""]

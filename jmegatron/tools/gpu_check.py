@@ -283,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ValueError as e:
             p.error(f"--device-kind: {e}")
         cases = gpu_lower.default_cases([args.config] if args.config else gpu_lower.DEFAULT_CONFIGS)
-        return gpu_lower.main(cases, overrides, args.device_kind)
+        return gpu_lower.report_lowering(cases, overrides, args.device_kind)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)} (--config.FIELD=VALUE goes with --lower-only)")
     args.config = args.config or DEFAULT_CONFIG

@@ -168,8 +168,8 @@ def row_ok(r: LoweringRow) -> bool:
     return r.status == "lowered" and kernels > 0 and (r.precision != "fp8" or "f8E4M3FN" in r.fp8_types)
 
 
-def main(cases: Sequence[Case], overrides: Optional[dict] = None,
-         device_kind: str = gpu_target.DEFAULT_DEVICE_KIND) -> int:
+def report_lowering(cases: Sequence[Case], overrides: Optional[dict] = None,
+                    device_kind: str = gpu_target.DEFAULT_DEVICE_KIND) -> int:
     """Print the table of ``cases`` lowered for ``device_kind``; 1 when a row is not
     :func:`row_ok`, else 0. Raises ValueError for an unknown ``device_kind``."""
     cc = gpu_target.compute_capability_of(device_kind)

@@ -17,7 +17,7 @@ micro_batch_size x dp``), compiles its train step and prints one markdown row:
   hidden_size]`` in the model's dtype; next to the compiled program's: every
   ``collective-permute`` instruction of the compiled HLO (``compiled.as_text()``) over
   the ``pipeline`` mesh axis, times the ``known_trip_count`` of the while loops around it
-  (:func:`jmegatron.tools.comm_report.parse_collectives`). The tick ``lax.scan`` is one
+  (:func:`jmegatron.reporting.collectives.parse_collectives`). The tick ``lax.scan`` is one
   while loop of ``num_ticks`` trips holding two permutes, printed as ``ops x trips``;
 * **peak live micro-batch activations per stage** (stage inputs kept for the backward:
   :meth:`~jmegatron.parallel.schedules.PipelineSchedule.peak_live_activations`) next to
@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 
 from jmegatron.command_line import parse_args
 from jmegatron.config import load_config_file
-from jmegatron.tools.comm_report import parse_collectives
+from jmegatron.reporting.collectives import parse_collectives
 
 # Modules that import JAX (jax, pretrain_gpt, parallel.*) are imported inside the functions
 # that need them: main() must set XLA_FLAGS (--devices) before JAX starts.

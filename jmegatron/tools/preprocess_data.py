@@ -35,7 +35,6 @@ guard.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import multiprocessing
 import os
@@ -46,51 +45,13 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from jmegatron.data.corpus import resolve_inputs
 from jmegatron.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from jmegatron.data.sft_dataset import ChatTemplateTokenizer, loss_mask_prefix, split_conversations
 from jmegatron.config import TOKENIZER_TYPES
 from jmegatron.data.tokenizer import build_tokenizer
 
-__all__ = ["main", "resolve_inputs", "preprocess", "get_args"]
-
-# a directory contributes these (not *.json, so a tokenizer.json beside the data is not
-# mistaken for a corpus); .json files given explicitly are read as JSON lines.
-_INPUT_SUFFIXES = (".txt", ".jsonl")
-
-
-def resolve_inputs(inputs: Sequence[str]) -> List[str]:
-    """Expand ``--input`` values into an ordered list of files.
-
-    A directory gives its ``.txt``/``.jsonl`` files sorted by name; a string with glob
-    characters that is not an existing file gives its sorted matches; a file gives itself.
-
-    Raises:
-        FileNotFoundError: an input does not exist / a glob or directory matches nothing.
-    """
-    files: List[str] = []
-    for item in inputs:
-        item = os.fspath(item)
-        if os.path.isdir(item):
-            found = sorted(
-                os.path.join(item, n) for n in os.listdir(item)
-                if n.endswith(_INPUT_SUFFIXES) and os.path.isfile(os.path.join(item, n))
-            )
-            if not found:
-                raise FileNotFoundError(
-                    f"--input directory {item} has no {'/'.join(_INPUT_SUFFIXES)} files"
-                )
-            files.extend(found)
-        elif os.path.isfile(item):
-            files.append(item)
-        elif glob.has_magic(item):
-            found = sorted(f for f in glob.glob(item) if os.path.isfile(f))
-            if not found:
-                raise FileNotFoundError(f"--input pattern {item!r} matches no files")
-            files.extend(found)
-        else:
-            raise FileNotFoundError(f"--input {item!r}: no such file or directory")
-    return files
-
+__all__ = ["main", "preprocess", "get_args"]
 
 def _is_json(path: str) -> bool:
     return path.endswith((".jsonl", ".json"))

@@ -20,8 +20,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from jmegatron.data.corpus import resolve_inputs
 from jmegatron.data.tokenizer import train_bpe_tokenizer
-from jmegatron.tools.preprocess_data import resolve_inputs
 
 __all__ = ["main", "get_args"]
 
