@@ -23,8 +23,6 @@ from jmegatron.training.run import restore_run  # noqa: E402
 from conftest import REPO  # noqa: E402
 from test_checkpoint_resume import cfg_for  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
-
 TOL = 1e-4
 
 
