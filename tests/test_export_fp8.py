@@ -36,6 +36,8 @@ from jmegatron.export.trtllm_check import check_trtllm_checkpoint  # noqa: E402
 
 from test_trtllm import make_cfg  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
 H = 4  # fp8_amax_history_len
 VOCAB = 300
 # HF Llama module -> the jmegatron FP8 linear whose input it sees

@@ -1,6 +1,6 @@
 """Hugging Face model families in and out: a tiny random-weight model built by transformers
 itself (every weight redrawn, norms included) imports with transformers' logits (float32,
-1e-4), greedy generation gives the same 32 token ids, the export gives back identical
+1e-4), greedy generation gives the same 16 token ids, the export gives back identical
 tensors and an equivalent config, and the imported model trains.
 
 One transformers model per family, built once (a module fixture); each test runs one
@@ -28,6 +28,8 @@ from jmegatron.models.transformer_config import ModelConfig  # noqa: E402
 from jmegatron.parallel.mesh import create_mesh  # noqa: E402
 from jmegatron.training.run import build  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
 VOCAB, SEQ = 512, 32  # 512: no Megatron padding rows, so greedy argmax ranges over the same ids
 TOL = 1e-4
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=96)
@@ -41,7 +43,7 @@ FAMILIES = {
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=16)), hf.LLAMA),
     # a head dimension decoupled from hidden / heads (Mistral-Nemo), v0.1's sliding window on
-    # every layer (8 keys: the 40 generated positions cross it)
+    # every layer (8 keys: the 24 positions of generation cross it)
     "mistral": ("MistralConfig", dict(LLAMA_LIKE, head_dim=32, sliding_window=8, tie_word_embeddings=False,
                                       rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), hf.MISTRAL),
     # Q/K/V biases without an o_proj bias, tied embeddings (Qwen2.5-0.5B)
@@ -161,14 +163,20 @@ def test_parameter_count_is_the_models(imported):
         assert num_parameters(cfg, cfg.padded_vocab_size()) == sum(a.size for a in jax.tree.leaves(params)), family
 
 
+NEW_TOKENS = 16
+
+
 def test_greedy_generation_equals_transformers(imported):
     prompts = tokens(2)[:, :8]
     for family, (model, _, cfg, params) in imported.items():
         m = GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size()))
-        ours = generate(m, params, prompts.tolist(), 32, greedy=True)
+        # 16 new tokens: positions 8..23 cross the 8-key sliding windows and the 16-position
+        # original contexts of the scaled RoPEs (Llama-3.x, YaRN)
+        ours = generate(m, params, prompts.tolist(), NEW_TOKENS, greedy=True)
         with torch.no_grad():
-            theirs = model.generate(torch.from_numpy(prompts.astype(np.int64)), max_new_tokens=32, do_sample=False,
-                                    min_new_tokens=32, pad_token_id=0, eos_token_id=None)[:, 8:].tolist()
+            theirs = model.generate(torch.from_numpy(prompts.astype(np.int64)), max_new_tokens=NEW_TOKENS,
+                                    do_sample=False, min_new_tokens=NEW_TOKENS, pad_token_id=0,
+                                    eos_token_id=None)[:, 8:].tolist()
         print(f"{family}: {ours[0][:12]} ...")
         assert ours == theirs, family
 

@@ -41,6 +41,8 @@ from jmegatron.export.trtllm_check import check_trtllm_checkpoint
 from jmegatron.models.gpt import GPTModel
 from jmegatron.models.transformer_config import ModelConfig
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
 VOCAB = 500  # config vocab (Megatron pads it to 512 rows)
 TRUE_VOCAB = 497  # exported vocabulary: not a multiple of 2 or 4, so lm_head is padded per tp
 load_file, save_file = safetensors_torch.load_file, safetensors_torch.save_file
