@@ -16,7 +16,6 @@ from jmegatron.kernels.pallas import flash_attention as fa
 from jmegatron.kernels.xla import attention as xla_blocks
 from jmegatron.kernels.xla.attention import xla_attention
 from jmegatron.models.core_attention import CORE_ATTENTIONS
-from jmegatron.parallel import context_parallel as cpl
 
 from test_context_parallel import _ring, grads_of
 from test_cpu_attention_block import assert_close
