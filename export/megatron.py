@@ -57,7 +57,7 @@ from jmegatron.conversion.megatron import (CHECKPOINT_VERSION, FORMATS, MOE_MODE
                                           config_fields_from_megatron_args, from_megatron_state_dict, merge_shards,
                                           rank_dir, refuse_blocks, shard_state_dict, to_megatron_state_dict)
 from jmegatron.conversion.tree import to_numpy
-from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config, load_checkpoint
+from jmegatron.export.common import ExportError, check_out_dir, checkpoint_config, load_checkpoint, open_checkpoint
 from jmegatron.export.imports import save_imported
 
 __all__ = ["megatron_args", "read_megatron_checkpoint", "write_legacy_checkpoint", "import_megatron", "export_megatron",
@@ -535,7 +535,8 @@ def export_megatron(load: str, out: str, fmt: str = "torch_dist", iteration: Opt
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r} is not one of {FORMATS}")
     check_out_dir(out)
-    cfg = checkpoint_config(load, iteration)
+    saved = open_checkpoint(load, iteration)
+    cfg = checkpoint_config(load, iteration, saved)
     try:
         refuse_blocks(cfg)
     except ValueError as e:
@@ -546,7 +547,7 @@ def export_megatron(load: str, out: str, fmt: str = "torch_dist", iteration: Opt
     for name, size, total in (("tensor", tp, cfg.num_query_groups), ("pipeline", pp, cfg.num_layers)):
         if size < 1 or total % size:
             raise ExportError(f"--{name}-model-parallel-size {size} does not divide the model ({total})")
-    src = load_checkpoint(load, iteration)
+    src = load_checkpoint(load, iteration, saved)
     multiple = cfg.make_vocab_size_divisible_by * tp
     padded = -(-src.vocab_size // multiple) * multiple
     try:

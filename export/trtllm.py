@@ -89,7 +89,7 @@ import numpy as np
 from jmegatron.conversion.hf import GPT2, QWEN2 as HF_QWEN2, hf_architecture
 from jmegatron.conversion.hf_moe import MIXTRAL as HF_MIXTRAL
 from jmegatron.conversion.trtllm import GPT, LLAMA, MIXTRAL, pp_layers, rank_tensors, trtllm_config
-from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint, refuse_moe
+from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint, open_checkpoint, refuse_moe
 from jmegatron.export.fp8_scales import (FP8_LINEARS, WEIGHT_SCALES, check_fp8_exportable, checkpoint_fp8_scales,
                                          quantize_weight, saved_fp8_meta_paths, strip_fp8_meta)
 from jmegatron.export.quantized import load_quantized, quantized_source_config
@@ -333,10 +333,11 @@ def export_checkpoint(load: str, out: str, *, tp: int = 1, pp: int = 1, dtype: s
     / ``moe_ep``: the MoE split (:func:`moe_parallel_sizes`). Returns the config dict.
     """
     _check_pp(pp)
-    cfg = checkpoint_config(load, iteration)
+    saved = open_checkpoint(load, iteration)
+    cfg = checkpoint_config(load, iteration, saved)
     check_exportable(cfg, tp, dtype, pp, moe_tp=moe_tp, moe_ep=moe_ep)
     _check_out(out, overwrite)
-    src = load_checkpoint(load, iteration)
+    src = load_checkpoint(load, iteration, saved)
     return write_trtllm_checkpoint(src.params, src.cfg, src.vocab_size, out, tp=tp, pp=pp, dtype=dtype,
                                    use_parallel_embedding=use_parallel_embedding, overwrite=overwrite,
                                    producer={"source": src.load_dir, "iteration": src.iteration},
@@ -439,17 +440,18 @@ def export_fp8_checkpoint(load: str, out: str, *, tp: int = 1, pp: int = 1, dtyp
     _check_pp(pp)
     if weight_scales not in WEIGHT_SCALES:
         raise ExportError(f"--weight-scales {weight_scales!r}: choose from {', '.join(WEIGHT_SCALES)}")
-    cfg = checkpoint_config(load, iteration)
+    saved = open_checkpoint(load, iteration)
+    cfg = checkpoint_config(load, iteration, saved)
     check_exportable(cfg, tp, dtype, pp)
     check_fp8_exportable(cfg)
     _check_out(out, overwrite)
-    if not saved_fp8_meta_paths(load, iteration):
+    if not saved_fp8_meta_paths(load, iteration, saved):
         raise ExportError(
             f"--scales from-checkpoint: {os.path.abspath(load)} holds no FP8 scales (no fp8_meta in its parameters: "
             f"it was trained without config.fp8, fp8={cfg.fp8!r}). Drop --scales to export it unquantized, or "
             "calibrate FP8 scales with `python -m jmegatron.export quantize --load CKPT --quant-cfg fp8 "
             "--calib-data PREFIX --out QDIR` then `trtllm --quantized QDIR`")
-    src = load_checkpoint(load, iteration)
+    src = load_checkpoint(load, iteration, saved)
     return write_fp8_trtllm_checkpoint(src.params, src.cfg, src.vocab_size, out, tp=tp, pp=pp, dtype=dtype,
                                        use_parallel_embedding=use_parallel_embedding, weight_scales=weight_scales,
                                        overwrite=overwrite,

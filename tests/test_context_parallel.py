@@ -195,9 +195,17 @@ def test_context_parallel_training_steps_match_one_device():
     np.testing.assert_allclose(losses, losses1, rtol=1e-5)
     np.testing.assert_allclose(norms, norms1, rtol=1e-4)
     b = random_batches(1, 8, 32, 500)[0]
-    batch = run.put_batch({k: v.reshape(run.num_microbatches, -1, 32) for k, v in b.items()})
+    host = {k: v.reshape(run.num_microbatches, -1, 32) for k, v in b.items()}
+    batch = run.put_batch(host)
     hlo = run.compute_grads.lower(run.abstract_state, batch).as_text()  # (lowered: no second compile)
     assert "collective_permute" in hlo
+    # the slot order is data: each slot's original position, permuted with the batch (the eval
+    # batch keeps its order)
+    shape = host["tokens"].shape
+    np.testing.assert_array_equal(np.asarray(batch["positions"]), np.broadcast_to(cpl.load_balance_index(32, 2), shape))
+    np.testing.assert_array_equal(np.asarray(batch["tokens"]), host["tokens"][..., cpl.load_balance_index(32, 2)])
+    np.testing.assert_array_equal(np.asarray(run.put_batch(host, train=False)["positions"]),
+                                  np.broadcast_to(np.arange(32), shape))
 
 
 @pytest.mark.slow

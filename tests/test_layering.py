@@ -301,3 +301,14 @@ def test_the_checker_sees_what_it_checks():
     assert _targets({"p.a": "", "p.b": "", "p.b.c": ""}, "p.a", False, tree.body[0]) == ["p.b", "p.b.c"]
     with pytest.raises(AssertionError):
         assert not _cycles({"a": "", "b": ""}, [Import("a", "b", "a.py", 1, False), Import("b", "a", "b.py", 1, True)])
+
+
+def test_every_package_is_in_pyproject():
+    """setuptools' ``packages`` list (pyproject.toml) names every package directory: a package
+    missing from it is left out of a non-editable install."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {name for name, path in _modules().items() if path.endswith("__init__.py")}
+    assert found == listed, f"not listed: {sorted(found - listed)}; listed but absent: {sorted(listed - found)}"

@@ -209,10 +209,10 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
 
     def loss_fn(params, micro, rng, num_tokens, teacher_params, data_sum):
         args = (micro["tokens"], micro["position_ids"])
-        segment_ids = micro.get("segment_ids")  # document masks (reset_attention_mask), both models
+        # document masks (reset_attention_mask) and the slots' sequence positions (cp), both models
+        masks = {"segment_ids": micro.get("segment_ids"), "positions": micro.get("positions")}
         out_s = student.apply({"params": params}, *args, deterministic=False, rngs={"dropout": rng},
-                              sample_offset=micro["sample_offset"], mutable=mutable_s or False,
-                              segment_ids=segment_ids)
+                              sample_offset=micro["sample_offset"], mutable=mutable_s or False, **masks)
         logits_s, inter_s = out_s if mutable_s else (out_s, {})
         if cross_tokenizer:  # unmatched positions (ids -1) are left out
             ids = micro[IDS_KEY]
@@ -226,8 +226,7 @@ def distillation_loss_fn(student, teacher, dcfg: DistillConfig, aux: Optional[di
             kl = top_k_kl_loss(logits_s, micro[LOGPROBS_KEY], micro[IDS_KEY], dcfg.logit_kl_temperature)
             inter_t = {}
         else:
-            out_t = teacher.apply({"params": teacher_params}, *args, deterministic=True, mutable=mutable_t,
-                                  segment_ids=segment_ids)
+            out_t = teacher.apply({"params": teacher_params}, *args, deterministic=True, mutable=mutable_t, **masks)
             logits_t, inter_t = out_t if pairs else (out_t, {})
             kl = logits_loss(dcfg, logits_s, jax.lax.stop_gradient(logits_t.astype(jnp.float32)), vocab_shards)
         mask = micro["loss_mask"].astype(jnp.float32)
@@ -375,16 +374,16 @@ def _distillation_chunk(ctx, s_cfg, t_cfg, layouts: tuple, in_chunk: list, proje
 
     def chunk(prm, x, micro, ci):
         xs, xt = x[:2]
-        segment_ids = micro.get("segment_ids")
+        masks = {"segment_ids": micro.get("segment_ids"), "positions": micro.get("positions")}
         layers, first, count = ctx.chunk_layers(prm["decoder_layers"], ci, s_cfg.num_layers, s_layout)
         out_s = apply_layers(s_cfg, layers, xs, micro["position_ids"], first_layer=first, num_valid=count,
                              deterministic=False, rng=ctx.rng, sample_offset=ctx.sample_offset(micro),
-                             dot_general=s_dot, sow=s_sow, moe_sown=moe_student, segment_ids=segment_ids)
+                             dot_general=s_dot, sow=s_sow, moe_sown=moe_student, **masks)
         t_layers, t_first, t_count = ctx.chunk_layers(teacher_params["decoder_layers"], ci, t_cfg.num_layers,
                                                       t_layout)
         out_t = apply_layers(t_cfg, t_layers, jax.lax.stop_gradient(xt), micro["position_ids"],
                              first_layer=t_first, num_valid=t_count, deterministic=True, rng=None,
-                             sample_offset=0, dot_general=t_dot, sow=t_sow, segment_ids=segment_ids)
+                             sample_offset=0, dot_general=t_dot, sow=t_sow, **masks)
         (ys, side_s), (yt, side_t) = (out_s if s_sow or moe_student else (out_s, {})), (out_t if t_sow else (out_t, {}))
         sown = {k: side_s.pop(k) for k in MOE_COLLECTIONS if k in side_s}
         y = (ys, jax.lax.stop_gradient(yt))
@@ -434,7 +433,8 @@ def _distillation_stages(s_cfg, t_cfg, dcfg: DistillConfig, projection, pairs: l
 
     def embed(prm, micro):
         xs = embed_tokens(s_cfg, prm, micro["tokens"], micro["position_ids"], deterministic=False,
-                          rng=jax.random.fold_in(ctx.rng, s_cfg.num_layers), sample_offset=ctx.sample_offset(micro))
+                          rng=jax.random.fold_in(ctx.rng, s_cfg.num_layers), sample_offset=ctx.sample_offset(micro),
+                          positions=micro.get("positions"))
         xt = embed_tokens(t_cfg, teacher_params, micro["tokens"], micro["position_ids"], deterministic=True,
                           rng=None, sample_offset=0)
         x = (xs, jax.lax.stop_gradient(xt))

@@ -31,7 +31,7 @@ from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.core_attention import CORE_ATTENTIONS
 from jmegatron.models.layers import Linear, make_norm
 from jmegatron.models.rope import RotaryEmbedding, apply_rope
-from jmegatron.parallel.context_parallel import CP_ATTENTIONS, context_positions
+from jmegatron.parallel.context_parallel import CP_ATTENTIONS
 from jmegatron.parallel.rules import CONTEXT_AXIS
 
 Array = jax.Array
@@ -93,13 +93,17 @@ class SelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, deterministic: bool,
                  kv_cache: Optional[tuple[Array, Array]] = None, sample_offset=0,
-                 segment_ids: Optional[Array] = None, window_layer: Any = False):
+                 segment_ids: Optional[Array] = None, window_layer: Any = False,
+                 positions: Optional[Array] = None):
         """``x [b, s, h]``, ``position_ids`` int ``[b, s]`` -> ``[b, s, h]``.
 
-        ``position_ids`` feed RoPE only; the causal mask follows the sequence order (under
-        context parallelism each slot's global sequence position,
-        :func:`jmegatron.parallel.context_parallel.context_positions`), so ``reset_position_ids`` does not
-        change which keys a query sees. ``segment_ids`` (int ``[b, s]``, optional): document
+        ``position_ids`` feed RoPE only; the causal mask follows the sequence order, so
+        ``reset_position_ids`` does not change which keys a query sees. Under context
+        parallelism (the ``context`` mesh axis manual) the slots are in Megatron's
+        load-balanced order and ``positions`` (int ``[b, s]``: each slot's index in the
+        original sequence, the batch's ``positions`` from
+        :meth:`jmegatron.training.run.Run.put_batch`) give that order; ValueError when they
+        are None there. Elsewhere ``positions`` is not read. ``segment_ids`` (int ``[b, s]``, optional): document
         masking, attention only within equal ids (see :func:`jmegatron.kernels.xla.attention.xla_attention`); not with
         ``kv_cache`` (ValueError).
 
@@ -155,14 +159,16 @@ class SelfAttention(nn.Module):
         elif _manual_axis_size(CONTEXT_AXIS) > 1:  # context parallelism: inside the train step
             # the slots' sequence positions, not position_ids (which restart per document
             # under reset_position_ids): the causal order is the sequence's
-            seq_positions = jnp.broadcast_to(context_positions(s), (b, s))
+            if positions is None:
+                raise ValueError("SelfAttention under context parallelism needs positions (int [b, s], each "
+                                 "slot's index in the original sequence): Run.put_batch adds them to the batch")
             # the CPU kernel's block forms where the kernel runs (float32, no attention
             # dropout), the Pallas kernel's under attention_impl "pallas", else XLA's blocks
             rate = 0.0 if deterministic else self.attention_dropout
             block = "cpu" if self.core_attention == "cpu" and q.dtype == jnp.float32 and rate == 0.0 else "xla"
             block = "pallas" if self.core_attention == "pallas" else block
             out = CP_ATTENTIONS[self.cp_comm_type](
-                q, k, v, seq_positions, CONTEXT_AXIS, _manual_axis_size(CONTEXT_AXIS), segment_ids, block,
+                q, k, v, positions, CONTEXT_AXIS, _manual_axis_size(CONTEXT_AXIS), segment_ids, block,
                 rate, self.make_rng("dropout") if rate > 0.0 else None, sample_offset)
         else:
             out = self._core(q, k, v, deterministic, sample_offset, segment_ids, features)

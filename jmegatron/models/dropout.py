@@ -11,7 +11,14 @@ import flax.linen as nn
 import jax
 
 from jmegatron.kernels.xla.dropout import dropout
-from jmegatron.parallel.context_parallel import context_positions
+
+
+def slot_positions(positions: Optional[jax.Array]) -> Optional[jax.Array]:
+    """The dropout masks' sequence index (``positions`` of
+    :func:`jmegatron.kernels.xla.dropout.dropout`): row 0 of int ``positions [b, s]`` (each
+    slot's original sequence position; the batch's rows share it, Megatron's
+    ``get_batch_on_this_cp_rank`` permutes every row alike), or None (``0..s-1``)."""
+    return None if positions is None else positions[0]
 
 
 class Dropout(nn.Module):
@@ -19,17 +26,20 @@ class Dropout(nn.Module):
     RNG collection), a drop-in for ``nn.Dropout(rate, deterministic)`` with the mask
     generator chosen by ``impl``.
 
-    ``__call__(x [batch, ...], deterministic=None, sample_offset=0)``: ``sample_offset``
-    is the global sample number of ``x[0]`` (see :mod:`jmegatron.kernels.xla.dropout`)."""
+    ``__call__(x [batch, ...], deterministic=None, sample_offset=0, positions=None)``:
+    ``sample_offset`` is the global sample number of ``x[0]`` (see
+    :mod:`jmegatron.kernels.xla.dropout`); ``positions`` (int ``[b, s]``, optional, for
+    ``x [b, s, ...]``): each slot's sequence position (context parallelism's load-balanced
+    order, :func:`slot_positions`), the masks then the one-device run's."""
 
     rate: float
     deterministic: Optional[bool] = None
     impl: str = "hash"
 
     @nn.compact
-    def __call__(self, x: jax.Array, deterministic: Optional[bool] = None, sample_offset=0) -> jax.Array:
+    def __call__(self, x: jax.Array, deterministic: Optional[bool] = None, sample_offset=0,
+                 positions: Optional[jax.Array] = None) -> jax.Array:
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
         if deterministic or self.rate == 0.0:
             return x
-        positions = context_positions(x.shape[1]) if x.ndim >= 2 else None  # x: [b, s, ...]
-        return dropout(x, self.rate, self.make_rng("dropout"), self.impl, sample_offset, positions)
+        return dropout(x, self.rate, self.make_rng("dropout"), self.impl, sample_offset, slot_positions(positions))

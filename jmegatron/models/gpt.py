@@ -21,12 +21,12 @@ import jax.numpy as jnp
 
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.kernels.xla.dropout import dropout
+from jmegatron.models.dropout import slot_positions
 from jmegatron.models.layers import Embed, Linear, make_norm
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS
 from jmegatron.models.multi_token_prediction import MTP_COLLECTION, MultiTokenPredictionLayer, roll_left
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.models.transformer_layer import TransformerLayer
-from jmegatron.parallel.context_parallel import context_positions
 from jmegatron.parallel.schedules import as_varying, manual_axes
 
 Array = jax.Array
@@ -153,6 +153,11 @@ class GPTModel(nn.Module):
     restricts attention to keys of the query's own segment, so a packed sequence's documents
     give the logits each would give alone (with ``reset_position_ids`` position ids). Raises
     ValueError with ``kv_cache``.
+
+    Context parallelism: ``positions`` int32 ``[b, s]``, each slot's index in the original
+    sequence (the batch's ``positions``, Megatron's ``get_batch_on_this_cp_rank``
+    load-balanced order), is the attention's causal order; needed when the ``context``
+    mesh axis is manual (ValueError otherwise), else not read.
     """
 
     cfg: ModelConfig
@@ -182,13 +187,15 @@ class GPTModel(nn.Module):
         return self.cfg.dense_dot_general() if self.dot_general is dense_dot_general_fn else self.dot_general
 
     def embed(self, tokens: Array, position_ids: Array, deterministic: bool = True,
-              dropout_rng: Any = None, sample_offset: Any = 0) -> Array:
+              dropout_rng: Any = None, sample_offset: Any = 0, positions: Optional[Array] = None) -> Array:
         """Megatron's ``pre_process``: word (+ learned position) embeddings and the
         embedding dropout, int32 ``tokens`` / ``position_ids`` ``[b, s]`` -> ``[b, s, h]``
         in the compute dtype; ``scale_embeddings`` multiplies the word embeddings by
         ``sqrt(hidden_size)`` in the compute dtype (Gemma's normalizer). ``dropout_rng``: the dropout's key
         (:func:`embedding_dropout_rng`), needed unless ``deterministic`` or
-        ``hidden_dropout`` is 0."""
+        ``hidden_dropout`` is 0. ``positions`` (int ``[b, s]``, optional): each slot's
+        sequence position, from which the dropout masks are drawn
+        (:class:`jmegatron.models.dropout.Dropout`); None: ``0..s-1``."""
         c = self.cfg
         x = self.word_embeddings(tokens)
         if c.scale_embeddings:  # sqrt(h) rounded to the compute dtype first, as Gemma
@@ -199,7 +206,7 @@ class GPTModel(nn.Module):
             if dropout_rng is None:
                 raise ValueError("GPTModel.embed: deterministic=False with hidden_dropout > 0 needs dropout_rng")
             x = dropout(x, c.hidden_dropout, dropout_rng, c.dropout_impl, jnp.asarray(sample_offset, jnp.uint32),
-                        context_positions(x.shape[1]))
+                        slot_positions(positions))
         return nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
 
     def _stream_key(self, name: str) -> Any:
@@ -225,7 +232,7 @@ class GPTModel(nn.Module):
     @nn.compact
     def decoder(self, x: Array, position_ids: Array, deterministic: bool = True, sample_offset: Any = 0,
                 kv_cache: Any = None, segment_ids: Optional[Array] = None, layers: Optional[Array] = None,
-                valid: Optional[Array] = None) -> tuple[Array, Any]:
+                valid: Optional[Array] = None, positions: Optional[Array] = None) -> tuple[Array, Any]:
         """The decoder layers (Megatron's TransformerBlock without its final norm), ``[b, s, h]``
         -> ``([b, s, h], kv_cache)``: ``decoder_layers_{i}`` in a Python loop, or with
         ``scan_layers`` one ``nn.scan`` over the stacked ``decoder_layers``; layer ``i``'s
@@ -233,7 +240,8 @@ class GPTModel(nn.Module):
         (None: returned None). ``layers`` (int ``[n]``, may be traced; None: all, in order):
         the model layer numbers of the stacked ``decoder_layers`` given, scanned whatever
         ``scan_layers`` says (a pipeline chunk's slice, :func:`apply_layers`); ``valid`` (bool
-        ``[n]``; None: all): False marks padding slots, skipped."""
+        ``[n]``; None: all): False marks padding slots, skipped. ``positions`` (int ``[b, s]``):
+        each slot's original sequence position, as ``__call__``'s."""
         c = self.cfg
         sample_offset = jnp.asarray(sample_offset, jnp.uint32)
         dot_general = self.resolved_dot_general()
@@ -251,11 +259,11 @@ class GPTModel(nn.Module):
                                                       "moe_stats": 0},
                             split_rngs={"params": False, "dropout": False},  # keyed per layer instead
                             in_axes=(0, nn.broadcast if valid is None else 0, nn.broadcast, nn.broadcast,
-                                     nn.broadcast if kv_cache is None else 0, nn.broadcast, 0),
+                                     nn.broadcast if kv_cache is None else 0, nn.broadcast, 0, nn.broadcast),
                             length=numbers.shape[0], metadata_params={nn.PARTITION_NAME: "layers"})
             rngs = self._layer_rngs(deterministic)(numbers)
             return stack(c, deterministic, dot_general, name="decoder_layers")(
-                x, rngs, valid, position_ids, sample_offset, kv_cache, segment_ids, numbers)
+                x, rngs, valid, position_ids, sample_offset, kv_cache, segment_ids, numbers, positions)
         new_cache = []
         moe_layers = c.moe_layers()
         layer_rngs = self._layer_rngs(deterministic)
@@ -263,7 +271,7 @@ class GPTModel(nn.Module):
             layer = layer_cls(c, deterministic, dot_general, bool(moe_layers[i]), name=f"decoder_layers_{i}")
             rngs = layer_rngs(i)
             if kv_cache is None:
-                x, _ = layer(x, rngs, None, position_ids, sample_offset, None, segment_ids, i)
+                x, _ = layer(x, rngs, None, position_ids, sample_offset, None, segment_ids, i, positions)
             else:
                 x, kv = layer(x, rngs, None, position_ids, sample_offset, kv_cache[i], None, i)
                 new_cache.append(kv)
@@ -288,7 +296,7 @@ class GPTModel(nn.Module):
 
     def __call__(self, tokens: Array, position_ids: Optional[Array] = None,
                  deterministic: bool = True, kv_cache: Any = None, sample_offset: Any = 0,
-                 segment_ids: Optional[Array] = None):
+                 segment_ids: Optional[Array] = None, positions: Optional[Array] = None):
         c = self.cfg
         if segment_ids is not None and kv_cache is not None:
             raise ValueError("GPTModel: segment_ids (document masking) is for training and evaluation; decoding "
@@ -297,31 +305,35 @@ class GPTModel(nn.Module):
             position_ids = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         base = None if deterministic else self._stream_key("dropout")
         x = self.embed(tokens, position_ids, deterministic,
-                       None if base is None else embedding_dropout_rng(base, c.num_layers), sample_offset)
-        x, kv_cache = self.decoder(x, position_ids, deterministic, sample_offset, kv_cache, segment_ids)
+                       None if base is None else embedding_dropout_rng(base, c.num_layers), sample_offset, positions)
+        x, kv_cache = self.decoder(x, position_ids, deterministic, sample_offset, kv_cache, segment_ids,
+                                   positions=positions)
         if kv_cache is not None:
             return self.head(x), kv_cache
-        return self.post_process(x, tokens, position_ids, deterministic, sample_offset, segment_ids)
+        return self.post_process(x, tokens, position_ids, deterministic, sample_offset, segment_ids, positions)
 
     def post_process(self, x: Array, tokens: Array, position_ids: Array, deterministic: bool = True,
-                     sample_offset: Any = 0, segment_ids: Optional[Array] = None) -> Array:
+                     sample_offset: Any = 0, segment_ids: Optional[Array] = None,
+                     positions: Optional[Array] = None) -> Array:
         """Megatron's ``post_process`` of a training or evaluation forward: the decoder's
         output ``x [b, s, h]`` -> float32 logits ``[b, s, vocab]`` (:meth:`head`); with
         ``mtp_num_layers`` and the :data:`MTP_COLLECTION` collection mutable, the
         multi-token prediction depths run on the normed ``x`` first
         (:meth:`multi_token_prediction`, their dropout from the ``dropout`` key given to
-        ``apply``). ``tokens`` / ``position_ids`` ``[b, s]``: the micro-batch's (the depths
-        embed them rolled)."""
+        ``apply``). ``tokens`` / ``position_ids`` / ``positions`` ``[b, s]``: the
+        micro-batch's (the depths embed the tokens rolled)."""
         if not (self.cfg.mtp_num_layers and self.is_mutable_collection(MTP_COLLECTION)):
             return self.head(x)
         x = self.final_layernorm(x)
         self.sow("intermediates", "final_layernorm_output", x)
         base = None if deterministic else self._stream_key("dropout")
-        self.multi_token_prediction(x, tokens, position_ids, deterministic, base, sample_offset, segment_ids)
+        self.multi_token_prediction(x, tokens, position_ids, deterministic, base, sample_offset, segment_ids,
+                                    positions)
         return self.head(x, normed=True)
 
     def multi_token_prediction(self, hidden: Array, tokens: Array, position_ids: Array, deterministic: bool,
-                               dropout_base: Any, sample_offset: Any, segment_ids: Optional[Array]) -> None:
+                               dropout_base: Any, sample_offset: Any, segment_ids: Optional[Array],
+                               positions: Optional[Array] = None) -> None:
         """Megatron's ``MultiTokenPredictionBlock``: depth ``k`` embeds the tokens rolled
         ``k`` places left (zero-filled; learned positions rolled alike, RoPE keeps the
         unrolled positions, as megatron-core's), runs ``mtp_layers_{k-1}`` on them and the
@@ -333,8 +345,8 @@ class GPTModel(nn.Module):
         for k, layer in enumerate(self.mtp_layers, 1):
             tokens = roll_left(tokens)
             rng = None if dropout_base is None else embedding_dropout_rng(dropout_base, c.num_layers + k)
-            embedded = self.embed(tokens, roll_left(position_ids, k), deterministic, rng, sample_offset)
-            hidden = layer(hidden, embedded, position_ids, deterministic, sample_offset, segment_ids)
+            embedded = self.embed(tokens, roll_left(position_ids, k), deterministic, rng, sample_offset, positions)
+            hidden = layer(hidden, embedded, position_ids, deterministic, sample_offset, segment_ids, positions)
             self.sow(MTP_COLLECTION, "logits", self.head(hidden, normed=True))
 
 
@@ -370,18 +382,19 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_length: int, dtype: Any = No
 # schedules in jmegatron.parallel.schedules call them per micro-batch.
 
 def embed_tokens(c: ModelConfig, params: Any, tokens: Array, position_ids: Array, *, deterministic: bool,
-                 rng: Any, sample_offset: Any) -> Array:
+                 rng: Any, sample_offset: Any, positions: Optional[Array] = None) -> Array:
     """:meth:`GPTModel.embed` on ``params`` (a GPTModel's; only the embeddings are read):
     ``[b, s]`` int32 -> ``[b, s, h]`` in the compute dtype. ``rng``: the embedding dropout's
-    key, :func:`embedding_dropout_rng` of the step's dropout key for the model's masks."""
+    key, :func:`embedding_dropout_rng` of the step's dropout key for the model's masks;
+    ``positions``: as :meth:`GPTModel.embed`'s."""
     return GPTModel(c).apply({"params": params}, tokens, position_ids, deterministic, rng, sample_offset,
-                             method=GPTModel.embed)
+                             positions, method=GPTModel.embed)
 
 
 def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Array, *, first_layer: Any,
                  deterministic: bool, rng: Any, sample_offset: Any, dot_general: Callable,
                  sow: tuple[str, ...] = (), num_valid: Any = None, moe_sown: bool = False,
-                 segment_ids: Optional[Array] = None) -> Any:
+                 segment_ids: Optional[Array] = None, positions: Optional[Array] = None) -> Any:
     """The decoder layers whose parameters are stacked ``[n, ...]`` in ``layer_params``
     (a slice of ``decoder_layers``), in order, as :meth:`GPTModel.decoder`'s scan; layer ``k`` is model
     layer ``first_layer + k`` and draws :meth:`GPTModel.decoder`'s masks for it (dropout
@@ -395,14 +408,15 @@ def apply_layers(c: ModelConfig, layer_params: Any, x: Array, position_ids: Arra
     (:data:`jmegatron.models.moe.moe_layer.MOE_COLLECTIONS`) are mutable too and come back in
     that dict under their collection names, each leaf stacked ``[n, ...]`` (zeros for padding
     slots); :func:`jmegatron.models.moe.moe_layer.chunk_moe_losses` reads them.
-    ``segment_ids`` int ``[b, s]`` (optional): document masking, as :class:`GPTModel`'s."""
+    ``segment_ids`` / ``positions`` int ``[b, s]`` (optional): document masking and the
+    slots' sequence positions, as :class:`GPTModel`'s."""
     n = jax.tree.leaves(layer_params)[0].shape[0]
     valid = None if num_valid is None else jnp.arange(n) < num_valid
     mutable = (["intermediates"] if sow else []) + (list(MOE_COLLECTIONS) if moe_sown else [])
     out = GPTModel(c, dot_general).apply(
         {"params": {"decoder_layers": layer_params}}, x, position_ids, deterministic, sample_offset, None, segment_ids,
-        first_layer + jnp.arange(n), valid, rngs=None if deterministic else {"dropout": rng}, mutable=mutable or False,
-        method=GPTModel.decoder)
+        first_layer + jnp.arange(n), valid, positions, rngs=None if deterministic else {"dropout": rng},
+        mutable=mutable or False, method=GPTModel.decoder)
     if not mutable:
         return out[0]
     (y, _), state = out
@@ -420,12 +434,13 @@ def post_process_logits(c: ModelConfig, params: Any, x: Array, micro: dict, *, r
                         dot_general: Callable) -> tuple[Array, dict]:
     """:meth:`GPTModel.post_process` on ``params`` (a GPTModel's) in training (dropout on,
     ``rng`` the step's dropout key): the decoder's output ``x [b, s, h]`` and the
-    micro-batch's ``tokens`` / ``position_ids`` / ``segment_ids`` (``micro``) -> (float32
+    micro-batch's ``tokens`` / ``position_ids`` / ``segment_ids`` / ``positions`` (``micro``) -> (float32
     logits ``[b, s, vocab]``, the sown :data:`MTP_COLLECTION` (``{}`` without
     ``mtp_num_layers``)). A pipeline's last stage runs it: the multi-token prediction
     depths sit there, as in Megatron's last-stage ``MultiTokenPredictionBlock``."""
     model = GPTModel(c, dot_general)
-    args = (x, micro["tokens"], micro["position_ids"], False, sample_offset, micro.get("segment_ids"))
+    args = (x, micro["tokens"], micro["position_ids"], False, sample_offset, micro.get("segment_ids"),
+            micro.get("positions"))
     rngs = {"dropout": rng}
     if not c.mtp_num_layers:
         return model.apply({"params": params}, *args, rngs=rngs, method=GPTModel.post_process), {}

@@ -37,11 +37,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jmegatron.config.model import yarn_get_mscale
 from jmegatron.kernels.xla.attention import cached_attention, xla_attention
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.attention import update_kv_cache
 from jmegatron.models.layers import Linear, make_norm
-from jmegatron.config import yarn_get_mscale
 from jmegatron.models.rope import RotaryEmbedding, apply_rope
 
 Array = jax.Array

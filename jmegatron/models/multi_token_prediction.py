@@ -53,7 +53,7 @@ class MultiTokenPredictionLayer(nn.Module):
 
     @nn.compact
     def __call__(self, hidden: Array, embedded: Array, position_ids: Array, deterministic: bool,
-                 sample_offset: Any = 0, segment_ids: Any = None) -> Array:
+                 sample_offset: Any = 0, segment_ids: Any = None, positions: Any = None) -> Array:
         c = self.cfg
 
         def norm(name):
@@ -64,7 +64,8 @@ class MultiTokenPredictionLayer(nn.Module):
                    kernel_init=nn.initializers.normal(c.init_method_std), name="eh_proj")(x)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         layer = TransformerLayer(c, deterministic, self.dot_general, self.moe_layer, name="transformer_layer")
-        x, _ = layer(x, position_ids, jnp.asarray(sample_offset, jnp.uint32), None, segment_ids, c.num_layers - 1)
+        x, _ = layer(x, position_ids, jnp.asarray(sample_offset, jnp.uint32), None, segment_ids, c.num_layers - 1,
+                     positions)
         return norm("final_layernorm")(x)
 
 

@@ -40,14 +40,18 @@ class TransformerLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, sample_offset: Array, kv_cache: Optional[KVPair] = None,
-                 segment_ids: Optional[Array] = None, layer_number: Any = None) -> tuple[Array, Optional[KVPair]]:
+                 segment_ids: Optional[Array] = None, layer_number: Any = None,
+                 positions: Optional[Array] = None) -> tuple[Array, Optional[KVPair]]:
         """``(x, None)``, or ``(x, updated kv_cache)`` when decoding with a cache (see
         :class:`SelfAttention`). ``sample_offset``: the global sample number of ``x[0]``
         (dropout masks, :mod:`jmegatron.models.dropout`); ``segment_ids`` int ``[b, s]``:
         document masking (attention within equal ids only), None: causal over the sequence.
         ``layer_number``: this layer's 0-based number in the model (an int, or a traced int
         scalar in a scan over layers), read only when the layers differ in their attention
-        (``window_attn_skip_freq``); ValueError if it is needed and None.
+        (``window_attn_skip_freq``); ValueError if it is needed and None. ``positions`` int
+        ``[b, s]``: each slot's original sequence position, the causal order under context
+        parallelism (:class:`SelfAttention`) and the dropout masks' sequence index
+        (:class:`jmegatron.models.dropout.Dropout`); None: ``0..s-1``.
 
         With ``sandwich_norms``, ``post_self_attn_layernorm`` and ``post_mlp_layernorm``
         normalise the attention's and the MLP's outputs before dropout and the residual add
@@ -86,13 +90,14 @@ class TransformerLayer(nn.Module):
         )
         window_layer = _window_layer(c, layer_number)
         if kv_cache is None:
+            cp_order = {} if c.multi_latent_attention else {"positions": positions}
             h = attention(h, position_ids, self.deterministic, sample_offset=sample_offset, segment_ids=segment_ids,
-                          window_layer=window_layer)
+                          window_layer=window_layer, **cp_order)
         else:
             h, kv_cache = attention(h, position_ids, self.deterministic, kv_cache, window_layer=window_layer)
         if c.sandwich_norms:
             h = norm("post_self_attn_layernorm")(h)
-        x = x + drop(h, sample_offset=sample_offset)
+        x = x + drop(h, sample_offset=sample_offset, positions=positions)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         h = norm("pre_mlp_layernorm")(x)
         self.sow("intermediates", "pre_mlp_layernorm_output", h)
@@ -103,7 +108,7 @@ class TransformerLayer(nn.Module):
             h = MLP(c, dot_general=linear_dot, name="mlp")(h)
         if c.sandwich_norms:
             h = norm("post_mlp_layernorm")(h)
-        x = x + drop(h, sample_offset=sample_offset)
+        x = x + drop(h, sample_offset=sample_offset, positions=positions)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         return x, kv_cache
 

@@ -15,7 +15,9 @@ Here, as a pure-JAX layout:
   ``r``'s two chunks at ``[r * 2c, (r + 1) * 2c)`` (``c = s / (2 cp)``), so sharding the
   permuted sequence evenly over ``context`` is Megatron's split. Tokens, labels, loss mask
   and position ids are permuted together (the token mean of the loss does not depend on
-  the order); attention masks use the position ids, never the storage order.
+  the order), and the batch carries the permutation itself as ``positions`` (int32 ``[b,
+  s]``, :meth:`jmegatron.training.run.Run.put_batch`): the masks and the dropout masks use
+  those, never the storage order.
 * The block kernel (:func:`block_kernels`: XLA's
   :func:`jmegatron.kernels.xla.attention.attention_block`, the CPU or the Pallas kernel's)
   is softmax attention of a query block over a key/value block with an optional causal mask
@@ -30,7 +32,7 @@ Here, as a pure-JAX layout:
   Engine's scheme), keeping one block in memory instead of autodiff's every received block.
 
 Masks: the causal order is each slot's *sequence position* (its index in the original
-sequence, :func:`context_positions`), never its position id, which
+sequence, the batch's ``positions``), never its position id, which
 restarts at every document under ``reset_position_ids`` and only feeds RoPE and the learned
 position embeddings. Document masking (``reset_attention_mask``, Megatron's block-diagonal
 causal ``attention_mask``) adds ``segments`` (int ``[b, 2c]``, the number of EODs before
@@ -52,7 +54,6 @@ import numpy as np
 from jmegatron.kernels.cpu.ops import cpu_attention_block, cpu_block_grads
 from jmegatron.kernels.pallas.flash_attention import pallas_attention_block, pallas_block_grads
 from jmegatron.kernels.xla.attention import BlockDropout, attention_block, block_grads
-from jmegatron.parallel.rules import CONTEXT_AXIS
 
 Array = jax.Array
 
@@ -75,21 +76,6 @@ def load_balance_index(seq_length: int, context_parallel_size: int) -> np.ndarra
     chunks = np.arange(seq_length).reshape(2 * cp, c)
     order = [i for r in range(cp) for i in (r, 2 * cp - 1 - r)]
     return chunks[order].reshape(-1)
-
-
-def context_positions(seq_local: int) -> Optional[jax.Array]:
-    """int32 ``[seq_local]``: the global sequence positions of this context-parallel rank's
-    slots (Megatron's load-balanced split, :func:`load_balance_index`)
-    when the ``context`` mesh axis is manual here (inside the train step), else None. With
-    them a ``[b, s, ...]`` activation's masks are the one-device run's."""
-    try:
-        cp = jax.lax.axis_size(CONTEXT_AXIS)
-    except NameError:
-        return None
-    if cp == 1:
-        return None
-    index = jnp.asarray(load_balance_index(seq_local * cp, cp), jnp.int32)
-    return jax.lax.dynamic_slice_in_dim(index, jax.lax.axis_index(CONTEXT_AXIS) * seq_local, seq_local)
 
 
 def merge_blocks(out1: Array, lse1: Array, out2: Array, lse2: Array) -> tuple[Array, Array]:

@@ -164,13 +164,17 @@ def batch_shardings(mesh: Mesh, segment_ids: bool = False, extra_keys: tuple = (
     """NamedShardings of a batch's arrays ``[num_micro, batch, seq]``: the batch over
     :func:`batch_axes` (data, and expert under expert parallelism), the sequence over
     "context" under context parallelism, micro-batches unsplit. Keys ``tokens``, ``labels``,
-    ``loss_mask``, ``position_ids``, and ``segment_ids`` when ``segment_ids``
-    (``reset_attention_mask``); each of ``extra_keys`` (a forward step's ``batch_keys``:
-    ``[num_micro, batch, seq, ...]``) the same, its trailing axis whole."""
+    ``loss_mask``, ``position_ids``, ``positions`` under context parallelism (each slot's
+    sequence position, :func:`jmegatron.parallel.context_parallel.load_balance_index`), and
+    ``segment_ids`` when ``segment_ids`` (``reset_attention_mask``); each of
+    ``extra_keys`` (a forward step's ``batch_keys``: ``[num_micro, batch, seq, ...]``) the
+    same, its trailing axis whole."""
     cp = mesh.shape.get(CONTEXT_AXIS, 1)
     spec = PartitionSpec(None, batch_axes(mesh.shape.get(EXPERT_AXIS, 1)), CONTEXT_AXIS if cp > 1 else None)
     s = NamedSharding(mesh, spec)
     out = {"tokens": s, "labels": s, "loss_mask": s, "position_ids": s}
+    if cp > 1:
+        out["positions"] = s
     out.update({k: NamedSharding(mesh, PartitionSpec(*spec, None)) for k in extra_keys})
     return dict(out, segment_ids=s) if segment_ids else out
 

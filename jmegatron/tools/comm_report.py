@@ -44,7 +44,8 @@ def analyze(run) -> dict:
     nm, gbs, s = run.num_microbatches, run.global_batch_size, cfg.seq_length
     batch = {k: jax.ShapeDtypeStruct((nm, gbs // nm, s), jnp.float32 if k == "loss_mask" else jnp.int32)
              for k in ("tokens", "labels", "loss_mask", "position_ids")
-             + (("segment_ids",) if cfg.reset_attention_mask else ())}
+             + (("segment_ids",) if cfg.reset_attention_mask else ())
+             + (("positions",) if cfg.context_parallel_size > 1 else ())}
     compiled = run.train_step.lower(run.abstract_with_shardings(), batch, *run.extra_args).compile()
     colls = parse_collectives(compiled.as_text(), run.mesh)
     state_sh = compiled.input_shardings[0][0]

@@ -117,6 +117,8 @@ def lower_train_step(cfg: JMegatronConfig, devices: Sequence, device_kind: str =
         shape = (run.num_microbatches, run.global_batch_size // run.num_microbatches, cfg.seq_length)
         ids = jax.ShapeDtypeStruct(shape, jnp.int32)
         batch = {"tokens": ids, "labels": ids, "position_ids": ids, "loss_mask": jax.ShapeDtypeStruct(shape, jnp.float32)}
+        if cfg.context_parallel_size > 1:  # each slot's sequence position (Run.put_batch)
+            batch["positions"] = ids
         traced = run.train_step.jitted.trace(run.abstract_with_shardings(), batch, run.train_step.flags(False))
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     return text, attention, time.time() - t0

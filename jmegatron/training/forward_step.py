@@ -42,7 +42,8 @@ class ForwardStep:
 
     ``loss_fn(params, micro, rng, num_tokens, extra, data_sum) -> (loss, report)``: the
     unpipelined micro-batch loss (interface in ``make_train_step``; ``micro`` holds
-    ``segment_ids`` under ``reset_attention_mask``, which the model must receive). Every
+    ``segment_ids`` under ``reset_attention_mask`` and ``positions`` under context
+    parallelism, which the model must receive). Every
     scalar of ``report`` is logged under its key (the console line, ``metrics.jsonl``,
     TensorBoard, W&B: :func:`jmegatron.training.logging.reported_keys`); the loop never
     names them (examples/custom_loss.py).
@@ -143,13 +144,15 @@ def lm_pipeline_stages(ctx: StageContext, cross_entropy_impl: str = "xla") -> di
 
     def embed(prm, micro):
         return embed_tokens(c, prm, micro["tokens"], micro["position_ids"], deterministic=False,
-                            rng=embedding_dropout_rng(ctx.rng, c.num_layers), sample_offset=ctx.sample_offset(micro))
+                            rng=embedding_dropout_rng(ctx.rng, c.num_layers), sample_offset=ctx.sample_offset(micro),
+                            positions=micro.get("positions"))
 
     def chunk(prm, x, micro, ci):
         layers, first, count = ctx.chunk_layers(prm["decoder_layers"], ci, c.num_layers)
         out = apply_layers(c, layers, x, micro["position_ids"], first_layer=first, num_valid=count,
                            deterministic=False, rng=ctx.rng, sample_offset=ctx.sample_offset(micro),
-                           dot_general=dot_general, moe_sown=moe, segment_ids=micro.get("segment_ids"))
+                           dot_general=dot_general, moe_sown=moe, segment_ids=micro.get("segment_ids"),
+                           positions=micro.get("positions"))
         if not moe:
             return out, None
         y, sown = out

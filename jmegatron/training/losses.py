@@ -87,7 +87,8 @@ def lm_loss_fn(model, cross_entropy_impl: str = "xla") -> Callable:
     def loss_fn(params, micro, rng, num_tokens, extra, data_sum):
         out = model.apply({"params": params}, micro["tokens"], micro["position_ids"],
                           deterministic=False, rngs={"dropout": rng}, sample_offset=micro["sample_offset"],
-                          segment_ids=micro.get("segment_ids"), mutable=mutable or False)
+                          segment_ids=micro.get("segment_ids"), positions=micro.get("positions"),
+                          mutable=mutable or False)
         logits, sown = out if mutable else (out, {})
         loss, report = lm_loss(cfg, logits, sown, micro, num_tokens, data_sum, cross_entropy_impl)
         if moe is not None:

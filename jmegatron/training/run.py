@@ -100,10 +100,13 @@ class Run:
         batch; ``rows`` None), or ``[num_micro, len(rows), seq]``: this process's ``rows`` of
         each micro-batch (:meth:`batch_rows`), every process giving its own. Each process
         contributes its addressable shards (``jax.make_array_from_callback``).
-        Under context parallelism a training batch (``train``) is first put in Megatron's
-        load-balanced sequence order (:func:`jmegatron.parallel.context_parallel.load_balance_index`:
-        tokens, labels, loss mask, position ids and segment ids together); the eval step takes
-        the sequence in its own order (``train=False``). Raises ValueError when the batch's
+        Under context parallelism the batch gains ``positions`` (int32, each slot's index in
+        the original sequence), and a training batch (``train``) is put in Megatron's
+        load-balanced sequence order (``get_batch_on_this_cp_rank``,
+        :func:`jmegatron.parallel.context_parallel.load_balance_index`: every array,
+        ``positions`` included, permuted together), which the model's attention reads from
+        ``positions``; the eval step takes the sequence in its own order (``train=False``:
+        ``positions`` ``0..s-1``). Raises ValueError when the batch's
         ``segment_ids`` key does not match ``cfg.reset_attention_mask``, or when a device of
         this process holds a row not in ``rows``."""
         if ("segment_ids" in batch) != self.cfg.reset_attention_mask:
@@ -112,9 +115,12 @@ class Run:
                              f"with reset_attention_mask=cfg.reset_attention_mask (jmegatron.data.builder."
                              f"build_datasets does)")
         cp = self.mesh.shape.get(rules_lib.CONTEXT_AXIS, 1)
-        if train and cp > 1:
-            index = load_balance_index(next(iter(batch.values())).shape[-1], cp)
-            batch = {k: np.asarray(v)[..., index] for k, v in batch.items()}
+        if cp > 1:  # [num_micro, rows, seq(, ...)]: the sequence is axis 2
+            shape = np.shape(batch["tokens"])
+            index = load_balance_index(shape[2], cp) if train else np.arange(shape[2])
+            if train:
+                batch = {k: np.take(np.asarray(v), index, axis=2) for k, v in batch.items()}
+            batch = dict(batch, positions=np.broadcast_to(index.astype(np.int32), shape))
         extra = self.forward_step.batch_keys if self.forward_step is not None else ()
         shardings = rules_lib.batch_shardings(self.mesh, self.cfg.reset_attention_mask, extra)
         unknown = sorted(set(batch) - set(shardings))

@@ -2,7 +2,8 @@
 
 A batch is a dict of arrays ``[num_microbatches, micro_batch_size * dp, seq_length]``
 (``tokens``, ``labels``, ``position_ids`` int32; ``loss_mask`` float32; under
-``reset_attention_mask`` also ``segment_ids`` int32, the document of each token), laid out
+``reset_attention_mask`` also ``segment_ids`` int32, the document of each token; under
+context parallelism also ``positions`` int32, each slot's original sequence position), laid out
 by :func:`jmegatron.parallel.rules.batch_shardings`. The train step composes, as
 Megatron's ``train_step`` (megatron/training/training.py): the micro-batch loop
 (:mod:`jmegatron.parallel.schedules`: ``forward_backward_no_pipelining`` or a pipeline

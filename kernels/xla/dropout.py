@@ -122,8 +122,8 @@ def hash_bits(key: jax.Array, shape: Sequence[int], sample_offset=0,
     number of index 0 on the leading axis; the leading index hashed is ``sample_offset
     + i``. ``shape == ()`` hashes the single sample ``sample_offset``. ``positions``
     (integer ``[shape[1]]``, optional): the global index of each slot of axis 1 (the
-    sequence slots a context-parallel rank holds,
-    :func:`jmegatron.parallel.context_parallel.context_positions`) used in place of
+    sequence slots a context-parallel rank holds, the batch's ``positions``,
+    :func:`jmegatron.parallel.context_parallel.load_balance_index`) used in place of
     ``0 .. shape[1] - 1``; the other axes' strides are unchanged.
     """
     shape = tuple(int(d) for d in shape)
