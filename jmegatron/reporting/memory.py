@@ -266,7 +266,7 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     fc1_bias = (2 if cfg.gated_mlp else 1) * cfg.ffn_hidden_size if bias else 0
     positions = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
     num_moe_layers = flops.moe_layer_count(cfg, mtp=True)
-    layers_all, mtp = flops.transformer_layer_count(cfg), flops.mtp_depths(cfg)  # the MTP layers (pp 1 only) count too
+    layers_all, mtp = flops.transformer_layer_count(cfg), flops.mtp_depths(cfg)  # the MTP layers count too
     router, experts = 0, 0
     if num_moe_layers:  # (MoE layers have no biases: validation refuses add_bias_linear)
         f = cfg.moe_ffn_hidden_size
