@@ -162,6 +162,10 @@ class SelfAttention(nn.Module):
             if positions is None:
                 raise ValueError("SelfAttention under context parallelism needs positions (int [b, s], each "
                                  "slot's index in the original sequence): Run.put_batch adds them to the batch")
+            # whole on every tensor rank, as q, k and v: the ring's data-dependent branches
+            # then slice it locally (under sequence parallelism GSPMD would otherwise move
+            # slices inside a branch that only some context ranks take: a deadlock)
+            positions = nn.with_logical_constraint(positions, ("batch", "length"))
             # the CPU kernel's block forms where the kernel runs (float32, no attention
             # dropout), the Pallas kernel's under attention_impl "pallas", else XLA's blocks
             rate = 0.0 if deterministic else self.attention_dropout

@@ -13,14 +13,6 @@ import jax
 from jmegatron.kernels.xla.dropout import dropout
 
 
-def slot_positions(positions: Optional[jax.Array]) -> Optional[jax.Array]:
-    """The dropout masks' sequence index (``positions`` of
-    :func:`jmegatron.kernels.xla.dropout.dropout`): row 0 of int ``positions [b, s]`` (each
-    slot's original sequence position; the batch's rows share it, Megatron's
-    ``get_batch_on_this_cp_rank`` permutes every row alike), or None (``0..s-1``)."""
-    return None if positions is None else positions[0]
-
-
 class Dropout(nn.Module):
     """Flax module form of :func:`jmegatron.kernels.xla.dropout.dropout` (the ``"dropout"``
     RNG collection), a drop-in for ``nn.Dropout(rate, deterministic)`` with the mask
@@ -30,7 +22,7 @@ class Dropout(nn.Module):
     ``sample_offset`` is the global sample number of ``x[0]`` (see
     :mod:`jmegatron.kernels.xla.dropout`); ``positions`` (int ``[b, s]``, optional, for
     ``x [b, s, ...]``): each slot's sequence position (context parallelism's load-balanced
-    order, :func:`slot_positions`), the masks then the one-device run's."""
+    order, the batch's ``positions``), the masks then the one-device run's."""
 
     rate: float
     deterministic: Optional[bool] = None
@@ -42,4 +34,4 @@ class Dropout(nn.Module):
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
         if deterministic or self.rate == 0.0:
             return x
-        return dropout(x, self.rate, self.make_rng("dropout"), self.impl, sample_offset, slot_positions(positions))
+        return dropout(x, self.rate, self.make_rng("dropout"), self.impl, sample_offset, positions)

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.kernels.xla.dropout import dropout
-from jmegatron.models.dropout import slot_positions
 from jmegatron.models.layers import Embed, Linear, make_norm
 from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS
 from jmegatron.models.multi_token_prediction import MTP_COLLECTION, MultiTokenPredictionLayer, roll_left
@@ -206,7 +205,7 @@ class GPTModel(nn.Module):
             if dropout_rng is None:
                 raise ValueError("GPTModel.embed: deterministic=False with hidden_dropout > 0 needs dropout_rng")
             x = dropout(x, c.hidden_dropout, dropout_rng, c.dropout_impl, jnp.asarray(sample_offset, jnp.uint32),
-                        slot_positions(positions))
+                        positions)
         return nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
 
     def _stream_key(self, name: str) -> Any:

@@ -121,10 +121,12 @@ def hash_bits(key: jax.Array, shape: Sequence[int], sample_offset=0,
     ``sample_offset`` (int or integer scalar array, may be traced): the global sample
     number of index 0 on the leading axis; the leading index hashed is ``sample_offset
     + i``. ``shape == ()`` hashes the single sample ``sample_offset``. ``positions``
-    (integer ``[shape[1]]``, optional): the global index of each slot of axis 1 (the
-    sequence slots a context-parallel rank holds, the batch's ``positions``,
+    (integer ``[shape[1]]`` shared by the rows, or ``[shape[0], shape[1]]`` per row;
+    optional): the global index of each slot of axis 1 (the sequence slots a
+    context-parallel rank holds, the batch's ``positions``,
     :func:`jmegatron.parallel.context_parallel.load_balance_index`) used in place of
-    ``0 .. shape[1] - 1``; the other axes' strides are unchanged.
+    ``0 .. shape[1] - 1``; the other axes' strides are unchanged. Per-row positions keep
+    every row's mask local to the row's device (no row is read from another data rank).
     """
     shape = tuple(int(d) for d in shape)
     k0, k1 = key_words(key)
@@ -137,8 +139,9 @@ def hash_bits(key: jax.Array, shape: Sequence[int], sample_offset=0,
 
     def index(dim):
         if dim == 1 and positions is not None:
-            return jnp.broadcast_to(jnp.asarray(positions).astype(_U).reshape((1, -1) + (1,) * (len(shape) - 2)),
-                                    shape)
+            p = jnp.asarray(positions).astype(_U)
+            lead_axes = p.shape if p.ndim == 2 else (1, -1)
+            return jnp.broadcast_to(p.reshape(lead_axes + (1,) * (len(shape) - 2)), shape)
         return jax.lax.broadcasted_iota(_U, shape, dim)
 
     row = jnp.zeros(shape, _U)
