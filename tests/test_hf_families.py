@@ -19,7 +19,7 @@ import transformers  # noqa: E402
 
 import jax  # noqa: E402
 
-from jmegatron.config import base_config, from_configdict  # noqa: E402
+from jmegatron.config import base_config, from_configdict, window_layer_pattern  # noqa: E402
 from jmegatron.conversion import hf, hf_moe, tree  # noqa: E402
 from jmegatron.export.hf_model import to_hf_model  # noqa: E402
 from jmegatron.inference.generate import generate  # noqa: E402
@@ -46,6 +46,9 @@ FAMILIES = {
     # every layer (8 keys: the 24 positions of generation cross it)
     "mistral": ("MistralConfig", dict(LLAMA_LIKE, head_dim=32, sliding_window=8, tie_word_embeddings=False,
                                       rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), hf.MISTRAL),
+    # Ministral: sliding (8 keys) and full layers alternating by layer_types
+    "ministral": ("MinistralConfig", dict(LLAMA_LIKE, head_dim=16, sliding_window=8, tie_word_embeddings=False,
+                                          layer_types=["sliding_attention", "full_attention"]), hf.MINISTRAL),
     # Q/K/V biases without an o_proj bias, tied embeddings (Qwen2.5-0.5B)
     "qwen2": ("Qwen2Config", dict(LLAMA_LIKE, tie_word_embeddings=True), hf.QWEN2),
     # QK-norm, head_dim 32 with hidden 64 / 4 heads, YaRN
@@ -90,13 +93,14 @@ FAMILIES = {
 }
 
 
-def hf_model(family: str):
-    """The transformers model of ``family`` (float32, eval) with every parameter redrawn:
+def hf_model(family: str, config=None):
+    """The transformers model of ``family`` (or of its ``config``, a changed one) (float32,
+    eval) with every parameter redrawn:
     norm scales 1 +- 0.2 (Gemma's ``1 + w`` norms: w 0 +- 0.2), biases 0 +- 0.2, embeddings
     std 0.5 (Gemma, scaled by sqrt(hidden): 0.125), kernels std 0.125 and DeepSeek-V3's
     expert bias std 0.05, so each tensor moves the logits."""
     config_cls, kwargs, _ = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**kwargs)
+    config = getattr(transformers, config_cls)(**kwargs) if config is None else config
     torch.manual_seed(0)
     # eager attention: transformers' SDPA path drops Gemma-2's attention soft-cap
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
@@ -345,9 +349,13 @@ def test_imported_models_train(imported):
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64), "sliding_window=64"),
-    (dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4)), "RoPE scaling 'longrope'"),
-    (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), "RoPE scaling 'dynamic'"),
+    (dict(model_type="qwen2", layer_types=["chunked_attention"]), "layer_types with 'chunked_attention'"),
+    (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=64),
+     "sliding_window=64 \\(a sliding window in MixtralForCausalLM: not built"),
+    (dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4)), "rope_type='longrope'"),
+    (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), "rope_type='dynamic'"),
+    (dict(model_type="llama", attention_sink=True), "attention_sink=True \\(a field jmegatron's llama import does "
+                                                    "not read"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
     (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16,
                                attention_factor=1.0)), "attention_factor=1.0"),
@@ -361,6 +369,8 @@ def test_imported_models_train(imported):
      "sliding_attention.rope_type='linear' \\(jmegatron's local RoPE is unscaled"),
 ])
 def test_import_refuses_what_is_not_built_by_name(changes, match):
+    """A field jmegatron does not build, or does not read at all, stops the import by name
+    (every field of the families' own configs: tests/test_hf_import_fields.py)."""
     conf = dict(dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
                      intermediate_size=96, max_position_embeddings=64, vocab_size=VOCAB), **changes)
     with pytest.raises(ValueError, match=match):
@@ -406,8 +416,6 @@ def test_export_refuses_what_the_target_cannot_hold(imported):
     with pytest.raises(ValueError, match=r"Qwen3ForCausalLM .*final_logit_softcapping=2.0 \(Qwen3 has no such field\)"):
         hf.hf_architecture(jmegatron_cfg(fields, final_logit_softcapping=2.0))
     gemma3 = hf.config_fields_from_hf(imported["gemma3"][1])
-    with pytest.raises(ValueError, match="untie_embeddings_and_output_weights=True \\(Gemma3's output layer is tied"):
-        hf.hf_architecture(jmegatron_cfg(gemma3, untie_embeddings_and_output_weights=True))
     with pytest.raises(ValueError, match="attn_logit_softcapping=5.0 \\(transformers' Gemma-3 attention does not"):
         hf.hf_architecture(jmegatron_cfg(gemma3, attn_logit_softcapping=5.0))
 
@@ -563,3 +571,28 @@ def test_a_tokenizer_without_an_end_of_document_token_is_refused_before_work(imp
     # the same tokenizer with a tokenizer_config.json naming its eos loads
     (tmp_path / "hf" / "tokenizer_config.json").write_text('{"eos_token": "b"}')
     assert load_tokenizer(tmp_path / "hf").eod == 1
+
+
+def test_windows_by_layer_types_and_qwen_rule(imported):
+    """A model_type "mistral" config that carries Ministral's layer_types imports as
+    Ministral's alternating layers (transformers' MinistralForCausalLM with the same
+    weights), and Qwen2's use_sliding_window windows the layers from max_window_layers on
+    (transformers' Qwen2 of that config): logits to 1e-4."""
+    model = imported["ministral"][0]
+    conf = dict(model.config.to_dict(), model_type="mistral")
+    qwen = transformers.Qwen2Config(**dict(LLAMA_LIKE, use_sliding_window=True, sliding_window=8,
+                                           max_window_layers=1))
+    torch.manual_seed(0)
+    qwen_model = transformers.AutoModelForCausalLM.from_config(qwen, attn_implementation="eager").float().eval()
+    toks = tokens()
+    for hf_conf, reference, sliding in ((conf, model, (1, 0)), (qwen_model.config.to_dict(), qwen_model, (0, 1))):
+        fields = hf.config_fields_from_hf(hf_conf)
+        assert fields["window_size"] == (7, 0), fields
+        assert window_layer_pattern(fields["window_size"], fields["window_attn_skip_freq"], 2) == sliding
+        cfg = jmegatron_cfg(fields)
+        params = hf.from_hf_state_dict(reference.state_dict(), cfg)
+        ours = np.asarray(jax.jit(GPTModel(ModelConfig.from_config(cfg, cfg.padded_vocab_size())).apply)(
+            {"params": params}, toks))
+        with torch.no_grad():
+            theirs = reference(torch.from_numpy(toks.astype(np.int64))).logits.numpy()
+        assert np.max(np.abs(ours[..., :VOCAB] - theirs)) <= TOL

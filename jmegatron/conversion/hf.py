@@ -72,12 +72,13 @@ the ``transformers`` model of a parameter tree is :mod:`jmegatron.export.hf_mode
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from jmegatron.config import window_layer_pattern, yarn_concentration_factor
+from jmegatron.config import ConfigError, JMegatronConfig, TransformerConfig, window_layer_pattern, yarn_concentration_factor
 from jmegatron.conversion import hf_moe
 from jmegatron.conversion.hf_moe import MOE_ARCHITECTURES
 from jmegatron.conversion.tree import (check_shape, get, map_leaves, numpy_tree, plain, stack_layers, to_numpy,
@@ -86,12 +87,13 @@ from jmegatron.conversion.tree import (check_shape, get, map_leaves, numpy_tree,
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
 MISTRAL = "MistralForCausalLM"
+MINISTRAL = "MinistralForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
 # Llama's layout (model.layers.{i}.self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, RMSNorm):
 # model_type -> class. Qwen2 adds Q/K/V biases without an o_proj bias; Qwen3 per-head
 # q_norm / k_norm and a head_dim decoupled from hidden / heads.
-LLAMA_LIKE = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
+LLAMA_LIKE = {"llama": LLAMA, "mistral": MISTRAL, "ministral": MINISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
 _MODEL_TYPE = {arch: model_type for model_type, arch in LLAMA_LIKE.items()}
 GEMMA2 = "Gemma2ForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
@@ -100,7 +102,7 @@ GEMMA3 = "Gemma3ForCausalLM"
 GEMMA_TYPES = {"gemma2": GEMMA2, "gemma3_text": GEMMA3, "gemma3": GEMMA3}
 _MODEL_TYPE.update({GEMMA2: "gemma2", GEMMA3: "gemma3_text"})
 # every class :func:`hf_architecture` exports to (`export hf --help` and the README list these)
-ARCHITECTURES = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3) + MOE_ARCHITECTURES
+ARCHITECTURES = (GPT2, LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3) + MOE_ARCHITECTURES
 # jmegatron's per-layer norm -> the HF norm of the Llama layout and of Gemma's
 _LLAMA_NORMS = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm"}
 _GEMMA_NORMS = {"input_layernorm": "input_layernorm", "post_self_attn_layernorm": "post_attention_layernorm",
@@ -129,10 +131,19 @@ def _gemma_block_problems(cfg, arch: str) -> list[str]:
     for n in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local"):
         if getattr(cfg, n) is not None:
             problems.append(f"config.{n}={getattr(cfg, n)} ({name} has no such field)")
-    if cfg.window_size is not None and not (arch == MISTRAL and all(_window_pattern(cfg))):
+    if cfg.window_size is not None and not (arch == MISTRAL and all(_window_pattern(cfg)) or arch == MINISTRAL
+                                            or arch in (QWEN2, QWEN3) and _qwen_window_layers(cfg) is not None):
         problems.append(f"config.window_size={cfg.window_size} ({name} has no sliding window; Mistral windows "
-                        f"every layer, Gemma-2/3 alternate)")
+                        f"every layer, Ministral and Gemma-2/3 mix sliding and full layers)")
     return problems
+
+
+def _qwen_window_layers(cfg) -> Optional[int]:
+    """Qwen2's ``max_window_layers`` for ``cfg``'s sliding layers when they are Qwen's rule
+    (full layers, then sliding ones to the top), else None."""
+    pattern = _window_pattern(cfg)
+    first = pattern.index(1) if 1 in pattern else len(pattern)
+    return first if all(pattern[first:]) else None
 
 
 def _window_pattern(cfg) -> tuple[int, ...]:
@@ -152,8 +163,6 @@ def _gemma_problems(cfg, arch: str) -> list[str]:
         problems.append(f"config.swiglu=True ({name}'s MLP is GeGLU with the tanh GELU)")
     if cfg.add_bias_linear or cfg.add_qkv_bias:
         problems.append(f"config.add_bias_linear / add_qkv_bias ({name} has no biases)")
-    if cfg.untie_embeddings_and_output_weights:
-        problems.append(f"config.untie_embeddings_and_output_weights=True ({name}'s output layer is tied)")
     if arch == GEMMA3 and cfg.attn_logit_softcapping is not None:
         problems.append(f"config.attn_logit_softcapping={cfg.attn_logit_softcapping} (transformers' Gemma-3 "
                         f"attention does not apply it)")
@@ -273,7 +282,7 @@ def rope_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[st
                 problems.append(f"rope_parameters.attention_factor={given} (jmegatron derives YaRN's attention "
                                 f"factor from factor / mscale / mscale_all_dim: {implied})")
     elif rope_type != "default":
-        problems.append(f"RoPE scaling {rope_type!r} (built: 'default', 'linear', 'llama3', 'yarn')")
+        problems.append(f"rope_type={rope_type!r} (RoPE scalings built: 'default', 'linear', 'llama3', 'yarn')")
     return fields
 
 
@@ -314,7 +323,7 @@ def hf_architecture(cfg) -> str:
         problems = _gemma_problems(cfg, arch)
     elif cfg.position_embedding_type in ("rope", "yarn"):
         arch = QWEN3 if cfg.qk_layernorm else QWEN2 if cfg.add_qkv_bias and not cfg.add_bias_linear else \
-            MISTRAL if cfg.window_size is not None else LLAMA
+            (MISTRAL if all(_window_pattern(cfg)) else MINISTRAL) if cfg.window_size is not None else LLAMA
         problems = _llama_problems(cfg, arch)
     else:
         raise ValueError(
@@ -403,10 +412,17 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int | list[in
     if arch == MISTRAL:
         conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp", "attention_bias")}
         return dict(conf, model_type="mistral", sliding_window=cfg.window_size[0] + 1)
+    if arch == MINISTRAL:
+        conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp", "attention_bias")}
+        return dict(conf, model_type="ministral", sliding_window=cfg.window_size[0] + 1,
+                    layer_types=["sliding_attention" if w else "full_attention" for w in _window_pattern(cfg)])
     if arch in (QWEN2, QWEN3):  # Qwen2: Q/K/V biases always; Qwen3: attention_bias (none here)
         conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp")}
-        conf.update(model_type=_MODEL_TYPE[arch], use_sliding_window=False, sliding_window=None,
-                    max_window_layers=cfg.num_layers, layer_types=["full_attention"] * cfg.num_layers)
+        windowed = cfg.window_size is not None
+        conf.update(model_type=_MODEL_TYPE[arch], use_sliding_window=windowed,
+                    sliding_window=cfg.window_size[0] + 1 if windowed else None,
+                    max_window_layers=_qwen_window_layers(cfg) if windowed else cfg.num_layers,
+                    layer_types=["sliding_attention" if w else "full_attention" for w in _window_pattern(cfg)])
         if arch == QWEN2:
             conf.pop("attention_bias")
         return conf
@@ -441,6 +457,62 @@ def _gemma_config_dict(cfg, arch: str, llama: dict, rope: dict) -> dict[str, Any
     return conf
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types jmegatron builds
+
+
+def window_fields_from_hf(conf: Mapping[str, Any], model_type: str, problems: list[str]) -> dict[str, Any]:
+    """``window_size`` and ``window_attn_skip_freq`` of a Hugging Face config's attention
+    layers: transformers' ``layer_types`` (each "sliding_attention" layer attends to its
+    ``sliding_window`` latest keys, itself included; "full_attention" to all), or, in a
+    config without them, the family's own rule: Mistral / Mixtral / Ministral window every
+    layer when ``sliding_window`` is set, Qwen2's family the layers from
+    ``max_window_layers`` on when ``use_sliding_window``, Gemma-2 alternates and Gemma-3
+    keeps every ``sliding_window_pattern``-th layer full.
+
+    A ``model_type`` "mistral" config with ``layer_types`` is read as Ministral's layers
+    (transformers' MistralForCausalLM would window every layer and warns that such a
+    checkpoint is a Ministral one). Qwen2's family windows only with ``use_sliding_window``.
+    Appends to ``problems`` a layer type other than :data:`LAYER_TYPES` (naming
+    ``layer_types``) or a ``layer_types`` whose length is not ``num_hidden_layers``."""
+    layers = int(conf["num_hidden_layers"])
+    window = conf.get("sliding_window")
+    types = conf.get("layer_types")
+    qwen = "use_sliding_window" in conf or "max_window_layers" in conf
+    if qwen:
+        conf.get("max_window_layers")
+        window = window if conf.get("use_sliding_window") else None
+    if model_type in ("gemma3_text", "gemma2"):
+        conf.get("sliding_window_pattern"), conf.get("_sliding_window_pattern")
+    if types is None:
+        if model_type == "gemma2":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        elif model_type == "gemma3_text":
+            n = int(conf.get("sliding_window_pattern") or conf.get("_sliding_window_pattern") or 6)
+            types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
+        elif qwen:
+            first = int(conf.get("max_window_layers", 28))  # transformers' Qwen2Config default
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        else:
+            types = ["sliding_attention"] * layers
+    types = list(types)
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        problems.append(f"layer_types with {', '.join(map(repr, unknown))} (built: {', '.join(map(repr, LAYER_TYPES))})")
+        return {}
+    if len(types) != layers:
+        problems.append(f"layer_types has {len(types)} entries for num_hidden_layers={layers}")
+        return {}
+    pattern = tuple(int(t == "sliding_attention") for t in types)
+    if window is None or not any(pattern):
+        return dict(window_size=None, window_attn_skip_freq=None)
+    window_size = (int(window) - 1, 0)
+    if all(pattern):
+        return dict(window_size=window_size, window_attn_skip_freq=None)
+    freq = next((n for n in range(1, layers + 1) if window_layer_pattern(window_size, n, layers) == pattern),
+                list(pattern))
+    return dict(window_size=window_size, window_attn_skip_freq=freq)
+
+
 def _gemma_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
     """jmegatron's fields of a Gemma2Config / Gemma3TextConfig mapping (see
     :func:`config_fields_from_hf`)."""
@@ -454,19 +526,8 @@ def _gemma_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[
         problems.append("attention_bias=True (jmegatron's Gemma has no biases)")
     if conf.get("use_bidirectional_attention"):
         problems.append("use_bidirectional_attention=True (jmegatron's attention is causal)")
-    window = conf.get("sliding_window")
-    types = conf.get("layer_types")
-    if types is None:  # transformers 4.x configs: Gemma-2 alternates, Gemma-3 every N-th layer full
-        n = 2 if model_type == "gemma2" else int(conf.get("sliding_window_pattern") or 6)
-        types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
-    pattern = tuple(int(t == "sliding_attention") for t in types)
-    if window is None or not any(pattern):
-        window_size, freq = None, None
-    else:
-        window_size = (int(window) - 1, 0)
-        freq = next((n for n in range(1, layers + 1) if window_layer_pattern(window_size, n, layers) == pattern),
-                    list(pattern))
-        freq = None if all(pattern) else freq
+    windows = window_fields_from_hf(conf, model_type, problems)
+    window_size, freq = windows.get("window_size"), windows.get("window_attn_skip_freq")
     scalar = float(conf.get("query_pre_attn_scalar") or d)
     fields = dict(
         num_layers=layers, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=int(conf["intermediate_size"]),
@@ -476,7 +537,9 @@ def _gemma_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[
         apply_layernorm_1p=True, sandwich_norms=True, scale_embeddings=True, add_bias_linear=False,
         add_qkv_bias=False, qk_layernorm=model_type != "gemma2",
         softmax_scale=None if scalar == d else scalar ** -0.5,
-        attn_logit_softcapping=None if model_type != "gemma2" else conf.get("attn_logit_softcapping"),
+        # transformers' Gemma-3 attention does not apply attn_logit_softcapping (read, unused)
+        attn_logit_softcapping=conf.get("attn_logit_softcapping") if model_type == "gemma2" else
+        conf.get("attn_logit_softcapping") and None,
         final_logit_softcapping=conf.get("final_logit_softcapping"),
         window_size=window_size, window_attn_skip_freq=freq,
         hidden_dropout=0.0, attention_dropout=float(conf.get("attention_dropout") or 0.0))
@@ -497,6 +560,100 @@ def _gemma_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[
             problems.append(f"the local rope_theta={local_base} (jmegatron's rotary_base_local is an integer)")
         fields["rotary_base_local"] = int(local_base)
     return fields
+
+
+# Fields of a transformers config that are not the model: bookkeeping, token ids, and the
+# generation and task-head settings PretrainedConfig carries. Every other field of a
+# config.json is read by the family's import or refused by name (:func:`config_fields_from_hf`).
+NOT_MODEL_FIELDS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "problem_type", "id2label",
+    "label2id", "tokenizer_class", "prefix", "task_specific_params", "chunk_size_feed_forward",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "_attn_implementation_autoset", "use_return_dict", "tf_legacy_loss", "torchscript",
+    # generation settings that old config.json files carry (transformers moved them to
+    # generation_config.json)
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens",
+    # transformers 4.x Llama's split of each matmul into pretraining_tp slices (the same
+    # product); a request to return the MoE router's logits
+    "pretraining_tp", "output_router_logits",
+    # GPT-2's sequence-summary head (GPT2DoubleHeadsModel), not the language model's
+    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
+})
+# jmegatron's field -> the Hugging Face fields it is read from: a check of the imported
+# config that fails names these (:func:`_check_imported`)
+HF_SOURCES = {
+    "num_layers": ("num_hidden_layers", "n_layer"), "hidden_size": ("hidden_size", "n_embd"),
+    "num_attention_heads": ("num_attention_heads", "n_head"), "num_query_groups": ("num_key_value_heads",),
+    "kv_channels": ("head_dim",), "ffn_hidden_size": ("intermediate_size", "n_inner"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+    "num_moe_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "moe_router_topk": ("num_experts_per_tok",), "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "moe_router_num_groups": ("n_group",), "moe_router_group_topk": ("topk_group",),
+    "moe_router_pre_softmax": ("norm_topk_prob",), "moe_layer_freq": ("first_k_dense_replace", "mlp_only_layers",
+                                                                    "decoder_sparse_step"),
+    "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size", "n_shared_experts"),
+    "moe_router_topk_scaling_factor": ("routed_scaling_factor",),
+    "q_lora_rank": ("q_lora_rank",), "kv_lora_rank": ("kv_lora_rank",), "qk_head_dim": ("qk_nope_head_dim",),
+    "qk_pos_emb_head_dim": ("qk_rope_head_dim",), "v_head_dim": ("v_head_dim",),
+    "rotary_seq_len_interpolation_factor": ("rope_parameters", "rope_scaling"),
+    "rope_scaling_factor": ("rope_parameters", "rope_scaling"), "yarn_rotary_scaling_factor": ("rope_parameters",
+                                                                                              "rope_scaling"),
+    "window_size": ("sliding_window",), "window_attn_skip_freq": ("layer_types",),
+    "untie_embeddings_and_output_weights": ("tie_word_embeddings",), "norm_epsilon": ("rms_norm_eps",
+                                                                                      "layer_norm_epsilon"),
+    "softmax_scale": ("query_pre_attn_scalar",), "attn_logit_softcapping": ("attn_logit_softcapping",),
+    "final_logit_softcapping": ("final_logit_softcapping",), "rotary_base": ("rope_parameters", "rope_theta"),
+}
+
+
+class _ReadFields(dict):
+    """A ``config.json`` mapping that records the fields read (``read``)."""
+
+    def __init__(self, conf: Mapping[str, Any]):
+        super().__init__(conf)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def _unread_problems(conf: _ReadFields, model_type: str) -> list[str]:
+    """A problem for each field of ``conf`` that the import did not read and that is not
+    bookkeeping (:data:`NOT_MODEL_FIELDS`)."""
+    return [f"{key}={dict.__getitem__(conf, key)!r} (a field jmegatron's {model_type} import does not read: it may "
+            f"change the model)" for key in dict.keys(conf) if key not in conf.read and key not in NOT_MODEL_FIELDS]
+
+
+def _check_imported(fields: Mapping[str, Any], conf: Mapping[str, Any], model_type: str) -> None:
+    """Raise ValueError naming the Hugging Face fields (:data:`HF_SOURCES`) when the
+    imported model fields fail a run config's checks (:class:`jmegatron.config.JMegatronConfig`
+    of the fields, mock data, ``seq_length`` = ``max_position_embeddings``)."""
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    model = {k: v for k, v in fields.items() if k in names}
+    model.setdefault("seq_length", model.get("max_position_embeddings", 1))
+    try:
+        JMegatronConfig(mock_data=True, **model)
+    except ConfigError as e:
+        named = re.findall(r"(\w+)=", str(e))
+        sources = [f"{key}={conf[key]!r}" for n in named for key in HF_SOURCES.get(n, ()) if key in conf]
+        sources = list(dict.fromkeys(sources)) or ["model_type=" + repr(model_type)]
+        raise ValueError(f"this Hugging Face {model_type} config cannot be imported: {', '.join(sources)} gives "
+                         f"{e}") from None
 
 
 def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
@@ -521,6 +678,7 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
         conf = {**(conf.get("text_config") or {}), "model_type": "gemma3_text",
                 "tie_word_embeddings": conf.get("tie_word_embeddings", True)}
         model_type = "gemma3_text"
+    conf = _ReadFields(conf)
     if model_type in GEMMA_TYPES:
         fields = _gemma_fields_from_hf(conf, problems)
     elif model_type == "gpt2":
@@ -529,6 +687,10 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
         if act not in ("gelu",) + _GELU_TANH:
             problems.append(f"activation_function={act!r} (built: the exact 'gelu' and the tanh "
                             f"{', '.join(map(repr, _GELU_TANH))})")
+        conf.get("embd_pdrop")  # jmegatron's one hidden_dropout (resid_pdrop) also drops the embeddings
+        if conf.get("add_cross_attention"):
+            problems.append("add_cross_attention=True (cross-attention to an encoder: jmegatron's GPT is a decoder "
+                            "only)")
         for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
             if conf.get(key):
                 problems.append(f"{key}=True (not built)")
@@ -552,11 +714,10 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
         if model_type == "qwen3" and attn_bias:
             problems.append("attention_bias=True (Qwen3's biases on q/k/v and o_proj but not the MLP: jmegatron's "
                             "add_bias_linear biases every linear layer, add_qkv_bias only Q/K/V)")
-        window = conf.get("sliding_window") if model_type == "mistral" else \
-            conf.get("sliding_window") if conf.get("use_sliding_window") else None
-        if window is not None and model_type not in (*hf_moe.MODEL_TYPES, "mistral"):  # (hf_moe names its own)
-            problems.append(f"sliding_window={window} with use_sliding_window (Qwen's windows on the layers above "
-                            f"max_window_layers are not built)")
+        windows = window_fields_from_hf(conf, model_type, problems)
+        if windows.get("window_size") is not None and model_type in hf_moe.MODEL_TYPES:
+            problems.append(f"sliding_window={conf.get('sliding_window')} (a sliding window in "
+                            f"{hf_moe.MODEL_TYPES[model_type]}: not built)")
         fields = dict(
             num_layers=int(conf["num_hidden_layers"]), hidden_size=h, num_attention_heads=heads,
             ffn_hidden_size=int(conf["intermediate_size"]),
@@ -568,8 +729,7 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
             hidden_dropout=0.0, attention_dropout=float(conf.get("attention_dropout") or 0.0))
         fields.update(rope_fields_from_hf(conf, problems))
-        if model_type == "mistral" and window is not None:
-            fields["window_size"] = (int(window) - 1, 0)
+        fields.update(windows)
         if model_type in hf_moe.MODEL_TYPES:
             fields.update(hf_moe.moe_config_fields(conf, problems))
     else:
@@ -577,12 +737,16 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
                          + ", ".join(f"{t!r} ({a})" for t, a in
                                      [("gpt2", GPT2), *LLAMA_LIKE.items(), *GEMMA_TYPES.items(),
                                       *hf_moe.MODEL_TYPES.items()]))
-    if problems:
-        raise ValueError(f"this Hugging Face {model_type} config cannot be imported: " + "; ".join(problems))
     fields["untie_embeddings_and_output_weights"] = not bool(conf.get("tie_word_embeddings", True))
     if conf.get("initializer_range") is not None:  # written back by hf_config_dict
         fields["init_method_std"] = float(conf["initializer_range"])
     fields["vocab_size"] = int(conf["vocab_size"])
+    if conf.get("is_encoder_decoder"):
+        problems.append("is_encoder_decoder=True (jmegatron's models are decoders)")
+    problems += _unread_problems(conf, model_type)
+    if problems:
+        raise ValueError(f"this Hugging Face {model_type} config cannot be imported: " + "; ".join(problems))
+    _check_imported(fields, conf, model_type)
     return fields
 
 

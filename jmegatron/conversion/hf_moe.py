@@ -219,14 +219,13 @@ def moe_config_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str,
                                   moe_aux_loss_coeff=float(conf.get("router_aux_loss_coef", 0.0)),
                                   moe_router_score_function="softmax", add_bias_linear=False)
     if model_type == "mixtral":
-        if conf.get("sliding_window") is not None:
-            problems.append(f"sliding_window={conf['sliding_window']} (jmegatron's attention is full causal)")
+        if conf.get("router_jitter_noise"):
+            problems.append(f"router_jitter_noise={conf['router_jitter_noise']} (Mixtral's training-time input "
+                            f"jitter: not built)")
         ffn = int(conf["intermediate_size"])
         fields.update(num_moe_experts=int(conf["num_local_experts"]), ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn,
                       moe_layer_freq=1, moe_router_pre_softmax=False, add_qkv_bias=False)
         return fields
-    if conf.get("use_sliding_window"):
-        problems.append("use_sliding_window=True (jmegatron's attention is full causal)")
     experts = int(conf.get("num_experts") or conf.get("num_local_experts") or 0)  # (transformers 5: the latter)
     if experts <= 0:
         problems.append(f"num_experts={experts} (a dense {MODEL_TYPES[model_type]}; import it as a Llama-style "
@@ -278,6 +277,10 @@ def _deepseek_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str, 
     shared = int(conf.get("n_shared_experts") or 0)
     if shared <= 0:
         problems.append(f"n_shared_experts={shared} (not built without a shared expert)")
+    conf.get("num_nextn_predict_layers")  # the MTP depth: the folder's tensors decide (checkpoint.hf)
+    nope, rope = int(conf["qk_nope_head_dim"]), int(conf["qk_rope_head_dim"])
+    if conf.get("qk_head_dim") not in (None, nope + rope):
+        problems.append(f"qk_head_dim={conf['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim = {nope + rope}")
     first = int(conf.get("first_k_dense_replace") or 0)
     pattern = (0,) * min(first, layers) + (1,) * max(layers - first, 0)
     f = int(conf["moe_intermediate_size"])

@@ -26,7 +26,7 @@ from jmegatron.models.moe.moe_layer import MOE_COLLECTIONS
 from jmegatron.models.multi_token_prediction import MTP_COLLECTION, MultiTokenPredictionLayer, roll_left
 from jmegatron.models.transformer_config import ModelConfig
 from jmegatron.models.transformer_layer import TransformerLayer
-from jmegatron.parallel.schedules import as_varying, manual_axes
+from jmegatron.parallel.schedules import as_varying
 
 Array = jax.Array
 
