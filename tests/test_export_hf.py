@@ -137,20 +137,29 @@ def run_cli(*args):
                           cwd=REPO, timeout=300)
 
 
-def test_cli_errors_before_any_work(tmp_path, gpt_tp2_ckpt):
+def test_cli_errors_before_any_work(tmp_path, gpt_tp2_ckpt, capsys):
+    """Bad input exits 2 with the reason and writes nothing: one case as a process (the
+    exit status), the others through the same ``main`` in this process."""
+    from jmegatron.export.__main__ import main
+
+    def cli(*args):
+        capsys.readouterr()
+        code = main(list(args))
+        return code, capsys.readouterr().err
+
     r = run_cli("hf", "--load", str(tmp_path / "nothing"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "no checkpoint found" in r.stderr and not (tmp_path / "o").exists()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
-    r = run_cli("hf", "--load", gpt_tp2_ckpt, "--out", str(tmp_path / "full"))
-    assert r.returncode == 2 and "not empty" in r.stderr and os.listdir(tmp_path / "full") == ["keep.txt"]
+    code, err = cli("hf", "--load", gpt_tp2_ckpt, "--out", str(tmp_path / "full"))
+    assert code == 2 and "not empty" in err and os.listdir(tmp_path / "full") == ["keep.txt"]
     # a GPT with RMSNorm has no Hugging Face target: the field is named, nothing written
     bad = tmp_path / "rms"
     pretrain(cfg_for(bad, train_iters=1, lr_warmup_iters=0, eval_interval=0, normalization="RMSNorm"))
-    r = run_cli("hf", "--load", str(bad), "--out", str(tmp_path / "o2"))
-    assert r.returncode == 2 and "config.normalization='RMSNorm'" in r.stderr and not (tmp_path / "o2").exists()
-    r = run_cli("import-hf", "--hf", str(tmp_path), "--out", str(tmp_path / "o3"))
-    assert r.returncode == 2 and "no config.json" in r.stderr
+    code, err = cli("hf", "--load", str(bad), "--out", str(tmp_path / "o2"))
+    assert code == 2 and "config.normalization='RMSNorm'" in err and not (tmp_path / "o2").exists()
+    code, err = cli("import-hf", "--hf", str(tmp_path), "--out", str(tmp_path / "o3"))
+    assert code == 2 and "no config.json" in err
 
 
 def test_import_refuses_what_jmegatron_cannot_represent(tmp_path):
