@@ -150,6 +150,33 @@ def checkpoint_of(load: str, out: str | None = None, timeout_s: float = 3600.0) 
         yield _import_once(load, os.path.join(tmp, "checkpoint"), timeout_s)
 
 
+def imported_config(fields: dict, config_file: str | None = None, *, seq_length: int | None = None,
+                    what: str = "the import", **overrides):
+    """The one-device run config of imported architecture ``fields`` (config fields with
+    ``vocab_size`` and ``max_position_embeddings``) laid over ``config_file``'s settings
+    (default: jmegatron's defaults with mock data): every parallel size 1, micro and global
+    batch 1, no load and no distillation, ``seq_length`` (default the base's) capped at
+    ``max_position_embeddings``, then ``overrides``. Raises ExportError (prefixed by
+    ``what``) for a bad ``config_file`` or an invalid resulting config."""
+    try:
+        base = load_config_file(config_file).to_dict() if config_file else base_config().to_dict()
+    except (ConfigError, FileNotFoundError) as e:
+        raise ExportError(f"--config {config_file}: {e}") from e
+    base.update(fields)
+    if not config_file and not base.get("data_path"):
+        base["mock_data"] = True  # jmegatron's defaults name no data; a training run gives its own config
+    base["seq_length"] = min(seq_length or base["seq_length"], fields["max_position_embeddings"])
+    base.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                expert_model_parallel_size=1, sequence_parallel=False, load=None,
+                kd_teacher_load=None, kd_cfg=None, kd_finalize=False, micro_batch_size=1, global_batch_size=1,
+                virtual_pipeline_model_parallel_size=None)
+    base.update(overrides)
+    try:
+        return from_configdict(base)
+    except ConfigError as e:
+        raise ExportError(f"{what}: the imported config is invalid: {e}") from e
+
+
 def save_imported(fields: dict, out: str, config_file: str | None, to_params, *, iteration: int = 0,
                   source: str, seq_length: int | None = None, tokenizer_model: str | None = None,
                   before_save=None, what: str = "the import"):
@@ -168,24 +195,8 @@ def save_imported(fields: dict, out: str, config_file: str | None, to_params, *,
     """
     import jax
 
-    try:
-        base = load_config_file(config_file).to_dict() if config_file else base_config().to_dict()
-    except (ConfigError, FileNotFoundError) as e:
-        raise ExportError(f"--config {config_file}: {e}") from e
-    base.update(fields)
-    if not config_file and not base.get("data_path"):
-        base["mock_data"] = True  # jmegatron's defaults name no data; a training run gives its own config
-    base["seq_length"] = min(seq_length or base["seq_length"], fields["max_position_embeddings"])
-    base.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                expert_model_parallel_size=1, sequence_parallel=False, save=os.path.abspath(out), load=None,
-                kd_teacher_load=None, kd_cfg=None, kd_finalize=False, micro_batch_size=1, global_batch_size=1,
-                virtual_pipeline_model_parallel_size=None)
-    if tokenizer_model:
-        base["tokenizer_model"] = tokenizer_model
-    try:
-        cfg = from_configdict(base)
-    except ConfigError as e:
-        raise ExportError(f"{what}: the imported config is invalid: {e}") from e
+    cfg = imported_config(fields, config_file, seq_length=seq_length, what=what, save=os.path.abspath(out),
+                          **({"tokenizer_model": tokenizer_model} if tokenizer_model else {}))
     run = build(cfg, create_mesh(cfg, jax.devices()[:1]), vocab_size=fields["vocab_size"])
     try:
         params = to_params(cfg, run.padded_vocab_size)
