@@ -90,6 +90,15 @@ FAMILIES = {
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
                                 activation_function="gelu_new", bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
              hf.GPT2),
+    # OLMo-2: the QK-norm over all query heads and all key heads together, post-norms only
+    "olmo2": ("Olmo2Config", dict(LLAMA_LIKE, eos_token_id=None, tie_word_embeddings=False), hf.OLMO2),
+    # OLMo-3: OLMo-2's blocks with a sliding (8 keys) and a full layer (layer_types), head_dim 32 with
+    # hidden 64 / 4 heads, YaRN on the full layer and the sliding layer's own unscaled base
+    "olmo3": ("Olmo3Config", dict(LLAMA_LIKE, head_dim=32, eos_token_id=None, tie_word_embeddings=False,
+                                  sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                  max_position_embeddings=64, rope_parameters=dict(
+        full_attention=dict(rope_type="yarn", rope_theta=500000.0, factor=4.0, original_max_position_embeddings=16),
+        sliding_attention=dict(rope_type="default", rope_theta=10000.0))), hf.OLMO3),
 }
 
 
@@ -284,8 +293,9 @@ def test_deepseek_v3_mtp_depth_in_the_hub_layout(imported, tmp_path):
 # its gradient against transformers'), the Qwen MoE models' and Mixtral's are DeepSeek-V3's MoE
 # with softmax routing (tests/test_moe_e2e.py trains Mixtral end to end; Qwen2-MoE's shared-
 # expert gate gradients are tests/test_expert_parallel.py's),
-# and GPT-2's gpt_tiny's with the tanh GELU (its custom VJP: tests/test_fusions.py).
-TRAINED = ("gemma3", "deepseek_v3")
+# and GPT-2's gpt_tiny's with the tanh GELU (its custom VJP: tests/test_fusions.py). OLMo-3's
+# (OLMo-2's blocks with windows): layers without pre-norms, the QK-norm over all heads.
+TRAINED = ("gemma3", "deepseek_v3", "olmo3")
 
 
 def test_fp8_unified_checkpoint_loads_back(imported, tmp_path):
@@ -367,6 +377,13 @@ def test_imported_models_train(imported):
         full_attention=dict(rope_type="default", rope_theta=1e6),
         sliding_attention=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
      "sliding_attention.rope_type='linear' \\(jmegatron's local RoPE is unscaled"),
+    (dict(model_type="olmo3", sliding_window=8, layer_types=["sliding_attention"], rope_parameters=dict(
+        full_attention=dict(rope_type="default", rope_theta=1e6),
+        sliding_attention=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+     "sliding_attention.rope_type='linear' \\(jmegatron's local RoPE is unscaled, or the full layers'"),
+    (dict(model_type="olmo2", attention_bias=True), "attention_bias=True \\(Olmo2ForCausalLM's biases"),
+    (dict(model_type="olmo2", layer_types=["sliding_attention"]), "layer_types=\\['sliding_attention'\\] \\(a field "
+                                                                  "jmegatron's olmo2 import does not read"),
 ])
 def test_import_refuses_what_is_not_built_by_name(changes, match):
     """A field jmegatron does not build, or does not read at all, stops the import by name
@@ -418,6 +435,23 @@ def test_export_refuses_what_the_target_cannot_hold(imported):
     gemma3 = hf.config_fields_from_hf(imported["gemma3"][1])
     with pytest.raises(ValueError, match="attn_logit_softcapping=5.0 \\(transformers' Gemma-3 attention does not"):
         hf.hf_architecture(jmegatron_cfg(gemma3, attn_logit_softcapping=5.0))
+    # OLMo's two parts: each needs the other target-side, and no other target holds either
+    olmo2 = hf.config_fields_from_hf(imported["olmo2"][1])
+    with pytest.raises(ValueError, match=r"Olmo2ForCausalLM .*qk_layernorm_across_heads=False \(Olmo2 norms all"):
+        hf.hf_architecture(jmegatron_cfg(olmo2, qk_layernorm_across_heads=False))
+    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM .*qk_layernorm_across_heads=True \(Qwen3 has no QK-norm"):
+        hf.hf_architecture(jmegatron_cfg(olmo2, pre_norms=True, sandwich_norms=False))
+    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM .*qk_layernorm_across_heads=True"):
+        hf.hf_architecture(jmegatron_cfg(olmo2, pre_norms=True))
+    from jmegatron.config import ConfigError
+    with pytest.raises(ConfigError, match="pre_norms=False with sandwich_norms=False: a layer without any norm"):
+        jmegatron_cfg(olmo2, sandwich_norms=False)
+    with pytest.raises(ConfigError, match="qk_layernorm_across_heads=True says where .* config.qk_layernorm=False has none"):
+        jmegatron_cfg(olmo2, qk_layernorm=False)
+    from jmegatron.conversion.megatron import refuse_blocks
+    with pytest.raises(ValueError, match=r"qk_layernorm_across_heads=True \(OLMo's QK-norm over all heads\), "
+                                         r"config.pre_norms=False"):
+        refuse_blocks(jmegatron_cfg(olmo2))
 
 
 def test_gemma3_layer_types_under_scanned_layers(imported):

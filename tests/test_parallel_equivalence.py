@@ -32,6 +32,10 @@ LLAMA = dict(family="llama", num_attention_heads=8, num_query_groups=4, ffn_hidd
 BLOCKS = dict(family="llama", num_attention_heads=4, num_query_groups=2, kv_channels=32, ffn_hidden_size=96,
               add_qkv_bias=True, qk_layernorm=True, position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
               yarn_original_max_position_embeddings=16)
+# OLMo-2/3's blocks: the QK-norm over all query heads and all key heads together (its variance a
+# mean across the heads that tensor parallelism splits), post-norms only, a decoupled head dimension
+OLMO_BLOCKS = dict(family="llama", num_attention_heads=4, num_query_groups=2, kv_channels=32, ffn_hidden_size=96,
+                   qk_layernorm=True, qk_layernorm_across_heads=True, sandwich_norms=True, pre_norms=False)
 ARCHS = {"gpt": {}, "llama": LLAMA}
 # DeepSeek-V3's blocks in one model: multi-latent attention (q LoRA, latent norms, YaRN), a dense
 # first layer then MoE layers with sigmoid routing, the expert bias, 2-of-4 group-limited
@@ -134,9 +138,11 @@ def assert_same_trajectory(losses, grads, ref_losses, ref_grads):
             np.testing.assert_allclose(a / scale, b / scale, rtol=1e-5, atol=1e-5)
 
 
-def test_family_blocks_match_one_device():
+@pytest.mark.parametrize("blocks", [BLOCKS, OLMO_BLOCKS], ids=["qwen", "olmo"])
+def test_family_blocks_match_one_device(blocks):
     """QK-norm (its scales shared by the heads that tensor parallelism splits), the Q/K/V
-    biases and YaRN (positions that context parallelism reorders) under tp2 + SP x cp2 x dp2:
+    biases and YaRN (positions that context parallelism reorders); OLMo's QK-norm over all
+    heads (a reduction across the tensor ranks) and post-norms only; under tp2 + SP x cp2 x dp2:
     one step's loss and every gradient equal one device's (the layouts' training
     trajectories are test_layout_matches_one_device's and tests/test_context_parallel.py's).
     The ring's branches differ between context ranks, so no collective may sit inside one
@@ -144,7 +150,7 @@ def test_family_blocks_match_one_device():
     from test_context_parallel import grads_of
 
     kw = dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2)
-    cfg = tiny_cfg(**DROPOUT, **BLOCKS, **kw, micro_batch_size=2, global_batch_size=8)
+    cfg = tiny_cfg(**DROPOUT, **blocks, **kw, micro_batch_size=2, global_batch_size=8)
     run = build(cfg, create_mesh(cfg, jax.devices()))
     assert dict(run.mesh.shape) == {"pipeline": 1, "data": 2, "expert": 1, "context": 2, "tensor": 2}
     host = random_batches(1, run.global_batch_size, cfg.seq_length, 500, seed=5)[0]
@@ -154,7 +160,7 @@ def test_family_blocks_match_one_device():
     branch_collectives = [line for line in hlo.splitlines() if "collective" in line and "/cond/branch" in line]
     assert not branch_collectives, branch_collectives[:2]
     g, report, tokens = jax.device_get(run.compute_grads(state, batch))
-    g1, report1, tokens1, _ = grads_of(tiny_cfg(**DROPOUT, **BLOCKS, micro_batch_size=4, global_batch_size=8), 1)
+    g1, report1, tokens1, _ = grads_of(tiny_cfg(**DROPOUT, **blocks, micro_batch_size=4, global_batch_size=8), 1)
     assert float(tokens) == tokens1
     assert_same_trajectory([report["lm_loss"]], [g], [report1["lm_loss"]], [g1])
 

@@ -357,6 +357,11 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
     # RMSNorm / LayerNorm (``normalization``) of each query and key head over kv_channels,
     # before RoPE (megatron-core's qk_layernorm; Qwen3, Gemma-3)
     qk_layernorm: bool = False
+    # (jmegatron; Megatron-Core has no such option) with qk_layernorm: one norm over all query heads
+    # together and one over all key heads, their statistics taken over heads x kv_channels and their
+    # scales [num_attention_heads, kv_channels] / [num_query_groups, kv_channels] (OLMo-2/3's q_norm /
+    # k_norm on the whole projection); False: each head normed over its kv_channels
+    qk_layernorm_across_heads: bool = False
     # multi-latent attention (DeepSeek-V2/V3; megatron-core's MLATransformerConfig and
     # Megatron-LM's --multi-latent-attention, --q-lora-rank, ...): the queries through a rank
     # q_lora_rank bottleneck (None: one projection), keys and values through kv_lora_rank, heads of
@@ -394,13 +399,17 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
     # whose 1-based number is not a multiple of N; a list of 0/1 per layer (1 = windowed);
     # None: every layer (with window_size)
     window_attn_skip_freq: Any = None
-    # the RoPE base of the windowed layers (Gemma-3's local base), unscaled; the full layers
+    # the RoPE base of the windowed layers (Gemma-3's local base, OLMo-3's sliding layers'), unscaled; the full layers
     # keep rotary_base and the scalings. None: one RoPE for all layers
     rotary_base_local: Optional[int] = None
     # post-norms after the attention and the MLP, before their residual adds (Gemma-2/3's
     # post_attention_layernorm / post_feedforward_layernorm): post_self_attn_layernorm,
     # post_mlp_layernorm
     sandwich_norms: bool = False
+    # (jmegatron; Megatron-Core's layers always have them) the pre-norms input_layernorm and
+    # pre_mlp_layernorm before the attention and the MLP; False: none, the layer normalises only
+    # their outputs (sandwich_norms' post-norms, which it needs: OLMo-2/3)
+    pre_norms: bool = True
     # the word embeddings times sqrt(hidden_size), rounded to the compute dtype (Gemma)
     scale_embeddings: bool = False
     hidden_dropout: float = 0.1
@@ -440,6 +449,7 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
                 f"config.num_query_groups={self.num_query_groups}; choose a divisor of the heads.")
         self._check_mla()
         self._check_mtp()
+        self._check_norm_placement()
         if self.position_embedding_type in ("rope", "yarn") and self.kv_channels % 2 and not self.multi_latent_attention:
             raise ConfigError(f"config.kv_channels={self.kv_channels} must be even for {self.position_embedding_type}.")
         self.check_rotary()
@@ -590,6 +600,20 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
         refuse_with(self, "multi_latent_attention=True", refused, "multi-latent attention runs on one context / "
                           "pipeline rank with its own score scale and RoPE", "drop {name}.")
 
+    def _check_norm_placement(self):
+        """The QK-norm across heads and a layer without pre-norms (OLMo-2/3's blocks): what
+        they need."""
+        if self.qk_layernorm_across_heads and not self.qk_layernorm:
+            raise ConfigError("config.qk_layernorm_across_heads=True says where the QK-norm takes its statistics, "
+                              "but config.qk_layernorm=False has none; set qk_layernorm=True or unset "
+                              "qk_layernorm_across_heads.")
+        if self.qk_layernorm_across_heads and self.multi_latent_attention:
+            raise ConfigError("config.qk_layernorm_across_heads=True with multi_latent_attention=True is not built "
+                              "(MLA's qk_layernorm norms its latents); unset qk_layernorm_across_heads.")
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ConfigError("config.pre_norms=False with sandwich_norms=False: a layer without any norm is not "
+                              "built; set sandwich_norms=True (post-norms only, OLMo-2) or pre_norms=True.")
+
     def _check_mtp(self):
         """Multi-token prediction: its depth, its factor, and the layouts it is not built for."""
         if self.mtp_num_layers is None:
@@ -644,9 +668,9 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
             window_layer_pattern(self.window_size, self.window_attn_skip_freq, self.num_layers)
         except ValueError as e:
             raise ConfigError(f"config.{e}") from None
-        if self.rotary_base_local is not None and self.position_embedding_type != "rope":
+        if self.rotary_base_local is not None and self.position_embedding_type not in ("rope", "yarn"):
             raise ConfigError(f"config.rotary_base_local={self.rotary_base_local} needs position_embedding_type="
-                              f"'rope', not {self.position_embedding_type!r}.")
+                              f"'rope' or 'yarn' (the full layers' RoPE), not {self.position_embedding_type!r}.")
 
     def _check_pipeline(self):
         pp, v = self.pipeline_model_parallel_size, self.virtual_pipeline_size()

@@ -224,6 +224,7 @@ MODEL_FIELDS = (
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
     "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",
+    "qk_layernorm_across_heads", "pre_norms",
 )
 
 # The learning-rate schedule Megatron's OptimizerParamScheduler checks on resume

@@ -23,6 +23,12 @@ Targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatr
   (``query_pre_attn_scalar``), sliding-window layers (``window_size``,
   ``window_attn_skip_freq``: HF ``sliding_window`` / ``layer_types``), soft-capping, a tied
   output; Gemma-3 adds ``qk_layernorm`` and a local RoPE base (``rotary_base_local``).
+* ``Olmo2ForCausalLM`` / ``Olmo3ForCausalLM`` (``models/olmo2``, ``models/olmo3``): Llama's
+  attention and SwiGLU MLP without biases, the QK-norm over all query heads and all key heads
+  together (``qk_layernorm_across_heads``: ``q_norm`` ``[nq*d]``, ``k_norm`` ``[nkv*d]``) and
+  post-norms only (``pre_norms=False`` with ``sandwich_norms``: ``post_attention_layernorm``,
+  ``post_feedforward_layernorm``); OLMo-3 adds sliding-window layers (``layer_types``) and a
+  RoPE per layer type (the sliding layers' unscaled ``rotary_base_local``).
 
 Import also reads ``MistralForCausalLM`` (model_type "mistral", Llama's layout, a sliding
 window over every layer as ``window_size``), which exports back as ``MistralForCausalLM``
@@ -41,12 +47,14 @@ accepted too). jmegatron layout (``h`` hidden, ``nq`` heads, ``nkv`` query group
 
     word_embeddings/embedding                     [V, h]
     position_embeddings/embedding                 [max_pos, h]   (learned_absolute only)
-    decoder_layers_{i}/input_layernorm/{scale,bias}             [h]  (bias: LayerNorm only)
+    decoder_layers_{i}/input_layernorm/{scale,bias}             [h]  (bias: LayerNorm only; none
+                  without pre_norms, as pre_mlp_layernorm)
     decoder_layers_{i}/self_attention/linear_qkv/kernel         [h, nkv, nq/nkv + 2, d]
                   (+ bias [nkv, nq/nkv + 2, d]); Megatron's fused layout: for each query
                   group g, its query heads g*nq/nkv .. (g+1)*nq/nkv - 1, then K_g, then V_g
     decoder_layers_{i}/self_attention/linear_proj/kernel        [nq, d, h]   (+ bias [h])
-    decoder_layers_{i}/self_attention/{q,k}_layernorm/scale     [d]  (qk_layernorm only)
+    decoder_layers_{i}/self_attention/{q,k}_layernorm/scale     [d]  (qk_layernorm only;
+                  [nq, d] / [nkv, d] with qk_layernorm_across_heads)
     decoder_layers_{i}/post_self_attn_layernorm/scale           [h]  (sandwich_norms only)
     decoder_layers_{i}/pre_mlp_layernorm/{scale,bias}           [h]
     decoder_layers_{i}/post_mlp_layernorm/scale                 [h]  (sandwich_norms only)
@@ -101,12 +109,21 @@ GEMMA3 = "Gemma3ForCausalLM"
 # Gemma3ForConditionalGeneration, whose text model imports as gemma3_text
 GEMMA_TYPES = {"gemma2": GEMMA2, "gemma3_text": GEMMA3, "gemma3": GEMMA3}
 _MODEL_TYPE.update({GEMMA2: "gemma2", GEMMA3: "gemma3_text"})
+OLMO2 = "Olmo2ForCausalLM"
+OLMO3 = "Olmo3ForCausalLM"
+# OLMo's layout: Llama's attention and MLP names, the QK-norm over all heads together
+# (q_norm [nq*d], k_norm [nkv*d]: qk_layernorm_across_heads) and post-norms only
+# (post_attention_layernorm, post_feedforward_layernorm: pre_norms=False); OLMo-3 adds
+# sliding-window layers (layer_types) with a RoPE per layer type
+OLMO_TYPES = {"olmo2": OLMO2, "olmo3": OLMO3}
+_MODEL_TYPE.update({OLMO2: "olmo2", OLMO3: "olmo3"})
 # every class :func:`hf_architecture` exports to (`export hf --help` and the README list these)
-ARCHITECTURES = (GPT2, LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3) + MOE_ARCHITECTURES
+ARCHITECTURES = (GPT2, LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3) + MOE_ARCHITECTURES + (OLMO2, OLMO3)
 # jmegatron's per-layer norm -> the HF norm of the Llama layout and of Gemma's
 _LLAMA_NORMS = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm"}
 _GEMMA_NORMS = {"input_layernorm": "input_layernorm", "post_self_attn_layernorm": "post_attention_layernorm",
                 "pre_mlp_layernorm": "pre_feedforward_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"}
+_OLMO_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"}
 # GPT-2's activation_function values that are the tanh GELU (Megatron's openai_gelu)
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -168,6 +185,42 @@ def _gemma_problems(cfg, arch: str) -> list[str]:
                         f"attention does not apply it)")
     if arch == GEMMA2 and cfg.rotary_base_local is not None:
         problems.append(f"config.rotary_base_local={cfg.rotary_base_local} (Gemma-2 has one RoPE; Gemma-3 two)")
+    return problems + _rope_problems(cfg) + _olmo_block_problems(cfg, arch)
+
+
+def _olmo_block_problems(cfg, arch: str) -> list[str]:
+    """OLMo-2/3's blocks that ``arch`` (a target other than OLMo) cannot represent."""
+    name = arch.replace("ForCausalLM", "").replace("LMHeadModel", "")
+    problems = []
+    if cfg.qk_layernorm_across_heads:
+        problems.append(f"config.qk_layernorm_across_heads=True ({name} has no QK-norm over all heads together; "
+                        f"OLMo-2/3 have)")
+    if not cfg.pre_norms:
+        problems.append(f"config.pre_norms=False ({name}'s layers have pre-norms; OLMo-2/3's post-norms only)")
+    return problems
+
+
+def _olmo_problems(cfg, arch: str) -> list[str]:
+    """The fields of ``cfg`` that Hugging Face OLMo-2 / OLMo-3 cannot represent."""
+    name = arch.replace("ForCausalLM", "")
+    problems = []
+    if cfg.normalization != "RMSNorm":
+        problems.append(f"config.normalization={cfg.normalization!r} ({name} uses RMSNorm)")
+    if not cfg.swiglu:
+        problems.append(f"config.swiglu=False ({name}'s MLP is SwiGLU: gate_proj/up_proj/down_proj)")
+    if cfg.add_bias_linear or cfg.add_qkv_bias:
+        problems.append(f"config.add_bias_linear / add_qkv_bias ({name}'s attention_bias biases q/k/v and o_proj, "
+                        f"its MLP has none)")
+    if not (cfg.qk_layernorm and cfg.qk_layernorm_across_heads):
+        problems.append(f"config.qk_layernorm={cfg.qk_layernorm}, qk_layernorm_across_heads="
+                        f"{cfg.qk_layernorm_across_heads} ({name} norms all query heads and all key heads together: "
+                        f"q_norm, k_norm)")
+    for n in ("apply_layernorm_1p", "scale_embeddings"):
+        if getattr(cfg, n):
+            problems.append(f"config.{n}=True ({name} has no such block; Gemma-2/3 have)")
+    for n in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, n) is not None:
+            problems.append(f"config.{n}={getattr(cfg, n)} ({name} has no such field)")
     return problems + _rope_problems(cfg)
 
 
@@ -185,7 +238,7 @@ def _gpt2_problems(cfg) -> list[str]:
     if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
         problems.append(f"config.kv_channels={cfg.kv_channels} (GPT-2 needs kv_channels * "
                         f"num_attention_heads == hidden_size={cfg.hidden_size})")
-    return problems + _gemma_block_problems(cfg, GPT2)
+    return problems + _gemma_block_problems(cfg, GPT2) + _olmo_block_problems(cfg, GPT2)
 
 
 def _llama_problems(cfg, arch: str = LLAMA) -> list[str]:
@@ -207,7 +260,7 @@ def _llama_problems(cfg, arch: str = LLAMA) -> list[str]:
     if arch == LLAMA and cfg.hidden_size % cfg.num_attention_heads:
         problems.append(f"config.hidden_size={cfg.hidden_size} is not divisible by num_attention_heads="
                         f"{cfg.num_attention_heads} (LlamaConfig rejects it)")
-    problems += _rope_problems(cfg) + _gemma_block_problems(cfg, arch)
+    problems += _rope_problems(cfg) + _gemma_block_problems(cfg, arch) + _olmo_block_problems(cfg, arch)
     return problems
 
 
@@ -296,7 +349,9 @@ def hf_architecture(cfg) -> str:
     ``"MistralForCausalLM"`` with a sliding window on every layer, else
     ``"LlamaForCausalLM"`` (biases map to ``attention_bias``/``mlp_bias``). Tied and untied
     output layers are both representable (``tie_word_embeddings``). With ``sandwich_norms``:
-    ``"Gemma3ForCausalLM"`` with ``qk_layernorm``, else ``"Gemma2ForCausalLM"``.
+    ``"Gemma3ForCausalLM"`` with ``qk_layernorm``, else ``"Gemma2ForCausalLM"``. Without
+    ``pre_norms``: ``"Olmo3ForCausalLM"`` with a sliding window, else ``"Olmo2ForCausalLM"``
+    (both need ``qk_layernorm_across_heads``).
 
     MoE configs (``num_moe_experts`` set): ``"Qwen2MoeForCausalLM"`` with a shared expert,
     ``"Qwen3MoeForCausalLM"`` with ``qk_layernorm``, else ``"MixtralForCausalLM"``
@@ -318,6 +373,9 @@ def hf_architecture(cfg) -> str:
     elif cfg.multi_latent_attention:
         raise ValueError(f"config.multi_latent_attention=True without num_moe_experts has no Hugging Face export "
                          f"target (DeepSeek-V3, {hf_moe.DEEPSEEK_V3}, is a mixture of experts).")
+    elif cfg.position_embedding_type in ("rope", "yarn") and not cfg.pre_norms:
+        arch = OLMO3 if cfg.window_size is not None else OLMO2
+        problems = _olmo_problems(cfg, arch)
     elif cfg.position_embedding_type in ("rope", "yarn") and cfg.sandwich_norms:
         arch = GEMMA3 if cfg.qk_layernorm else GEMMA2
         problems = _gemma_problems(cfg, arch)
@@ -409,6 +467,8 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int | list[in
         return hf_moe.moe_config_dict(cfg, arch, llama)
     if arch in (GEMMA2, GEMMA3):
         return _gemma_config_dict(cfg, arch, llama, rope)
+    if arch in (OLMO2, OLMO3):
+        return _olmo_config_dict(cfg, arch, llama, rope)
     if arch == MISTRAL:
         conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp", "attention_bias")}
         return dict(conf, model_type="mistral", sliding_window=cfg.window_size[0] + 1)
@@ -457,6 +517,25 @@ def _gemma_config_dict(cfg, arch: str, llama: dict, rope: dict) -> dict[str, Any
     return conf
 
 
+def _olmo_config_dict(cfg, arch: str, llama: dict, rope: dict) -> dict[str, Any]:
+    """Olmo2Config / Olmo3Config content: Llama's sizes without biases (``attention_bias``
+    False, no ``mlp_bias``); OLMo-2 keeps the legacy ``rope_theta`` / ``rope_scaling`` beside
+    ``rope_parameters``; OLMo-3 gives ``sliding_window``, the ``layer_types`` of
+    ``window_attn_skip_freq`` and a ``rope_parameters`` entry per layer type (the sliding
+    layers': the unscaled ``rotary_base_local``, or the full layers' RoPE without one)."""
+    conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp")}
+    conf.update(model_type=_MODEL_TYPE[arch], attention_bias=False)
+    if arch == OLMO3:
+        local = rope if cfg.rotary_base_local is None else {"rope_type": "default",
+                                                            "rope_theta": float(cfg.rotary_base_local)}
+        for legacy in ("rope_theta", "rope_scaling"):
+            conf.pop(legacy)
+        conf.update(rope_parameters={"full_attention": rope, "sliding_attention": local},
+                    sliding_window=cfg.window_size[0] + 1,
+                    layer_types=["sliding_attention" if w else "full_attention" for w in _window_pattern(cfg)])
+    return conf
+
+
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types jmegatron builds
 
 
@@ -489,6 +568,8 @@ def window_fields_from_hf(conf: Mapping[str, Any], model_type: str, problems: li
         elif model_type == "gemma3_text":
             n = int(conf.get("sliding_window_pattern") or conf.get("_sliding_window_pattern") or 6)
             types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
+        elif model_type == "olmo3":  # transformers' Olmo3Config: every 4th layer full
+            types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
         elif qwen:
             first = int(conf.get("max_window_layers", 28))  # transformers' Qwen2Config default
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -559,6 +640,72 @@ def _gemma_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[
         if float(local_base) != int(local_base):
             problems.append(f"the local rope_theta={local_base} (jmegatron's rotary_base_local is an integer)")
         fields["rotary_base_local"] = int(local_base)
+    return fields
+
+
+# Olmo3Config's rope_theta when a config gives none (its default_theta)
+_OLMO3_THETA = 500000.0
+
+
+def _olmo_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """jmegatron's fields of an Olmo2Config / Olmo3Config mapping (see
+    :func:`config_fields_from_hf`): Llama's sizes, SwiGLU, no biases, the QK-norm over all
+    heads and post-norms only; OLMo-3's ``layer_types`` / ``sliding_window``
+    (:func:`window_fields_from_hf`) and its RoPE per layer type: the full layers' as
+    :func:`rope_fields_from_hf`, the sliding layers' the same RoPE (then no
+    ``rotary_base_local``) or an unscaled one at ``rotary_base_local``. A legacy config
+    (``rope_theta`` / ``rope_scaling`` without per-type ``rope_parameters``) is read as
+    transformers' Olmo3Config reads it: the scaling and theta for the full layers, the
+    sliding layers unscaled at Olmo3Config's default theta (500000)."""
+    model_type = conf["model_type"]
+    h, heads = int(conf["hidden_size"]), int(conf["num_attention_heads"])
+    if conf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={conf.get('hidden_act')!r} (SwiGLU uses silu)")
+    if conf.get("attention_bias"):
+        problems.append(f"attention_bias=True ({OLMO_TYPES[model_type]}'s biases on q/k/v and o_proj but not the "
+                        f"MLP: jmegatron's add_bias_linear biases every linear layer, add_qkv_bias only Q/K/V)")
+    fields = dict(
+        num_layers=int(conf["num_hidden_layers"]), hidden_size=h, num_attention_heads=heads,
+        ffn_hidden_size=int(conf["intermediate_size"]), num_query_groups=int(conf.get("num_key_value_heads") or heads),
+        kv_channels=int(conf.get("head_dim") or h // heads), max_position_embeddings=int(conf["max_position_embeddings"]),
+        normalization="RMSNorm", norm_epsilon=float(conf.get("rms_norm_eps", 1e-5)), swiglu=True,
+        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, qk_layernorm_across_heads=True,
+        sandwich_norms=True, pre_norms=False, hidden_dropout=0.0,
+        attention_dropout=float(conf.get("attention_dropout") or 0.0))
+    if model_type == "olmo2":
+        fields.update(rope_fields_from_hf(conf, problems))
+        return fields
+    windows = window_fields_from_hf(conf, model_type, problems)
+    fields.update(windows)
+    rope = dict(conf.get("rope_parameters") or {})
+    if rope and not set(rope) & set(LAYER_TYPES):
+        problems.append(f"rope_parameters={rope!r} without per-layer-type entries (OLMo-3 gives one per layer type: "
+                        f"{', '.join(LAYER_TYPES)})")
+        return fields
+    full = {**(rope.get("full_attention") or {"rope_type": "default"}), **(conf.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", conf.get("rope_theta", _OLMO3_THETA))
+    sliding = dict(rope.get("sliding_attention") or {"rope_type": "default"})
+    sliding.setdefault("rope_theta", _OLMO3_THETA)
+    plain_conf = {k: dict.__getitem__(conf, k) for k in dict.keys(conf)}
+    fields.update(rope_fields_from_hf({**plain_conf, "rope_parameters": full, "rope_scaling": None}, problems))
+    local = rope_fields_from_hf({**plain_conf, "rope_parameters": sliding, "rope_scaling": None}, [])
+    same = local == rope_fields_from_hf({**plain_conf, "rope_parameters": full, "rope_scaling": None}, [])
+    types = list(conf.get("layer_types") or [])
+    if same:
+        return fields
+    if windows.get("window_size") is None:
+        if "sliding_attention" in types:
+            problems.append(f"sliding_window={conf.get('sliding_window')!r} with sliding_attention layers whose RoPE "
+                            f"differs from the full layers' (jmegatron's local RoPE belongs to its windowed layers)")
+        return fields
+    if sliding.get("rope_type", "default") != "default":
+        problems.append(f"rope_parameters.sliding_attention.rope_type={sliding.get('rope_type')!r} (jmegatron's local "
+                        f"RoPE is unscaled, or the full layers')")
+    elif float(sliding["rope_theta"]) != int(float(sliding["rope_theta"])):
+        problems.append(f"the sliding layers' rope_theta={sliding['rope_theta']} (jmegatron's rotary_base_local is "
+                        f"an integer)")
+    else:
+        fields["rotary_base_local"] = int(float(sliding["rope_theta"]))
     return fields
 
 
@@ -681,6 +828,8 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
     conf = _ReadFields(conf)
     if model_type in GEMMA_TYPES:
         fields = _gemma_fields_from_hf(conf, problems)
+    elif model_type in OLMO_TYPES:
+        fields = _olmo_fields_from_hf(conf, problems)
     elif model_type == "gpt2":
         h, heads = int(conf["n_embd"]), int(conf["n_head"])
         act = conf.get("activation_function", "gelu_new")
@@ -736,7 +885,7 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"Hugging Face model_type={model_type!r} has no jmegatron import: supported are "
                          + ", ".join(f"{t!r} ({a})" for t, a in
                                      [("gpt2", GPT2), *LLAMA_LIKE.items(), *GEMMA_TYPES.items(),
-                                      *hf_moe.MODEL_TYPES.items()]))
+                                      *hf_moe.MODEL_TYPES.items(), *OLMO_TYPES.items()]))
     fields["untie_embeddings_and_output_weights"] = not bool(conf.get("tie_word_embeddings", True))
     if conf.get("initializer_range") is not None:  # written back by hf_config_dict
         fields["init_method_std"] = float(conf["initializer_range"])
@@ -882,7 +1031,7 @@ def _llama_layer_to_hf(i: int, lp: Mapping, moe: bool, cfg, arch: str) -> Iterat
     ``{"decoder_layers_{i}": subtree}``."""
     h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     ffn, bias = cfg.ffn_hidden_size, cfg.add_bias_linear
-    norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
+    norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _OLMO_NORMS if arch in (OLMO2, OLMO3) else _LLAMA_NORMS
     L, o = f"decoder_layers_{i}", f"model.layers.{i}"
     A = f"{L}/self_attention"
     gl = lambda path: get(lp, path, cfg)  # noqa: E731
@@ -897,9 +1046,10 @@ def _llama_layer_to_hf(i: int, lp: Mapping, moe: bool, cfg, arch: str) -> Iterat
         if bias or cfg.add_qkv_bias:
             yield f"{o}.self_attn.{n}_proj.bias", _owned(gl(f"{A}/linear_{n}/bias").reshape(heads * d))
     if cfg.qk_layernorm and not cfg.multi_latent_attention:
-        for n in "qk":
+        for n, heads in (("q", nq), ("k", nkv)):  # across heads: [heads, d] <-> [heads * d] (OLMo)
+            shape = (heads, d) if cfg.qk_layernorm_across_heads else (d,)
             yield f"{o}.self_attn.{n}_norm.weight", _owned(check_shape(
-                f"{A}/{n}_layernorm/scale", gl(f"{A}/{n}_layernorm/scale"), (d,)))
+                f"{A}/{n}_layernorm/scale", gl(f"{A}/{n}_layernorm/scale"), shape).reshape(-1))
     dv = cfg.v_head_dim if cfg.multi_latent_attention else d
     k = check_shape(f"{A}/linear_proj/kernel", gl(f"{A}/linear_proj/kernel"), (nq, dv, h))
     yield f"{o}.self_attn.o_proj.weight", _owned(k.reshape(nq * dv, h).T)
@@ -1149,7 +1299,7 @@ def _llama_layer_from_hf(t: Callable, cfg, arch: str, i: int, moe: bool) -> dict
     :func:`_llama_layer_to_hf`, Q/K/V split)."""
     h, nq, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     ffn, bias = cfg.ffn_hidden_size, cfg.add_bias_linear
-    norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _LLAMA_NORMS
+    norms = _GEMMA_NORMS if arch in (GEMMA2, GEMMA3) else _OLMO_NORMS if arch in (OLMO2, OLMO3) else _LLAMA_NORMS
     o = f"model.layers.{i}"
     attn = _mla_from_hf(t, cfg, f"{o}.self_attn") if cfg.multi_latent_attention else {}
     for n, heads in (() if cfg.multi_latent_attention else (("q", nq), ("k", nkv), ("v", nkv))):
@@ -1159,8 +1309,11 @@ def _llama_layer_from_hf(t: Callable, cfg, arch: str, i: int, moe: bool) -> dict
     dv = cfg.v_head_dim if cfg.multi_latent_attention else d
     attn["linear_proj"] = {"kernel": t(f"{o}.self_attn.o_proj.weight", (h, nq * dv)).T.reshape(nq, dv, h)}
     if cfg.qk_layernorm and not cfg.multi_latent_attention:
-        for n in "qk":
-            attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
+        for n, heads in (("q", nq), ("k", nkv)):  # across heads: [heads * d] -> [heads, d] (OLMo)
+            if cfg.qk_layernorm_across_heads:
+                attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (heads * d,)).reshape(heads, d)}
+            else:
+                attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
     layer_norms = {name: {"scale": t(f"{o}.{hf_name}.weight", (h,))} for name, hf_name in norms.items()}
     if moe:
         return {**layer_norms, "self_attention": attn, "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i)}

@@ -100,6 +100,10 @@ def refuse_blocks(cfg) -> None:
             problems.append(f"config.{name}={getattr(cfg, name)!r}")
     if cfg.gated_linear_unit and not cfg.swiglu:
         problems.append("config.gated_linear_unit=True (GeGLU)")
+    if cfg.qk_layernorm_across_heads:
+        problems.append("config.qk_layernorm_across_heads=True (OLMo's QK-norm over all heads)")
+    if not cfg.pre_norms:
+        problems.append("config.pre_norms=False (OLMo's post-norms only)")
     if cfg.num_moe_experts is not None and cfg.moe_shared_expert_intermediate_size and not cfg.swiglu:
         problems.append("a shared expert without swiglu")
     if problems:

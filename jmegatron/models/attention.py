@@ -8,7 +8,9 @@ megatron/core/models/common/embeddings/rotary_pos_embedding.py for RoPE
 
 Rotary embeddings and their scalings live in :mod:`jmegatron.models.rope`; with
 ``qk_layernorm`` each query and key head is normalised over its ``kv_channels`` before RoPE
-(megatron-core's ``q_layernorm`` / ``k_layernorm`` submodules; Qwen3, Gemma-3).
+(megatron-core's ``q_layernorm`` / ``k_layernorm`` submodules; Qwen3, Gemma-3), or with
+``qk_layernorm_across_heads`` all query heads together and all key heads together
+(:class:`jmegatron.models.layers.HeadsNorm`; OLMo-2/3's ``q_norm`` / ``k_norm``).
 
 Decoding with a KV cache (Megatron-Core's static inference context,
 megatron/core/inference/contexts/static_context.py + the key/value memory of
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from jmegatron.kernels.xla.attention import cached_attention
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.core_attention import CORE_ATTENTIONS
-from jmegatron.models.layers import Linear, make_norm
+from jmegatron.models.layers import HeadsNorm, Linear, make_norm
 from jmegatron.models.rope import RotaryEmbedding, apply_rope
 from jmegatron.parallel.context_parallel import CP_ATTENTIONS
 from jmegatron.parallel.rules import CONTEXT_AXIS
@@ -82,6 +84,7 @@ class SelfAttention(nn.Module):
     dropout_impl: str = "hash"  # jmegatron.kernels.xla.dropout.DROPOUT_IMPLS
     dot_general: Callable = dense_dot_general_fn
     qk_layernorm: bool = False
+    qk_layernorm_across_heads: bool = False  # the q/k norms over all heads together (OLMo-2/3), scales [n, d]
     normalization: str = "RMSNorm"  # the q/k norms' kind and epsilon under qk_layernorm
     norm_epsilon: float = 1e-5
     zero_centered_norms: bool = False  # the q/k norms multiply by 1 + scale (apply_layernorm_1p)
@@ -133,7 +136,14 @@ class SelfAttention(nn.Module):
         q = nn.with_logical_constraint(q, ("batch", "length", "activation_heads", "activation_kv"))
         k = nn.with_logical_constraint(k, ("batch", "length", "activation_kv_heads", "activation_kv"))
         v = nn.with_logical_constraint(v, ("batch", "length", "activation_kv_heads", "activation_kv"))
-        if self.qk_layernorm:  # per head, over kv_channels, before RoPE
+        if self.qk_layernorm and self.qk_layernorm_across_heads:  # over heads x kv_channels, before RoPE
+            norm = functools.partial(HeadsNorm, normalization=self.normalization, epsilon=self.norm_epsilon,
+                                     dtype=self.dtype, zero_centered=self.zero_centered_norms)
+            q = norm(axes=("heads", "kv"), name="q_layernorm")(q)
+            k = norm(axes=("kv_heads", "kv"), name="k_layernorm")(k)
+            q = nn.with_logical_constraint(q, ("batch", "length", "activation_heads", "activation_kv"))
+            k = nn.with_logical_constraint(k, ("batch", "length", "activation_kv_heads", "activation_kv"))
+        elif self.qk_layernorm:  # per head, over kv_channels, before RoPE
             q = make_norm(self.normalization, self.norm_epsilon, self.dtype, "q_layernorm",
                           self.zero_centered_norms)(q)
             k = make_norm(self.normalization, self.norm_epsilon, self.dtype, "k_layernorm",

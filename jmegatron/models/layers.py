@@ -142,6 +142,44 @@ class RMSNorm(_Norm):
         return (y * scale).astype(self.dtype)
 
 
+class HeadsNorm(nn.Module):
+    """LayerNorm or RMSNorm of each position's heads together: the statistics over the last
+    two axes of ``x [..., heads, d]`` in float32, ``scale`` (and LayerNorm's ``bias``)
+    ``[heads, d]`` with logical names ``axes`` (the heads' own, so the params shard with the
+    heads). Under tensor parallelism the heads axis is split and the mean over it is a
+    cross-shard reduction that GSPMD inserts. OLMo-2/3's ``q_norm`` / ``k_norm``
+    (transformers ``Olmo2RMSNorm`` over ``q_proj``'s ``heads * d`` output).
+
+    ``x`` -> same shape, in ``dtype``. Fields: ``normalization`` ("LayerNorm" | "RMSNorm"),
+    ``epsilon``, ``dtype``, ``param_dtype``, ``zero_centered`` (multiply by ``1 + scale``,
+    the scale initialised to 0).
+    """
+
+    normalization: str = "RMSNorm"
+    axes: tuple[str, str] = ("heads", "kv")
+    epsilon: float = 1e-5
+    dtype: DType = jnp.float32
+    param_dtype: DType = jnp.float32
+    zero_centered: bool = False
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        shape = x.shape[-2:]
+        init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
+        scale = self.param("scale", nn.with_logical_partitioning(init, self.axes), shape,
+                           self.param_dtype).astype(jnp.float32)
+        scale = 1.0 + scale if self.zero_centered else scale
+        x32 = x.astype(jnp.float32)
+        if self.normalization == "LayerNorm":
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes), shape,
+                              self.param_dtype).astype(jnp.float32)
+            x32 = x32 - jnp.mean(x32, axis=(-2, -1), keepdims=True)
+            y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=(-2, -1), keepdims=True) + self.epsilon)
+            return (y * scale + bias).astype(self.dtype)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=(-2, -1), keepdims=True) + self.epsilon)
+        return (y * scale).astype(self.dtype)
+
+
 def make_norm(normalization: str, epsilon: float, dtype: DType, name: str, zero_centered: bool = False) -> nn.Module:
     """``LayerNorm`` or ``RMSNorm`` by Megatron's ``--normalization`` name; ``zero_centered``:
     Megatron's ``--apply-layernorm-1p``."""

@@ -28,7 +28,7 @@ KVPair = tuple[Array, Array]  # one layer's (keys, values), each [b, max_length,
 
 class TransformerLayer(nn.Module):
     """Pre-norm transformer layer ``[b, s, h]`` -> ``[b, s, h]``
-    (megatron/core/transformer/transformer_layer.py). Sows ``input_layernorm`` and
+    (megatron/core/transformer/transformer_layer.py; post-norms only with ``pre_norms=False``). Sows ``input_layernorm`` and
     ``pre_mlp_layernorm`` outputs (as ``<name>_output``) into the ``intermediates``
     collection when it is mutable."""
 
@@ -55,7 +55,10 @@ class TransformerLayer(nn.Module):
 
         With ``sandwich_norms``, ``post_self_attn_layernorm`` and ``post_mlp_layernorm``
         normalise the attention's and the MLP's outputs before dropout and the residual add
-        (Gemma-2/3)."""
+        (Gemma-2/3). Without ``pre_norms`` the attention and the MLP take the residual
+        stream itself (no ``input_layernorm`` / ``pre_mlp_layernorm``; the sown
+        ``<name>_output`` is then that input), and the post-norms are the layer's only norms
+        (OLMo-2/3: ``x + post_norm(attn(x))``)."""
         c = self.cfg
         linear_dot = c.linear_dot_general(self.dot_general)  # FP8 for QKV, proj, fc1, fc2
         drop = Dropout(rate=c.hidden_dropout, deterministic=self.deterministic, impl=c.dropout_impl)
@@ -63,7 +66,7 @@ class TransformerLayer(nn.Module):
         def norm(name):
             return make_norm(c.normalization, c.norm_epsilon, c.dtype, name, c.apply_layernorm_1p)
 
-        h = norm("input_layernorm")(x)
+        h = norm("input_layernorm")(x) if c.pre_norms else x
         self.sow("intermediates", "input_layernorm_output", h)
         attention = MLASelfAttention(
             num_attention_heads=c.num_attention_heads, hidden_size=c.hidden_size, q_lora_rank=c.q_lora_rank,
@@ -79,7 +82,8 @@ class TransformerLayer(nn.Module):
             kv_channels=c.kv_channels, hidden_size=c.hidden_size, use_bias=c.add_bias_linear,
             qkv_bias=c.add_qkv_bias, rope=c.rotary_embedding(),
             attention_dropout=c.attention_dropout, dropout_impl=c.dropout_impl,
-            qk_layernorm=c.qk_layernorm, normalization=c.normalization, norm_epsilon=c.norm_epsilon,
+            qk_layernorm=c.qk_layernorm, qk_layernorm_across_heads=c.qk_layernorm_across_heads,
+            normalization=c.normalization, norm_epsilon=c.norm_epsilon,
             zero_centered_norms=c.apply_layernorm_1p, softmax_scale=c.softmax_scale,
             softcap=c.attn_logit_softcapping, window=c.attention_window, rope_local=c.local_rotary_embedding(),
             init_std=c.init_method_std,
@@ -99,7 +103,7 @@ class TransformerLayer(nn.Module):
             h = norm("post_self_attn_layernorm")(h)
         x = x + drop(h, sample_offset=sample_offset, positions=positions)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
-        h = norm("pre_mlp_layernorm")(x)
+        h = norm("pre_mlp_layernorm")(x) if c.pre_norms else x
         self.sow("intermediates", "pre_mlp_layernorm_output", h)
         moe = self.moe_layer if self.moe_layer is not None else all(c.moe_layers())
         if moe:

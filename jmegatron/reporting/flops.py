@@ -226,7 +226,8 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     * per layer: two norms (four with ``sandwich_norms``); the fused ``linear_qkv`` ``h*(nq + 2*ng)*d``
       each, with biases (``nq*d``, ``ng*d``) if ``add_bias_linear or add_qkv_bias``;
       ``linear_proj`` ``nq*d*h`` (+ ``h`` bias if ``add_bias_linear``); with ``qk_layernorm``
-      the ``q_layernorm`` and ``k_layernorm`` of ``kv_channels`` (``2d`` each for LayerNorm); ``linear_fc1``
+      the ``q_layernorm`` and ``k_layernorm`` of ``kv_channels`` (``2d`` each for LayerNorm; with
+      ``qk_layernorm_across_heads`` ``nq*d`` and ``ng*d``); without ``pre_norms`` two norms fewer; ``linear_fc1``
       ``h*ffn`` (``h*2*ffn`` with SwiGLU) (+ ``ffn`` / ``2*ffn`` bias), ``linear_fc2``
       ``ffn*h`` (+ ``h`` bias).
     * ``final_layernorm``; ``output_layer`` ``h * V_padded`` (no bias) if untied.
@@ -250,12 +251,16 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     fc1_width = 2 * ffn if cfg.gated_mlp else ffn
 
     qk_norms = 2 * (2 * d if cfg.normalization == "LayerNorm" else d) if cfg.qk_layernorm else 0
+    if cfg.qk_layernorm and cfg.qk_layernorm_across_heads:  # scales [nq, d] and [ng, d] (+ biases)
+        qk_norms = (nq + ng) * d * (2 if cfg.normalization == "LayerNorm" else 1)
     attention = (h * nq * d + 2 * h * ng * d + (nq * d + 2 * ng * d if qkv_bias else 0)
                  + nq * d * h + (h if cfg.add_bias_linear else 0) + qk_norms)
     if cfg.multi_latent_attention:
         attention = mla_parameters(cfg) + (h if cfg.add_bias_linear else 0)
     mlp = (h * fc1_width + ffn * h + (fc1_width + h if cfg.add_bias_linear else 0))
     layer_norms = (4 if cfg.sandwich_norms else 2) * norm  # + post_self_attn / post_mlp_layernorm
+    if not cfg.pre_norms:  # no input_layernorm / pre_mlp_layernorm
+        layer_norms -= 2 * norm
     layer = layer_norms + attention + mlp
     num_moe_layers = moe_layer_count(cfg)
     moe_layer = 0

@@ -230,7 +230,7 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
       position embeddings, and multi-latent attention's down projections;
     * ``replicated``: neither: the norms;
     * ``tensor_sharded_fsdp_replicated``: a tensor axis but no hidden axis: the
-      ``linear_qkv`` and ``linear_fc1`` biases;
+      ``linear_qkv`` and ``linear_fc1`` biases, the QK-norms of ``qk_layernorm_across_heads``;
     * ``sharded``: both (every kernel, the word embeddings, the untied output layer, the
       shared expert);
     * ``expert``: the stacked routed experts' kernels ``[E, h, (2,) ffn]`` and ``[E, ffn, h]``
@@ -255,6 +255,11 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     h = cfg.hidden_size
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
     qk_norms = 2 * (2 if cfg.normalization == "LayerNorm" else 1) * cfg.kv_channels if cfg.qk_layernorm else 0
+    heads_norms = 0  # qk_layernorm_across_heads: scales [nq, d] / [ng, d] split with the heads over tensor ranks
+    if cfg.qk_layernorm and cfg.qk_layernorm_across_heads and not cfg.multi_latent_attention:
+        heads_norms = ((2 if cfg.normalization == "LayerNorm" else 1)
+                       * (cfg.num_attention_heads + cfg.num_query_groups) * cfg.kv_channels)
+        qk_norms = 0
     down = 0  # MLA's down projections [h, rq], [h, rkv + dr]: replicated over tensor ranks, a hidden axis
     if cfg.multi_latent_attention:  # the latent norms
         qk_norms = (2 if cfg.normalization == "LayerNorm" else 1) * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank) \
@@ -276,9 +281,10 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     classes = {
         "tensor_replicated_fsdp_sharded": layers_all * ((2 * h if bias else 0) + down) + positions + router
                                           + mtp * 2 * h * h,  # + MTP's eh_proj [2h, h]
-        "replicated": layers_all * ((4 if cfg.sandwich_norms else 2) * norm + qk_norms) + norm
+        "replicated": layers_all * ((4 if cfg.sandwich_norms else 2) * norm - (0 if cfg.pre_norms else 2 * norm)
+                                    + qk_norms) + norm
                       + mtp * 3 * norm,  # + MTP's enorm, hnorm, final_layernorm
-        "tensor_sharded_fsdp_replicated": layers_all * (qkv_bias + fc1_bias),
+        "tensor_sharded_fsdp_replicated": layers_all * (qkv_bias + fc1_bias + heads_norms),
         "expert": experts,
     }
     classes["sharded"] = flops.num_parameters(cfg, padded_vocab_size) - sum(classes.values())
