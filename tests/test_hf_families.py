@@ -462,6 +462,27 @@ def test_smollm3_nope_layers_under_scanned_layers(imported):
     assert np.max(np.abs(logits(cfg.replace(no_rope_freq=None), params) - loop)) > 0.1
 
 
+def test_nope_layers_and_granite_scalars_refuse_what_is_not_built(imported):
+    """The config refuses a NoPE int that does not divide the layers, NoPE with multi-token
+    prediction and a logits_scaling <= 0; export refuses each part where the target cannot
+    hold it; import refuses SmolLM3's sliding layer_types without use_sliding_window."""
+    from jmegatron.config import ConfigError
+
+    smol, granite, gemma3 = (hf.config_fields_from_hf(imported[f][1]) for f in ("smollm3", "granite", "gemma3"))
+    for fields, changes, match in (
+            (smol, dict(no_rope_freq=3), "no_rope_freq=3 must be >= 1 and divide num_layers=4"),
+            (smol, dict(mtp_num_layers=1), r"no_rope_freq=\(0, 0, 1, 0\) with mtp_num_layers=1 is not built"),
+            (granite, dict(logits_scaling=0.0), "logits_scaling=0.0 must be > 0")):
+        with pytest.raises(ConfigError, match=match):
+            jmegatron_cfg(fields, **changes)
+    with pytest.raises(ValueError, match=r"SmolLM3ForCausalLM .*residual_multiplier=0.5 \(SmolLM3 has no such field"):
+        hf.hf_architecture(jmegatron_cfg(smol, residual_multiplier=0.5))
+    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM .*no_rope_freq=2 \(Gemma3 rotates every layer"):
+        hf.hf_architecture(jmegatron_cfg(gemma3, no_rope_freq=2))
+    with pytest.raises(ValueError, match="use_sliding_window=False with sliding layers in layer_types"):
+        hf.config_fields_from_hf(dict(imported["smollm3"][1], use_sliding_window=False))
+
+
 def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp_path, capsys):
     """A Hugging Face folder (a tokenizer whose eos is not ``<|endoftext|>``, a chat template,
     a list of eos ids) -> ``import-hf`` (dropout as the source's, the tokenizer folder carried)

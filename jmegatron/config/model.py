@@ -696,7 +696,7 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
 
     def _check_no_rope(self):
         """NoPE layers (``no_rope_freq``): the pattern, on a rotary model, not with
-        multi-latent attention (whose rotary part is its own)."""
+        multi-latent attention (whose rotary part is its own) or multi-token prediction."""
         if self.no_rope_freq is None:
             return
         try:
@@ -712,6 +712,10 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
             raise ConfigError(f"config.no_rope_freq={self.no_rope_freq!r} skips RoPE on some layers, which needs "
                               f"position_embedding_type 'rope' or 'yarn', not {self.position_embedding_type!r}; "
                               f"unset no_rope_freq.")
+        if any(pattern) and self.mtp_num_layers:
+            raise ConfigError(f"config.no_rope_freq={self.no_rope_freq!r} with mtp_num_layers={self.mtp_num_layers} is "
+                              f"not built (megatron-core numbers the MTP layers after the decoder's, past the "
+                              f"pattern's end); unset no_rope_freq or mtp_num_layers.")
         if any(pattern) and self.multi_latent_attention:
             raise ConfigError(f"config.no_rope_freq={self.no_rope_freq!r} with multi_latent_attention=True is not "
                               f"built (MLA's rotary part is its own); unset no_rope_freq.")

@@ -24,6 +24,11 @@ Targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatr
   ``window_attn_skip_freq``: HF ``sliding_window`` / ``layer_types``), soft-capping, a tied
   output; Gemma-3 adds ``qk_layernorm`` and a local RoPE base (``rotary_base_local``).
 
+* ``SmolLM3ForCausalLM``: Llama's blocks with NoPE layers (``no_rope_freq``; HF
+  ``no_rope_layers``, 1 = RoPE) and sliding layers by ``layer_types``.
+* ``GraniteForCausalLM``: Llama's blocks with ``embedding_multiplier``,
+  ``residual_multiplier``, ``logits_scaling`` and ``attention_multiplier`` (``softmax_scale``).
+
 Import also reads ``MistralForCausalLM`` (model_type "mistral", Llama's layout, a sliding
 window over every layer as ``window_size``), which exports back as ``MistralForCausalLM``
 with a window and as ``LlamaForCausalLM`` without, and the text model of a multimodal
