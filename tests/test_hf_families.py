@@ -460,6 +460,19 @@ def test_smollm3_nope_layers_under_scanned_layers(imported):
                      tree.stack_layers(params, cfg.num_layers))
     np.testing.assert_allclose(scanned, loop, atol=2e-5)
     assert np.max(np.abs(logits(cfg.replace(no_rope_freq=None), params) - loop)) > 0.1
+    # two pipeline stages' pieces (gpt.embed_tokens, apply_layers over layers 0-1 then 2-3,
+    # output_logits): the second stage's layer numbers start at 2, so its NoPE layer is its first slot
+    from jmegatron.models.gpt import apply_layers, embed_tokens, output_logits
+
+    mc = ModelConfig.from_config(cfg, cfg.padded_vocab_size())
+    stacked = tree.stack_layers(params, cfg.num_layers)
+    pos = np.broadcast_to(np.arange(SEQ, dtype=np.int32), toks.shape)
+    x = embed_tokens(mc, stacked, toks, pos, deterministic=True, rng=None, sample_offset=0)
+    for first in (0, 2):
+        x = apply_layers(mc, jax.tree.map(lambda a: a[first:first + 2], stacked["decoder_layers"]), x, pos,
+                         first_layer=first, deterministic=True, rng=None, sample_offset=0,
+                         dot_general=mc.dense_dot_general())
+    np.testing.assert_allclose(np.asarray(output_logits(mc, stacked, x, mc.dense_dot_general())), loop, atol=2e-5)
 
 
 def test_nope_layers_and_granite_scalars_refuse_what_is_not_built(imported):
