@@ -478,7 +478,8 @@ def test_smollm3_nope_layers_under_scanned_layers(imported):
 def test_nope_layers_and_granite_scalars_refuse_what_is_not_built(imported):
     """The config refuses a NoPE int that does not divide the layers, NoPE with multi-token
     prediction and a logits_scaling <= 0; export refuses each part where the target cannot
-    hold it; import refuses SmolLM3's sliding layer_types without use_sliding_window."""
+    hold it (TensorRT-LLM's legacy Llama too); import refuses SmolLM3's sliding layer_types
+    without use_sliding_window."""
     from jmegatron.config import ConfigError
 
     smol, granite, gemma3 = (hf.config_fields_from_hf(imported[f][1]) for f in ("smollm3", "granite", "gemma3"))
@@ -494,6 +495,11 @@ def test_nope_layers_and_granite_scalars_refuse_what_is_not_built(imported):
         hf.hf_architecture(jmegatron_cfg(gemma3, no_rope_freq=2))
     with pytest.raises(ValueError, match="use_sliding_window=False with sliding layers in layer_types"):
         hf.config_fields_from_hf(dict(imported["smollm3"][1], use_sliding_window=False))
+    from jmegatron.export.common import ExportError
+    from jmegatron.export.trtllm import trtllm_architecture
+
+    with pytest.raises(ExportError, match=r"trtllm: config.embedding_multiplier=12.0, config.residual_multiplier=0.22"):
+        trtllm_architecture(jmegatron_cfg(granite))
 
 
 def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp_path, capsys):
