@@ -51,7 +51,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from jmegatron.config import from_configdict, tokenizer_type_of, tokenizer_vocab_size
+from jmegatron.config import from_configdict, no_rope_layer_pattern, tokenizer_type_of, tokenizer_vocab_size
 from jmegatron.conversion import hf_moe
 from jmegatron.conversion.megatron import (CHECKPOINT_VERSION, FORMATS, MOE_MODEL_FIELDS, TRACKER, canonical_key,
                                           config_fields_from_megatron_args, from_megatron_state_dict, merge_shards,
@@ -113,6 +113,7 @@ def megatron_args(cfg, padded_vocab_size: int, vocab_size: int, *, tensor_model_
         tokenizer_type=tokenizer_type_of(cfg),
         tokenizer_model=cfg.tokenizer_model, vocab_file=cfg.vocab_file, merge_file=cfg.merge_file,
         num_experts=cfg.num_moe_experts,
+        no_rope_freq=list(cfg.no_rope_freq) if isinstance(cfg.no_rope_freq, tuple) else cfg.no_rope_freq,
     )
     if moe:
         freq = cfg.moe_layer_freq
@@ -403,6 +404,8 @@ def megatron_core_model(cfg, padded_vocab_size: int, initialize: bool = False):
         kw.update({k: getattr(cfg, k) for k in MOE_MODEL_FIELDS}, num_moe_experts=cfg.num_moe_experts,
                   moe_layer_freq=list(hf_moe.moe_layers(cfg)), moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                   moe_token_dispatcher_type="allgather")
+    if cfg.no_rope_freq is not None:  # megatron-core's NoPE layers (1 = skip RoPE)
+        kw["no_rope_freq"] = list(no_rope_layer_pattern(cfg.no_rope_freq, cfg.num_layers))
     config = TransformerConfig(**kw)
     if cfg.num_moe_experts is not None:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=cfg.normalization)

@@ -87,6 +87,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from jmegatron.conversion.hf import GPT2, QWEN2 as HF_QWEN2, hf_architecture
+from jmegatron.conversion.hf import GRANITE as HF_GRANITE, SMOLLM3 as HF_SMOLLM3
 from jmegatron.conversion.hf_moe import MIXTRAL as HF_MIXTRAL
 from jmegatron.conversion.trtllm import GPT, LLAMA, MIXTRAL, pp_layers, rank_tensors, trtllm_config
 from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint, open_checkpoint, refuse_moe
@@ -133,6 +134,10 @@ def trtllm_architecture(cfg) -> str:
         ("rotary_seq_len_interpolation_factor", None)) if getattr(cfg, name) != off]
     if cfg.position_embedding_type == "yarn":
         unwritten.append("config.position_embedding_type='yarn'")
+    if hf_arch in (HF_SMOLLM3, HF_GRANITE):  # NoPE layers, Granite's scalars and score scale
+        unwritten += [f"config.{n}={getattr(cfg, n)!r}" for n, off in (
+            ("no_rope_freq", None), ("embedding_multiplier", 1.0), ("residual_multiplier", 1.0),
+            ("logits_scaling", 1.0), ("softmax_scale", None)) if getattr(cfg, n) != off]
     if hf_arch == HF_QWEN2:
         unwritten.append("config.add_qkv_bias=True without add_bias_linear (Qwen2's layout)")
     if unwritten:

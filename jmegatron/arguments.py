@@ -415,7 +415,7 @@ def _coerce(name: str, value: Any, hint) -> Any:
             if isinstance(value, str):
                 value = ast.literal_eval(value)
             return tuple(_as_python([v]) if isinstance(v, str) else v for v in value)
-        if isinstance(value, str) and name in ("window_size", "window_attn_skip_freq"):
+        if isinstance(value, str) and name in ("window_size", "window_attn_skip_freq", "no_rope_freq"):
             try:
                 return ast.literal_eval(value)
             except (ValueError, SyntaxError):

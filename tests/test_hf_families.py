@@ -86,6 +86,17 @@ FAMILIES = {
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, mscale=1.0,
             mscale_all_dim=1.0)), hf_moe.DEEPSEEK_V3),
+    # SmolLM3: NoPE layers from no_rope_layer_interval 3 over 4 layers (RoPE, RoPE, NoPE, RoPE: not
+    # Megatron's every-N-th rule, so a 0/1 list), the NoPE layer sliding (8 keys), tied embeddings
+    "smollm3": ("SmolLM3Config", dict(LLAMA_LIKE, num_hidden_layers=4, no_rope_layer_interval=3,
+                                      use_sliding_window=True, sliding_window=8, tie_word_embeddings=True,
+                                      pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                                      rope_parameters=dict(rope_type="default", rope_theta=100000.0)), hf.SMOLLM3),
+    # Granite: embeddings x 12, each sublayer's output x 0.22 before its residual add, the
+    # score scale 1/head_dim (not 1/sqrt), logits / 8 (tied embeddings: logits of a few units)
+    "granite": ("GraniteConfig", dict(LLAMA_LIKE, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                      attention_multiplier=0.0625, logits_scaling=8.0, tie_word_embeddings=True),
+                hf.GRANITE),
     # GPT-2 as shipped: the tanh GELU "gelu_new"
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
                                 activation_function="gelu_new", bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -465,6 +476,64 @@ def test_gemma3_layer_types_under_scanned_layers(imported):
     scanned = jax.jit(GPTModel(ModelConfig.from_config(scanned_cfg, cfg.padded_vocab_size())).apply)(
         {"params": tree.stack_layers(params, cfg.num_layers)}, toks)
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(loop), atol=2e-5)
+
+
+def test_smollm3_nope_layers_under_scanned_layers(imported):
+    """SmolLM3's NoPE layer (layer 2 of 4, also the one sliding layer) chosen by a traced layer
+    number (``scan_layers``, the pipeline's stacked layers) gives the per-layer loop's logits;
+    the same weights with RoPE on every layer give others (the NoPE layer is not a no-op)."""
+    model, conf, cfg, params = imported["smollm3"]
+    assert (cfg.no_rope_freq, cfg.window_size, cfg.window_attn_skip_freq) == ((0, 0, 1, 0), (7, 0), (0, 0, 1, 0))
+    toks = tokens()
+
+    def logits(c, p):
+        return np.asarray(jax.jit(GPTModel(ModelConfig.from_config(c, c.padded_vocab_size())).apply)({"params": p}, toks))
+
+    loop = logits(cfg, params)
+    scanned = logits(jmegatron_cfg(hf.config_fields_from_hf(conf), scan_layers=True),
+                     tree.stack_layers(params, cfg.num_layers))
+    np.testing.assert_allclose(scanned, loop, atol=2e-5)
+    assert np.max(np.abs(logits(cfg.replace(no_rope_freq=None), params) - loop)) > 0.1
+    # two pipeline stages' pieces (gpt.embed_tokens, apply_layers over layers 0-1 then 2-3,
+    # output_logits): the second stage's layer numbers start at 2, so its NoPE layer is its first slot
+    from jmegatron.models.gpt import apply_layers, embed_tokens, output_logits
+
+    mc = ModelConfig.from_config(cfg, cfg.padded_vocab_size())
+    stacked = tree.stack_layers(params, cfg.num_layers)
+    pos = np.broadcast_to(np.arange(SEQ, dtype=np.int32), toks.shape)
+    x = embed_tokens(mc, stacked, toks, pos, deterministic=True, rng=None, sample_offset=0)
+    for first in (0, 2):
+        x = apply_layers(mc, jax.tree.map(lambda a: a[first:first + 2], stacked["decoder_layers"]), x, pos,
+                         first_layer=first, deterministic=True, rng=None, sample_offset=0,
+                         dot_general=mc.dense_dot_general())
+    np.testing.assert_allclose(np.asarray(output_logits(mc, stacked, x, mc.dense_dot_general())), loop, atol=2e-5)
+
+
+def test_nope_layers_and_granite_scalars_refuse_what_is_not_built(imported):
+    """The config refuses a NoPE int that does not divide the layers, NoPE with multi-token
+    prediction and a logits_scaling <= 0; export refuses each part where the target cannot
+    hold it (TensorRT-LLM's legacy Llama too); import refuses SmolLM3's sliding layer_types
+    without use_sliding_window."""
+    from jmegatron.config import ConfigError
+
+    smol, granite, gemma3 = (hf.config_fields_from_hf(imported[f][1]) for f in ("smollm3", "granite", "gemma3"))
+    for fields, changes, match in (
+            (smol, dict(no_rope_freq=3), "no_rope_freq=3 must be >= 1 and divide num_layers=4"),
+            (smol, dict(mtp_num_layers=1), r"no_rope_freq=\(0, 0, 1, 0\) with mtp_num_layers=1 is not built"),
+            (granite, dict(logits_scaling=0.0), "logits_scaling=0.0 must be > 0")):
+        with pytest.raises(ConfigError, match=match):
+            jmegatron_cfg(fields, **changes)
+    with pytest.raises(ValueError, match=r"SmolLM3ForCausalLM .*residual_multiplier=0.5 \(SmolLM3 has no such field"):
+        hf.hf_architecture(jmegatron_cfg(smol, residual_multiplier=0.5))
+    with pytest.raises(ValueError, match=r"Gemma3ForCausalLM .*no_rope_freq=2 \(Gemma3 rotates every layer"):
+        hf.hf_architecture(jmegatron_cfg(gemma3, no_rope_freq=2))
+    with pytest.raises(ValueError, match="use_sliding_window=False with sliding layers in layer_types"):
+        hf.config_fields_from_hf(dict(imported["smollm3"][1], use_sliding_window=False))
+    from jmegatron.export.common import ExportError
+    from jmegatron.export.trtllm import trtllm_architecture
+
+    with pytest.raises(ExportError, match=r"trtllm: config.embedding_multiplier=12.0, config.residual_multiplier=0.22"):
+        trtllm_architecture(jmegatron_cfg(granite))
 
 
 def test_imported_checkpoint_is_a_first_class_run(imported, shakespeare_dir, tmp_path, capsys):

@@ -37,9 +37,11 @@ SEQ = 16
 KINDS = {
     # GPT-2 style: LayerNorm, GELU, biases, learned positions, tied output
     "gpt": dict(ffn_hidden_size=96),
-    # Llama-3 / Qwen3 style: RMSNorm, SwiGLU, GQA, RoPE, QK-norm, untied, no bias
+    # Llama-3 / Qwen3 style: RMSNorm, SwiGLU, GQA, RoPE, QK-norm, untied, no bias; the second
+    # layer NoPE (megatron-core's no_rope_freq)
     "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                  num_query_groups=2, untie_embeddings_and_output_weights=True, qk_layernorm=True, ffn_hidden_size=96),
+                  num_query_groups=2, untie_embeddings_and_output_weights=True, qk_layernorm=True, ffn_hidden_size=96,
+                  no_rope_freq=2),
     # DeepSeek / Qwen-MoE style: a dense then an MoE layer, sigmoid routing with expert bias and
     # scaling, a gated shared expert
     "moe": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,

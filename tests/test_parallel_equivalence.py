@@ -36,6 +36,9 @@ BLOCKS = dict(family="llama", num_attention_heads=4, num_query_groups=2, kv_chan
 # mean across the heads that tensor parallelism splits), post-norms only, a decoupled head dimension
 OLMO_BLOCKS = dict(family="llama", num_attention_heads=4, num_query_groups=2, kv_channels=32, ffn_hidden_size=96,
                    qk_layernorm=True, qk_layernorm_across_heads=True, sandwich_norms=True, pre_norms=False)
+# SmolLM3's NoPE layer (the second) and Granite's scalars: positions that context parallelism
+# reorders reach RoPE on one layer only; the scalars sit on tensor-parallel partial sums
+BLOCKS.update(no_rope_freq=2, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0)
 ARCHS = {"gpt": {}, "llama": LLAMA}
 # DeepSeek-V3's blocks in one model: multi-latent attention (q LoRA, latent norms, YaRN), a dense
 # first layer then MoE layers with sigmoid routing, the expert bias, 2-of-4 group-limited

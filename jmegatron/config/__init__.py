@@ -34,7 +34,7 @@ from jmegatron.config.model import (ATTENTION_IMPLS, CROSS_ENTROPY_IMPLS, DROPOU
                                     POSITION_EMBEDDING_TYPES, RECOMPUTE_GRANULARITIES, ROUTER_DTYPES, SCORE_FUNCTIONS,
                                     TOKEN_DISPATCHER_TYPES, TOKEN_DROP_POLICIES, TRANSFORMER_IMPLS, KernelConfig,
                                     MoEConfig, RotaryConfig, TransformerConfig, moe_layer_pattern,
-                                    parse_moe_layer_freq, window_layer_pattern,
+                                    no_rope_layer_pattern, parse_moe_layer_freq, window_layer_pattern,
                                     yarn_concentration_factor, yarn_get_mscale)
 from jmegatron.config.parallel import PIPELINE_SCHEDULES, ModelParallelConfig
 from jmegatron.config.run import (MODEL_FIELDS, SCHEDULER_FIELDS, JMegatronConfig,
@@ -52,6 +52,6 @@ __all__ = [
     "ConfigGroup", "DataConfig", "DistillationConfig", "JMegatronConfig", "KernelConfig", "LoggingConfig",
     "MixedPrecisionConfig", "MoEConfig", "ModelParallelConfig", "RotaryConfig", "TrainingConfig", "TransformerConfig",
     "base_config", "check_names", "checkpoint_args", "checkpoint_scheduler_args", "field_types", "from_configdict",
-    "from_json", "get_config_of", "imported_args", "load_config_file", "moe_layer_pattern", "parse_moe_layer_freq",
+    "from_json", "get_config_of", "imported_args", "load_config_file", "moe_layer_pattern", "no_rope_layer_pattern", "parse_moe_layer_freq",
     "read_run_config", "set_family", "tokenizer_type_of", "tokenizer_vocab_size", "window_layer_pattern", "yarn_concentration_factor", "yarn_get_mscale",
 ]

@@ -112,6 +112,38 @@ def window_layer_pattern(window_size: Any, window_attn_skip_freq: Any, num_layer
                      f"1 = sliding window)")
 
 
+def no_rope_layer_pattern(no_rope_freq: Any, num_layers: int) -> tuple[int, ...]:
+    """1 for each decoder layer (0-based) that applies no position embedding (NoPE), 0 for
+    one that rotates its queries and keys: megatron-core's ``no_rope_freq``
+    (megatron/core/transformer/transformer_config.py, attention.py). None (or Megatron's
+    falsy 0): all 0. An int N: N - 1 RoPE layers then one NoPE layer, repeated (layers whose
+    1-based number is a multiple of N skip RoPE; Megatron asserts ``num_layers % N == 0``);
+    a list: its 0/1 entry per layer (1 = skip RoPE); a string is Megatron's command-line
+    form, ``"4"`` or ``"([0]*3+[1])*2"``. Hugging Face SmolLM3's ``no_rope_layers`` is the
+    complement (1 = RoPE). Raises ValueError for anything else, an int that does not divide
+    ``num_layers`` or a list whose length is not ``num_layers``."""
+    freq = no_rope_freq
+    if isinstance(freq, str):
+        try:
+            freq = _eval_list_expr(ast.parse(freq.strip(), mode="eval").body)
+        except (SyntaxError, ValueError, TypeError):
+            raise ValueError(f"no_rope_freq={no_rope_freq!r} is not an int or a list expression such as "
+                             f"'([0]*3+[1])*2'") from None
+    if freq is None or (isinstance(freq, int) and not isinstance(freq, bool) and freq == 0):
+        return (0,) * num_layers
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        if freq < 0 or num_layers % freq:
+            raise ValueError(f"no_rope_freq={freq} must be >= 1 and divide num_layers={num_layers} (Megatron's "
+                             f"rule: N - 1 RoPE layers then one NoPE layer, repeated); give one 0/1 per layer "
+                             f"instead")
+        return tuple(int((i + 1) % freq == 0) for i in range(num_layers))
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(
+            v in (0, 1) and not isinstance(v, float) for v in freq):
+        return tuple(int(v) for v in freq)
+    raise ValueError(f"no_rope_freq={no_rope_freq!r} must be an int or one 0/1 per layer ({num_layers} layers; "
+                     f"1 = no RoPE)")
+
+
 def parse_moe_layer_freq(value: Any) -> Any:
     """``value`` as an int or a tuple of ints (Megatron's ``moe_freq_type``: a string is
     evaluated as a list expression of integer lists, ``+`` and ``*`` only)."""
@@ -412,6 +444,18 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
     pre_norms: bool = True
     # the word embeddings times sqrt(hidden_size), rounded to the compute dtype (Gemma)
     scale_embeddings: bool = False
+    # the decoder layers that apply no position embedding (NoPE; megatron-core's no_rope_freq):
+    # an int N skips RoPE on every N-th layer (1-based numbers N, 2N, ...; N divides num_layers),
+    # a list of 0/1 per layer (1 = no RoPE; HF SmolLM3's no_rope_layers is its complement);
+    # None: every layer rotates
+    no_rope_freq: Any = None
+    # Granite's scalars (transformers' GraniteConfig names; megatron-core has none): the word
+    # embeddings times embedding_multiplier, each attention / MLP output times
+    # residual_multiplier before its residual add, the output logits divided by
+    # logits_scaling. 1.0: off
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
@@ -454,6 +498,8 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
             raise ConfigError(f"config.kv_channels={self.kv_channels} must be even for {self.position_embedding_type}.")
         self.check_rotary()
         self._check_gemma_blocks()
+        self._check_no_rope()
+        self._check_multipliers()
         if self.openai_gelu and self.swiglu:
             raise ConfigError("config.openai_gelu=True with swiglu=True: SwiGLU's activation is SiLU, so the tanh GELU "
                               "would not be used; set openai_gelu=False (or swiglu=False for a GELU MLP).")
@@ -671,6 +717,42 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
         if self.rotary_base_local is not None and self.position_embedding_type not in ("rope", "yarn"):
             raise ConfigError(f"config.rotary_base_local={self.rotary_base_local} needs position_embedding_type="
                               f"'rope' or 'yarn' (the full layers' RoPE), not {self.position_embedding_type!r}.")
+
+    def _check_no_rope(self):
+        """NoPE layers (``no_rope_freq``): the pattern, on a rotary model, not with
+        multi-latent attention (whose rotary part is its own) or multi-token prediction."""
+        if self.no_rope_freq is None:
+            return
+        try:
+            pattern = no_rope_layer_pattern(self.no_rope_freq, self.num_layers)
+        except ValueError as e:
+            raise ConfigError(f"config.{e}.") from None
+        if isinstance(self.no_rope_freq, (list, str)):  # canonical: an int or a tuple
+            freq = self.no_rope_freq
+            if isinstance(freq, str):
+                freq = _eval_list_expr(ast.parse(freq.strip(), mode="eval").body)
+            object.__setattr__(self, "no_rope_freq", freq if isinstance(freq, int) else tuple(freq))
+        if any(pattern) and self.position_embedding_type not in ("rope", "yarn"):
+            raise ConfigError(f"config.no_rope_freq={self.no_rope_freq!r} skips RoPE on some layers, which needs "
+                              f"position_embedding_type 'rope' or 'yarn', not {self.position_embedding_type!r}; "
+                              f"unset no_rope_freq.")
+        if any(pattern) and self.mtp_num_layers:
+            raise ConfigError(f"config.no_rope_freq={self.no_rope_freq!r} with mtp_num_layers={self.mtp_num_layers} is "
+                              f"not built (megatron-core numbers the MTP layers after the decoder's, past the "
+                              f"pattern's end); unset no_rope_freq or mtp_num_layers.")
+        if any(pattern) and self.multi_latent_attention:
+            raise ConfigError(f"config.no_rope_freq={self.no_rope_freq!r} with multi_latent_attention=True is not "
+                              f"built (MLA's rotary part is its own); unset no_rope_freq.")
+
+    def _check_multipliers(self):
+        """Granite's scalars: finite, and > 0 for the logits' divisor."""
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"config.{name}={value!r} must be a finite number (1.0: off).")
+        if not self.logits_scaling > 0:
+            raise ConfigError(f"config.logits_scaling={self.logits_scaling} must be > 0 (the logits are divided "
+                              f"by it; 1.0: off).")
 
     def _check_pipeline(self):
         pp, v = self.pipeline_model_parallel_size, self.virtual_pipeline_size()

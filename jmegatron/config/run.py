@@ -42,7 +42,7 @@ class JMegatronConfig(DistillationConfig, DataConfig, LoggingConfig, TrainingCon
 
     def __post_init__(self):
         for name in ("rampup_batch_size", "lr_decay_multi_step", "moe_layer_freq", "window_size",
-                     "window_attn_skip_freq"):  # JSON gives lists
+                     "window_attn_skip_freq", "no_rope_freq"):  # JSON gives lists
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         for f in dataclasses.fields(self):
@@ -223,7 +223,7 @@ MODEL_FIELDS = (
     "rotary_base_local", "sandwich_norms", "scale_embeddings", "multi_latent_attention", "q_lora_rank",
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
     "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate",
+    "moe_shared_expert_gate", "no_rope_freq", "embedding_multiplier", "residual_multiplier", "logits_scaling",
     "qk_layernorm_across_heads", "pre_norms",
 )
 

@@ -30,6 +30,11 @@ Targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatr
   ``post_feedforward_layernorm``); OLMo-3 adds sliding-window layers (``layer_types``) and a
   RoPE per layer type (the sliding layers' unscaled ``rotary_base_local``).
 
+* ``SmolLM3ForCausalLM``: Llama's blocks with NoPE layers (``no_rope_freq``; HF
+  ``no_rope_layers``, 1 = RoPE) and sliding layers by ``layer_types``.
+* ``GraniteForCausalLM``: Llama's blocks with ``embedding_multiplier``,
+  ``residual_multiplier``, ``logits_scaling`` and ``attention_multiplier`` (``softmax_scale``).
+
 Import also reads ``MistralForCausalLM`` (model_type "mistral", Llama's layout, a sliding
 window over every layer as ``window_size``), which exports back as ``MistralForCausalLM``
 with a window and as ``LlamaForCausalLM`` without, and the text model of a multimodal
@@ -81,12 +86,14 @@ the ``transformers`` model of a parameter tree is :mod:`jmegatron.export.hf_mode
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from jmegatron.config import ConfigError, JMegatronConfig, TransformerConfig, window_layer_pattern, yarn_concentration_factor
+from jmegatron.config import (ConfigError, JMegatronConfig, TransformerConfig, no_rope_layer_pattern, window_layer_pattern,
+                              yarn_concentration_factor)
 from jmegatron.conversion import hf_moe
 from jmegatron.conversion.hf_moe import MOE_ARCHITECTURES
 from jmegatron.conversion.tree import (check_shape, get, map_leaves, numpy_tree, plain, stack_layers, to_numpy,
@@ -119,6 +126,16 @@ OLMO_TYPES = {"olmo2": OLMO2, "olmo3": OLMO3}
 _MODEL_TYPE.update({OLMO2: "olmo2", OLMO3: "olmo3"})
 # every class :func:`hf_architecture` exports to (`export hf --help` and the README list these)
 ARCHITECTURES = (GPT2, LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3) + MOE_ARCHITECTURES + (OLMO2, OLMO3)
+# Llama's layout with new parts: SmolLM3's NoPE layers (no_rope_layers: 1 = RoPE; no_rope_freq
+# is its complement) and sliding windows by layer_types; Granite's embedding / residual /
+# attention multipliers and logits_scaling
+SMOLLM3 = "SmolLM3ForCausalLM"
+GRANITE = "GraniteForCausalLM"
+LLAMA_LIKE.update(smollm3=SMOLLM3, granite=GRANITE)
+_MODEL_TYPE.update({SMOLLM3: "smollm3", GRANITE: "granite"})
+ARCHITECTURES = ARCHITECTURES + (SMOLLM3, GRANITE)
+# the Llama-layout model types whose attention_bias biases q/k/v/o_proj and mlp_bias the MLP
+_ATTENTION_AND_MLP_BIAS = ("llama", "smollm3", "granite")
 # jmegatron's per-layer norm -> the HF norm of the Llama layout and of Gemma's
 _LLAMA_NORMS = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post_attention_layernorm"}
 _GEMMA_NORMS = {"input_layernorm": "input_layernorm", "post_self_attn_layernorm": "post_attention_layernorm",
@@ -148,7 +165,7 @@ def _gemma_block_problems(cfg, arch: str) -> list[str]:
     for n in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local"):
         if getattr(cfg, n) is not None:
             problems.append(f"config.{n}={getattr(cfg, n)} ({name} has no such field)")
-    if cfg.window_size is not None and not (arch == MISTRAL and all(_window_pattern(cfg)) or arch == MINISTRAL
+    if cfg.window_size is not None and not (arch == MISTRAL and all(_window_pattern(cfg)) or arch in (MINISTRAL, SMOLLM3)
                                             or arch in (QWEN2, QWEN3) and _qwen_window_layers(cfg) is not None):
         problems.append(f"config.window_size={cfg.window_size} ({name} has no sliding window; Mistral windows "
                         f"every layer, Ministral and Gemma-2/3 mix sliding and full layers)")
@@ -165,6 +182,29 @@ def _qwen_window_layers(cfg) -> Optional[int]:
 
 def _window_pattern(cfg) -> tuple[int, ...]:
     return window_layer_pattern(cfg.window_size, cfg.window_attn_skip_freq, cfg.num_layers)
+
+
+def _no_rope_pattern(cfg) -> tuple[int, ...]:
+    return no_rope_layer_pattern(cfg.no_rope_freq, cfg.num_layers)
+
+
+def _granite_scalars(cfg) -> list[str]:
+    """Granite's scalars of ``cfg`` that are not 1.0 (``embedding_multiplier``,
+    ``residual_multiplier``, ``logits_scaling``)."""
+    return [n for n in ("embedding_multiplier", "residual_multiplier", "logits_scaling") if getattr(cfg, n) != 1.0]
+
+
+def _new_part_problems(cfg, arch: str) -> list[str]:
+    """NoPE layers and Granite's scalars where ``arch`` cannot hold them (SmolLM3 holds the
+    first, Granite the others)."""
+    name = arch.replace("ForCausalLM", "").replace("LMHeadModel", "")
+    problems = []
+    if arch != SMOLLM3 and any(_no_rope_pattern(cfg)):
+        problems.append(f"config.no_rope_freq={cfg.no_rope_freq!r} ({name} rotates every layer; SmolLM3's "
+                        f"no_rope_layers skip RoPE on some)")
+    if arch != GRANITE:
+        problems += [f"config.{n}={getattr(cfg, n)} ({name} has no such field; Granite has)" for n in _granite_scalars(cfg)]
+    return problems
 
 
 def _gemma_problems(cfg, arch: str) -> list[str]:
@@ -352,6 +392,10 @@ def hf_architecture(cfg) -> str:
     ``"Gemma3ForCausalLM"`` with ``qk_layernorm``, else ``"Gemma2ForCausalLM"``. Without
     ``pre_norms``: ``"Olmo3ForCausalLM"`` with a sliding window, else ``"Olmo2ForCausalLM"``
     (both need ``qk_layernorm_across_heads``).
+    ``"Gemma3ForCausalLM"`` with ``qk_layernorm``, else ``"Gemma2ForCausalLM"``. With NoPE
+    layers (``no_rope_freq``): ``"SmolLM3ForCausalLM"`` (any sliding layers too); with
+    Granite's scalars (``embedding_multiplier``, ``residual_multiplier``, ``logits_scaling``
+    not 1) or a ``softmax_scale`` (its ``attention_multiplier``): ``"GraniteForCausalLM"``.
 
     MoE configs (``num_moe_experts`` set): ``"Qwen2MoeForCausalLM"`` with a shared expert,
     ``"Qwen3MoeForCausalLM"`` with ``qk_layernorm``, else ``"MixtralForCausalLM"``
@@ -362,6 +406,7 @@ def hf_architecture(cfg) -> str:
     """
     if cfg.num_moe_experts is not None:
         arch, problems = hf_moe.moe_architecture(cfg, [p for p in _llama_problems(cfg) if "add_qkv_bias" not in p])
+        problems += _new_part_problems(cfg, arch)
         if cfg.mtp_num_layers and arch != hf_moe.DEEPSEEK_V3:
             problems.append(f"config.mtp_num_layers={cfg.mtp_num_layers} (only {hf_moe.DEEPSEEK_V3} holds "
                             f"multi-token prediction layers)")
@@ -379,6 +424,15 @@ def hf_architecture(cfg) -> str:
     elif cfg.position_embedding_type in ("rope", "yarn") and cfg.sandwich_norms:
         arch = GEMMA3 if cfg.qk_layernorm else GEMMA2
         problems = _gemma_problems(cfg, arch)
+    elif cfg.position_embedding_type in ("rope", "yarn") and any(_no_rope_pattern(cfg)):
+        arch, problems = SMOLLM3, _llama_problems(cfg, SMOLLM3)
+        if cfg.qk_layernorm:
+            problems.append("config.qk_layernorm=True (SmolLM3 has no q/k norms)")
+    elif cfg.position_embedding_type in ("rope", "yarn") and (_granite_scalars(cfg) or cfg.softmax_scale is not None):
+        arch = GRANITE  # attention_multiplier holds softmax_scale
+        problems = [p for p in _llama_problems(cfg, GRANITE) if not p.startswith("config.softmax_scale=")]
+        if cfg.qk_layernorm:
+            problems.append("config.qk_layernorm=True (Granite has no q/k norms)")
     elif cfg.position_embedding_type in ("rope", "yarn"):
         arch = QWEN3 if cfg.qk_layernorm else QWEN2 if cfg.add_qkv_bias and not cfg.add_bias_linear else \
             (MISTRAL if all(_window_pattern(cfg)) else MINISTRAL) if cfg.window_size is not None else LLAMA
@@ -390,6 +444,7 @@ def hf_architecture(cfg) -> str:
     if cfg.mtp_num_layers:
         problems.append(f"config.mtp_num_layers={cfg.mtp_num_layers} (only {hf_moe.DEEPSEEK_V3} holds multi-token "
                         f"prediction layers)")
+    problems += _new_part_problems(cfg, arch)
     if problems:
         raise ValueError(f"this config cannot be exported as Hugging Face {arch} "
                          f"(chosen by position_embedding_type={cfg.position_embedding_type!r}"
@@ -476,6 +531,10 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int | list[in
         conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp", "attention_bias")}
         return dict(conf, model_type="ministral", sliding_window=cfg.window_size[0] + 1,
                     layer_types=["sliding_attention" if w else "full_attention" for w in _window_pattern(cfg)])
+    if arch == SMOLLM3:
+        return _smollm3_config_dict(cfg, llama)
+    if arch == GRANITE:
+        return _granite_config_dict(cfg, llama)
     if arch in (QWEN2, QWEN3):  # Qwen2: Q/K/V biases always; Qwen3: attention_bias (none here)
         conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp")}
         windowed = cfg.window_size is not None
@@ -487,6 +546,32 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int | list[in
             conf.pop("attention_bias")
         return conf
     return llama
+
+
+def _smollm3_config_dict(cfg, llama: dict) -> dict[str, Any]:
+    """SmolLM3Config content: Llama's, ``no_rope_layers`` (1 = RoPE: the complement of
+    ``no_rope_freq``'s pattern; ``no_rope_layer_interval`` its int N, else transformers'
+    default 4, unread when the list is given), and the sliding layers as ``layer_types`` with
+    ``use_sliding_window`` (any pattern)."""
+    conf = {k: v for k, v in llama.items() if k != "pretraining_tp"}
+    windowed = cfg.window_size is not None
+    freq = cfg.no_rope_freq
+    conf.update(model_type="smollm3", no_rope_layers=[1 - v for v in _no_rope_pattern(cfg)],
+                no_rope_layer_interval=freq if isinstance(freq, int) and not isinstance(freq, bool) and freq else 4,
+                use_sliding_window=windowed, sliding_window=cfg.window_size[0] + 1 if windowed else None,
+                layer_types=["sliding_attention" if w else "full_attention" for w in _window_pattern(cfg)])
+    return conf
+
+
+def _granite_config_dict(cfg, llama: dict) -> dict[str, Any]:
+    """GraniteConfig content: Llama's, the three scalars, and ``attention_multiplier`` =
+    ``softmax_scale`` (``1 / sqrt(kv_channels)`` without one)."""
+    conf = {k: v for k, v in llama.items() if k != "pretraining_tp"}
+    scale = cfg.kv_channels ** -0.5 if cfg.softmax_scale is None else cfg.softmax_scale
+    conf.update(model_type="granite", embedding_multiplier=float(cfg.embedding_multiplier),
+                residual_multiplier=float(cfg.residual_multiplier), logits_scaling=float(cfg.logits_scaling),
+                attention_multiplier=float(scale))
+    return conf
 
 
 def _gemma_config_dict(cfg, arch: str, llama: dict, rope: dict) -> dict[str, Any]:
@@ -562,6 +647,8 @@ def window_fields_from_hf(conf: Mapping[str, Any], model_type: str, problems: li
         window = window if conf.get("use_sliding_window") else None
     if model_type in ("gemma3_text", "gemma2"):
         conf.get("sliding_window_pattern"), conf.get("_sliding_window_pattern")
+    if model_type == "smollm3":  # transformers' masks follow layer_types whatever use_sliding_window says
+        window = conf.get("sliding_window")
     if types is None:
         if model_type == "gemma2":
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
@@ -570,6 +657,10 @@ def window_fields_from_hf(conf: Mapping[str, Any], model_type: str, problems: li
             types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
         elif model_type == "olmo3":  # transformers' Olmo3Config: every 4th layer full
             types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+        elif model_type == "smollm3":  # transformers' SmolLM3Config: the NoPE layers slide
+            rope = _smollm3_rope_layers(conf, layers, [])
+            types = ["sliding_attention" if conf.get("use_sliding_window") and window is not None and not r
+                     else "full_attention" for r in rope]
         elif qwen:
             first = int(conf.get("max_window_layers", 28))  # transformers' Qwen2Config default
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -709,6 +800,57 @@ def _olmo_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[s
     return fields
 
 
+def _smollm3_rope_layers(conf: Mapping[str, Any], layers: int, problems: list[str]) -> list[int]:
+    """SmolLM3's ``no_rope_layers`` (1 = RoPE) for ``layers`` layers: the list (its first
+    ``layers`` entries, as transformers reads it), else every ``no_rope_layer_interval``-th
+    layer NoPE (transformers' SmolLM3Config). Appends to ``problems`` a list shorter than
+    the layers or with entries other than 0/1."""
+    interval = conf.get("no_rope_layer_interval")
+    given = conf.get("no_rope_layers")
+    if given is None:
+        n = int(interval or 4)
+        return [int((i + 1) % n != 0) for i in range(layers)]
+    given = list(given)
+    if len(given) < layers or any(v not in (0, 1) or isinstance(v, float) for v in given[:layers]):
+        problems.append(f"no_rope_layers={given} (one 0 (NoPE) or 1 (RoPE) per layer, {layers} layers)")
+        return [1] * layers
+    return [int(v) for v in given[:layers]]
+
+
+def _smollm3_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """``no_rope_freq`` of a SmolLM3Config mapping (the complement of ``no_rope_layers``: an
+    int N where the pattern is Megatron's every-N-th layer, else the 0/1 list; None without
+    NoPE layers). Appends to ``problems`` a ``use_sliding_window=False`` with sliding
+    ``layer_types`` and a ``sliding_window``: transformers' eager and SDPA masks follow
+    ``layer_types`` then, its flash kernels do not (two models)."""
+    layers = int(conf["num_hidden_layers"])
+    pattern = tuple(1 - r for r in _smollm3_rope_layers(conf, layers, problems))
+    types = conf.get("layer_types") or ()
+    if not conf.get("use_sliding_window") and conf.get("sliding_window") is not None and "sliding_attention" in types:
+        problems.append(f"use_sliding_window=False with sliding layers in layer_types and sliding_window="
+                        f"{conf.get('sliding_window')} (transformers' masks slide, its flash attention does not; "
+                        f"set use_sliding_window=True or make every layer 'full_attention')")
+    if not any(pattern):
+        return dict(no_rope_freq=None)
+    freq = next((n for n in range(1, layers + 1) if not layers % n and no_rope_layer_pattern(n, layers) == pattern),
+                pattern)
+    return dict(no_rope_freq=freq)
+
+
+def _granite_fields_from_hf(conf: Mapping[str, Any], kv_channels: int, problems: list[str]) -> dict[str, Any]:
+    """Granite's scalars of a GraniteConfig mapping: ``embedding_multiplier``,
+    ``residual_multiplier``, ``logits_scaling`` by name, ``attention_multiplier`` as
+    ``softmax_scale`` (None when it is ``1 / sqrt(head_dim)``). Appends to ``problems`` a
+    ``sliding_window`` (transformers' Granite has none)."""
+    if conf.get("sliding_window") is not None:
+        problems.append(f"sliding_window={conf.get('sliding_window')} (transformers' Granite attends to every "
+                        f"key; jmegatron would slide)")
+    fields = {n: float(conf.get(n, 1.0)) for n in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
+    scale = float(conf.get("attention_multiplier", 1.0))
+    fields["softmax_scale"] = None if math.isclose(scale, kv_channels ** -0.5, rel_tol=1e-12) else scale
+    return fields
+
+
 # Fields of a transformers config that are not the model: bookkeeping, token ids, and the
 # generation and task-head settings PretrainedConfig carries. Every other field of a
 # config.json is read by the family's import or refused by name (:func:`config_fields_from_hf`).
@@ -757,6 +899,10 @@ HF_SOURCES = {
     "softmax_scale": ("query_pre_attn_scalar",), "attn_logit_softcapping": ("attn_logit_softcapping",),
     "final_logit_softcapping": ("final_logit_softcapping",), "rotary_base": ("rope_parameters", "rope_theta"),
 }
+HF_SOURCES.update(no_rope_freq=("no_rope_layers", "no_rope_layer_interval"),
+                  embedding_multiplier=("embedding_multiplier",), residual_multiplier=("residual_multiplier",),
+                  logits_scaling=("logits_scaling",))
+HF_SOURCES["softmax_scale"] += ("attention_multiplier",)
 
 
 class _ReadFields(dict):
@@ -857,7 +1003,7 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
         if conf.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={conf.get('hidden_act')!r} (SwiGLU uses silu)")
         attn_bias, mlp_bias = bool(conf.get("attention_bias", False)), bool(conf.get("mlp_bias", False))
-        if model_type == "llama" and attn_bias != mlp_bias:
+        if model_type in _ATTENTION_AND_MLP_BIAS and attn_bias != mlp_bias:
             problems.append(f"attention_bias={attn_bias} with mlp_bias={mlp_bias} (jmegatron's add_bias_linear "
                             f"biases every linear layer or none)")
         if model_type == "qwen3" and attn_bias:
@@ -874,13 +1020,17 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             kv_channels=int(conf.get("head_dim") or h // heads),
             max_position_embeddings=int(conf["max_position_embeddings"]),
             normalization="RMSNorm", norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)), swiglu=True,
-            add_bias_linear=model_type == "llama" and attn_bias and mlp_bias,
+            add_bias_linear=model_type in _ATTENTION_AND_MLP_BIAS and attn_bias and mlp_bias,
             add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
             hidden_dropout=0.0, attention_dropout=float(conf.get("attention_dropout") or 0.0))
         fields.update(rope_fields_from_hf(conf, problems))
         fields.update(windows)
         if model_type in hf_moe.MODEL_TYPES:
             fields.update(hf_moe.moe_config_fields(conf, problems))
+        if model_type == "smollm3":
+            fields.update(_smollm3_fields_from_hf(conf, problems))
+        if model_type == "granite":
+            fields.update(_granite_fields_from_hf(conf, fields["kv_channels"], problems))
     else:
         raise ValueError(f"Hugging Face model_type={model_type!r} has no jmegatron import: supported are "
                          + ", ".join(f"{t!r} ({a})" for t, a in

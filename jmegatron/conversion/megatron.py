@@ -98,6 +98,9 @@ def refuse_blocks(cfg) -> None:
                  "softmax_scale"):
         if getattr(cfg, name) is not None:
             problems.append(f"config.{name}={getattr(cfg, name)!r}")
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):  # Granite's: no Megatron args
+        if getattr(cfg, name) != 1.0:
+            problems.append(f"config.{name}={getattr(cfg, name)!r}")
     if cfg.gated_linear_unit and not cfg.swiglu:
         problems.append("config.gated_linear_unit=True (GeGLU)")
     if cfg.qk_layernorm_across_heads:
@@ -166,6 +169,9 @@ def config_fields_from_megatron_args(args: Any) -> dict[str, Any]:
         fields.update({k: get(k) for k in _MOE_SAME_NAME if get(k) is not None})
         if isinstance(fields.get("moe_layer_freq"), list):
             fields["moe_layer_freq"] = tuple(fields["moe_layer_freq"])
+    if get("no_rope_freq"):  # megatron-core's NoPE layers: an int N or one 0/1 per layer
+        freq = get("no_rope_freq")
+        fields["no_rope_freq"] = tuple(freq) if isinstance(freq, (list, tuple)) else freq
     if get("mtp_num_layers"):
         fields.update(mtp_num_layers=get("mtp_num_layers"), mtp_loss_scaling_factor=get("mtp_loss_scaling_factor", 0.1))
     fields["vocab_size"] = get("vocab_size")

@@ -97,7 +97,7 @@ class SelfAttention(nn.Module):
     def __call__(self, x: Array, position_ids: Array, deterministic: bool,
                  kv_cache: Optional[tuple[Array, Array]] = None, sample_offset=0,
                  segment_ids: Optional[Array] = None, window_layer: Any = False,
-                 positions: Optional[Array] = None):
+                 positions: Optional[Array] = None, no_rope: Any = False):
         """``x [b, s, h]``, ``position_ids`` int ``[b, s]`` -> ``[b, s, h]``.
 
         ``position_ids`` feed RoPE only; the causal mask follows the sequence order, so
@@ -116,6 +116,11 @@ class SelfAttention(nn.Module):
         ``window_layer`` (a Python bool, or a traced bool scalar inside a scan over layers):
         this layer attends within the sliding ``window`` and rotates by ``rope_local``
         (Gemma's local layers); ignored without ``window``.
+
+        ``no_rope`` (a Python bool, or a traced bool scalar inside a scan over layers): this
+        layer applies no position embedding (NoPE, megatron-core's ``no_rope_freq``; SmolLM3's
+        ``no_rope_layers``): the queries and keys are not rotated (a traced flag selects the
+        identity rotation, ``cos = 1``, ``sin = 0``, so one compiled body serves both kinds).
 
         With ``kv_cache = (k, v)``, each ``[b, max_length, num_query_groups, kv_channels]``,
         this call's keys/values are written at the slots given by ``position_ids`` (which
@@ -149,12 +154,14 @@ class SelfAttention(nn.Module):
             k = make_norm(self.normalization, self.norm_epsilon, self.dtype, "k_layernorm",
                           self.zero_centered_norms)(k)
         window = self._window(window_layer)
-        if self.rope is not None:
+        if self.rope is not None and no_rope is not True:
             cos, sin = self.rope.cos_sin(position_ids)
             if self.window is not None and self.rope_local is not None and window_layer is not False:
                 local = self.rope_local.cos_sin(position_ids)
                 cos, sin = (local if window_layer is True else
                             tuple(jnp.where(window_layer, lo, gl) for lo, gl in zip(local, (cos, sin))))
+            if no_rope is not False:  # traced: the identity rotation on the NoPE layers
+                cos, sin = jnp.where(no_rope, 1.0, cos), jnp.where(no_rope, 0.0, sin)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         features = {k_: v_ for k_, v_ in (("softmax_scale", self.softmax_scale), ("softcap", self.softcap),
                                           ("window", window)) if v_ is not None}

@@ -190,7 +190,8 @@ class GPTModel(nn.Module):
         """Megatron's ``pre_process``: word (+ learned position) embeddings and the
         embedding dropout, int32 ``tokens`` / ``position_ids`` ``[b, s]`` -> ``[b, s, h]``
         in the compute dtype; ``scale_embeddings`` multiplies the word embeddings by
-        ``sqrt(hidden_size)`` in the compute dtype (Gemma's normalizer). ``dropout_rng``: the dropout's key
+        ``sqrt(hidden_size)`` in the compute dtype (Gemma's normalizer), then
+        ``embedding_multiplier`` multiplies them (Granite's). ``dropout_rng``: the dropout's key
         (:func:`embedding_dropout_rng`), needed unless ``deterministic`` or
         ``hidden_dropout`` is 0. ``positions`` (int ``[b, s]``, optional): each slot's
         sequence position, from which the dropout masks are drawn
@@ -199,6 +200,8 @@ class GPTModel(nn.Module):
         x = self.word_embeddings(tokens)
         if c.scale_embeddings:  # sqrt(h) rounded to the compute dtype first, as Gemma
             x = x * jnp.asarray(math.sqrt(c.hidden_size), c.dtype)
+        if c.embedding_multiplier != 1.0:  # Granite: a float in the compute dtype
+            x = x * jnp.asarray(c.embedding_multiplier, c.dtype)
         if c.position_embedding_type == "learned_absolute":
             x = x + self.position_embeddings(position_ids)
         if not deterministic and c.hidden_dropout > 0.0:
@@ -280,7 +283,9 @@ class GPTModel(nn.Module):
         """Megatron's ``post_process``: the final norm (unless ``normed``; its output sown as
         ``final_layernorm_output`` into ``intermediates`` when that is mutable) and the output
         layer (tied: the word embeddings' ``attend``), ``[b, s, h]`` -> float32 ``[b, s, vocab]``,
-        capped at ``c * tanh(logits / c)`` with ``final_logit_softcapping`` c (Gemma-2/3)."""
+        divided by ``logits_scaling`` (Granite's, in float32), then capped at
+        ``c * tanh(logits / c)`` with ``final_logit_softcapping`` c (Gemma-2/3). The multi-token
+        prediction depths and the pipeline's last stage take their logits from here too."""
         if not normed:
             x = self.final_layernorm(x)
             self.sow("intermediates", "final_layernorm_output", x)
@@ -290,6 +295,8 @@ class GPTModel(nn.Module):
             logits = self.word_embeddings.attend(x, self.resolved_dot_general())
         logits = nn.with_logical_constraint(logits, ("batch", "length", "activation_vocab"))
         logits = logits.astype(jnp.float32)
+        if self.cfg.logits_scaling != 1.0:  # Granite: divided in float32, before any soft-cap
+            logits = logits / jnp.float32(self.cfg.logits_scaling)
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

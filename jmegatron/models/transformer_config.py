@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jmegatron.config import (ConfigError, JMegatronConfig, MoEConfig, RotaryConfig, TransformerConfig,
-                              moe_layer_pattern, window_layer_pattern)
+                              moe_layer_pattern, no_rope_layer_pattern, window_layer_pattern)
 from jmegatron.kernels.cpu.ops import blas_dot_general, grouped_matmul
 from jmegatron.kernels.xla.dense import dense_dot_general_fn
 from jmegatron.models.backend import Backend
@@ -81,6 +81,11 @@ class ModelConfig(TransformerConfig):
         """1 for each decoder layer whose attention slides (``window_size``,
         ``window_attn_skip_freq``: :func:`jmegatron.config.window_layer_pattern`), else 0."""
         return window_layer_pattern(self.window_size, self.window_attn_skip_freq, self.num_layers)
+
+    def no_rope_layers(self) -> tuple[int, ...]:
+        """1 for each decoder layer that applies no position embedding (``no_rope_freq``:
+        :func:`jmegatron.config.no_rope_layer_pattern`), else 0."""
+        return no_rope_layer_pattern(self.no_rope_freq, self.num_layers)
 
     @property
     def attention_window(self) -> Optional[int]:

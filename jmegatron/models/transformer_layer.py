@@ -48,7 +48,7 @@ class TransformerLayer(nn.Module):
         document masking (attention within equal ids only), None: causal over the sequence.
         ``layer_number``: this layer's 0-based number in the model (an int, or a traced int
         scalar in a scan over layers), read only when the layers differ in their attention
-        (``window_attn_skip_freq``); ValueError if it is needed and None. ``positions`` int
+        (``window_attn_skip_freq``, ``no_rope_freq``); ValueError if it is needed and None. ``positions`` int
         ``[b, s]``: each slot's original sequence position, the causal order under context
         parallelism (:class:`SelfAttention`) and the dropout masks' sequence index
         (:class:`jmegatron.models.dropout.Dropout`); None: ``0..s-1``.
@@ -58,7 +58,11 @@ class TransformerLayer(nn.Module):
         (Gemma-2/3). Without ``pre_norms`` the attention and the MLP take the residual
         stream itself (no ``input_layernorm`` / ``pre_mlp_layernorm``; the sown
         ``<name>_output`` is then that input), and the post-norms are the layer's only norms
-        (OLMo-2/3: ``x + post_norm(attn(x))``)."""
+        (OLMo-2/3: ``x + post_norm(attn(x))``).
+        ``residual_multiplier`` m multiplies each sublayer's output (after its
+        post-norm) before the residual add, ``x + m * h`` in the compute dtype (Granite's
+        decoder layer). ``no_rope_freq``: the NoPE layers (:meth:`ModelConfig.no_rope_layers`)
+        rotate no queries or keys; ``layer_number`` is read for them as for the windows."""
         c = self.cfg
         linear_dot = c.linear_dot_general(self.dot_general)  # FP8 for QKV, proj, fc1, fc2
         drop = Dropout(rate=c.hidden_dropout, deterministic=self.deterministic, impl=c.dropout_impl)
@@ -93,14 +97,16 @@ class TransformerLayer(nn.Module):
             dtype=c.dtype, dot_general=linear_dot, name="self_attention",
         )
         window_layer = _window_layer(c, layer_number)
+        nope = {"no_rope": _no_rope_layer(c, layer_number)} if any(c.no_rope_layers()) else {}
         if kv_cache is None:
             cp_order = {} if c.multi_latent_attention else {"positions": positions}
             h = attention(h, position_ids, self.deterministic, sample_offset=sample_offset, segment_ids=segment_ids,
-                          window_layer=window_layer, **cp_order)
+                          window_layer=window_layer, **cp_order, **nope)
         else:
-            h, kv_cache = attention(h, position_ids, self.deterministic, kv_cache, window_layer=window_layer)
+            h, kv_cache = attention(h, position_ids, self.deterministic, kv_cache, window_layer=window_layer, **nope)
         if c.sandwich_norms:
             h = norm("post_self_attn_layernorm")(h)
+        h = _residual_scaled(c, h)
         x = x + drop(h, sample_offset=sample_offset, positions=positions)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         h = norm("pre_mlp_layernorm")(x) if c.pre_norms else x
@@ -112,6 +118,7 @@ class TransformerLayer(nn.Module):
             h = MLP(c, dot_general=linear_dot, name="mlp")(h)
         if c.sandwich_norms:
             h = norm("post_mlp_layernorm")(h)
+        h = _residual_scaled(c, h)
         x = x + drop(h, sample_offset=sample_offset, positions=positions)
         x = nn.with_logical_constraint(x, ("batch", "activation_length", "activation_embed"))
         return x, kv_cache
@@ -129,3 +136,24 @@ def _window_layer(c: ModelConfig, layer_number: Any) -> Any:
     if isinstance(layer_number, int):
         return bool(pattern[layer_number])
     return jnp.asarray(pattern, jnp.bool_)[layer_number]
+
+
+def _no_rope_layer(c: ModelConfig, layer_number: Any) -> Any:
+    """Whether decoder layer ``layer_number`` skips RoPE (:meth:`ModelConfig.no_rope_layers`):
+    a Python bool when every layer agrees or the number is an int, else a traced bool."""
+    pattern = c.no_rope_layers()
+    if all(pattern) or not any(pattern):
+        return bool(pattern[0]) if pattern else False
+    if layer_number is None:
+        raise ValueError("TransformerLayer: no_rope_freq mixes RoPE and NoPE layers; the call needs its layer_number")
+    if isinstance(layer_number, int):
+        return bool(pattern[layer_number])
+    return jnp.asarray(pattern, jnp.bool_)[layer_number]
+
+
+def _residual_scaled(c: ModelConfig, h: Array) -> Array:
+    """A sublayer's output ``h [b, s, h]`` times ``residual_multiplier`` (Granite), in ``h``'s
+    dtype; ``h`` itself at 1.0."""
+    if c.residual_multiplier == 1.0:
+        return h
+    return h * jnp.asarray(c.residual_multiplier, h.dtype)

@@ -23,6 +23,9 @@ Conventions (Megatron's; all are *model* FLOPs, not hardware FLOPs):
   data-gradient GEMM). Activation recomputation is not counted.
 * Sliding-window layers (``window_size``) are counted as full causal attention, as
   Megatron counts them.
+* NoPE layers (``no_rope_freq``) cost what RoPE layers cost (RoPE is not counted), and
+  Granite's scalars (``embedding_multiplier``, ``residual_multiplier``, ``logits_scaling``)
+  are elementwise: none of them changes the count.
 * Causal core attention counts half the ``s x s`` score matrix: ``QK^T`` and
   ``softmax(QK^T) V`` together cost ``2 * q_proj * s / 2 * 2`` FLOPs per token and layer,
   i.e. ``q_proj * s`` multiply-accumulates. Megatron counts it this way since commit
