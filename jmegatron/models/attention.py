@@ -145,7 +145,8 @@ class SelfAttention(nn.Module):
                 local = self.rope_local.cos_sin(position_ids)
                 cos, sin = (local if window_layer is True else
                             tuple(jnp.where(window_layer, lo, gl) for lo, gl in zip(local, (cos, sin))))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            interleaved = self.rope.config.rotary_interleaved
+            q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
         features = {k_: v_ for k_, v_ in (("softmax_scale", self.softmax_scale), ("softcap", self.softcap),
                                           ("window", window)) if v_ is not None}
         new_cache = None
