@@ -31,7 +31,8 @@ LLAMA = dict(family="llama", num_attention_heads=8, num_query_groups=4, ffn_hidd
 # with a head dimension (32) decoupled from hidden / heads (16), YaRN (jmegatron.models.rope)
 BLOCKS = dict(family="llama", num_attention_heads=4, num_query_groups=2, kv_channels=32, ffn_hidden_size=96,
               add_qkv_bias=True, qk_layernorm=True, position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
-              yarn_original_max_position_embeddings=16)
+              yarn_original_max_position_embeddings=16,
+              rotary_percent=0.5, rotary_interleaved=True)  # partial + interleaved RoPE (Phi-3's, GLM's parts)
 ARCHS = {"gpt": {}, "llama": LLAMA}
 # DeepSeek-V3's blocks in one model: multi-latent attention (q LoRA, latent norms, YaRN), a dense
 # first layer then MoE layers with sigmoid routing, the expert bias, 2-of-4 group-limited
