@@ -674,6 +674,9 @@ NOT_MODEL_FIELDS = frozenset({
     # transformers 4.x Llama's split of each matmul into pretraining_tp slices (the same
     # product); a request to return the MoE router's logits
     "pretraining_tp", "output_router_logits",
+    # the Hub's remote-code classes for trust_remote_code (Phi-3's checkpoints carry them); the
+    # import follows transformers' own class of model_type, as transformers does without it
+    "auto_map",
     # GPT-2's sequence-summary head (GPT2DoubleHeadsModel), not the language model's
     "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
 })
