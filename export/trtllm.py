@@ -131,7 +131,8 @@ def trtllm_architecture(cfg) -> str:
         raise ExportError(f"no TensorRT-LLM target ({targets}) for this checkpoint: {e}") from e
     unwritten = [f"config.{name}={getattr(cfg, name)!r}" for name, off in (
         ("qk_layernorm", False), ("openai_gelu", False), ("rope_scaling", False),
-        ("rotary_seq_len_interpolation_factor", None)) if getattr(cfg, name) != off]
+        ("rotary_seq_len_interpolation_factor", None), ("rotary_percent", 1.0), ("rotary_interleaved", False))
+        if getattr(cfg, name) != off]
     if cfg.position_embedding_type == "yarn":
         unwritten.append("config.position_embedding_type='yarn'")
     if hf_arch in (HF_SMOLLM3, HF_GRANITE):  # NoPE layers, Granite's scalars and score scale

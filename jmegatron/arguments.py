@@ -17,7 +17,7 @@ that defaults to True), and the tables below add Megatron's other spellings:
 * :data:`IGNORED`: arguments that change only logging, launch, kernels or memory placement,
   not the numbers a run computes; accepted and named on one line;
 * :data:`REFUSED`: arguments for features jmegatron does not build, each with why and what
-  stands for it; refused unless given their inert value (``--rotary-percent 1.0``).
+  stands for it; refused unless given their inert value (``--squared-relu False``).
 
 Megatron's YAML (``examples/gpt3/gpt_config.yaml``) has top-level training keys and the
 sections ``language_model`` (TransformerConfig's names: ``layernorm_epsilon``,
@@ -132,7 +132,6 @@ SPECIAL = {
     "recompute_activations": ("flag", "recompute_granularity='selective'"),
     "checkpoint_activations": ("flag", "recompute_granularity='full'"),
     "optimizer": ("str", "'adam' is jmegatron's AdamW"),
-    "rotary_percent": ("float", "1.0: RoPE on every channel"),
     "add_position_embedding": ("flag", "RoPE / none replace the learned positions"),
     "activation_func": ("str", "'swiglu' -> swiglu, 'gelu' -> the GELU MLP"),
     "encoder_num_layers": ("int", "num_layers (Megatron's alias)"),
@@ -215,7 +214,6 @@ REFUSED = {
     "quick_geglu": ((False,), "the quick-GEGLU MLP is not built; use --swiglu"),
     "apply_residual_connection_post_layernorm": ((False,), "post-LN residuals are not built (pre-LN only)"),
     "fp32_residual_connection": ((False,), "the residual stream stays in the compute dtype"),
-    "rotary_interleaved": ((False,), "interleaved RoPE is not built (the halves layout only)"),
     "use_legacy_models": ((False,), "jmegatron builds the Megatron-Core GPT model only"),
     "decoder_num_layers": ((None,), "encoder-decoder models are not built; use --num-layers"),
     "decoder_seq_length": ((None,), "encoder-decoder models are not built; use --seq-length"),
@@ -513,11 +511,6 @@ def _special(dest, value, raw, kind, put, status, hints) -> None:
             status[dest] = ("accepted", "AdamW (jmegatron's optimizer)")
         else:
             status[dest] = ("refused", "jmegatron's optimizer is Adam(W) only; use adam")
-    elif dest == "rotary_percent":
-        if value in (1, 1.0):
-            status[dest] = ("ignored", "1.0: RoPE on every channel, jmegatron's rotary")
-        else:
-            status[dest] = ("refused", "partial rotary embeddings are not built (1.0 only)")
     elif dest == "add_position_embedding":
         pos = raw.get("position_embedding_type")
         if value or pos not in (None, "learned_absolute"):

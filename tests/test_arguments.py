@@ -106,7 +106,7 @@ def test_megatron_flag_semantics():
                               expert_model_parallel_size=1, position_embedding_type="rope",
                               recompute_granularity="selective", num_moe_experts=4,
                               lr_decay_multi_step=(0.5, 0.3, 0.2), rampup_batch_size=(8, 8, 1000),
-                              check_for_nan_in_loss_and_grad=False, num_query_groups=1)
+                              check_for_nan_in_loss_and_grad=False, num_query_groups=1, rotary_percent=1.0)
     assert [r.status for r in res.rows if r.spelling.startswith("--expert")] == ["accepted", "accepted"]
     assert "overridden by a later" in res.rows[3].detail  # argparse keeps the last, as Megatron's
     seq = next(r for r in res.rows if r.spelling == "--sequence-parallel")
@@ -125,8 +125,8 @@ def test_megatron_flag_semantics():
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["--config", "{tmp}/bad.yaml"], ("language_model.hiden_size", "did you mean hidden_size", "rotary_percent: 0.5",
-                                      "partial rotary")),
+    (["--config", "{tmp}/bad.yaml"], ("language_model.hiden_size", "did you mean hidden_size", "squared_relu: True",
+                                      "squared-ReLU")),
     (["--config", "{tmp}/syntax.yaml"], ("syntax.yaml' line 2", "not valid YAML")),
     (["--config", "{tmp}/typed.yaml"], ("num_layers='four' is not a valid int",)),
     (["--config", "{repo}/configs/gpt_tiny.py", "--hiden-size", "64"], ("unknown --hiden-size 64",
@@ -136,7 +136,7 @@ def test_megatron_flag_semantics():
     (["--config", "{repo}/configs/gpt_tiny.py", "--num-layers", "x"], ("--num-layers: invalid int value: 'x'",)),
 ], ids=["yaml-unknown-and-refused-keys", "yaml-syntax", "yaml-type", "unknown-flag", "refused-flags", "flag-type"])
 def test_bad_arguments_exit_2_with_one_line(tmp_path, argv, named):
-    (tmp_path / "bad.yaml").write_text("language_model:\n  num_layers: 2\n  hiden_size: 64\nrotary_percent: 0.5\n")
+    (tmp_path / "bad.yaml").write_text("language_model:\n  num_layers: 2\n  hiden_size: 64\nsquared_relu: true\n")
     (tmp_path / "syntax.yaml").write_text("language_model: [1,\n")
     (tmp_path / "typed.yaml").write_text("language_model:\n  num_layers: four\n")
     status, out, err = run_main([a.format(tmp=tmp_path, repo=REPO) for a in argv])

@@ -172,8 +172,8 @@ def test_import_refuses_what_jmegatron_cannot_represent(tmp_path):
         config_fields_from_hf({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
                                "num_hidden_layers": 1, "intermediate_size": 128, "max_position_embeddings": 32,
                                "vocab_size": 100, "attention_bias": True})
-    with pytest.raises(ValueError, match="model_type='phi3' has no jmegatron import"):
-        config_fields_from_hf({"model_type": "phi3"})
+    with pytest.raises(ValueError, match="model_type='bloom' has no jmegatron import"):
+        config_fields_from_hf({"model_type": "bloom"})
 
 
 def test_export_help_lists_the_readme_architectures(capsys):
@@ -190,4 +190,4 @@ def test_export_help_lists_the_readme_architectures(capsys):
         main(["--help"])
     help_text = capsys.readouterr().out
     hf_line = help_text[help_text.index("write a Hugging Face folder"):help_text.index("import-hf")]
-    assert names.findall(hf_line) == names.findall(listed) and len(names.findall(listed)) == 16
+    assert names.findall(hf_line) == names.findall(listed) and len(names.findall(listed)) == 17

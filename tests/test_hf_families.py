@@ -55,6 +55,11 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(LLAMA_LIKE, head_dim=32, tie_word_embeddings=False, max_position_embeddings=64,
                                   rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)), hf.QWEN3),
+    # Phi-3: the fused qkv_proj / gate_up_proj tensors, partial RoPE (half of each 16-wide head
+    # rotates), a sliding window (8 keys) over every layer, residual dropout read
+    "phi3": ("Phi3Config", dict(LLAMA_LIKE, sliding_window=8, tie_word_embeddings=False, bos_token_id=1,
+                                eos_token_id=2, pad_token_id=0, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)), hf.PHI3),
     # Mixtral: every layer MoE, top-2 of 4 experts renormalised
     "mixtral": ("MixtralConfig", dict(LLAMA_LIKE, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
                                       rope_parameters=dict(rope_type="default", rope_theta=1000000.0)), hf_moe.MIXTRAL),
@@ -305,8 +310,9 @@ def test_deepseek_v3_mtp_depth_in_the_hub_layout(imported, tmp_path):
 # with softmax routing (tests/test_moe_e2e.py trains Mixtral end to end; Qwen2-MoE's shared-
 # expert gate gradients are tests/test_expert_parallel.py's),
 # and GPT-2's gpt_tiny's with the tanh GELU (its custom VJP: tests/test_fusions.py). OLMo-3's
-# (OLMo-2's blocks with windows): layers without pre-norms, the QK-norm over all heads.
-TRAINED = ("gemma3", "deepseek_v3", "olmo3")
+# (OLMo-2's blocks with windows): layers without pre-norms, the QK-norm over all heads. Phi-3's
+# partial RoPE (half of each head rotating, the rest passed through) is its own backward.
+TRAINED = ("gemma3", "deepseek_v3", "olmo3", "phi3")
 
 
 def test_fp8_unified_checkpoint_loads_back(imported, tmp_path):
@@ -378,6 +384,9 @@ def test_imported_models_train(imported):
     (dict(model_type="llama", attention_sink=True), "attention_sink=True \\(a field jmegatron's llama import does "
                                                     "not read"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    (dict(model_type="phi3", rope_scaling=dict(type="su", short_factor=[1.0] * 8, long_factor=[1.0] * 8)),
+     "rope_type='su' \\(Phi-3's LongRoPE"),
+    (dict(model_type="phi3", sliding_window=8, layer_types=["full_attention"]), "layer_types \\(transformers' Phi-3"),
     (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16,
                                attention_factor=1.0)), "attention_factor=1.0"),
     (dict(model_type="qwen3", attention_bias=True), "attention_bias=True \\(Qwen3's biases"),
@@ -463,6 +472,15 @@ def test_export_refuses_what_the_target_cannot_hold(imported):
     with pytest.raises(ValueError, match=r"qk_layernorm_across_heads=True \(OLMo's QK-norm over all heads\), "
                                          r"config.pre_norms=False"):
         refuse_blocks(jmegatron_cfg(olmo2))
+    phi3 = hf.config_fields_from_hf(imported["phi3"][1])
+    with pytest.raises(ValueError, match=r"Phi3ForCausalLM \(chosen by .*rotary_percent=0.5\): "
+                                         r"config.qk_layernorm=True \(Phi3 has no QK-norm\)"):
+        hf.hf_architecture(jmegatron_cfg(phi3, qk_layernorm=True))
+    with pytest.raises(ValueError, match=r"rotary_interleaved=True \(interleaved RoPE: no export target"):
+        hf.hf_architecture(jmegatron_cfg(phi3, rotary_interleaved=True))
+    mixtral = hf.config_fields_from_hf(imported["mixtral"][1])
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM: config.rotary_percent=0.5 \(partial RoPE: Phi3ForCausalLM"):
+        hf.hf_architecture(jmegatron_cfg(mixtral, rotary_percent=0.5))
 
 
 def test_gemma3_layer_types_under_scanned_layers(imported):

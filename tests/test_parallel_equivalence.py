@@ -31,7 +31,8 @@ LLAMA = dict(family="llama", num_attention_heads=8, num_query_groups=4, ffn_hidd
 # with a head dimension (32) decoupled from hidden / heads (16), YaRN (jmegatron.models.rope)
 BLOCKS = dict(family="llama", num_attention_heads=4, num_query_groups=2, kv_channels=32, ffn_hidden_size=96,
               add_qkv_bias=True, qk_layernorm=True, position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
-              yarn_original_max_position_embeddings=16)
+              yarn_original_max_position_embeddings=16,
+              rotary_percent=0.5, rotary_interleaved=True)  # partial + interleaved RoPE (Phi-3's, GLM's parts)
 # OLMo-2/3's blocks: the QK-norm over all query heads and all key heads together (its variance a
 # mean across the heads that tensor parallelism splits), post-norms only, a decoupled head dimension
 OLMO_BLOCKS = dict(family="llama", num_attention_heads=4, num_query_groups=2, kv_channels=32, ffn_hidden_size=96,

@@ -12,7 +12,7 @@ from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as 
 
 from jmegatron.config import ConfigError, RotaryConfig
 from jmegatron.config import yarn_concentration_factor
-from jmegatron.models.rope import RotaryEmbedding
+from jmegatron.models.rope import RotaryEmbedding, apply_rope
 
 
 @pytest.mark.parametrize("d, base, factor", [(128, 500000, 8.0), (64, 10000, 32.0)])
@@ -74,6 +74,95 @@ def test_cos_sin_interpolate_positions_and_scale():
     (dict(swiglu=True, openai_gelu=True), "openai_gelu=True with swiglu=True"),
 ])
 def test_bad_rotary_fields_are_refused_by_name(fields, match):
+    from test_train_step import tiny_cfg
+
+    with pytest.raises(ConfigError, match=match):
+        tiny_cfg(**fields)
+
+
+def _qk(d=16, s=9, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((2, s, 3, d)).astype(np.float32), rng.standard_normal((2, s, 3, d)).astype(np.float32),
+            np.broadcast_to(np.arange(3, 3 + s), (2, s)).astype(np.int32))
+
+
+def _ours(d, fields, q, k, pos):
+    r = RotaryEmbedding(d, RotaryConfig(position_embedding_type="rope", **fields))
+    cos, sin = r.cos_sin(jnp.asarray(pos))
+    interleaved = r.config.rotary_interleaved
+    return [np.asarray(apply_rope(jnp.asarray(x), cos, sin, interleaved)) for x in (q, k)], (cos, sin)
+
+
+def _bhsd(x):
+    return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3)))
+
+
+def test_interleaved_rope_is_cohere_apply_rotary_pos_emb():
+    """``rotary_interleaved``: the pairs (2i, 2i + 1) rotate by frequency i, as transformers'
+    Cohere ``apply_rotary_pos_emb`` with CohereRotaryEmbedding's interleaved tables."""
+    from transformers import CohereConfig
+    from transformers.models.cohere import modeling_cohere as cohere
+
+    d = 16
+    q, k, pos = _qk(d)
+    (oq, ok), (cos, sin) = _ours(d, dict(rotary_base=10000, rotary_interleaved=True), q, k, pos)
+    conf = CohereConfig(hidden_size=3 * d, num_attention_heads=3, rope_parameters=dict(rope_type="default",
+                                                                                       rope_theta=10000.0))
+    tcos, tsin = cohere.CohereRotaryEmbedding(conf)(torch.zeros(1, dtype=torch.float32), torch.from_numpy(pos).long())
+    np.testing.assert_allclose(np.asarray(cos)[:, :, 0], tcos.numpy(), rtol=0, atol=1e-6)
+    tq, tk = cohere.apply_rotary_pos_emb(_bhsd(q), _bhsd(k), tcos, tsin)
+    np.testing.assert_allclose(oq, tq.numpy().transpose(0, 2, 1, 3), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(ok, tk.numpy().transpose(0, 2, 1, 3), rtol=0, atol=1e-5)
+    halves, _ = _ours(d, dict(rotary_base=10000), q, k, pos)
+    assert np.max(np.abs(halves[0] - oq)) > 0.1  # the two layouts differ
+
+
+def test_partial_rope_is_phi3_apply_rotary_pos_emb():
+    """``rotary_percent`` 0.5: the first half of each head rotates with frequencies of an 8-wide
+    RoPE, the rest passes through unchanged, as transformers' Phi-3 (``partial_rotary_factor``)."""
+    from transformers import Phi3Config
+    from transformers.models.phi3 import modeling_phi3 as phi3
+
+    d = 16
+    q, k, pos = _qk(d)
+    (oq, ok), (cos, _) = _ours(d, dict(rotary_base=10000, rotary_percent=0.5), q, k, pos)
+    assert cos.shape[-1] == 8
+    conf = Phi3Config(hidden_size=3 * d, num_attention_heads=3, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+    tcos, tsin = phi3.Phi3RotaryEmbedding(conf)(torch.zeros(1, dtype=torch.float32), torch.from_numpy(pos).long())
+    tq, tk = phi3.apply_rotary_pos_emb(_bhsd(q), _bhsd(k), tcos, tsin)
+    np.testing.assert_allclose(oq, tq.numpy().transpose(0, 2, 1, 3), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(ok, tk.numpy().transpose(0, 2, 1, 3), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(oq[..., 8:], q[..., 8:])
+
+
+@pytest.mark.parametrize("percent, interleaved", [(0.5, True), (1.0, True), (0.5, False)])
+def test_partial_and_interleaved_rope_are_megatrons(percent, interleaved, monkeypatch):
+    """Both layouts and their combination against megatron-core's own RotaryEmbedding
+    (``rotary_percent``, ``rotary_interleaved``) and ``_apply_rotary_pos_emb_bshd``."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # its tables move to the GPU
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    d, s = 16, 9
+    q, k, _ = _qk(d, s)
+    pos = np.broadcast_to(np.arange(s), (2, s)).astype(np.int32)
+    (oq, _), _ = _ours(d, dict(rotary_base=10000, rotary_percent=percent, rotary_interleaved=interleaved), q, k, pos)
+    ref = rotary.RotaryEmbedding(kv_channels=d, rotary_percent=percent, rotary_interleaved=interleaved,
+                                 rotary_base=10000, use_cpu_initialization=True)
+    freqs = ref(s)  # [s, 1, 1, dim]
+    want = _apply_rotary_pos_emb_bshd(torch.from_numpy(np.ascontiguousarray(q.transpose(1, 0, 2, 3))), freqs,
+                                      rotary_interleaved=interleaved)
+    np.testing.assert_allclose(oq, want.numpy().transpose(1, 0, 2, 3), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(position_embedding_type="rope", rotary_percent=1.5), "rotary_percent=1.5 must be in \\(0, 1\\]"),
+    (dict(position_embedding_type="rope", kv_channels=16, rotary_percent=0.2), "rotary_percent=0.2 with "
+                                                                               "kv_channels=16 rotates"),
+    (dict(position_embedding_type="learned_absolute", rotary_interleaved=True), "rotary_interleaved=True needs "
+                                                                                "position_embedding_type"),
+])
+def test_bad_partial_or_interleaved_rope_is_refused_by_name(fields, match):
     from test_train_step import tiny_cfg
 
     with pytest.raises(ConfigError, match=match):

@@ -209,6 +209,13 @@ class RotaryConfig(ConfigGroup):
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     yarn_correction_range_round_to_int: bool = True
+    # partial RoPE (megatron-core's rotary_percent; HF partial_rotary_factor: Phi-3, GLM):
+    # only the first int(kv_channels * rotary_percent) channels of each head rotate, the
+    # rest pass through; 1.0: the whole head
+    rotary_percent: float = 1.0
+    # interleaved RoPE (megatron-core's rotary_interleaved; HF Cohere / GLM): channel pairs
+    # (0, 1), (2, 3), ... rotate together instead of the two halves (i, i + d/2)
+    rotary_interleaved: bool = False
 
     def check_rotary(self) -> None:
         """Raise ConfigError naming the field for a rotary scaling where it does not apply
@@ -232,6 +239,13 @@ class RotaryConfig(ConfigGroup):
             if self.rope_scaling_original_max_position_embeddings <= 0:
                 raise ConfigError("config.rope_scaling_original_max_position_embeddings="
                                   f"{self.rope_scaling_original_max_position_embeddings} must be > 0.")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"config.rotary_percent={self.rotary_percent} must be in (0, 1] (the fraction of "
+                              f"each head's channels RoPE rotates).")
+        for name, off in (("rotary_percent", 1.0), ("rotary_interleaved", False)):
+            if getattr(self, name) != off and not rotary:
+                raise ConfigError(f"config.{name}={getattr(self, name)} needs position_embedding_type 'rope' or "
+                                  f"'yarn', not {self.position_embedding_type!r}; unset {name}.")
         if self.position_embedding_type == "yarn":
             if not self.yarn_rotary_scaling_factor >= 1:
                 raise ConfigError(f"config.yarn_rotary_scaling_factor={self.yarn_rotary_scaling_factor} must be >= 1.")
@@ -497,6 +511,7 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
         if self.position_embedding_type in ("rope", "yarn") and self.kv_channels % 2 and not self.multi_latent_attention:
             raise ConfigError(f"config.kv_channels={self.kv_channels} must be even for {self.position_embedding_type}.")
         self.check_rotary()
+        self._check_partial_rotary()
         self._check_gemma_blocks()
         self._check_no_rope()
         self._check_multipliers()
@@ -642,7 +657,8 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
                        softmax_scale=self.softmax_scale is not None, window_size=self.window_size is not None,
                        attn_logit_softcapping=self.attn_logit_softcapping is not None,
                        add_qkv_bias=self.add_qkv_bias, rope_scaling=self.rope_scaling,
-                       rotary_seq_len_interpolation_factor=self.rotary_seq_len_interpolation_factor is not None)
+                       rotary_seq_len_interpolation_factor=self.rotary_seq_len_interpolation_factor is not None,
+                       rotary_percent=self.rotary_percent != 1.0, rotary_interleaved=self.rotary_interleaved)
         refuse_with(self, "multi_latent_attention=True", refused, "multi-latent attention runs on one context / "
                           "pipeline rank with its own score scale and RoPE", "drop {name}.")
 
@@ -659,6 +675,17 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
         if not self.pre_norms and not self.sandwich_norms:
             raise ConfigError("config.pre_norms=False with sandwich_norms=False: a layer without any norm is not "
                               "built; set sandwich_norms=True (post-norms only, OLMo-2) or pre_norms=True.")
+
+    def _check_partial_rotary(self):
+        """Partial RoPE rotates ``int(kv_channels * rotary_percent)`` channels (megatron-core's
+        RotaryEmbedding ``dim``): a positive even number."""
+        if self.rotary_percent == 1.0 or self.multi_latent_attention:
+            return
+        dims = int(self.kv_channels * self.rotary_percent)
+        if dims < 2 or dims % 2:
+            raise ConfigError(f"config.rotary_percent={self.rotary_percent} with kv_channels={self.kv_channels} "
+                              f"rotates int({self.kv_channels} x {self.rotary_percent}) = {dims} channels; RoPE "
+                              f"rotates pairs: choose a rotary_percent that gives an even number >= 2.")
 
     def _check_mtp(self):
         """Multi-token prediction: its depth, its factor, and the layouts it is not built for."""

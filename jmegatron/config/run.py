@@ -216,7 +216,7 @@ MODEL_FIELDS = (
     "rotary_seq_len_interpolation_factor", "rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
     "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
     "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-    "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int",
+    "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int", "rotary_percent", "rotary_interleaved",
     "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
     "add_bias_linear", "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p", "gated_linear_unit", "softmax_scale",
     "attn_logit_softcapping", "final_logit_softcapping", "window_size", "window_attn_skip_freq",

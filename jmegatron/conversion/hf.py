@@ -35,6 +35,15 @@ Targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatr
 * ``GraniteForCausalLM``: Llama's blocks with ``embedding_multiplier``,
   ``residual_multiplier``, ``logits_scaling`` and ``attention_multiplier`` (``softmax_scale``).
 
+* ``Phi3ForCausalLM`` (``models/phi3/modeling_phi3.py``): Llama's blocks without biases or
+  QK-norm, with partial RoPE (``rotary_percent`` < 1: HF ``partial_rotary_factor``), the
+  fused ``self_attn.qkv_proj`` (``[q; k; v]`` on the output axis) and ``mlp.gate_up_proj``
+  (``[gate; up]``) tensors, and a sliding window over every layer when ``window_size`` is
+  set. Export chooses it for a partial rotary factor, the one thing of Phi-3 that Llama
+  cannot hold; a Phi-3 checkpoint with the whole head rotating imports to the same fields
+  as Llama's and exports back as ``LlamaForCausalLM`` (``MistralForCausalLM`` with a
+  window), the same model.
+
 Import also reads ``MistralForCausalLM`` (model_type "mistral", Llama's layout, a sliding
 window over every layer as ``window_size``), which exports back as ``MistralForCausalLM``
 with a window and as ``LlamaForCausalLM`` without, and the text model of a multimodal
@@ -105,10 +114,13 @@ MISTRAL = "MistralForCausalLM"
 MINISTRAL = "MinistralForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
+PHI3 = "Phi3ForCausalLM"
 # Llama's layout (model.layers.{i}.self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, RMSNorm):
 # model_type -> class. Qwen2 adds Q/K/V biases without an o_proj bias; Qwen3 per-head
-# q_norm / k_norm and a head_dim decoupled from hidden / heads.
-LLAMA_LIKE = {"llama": LLAMA, "mistral": MISTRAL, "ministral": MINISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
+# q_norm / k_norm and a head_dim decoupled from hidden / heads; Phi-3 partial RoPE and the
+# fused qkv_proj / gate_up_proj tensors (_PHI3_FUSED).
+LLAMA_LIKE = {"llama": LLAMA, "mistral": MISTRAL, "ministral": MINISTRAL, "qwen2": QWEN2, "qwen3": QWEN3,
+              "phi3": PHI3}
 _MODEL_TYPE = {arch: model_type for model_type, arch in LLAMA_LIKE.items()}
 GEMMA2 = "Gemma2ForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
@@ -125,7 +137,7 @@ OLMO3 = "Olmo3ForCausalLM"
 OLMO_TYPES = {"olmo2": OLMO2, "olmo3": OLMO3}
 _MODEL_TYPE.update({OLMO2: "olmo2", OLMO3: "olmo3"})
 # every class :func:`hf_architecture` exports to (`export hf --help` and the README list these)
-ARCHITECTURES = (GPT2, LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3) + MOE_ARCHITECTURES + (OLMO2, OLMO3)
+ARCHITECTURES = (GPT2, LLAMA, MISTRAL, MINISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3) + MOE_ARCHITECTURES + (OLMO2, OLMO3)
 # Llama's layout with new parts: SmolLM3's NoPE layers (no_rope_layers: 1 = RoPE; no_rope_freq
 # is its complement) and sliding windows by layer_types; Granite's embedding / residual /
 # attention multipliers and logits_scaling
@@ -141,6 +153,10 @@ _LLAMA_NORMS = {"input_layernorm": "input_layernorm", "pre_mlp_layernorm": "post
 _GEMMA_NORMS = {"input_layernorm": "input_layernorm", "post_self_attn_layernorm": "post_attention_layernorm",
                 "pre_mlp_layernorm": "pre_feedforward_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"}
 _OLMO_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"}
+# Phi-3's fused tensors (per layer, under model.layers.{i}.) -> the Llama-layout tensors they
+# concatenate on the output axis, in order
+_PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 # GPT-2's activation_function values that are the tanh GELU (Megatron's openai_gelu)
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -165,7 +181,7 @@ def _gemma_block_problems(cfg, arch: str) -> list[str]:
     for n in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local"):
         if getattr(cfg, n) is not None:
             problems.append(f"config.{n}={getattr(cfg, n)} ({name} has no such field)")
-    if cfg.window_size is not None and not (arch == MISTRAL and all(_window_pattern(cfg)) or arch in (MINISTRAL, SMOLLM3)
+    if cfg.window_size is not None and not (arch in (MISTRAL, PHI3) and all(_window_pattern(cfg)) or arch in (MINISTRAL, SMOLLM3)
                                             or arch in (QWEN2, QWEN3) and _qwen_window_layers(cfg) is not None):
         problems.append(f"config.window_size={cfg.window_size} ({name} has no sliding window; Mistral windows "
                         f"every layer, Ministral and Gemma-2/3 mix sliding and full layers)")
@@ -225,7 +241,7 @@ def _gemma_problems(cfg, arch: str) -> list[str]:
                         f"attention does not apply it)")
     if arch == GEMMA2 and cfg.rotary_base_local is not None:
         problems.append(f"config.rotary_base_local={cfg.rotary_base_local} (Gemma-2 has one RoPE; Gemma-3 two)")
-    return problems + _rope_problems(cfg) + _olmo_block_problems(cfg, arch)
+    return problems + _rope_problems(cfg, arch) + _olmo_block_problems(cfg, arch)
 
 
 def _olmo_block_problems(cfg, arch: str) -> list[str]:
@@ -261,7 +277,7 @@ def _olmo_problems(cfg, arch: str) -> list[str]:
     for n in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(cfg, n) is not None:
             problems.append(f"config.{n}={getattr(cfg, n)} ({name} has no such field)")
-    return problems + _rope_problems(cfg)
+    return problems + _rope_problems(cfg, arch)
 
 
 def _gpt2_problems(cfg) -> list[str]:
@@ -300,11 +316,36 @@ def _llama_problems(cfg, arch: str = LLAMA) -> list[str]:
     if arch == LLAMA and cfg.hidden_size % cfg.num_attention_heads:
         problems.append(f"config.hidden_size={cfg.hidden_size} is not divisible by num_attention_heads="
                         f"{cfg.num_attention_heads} (LlamaConfig rejects it)")
-    problems += _rope_problems(cfg) + _gemma_block_problems(cfg, arch) + _olmo_block_problems(cfg, arch)
+    if arch == PHI3:
+        problems += _phi3_problems(cfg)
+    problems += _rope_problems(cfg, arch) + _gemma_block_problems(cfg, arch) + _olmo_block_problems(cfg, arch)
     return problems
 
 
-def _rope_problems(cfg) -> list[str]:
+def _phi3_problems(cfg) -> list[str]:
+    """The fields of ``cfg`` that Hugging Face Phi-3 (besides Llama's checks) cannot represent."""
+    problems = []
+    if cfg.add_bias_linear or cfg.add_qkv_bias:
+        problems.append("config.add_bias_linear / add_qkv_bias (Phi3 has no biases)")
+    if cfg.qk_layernorm:
+        problems.append("config.qk_layernorm=True (Phi3 has no QK-norm)")
+    if cfg.rope_scaling or cfg.position_embedding_type == "yarn" or cfg.rotary_seq_len_interpolation_factor:
+        problems.append("rope_scaling / yarn / rotary_seq_len_interpolation_factor (Phi3Config takes rope_type "
+                        "'default' or 'longrope' only)")
+    return problems
+
+
+def _rope_problems(cfg, arch: str = LLAMA) -> list[str]:
+    """The rotary fields of ``cfg`` that Hugging Face ``arch``'s RoPE cannot represent."""
+    problems = []
+    if cfg.rotary_interleaved:
+        problems.append("config.rotary_interleaved=True (interleaved RoPE: no export target; the Llama layout "
+                        "rotates halves)")
+    if cfg.rotary_percent != 1.0 and arch != PHI3:
+        problems.append(f"config.rotary_percent={cfg.rotary_percent} (partial RoPE: {PHI3} holds it, with "
+                        f"rope_type 'default', no biases and no QK-norm)")
+    if problems:
+        return problems
     if cfg.rotary_seq_len_interpolation_factor is not None and (cfg.rope_scaling
                                                                  or cfg.position_embedding_type == "yarn"):
         return [f"config.rotary_seq_len_interpolation_factor={cfg.rotary_seq_len_interpolation_factor} with "
@@ -334,11 +375,13 @@ def rope_parameters(cfg) -> dict[str, Any]:
     return out
 
 
-def rope_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+def rope_fields_from_hf(conf: Mapping[str, Any], problems: list[str], partial_rotary: bool = False) -> dict[str, Any]:
     """jmegatron's rotary fields of a Hugging Face ``config.json`` (``rope_parameters``, or the
     legacy ``rope_scaling`` + ``rope_theta`` of transformers 4.x); appends what jmegatron cannot
-    represent to ``problems`` (rope types other than default / linear / llama3 / yarn, a
-    partial rotary factor, a YaRN ``attention_factor`` other than the one its mscales give)."""
+    represent to ``problems`` (rope types other than default / linear / llama3 / yarn, a YaRN
+    ``attention_factor`` other than the one its mscales give, and a partial rotary factor
+    unless ``partial_rotary``: the family's attention rotates ``q[..., :int(head_dim *
+    factor)]`` and passes the rest, as Phi-3's, read as ``rotary_percent``)."""
     rope = dict(conf.get("rope_parameters") or {})
     rope.update(conf.get("rope_scaling") or {})  # transformers: rope_scaling wins when both are given
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -347,8 +390,11 @@ def rope_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[st
         problems.append(f"rope_theta={theta} (jmegatron's rotary_base is an integer)")
     fields: dict[str, Any] = dict(position_embedding_type="rope", rotary_base=int(theta))
     partial = rope.get("partial_rotary_factor", conf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        problems.append(f"partial_rotary_factor={partial} (jmegatron rotates the whole head)")
+    if partial not in (None, 1.0) and partial_rotary:
+        fields["rotary_percent"] = float(partial)
+    elif partial not in (None, 1.0):
+        problems.append(f"partial_rotary_factor={partial} (this family's transformers attention rotates the whole "
+                        f"head)")
     original = rope.get("original_max_position_embeddings", conf.get("max_position_embeddings"))
     if rope_type == "linear":
         fields["rotary_seq_len_interpolation_factor"] = float(rope["factor"])
@@ -387,7 +433,9 @@ def hf_architecture(cfg) -> str:
     SwiGLU (grouped-query attention, any ``kv_channels``): ``"Qwen3ForCausalLM"`` with
     ``qk_layernorm``, ``"Qwen2ForCausalLM"`` with ``add_qkv_bias`` and no other bias,
     ``"MistralForCausalLM"`` with a sliding window on every layer, else
-    ``"LlamaForCausalLM"`` (biases map to ``attention_bias``/``mlp_bias``). Tied and untied
+    ``"LlamaForCausalLM"`` (biases map to ``attention_bias``/``mlp_bias``);
+    ``"Phi3ForCausalLM"`` with a partial rotary factor (``rotary_percent`` < 1), which no
+    other target holds. Tied and untied
     output layers are both representable (``tie_word_embeddings``). With ``sandwich_norms``:
     ``"Gemma3ForCausalLM"`` with ``qk_layernorm``, else ``"Gemma2ForCausalLM"``. Without
     ``pre_norms``: ``"Olmo3ForCausalLM"`` with a sliding window, else ``"Olmo2ForCausalLM"``
@@ -436,6 +484,8 @@ def hf_architecture(cfg) -> str:
     elif cfg.position_embedding_type in ("rope", "yarn"):
         arch = QWEN3 if cfg.qk_layernorm else QWEN2 if cfg.add_qkv_bias and not cfg.add_bias_linear else \
             (MISTRAL if all(_window_pattern(cfg)) else MINISTRAL) if cfg.window_size is not None else LLAMA
+        if cfg.rotary_percent != 1.0:  # partial RoPE: Phi-3 holds it
+            arch = PHI3
         problems = _llama_problems(cfg, arch)
     else:
         raise ValueError(
@@ -448,7 +498,9 @@ def hf_architecture(cfg) -> str:
     if problems:
         raise ValueError(f"this config cannot be exported as Hugging Face {arch} "
                          f"(chosen by position_embedding_type={cfg.position_embedding_type!r}"
-                         f"{', qk_layernorm' if cfg.qk_layernorm else ''}): " + "; ".join(problems) + ".")
+                         f"{', qk_layernorm' if cfg.qk_layernorm else ''}"
+                         f"{f', rotary_percent={cfg.rotary_percent}' if arch == PHI3 else ''}): "
+                         + "; ".join(problems) + ".")
     return arch
 
 
@@ -527,6 +579,8 @@ def hf_config_dict(cfg, vocab_size: int, *, bos_token_id: Optional[int | list[in
     if arch == MISTRAL:
         conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp", "attention_bias")}
         return dict(conf, model_type="mistral", sliding_window=cfg.window_size[0] + 1)
+    if arch == PHI3:
+        return _phi3_config_dict(cfg, llama, rope)
     if arch == MINISTRAL:
         conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp", "attention_bias")}
         return dict(conf, model_type="ministral", sliding_window=cfg.window_size[0] + 1,
@@ -619,6 +673,44 @@ def _olmo_config_dict(cfg, arch: str, llama: dict, rope: dict) -> dict[str, Any]
                     sliding_window=cfg.window_size[0] + 1,
                     layer_types=["sliding_attention" if w else "full_attention" for w in _window_pattern(cfg)])
     return conf
+
+
+def _phi3_config_dict(cfg, llama: dict, rope: dict) -> dict[str, Any]:
+    """Phi3Config content: Llama's sizes (``head_dim`` kept: Phi-3's attention reads it when
+    given), ``rope_parameters`` with ``partial_rotary_factor`` = ``rotary_percent`` (also the
+    transformers 4.x top-level ``partial_rotary_factor`` / ``rope_theta``), ``resid_pdrop`` =
+    ``embd_pdrop`` = ``hidden_dropout`` (jmegatron's hidden dropout also drops the embeddings,
+    as Megatron's; transformers' Phi-3 applies ``resid_pdrop`` only),
+    ``original_max_position_embeddings`` = ``max_position_embeddings`` (LongRoPE's, unused
+    by the default RoPE), and the window of every layer as ``sliding_window``."""
+    conf = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp", "attention_bias", "rope_scaling")}
+    conf.update(model_type="phi3", rope_parameters=dict(rope, partial_rotary_factor=float(cfg.rotary_percent)),
+                partial_rotary_factor=float(cfg.rotary_percent), resid_pdrop=float(cfg.hidden_dropout),
+                embd_pdrop=float(cfg.hidden_dropout), original_max_position_embeddings=cfg.max_position_embeddings,
+                sliding_window=None if cfg.window_size is None else cfg.window_size[0] + 1)
+    return conf
+
+
+def _phi3_fields_from_hf(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """Phi-3's fields beyond the Llama layout's (see :func:`config_fields_from_hf`):
+    ``hidden_dropout`` = ``resid_pdrop`` (transformers' Phi-3 drops the attention and MLP
+    outputs before their residual adds; ``embd_pdrop`` is read and unused there, and
+    jmegatron's hidden dropout also drops the embeddings, as Megatron's);
+    ``original_max_position_embeddings`` is read (LongRoPE's only). Appends to ``problems``
+    a rope type other than "default" (Phi3Config reads "su" and "yarn" as "longrope":
+    LongRoPE's short / long factors are not built) and ``layer_types`` (Phi-3 windows every
+    layer by ``sliding_window``; transformers' Phi-3 does not read them)."""
+    conf.get("embd_pdrop"), conf.get("original_max_position_embeddings")
+    rope = dict(conf.get("rope_parameters") or {})
+    rope.update(conf.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        problems.append(f"rope_type={rope_type!r} (Phi-3's LongRoPE, short / long factors by sequence length: not "
+                        f"built{'; Phi3Config reads it as longrope' if rope_type in ('su', 'yarn') else ''})")
+    if conf.get("layer_types") is not None:
+        problems.append("layer_types (transformers' Phi-3 windows every layer by sliding_window and does not read "
+                        "them)")
+    return dict(hidden_dropout=float(conf.get("resid_pdrop") or 0.0))
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types jmegatron builds
@@ -871,6 +963,9 @@ NOT_MODEL_FIELDS = frozenset({
     # transformers 4.x Llama's split of each matmul into pretraining_tp slices (the same
     # product); a request to return the MoE router's logits
     "pretraining_tp", "output_router_logits",
+    # the Hub's remote-code classes for trust_remote_code (Phi-3's checkpoints carry them); the
+    # import follows transformers' own class of model_type, as transformers does without it
+    "auto_map",
     # GPT-2's sequence-summary head (GPT2DoubleHeadsModel), not the language model's
     "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
 })
@@ -898,6 +993,7 @@ HF_SOURCES = {
                                                                                       "layer_norm_epsilon"),
     "softmax_scale": ("query_pre_attn_scalar",), "attn_logit_softcapping": ("attn_logit_softcapping",),
     "final_logit_softcapping": ("final_logit_softcapping",), "rotary_base": ("rope_parameters", "rope_theta"),
+    "rotary_percent": ("partial_rotary_factor", "rope_parameters"), "hidden_dropout": ("resid_pdrop",),
 }
 HF_SOURCES.update(no_rope_freq=("no_rope_layers", "no_rope_layer_interval"),
                   embedding_multiplier=("embedding_multiplier",), residual_multiplier=("residual_multiplier",),
@@ -959,7 +1055,8 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
 
     Accepts ``model_type`` "gpt2" (``activation_function`` "gelu", or the tanh "gelu_new" /
     "gelu_pytorch_tanh" / "gelu_fast" as ``openai_gelu``), the Llama layout "llama",
-    "mistral", "qwen2" (Q/K/V biases), "qwen3" (``qk_layernorm``) with ``hidden_act "silu"``
+    "mistral", "qwen2" (Q/K/V biases), "qwen3" (``qk_layernorm``), "phi3" (partial RoPE as
+    ``rotary_percent``, ``resid_pdrop`` as ``hidden_dropout``: :func:`_phi3_fields_from_hf`) with ``hidden_act "silu"``
     and the RoPE types of :func:`rope_fields_from_hf`, and the MoE types of
     :mod:`jmegatron.conversion.hf_moe`. Raises ValueError naming each HF field jmegatron cannot
     represent (e.g. sliding-window attention, ``attention_bias`` without ``mlp_bias``, RoPE
@@ -1023,8 +1120,10 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             add_bias_linear=model_type in _ATTENTION_AND_MLP_BIAS and attn_bias and mlp_bias,
             add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
             hidden_dropout=0.0, attention_dropout=float(conf.get("attention_dropout") or 0.0))
-        fields.update(rope_fields_from_hf(conf, problems))
+        fields.update(rope_fields_from_hf(conf, problems, partial_rotary=model_type == "phi3"))
         fields.update(windows)
+        if model_type == "phi3":
+            fields.update(_phi3_fields_from_hf(conf, problems))
         if model_type in hf_moe.MODEL_TYPES:
             fields.update(hf_moe.moe_config_fields(conf, problems))
         if model_type == "smollm3":
@@ -1066,6 +1165,8 @@ def to_hf_state_dict(params: Mapping, cfg, vocab_size: Optional[int] = None) -> 
     Llama: ``q_proj.weight [nq*d, h]``, ``k_proj``/``v_proj.weight [nkv*d, h]``,
     ``o_proj.weight [h, nq*d]``, ``gate_proj``/``up_proj.weight [ffn, h]`` (fc1 index 0/1),
     ``down_proj.weight [h, ffn]``, ``input_layernorm``/``post_attention_layernorm``/``norm``.
+    Phi-3: Llama's keys with ``self_attn.qkv_proj.weight [(nq + 2 nkv) d, h]`` (q|k|v rows) and
+    ``mlp.gate_up_proj.weight [2 ffn, h]`` (gate|up rows) in place of the separate projections.
     Mixtral / Qwen2-MoE: Llama's keys, the MoE layers' MLPs in the checkpoint (Hub) names of
     :mod:`jmegatron.conversion.hf_moe` (``block_sparse_moe.experts.{e}.w1`` ...), Q/K/V biases
     with ``add_qkv_bias``.
@@ -1122,7 +1223,8 @@ def iter_hf_tensors(common: Mapping, layer: Callable[[int], Mapping], cfg,
         yield "model.embed_tokens.weight", _owned(wte[:v])
         moe_layers = hf_moe.moe_layers(cfg)
         for i in range(cfg.num_layers):
-            yield from _llama_layer_to_hf(i, layer_tree(i), bool(moe_layers[i]), cfg, arch)
+            tensors = _llama_layer_to_hf(i, layer_tree(i), bool(moe_layers[i]), cfg, arch)
+            yield from (_phi3_fuse(i, tensors) if arch == PHI3 else tensors)
         for k in range(cfg.mtp_num_layers or 0):  # DeepSeek-V3's Hub layout: depth k is layer L + k
             n, M = cfg.num_layers + k, f"mtp_layers_{k}"
             o = f"model.layers.{n}"
@@ -1218,6 +1320,38 @@ def _llama_layer_to_hf(i: int, lp: Mapping, moe: bool, cfg, arch: str) -> Iterat
         yield f"{o}.mlp.gate_proj.bias", _owned(b1[0])
         yield f"{o}.mlp.up_proj.bias", _owned(b1[1])
         yield f"{o}.mlp.down_proj.bias", _owned(gl(f"{L}/mlp/linear_fc2/bias"))
+
+
+def _phi3_fuse(i: int, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """Phi-3's tensors of ``model.layers.{i}`` from the Llama layout's: ``self_attn.qkv_proj``
+    ``[(nq + 2 nkv) d, h]`` = ``[q_proj; k_proj; v_proj]`` and ``mlp.gate_up_proj [2 ffn, h]`` =
+    ``[gate_proj; up_proj]`` (transformers' Phi3Attention slices q, k, v in that order;
+    Phi3MLP's ``chunk(2)`` gives gate, then up)."""
+    o = f"model.layers.{i}."
+    out = dict(tensors)
+    for fused, parts in _PHI3_FUSED.items():
+        out[f"{o}{fused}.weight"] = np.concatenate([out.pop(f"{o}{part}.weight") for part in parts], axis=0)
+    yield from out.items()
+
+
+def _phi3_split(sd: Mapping[str, Any], cfg) -> dict[str, Any]:
+    """``sd`` with Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` weights split into the Llama
+    layout's ``q_proj``, ``k_proj``, ``v_proj`` / ``gate_proj``, ``up_proj`` (the inverse of
+    :func:`_phi3_fuse`). Raises ValueError for a fused tensor of the wrong shape."""
+    d, ffn = cfg.kv_channels, cfg.ffn_hidden_size
+    sizes = {"self_attn.qkv_proj": (cfg.num_attention_heads * d, cfg.num_query_groups * d, cfg.num_query_groups * d),
+             "mlp.gate_up_proj": (ffn, ffn)}
+    out: dict[str, Any] = {}
+    for key, value in sd.items():
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight", key)
+        if m is None:
+            out[key] = value
+            continue
+        rows = sizes[m[2]]
+        a = check_shape(key, to_numpy(value), (sum(rows), cfg.hidden_size))
+        for part, piece in zip(_PHI3_FUSED[m[2]], np.split(a, np.cumsum(rows)[:-1], axis=0)):
+            out[f"{m[1]}{part}.weight"] = piece
+    return out
 
 
 # multi-latent attention: jmegatron param (under self_attention) -> HF module (under self_attn)
@@ -1324,6 +1458,8 @@ def from_hf_state_dict(state_dict: Mapping[str, Any], cfg,
     """
     arch = hf_architecture(cfg)
     sd = _hf_checkpoint_names(state_dict, arch)
+    if arch == PHI3:
+        sd = _phi3_split(sd, cfg)
     used: set[str] = set()
 
     def t(key: str, shape: tuple) -> np.ndarray:

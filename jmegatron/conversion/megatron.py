@@ -89,7 +89,8 @@ _TE_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TEG
 def refuse_blocks(cfg) -> None:
     """Raise ValueError naming every block of ``cfg`` a Megatron-LM GPT checkpoint cannot
     hold (multi-latent attention, Gemma's norms, soft-caps and windows, GeGLU, a shared
-    expert without SwiGLU)."""
+    expert without SwiGLU), and the partial or interleaved RoPE that
+    :func:`config_fields_from_megatron_args` does not read back."""
     problems = []
     for name in ("multi_latent_attention", "sandwich_norms", "scale_embeddings", "apply_layernorm_1p"):
         if getattr(cfg, name):
@@ -107,6 +108,11 @@ def refuse_blocks(cfg) -> None:
         problems.append("config.qk_layernorm_across_heads=True (OLMo's QK-norm over all heads)")
     if not cfg.pre_norms:
         problems.append("config.pre_norms=False (OLMo's post-norms only)")
+    if cfg.rotary_percent != 1.0:
+        problems.append(f"config.rotary_percent={cfg.rotary_percent} (partial RoPE: jmegatron's Megatron import "
+                        f"refuses it)")
+    if cfg.rotary_interleaved:
+        problems.append("config.rotary_interleaved=True (jmegatron's Megatron import refuses it)")
     if cfg.num_moe_experts is not None and cfg.moe_shared_expert_intermediate_size and not cfg.swiglu:
         problems.append("a shared expert without swiglu")
     if problems:

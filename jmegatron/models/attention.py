@@ -162,7 +162,8 @@ class SelfAttention(nn.Module):
                             tuple(jnp.where(window_layer, lo, gl) for lo, gl in zip(local, (cos, sin))))
             if no_rope is not False:  # traced: the identity rotation on the NoPE layers
                 cos, sin = jnp.where(no_rope, 1.0, cos), jnp.where(no_rope, 0.0, sin)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            interleaved = self.rope.config.rotary_interleaved
+            q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
         features = {k_: v_ for k_, v_ in (("softmax_scale", self.softmax_scale), ("softcap", self.softcap),
                                           ("window", window)) if v_ is not None}
         new_cache = None

@@ -6,6 +6,13 @@ Llama-3.x ``rope_scaling``) and yarn_rotary_pos_embedding.py (``YarnRotaryEmbedd
 Peng et al. 2023, arXiv:2309.00071). The same numbers as transformers'
 ``modeling_rope_utils`` ("default", "linear", "llama3" and "yarn" rope types).
 
+Two layouts of the rotated channels, as megatron-core's ``apply_rotary_pos_emb_bshd``:
+partial RoPE (``rotary_percent``: the first ``int(kv_channels * rotary_percent)`` channels of
+each head rotate, the rest pass through; transformers' ``partial_rotary_factor``, Phi-3's
+``apply_rotary_pos_emb``), and interleaved RoPE (``rotary_interleaved``: channel pairs
+``(2i, 2i + 1)`` rotate by frequency ``i`` instead of the halves ``(i, i + d/2)``;
+transformers' Cohere ``rotate_half`` with ``repeat_interleave``d frequencies).
+
 :class:`RotaryEmbedding` holds the rotary group of a run's config
 (:class:`jmegatron.config.model.RotaryConfig`) and the head width; its
 :meth:`RotaryEmbedding.inverse_frequencies` are computed once in numpy (constants of the
@@ -46,11 +53,19 @@ class RotaryEmbedding:
             return None
         return cls(cfg.kv_channels, RotaryConfig.of(cfg))
 
+    @property
+    def rotary_dims(self) -> int:
+        """The channels of each head that rotate: ``int(kv_channels * rotary_percent)``
+        (megatron-core RotaryEmbedding's ``dim``; transformers' ``int(head_dim *
+        partial_rotary_factor)``)."""
+        return int(self.kv_channels * self.config.rotary_percent)
+
     def inverse_frequencies(self) -> np.ndarray:
-        """float32 ``[kv_channels / 2]``: ``1 / base^(2i / d)``, rescaled by ``rope_scaling``
-        (megatron-core ``RotaryEmbedding._apply_scaling``) or by YaRN's ramp between
-        interpolated and extrapolated frequencies (``YarnRotaryEmbedding.get_emb``)."""
-        d = self.kv_channels
+        """float32 ``[rotary_dims / 2]``: ``1 / base^(2i / d)`` with ``d`` = :attr:`rotary_dims`,
+        rescaled by ``rope_scaling`` (megatron-core ``RotaryEmbedding._apply_scaling``) or by
+        YaRN's ramp between interpolated and extrapolated frequencies
+        (``YarnRotaryEmbedding.get_emb``)."""
+        d = self.rotary_dims
         exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
         inv_freq = (1.0 / np.float32(self.config.rotary_base) ** exponents).astype(np.float32)
         if self.config.position_embedding_type == "yarn":
@@ -69,26 +84,42 @@ class RotaryEmbedding:
         return yarn_concentration_factor(c.yarn_rotary_scaling_factor, c.yarn_mscale, c.yarn_mscale_all_dim)
 
     def cos_sin(self, position_ids: Array) -> tuple[Array, Array]:
-        """cos/sin tables ``[b, s, 1, kv_channels]`` (float32) for integer ``position_ids [b, s]``
-        (divided by ``rotary_seq_len_interpolation_factor`` when set), times :meth:`mscale`."""
+        """cos/sin tables ``[b, s, 1, rotary_dims]`` (float32) for integer ``position_ids [b, s]``
+        (divided by ``rotary_seq_len_interpolation_factor`` when set), times :meth:`mscale`:
+        the frequencies twice, ``[f, f]`` (rotate-half) or ``[f0, f0, f1, f1, ...]``
+        (``rotary_interleaved``)."""
         positions = position_ids.astype(jnp.float32)
         if self.config.rotary_seq_len_interpolation_factor is not None:
             positions = positions / self.config.rotary_seq_len_interpolation_factor
         freqs = positions[..., None] * jnp.asarray(self.inverse_frequencies())  # [b, s, d/2]
-        emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+        if self.config.rotary_interleaved:
+            emb = jnp.repeat(freqs, 2, axis=-1)[:, :, None, :]
+        else:
+            emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
         m = self.mscale()
         if m == 1.0:
             return jnp.cos(emb), jnp.sin(emb)
         return jnp.cos(emb) * m, jnp.sin(emb) * m
 
 
-def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotate ``x [b, s, n, d]`` by the tables of :meth:`RotaryEmbedding.cos_sin`
-    (rotate-half layout), in float32, returned in ``x``'s dtype."""
-    d = x.shape[-1]
+def apply_rope(x: Array, cos: Array, sin: Array, interleaved: bool = False) -> Array:
+    """Rotate ``x [b, s, n, d]`` by the tables ``[b, s, 1, r]`` of
+    :meth:`RotaryEmbedding.cos_sin`, in float32, returned in ``x``'s dtype: the first ``r``
+    channels rotate (``r < d``: partial RoPE, the other ``d - r`` pass through unchanged, as
+    megatron-core's ``apply_rotary_pos_emb_bshd`` and transformers' Phi-3), in the
+    rotate-half layout (pairs ``(i, i + r/2)``) or, with ``interleaved`` (the tables of a
+    ``rotary_interleaved`` embedding), the pairs ``(2i, 2i + 1)``."""
+    r = cos.shape[-1]
     x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., d // 2:], x32[..., :d // 2]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    x_rot, x_pass = (x32, None) if r == x.shape[-1] else (x32[..., :r], x32[..., r:])
+    if interleaved:
+        rotated = jnp.stack([-x_rot[..., 1::2], x_rot[..., 0::2]], axis=-1).reshape(x_rot.shape)
+    else:
+        rotated = jnp.concatenate([-x_rot[..., r // 2:], x_rot[..., :r // 2]], axis=-1)
+    out = x_rot * cos + rotated * sin
+    if x_pass is not None:
+        out = jnp.concatenate([out, x_pass], axis=-1)
+    return out.astype(x.dtype)
 
 
 def _llama3_inverse_frequencies(r: RotaryConfig, inv_freq: np.ndarray) -> np.ndarray:

@@ -71,11 +71,14 @@ class ModelConfig(TransformerConfig):
     def local_rotary_embedding(self) -> Optional[RotaryEmbedding]:
         """The rotary embedding of the sliding-window layers: the unscaled RoPE at
         ``rotary_base_local`` (Gemma-3's local base; Hugging Face scales the global layers
-        only), or None when the windowed layers share :meth:`rotary_embedding`."""
+        only) over the same channels and layout (``rotary_percent``, ``rotary_interleaved``),
+        or None when the windowed layers share :meth:`rotary_embedding`."""
         if self.rotary_base_local is None:
             return None
         return RotaryEmbedding(self.kv_channels, RotaryConfig(position_embedding_type="rope",
-                                                             rotary_base=self.rotary_base_local))
+                                                             rotary_base=self.rotary_base_local,
+                                                             rotary_percent=self.rotary_percent,
+                                                             rotary_interleaved=self.rotary_interleaved))
 
     def window_layers(self) -> tuple[int, ...]:
         """1 for each decoder layer whose attention slides (``window_size``,
