@@ -86,6 +86,14 @@ FAMILIES = {
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, mscale=1.0,
             mscale_all_dim=1.0)), hf_moe.DEEPSEEK_V3),
+    # gpt-oss: attention sinks, biases on q/k/v/o, sliding (8 keys) and full layers alternating,
+    # YaRN without truncation, top-2 of 4 biased-router experts with the clamped quick-GELU GLU
+    # (hf_model draws gate_up_proj wide enough that the clamp at 7 bites)
+    "gpt_oss": ("GptOssConfig", dict(LLAMA_LIKE, intermediate_size=48, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
+                                     layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
+        rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+        original_max_position_embeddings=16)), hf_moe.GPT_OSS),
     # GPT-2 as shipped: the tanh GELU "gelu_new"
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
                                 activation_function="gelu_new", bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -97,8 +105,9 @@ def hf_model(family: str, config=None):
     """The transformers model of ``family`` (or of its ``config``, a changed one) (float32,
     eval) with every parameter redrawn:
     norm scales 1 +- 0.2 (Gemma's ``1 + w`` norms: w 0 +- 0.2), biases 0 +- 0.2, embeddings
-    std 0.5 (Gemma, scaled by sqrt(hidden): 0.125), kernels std 0.125 and DeepSeek-V3's
-    expert bias std 0.05, so each tensor moves the logits."""
+    std 0.5 (Gemma, scaled by sqrt(hidden): 0.125), kernels std 0.125 (gpt-oss's attention
+    sinks too; its ``gate_up_proj`` std 0.5, so that some gate / up values pass the clamp at 7)
+    and DeepSeek-V3's expert bias std 0.05, so each tensor moves the logits."""
     config_cls, kwargs, _ = FAMILIES[family]
     config = getattr(transformers, config_cls)(**kwargs) if config is None else config
     torch.manual_seed(0)
@@ -113,6 +122,8 @@ def hf_model(family: str, config=None):
                 p.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn_like(p))
             elif "embed" in name or ".wte." in name or ".wpe." in name:
                 p.normal_(0.0, 0.125 if gemma else 0.5)
+            elif config.model_type == "gpt_oss" and name.endswith("gate_up_proj"):
+                p.normal_(0.0, 0.5)
             else:
                 p.normal_(0.0, 0.125)
         for name, b in model.named_buffers():  # DeepSeek-V3's expert bias (a buffer, zeros at init)
