@@ -89,7 +89,7 @@ FAMILIES = {
     # gpt-oss: attention sinks, biases on q/k/v/o, sliding (8 keys) and full layers alternating,
     # YaRN without truncation, top-2 of 4 biased-router experts with the clamped quick-GELU GLU
     # (hf_model draws gate_up_proj wide enough that the clamp at 7 bites)
-    "gpt_oss": ("GptOssConfig", dict(LLAMA_LIKE, intermediate_size=48, head_dim=16, num_local_experts=4,
+    "gpt_oss": ("GptOssConfig", dict(LLAMA_LIKE, intermediate_size=48, head_dim=16, num_local_experts=4, max_position_embeddings=64,
                                      num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
                                      layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
         rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -167,6 +167,42 @@ def test_logits_equal_transformers(imported):
         print(f"{family}: max |logit diff| {diff:.2e} (max |logit| {np.max(np.abs(theirs)):.2f}), "
               f"attention {m.cfg.attention_impl}")
         assert np.max(np.abs(theirs)) > 1.0 and diff <= TOL, family
+
+
+def test_gpt_oss_parts_move_the_logits(imported):
+    """Each gpt-oss part, switched off in turn, moves the imported logits off transformers' (which
+    the full import matches to 1e-4): the attention sinks (their logit at -1e9), the router's
+    bias, the experts' biases, the clamp at 7 (so the drawn activations reach it) and the
+    linear offset 1."""
+    model, conf, cfg, params = imported["gpt_oss"]
+    toks = tokens()
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(toks.astype(np.int64))).logits.numpy()
+
+    def layers(fn):
+        return {k: (fn(v) if k.startswith("decoder_layers_") else v) for k, v in params.items()}
+
+    def attn(change):
+        return lambda layer: dict(layer, self_attention=dict(layer["self_attention"], **change(layer["self_attention"])))
+
+    def mlp(change):
+        return lambda layer: dict(layer, mlp=change(layer["mlp"]))
+
+    zero = np.zeros_like
+    fields = hf.config_fields_from_hf(conf)
+    parts = {
+        "sinks": (cfg, layers(attn(lambda a: {"softmax_offset": np.full_like(a["softmax_offset"], -1e9)}))),
+        "router bias": (cfg, layers(mlp(lambda m: dict(m, router=dict(m["router"], bias=zero(m["router"]["bias"])))))),
+        "expert biases": (cfg, layers(mlp(lambda m: dict(m, experts={
+            n: dict(w, bias=zero(w["bias"])) for n, w in m["experts"].items()})))),
+        "clamp": (jmegatron_cfg(fields, activation_func_clamp_value=None), params),
+        "linear offset": (jmegatron_cfg(fields, glu_linear_offset=0.0), params),
+    }
+    for part, (c, p) in parts.items():
+        ours = np.asarray(jax.jit(GPTModel(ModelConfig.from_config(c, c.padded_vocab_size())).apply)({"params": p}, toks))
+        diff = float(np.max(np.abs(ours - theirs)))
+        print(f"gpt_oss without the {part}: max |logit diff| {diff:.3f}")
+        assert diff > 1e-2, part
 
 
 def test_parameter_count_is_the_models(imported):

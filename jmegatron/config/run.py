@@ -223,7 +223,7 @@ MODEL_FIELDS = (
     "rotary_base_local", "sandwich_norms", "scale_embeddings", "multi_latent_attention", "q_lora_rank",
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
     "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate",
+    "moe_shared_expert_gate", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "softmax_type",
 )
 
 # The learning-rate schedule Megatron's OptimizerParamScheduler checks on resume

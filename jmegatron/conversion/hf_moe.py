@@ -174,13 +174,17 @@ def gpt_oss_problems(cfg) -> list[str]:
             problems.append(f"config.{name}=True (gpt-oss has no such block)")
     for name in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local",
                  "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_shared_expert_intermediate_size",
-                 "rotary_seq_len_interpolation_factor", "mtp_num_layers"):
+                 "mtp_num_layers"):
         if getattr(cfg, name) is not None:
             problems.append(f"config.{name}={getattr(cfg, name)!r} (gpt-oss has no such field)")
     if cfg.moe_router_load_balancing_type == "sinkhorn":
         problems.append("config.moe_router_load_balancing_type='sinkhorn' (gpt-oss's router is a top-k softmax)")
     if cfg.position_embedding_type not in ("rope", "yarn"):
         problems.append(f"config.position_embedding_type={cfg.position_embedding_type!r} (gpt-oss uses rope)")
+    if cfg.rotary_seq_len_interpolation_factor is not None and (cfg.rope_scaling
+                                                                or cfg.position_embedding_type == "yarn"):
+        problems.append(f"config.rotary_seq_len_interpolation_factor={cfg.rotary_seq_len_interpolation_factor} with "
+                        f"{'rope_scaling' if cfg.rope_scaling else 'yarn'} (rope_parameters hold one rope_type)")
     if not all(moe_layers(cfg)):
         problems.append(f"config.moe_layer_freq={cfg.moe_layer_freq!r} has dense layers (every gpt-oss layer is an "
                         f"MoE layer)")
