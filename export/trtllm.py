@@ -88,7 +88,7 @@ import numpy as np
 
 from jmegatron.conversion.hf import GPT2, QWEN2 as HF_QWEN2, hf_architecture
 from jmegatron.conversion.hf import GRANITE as HF_GRANITE, SMOLLM3 as HF_SMOLLM3
-from jmegatron.conversion.hf_moe import MIXTRAL as HF_MIXTRAL
+from jmegatron.conversion.hf_moe import GPT_OSS as HF_GPT_OSS, MIXTRAL as HF_MIXTRAL
 from jmegatron.conversion.trtllm import GPT, LLAMA, MIXTRAL, pp_layers, rank_tensors, trtllm_config
 from jmegatron.export.common import ExportError, checkpoint_config, load_checkpoint, open_checkpoint, refuse_moe
 from jmegatron.export.fp8_scales import (FP8_LINEARS, WEIGHT_SCALES, check_fp8_exportable, checkpoint_fp8_scales,
@@ -141,6 +141,8 @@ def trtllm_architecture(cfg) -> str:
             ("logits_scaling", 1.0), ("softmax_scale", None)) if getattr(cfg, n) != off]
     if hf_arch == HF_QWEN2:
         unwritten.append("config.add_qkv_bias=True without add_bias_linear (Qwen2's layout)")
+    if hf_arch == HF_GPT_OSS:
+        unwritten.append(f"config.softmax_type={cfg.softmax_type!r}, quick_geglu={cfg.quick_geglu} (gpt-oss's layout)")
     if unwritten:
         raise ExportError(f"trtllm: {', '.join(unwritten)}: the TensorRT-LLM legacy checkpoint written here has GPT-2 "
                           f"and Llama-2 blocks only. `python -m jmegatron.export hf` writes this model as {hf_arch}, "

@@ -71,6 +71,10 @@ SCALE_TENSORS = {"FP8": ("weight_scale", "input_scale"),
                  "NVFP4": ("weight_scale", "weight_scale_2", "input_scale")}
 INPUT_KINDS = {"FP8": "fp8", "W8A8_SQ_PER_CHANNEL": "int8", "W4A16_AWQ": None, "NVFP4": "nvfp4"}
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".pre_quant_scale", ".k_scale", ".v_scale")
+# ModelOpt's per-tensor FP8 scales of a fused 3-D expert parameter ``<param>`` (gpt-oss's
+# ``mlp.experts.gate_up_proj`` / ``down_proj``): ``<param>_weight_scale``, ``<param>_input_scale``;
+# read back dequantized, without input casts (as the other fused MoE experts)
+_FUSED_SCALE_SUFFIXES = ("_weight_scale", "_input_scale")
 NVFP4_BLOCK = 16
 # what jmegatron's own model computes as a server does (``--load``): FP8 through its FP8 linears
 # (models/fp8.py, the scales as its meta), W4A16 with the weights dequantized; the others
@@ -206,7 +210,10 @@ def read_unified(folder: str) -> UnifiedCheckpoint:
     tensors = _load_tensors(folder)
     state_dict, input_quant, input_scales = {}, {}, {}
     for key, value in tensors.items():
-        if key.endswith(_SCALE_SUFFIXES):
+        if key.endswith(_SCALE_SUFFIXES) or key.endswith(_FUSED_SCALE_SUFFIXES) and key.rsplit("_", 2)[0] in tensors:
+            continue
+        if algo == "FP8" and f"{key}_weight_scale" in tensors:  # a fused expert parameter (gpt-oss's experts)
+            state_dict[key] = dequantize_weight(algo, value, {"weight_scale": tensors[f"{key}_weight_scale"]})
             continue
         module = key[: -len(".weight")] if key.endswith(".weight") else None
         if module is None or f"{module}.weight_scale" not in tensors:

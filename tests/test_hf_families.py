@@ -102,6 +102,14 @@ FAMILIES = {
     "granite": ("GraniteConfig", dict(LLAMA_LIKE, embedding_multiplier=12.0, residual_multiplier=0.22,
                                       attention_multiplier=0.0625, logits_scaling=8.0, tie_word_embeddings=True),
                 hf.GRANITE),
+    # gpt-oss: attention sinks, biases on q/k/v/o, sliding (8 keys) and full layers alternating,
+    # YaRN without truncation, top-2 of 4 biased-router experts with the clamped quick-GELU GLU
+    # (hf_model draws gate_up_proj wide enough that the clamp at 7 bites)
+    "gpt_oss": ("GptOssConfig", dict(LLAMA_LIKE, intermediate_size=48, head_dim=16, num_local_experts=4, max_position_embeddings=64,
+                                     num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
+                                     layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
+        rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+        original_max_position_embeddings=16)), hf_moe.GPT_OSS),
     # GPT-2 as shipped: the tanh GELU "gelu_new"
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=96,
                                 activation_function="gelu_new", bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -122,8 +130,9 @@ def hf_model(family: str, config=None):
     """The transformers model of ``family`` (or of its ``config``, a changed one) (float32,
     eval) with every parameter redrawn:
     norm scales 1 +- 0.2 (Gemma's ``1 + w`` norms: w 0 +- 0.2), biases 0 +- 0.2, embeddings
-    std 0.5 (Gemma, scaled by sqrt(hidden): 0.125), kernels std 0.125 and DeepSeek-V3's
-    expert bias std 0.05, so each tensor moves the logits."""
+    std 0.5 (Gemma, scaled by sqrt(hidden): 0.125), kernels std 0.125 (gpt-oss's attention
+    sinks too; its ``gate_up_proj`` std 0.5, so that some gate / up values pass the clamp at 7)
+    and DeepSeek-V3's expert bias std 0.05, so each tensor moves the logits."""
     config_cls, kwargs, _ = FAMILIES[family]
     config = getattr(transformers, config_cls)(**kwargs) if config is None else config
     torch.manual_seed(0)
@@ -138,6 +147,8 @@ def hf_model(family: str, config=None):
                 p.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn_like(p))
             elif "embed" in name or ".wte." in name or ".wpe." in name:
                 p.normal_(0.0, 0.125 if gemma else 0.5)
+            elif config.model_type == "gpt_oss" and name.endswith("gate_up_proj"):
+                p.normal_(0.0, 0.5)
             else:
                 p.normal_(0.0, 0.125)
         for name, b in model.named_buffers():  # DeepSeek-V3's expert bias (a buffer, zeros at init)
@@ -181,6 +192,42 @@ def test_logits_equal_transformers(imported):
         print(f"{family}: max |logit diff| {diff:.2e} (max |logit| {np.max(np.abs(theirs)):.2f}), "
               f"attention {m.cfg.attention_impl}")
         assert np.max(np.abs(theirs)) > 1.0 and diff <= TOL, family
+
+
+def test_gpt_oss_parts_move_the_logits(imported):
+    """Each gpt-oss part, switched off in turn, moves the imported logits off transformers' (which
+    the full import matches to 1e-4): the attention sinks (their logit at -1e9), the router's
+    bias, the experts' biases, the clamp at 7 (so the drawn activations reach it) and the
+    linear offset 1."""
+    model, conf, cfg, params = imported["gpt_oss"]
+    toks = tokens()
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(toks.astype(np.int64))).logits.numpy()
+
+    def layers(fn):
+        return {k: (fn(v) if k.startswith("decoder_layers_") else v) for k, v in params.items()}
+
+    def attn(change):
+        return lambda layer: dict(layer, self_attention=dict(layer["self_attention"], **change(layer["self_attention"])))
+
+    def mlp(change):
+        return lambda layer: dict(layer, mlp=change(layer["mlp"]))
+
+    zero = np.zeros_like
+    fields = hf.config_fields_from_hf(conf)
+    parts = {
+        "sinks": (cfg, layers(attn(lambda a: {"softmax_offset": np.full_like(a["softmax_offset"], -1e9)}))),
+        "router bias": (cfg, layers(mlp(lambda m: dict(m, router=dict(m["router"], bias=zero(m["router"]["bias"])))))),
+        "expert biases": (cfg, layers(mlp(lambda m: dict(m, experts={
+            n: dict(w, bias=zero(w["bias"])) for n, w in m["experts"].items()})))),
+        "clamp": (jmegatron_cfg(fields, activation_func_clamp_value=None), params),
+        "linear offset": (jmegatron_cfg(fields, glu_linear_offset=0.0), params),
+    }
+    for part, (c, p) in parts.items():
+        ours = np.asarray(jax.jit(GPTModel(ModelConfig.from_config(c, c.padded_vocab_size())).apply)({"params": p}, toks))
+        diff = float(np.max(np.abs(ours - theirs)))
+        print(f"gpt_oss without the {part}: max |logit diff| {diff:.3f}")
+        assert diff > 1e-2, part
 
 
 def test_parameter_count_is_the_models(imported):

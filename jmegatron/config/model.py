@@ -46,6 +46,8 @@ FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 MATMUL_IMPLS = ("auto", "xla", "blas", "hybrid")
 DROPOUT_IMPLS = ("hash", "threefry")  # jmegatron.models.dropout.DROPOUT_IMPLS
+# megatron-core's softmax_type (the attention's softmax; jmegatron.kernels.xla.attention)
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 # The MoE choices (Megatron's arguments.py / transformer_config.py); the layers in
 # jmegatron/models/moe read them from here
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -431,6 +433,17 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
     # a gated MLP (megatron-core's gated_linear_unit): linear_fc1 [h, 2, ffn], act(gate) * up,
     # the activation GELU (tanh with openai_gelu: Gemma's GeGLU); swiglu is the SiLU form
     gated_linear_unit: bool = False
+    # the quick-GELU gated MLP (Megatron-LM's --quick-geglu: gated_linear_unit with
+    # megatron-core's quick_gelu activation, x * sigmoid(1.702 x)): linear_fc1 [h, 2, ffn],
+    # quick_gelu(gate) * (up + glu_linear_offset), gate clamped to <= activation_func_clamp_value
+    # and up to +-activation_func_clamp_value when that is set (gpt-oss's experts)
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0  # megatron-core's glu_linear_offset (quick_geglu only)
+    activation_func_clamp_value: Optional[float] = None  # megatron-core's (quick_geglu only); None: no clamp
+    # megatron-core's softmax_type: "vanilla" softmax; "off-by-one" adds a zero logit to each
+    # query's softmax denominator; "learnable" adds a learned logit per query head
+    # (self_attention/softmax_offset [num_attention_heads]; gpt-oss's attention sinks)
+    softmax_type: str = "vanilla"
     # the attention's score scale (megatron-core's softmax_scale; HF query_pre_attn_scalar**-0.5);
     # None: 1 / sqrt(kv_channels)
     softmax_scale: Optional[float] = None
@@ -515,6 +528,7 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
         self._check_gemma_blocks()
         self._check_no_rope()
         self._check_multipliers()
+        self._check_gpt_oss_blocks()
         if self.openai_gelu and self.swiglu:
             raise ConfigError("config.openai_gelu=True with swiglu=True: SwiGLU's activation is SiLU, so the tanh GELU "
                               "would not be used; set openai_gelu=False (or swiglu=False for a GELU MLP).")
@@ -547,10 +561,6 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
             raise ConfigError(f"config.{err}.") from None
         if isinstance(self.moe_layer_freq, (list, str)):  # canonical: an int or a tuple
             object.__setattr__(self, "moe_layer_freq", parse_moe_layer_freq(self.moe_layer_freq))
-        if self.add_bias_linear:
-            raise ConfigError("config.add_bias_linear=True with config.num_moe_experts: expert and router "
-                              "biases are not built; set add_bias_linear=False (as Mixtral and DeepSeek, "
-                              "--disable-bias-linear).")
         if self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
             raise ConfigError(f"config.expert_tensor_parallel_size={self.expert_tensor_parallel_size} differs "
                               f"from tensor_model_parallel_size={self.tensor_model_parallel_size}; only equal "
@@ -657,6 +667,7 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
                        softmax_scale=self.softmax_scale is not None, window_size=self.window_size is not None,
                        attn_logit_softcapping=self.attn_logit_softcapping is not None,
                        add_qkv_bias=self.add_qkv_bias, rope_scaling=self.rope_scaling,
+                       softmax_type=self.softmax_type != "vanilla",
                        rotary_seq_len_interpolation_factor=self.rotary_seq_len_interpolation_factor is not None,
                        rotary_percent=self.rotary_percent != 1.0, rotary_interleaved=self.rotary_interleaved)
         refuse_with(self, "multi_latent_attention=True", refused, "multi-latent attention runs on one context / "
@@ -707,8 +718,30 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
 
     @property
     def gated_mlp(self) -> bool:
-        """Whether the MLP's linear_fc1 is gated ``[h, 2, ffn]``: ``swiglu`` or ``gated_linear_unit``."""
-        return self.swiglu or self.gated_linear_unit
+        """Whether the MLP's linear_fc1 is gated ``[h, 2, ffn]``: ``swiglu``, ``gated_linear_unit`` or
+        ``quick_geglu``."""
+        return self.swiglu or self.gated_linear_unit or self.quick_geglu
+
+    def _check_gpt_oss_blocks(self):
+        """Attention sinks (``softmax_type``) and the quick-GELU gated MLP with its clamp and
+        linear offset (gpt-oss's blocks)."""
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ConfigError(f"config.softmax_type={self.softmax_type!r} is not one of {list(SOFTMAX_TYPES)}.")
+        if self.softmax_type != "vanilla" and self.context_parallel_size > 1:
+            raise ConfigError(f"config.softmax_type={self.softmax_type!r} with context_parallel_size="
+                              f"{self.context_parallel_size} is not built (the ring's block kernels merge plain "
+                              f"softmax blocks, without the sink logit); set context_parallel_size=1.")
+        if self.quick_geglu and (self.swiglu or self.openai_gelu):
+            raise ConfigError(f"config.quick_geglu=True with swiglu={self.swiglu}, openai_gelu={self.openai_gelu}: "
+                              f"one activation per MLP; set swiglu=False and openai_gelu=False.")
+        if not self.quick_geglu:
+            if self.glu_linear_offset != 0.0 or self.activation_func_clamp_value is not None:
+                name = "glu_linear_offset" if self.glu_linear_offset != 0.0 else "activation_func_clamp_value"
+                raise ConfigError(f"config.{name}={getattr(self, name)} is built for the quick-GELU gated MLP only "
+                                  f"(megatron-core applies it with quick_gelu); set quick_geglu=True or unset {name}.")
+        elif self.activation_func_clamp_value is not None and not self.activation_func_clamp_value > 0:
+            raise ConfigError(f"config.activation_func_clamp_value={self.activation_func_clamp_value} must be > 0 "
+                              f"(or None: no clamp).")
 
     def _check_gemma_blocks(self):
         """Sliding windows, soft-capping and the score scale (Gemma-2/3's blocks)."""
@@ -716,9 +749,9 @@ class TransformerConfig(ModelParallelConfig, RotaryConfig, MoEConfig):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"config.{name}={value} must be > 0 (or None: off).")
-        if self.gated_linear_unit and not self.swiglu and self.num_moe_experts is not None:
+        if self.gated_linear_unit and not self.swiglu and not self.quick_geglu and self.num_moe_experts is not None:
             raise ConfigError("config.gated_linear_unit=True (a GELU-gated MLP) is built for dense MLPs; the MoE experts "
-                              "build SwiGLU only: set swiglu=True, or num_moe_experts=None.")
+                              "build SwiGLU and quick_geglu only: set swiglu=True, or num_moe_experts=None.")
         if self.context_parallel_size > 1:
             for name in ("window_size", "attn_logit_softcapping", "softmax_scale"):
                 if getattr(self, name) is not None:

@@ -225,6 +225,7 @@ MODEL_FIELDS = (
     "num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate", "no_rope_freq", "embedding_multiplier", "residual_multiplier", "logits_scaling",
     "qk_layernorm_across_heads", "pre_norms",
+    "quick_geglu", "glu_linear_offset", "activation_func_clamp_value", "softmax_type",
 )
 
 # The learning-rate schedule Megatron's OptimizerParamScheduler checks on resume

@@ -16,6 +16,10 @@ Targets, chosen by the architecture fields of a :class:`jmegatron.config.JMegatr
   (``num_moe_experts`` set): Llama's attention with the MoE MLPs of
   :mod:`jmegatron.conversion.hf_moe` (Mixtral without a shared expert, Qwen2-MoE with one).
 
+* ``GptOssForCausalLM`` (:mod:`jmegatron.conversion.hf_moe`): Llama's layout with biases on
+  q/k/v/o, attention sinks (``softmax_type="learnable"``: ``self_attn.sinks`` =
+  ``self_attention/softmax_offset [nq]``), sliding and full layers, and gpt-oss's experts.
+
 * ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (``models/gemma2``, ``models/gemma3``):
   ``sandwich_norms`` (post-attention and post-MLP norms), Gemma's ``(1 + w)`` RMSNorm
   (``apply_layernorm_1p``), GeGLU with the tanh GELU (``gated_linear_unit`` +
@@ -181,10 +185,26 @@ def _gemma_block_problems(cfg, arch: str) -> list[str]:
     for n in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local"):
         if getattr(cfg, n) is not None:
             problems.append(f"config.{n}={getattr(cfg, n)} ({name} has no such field)")
+    problems += gpt_oss_block_problems(cfg, name)
     if cfg.window_size is not None and not (arch in (MISTRAL, PHI3) and all(_window_pattern(cfg)) or arch in (MINISTRAL, SMOLLM3)
                                             or arch in (QWEN2, QWEN3) and _qwen_window_layers(cfg) is not None):
         problems.append(f"config.window_size={cfg.window_size} ({name} has no sliding window; Mistral windows "
                         f"every layer, Ministral and Gemma-2/3 mix sliding and full layers)")
+    return problems
+
+
+def gpt_oss_block_problems(cfg, name: str) -> list[str]:
+    """gpt-oss's fields (attention sinks, the quick-GELU GLU with its offset and clamp) set in
+    ``cfg``, as problems of a target ``name`` other than gpt-oss."""
+    problems = []
+    if cfg.softmax_type != "vanilla":
+        problems.append(f"config.softmax_type={cfg.softmax_type!r} ({name} has no attention sinks; "
+                        f"{hf_moe.GPT_OSS} has)")
+    if cfg.quick_geglu:
+        problems.append(f"config.quick_geglu=True ({name} has no quick-GELU GLU; {hf_moe.GPT_OSS}'s experts have)")
+    for n, off in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
+        if getattr(cfg, n) != off:
+            problems.append(f"config.{n}={getattr(cfg, n)} ({name} has no such field)")
     return problems
 
 
@@ -241,7 +261,7 @@ def _gemma_problems(cfg, arch: str) -> list[str]:
                         f"attention does not apply it)")
     if arch == GEMMA2 and cfg.rotary_base_local is not None:
         problems.append(f"config.rotary_base_local={cfg.rotary_base_local} (Gemma-2 has one RoPE; Gemma-3 two)")
-    return problems + _rope_problems(cfg, arch) + _olmo_block_problems(cfg, arch)
+    return problems + _rope_problems(cfg, arch) + _olmo_block_problems(cfg, arch) + gpt_oss_block_problems(cfg, name)
 
 
 def _olmo_block_problems(cfg, arch: str) -> list[str]:
@@ -277,7 +297,7 @@ def _olmo_problems(cfg, arch: str) -> list[str]:
     for n in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(cfg, n) is not None:
             problems.append(f"config.{n}={getattr(cfg, n)} ({name} has no such field)")
-    return problems + _rope_problems(cfg, arch)
+    return problems + _rope_problems(cfg, arch) + gpt_oss_block_problems(cfg, name)
 
 
 def _gpt2_problems(cfg) -> list[str]:
@@ -1097,7 +1117,7 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             hidden_dropout=float(conf.get("resid_pdrop", 0.1)), attention_dropout=float(conf.get("attn_pdrop", 0.1)))
     elif model_type in tuple(LLAMA_LIKE) + tuple(hf_moe.MODEL_TYPES):
         h, heads = int(conf["hidden_size"]), int(conf["num_attention_heads"])
-        if conf.get("hidden_act", "silu") != "silu":
+        if conf.get("hidden_act", "silu") != "silu" and model_type != "gpt_oss":  # (gpt-oss's experts ignore it)
             problems.append(f"hidden_act={conf.get('hidden_act')!r} (SwiGLU uses silu)")
         attn_bias, mlp_bias = bool(conf.get("attention_bias", False)), bool(conf.get("mlp_bias", False))
         if model_type in _ATTENTION_AND_MLP_BIAS and attn_bias != mlp_bias:
@@ -1107,7 +1127,7 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             problems.append("attention_bias=True (Qwen3's biases on q/k/v and o_proj but not the MLP: jmegatron's "
                             "add_bias_linear biases every linear layer, add_qkv_bias only Q/K/V)")
         windows = window_fields_from_hf(conf, model_type, problems)
-        if windows.get("window_size") is not None and model_type in hf_moe.MODEL_TYPES:
+        if windows.get("window_size") is not None and model_type in hf_moe.MODEL_TYPES and model_type != "gpt_oss":
             problems.append(f"sliding_window={conf.get('sliding_window')} (a sliding window in "
                             f"{hf_moe.MODEL_TYPES[model_type]}: not built)")
         fields = dict(
@@ -1307,6 +1327,8 @@ def _llama_layer_to_hf(i: int, lp: Mapping, moe: bool, cfg, arch: str) -> Iterat
     yield f"{o}.self_attn.o_proj.weight", _owned(k.reshape(nq * dv, h).T)
     if bias:
         yield f"{o}.self_attn.o_proj.bias", _owned(gl(f"{A}/linear_proj/bias"))
+    if cfg.softmax_type == "learnable":  # gpt-oss's attention sinks
+        yield f"{o}.self_attn.sinks", _owned(check_shape(f"{A}/softmax_offset", gl(f"{A}/softmax_offset"), (nq,)))
     if moe:
         yield from hf_moe.mlp_to_hf(gl(f"{L}/mlp"), cfg, arch, i, check_shape).items()
         return
@@ -1600,6 +1622,10 @@ def _llama_layer_from_hf(t: Callable, cfg, arch: str, i: int, moe: bool) -> dict
                 attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (heads * d,)).reshape(heads, d)}
             else:
                 attn[f"{n}_layernorm"] = {"scale": t(f"{o}.self_attn.{n}_norm.weight", (d,))}
+    if cfg.softmax_type == "learnable":  # gpt-oss's attention sinks
+        attn["softmax_offset"] = t(f"{o}.self_attn.sinks", (nq,))
+    if moe and bias:  # gpt-oss's o_proj bias (a dense layer reads its own below)
+        attn["linear_proj"]["bias"] = t(f"{o}.self_attn.o_proj.bias", (h,))
     layer_norms = {name: {"scale": t(f"{o}.{hf_name}.weight", (h,))} for name, hf_name in norms.items()}
     if moe:
         return {**layer_norms, "self_attention": attn, "mlp": hf_moe.mlp_from_hf(t, cfg, arch, i)}

@@ -27,6 +27,14 @@ Llama mapping is reused for everything but the MLP):
   group_topk``, so that quotient must be 2), ungated shared experts of ``n_shared_experts *
   moe_intermediate_size``.
 
+* ``GptOssForCausalLM`` (``models/gpt_oss/modeling_gpt_oss.py``): Llama's attention with
+  biases on q/k/v/o (``add_bias_linear``) and a learned sink logit per query head
+  (``softmax_type="learnable"``), sliding and full layers (``layer_types``), every layer an
+  MoE layer whose router has a bias and takes the softmax of the top-k logits, experts
+  with biases and the quick-GELU GLU (``quick_geglu``, ``glu_linear_offset`` 1,
+  ``activation_func_clamp_value`` 7: transformers' ``GptOssExperts`` fixes ``alpha = 1.702``
+  and ``limit = 7``), no shared expert.
+
 Checkpoint keys (what ``save_pretrained`` writes and the Hub holds; ``o`` =
 ``model.layers.{i}``, ``W^T`` = the jmegatron kernel transposed to ``nn.Linear``'s
 ``[out, in]``)::
@@ -45,6 +53,13 @@ Checkpoint keys (what ``save_pretrained`` writes and the Hub holds; ``o`` =
               o.mlp.experts.{e}.{gate,up,down}_proj.weight (as Qwen2MoE)
               o.mlp.shared_experts.{gate,up,down}_proj.weight (no gate)
               (dense layers: o.mlp.{gate,up,down}_proj.weight as Llama)
+    GptOss    o.mlp.router.weight [E, h], o.mlp.router.bias [E]     router/kernel^T, router/bias
+              o.mlp.experts.gate_up_proj [E, h, 2F]  experts/linear_fc1/kernel, gate and up interleaved
+                                                     (gate = [..., ::2], up = [..., 1::2])
+              o.mlp.experts.gate_up_proj_bias [E, 2F]  experts/linear_fc1/bias, interleaved
+              o.mlp.experts.down_proj [E, F, h], o.mlp.experts.down_proj_bias [E, h]   experts/linear_fc2/*
+              o.self_attn.sinks [nq]                 self_attention/softmax_offset
+              (the same keys in the module and in the checkpoint: the experts are stored fused)
 
 transformers 5 keeps experts fused in memory (``o.mlp.experts.gate_up_proj [E, 2F, h]``,
 gate rows first, ``o.mlp.experts.down_proj [E, h, F]``, and Mixtral's router as
@@ -63,14 +78,19 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from jmegatron.config import moe_layer_pattern
+from jmegatron.config import moe_layer_pattern, window_layer_pattern
 
 MIXTRAL = "MixtralForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
-MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3)
-MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
+GPT_OSS = "GptOssForCausalLM"
+MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, GPT_OSS)
+MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3,
+               "gpt_oss": GPT_OSS}
+# transformers' GptOssExperts: quick_gelu(gate) * (up + 1), gate <= 7 and up in [-7, 7] (fixed, not config fields)
+GPT_OSS_GLU_LINEAR_OFFSET = 1.0
+GPT_OSS_CLAMP_VALUE = 7.0
 # HF's DeepSeek-V3 router scores a group by the sum of its top 2 experts (Megatron: topk // group_topk)
 DEEPSEEK_GROUP_TOP = 2
 
@@ -91,6 +111,8 @@ def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
     ``llama_problems``: the attention/norm problems of the Llama mapping."""
     if cfg.multi_latent_attention:
         return DEEPSEEK_V3, _deepseek_problems(cfg, llama_problems)
+    if is_gpt_oss(cfg):
+        return GPT_OSS, gpt_oss_problems(cfg)
     shared = cfg.moe_shared_expert_intermediate_size is not None
     arch = QWEN2_MOE if shared else QWEN3_MOE if cfg.qk_layernorm else MIXTRAL
     problems = list(llama_problems)
@@ -115,6 +137,8 @@ def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
                         f"top-k softmax; {arch} has no such router)")
     if cfg.moe_router_enable_expert_bias:
         problems.append(f"config.moe_router_enable_expert_bias=True ({arch} has no expert bias)")
+    if cfg.add_bias_linear:
+        problems.append(f"config.add_bias_linear=True ({arch}'s router and experts have no biases; {GPT_OSS}'s have)")
     if arch == MIXTRAL:
         if not all(moe_layers(cfg)):
             problems.append(f"config.moe_layer_freq={cfg.moe_layer_freq!r} has dense layers (every Mixtral "
@@ -127,6 +151,44 @@ def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
         if cfg.add_qkv_bias:
             problems.append("config.add_qkv_bias=True (Mixtral's attention has no biases)")
     return arch, problems
+
+
+def is_gpt_oss(cfg) -> bool:
+    """Whether an MoE ``cfg`` has a gpt-oss block (attention sinks or the quick-GELU GLU), so
+    that :data:`GPT_OSS` is its Hugging Face class."""
+    return cfg.softmax_type != "vanilla" or cfg.quick_geglu
+
+
+def gpt_oss_problems(cfg) -> list[str]:
+    """The fields of an MoE ``cfg`` that ``GptOssForCausalLM`` cannot represent."""
+    problems = []
+    wanted = dict(normalization="RMSNorm", quick_geglu=True, glu_linear_offset=GPT_OSS_GLU_LINEAR_OFFSET,
+                  activation_func_clamp_value=GPT_OSS_CLAMP_VALUE, softmax_type="learnable", add_bias_linear=True,
+                  moe_router_score_function="softmax", moe_router_pre_softmax=False)
+    for name, value in wanted.items():
+        if getattr(cfg, name) != value:
+            problems.append(f"config.{name}={getattr(cfg, name)!r} (gpt-oss has {value!r})")
+    for name in ("qk_layernorm", "multi_latent_attention", "apply_layernorm_1p", "sandwich_norms",
+                 "scale_embeddings", "moe_router_enable_expert_bias", "moe_shared_expert_gate"):
+        if getattr(cfg, name):
+            problems.append(f"config.{name}=True (gpt-oss has no such block)")
+    for name in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local",
+                 "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_shared_expert_intermediate_size",
+                 "mtp_num_layers"):
+        if getattr(cfg, name) is not None:
+            problems.append(f"config.{name}={getattr(cfg, name)!r} (gpt-oss has no such field)")
+    if cfg.moe_router_load_balancing_type == "sinkhorn":
+        problems.append("config.moe_router_load_balancing_type='sinkhorn' (gpt-oss's router is a top-k softmax)")
+    if cfg.position_embedding_type not in ("rope", "yarn"):
+        problems.append(f"config.position_embedding_type={cfg.position_embedding_type!r} (gpt-oss uses rope)")
+    if cfg.rotary_seq_len_interpolation_factor is not None and (cfg.rope_scaling
+                                                                or cfg.position_embedding_type == "yarn"):
+        problems.append(f"config.rotary_seq_len_interpolation_factor={cfg.rotary_seq_len_interpolation_factor} with "
+                        f"{'rope_scaling' if cfg.rope_scaling else 'yarn'} (rope_parameters hold one rope_type)")
+    if not all(moe_layers(cfg)):
+        problems.append(f"config.moe_layer_freq={cfg.moe_layer_freq!r} has dense layers (every gpt-oss layer is an "
+                        f"MoE layer)")
+    return problems
 
 
 def _deepseek_problems(cfg, llama_problems: list[str]) -> list[str]:
@@ -190,6 +252,13 @@ def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
                 "num_nextn_predict_layers": int(cfg.mtp_num_layers or 0), "pretraining_tp": 1}
     conf.update(num_experts_per_tok=int(cfg.moe_router_topk), router_aux_loss_coef=float(cfg.moe_aux_loss_coeff),
                 output_router_logits=False)
+    if arch == GPT_OSS:
+        pattern = window_layer_pattern(cfg.window_size, cfg.window_attn_skip_freq, cfg.num_layers)
+        windowed = cfg.window_size is not None
+        return {"model_type": "gpt_oss", **conf, "intermediate_size": int(cfg.moe_ffn_hidden_size),
+                "num_local_experts": int(cfg.num_moe_experts), "attention_bias": True,
+                "sliding_window": cfg.window_size[0] + 1 if windowed else None,
+                "layer_types": ["sliding_attention" if windowed and w else "full_attention" for w in pattern]}
     if arch == MIXTRAL:
         return {"model_type": "mixtral", **conf, "intermediate_size": int(cfg.moe_ffn_hidden_size),
                 "num_local_experts": int(cfg.num_moe_experts), "router_jitter_noise": 0.0,
@@ -214,6 +283,8 @@ def moe_config_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str,
     layers = int(conf["num_hidden_layers"])
     if model_type == "deepseek_v3":
         return _deepseek_fields(conf, problems)
+    if model_type == "gpt_oss":
+        return _gpt_oss_fields(conf, problems)
     fields: dict[str, Any] = dict(moe_router_topk=int(conf["num_experts_per_tok"]),
                                   moe_router_load_balancing_type="aux_loss",
                                   moe_aux_loss_coeff=float(conf.get("router_aux_loss_coef", 0.0)),
@@ -248,6 +319,22 @@ def moe_config_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str,
     fields.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True,
                   add_qkv_bias=bool(conf.get("qkv_bias", True)))
     return fields
+
+
+def _gpt_oss_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """jmegatron's MoE, MLP-activation and attention-sink fields of a ``gpt_oss``
+    ``config.json`` (see :func:`moe_config_fields`; the attention, RoPE, windows and norm
+    fields are the caller's)."""
+    if not conf.get("attention_bias", True):
+        problems.append("attention_bias=False (jmegatron's add_bias_linear biases q/k/v/o together with the "
+                        "experts and the router, which gpt-oss always biases)")
+    ffn = int(conf["intermediate_size"])
+    return dict(num_moe_experts=int(conf["num_local_experts"]), moe_router_topk=int(conf["num_experts_per_tok"]),
+                ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, moe_layer_freq=1, moe_router_pre_softmax=False,
+                moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=float(conf.get("router_aux_loss_coef", 0.0)), add_bias_linear=True,
+                add_qkv_bias=False, swiglu=False, quick_geglu=True, glu_linear_offset=GPT_OSS_GLU_LINEAR_OFFSET,
+                activation_func_clamp_value=GPT_OSS_CLAMP_VALUE, softmax_type="learnable")
 
 
 def _deepseek_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
@@ -315,6 +402,8 @@ def mlp_to_hf(mlp: Mapping, cfg, arch: str, i: int, check: Callable) -> dict[str
     ``check(name, array, shape)`` raises ValueError for a wrong shape."""
     h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
     L, o = f"decoder_layers_{i}/mlp", _moe_prefix(arch, i)
+    if arch == GPT_OSS:
+        return _gpt_oss_mlp_to_hf(mlp, cfg, i, check)
     try:
         router = check(f"{L}/router/kernel", mlp["router"]["kernel"], (h, e))
         fc1 = check(f"{L}/experts/linear_fc1/kernel", mlp["experts"]["linear_fc1"]["kernel"], (e, h, 2, f))
@@ -350,10 +439,44 @@ def mlp_to_hf(mlp: Mapping, cfg, arch: str, i: int, check: Callable) -> dict[str
     return {k: np.array(v, order="C", copy=True) for k, v in sd.items()}
 
 
+def _gpt_oss_mlp_to_hf(mlp: Mapping, cfg, i: int, check: Callable) -> dict[str, np.ndarray]:
+    """gpt-oss's router and fused experts of layer ``i`` (the module doc's table)."""
+    h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
+    L, o = f"decoder_layers_{i}/mlp", f"model.layers.{i}.mlp"
+    try:
+        router, fc1, fc2 = mlp["router"], mlp["experts"]["linear_fc1"], mlp["experts"]["linear_fc2"]
+        sd = {f"{o}.router.weight": check(f"{L}/router/kernel", router["kernel"], (h, e)).T,
+              f"{o}.router.bias": check(f"{L}/router/bias", router["bias"], (e,)),
+              f"{o}.experts.gate_up_proj": np.swapaxes(
+                  check(f"{L}/experts/linear_fc1/kernel", fc1["kernel"], (e, h, 2, f)), 2, 3).reshape(e, h, 2 * f),
+              f"{o}.experts.gate_up_proj_bias": np.swapaxes(
+                  check(f"{L}/experts/linear_fc1/bias", fc1["bias"], (e, 2, f)), 1, 2).reshape(e, 2 * f),
+              f"{o}.experts.down_proj": check(f"{L}/experts/linear_fc2/kernel", fc2["kernel"], (e, f, h)),
+              f"{o}.experts.down_proj_bias": check(f"{L}/experts/linear_fc2/bias", fc2["bias"], (e, h))}
+    except KeyError as err:
+        raise ValueError(f"params have no {L}/.../{err.args[0]}: layer {i} is not a gpt-oss MoE layer of this config "
+                         f"(num_moe_experts={e}, add_bias_linear={cfg.add_bias_linear})") from None
+    return {k: np.array(v, order="C", copy=True) for k, v in sd.items()}
+
+
+def _gpt_oss_mlp_from_hf(t: Callable, cfg, i: int) -> dict:
+    """The inverse of :func:`_gpt_oss_mlp_to_hf`."""
+    h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
+    o = f"model.layers.{i}.mlp"
+    fc1 = np.swapaxes(t(f"{o}.experts.gate_up_proj", (e, h, 2 * f)).reshape(e, h, f, 2), 2, 3)
+    fc1_bias = np.swapaxes(t(f"{o}.experts.gate_up_proj_bias", (e, 2 * f)).reshape(e, f, 2), 1, 2)
+    return {"router": {"kernel": t(f"{o}.router.weight", (e, h)).T, "bias": t(f"{o}.router.bias", (e,))},
+            "experts": {"linear_fc1": {"kernel": fc1, "bias": fc1_bias},
+                        "linear_fc2": {"kernel": t(f"{o}.experts.down_proj", (e, f, h)),
+                                       "bias": t(f"{o}.experts.down_proj_bias", (e, h))}}}
+
+
 def mlp_from_hf(t: Callable, cfg, arch: str, i: int) -> dict:
     """jmegatron ``mlp`` subtree of MoE layer ``i`` from HF tensors; ``t(key, shape)``
     returns the float32 tensor (raising ValueError if missing or misshapen). Raises
     ValueError for a non-zero Qwen2-MoE ``shared_expert_gate``."""
+    if arch == GPT_OSS:
+        return _gpt_oss_mlp_from_hf(t, cfg, i)
     h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
     o = _moe_prefix(arch, i)
     gate, up, down = _expert_names(arch)
@@ -392,7 +515,10 @@ def _shared_from_hf(t: Callable, cfg, prefix: str, down_scale: float = 1.0) -> d
 def from_module_layout(sd: Mapping[str, Any], arch: str, to_numpy: Callable) -> dict:
     """A transformers-5 in-memory state dict (fused ``experts.gate_up_proj`` /
     ``experts.down_proj``, Mixtral's router under ``mlp.gate``) -> checkpoint keys; other
-    keys pass through. Checkpoint-layout input comes back unchanged."""
+    keys pass through. Checkpoint-layout input comes back unchanged, and so does gpt-oss's
+    (its checkpoint keeps the experts fused)."""
+    if arch == GPT_OSS:
+        return dict(sd)
     out: dict[str, Any] = {}
     gate, up, down = _expert_names(arch)
     for key, value in sd.items():
@@ -418,8 +544,8 @@ def from_module_layout(sd: Mapping[str, Any], arch: str, to_numpy: Callable) -> 
 def to_module_layout(sd: Mapping[str, np.ndarray], arch: str, module_keys: set) -> dict:
     """Checkpoint keys -> the keys of a transformers model whose ``state_dict()`` has
     ``module_keys`` (transformers 5 fuses the experts; 4.x keeps them per expert, in which
-    case ``sd`` is returned unchanged)."""
-    if not any(_FUSED.match(k) for k in module_keys):
+    case ``sd`` is returned unchanged, as for gpt-oss, whose checkpoint is fused too)."""
+    if arch == GPT_OSS or not any(_FUSED.match(k) for k in module_keys):
         return dict(sd)
     gate, up, down = _expert_names(arch)
     out, experts = {}, {}

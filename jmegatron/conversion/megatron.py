@@ -113,11 +113,17 @@ def refuse_blocks(cfg) -> None:
                         f"refuses it)")
     if cfg.rotary_interleaved:
         problems.append("config.rotary_interleaved=True (jmegatron's Megatron import refuses it)")
+    if cfg.quick_geglu:  # (gpt-oss's blocks: not mapped to Megatron-LM's names)
+        problems.append("config.quick_geglu=True")
+    if cfg.softmax_type != "vanilla":
+        problems.append(f"config.softmax_type={cfg.softmax_type!r}")
+    if cfg.num_moe_experts is not None and cfg.add_bias_linear:
+        problems.append("config.add_bias_linear=True with num_moe_experts (router and expert biases)")
     if cfg.num_moe_experts is not None and cfg.moe_shared_expert_intermediate_size and not cfg.swiglu:
         problems.append("a shared expert without swiglu")
     if problems:
         raise ValueError(f"a Megatron-LM GPT checkpoint cannot hold {', '.join(problems)}: the Gemma and "
-                         f"DeepSeek-V3 blocks export to Hugging Face (`python -m jmegatron.export hf`)")
+                         f"DeepSeek-V3 (and gpt-oss) blocks export to Hugging Face (`python -m jmegatron.export hf`)")
 
 
 # Megatron arguments read as jmegatron fields of the same name

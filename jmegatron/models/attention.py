@@ -92,6 +92,9 @@ class SelfAttention(nn.Module):
     softcap: Optional[float] = None  # attn_logit_softcapping
     window: Optional[int] = None  # the sliding window W (keys, the query's own included) of windowed calls
     rope_local: Optional[RotaryEmbedding] = None  # the windowed calls' RoPE; None: ``rope``
+    # megatron-core's softmax_type: "learnable" holds softmax_offset [nq] (float32, one sink
+    # logit per query head, split over tensor ranks with the heads), "off-by-one" a zero logit
+    softmax_type: str = "vanilla"
 
     @nn.compact
     def __call__(self, x: Array, position_ids: Array, deterministic: bool,
@@ -165,7 +168,7 @@ class SelfAttention(nn.Module):
             interleaved = self.rope.config.rotary_interleaved
             q, k = apply_rope(q, cos, sin, interleaved), apply_rope(k, cos, sin, interleaved)
         features = {k_: v_ for k_, v_ in (("softmax_scale", self.softmax_scale), ("softcap", self.softcap),
-                                          ("window", window)) if v_ is not None}
+                                          ("window", window), ("sinks", self._sinks())) if v_ is not None}
         new_cache = None
         if kv_cache is not None and segment_ids is not None:
             raise ValueError("SelfAttention: segment_ids (document masking) is for training and evaluation; "
@@ -200,6 +203,21 @@ class SelfAttention(nn.Module):
                      kernel_init=nn.initializers.normal(self.output_init_std),
                      name="linear_proj")(out)
         return out if kv_cache is None else (out, new_cache)
+
+    def _sinks(self) -> Optional[Array]:
+        """The attention sinks, float32 ``[num_attention_heads]`` (megatron-core's
+        ``softmax_offset``: a learned parameter for ``softmax_type`` "learnable", zeros for
+        "off-by-one"), or None for "vanilla". Raises ValueError for another ``softmax_type``."""
+        if self.softmax_type == "vanilla":
+            return None
+        if self.softmax_type == "off-by-one":
+            return jnp.zeros((self.num_attention_heads,), jnp.float32)
+        if self.softmax_type != "learnable":
+            raise ValueError(f"SelfAttention: softmax_type={self.softmax_type!r} is not 'vanilla', 'off-by-one' "
+                             f"or 'learnable'")
+        return self.param("softmax_offset", nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
+                                                                         ("heads",)),
+                          (self.num_attention_heads,), jnp.float32)
 
     def _window(self, window_layer: Any) -> Any:
         """The call's sliding window: ``window`` where ``window_layer``, else None (a Python

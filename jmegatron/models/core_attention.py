@@ -133,7 +133,7 @@ CORE_ATTENTIONS: dict[str, CoreAttention] = {
 # The attention fields beyond causal softmax(q k^T / sqrt(d)) that each core takes
 # (the field names of jmegatron.config.JMegatronConfig); a core absent here takes none.
 CORE_ATTENTION_FEATURES: dict[str, tuple[str, ...]] = {
-    "xla": ("softmax_scale", "attn_logit_softcapping", "window_size", "multi_latent_attention"),
+    "xla": ("softmax_scale", "attn_logit_softcapping", "window_size", "multi_latent_attention", "softmax_type"),
 }
 
 
@@ -141,6 +141,7 @@ def attention_features(cfg) -> tuple[str, ...]:
     """The fields of ``cfg`` (a run's or model's config) that a core attention must take
     (:data:`CORE_ATTENTION_FEATURES`): those of ``softmax_scale``, ``attn_logit_softcapping``,
     ``window_size`` and ``multi_latent_attention`` (a value head dimension unlike the
-    key's) that are set."""
+    key's) that are set, and ``softmax_type`` when it is not "vanilla" (attention sinks)."""
     return tuple(n for n in ("softmax_scale", "attn_logit_softcapping", "window_size", "multi_latent_attention")
-                 if getattr(cfg, n, None) not in (None, False))
+                 if getattr(cfg, n, None) not in (None, False)) + \
+        (("softmax_type",) if getattr(cfg, "softmax_type", "vanilla") != "vanilla" else ())

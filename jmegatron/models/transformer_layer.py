@@ -92,7 +92,7 @@ class TransformerLayer(nn.Module):
             softcap=c.attn_logit_softcapping, window=c.attention_window, rope_local=c.local_rotary_embedding(),
             init_std=c.init_method_std,
             output_init_std=c.init_method_std / math.sqrt(2.0 * c.num_layers),
-            core_attention=c.attention_impl, cp_comm_type=c.cp_comm_type,
+            core_attention=c.attention_impl, cp_comm_type=c.cp_comm_type, softmax_type=c.softmax_type,
             recompute_core_attention=c.recompute_granularity == "selective",
             dtype=c.dtype, dot_general=linear_dot, name="self_attention",
         )

@@ -235,11 +235,13 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
       ``ffn*h`` (+ ``h`` bias).
     * ``final_layernorm``; ``output_layer`` ``h * V_padded`` (no bias) if untied.
     * an MoE layer (``moe_layer_freq``) has, instead of the MLP, ``router`` ``h*E``,
-      ``E`` experts of ``moe_ffn_hidden_size`` (no biases) and the shared expert of
+      ``E`` experts of ``moe_ffn_hidden_size`` (with ``add_bias_linear`` their fc1 / fc2
+      biases and the router's ``bias [E]``) and the shared expert of
       ``moe_shared_expert_intermediate_size`` with its ``[h, 1]`` gate under
       ``moe_shared_expert_gate`` (jmegatron.models.moe), and the router's ``expert_bias [E]``
       under ``moe_router_enable_expert_bias``.
     * multi-latent attention: :func:`mla_parameters` instead of the QKV / proj / QK-norm terms.
+    * ``softmax_type="learnable"``: the attention sinks ``softmax_offset [nq]`` per layer.
     * per multi-token prediction depth: ``enorm``, ``hnorm`` and ``final_layernorm``,
       ``eh_proj`` ``2h * h`` and one layer of the last decoder layer's kind.
 
@@ -260,6 +262,7 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
                  + nq * d * h + (h if cfg.add_bias_linear else 0) + qk_norms)
     if cfg.multi_latent_attention:
         attention = mla_parameters(cfg) + (h if cfg.add_bias_linear else 0)
+    attention += nq if cfg.softmax_type == "learnable" else 0  # the attention sinks (softmax_offset)
     mlp = (h * fc1_width + ffn * h + (fc1_width + h if cfg.add_bias_linear else 0))
     layer_norms = (4 if cfg.sandwich_norms else 2) * norm  # + post_self_attn / post_mlp_layernorm
     if not cfg.pre_norms:  # no input_layernorm / pre_mlp_layernorm
@@ -268,14 +271,16 @@ def num_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     num_moe_layers = moe_layer_count(cfg)
     moe_layer = 0
     if num_moe_layers:
-        def ffn_params(width):
-            return h * (2 * width if cfg.gated_mlp else width) + width * h
+        def ffn_params(width):  # (+ fc1 and fc2 biases with add_bias_linear)
+            fc1 = 2 * width if cfg.gated_mlp else width
+            return h * fc1 + width * h + ((fc1 + h if width else 0) if cfg.add_bias_linear else 0)
 
         moe_layer = (layer_norms + attention + h * cfg.num_moe_experts
                      + cfg.num_moe_experts * ffn_params(cfg.moe_ffn_hidden_size)
                      + ffn_params(cfg.moe_shared_expert_intermediate_size or 0)
                      + (h if cfg.moe_shared_expert_gate else 0)
-                     + (cfg.num_moe_experts if cfg.moe_router_enable_expert_bias else 0))
+                     + (cfg.num_moe_experts if cfg.moe_router_enable_expert_bias else 0)
+                     + (cfg.num_moe_experts if cfg.add_bias_linear else 0))  # the router's bias
 
     embeddings = padded_vocab_size * h
     if cfg.position_embedding_type == "learned_absolute":
@@ -314,7 +319,8 @@ def num_active_parameters(cfg: JMegatronConfig, padded_vocab_size: int) -> int:
     if not num_moe_layers:
         return total
     h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size
-    expert = h * (2 * f if cfg.gated_mlp else f) + f * h
+    expert = h * (2 * f if cfg.gated_mlp else f) + f * h + (((2 * f if cfg.gated_mlp else f) + h)
+                                                         if cfg.add_bias_linear else 0)
     return total - num_moe_layers * (cfg.num_moe_experts - cfg.moe_router_topk) * expert
 
 

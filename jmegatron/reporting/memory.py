@@ -230,12 +230,14 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
       position embeddings, and multi-latent attention's down projections;
     * ``replicated``: neither: the norms;
     * ``tensor_sharded_fsdp_replicated``: a tensor axis but no hidden axis: the
-      ``linear_qkv`` and ``linear_fc1`` biases, the QK-norms of ``qk_layernorm_across_heads``;
+      ``linear_qkv`` and ``linear_fc1`` biases, the QK-norms of ``qk_layernorm_across_heads``, the
+      attention sinks (``softmax_offset``);
     * ``sharded``: both (every kernel, the word embeddings, the untied output layer, the
       shared expert);
     * ``expert``: the stacked routed experts' kernels ``[E, h, (2,) ffn]`` and ``[E, ffn, h]``
-      of the MoE layers: split over the expert axis as well as tensor (and data under
-      FSDP). An MoE layer's router ``[h, E]`` (and shared-expert gate ``[h, 1]``) is ``tensor_replicated_fsdp_sharded``.
+      (and biases) of the MoE layers: split over the expert axis as well as tensor (and data under
+      FSDP). An MoE layer's router ``[h, E]`` (and shared-expert gate ``[h, 1]``) is
+      ``tensor_replicated_fsdp_sharded``, its bias ``[E]`` ``replicated``.
 
     Multi-token prediction layers count as layers of the last decoder layer's kind, their
     ``eh_proj`` ``[2h, h]`` as ``tensor_replicated_fsdp_sharded`` and their three norms as
@@ -273,18 +275,28 @@ def parameter_classes(cfg: JMegatronConfig, padded_vocab_size: int, pipeline_mod
     num_moe_layers = flops.moe_layer_count(cfg, mtp=True)
     layers_all, mtp = flops.transformer_layer_count(cfg), flops.mtp_depths(cfg)  # the MTP layers count too
     router, experts = 0, 0
-    if num_moe_layers:  # (MoE layers have no biases: validation refuses add_bias_linear)
+    # with add_bias_linear an MoE layer has no dense fc1 / fc2 biases but the router's bias [E]
+    # (replicated), the experts' [E, (2,) f] and [E, h] (expert) and the shared expert's
+    moe_fc1_bias, moe_fc2_bias, router_bias = 0, 0, 0
+    sinks = cfg.num_attention_heads if cfg.softmax_type == "learnable" else 0  # softmax_offset [nq]: "heads"
+    if num_moe_layers:
         f = cfg.moe_ffn_hidden_size
         router = num_moe_layers * (h * (cfg.num_moe_experts + (1 if cfg.moe_shared_expert_gate else 0))
                                    + (cfg.num_moe_experts if cfg.moe_router_enable_expert_bias else 0))
-        experts = num_moe_layers * cfg.num_moe_experts * (h * (2 * f if cfg.gated_mlp else f) + f * h)
+        fc1_width = 2 * f if cfg.gated_mlp else f
+        experts = num_moe_layers * cfg.num_moe_experts * (h * fc1_width + f * h + ((fc1_width + h) if bias else 0))
+        if bias:
+            shared = cfg.moe_shared_expert_intermediate_size or 0
+            router_bias = num_moe_layers * cfg.num_moe_experts
+            moe_fc1_bias = num_moe_layers * ((2 * shared if cfg.gated_mlp else shared) - fc1_bias)
+            moe_fc2_bias = num_moe_layers * ((h if shared else 0) - h)
     classes = {
-        "tensor_replicated_fsdp_sharded": layers_all * ((2 * h if bias else 0) + down) + positions + router
-                                          + mtp * 2 * h * h,  # + MTP's eh_proj [2h, h]
+        "tensor_replicated_fsdp_sharded": layers_all * ((2 * h if bias else 0) + down) + moe_fc2_bias + positions
+                                          + router + mtp * 2 * h * h,  # + MTP's eh_proj [2h, h]
         "replicated": layers_all * ((4 if cfg.sandwich_norms else 2) * norm - (0 if cfg.pre_norms else 2 * norm)
                                     + qk_norms) + norm
-                      + mtp * 3 * norm,  # + MTP's enorm, hnorm, final_layernorm
-        "tensor_sharded_fsdp_replicated": layers_all * (qkv_bias + fc1_bias + heads_norms),
+                      + mtp * 3 * norm + router_bias,  # + MTP's enorm, hnorm, final_layernorm
+        "tensor_sharded_fsdp_replicated": layers_all * (qkv_bias + fc1_bias + heads_norms + sinks) + moe_fc1_bias,
         "expert": experts,
     }
     classes["sharded"] = flops.num_parameters(cfg, padded_vocab_size) - sum(classes.values())

@@ -19,7 +19,10 @@ and softmax in float32, scale ``1/sqrt(d)`` unless ``softmax_scale`` is given (m
 ``softmax_scale``); ``softcap`` caps the scaled scores at ``c * tanh(s / c)`` before masking
 (Gemma-2's ``attn_logit_softcapping``, transformers' ``eager_attention_forward``); a sliding
 ``window`` W keeps keys ``i - W < j <= i`` (W keys including the query's own: Hugging Face's
-``sliding_window``, megatron-core's ``window_size = (W - 1, 0)``). Dropout masks are the counter hash of
+``sliding_window``, megatron-core's ``window_size = (W - 1, 0)``); ``sinks`` (float ``[nq]``) add one logit
+per query head to every query's softmax denominator (megatron-core's ``softmax_type`` "learnable" /
+"off-by-one", gpt-oss's attention sinks: transformers' ``eager_attention_forward`` of gpt_oss
+concatenates the sink column to the scores, takes the softmax and drops it). Dropout masks are the counter hash of
 :mod:`jmegatron.kernels.xla.dropout` over the probabilities' shape ``[b, nkv, g, sq, sk]``.
 """
 
@@ -76,11 +79,13 @@ def _softmax_jvp(primals, tangents):
 def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
               keep: Optional[Callable[[tuple], Array]] = None, dropout_rate: float = 0.0,
               float32_values: bool = False, softmax_scale: Optional[float] = None,
-              softcap: Optional[float] = None) -> tuple[Array, Array]:
+              softcap: Optional[float] = None, sinks: Optional[Array] = None) -> tuple[Array, Array]:
     """``softmax(q k^T / sqrt(d)) v`` of queries over keys where ``visible``.
 
     ``softmax_scale`` replaces ``1 / sqrt(d)``; ``softcap`` (> 0) maps the scaled scores
-    ``s`` to ``softcap * tanh(s / softcap)`` before the mask.
+    ``s`` to ``softcap * tanh(s / softcap)`` before the mask. ``sinks`` (float ``[nq]``, or None):
+    one more logit per query head in each query's softmax, whose probability is dropped
+    (``softmax([s, sink])[:-1]``), so a query's probabilities sum to less than 1.
 
     q/k ``[b, sq | sk, nq | nkv, d]``, v ``[b, sk, nkv, dv]`` (``dv`` may differ from ``d``:
     multi-latent attention). ``visible``: bool broadcastable to
@@ -93,7 +98,7 @@ def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
 
     Returns (out ``[b, sq, nq, dv]`` in v's dtype or float32; lse float32 ``[b, sq, nq]``, the
     log-sum-exp of the visible scaled scores, the undropped one). A query that sees no key
-    gets output 0 and lse -inf.
+    gets output 0 and lse -inf; with ``sinks`` the log-sum-exp includes the sink's term.
     """
     b, sq, nq, d = q.shape
     nkv = k.shape[2]
@@ -104,10 +109,16 @@ def attention(q: Array, k: Array, v: Array, visible: Optional[Array] = None, *,
         scores = softcap * jnp.tanh(scores / softcap)
     if visible is not None:  # [b, sq, sk] against scores [b, nkv, g, sq, sk]
         scores = jnp.where(jnp.asarray(visible)[:, None, None], scores, -jnp.inf)
+    if sinks is not None:  # the sink column [b, nkv, g, sq, 1], dropped after the softmax
+        sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(1, nkv, nq // nkv, 1, 1),
+                                scores.shape[:-1] + (1,))
+        scores = jnp.concatenate([scores, sink], axis=-1)
     probs = _softmax(scores)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     safe = jnp.where(jnp.isfinite(peak), peak, 0.0)
     total = jnp.sum(jnp.exp(scores - safe), axis=-1, keepdims=True)
+    if sinks is not None:
+        probs = probs[..., :-1]
     if keep is not None:
         probs = jnp.where(keep(probs.shape), probs / (1.0 - dropout_rate), 0.0)
     values_dtype = jnp.float32 if float32_values else v.dtype
@@ -148,10 +159,10 @@ def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
                   dropout_rng: Optional[Array] = None, deterministic: bool = True,
                   dropout_impl: str = "hash", sample_offset=0, segment_ids: Optional[Array] = None,
                   softmax_scale: Optional[float] = None, softcap: Optional[float] = None,
-                  window: Any = None) -> Array:
+                  window: Any = None, sinks: Optional[Array] = None) -> Array:
     """Causal attention of a whole sequence (:func:`attention` under :func:`causal_mask`).
-    ``softmax_scale``, ``softcap`` and the sliding ``window`` (int, may be traced; None: off)
-    as the module docstring says.
+    ``softmax_scale``, ``softcap``, the sliding ``window`` (int, may be traced; None: off) and
+    the attention ``sinks`` (float ``[nq]``; None: off) as the module docstring says.
 
     q ``[b, s, nq, d]``, k/v ``[b, s, nkv, d]``; returns ``[b, s, nq, d]`` in q's dtype.
     Attention dropout (unless ``deterministic`` or ``dropout_rate == 0``) draws
@@ -167,20 +178,20 @@ def xla_attention(q: Array, k: Array, v: Array, *, dropout_rate: float = 0.0,
     visible = causal_mask(q.shape[1], segment_ids, window)
     visible = visible[None] if segment_ids is None else visible
     out, _ = attention(q, k, v, visible, keep=keep, dropout_rate=dropout_rate, softmax_scale=softmax_scale,
-                       softcap=softcap)
+                       softcap=softcap, sinks=sinks)
     return out.astype(q.dtype)
 
 
 def cached_attention(q: Array, k_cache: Array, v_cache: Array, q_positions: Array, *,
                      softmax_scale: Optional[float] = None, softcap: Optional[float] = None,
-                     window: Any = None) -> Array:
+                     window: Any = None, sinks: Optional[Array] = None) -> Array:
     """Causal attention of ``q [b, s, nq, d]`` over a KV cache ``[b, L, nkv, d]``.
 
     Query ``(i, t)`` at position ``q_positions[i, t]`` (int ``[b, s]``) sees cache slots
     ``0 .. q_positions[i, t]`` (slot = position), so stale or padded slots beyond a row's
     length never contribute; with a sliding ``window`` only the last ``window`` of them.
-    :func:`attention` with the cache cast to q's dtype (``softmax_scale``, ``softcap`` as
-    there); no dropout (inference). Returns ``[b, s, nq, d]`` in q's dtype.
+    :func:`attention` with the cache cast to q's dtype (``softmax_scale``, ``softcap``,
+    ``sinks`` as there); no dropout (inference). Returns ``[b, s, nq, d]`` in q's dtype.
     """
     length = k_cache.shape[1]
     slots = jnp.arange(length, dtype=jnp.int32)
@@ -188,7 +199,7 @@ def cached_attention(q: Array, k_cache: Array, v_cache: Array, q_positions: Arra
     if window is not None:
         visible = visible & within_window(q_positions, slots[None], window)
     out, _ = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), visible, softmax_scale=softmax_scale,
-                       softcap=softcap)
+                       softcap=softcap, sinks=sinks)
     return out
 
 

@@ -4,7 +4,8 @@ place (``mlp``) in the decoder layers that ``moe_layer_freq`` selects.
 
 Parameters under ``mlp``: ``router/kernel`` ``[h, E]``, ``experts/linear_fc1/kernel``
 ``[E, h, (2,) moe_ffn]``, ``experts/linear_fc2/kernel`` ``[E, moe_ffn, h]``, and
-``shared_experts/linear_fc1|linear_fc2`` with a shared expert.
+``shared_experts/linear_fc1|linear_fc2`` with a shared expert; with ``add_bias_linear``
+``router/bias [E]`` and the experts' biases (:class:`jmegatron.models.moe.experts.GroupedMLP`).
 
 Losses: Megatron attaches the router's losses to the activations with
 ``MoEAuxLossAutoScaler`` (forward unchanged, backward adds ``d(aux) * scale``, the scale
@@ -63,12 +64,15 @@ class MoELayer(nn.Module):
         c, moe = self.cfg, self.cfg.moe
         b, s, h = x.shape
         num_tokens = b * s
-        routing = TopKRouter(moe, init_std=c.init_method_std, name="router")(x, training=self.training)
+        routing = TopKRouter(moe, init_std=c.init_method_std, use_bias=c.add_bias_linear, name="router")(
+            x, training=self.training)
         ep = token_dispatcher.expert_parallel_size(EXPERT_AXIS)
         experts = GroupedMLP(moe.num_moe_experts // ep, h, moe.moe_ffn_hidden_size, c.swiglu,
                              init_std=c.init_method_std, openai_gelu=c.openai_gelu,
                              output_init_std=output_init_std(c.init_method_std, c.num_layers), dtype=c.dtype,
-                             grouped_matmul=c.grouped_matmul(), name="experts")
+                             grouped_matmul=c.grouped_matmul(), use_bias=c.add_bias_linear,
+                             quick_geglu=c.quick_geglu, glu_linear_offset=c.glu_linear_offset,
+                             clamp_value=c.activation_func_clamp_value, name="experts")
         flat = x.reshape(num_tokens, h)
         if ep > 1 and moe.moe_token_dispatcher_type == "allgather":
             d = token_dispatcher.dispatch_allgather(flat, routing.top_indices, routing.probs, EXPERT_AXIS, ep)

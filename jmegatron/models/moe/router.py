@@ -1,6 +1,6 @@
 """The MoE router (megatron/core/transformer/moe/router.py ``TopKRouter``).
 
-Gating linear (``kernel [h, E]``, no bias) in ``moe_router_dtype``, z-loss, top-k routing
+Gating linear (``kernel [h, E]``, with ``use_bias`` a ``bias [E]``) in ``moe_router_dtype``, z-loss, top-k routing
 with the score function (or Sinkhorn), expert capacity with token dropping, and the
 load-balancing losses. The losses are not attached to the activations as Megatron's
 ``MoEAuxLossAutoScaler`` does: the router ``sow``\\ s them into the ``moe_losses``
@@ -88,6 +88,7 @@ class TopKRouter(nn.Module):
 
     cfg: MoEConfig
     init_std: float = 0.02
+    use_bias: bool = False  # a bias [E] on the logits (Megatron's router under add_bias_linear; gpt-oss)
 
     @nn.compact
     def __call__(self, x: Array, training: bool = False) -> Routing:
@@ -98,6 +99,10 @@ class TopKRouter(nn.Module):
         kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
                                                                    ("embed", None)), (h, num_experts), jnp.float32)
         logits = jnp.einsum("bsh,he->sbe", x.astype(router_dtype), kernel.astype(router_dtype))
+        if self.use_bias:  # Megatron's router_gating_linear(input, weight, bias)
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (num_experts,),
+                              jnp.float32)
+            logits = logits + bias.astype(router_dtype)
         logits = logits.reshape(s * b, num_experts)  # Megatron's [s, b] token order
 
         if training and c.moe_z_loss_coeff:
