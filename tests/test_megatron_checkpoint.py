@@ -278,5 +278,5 @@ def test_refusals_name_the_argument(written, tmp_path):
     (tmp_path / "dcp" / "iter_0000001" / ".metadata").write_bytes(b"")
     with pytest.raises(ExportError, match="torch_dcp"):
         M.read_megatron_checkpoint(str(tmp_path / "dcp" / "iter_0000001"))
-    with pytest.raises(ValueError, match="Gemma and DeepSeek-V3 blocks"):
+    with pytest.raises(ValueError, match=r"blocks \(Gemma, DeepSeek-V3, gpt-oss"):
         M.megatron_args(cfg_of("llama", sandwich_norms=True, normalization="RMSNorm"), 384, VOCAB)

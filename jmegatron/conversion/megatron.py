@@ -122,8 +122,9 @@ def refuse_blocks(cfg) -> None:
     if cfg.num_moe_experts is not None and cfg.moe_shared_expert_intermediate_size and not cfg.swiglu:
         problems.append("a shared expert without swiglu")
     if problems:
-        raise ValueError(f"a Megatron-LM GPT checkpoint cannot hold {', '.join(problems)}: the Gemma and "
-                         f"DeepSeek-V3 (and gpt-oss) blocks export to Hugging Face (`python -m jmegatron.export hf`)")
+        raise ValueError(f"a Megatron-LM GPT checkpoint cannot hold {', '.join(problems)}: these "
+                         f"blocks (Gemma, DeepSeek-V3, gpt-oss, OLMo, SmolLM3, Granite, Phi-3) export to Hugging Face "
+                         f"(`python -m jmegatron.export hf`)")
 
 
 # Megatron arguments read as jmegatron fields of the same name
