@@ -430,6 +430,8 @@ def test_imported_models_train(imported):
     (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), "rope_type='dynamic'"),
     (dict(model_type="llama", attention_sink=True), "attention_sink=True \\(a field jmegatron's llama import does "
                                                     "not read"),
+    (dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, swiglu_limit=5.0),
+     "swiglu_limit=5.0 \\(transformers' GptOssExperts clamps at 7.0"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
     (dict(model_type="phi3", rope_scaling=dict(type="su", short_factor=[1.0] * 8, long_factor=[1.0] * 8)),
      "rope_type='su' \\(Phi-3's LongRoPE"),

@@ -328,6 +328,19 @@ def _gpt_oss_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str, A
     if not conf.get("attention_bias", True):
         problems.append("attention_bias=False (jmegatron's add_bias_linear biases q/k/v/o together with the "
                         "experts and the router, which gpt-oss always biases)")
+    # OpenAI's own config.json names beside transformers': the same values or refused
+    limit = conf.get("swiglu_limit", GPT_OSS_CLAMP_VALUE)
+    if float(limit) != GPT_OSS_CLAMP_VALUE:
+        problems.append(f"swiglu_limit={limit} (transformers' GptOssExperts clamps at {GPT_OSS_CLAMP_VALUE} whatever "
+                        f"the config says; jmegatron follows it)")
+    if conf.get("experts_per_token", conf["num_experts_per_tok"]) != conf["num_experts_per_tok"]:
+        problems.append(f"experts_per_token={conf['experts_per_token']} != num_experts_per_tok="
+                        f"{conf['num_experts_per_tok']} (transformers routes by num_experts_per_tok)")
+    rope = {**(conf.get("rope_parameters") or {}), **(conf.get("rope_scaling") or {})}
+    initial = conf.get("initial_context_length")
+    if initial is not None and rope.get("original_max_position_embeddings", initial) != initial:
+        problems.append(f"initial_context_length={initial} != the RoPE's original_max_position_embeddings="
+                        f"{rope['original_max_position_embeddings']} (YaRN scales from the latter)")
     ffn = int(conf["intermediate_size"])
     return dict(num_moe_experts=int(conf["num_local_experts"]), moe_router_topk=int(conf["num_experts_per_tok"]),
                 ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, moe_layer_freq=1, moe_router_pre_softmax=False,
