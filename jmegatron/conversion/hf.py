@@ -459,8 +459,7 @@ def hf_architecture(cfg) -> str:
     output layers are both representable (``tie_word_embeddings``). With ``sandwich_norms``:
     ``"Gemma3ForCausalLM"`` with ``qk_layernorm``, else ``"Gemma2ForCausalLM"``. Without
     ``pre_norms``: ``"Olmo3ForCausalLM"`` with a sliding window, else ``"Olmo2ForCausalLM"``
-    (both need ``qk_layernorm_across_heads``).
-    ``"Gemma3ForCausalLM"`` with ``qk_layernorm``, else ``"Gemma2ForCausalLM"``. With NoPE
+    (both need ``qk_layernorm_across_heads``). With NoPE
     layers (``no_rope_freq``): ``"SmolLM3ForCausalLM"`` (any sliding layers too); with
     Granite's scalars (``embedding_multiplier``, ``residual_multiplier``, ``logits_scaling``
     not 1) or a ``softmax_scale`` (its ``attention_multiplier``): ``"GraniteForCausalLM"``.
