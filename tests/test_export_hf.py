@@ -190,4 +190,4 @@ def test_export_help_lists_the_readme_architectures(capsys):
         main(["--help"])
     help_text = capsys.readouterr().out
     hf_line = help_text[help_text.index("write a Hugging Face folder"):help_text.index("import-hf")]
-    assert names.findall(hf_line) == names.findall(listed) and len(names.findall(listed)) == 18
+    assert names.findall(hf_line) == names.findall(listed) and len(names.findall(listed)) == 19

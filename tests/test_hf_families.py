@@ -102,6 +102,10 @@ FAMILIES = {
     "granite": ("GraniteConfig", dict(LLAMA_LIKE, embedding_multiplier=12.0, residual_multiplier=0.22,
                                       attention_multiplier=0.0625, logits_scaling=8.0, tie_word_embeddings=True),
                 hf.GRANITE),
+    # OLMoE: Qwen3-MoE's layout and router (softmax over the experts, top-2 of 4 not
+    # renormalised) with OLMo's QK-norm over all heads and Llama's pre-norms
+    "olmoe": ("OlmoeConfig", dict(LLAMA_LIKE, intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                  norm_topk_prob=False, tie_word_embeddings=False), hf_moe.OLMOE),
     # gpt-oss: attention sinks, biases on q/k/v/o, sliding (8 keys) and full layers alternating,
     # YaRN without truncation, top-2 of 4 biased-router experts with the clamped quick-GELU GLU
     # (hf_model draws gate_up_proj wide enough that the clamp at 7 bites)

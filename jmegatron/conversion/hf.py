@@ -1137,7 +1137,8 @@ def config_fields_from_hf(conf: Mapping[str, Any]) -> dict[str, Any]:
             max_position_embeddings=int(conf["max_position_embeddings"]),
             normalization="RMSNorm", norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)), swiglu=True,
             add_bias_linear=model_type in _ATTENTION_AND_MLP_BIAS and attn_bias and mlp_bias,
-            add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+            add_qkv_bias=model_type == "qwen2", qk_layernorm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_layernorm_across_heads=model_type == "olmoe",
             hidden_dropout=0.0, attention_dropout=float(conf.get("attention_dropout") or 0.0))
         fields.update(rope_fields_from_hf(conf, problems, partial_rotary=model_type == "phi3"))
         fields.update(windows)

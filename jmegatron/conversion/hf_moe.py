@@ -85,9 +85,11 @@ QWEN2_MOE = "Qwen2MoeForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
-MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, GPT_OSS)
+# OLMoE: Qwen3-MoE's layout and router with OLMo's QK-norm over all heads
+OLMOE = "OlmoeForCausalLM"
+MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, GPT_OSS, OLMOE)
 MODEL_TYPES = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3,
-               "gpt_oss": GPT_OSS}
+               "gpt_oss": GPT_OSS, "olmoe": OLMOE}
 # transformers' GptOssExperts: quick_gelu(gate) * (up + 1), gate <= 7 and up in [-7, 7] (fixed, not config fields)
 GPT_OSS_GLU_LINEAR_OFFSET = 1.0
 GPT_OSS_CLAMP_VALUE = 7.0
@@ -114,16 +116,20 @@ def moe_architecture(cfg, llama_problems: list[str]) -> tuple[str, list[str]]:
     if is_gpt_oss(cfg):
         return GPT_OSS, gpt_oss_problems(cfg)
     shared = cfg.moe_shared_expert_intermediate_size is not None
-    arch = QWEN2_MOE if shared else QWEN3_MOE if cfg.qk_layernorm else MIXTRAL
-    problems = list(llama_problems)
+    arch = QWEN2_MOE if shared else (OLMOE if cfg.qk_layernorm_across_heads else QWEN3_MOE) if cfg.qk_layernorm \
+        else MIXTRAL
+    problems = [p for p in llama_problems if not (arch == OLMOE and "qk_layernorm_across_heads" in p)]
+    if arch == OLMOE and not all(moe_layers(cfg)):
+        problems.append(f"config.moe_layer_freq={cfg.moe_layer_freq!r} has dense layers (every OLMoE layer is an "
+                        f"MoE layer)")
     if cfg.moe_router_num_groups is not None:
         problems.append(f"config.moe_router_num_groups={cfg.moe_router_num_groups} ({arch} has no group-limited "
                         f"routing)")
     if arch == QWEN2_MOE and cfg.qk_layernorm:
         problems.append("config.qk_layernorm=True with a shared expert (Qwen2-MoE has no QK-norm; Qwen3-MoE, "
                         "which has, no shared expert)")
-    if arch == QWEN3_MOE and cfg.add_qkv_bias:
-        problems.append("config.add_qkv_bias=True (Qwen3-MoE's attention has no Q/K/V-only bias)")
+    if arch in (QWEN3_MOE, OLMOE) and cfg.add_qkv_bias:
+        problems.append(f"config.add_qkv_bias=True ({arch}'s attention has no Q/K/V-only bias)")
     if cfg.position_embedding_type != "rope":
         problems.append(f"config.position_embedding_type={cfg.position_embedding_type!r} ({arch} uses rope)")
     if cfg.moe_router_score_function != "softmax":
@@ -270,6 +276,10 @@ def moe_config_dict(cfg, arch: str, llama: dict[str, Any]) -> dict[str, Any]:
             "max_window_layers": int(cfg.num_layers), "layer_types": ["full_attention"] * int(cfg.num_layers)}
     if arch == QWEN3_MOE:
         return {"model_type": "qwen3_moe", **qwen, "attention_bias": False}
+    if arch == OLMOE:
+        return {"model_type": "olmoe", **conf, "intermediate_size": int(cfg.moe_ffn_hidden_size),
+                "num_experts": int(cfg.num_moe_experts), "norm_topk_prob": not cfg.moe_router_pre_softmax,
+                "attention_bias": False, "clip_qkv": None}
     return {"model_type": "qwen2_moe", **qwen,
             "shared_expert_intermediate_size": int(cfg.moe_shared_expert_intermediate_size),
             "qkv_bias": bool(cfg.add_qkv_bias)}
@@ -285,6 +295,18 @@ def moe_config_fields(conf: Mapping[str, Any], problems: list[str]) -> dict[str,
         return _deepseek_fields(conf, problems)
     if model_type == "gpt_oss":
         return _gpt_oss_fields(conf, problems)
+    if model_type == "olmoe":  # the attention's QK-norm over all heads is the caller's
+        if conf.get("clip_qkv") is not None:
+            problems.append(f"clip_qkv={conf['clip_qkv']} (OLMoE's clamp of q, k and v: not built)")
+        if conf.get("attention_bias"):
+            problems.append("attention_bias=True (OLMoE's biases on q/k/v and o_proj: not built)")
+        ffn = int(conf["intermediate_size"])
+        return dict(num_moe_experts=int(conf["num_experts"]), moe_router_topk=int(conf["num_experts_per_tok"]),
+                    ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, moe_layer_freq=1,
+                    moe_router_pre_softmax=not bool(conf.get("norm_topk_prob", False)),
+                    moe_router_load_balancing_type="aux_loss",
+                    moe_aux_loss_coeff=float(conf.get("router_aux_loss_coef", 0.0)),
+                    moe_router_score_function="softmax", add_bias_linear=False, add_qkv_bias=False)
     fields: dict[str, Any] = dict(moe_router_topk=int(conf["num_experts_per_tok"]),
                                   moe_router_load_balancing_type="aux_loss",
                                   moe_aux_loss_coeff=float(conf.get("router_aux_loss_coef", 0.0)),
